@@ -1,0 +1,297 @@
+"""Task base class, registry and the loading shared by every task.
+
+A task turns a data set into :class:`Example` s (prompt text before chat templating, the
+reference its metric needs, metadata), renders prompts for a tokenizer, post-processes
+generations and scores them. Records come from one of three sources:
+
+``hub``      ``datasets.load_dataset(hub_id, hub_config, split=split)`` (needs the hub);
+``local``    ``datasets.load_dataset("json", data_files=...)``, same schema as the hub set;
+``offline``  the package-shipped asset of :mod:`selfspec.assets` (the default here).
+
+Selection follows the research code (REFERENCE.md, Draft & Verify): the pool is shuffled with
+``shuffle_seed`` (the permutation ``datasets.Dataset.shuffle(seed=...)`` uses), the first
+``shots`` records become the in-context exemplars, and the next ``n_examples`` are evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "Example",
+    "Task",
+    "TaskDataError",
+    "TASKS",
+    "TaskConfig",
+    "cut_at",
+    "build_task",
+    "get_task",
+    "read_jsonl",
+    "register",
+    "render",
+]
+
+class TaskDataError(ValueError):
+    """A data file or record is malformed; the message names file, line and field."""
+
+
+@dataclass
+class Example:
+    """One evaluation item: ``prompt`` is the model input text before chat templating."""
+
+    id: str
+    prompt: str
+    reference: Any
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register(cls: type[Task]) -> type[Task]:
+    """Class decorator adding a task to :data:`TASKS` under ``cls.name``."""
+    TASKS[cls.name] = cls
+    return cls
+
+
+def get_task(name: str) -> type[Task]:
+    """The task class registered as ``name``."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+
+
+def build_task(cfg: Mapping[str, Any]) -> Task:
+    """Instantiate a task from its config (``conf/task/<name>.yaml``, or a plain dict)."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    options = dict(cfg)
+    name = options.pop("name", None)
+    if name is None:
+        raise ValueError("task config has no 'name' key")
+    return get_task(name)(**options)
+
+
+def read_jsonl(path: Path, required: Mapping[str, type | tuple[type, ...]],
+               skip_comments: bool = False) -> list[dict[str, Any]]:
+    """Read a JSON-lines file, checking that every record has the ``required`` fields.
+
+    Blank lines are skipped, and lines starting with ``#`` too when ``skip_comments``.
+    Raises :class:`TaskDataError` naming the file, the line and the field at fault.
+    """
+    opener = _gzip_open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip() or (skip_comments and line.lstrip().startswith("#")):
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskDataError(f"{path}, line {lineno}: not valid JSON ({exc.msg})") from None
+            check_record(record, required, f"{path}, line {lineno}")
+            records.append(record)
+    return records
+
+
+def check_record(record: Any, required: Mapping[str, type | tuple[type, ...]],
+                 where: str) -> None:
+    """Raise :class:`TaskDataError` at ``where`` unless ``record`` has the ``required`` fields."""
+    if not isinstance(record, dict):
+        raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key, kind in required.items():
+        if key not in record:
+            raise TaskDataError(f"{where}: missing field {key!r}")
+        if not isinstance(record[key], kind):
+            want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise TaskDataError(f"{where}: field {key!r} should be {want}, "
+                                f"got {type(record[key]).__name__}")
+
+
+def _gzip_open(path: Path, mode: str, encoding: str):
+    import gzip
+
+    return gzip.open(path, mode, encoding=encoding)
+
+
+@dataclass
+class TaskConfig:
+    """Options shared by every task (the keys of ``conf/task/<name>.yaml`` besides ``name``).
+
+    ``split`` defaults to the task's hub split; ``n_examples=None`` takes the whole pool;
+    ``shuffle_seed=None`` keeps the file order; ``max_prompt_tokens`` keeps the prompt's last
+    tokens; ``use_chat_template`` is ``true``, ``false`` or ``"auto"`` (when the tokenizer has one).
+    """
+
+    source: str = "offline"
+    data_files: list[str] | None = None
+    split: str | None = None
+    n_examples: int | None = None
+    shuffle_seed: int | None = 42
+    shots: int = 0
+    max_new_tokens: int = 512
+    max_prompt_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    use_chat_template: bool | str = "auto"
+
+    def check(self, task: str) -> None:
+        """Normalise the options and reject impossible ones, naming the option to change."""
+        if self.source not in ("hub", "local", "offline"):
+            raise ValueError(f"task {task}: source must be hub, local or offline, "
+                             f"got {self.source!r}")
+        if isinstance(self.data_files, str):
+            self.data_files = [self.data_files]
+        if self.source == "local" and not self.data_files:
+            raise ValueError(f"task {task}: source=local needs data_files=<path.jsonl>")
+        if self.shots < 0 or (self.n_examples is not None and self.n_examples < 1):
+            raise ValueError(f"task {task}: shots must be >= 0 and n_examples >= 1")
+        if self.use_chat_template not in (True, False, "auto"):
+            raise ValueError(f"task {task}: use_chat_template must be true, false or auto")
+        self.stop = list(self.stop)
+
+
+class Task:
+    """Base class: loading, selection, rendering and the hooks each task fills in.
+
+    Subclasses set ``name``, ``hub_id`` / ``hub_config`` / ``hub_split``, ``required`` (the
+    fields a hub or local record must have, with their types), ``hub_rename`` (hub column ->
+    field), ``defaults`` (their :class:`TaskConfig` values) and implement
+    :meth:`offline_records`, :meth:`make_example` and :meth:`score`.
+    """
+
+    name: ClassVar[str]
+    hub_id: ClassVar[str]
+    hub_config: ClassVar[str | None] = None
+    hub_split: ClassVar[str] = "test"
+    required: ClassVar[dict[str, type | tuple[type, ...]]]
+    defaults: ClassVar[dict[str, Any]] = {}
+    hub_rename: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, **options: Any) -> None:
+        """Options are the :class:`TaskConfig` fields; unset ones take the task's ``defaults``."""
+        try:
+            self.cfg = TaskConfig(**{**self.defaults, **options})
+        except TypeError as exc:
+            known = ", ".join(TaskConfig.__dataclass_fields__)
+            raise ValueError(f"task {self.name}: {exc}; known options: {known}") from None
+        self.cfg.check(self.name)
+        self._examples: list[Example] | None = None
+        self._exemplars: list[dict[str, Any]] = []
+
+    # -- hooks -------------------------------------------------------------------------
+    def offline_records(self) -> list[dict[str, Any]]:
+        """Records from the offline asset, in the hub schema."""
+        raise NotImplementedError
+
+    def make_example(self, record: dict[str, Any], index: int,
+                     exemplars: list[dict[str, Any]]) -> Example:
+        """One :class:`Example` from a record, with the shot records for its prompt."""
+        raise NotImplementedError
+
+    def score(self, predictions: Sequence[Any], references: Sequence[Any]) -> dict[str, float]:
+        """Metric values for post-processed ``predictions`` against example references."""
+        raise NotImplementedError
+
+    def postprocess(self, text: str) -> str:
+        """The generation as scored: cut at the first stop string."""
+        return cut_at(text, self.cfg.stop)
+
+    # -- loading -----------------------------------------------------------------------
+    @property
+    def exemplars(self) -> list[dict[str, Any]]:
+        """The in-context (shot) records, drawn from the shuffled pool before the examples."""
+        self.examples()
+        return self._exemplars
+
+    def examples(self) -> list[Example]:
+        """The selected examples (loaded once, then cached)."""
+        if self._examples is None:
+            pool = self._records()
+            order = (np.arange(len(pool)) if self.cfg.shuffle_seed is None
+                     else np.random.default_rng(self.cfg.shuffle_seed).permutation(len(pool)))
+            pool = [pool[i] for i in order]
+            if self.cfg.shots >= len(pool):
+                raise ValueError(f"task {self.name}: shots={self.cfg.shots} leaves no examples "
+                                 f"from a pool of {len(pool)}")
+            self._exemplars, rest = pool[: self.cfg.shots], pool[self.cfg.shots:]
+            n = len(rest) if self.cfg.n_examples is None else self.cfg.n_examples
+            if n > len(rest):
+                warnings.warn(f"task {self.name}: n_examples={n} but only {len(rest)} are "
+                              f"available after {self.cfg.shots} shot(s); using {len(rest)}",
+                              stacklevel=2)
+                n = len(rest)
+            self._examples = [self.make_example(r, i, self._exemplars)
+                              for i, r in enumerate(rest[:n])]
+        return self._examples
+
+    def _records(self) -> list[dict[str, Any]]:
+        if self.cfg.source == "offline":
+            return self.offline_records()
+        import datasets
+
+        if self.cfg.source == "hub":
+            split = self.cfg.split or self.hub_split
+            ds = datasets.load_dataset(self.hub_id, self.hub_config, split=split)
+            records = [{self.hub_rename.get(k, k): v for k, v in r.items()} for r in ds]
+            for i, r in enumerate(records):
+                check_record(r, self.required, f"{self.hub_id} split {split}, row {i}")
+            return records
+        for name in self.cfg.data_files:
+            path = Path(name)
+            if path.suffix == ".jsonl" and path.is_file():
+                read_jsonl(path, self.required)  # names the line at fault before datasets does
+        ds = datasets.load_dataset("json", data_files=list(self.cfg.data_files), split="train")
+        return list(ds)
+
+    def encode(self, example: Example, tokenizer: Any) -> list[int]:
+        """Token ids of the rendered prompt, keeping the last ``max_prompt_tokens``.
+
+        The chat template already carries the special tokens, so they are only added to
+        raw prompts.
+        """
+        chat = (getattr(tokenizer, "chat_template", None) is not None
+                if self.cfg.use_chat_template == "auto" else self.cfg.use_chat_template)
+        text = render(example, tokenizer, chat)
+        ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        if self.cfg.max_prompt_tokens is not None and len(ids) > self.cfg.max_prompt_tokens:
+            ids = ids[-self.cfg.max_prompt_tokens:]
+        return list(ids)
+
+    def __len__(self) -> int:
+        return len(self.examples())
+
+    def __iter__(self) -> Iterator[Example]:
+        return iter(self.examples())
+
+
+def cut_at(text: str, stops: Iterable[str]) -> str:
+    """``text`` up to the earliest occurrence of any stop string."""
+    end = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:end]
+
+
+def render(example: Example, tokenizer: Any = None, use_chat_template: bool | str = "auto",
+           system_prompt: str | None = None) -> str:
+    """The text the model reads: the raw prompt, or the chat template applied to it.
+
+    ``use_chat_template="auto"`` applies the template when ``tokenizer`` has one (instruct
+    models); the prompt becomes one user turn followed by the generation prompt.
+    """
+    if use_chat_template == "auto":
+        use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+    if not use_chat_template:
+        return example.prompt
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("use_chat_template=true needs a tokenizer with a chat template")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": example.prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

