@@ -1,0 +1,137 @@
+"""Trained artefacts — heads, prompt embeddings, skip sets, trees — as safetensors + ``meta.json``.
+
+DESIGN.md §Core contracts 5: ``meta.json`` records the kind, the model name, the model
+fingerprint (config + tokenizer), layer count, hidden size, task, training config and training
+metrics. :func:`load_artefact` checks kind and fingerprint and fails with a message naming the
+mismatch. Writes are atomic: a temporary directory is filled and renamed into place, so a
+crash never leaves a half-written artefact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+META = "meta.json"
+TENSORS = "tensors.safetensors"
+
+
+class ArtefactError(ValueError):
+    """A missing, malformed or mismatched artefact."""
+
+
+@dataclass
+class Artefact:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    path: Path
+
+
+def _plain(obj):
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(obj):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return obj
+
+
+def save_artefact(
+    path: str | Path,
+    kind: str,
+    tensors: dict[str, torch.Tensor],
+    loaded_model,
+    *,
+    task: str | None = None,
+    train_config: Any = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``path/`` atomically with ``tensors.safetensors`` and ``meta.json``.
+
+    ``loaded_model`` is a :class:`~selfspec.models.loading.LoadedModel` (its name and
+    fingerprint go into the metadata).
+    """
+    from selfspec.runinfo import run_info
+
+    path = Path(path)
+    model = loaded_model.model
+    meta = {
+        "kind": kind,
+        "model": loaded_model.name,
+        "fingerprint": loaded_model.fingerprint,
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "vocab_size": model.vocab_size,
+        "task": task,
+        "train_config": _plain(train_config),
+        "metrics": metrics or {},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "run": run_info(),
+    }
+    meta.update(extra or {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+        (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not (path / META).exists():
+        raise ArtefactError(f"{path} is not a selfspec artefact (no {META}); train one first or fix the path")
+    try:
+        return json.loads((path / META).read_text())
+    except json.JSONDecodeError as err:
+        raise ArtefactError(f"{path / META} is not valid JSON: {err}") from err
+
+
+def load_artefact(path: str | Path, kind: str, loaded_model=None, device=None) -> Artefact:
+    """Load an artefact of ``kind``; with ``loaded_model``, check it was trained for that model."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta.get("kind") != kind:
+        raise ArtefactError(f"{path} holds a {meta.get('kind')!r} artefact, expected {kind!r}")
+    if loaded_model is not None:
+        model = loaded_model.model
+        for key, have in (
+            ("fingerprint", loaded_model.fingerprint),
+            ("num_layers", model.num_layers),
+            ("hidden_size", model.hidden_size),
+        ):
+            if meta.get(key) != have:
+                raise ArtefactError(
+                    f"{kind} artefact {path} was trained for model {meta.get('model')!r} "
+                    f"({key}={meta.get(key)}) but the loaded model {loaded_model.name!r} has {key}={have}; "
+                    f"train one for this model or point the method at the right artefact"
+                )
+    tensors = load_file(str(path / TENSORS), device=str(device or "cpu"))
+    return Artefact(tensors, meta, path)
+
+
+def default_artefact_dir(kind: str, model_name: str, task: str | None = None) -> Path:
+    """``outputs/artefacts/<kind>/<model>[-<task>]`` under the project (or ``SELFSPEC_OUTPUTS``)."""
+    root = Path(os.environ.get("SELFSPEC_OUTPUTS", Path(__file__).resolve().parents[2] / "outputs"))
+    return root / "artefacts" / kind / (f"{model_name}-{task}" if task else model_name)

@@ -1,0 +1,41 @@
+"""Locating and composing the Hydra configs in ``conf/`` outside of a ``@hydra.main`` entry."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` directory (``SELFSPEC_CONF`` overrides; default: the repository's)."""
+    env = os.environ.get("SELFSPEC_CONF")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+    if not path.is_dir():
+        raise FileNotFoundError(f"config directory {path} not found; set SELFSPEC_CONF to selfspec's conf/")
+    return path
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def model_config(name: str) -> DictConfig:
+    """``conf/model/<name>.yaml``; an unknown name lists the known ones."""
+    path = conf_dir() / "model" / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(
+            f"unknown model {name!r}: no conf/model/{name}.yaml. Known models: "
+            f"{', '.join(group_options('model'))}; or pass model.name_or_path=<hub id or directory>"
+        )
+    return OmegaConf.load(path)
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "evaluate") -> DictConfig:
+    """Compose a primary config with overrides, as the entry points would (tests, notebooks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=False)

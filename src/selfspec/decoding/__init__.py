@@ -1,0 +1,40 @@
+"""Decoding methods behind one :class:`~selfspec.decoding.base.Decoder` interface.
+
+``build_decoder(cfg.method, model, ...)`` builds the method a config names; each method module
+registers its class with :func:`~selfspec.decoding.base.register`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from selfspec.decoding.base import Decoder, DecodeState, Generation, register, registered
+from selfspec.decoding.sampling import Sampling
+
+#: method name -> module that defines it (imported on first use)
+METHOD_MODULES = {
+    "vanilla": "selfspec.decoding.vanilla",
+    "draft_verify": "selfspec.decoding.draft_verify",
+    "adadecode": "selfspec.decoding.adadecode",
+    "ppd": "selfspec.decoding.ppd",
+    "early_exit": "selfspec.decoding.early_exit",
+    "del": "selfspec.decoding.early_exit",
+}
+
+
+def decoder_class(name: str) -> type[Decoder]:
+    if name not in METHOD_MODULES:
+        raise ValueError(
+            f"unknown method {name!r}; choose one of {', '.join(sorted(METHOD_MODULES))} "
+            "(conf/method/)"
+        )
+    importlib.import_module(METHOD_MODULES[name])
+    return registered()[name]
+
+
+def build_decoder(method_cfg, model, **common) -> Decoder:
+    """Build the decoder a ``method`` config group names (``method.name``)."""
+    return decoder_class(str(method_cfg.name)).from_config(model, method_cfg, **common)
+
+
+__all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "decoder_class", "register"]

@@ -1,0 +1,247 @@
+"""The decoder interface and the one decoding loop every method shares.
+
+A method implements :meth:`Decoder.step`: from the current state (all committed tokens, the
+last of which — the *pending* token — is not yet in the layer cache) produce one or more new
+tokens, leaving the cache holding every committed token but the new pending one. The loop
+around it — prefill, stopping at EOS / stop strings / the token budget, timing, statistics —
+lives here once, so every method stops exactly where vanilla stops.
+
+Statistics convention (used everywhere in selfspec): a **step** is one call that commits
+tokens (prefill counts as one step, which commits the first token). ``tau`` — *mean accepted
+tokens per step* — **includes the bonus token**, as Spec-Bench's τ does: vanilla has
+``tau == 1.0``. The acceptance rate is accepted draft tokens / drafted tokens (LayerSkip's
+definition; the bonus token is not a draft token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+
+from selfspec.decoding.sampling import Sampling, select
+from selfspec.models.cache import LayerCache
+from selfspec.models.layered import LayeredModel
+
+
+@dataclass
+class Generation:
+    """What :meth:`Decoder.generate` returns for one prompt."""
+
+    tokens: list[int]
+    prompt_len: int
+    seconds: float
+    steps: int
+    accepted_per_step: list[int]
+    drafted_per_step: list[int]
+    stop_reason: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted tokens per step, bonus token included (vanilla = 1.0)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        drafted = sum(self.drafted_per_step)
+        if not drafted:
+            return None
+        accepted = sum(max(a - 1, 0) for a, d in zip(self.accepted_per_step, self.drafted_per_step) if d)
+        return accepted / drafted
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "steps": self.steps,
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "stop_reason": self.stop_reason,
+        }
+        out.update(self.stats)
+        return out
+
+
+@dataclass
+class DecodeState:
+    """Mutable state of one generation, handed to :meth:`Decoder.step`."""
+
+    tokens: list[int]
+    prompt_len: int
+    cache: LayerCache
+    sampling: Sampling
+    generator: torch.Generator | None
+    accepted_per_step: list[int] = field(default_factory=list)
+    drafted_per_step: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    #: draft tokens proposed in the current step (a method sets it; the loop records it)
+    drafted: int = 0
+
+    @property
+    def pending(self) -> int:
+        """The last committed token, whose K/V are not yet in the cache."""
+        return self.tokens[-1]
+
+    @property
+    def n_cached(self) -> int:
+        """Positions every layer must hold after a step: all committed tokens but the pending one."""
+        return len(self.tokens) - 1
+
+    def pending_ids(self, device) -> torch.Tensor:
+        return torch.tensor([[self.tokens[-1]]], device=device)
+
+    def count(self, key: str, value: float = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + value
+
+
+class Decoder:
+    """Base of every decoding method (DESIGN.md §Core contracts 3).
+
+    Subclasses set :attr:`name`, :attr:`lossless`, implement :meth:`step`, may override
+    :meth:`prefill`, :meth:`begin` (per-example state) and :meth:`finish` (per-example
+    statistics), and build themselves from a method config in :meth:`from_config`.
+    """
+
+    name: ClassVar[str] = "base"
+    lossless: ClassVar[bool] = True
+    #: extra cache positions a step may write beyond the committed tokens (drafts, trees)
+    lookahead: int = 0
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        eos_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        tokenizer=None,
+    ) -> None:
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        self.model = model
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.stop_strings = tuple(stop_strings)
+        self.tokenizer = tokenizer
+
+    # --- hooks -----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model: LayeredModel, cfg, **common) -> "Decoder":
+        """Build from the ``method`` config group; ``common`` holds eos/stop/tokenizer."""
+        return cls(model, **common)
+
+    def begin(self, state: DecodeState) -> None:
+        """Per-example set-up before prefill (default: nothing)."""
+
+    def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
+        """Run the prompt through the model; return the first new token."""
+        h = self.model.forward(prompt, state.cache, start=0)
+        return int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        """Commit one or more tokens (at most ``budget`` are used); see the module docstring."""
+        raise NotImplementedError
+
+    def finish(self, state: DecodeState) -> None:
+        """Per-example statistics after the loop (default: nothing)."""
+
+    # --- the loop --------------------------------------------------------------------------
+    def generate(
+        self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None
+    ) -> Generation:
+        """Decode up to ``max_new_tokens`` after ``prompt_ids`` (batch size 1)."""
+        sampling = sampling or Sampling()
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device).view(1, -1)
+        n_prompt = prompt.shape[1]
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.model.device)
+            generator.manual_seed(sampling.seed)
+        cache = self.model.new_cache(n_prompt + max_new_tokens + self.lookahead + 1)
+        state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
+        sync = _synchronizer(self.model.device)
+        sync()
+        t0 = time.perf_counter()
+        self.begin(state)
+        with torch.inference_mode():
+            reason = self._commit(state, [self.prefill(state, prompt)], max_new_tokens)
+            while reason is None:
+                state.drafted = 0
+                new = self.step(state, max_new_tokens - (len(state.tokens) - n_prompt))
+                reason = self._commit(state, new, max_new_tokens)
+        sync()
+        seconds = time.perf_counter() - t0
+        self.finish(state)
+        return Generation(
+            tokens=state.tokens[n_prompt:],
+            prompt_len=n_prompt,
+            seconds=seconds,
+            steps=len(state.accepted_per_step),
+            accepted_per_step=state.accepted_per_step,
+            drafted_per_step=state.drafted_per_step,
+            stop_reason=reason,
+            stats=state.stats,
+        )
+
+    def _commit(self, state: DecodeState, new: list[int], max_new_tokens: int) -> str | None:
+        """Append ``new`` (cut at EOS / stop string / budget); return why to stop, or None."""
+        reason = None
+        n_done = len(state.tokens) - state.prompt_len
+        if n_done + len(new) >= max_new_tokens:
+            new = new[: max_new_tokens - n_done]
+            reason = "length"
+        for j, t in enumerate(new):
+            if t in self.eos_token_ids:
+                new, reason = new[: j + 1], "eos"
+                break
+        start = len(state.tokens)
+        state.tokens.extend(new)
+        if self.stop_strings:
+            cut = self._stop_string_end(state, start)
+            if cut is not None:
+                del state.tokens[cut:]
+                reason = "stop"
+        state.accepted_per_step.append(len(state.tokens) - start)
+        state.drafted_per_step.append(state.drafted)
+        return reason
+
+    def _stop_string_end(self, state: DecodeState, start: int) -> int | None:
+        """End index (exclusive) of the first token completing a stop string in the new tokens."""
+        gen_start = state.prompt_len
+        window = max(gen_start, start - 16)
+        tail = self.tokenizer.decode(state.tokens[window:])
+        if not any(s in tail for s in self.stop_strings):
+            return None
+        for end in range(max(start, gen_start) + 1, len(state.tokens) + 1):
+            text = self.tokenizer.decode(state.tokens[gen_start:end])
+            if any(s in text for s in self.stop_strings):
+                return end
+        return None
+
+
+# --- registry ------------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Decoder]] = {}
+
+
+def register(cls: type[Decoder]) -> type[Decoder]:
+    """Class decorator: make a decoder available as ``method=<cls.name>``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered() -> dict[str, type[Decoder]]:
+    return dict(_REGISTRY)
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None

@@ -1,0 +1,134 @@
+"""Token selection shared by every decoder: greedy, warped sampling and verification rules.
+
+* :func:`warp` turns logits into the **target distribution** (temperature, then top-k, then
+  top-p, the order of ``transformers``' warpers), so vanilla sampling and every lossless
+  method sample from the same distribution.
+* :func:`greedy_verify` — exact-match verification of drafted tokens.
+* :func:`speculative_verify` — speculative sampling (Leviathan et al. 2023; Chen et al. 2023),
+  the rule Draft & Verify uses under sampling (Draft & Verify, Appendix K) and AdaDecode's
+  modified rejection sampling (AdaDecode §3.3): accept draft ``x`` with ``min(1, p(x)/q(x))``,
+  otherwise resample from ``normalize(max(0, p - q))``. The output distribution equals ``p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings; ``temperature == 0`` means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Sampling":
+        if cfg is None:
+            return cls()
+        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
+        return cls(
+            temperature=float(get("temperature", 0.0) or 0.0),
+            top_p=float(get("top_p", 1.0) or 1.0),
+            top_k=int(get("top_k", 0) or 0),
+            seed=int(get("seed", 0) or 0),
+        )
+
+
+def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """``[..., V]`` logits -> float32 probabilities of the target distribution under ``s``.
+
+    Greedy settings give the one-hot distribution of the argmax.
+    """
+    logits = logits.float()
+    if s.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= (1 - s.top_p)
+        drop_sorted[..., -1:] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def select(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token(s) for ``[..., V]`` logits: argmax when greedy, else a sample of :func:`warp`."""
+    if s.greedy:
+        return logits.argmax(-1)
+    probs = warp(logits, s)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Exact-match verification.
+
+    ``draft``: ``[k]`` drafted tokens; ``target_logits``: ``[k + 1, V]``, row ``j`` predicting
+    the token after draft ``j - 1`` (row 0 follows the last committed token). Returns
+    ``(n_accepted, next_token)``: the longest matching prefix and the target's own next token
+    (the bonus token) after it. One host sync.
+    """
+    target = target_logits.argmax(-1)
+    k = int(draft.shape[0])
+    if k == 0:
+        return 0, int(target[0])
+    mismatch = (draft != target[:k]).int()
+    # index of the first mismatch, or k if none; computed on device, read once
+    n = int(torch.cat([mismatch, mismatch.new_ones(1)]).argmax())
+    return n, int(target[n])
+
+
+def speculative_verify(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Speculative sampling over a drafted chain.
+
+    ``draft``: ``[k]``; ``draft_probs``: ``[k, V]`` the distributions the drafts were sampled
+    from (``q``); ``target_probs``: ``[k + 1, V]`` the target distributions (``p``). Returns
+    ``(n_accepted, next_token)`` where the next token is resampled from the residual
+    ``normalize(max(0, p - q))`` at the first rejection, or sampled from ``p`` after the last
+    draft when all are accepted. The emitted tokens are distributed exactly as ``p``.
+    """
+    k = int(draft.shape[0])
+    if k:
+        idx = torch.arange(k, device=draft.device)
+        p = target_probs[idx, draft]
+        q = draft_probs[idx, draft]
+        u = torch.rand(k, generator=generator, device=draft.device)
+        reject = (u * q > p).int()  # accept iff u <= p/q (q > 0 for sampled drafts)
+        n = int(torch.cat([reject, reject.new_ones(1)]).argmax())
+    else:
+        n = 0
+    if n < k:
+        residual = (target_probs[n] - draft_probs[n]).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else target_probs[n]
+    else:
+        dist = target_probs[n]
+    token = torch.multinomial(dist.unsqueeze(0), 1, generator=generator)
+    return n, int(token)

@@ -1,0 +1,108 @@
+"""The layer cache: preallocated per-layer key/value buffers with independent lengths.
+
+Self-speculative methods need more than the library's caches offer:
+
+* **independent lengths per layer** — AdaDecode defers the deep layers of early-exited tokens
+  (AdaDecode §3.2), Draft & Verify drafts with sublayers skipped (Draft & Verify §3.1), DEL
+  drafts with the layers below the exit only;
+* **O(1) truncate** for rollback after a rejected draft (a length change, no copy);
+* **gather** of scattered slots into contiguous positions, to keep the accepted path of a
+  token tree (PPD §3.2);
+* **no per-token reallocation**: buffers are allocated once for ``max_length`` positions.
+
+The Llama-family attention modules of ``transformers`` write keys and values through
+``past_key_values.update(key, value, layer_idx)`` and attend over what it returns, so this
+object drives the library's attention unchanged (DESIGN.md, "Facts checked").
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheOverflowError(RuntimeError):
+    """Raised when a write would pass the preallocated ``max_length``."""
+
+
+class LayerCache:
+    """Per-layer K/V buffers of shape ``[1, kv_heads, max_length, head_dim]``.
+
+    ``lengths[i]`` is how many positions of layer ``i`` hold valid keys/values. A write
+    appends at ``lengths[i]``; :meth:`truncate` only moves the length back.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_length <= 0:
+            raise ValueError(f"LayerCache max_length must be positive, got {max_length}")
+        shape = (1, num_kv_heads, max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+        self.max_length = max_length
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    # --- the interface the library's attention modules call -------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[1, kv_heads, n, head_dim]`` keys/values to layer ``layer_idx``; return all."""
+        start = self.lengths[layer_idx]
+        end = start + key_states.shape[-2]
+        if end > self.max_length:
+            raise CacheOverflowError(
+                f"layer cache overflow: layer {layer_idx} needs {end} positions but max_length is "
+                f"{self.max_length}; raise the decoder's max_length (prompt + max_new_tokens + draft)"
+            )
+        self.keys[layer_idx][:, :, start:end] = key_states
+        self.values[layer_idx][:, :, start:end] = value_states
+        self.lengths[layer_idx] = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
+    # --- what the decoders use -------------------------------------------------------------
+    def length(self, layer_idx: int) -> int:
+        return self.lengths[layer_idx]
+
+    def truncate(self, length: int, layers: range | list[int] | None = None) -> None:
+        """Roll layers back to at most ``length`` positions (O(1): the buffers stay)."""
+        for i in range(self.num_layers) if layers is None else layers:
+            if self.lengths[i] > length:
+                self.lengths[i] = length
+
+    def gather(self, start: int, slots: torch.Tensor | list[int], layers=None) -> None:
+        """Keep ``slots`` (absolute slot indices, ascending, all ``>= start``) at ``start…``.
+
+        Used to accept a tree path: the accepted nodes' entries are copied to contiguous
+        positions after the committed prefix and the layer is cut after them (PPD §3.2).
+        """
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)
+        n = int(idx.numel())
+        for i in range(self.num_layers) if layers is None else layers:
+            if n:
+                self.keys[i][:, :, start : start + n] = self.keys[i].index_select(2, idx)
+                self.values[i][:, :, start : start + n] = self.values[i].index_select(2, idx)
+            self.lengths[i] = start + n
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.num_layers
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The valid keys/values of one layer (views, for tests and inspection)."""
+        n = self.lengths[layer_idx]
+        return self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n]

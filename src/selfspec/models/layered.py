@@ -1,0 +1,220 @@
+"""The layered model adapter: a Hugging Face causal LM driven one layer (and sublayer) at a time.
+
+This module and :mod:`selfspec.models.loading` are the only places that know Hugging Face
+internals (module names, the decoder layer's pieces, rotary embeddings). Every method drives
+the model through this adapter, so baseline and methods share one runtime (REFERENCE.md,
+Spec-Bench: a baseline on a different cache is a fairness confound).
+
+The library's own modules do the work — embedding, RMSNorm, attention (with its rotary
+embedding and attention kernel), MLP, LM head — so no model family is re-implemented. A
+decoder layer is split into its two residual sublayers (Draft & Verify §3.1 skips them
+independently)::
+
+    h = h + attn(input_layernorm(h))          # attention sublayer
+    h = h + mlp(post_attention_layernorm(h))  # MLP sublayer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.models.cache import LayerCache
+
+#: model_type -> reason it works: decoder layers with input_layernorm / self_attn /
+#: post_attention_layernorm / mlp, attention writing through ``past_key_values.update``.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    """The model family has a layer structure the adapter does not drive."""
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    """Sublayers to skip while drafting (Draft & Verify §3.1): attention and MLP layer indices."""
+
+    attn: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, attn=(), mlp=()) -> "SkipSet":
+        return cls(frozenset(int(i) for i in attn), frozenset(int(i) for i in mlp))
+
+    def __len__(self) -> int:
+        return len(self.attn) + len(self.mlp)
+
+
+class LayeredModel:
+    """Adapter over a ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2).
+
+    Contract (DESIGN.md §Core contracts 1): :meth:`embed`, :meth:`run_layer`,
+    :meth:`logits`, :attr:`num_layers`, :attr:`hidden_size`, plus :meth:`forward` for a
+    whole pass and mask / rotary helpers.
+    """
+
+    def __init__(self, hf_model: torch.nn.Module, name: str = "model") -> None:
+        model_type = getattr(hf_model.config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model {name!r} has model_type={model_type!r}; selfspec's layered runtime supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoder layers). Choose a model "
+                "of one of these families."
+            )
+        window = getattr(hf_model.config, "sliding_window", None)
+        if model_type == "mistral" and window:
+            self.max_context = int(window)  # beyond it Mistral's attention would differ
+        else:
+            self.max_context = int(getattr(hf_model.config, "max_position_embeddings", 1 << 30))
+        hf_model.eval()
+        for p in hf_model.parameters():
+            p.requires_grad_(False)
+        self.hf = hf_model
+        self.name = name
+        self.config = hf_model.config
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = hf_model.lm_head
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.num_kv_heads = int(self.config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        )
+        impl = getattr(self.config, "_attn_implementation", "sdpa")
+        # SDPA takes a boolean mask as is; eager attention adds the mask to the scores.
+        self._additive_mask = impl not in ("sdpa",)
+
+    # --- properties ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, max_length: int) -> LayerCache:
+        if max_length > self.max_context:
+            raise ValueError(
+                f"requested cache of {max_length} positions exceeds {self.name}'s context of "
+                f"{self.max_context}; lower max_new_tokens or the task's max_prompt_tokens"
+            )
+        return LayerCache(
+            self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device
+        )
+
+    # --- pieces ----------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[1, n]`` token ids -> ``[1, n, d]`` hidden states."""
+        return self.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor | None = None):
+        """Rotary ``(cos, sin)`` for ``[1, n]`` absolute positions (shared by all layers)."""
+        ref = like if like is not None else self.lm_head.weight
+        return self.rotary_emb(ref, positions)
+
+    def positions(self, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n, device=self.device).unsqueeze(0)
+
+    def causal_mask(self, n_new: int, past: int) -> torch.Tensor | None:
+        """Mask for ``n_new`` queries appended after ``past`` cached positions (None if n_new == 1).
+
+        SDPA's ``is_causal`` aligns the triangle top-left, wrong once keys outnumber queries,
+        so queries after a cache always get an explicit mask (DESIGN.md, Facts).
+        """
+        if n_new == 1:
+            return None
+        q = torch.arange(n_new, device=self.device).unsqueeze(1) + past
+        k = torch.arange(past + n_new, device=self.device).unsqueeze(0)
+        return self.prepare_mask(k <= q)
+
+    def prepare_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Boolean ``[q, kv]`` (True = may attend) -> the mask the attention kernel takes."""
+        allowed = allowed.view(1, 1, *allowed.shape[-2:])
+        if not self._additive_mask:
+            return allowed
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+
+    def attention(self, i, h, rope, cache: LayerCache | None, mask=None) -> torch.Tensor:
+        """Attention sublayer of layer ``i`` with its residual; writes layer ``i``'s K/V."""
+        layer = self.layers[i]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(h),
+            position_embeddings=rope,
+            attention_mask=mask,
+            past_key_values=cache,
+        )
+        return h + out
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """MLP sublayer of layer ``i`` with its residual."""
+        layer = self.layers[i]
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def run_layer(
+        self,
+        i: int,
+        h: torch.Tensor,
+        rope,
+        cache: LayerCache | None,
+        mask: torch.Tensor | None = None,
+        skip_attn: bool = False,
+        skip_mlp: bool = False,
+    ) -> torch.Tensor:
+        """One decoder layer; a skipped sublayer leaves ``h`` (and layer ``i``'s cache) unchanged."""
+        if not skip_attn:
+            h = self.attention(i, h, rope, cache, mask)
+        if not skip_mlp:
+            h = self.mlp(i, h)
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head (float32 logits)."""
+        return self.lm_head(self.norm(h)).float()
+
+    # --- whole passes ----------------------------------------------------------------------
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: LayerCache | None,
+        start: int | None = None,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        skip: SkipSet | None = None,
+        layers: range | None = None,
+        h: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run ``layers`` (default all) over ``ids`` (or given hidden states ``h``).
+
+        Positions default to ``start + arange(n)`` where ``start`` defaults to the cache length
+        of the first layer run; the mask defaults to causal after that many cached positions.
+        Returns the last hidden states ``[1, n, d]`` (before the final norm).
+        """
+        layers = range(self.num_layers) if layers is None else layers
+        if h is None:
+            h = self.embed(ids)
+        n = h.shape[1]
+        if start is None:
+            start = cache.length(layers[0]) if cache is not None and len(layers) else 0
+        if positions is None:
+            positions = self.positions(start, n)
+        if mask is None:
+            mask = self.causal_mask(n, start)
+        rope = self.rope(positions, h)
+        if skip is None:
+            for i in layers:
+                h = self.mlp(i, self.attention(i, h, rope, cache, mask))
+        else:
+            for i in layers:
+                h = self.run_layer(i, h, rope, cache, mask, i in skip.attn, i in skip.mlp)
+        return h

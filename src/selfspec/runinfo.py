@@ -1,0 +1,63 @@
+"""What every run records so it can be trusted: git commit, library versions, hardware, seed."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = None
+    return info
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("selfspec", "torch", "transformers", "accelerate", "datasets", "hydra-core", "wandb"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def run_info(seed: int | None = None, device: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+    info = {"git_commit": git_commit(), "versions": versions(), "hardware": hardware()}
+    if seed is not None:
+        info["seed"] = seed
+    if device is not None:
+        info["device"] = device
+    if dtype is not None:
+        info["dtype"] = dtype
+    return info

@@ -1,0 +1,41 @@
+"""``python -m selfspec.train job=<name>``: train one artefact (heads, prompts, skips, ppd_tree).
+
+Each job is a module in :mod:`selfspec.training` with ``run(cfg) -> dict`` (its summary).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from selfspec.config import conf_dir
+
+log = logging.getLogger(__name__)
+
+#: job name -> module with ``run(cfg)``
+JOBS = {
+    "heads": "selfspec.training.heads",
+    "prompts": "selfspec.training.prompts",
+    "skips": "selfspec.training.skips",
+    "ppd_tree": "selfspec.training.tree",
+}
+
+
+def run_job(cfg: DictConfig) -> dict:
+    name = str(cfg.job.name)
+    if name not in JOBS:
+        raise ValueError(f"unknown job {name!r}; choose one of {', '.join(sorted(JOBS))} (conf/job/)")
+    return importlib.import_module(JOBS[name]).run(cfg)
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    summary = run_job(cfg)
+    log.info("job %s finished: %s", cfg.job.name, summary)
+
+
+if __name__ == "__main__":
+    main()

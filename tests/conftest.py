@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny random model (fast logic tests) and the embedded SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """tiny-random: 4 Llama layers, hidden 64, SmolLM2's tokenizer."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    return load_model(model_config("tiny-random"))
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded default SmolLM2-135M-Instruct (float32, CPU)."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    return load_model(model_config("smollm2-135m"))
+
+
+@pytest.fixture
+def prompt_ids(tiny):
+    return tiny.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]
+
+
+def hf_greedy(loaded, ids, n):
+    """Reference: transformers' own greedy generate, exactly n new tokens (no EOS stop)."""
+    out = loaded.model.hf.generate(
+        torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids):].tolist()
