@@ -15,6 +15,7 @@ Selection follows the research code (REFERENCE.md, Draft & Verify): the pool is 
 
 from __future__ import annotations
 
+import gzip
 import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -88,7 +89,7 @@ def read_jsonl(path: Path, required: Mapping[str, type | tuple[type, ...]],
     Blank lines are skipped, and lines starting with ``#`` too when ``skip_comments``.
     Raises :class:`TaskDataError` naming the file, the line and the field at fault.
     """
-    opener = _gzip_open if path.suffix == ".gz" else open
+    opener = gzip.open if path.suffix == ".gz" else open
     records = []
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -112,15 +113,10 @@ def check_record(record: Any, required: Mapping[str, type | tuple[type, ...]],
         if key not in record:
             raise TaskDataError(f"{where}: missing field {key!r}")
         if not isinstance(record[key], kind):
-            want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            want = " or ".join(k.__name__ for k in kinds)
             raise TaskDataError(f"{where}: field {key!r} should be {want}, "
                                 f"got {type(record[key]).__name__}")
-
-
-def _gzip_open(path: Path, mode: str, encoding: str):
-    import gzip
-
-    return gzip.open(path, mode, encoding=encoding)
 
 
 @dataclass

