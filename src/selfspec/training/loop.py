@@ -1,0 +1,220 @@
+"""The one training loop behind every trained artefact (AdaDecode heads, PPD prompt tokens).
+
+Only a small module trains (heads ``T_i``, prompt embeddings); the base model is frozen and
+lives inside the caller's ``loss_fn``. The loop gives both jobs the same engineering:
+
+* data parallelism without code changes: run under ``accelerate launch`` (or ``torchrun``);
+  each process draws its own micro-batches and gradients are averaged across processes;
+* mixed precision on GPU (``accelerate``'s autocast), gradient accumulation, gradient clipping;
+* learning-rate schedules (cosine / linear / constant, with warm-up);
+* checkpoints every ``ckpt_every`` steps, written atomically, and **resume**: a rerun with the
+  same ``ckpt_dir`` continues from the last checkpoint with the same optimizer, schedule,
+  history and data position;
+* periodic evaluation and logging to a :mod:`selfspec.tracking` tracker.
+
+``batch_fn(i)`` returns micro-batch number ``i`` and must be deterministic in ``i`` (that is
+what makes resume exact). Process ``r`` of ``w`` uses indices ``(step * accum + a) * w + r``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    weight_decay: float = 0.0
+    mixed_precision: str = "auto"
+    ckpt_every: int = 50
+    eval_every: int = 50
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"training steps must be >= 1, got {self.steps}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule must be cosine, linear or constant, got {self.schedule!r}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "TrainConfig":
+        """Take the known keys of a (job) config; other keys belong to the job."""
+        names = {f.name for f in fields(cls)}
+        items = cfg.items() if hasattr(cfg, "items") else vars(cfg).items()
+        return cls(**{k: v for k, v in items if k in names})
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if cfg.schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return Accelerator(mixed_precision=mp)
+
+
+def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path, prefix=".ckpt-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+        os.replace(tmp, path / CHECKPOINT)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(ckpt_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(ckpt_dir) / CHECKPOINT
+    if not path.exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def train(
+    module: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]],
+    batch_fn: Callable[[int], Any],
+    cfg: TrainConfig,
+    ckpt_dir: str | Path,
+    tracker=None,
+    eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Train ``module``'s trainable parameters; return ``{"step", "history", "eval", "seconds"}``.
+
+    ``loss_fn(module, batch)`` returns the loss of one micro-batch and metrics to log.
+    ``eval_fn(module)`` returns held-out metrics (run every ``eval_every`` steps and at the end).
+    """
+    acc = _accelerator(cfg)
+    world, rank = acc.num_processes, acc.process_index
+    torch.manual_seed(cfg.seed)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the module to train has no trainable parameters")
+    module.to(acc.device)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    ckpt_dir = Path(ckpt_dir)
+    start, history, evals, elapsed = 0, [], [], 0.0
+    state = load_checkpoint(ckpt_dir)
+    if state is not None:
+        if state.get("config", {}).get("steps") not in (None, cfg.steps):
+            log.warning("checkpoint was written for %s steps, now %s: schedule continues with the new total",
+                        state["config"]["steps"], cfg.steps)
+        module.load_state_dict(state["module"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start, history, evals = state["step"], state["history"], state.get("eval", [])
+        elapsed = state.get("seconds", 0.0)
+        torch.set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", ckpt_dir / CHECKPOINT, start)
+
+    def checkpoint(step: int) -> None:
+        if acc.is_main_process:
+            _save_checkpoint(ckpt_dir, {
+                "module": module.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "step": step, "history": history, "eval": evals,
+                "rng": torch.get_rng_state(), "config": asdict(cfg),
+                "seconds": elapsed + time.perf_counter() - t0,
+            })
+        acc.wait_for_everyone()
+
+    def evaluate(step: int) -> None:
+        if eval_fn is None or not acc.is_main_process:
+            return
+        module.eval()
+        with torch.no_grad():
+            metrics = {f"eval/{k}": float(v) for k, v in eval_fn(module).items()}
+        module.train()
+        evals.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step=step)
+        log.info("step %d eval %s", step, metrics)
+
+    module.train()
+    t0 = time.perf_counter()
+    if start == 0:
+        evaluate(0)
+    for step in range(start, cfg.steps):
+        totals: dict[str, float] = {}
+        for a in range(cfg.grad_accum):
+            batch = batch_fn((step * cfg.grad_accum + a) * world + rank)
+            with acc.autocast():
+                loss, metrics = loss_fn(module, batch)
+            (loss / cfg.grad_accum).backward()
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v) / cfg.grad_accum
+        if world > 1:
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+        if cfg.max_grad_norm:
+            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        totals["lr"] = sched.get_last_lr()[0]
+        done = step + 1
+        history.append({"step": done, **totals})
+        if tracker is not None and (done % cfg.log_every == 0 or done == cfg.steps):
+            tracker.log({f"train/{k}": v for k, v in totals.items()}, step=done)
+        if done % cfg.log_every == 0:
+            log.info("step %d/%d %s", done, cfg.steps, {k: round(v, 5) for k, v in totals.items()})
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
+            evaluate(done)
+        if cfg.ckpt_every and done % cfg.ckpt_every == 0:
+            checkpoint(done)
+    if not evals or evals[-1]["step"] != cfg.steps:
+        evaluate(cfg.steps)
+    checkpoint(cfg.steps)
+    module.eval()
+    return {"step": cfg.steps, "history": history, "eval": evals,
+            "seconds": elapsed + time.perf_counter() - t0}
+
+
+def clear_checkpoint(ckpt_dir: str | Path) -> None:
+    """Remove a finished run's checkpoint directory (after its artefact is saved)."""
+    shutil.rmtree(ckpt_dir, ignore_errors=True)

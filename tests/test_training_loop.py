@@ -1,0 +1,66 @@
+"""The shared training loop: it learns, checkpoints atomically and resumes exactly."""
+
+import pytest
+import torch
+
+from selfspec.training.loop import TrainConfig, load_checkpoint, train
+
+W_TRUE = torch.tensor([[2.0, -1.0, 0.5]])
+
+
+def batch_fn(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(16, 3, generator=g)
+    return x, x @ W_TRUE.T
+
+
+def loss_fn(module, batch):
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(module(x), y)
+    return loss, {"mse": float(loss)}
+
+
+def make():
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1, bias=False)
+
+
+CFG = dict(steps=12, lr=0.1, schedule="cosine", warmup_steps=2, grad_accum=2, ckpt_every=4, eval_every=6, log_every=3)
+
+
+def test_learns_and_logs_eval(tmp_path):
+    m = make()
+    out = train(m, loss_fn, batch_fn, TrainConfig(**CFG), tmp_path / "ck",
+                eval_fn=lambda mod: {"mse": float(loss_fn(mod, batch_fn(10**6))[0])})
+    assert out["history"][-1]["loss"] < out["history"][0]["loss"] / 4
+    assert [e["step"] for e in out["eval"]] == [0, 6, 12]
+    assert load_checkpoint(tmp_path / "ck")["step"] == 12
+
+
+def test_resume_after_interruption_equals_uninterrupted(tmp_path):
+    ref = make()
+    train(ref, loss_fn, batch_fn, TrainConfig(**CFG), tmp_path / "a")
+
+    calls = {"n": 0}
+
+    def crashing(module, batch):
+        calls["n"] += 1
+        if calls["n"] > 2 * 9:  # dies during step 10 (after the checkpoint at step 8)
+            raise KeyboardInterrupt
+        return loss_fn(module, batch)
+
+    m = make()
+    with pytest.raises(KeyboardInterrupt):
+        train(m, crashing, batch_fn, TrainConfig(**CFG), tmp_path / "b")
+    assert load_checkpoint(tmp_path / "b")["step"] == 8
+    resumed = make()
+    out = train(resumed, loss_fn, batch_fn, TrainConfig(**CFG), tmp_path / "b")
+    assert out["step"] == 12 and len(out["history"]) == 12
+    torch.testing.assert_close(resumed.weight, ref.weight)
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="schedule"):
+        TrainConfig(schedule="exp")
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
