@@ -1,0 +1,281 @@
+"""Experiment tracking: Weights & Biases, or nothing — local result files are written either way.
+
+    tracker = start_run(cfg, job_type="evaluate")        # cfg.logger: conf/logger/{wandb,none}.yaml
+    tracker.log({"loss": 1.2}, step=10)
+    tracker.summary({"speedup": 1.8})
+    tracker.table("examples", rows)                     # list of flat dicts
+    tracker.use_artifact("outputs/artefacts/heads/smollm2-135m-xsum")   # lineage: input
+    tracker.log_artifact(path, kind="heads")            # lineage: output
+    tracker.finish()
+
+``logger=none`` gives a no-op :class:`Tracker`. ``logger=wandb`` with ``logger.mode=auto`` runs
+online iff an API key is configured (``WANDB_API_KEY`` or ``~/.netrc``), offline otherwise (sync
+later with ``wandb sync <run dir>/wandb/offline-run-*``); an explicit ``WANDB_MODE`` wins over
+``auto``. Runs are grouped by ``logger.group`` (default: the Hydra sweep directory name) and
+tagged with the model, method, task and job type.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from selfspec.tracking.local import ResultsFile, to_jsonable, write_json
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Tracker", "WandbTracker", "ResultsFile", "artifact_name", "hydra_output_dir",
+           "start_run", "to_jsonable", "wandb_mode", "write_json"]
+
+
+class Tracker:
+    """The tracker interface; this base class does nothing (``logger=none``)."""
+
+    enabled = False
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Time-series metrics (training curves, running tokens/s)."""
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Final, per-run values."""
+
+    def table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """A table of flat dict rows (e.g. one row per example)."""
+
+    def log_artifact(self, path: str | Path, kind: str, name: str | None = None) -> None:
+        """Record a produced artefact directory or file (output lineage)."""
+
+    def use_artifact(self, ref: str | Path, kind: str | None = None) -> None:
+        """Record an artefact this run consumes (input lineage): a local path or a W&B name."""
+
+    def finish(self) -> None:
+        """Close the run."""
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish()
+
+
+def _get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def artifact_name(path: str | Path, kind: str) -> str:
+    """W&B artifact name of a local artefact directory: ``<kind>-<dir name>``, sanitised.
+
+    The same name for the training run that logs it and the evaluation run that uses it gives
+    W&B's lineage graph (the contents' digest picks the version).
+    """
+    stem = Path(path).resolve().name
+    name = stem if stem.startswith(f"{kind}-") else f"{kind}-{stem}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _artefact_kind(path: Path) -> str | None:
+    meta = path / "meta.json" if path.is_dir() else None
+    if meta is not None and meta.exists():
+        import json
+
+        try:
+            return json.loads(meta.read_text()).get("kind")
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _api_key_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        return bool(read_netrc_auth(host=host))
+    except Exception:  # noqa: BLE001 — private API moved or a malformed netrc: treat as no key
+        return False
+
+
+def wandb_mode(mode: str = "auto") -> str:
+    """``online`` / ``offline`` / ``disabled`` for a ``logger.mode`` setting (see module docs)."""
+    mode = str(mode)
+    if mode not in ("auto", "online", "offline", "disabled"):
+        raise ValueError(f"logger.mode={mode!r}: use auto, online, offline or disabled")
+    if mode != "auto":
+        return mode
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return "offline" if env == "dryrun" else env
+    return "online" if _api_key_configured() else "offline"
+
+
+def hydra_output_dir() -> Path | None:
+    """The Hydra run directory when called inside a ``@hydra.main`` job, else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def _sweep_group() -> str | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            if hc.mode == RunMode.MULTIRUN:
+                return Path(str(hc.sweep.dir)).name
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+class WandbTracker(Tracker):
+    """A W&B run (online or offline) behind the :class:`Tracker` interface."""
+
+    enabled = True
+
+    def __init__(self, run, log_artifacts: bool = True) -> None:
+        self.run = run
+        self.log_artifacts = log_artifacts
+        self._used: list[str] = []
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.run.dir)
+
+    def log(self, metrics, step=None):
+        self.run.log(to_jsonable(metrics), step=step)
+
+    def summary(self, values):
+        for k, v in _flatten(to_jsonable(values)).items():
+            self.run.summary[k] = v
+
+    def table(self, name, rows):
+        import wandb
+
+        rows = [_flatten(to_jsonable(r)) for r in rows]
+        columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in rows[0], k)) if rows else []
+        data = [[_cell(r.get(c)) for c in columns] for r in rows]
+        self.run.log({name: wandb.Table(columns=columns, data=data)})
+
+    def log_artifact(self, path, kind, name=None):
+        if not self.log_artifacts:
+            return
+        self.run.log_artifact(self._artifact(Path(path), kind, name))
+
+    def use_artifact(self, ref, kind=None):
+        """Online: a W&B input artifact (lineage graph). Offline runs cannot declare inputs, so
+        the reference is recorded in the run config (``used_artefacts``) instead."""
+        path = Path(ref)
+        self._used.append(str(path.resolve()) if path.exists() else str(ref))
+        self.run.config.update({"used_artefacts": self._used}, allow_val_change=True)
+        if self.run.settings.mode == "offline":
+            return
+        try:
+            if path.exists():
+                self.run.use_artifact(self._artifact(path, kind or _artefact_kind(path) or "artefact", None))
+            else:
+                self.run.use_artifact(str(ref))
+        except Exception as err:  # noqa: BLE001 — lineage is best effort; the config records it
+            log.warning("could not record artefact %s as a W&B input: %s", ref, err)
+
+    def finish(self):
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    @staticmethod
+    def _artifact(path: Path, kind: str, name: str | None):
+        import wandb
+
+        if not path.exists():
+            raise FileNotFoundError(f"artefact {path} does not exist")
+        art = wandb.Artifact(name or artifact_name(path, kind), type=kind)
+        meta = path / "meta.json"
+        if meta.exists():
+            import json
+
+            try:
+                art.metadata.update({k: v for k, v in json.loads(meta.read_text()).items()
+                                     if k in ("model", "fingerprint", "task", "num_layers", "metrics")})
+            except (OSError, ValueError):
+                pass
+        if path.is_dir():
+            art.add_dir(str(path))
+        else:
+            art.add_file(str(path))
+        return art
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("/") or "value": d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        import json
+
+        return json.dumps(v)
+    return v
+
+
+def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | None = None) -> Tracker:
+    """Open a tracker for ``cfg.logger`` (a no-op one for ``logger=none`` or no logger).
+
+    ``dir``: where W&B writes its files (default: the Hydra run directory, else the current
+    directory); the resolved ``cfg`` is the run's config.
+    """
+    logger_cfg = _get(cfg, "logger")
+    kind = str(_get(logger_cfg, "name", "none"))
+    if kind == "none":
+        return Tracker()
+    if kind != "wandb":
+        raise ValueError(f"logger.name={kind!r}: use logger=wandb or logger=none (conf/logger/)")
+    mode = wandb_mode(str(_get(logger_cfg, "mode", "auto")))
+    if mode == "disabled":
+        return Tracker()
+    import wandb
+
+    run_dir = Path(dir) if dir is not None else (hydra_output_dir() or Path.cwd())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tags = [str(t) for t in _get(logger_cfg, "tags", [])]
+    for group in ("model", "method", "task"):
+        value = _get(_get(cfg, group), "name")
+        if value is not None:
+            tags.append(f"{group}:{value}")
+    tags.append(f"job:{job_type}")
+    run = wandb.init(
+        project=str(_get(logger_cfg, "project", "selfspec")),
+        entity=_get(logger_cfg, "entity"),
+        group=_get(logger_cfg, "group") or _sweep_group(),
+        job_type=job_type,
+        name=name,
+        tags=tags,
+        config=to_jsonable(cfg),
+        dir=str(run_dir),
+        mode=mode,
+        reinit="create_new",
+    )
+    log.info("W&B run %s (%s) in %s", run.name, mode, run_dir)
+    return WandbTracker(run, log_artifacts=bool(_get(logger_cfg, "log_artifacts", True)))
