@@ -1,0 +1,281 @@
+"""Peer baselines: ``transformers``' own ``generate`` and its speculative variants, as Decoders.
+
+They run in the same sweep as selfspec's methods, on the same examples, with the same EOS /
+stop strings / token budget, so their speedups are comparable (REFERENCE.md, benchmark
+conventions):
+
+``hf_generate``       plain ``generate`` (Hugging Face's runtime and dynamic KV cache)
+``hf_prompt_lookup``  prompt lookup decoding (``prompt_lookup_num_tokens``): drafts copied from
+                      n-gram matches in the context
+``hf_early_exit``     self-speculation with the model's first ``assistant_early_exit`` layers
+                      and the LM head as drafter (LayerSkip, Elhoushi et al. 2024, §4)
+``hf_assisted``       assisted generation with a separate draft model (Leviathan et al. 2023)
+
+These cannot use the layered decoding loop, so :meth:`HFPeer.generate` calls
+``model.generate`` and returns a :class:`~selfspec.decoding.base.Generation`. Acceptance is
+recorded by wrapping the candidate generator ``transformers`` builds for the call
+(``get_candidates`` gives the drafted length, ``update_candidate_strategy(input_ids, scores,
+num_matches)`` the committed length); every step commits ``num_matches + 1`` tokens, so ``tau``
+and the acceptance rate follow selfspec's conventions. Batch size 1, like ``transformers``'
+assisted decoding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from selfspec.decoding.base import DecodeState, Decoder, Generation, _synchronizer, register
+from selfspec.decoding.sampling import Sampling
+
+
+def _get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+class HFPeer(Decoder):
+    """``transformers.GenerationMixin.generate`` behind the Decoder interface."""
+
+    name = "hf_generate"
+    lossless = True
+    #: whether generate drafts candidates (assisted decoding); plain generate commits 1 per step
+    speculative: ClassVar[bool] = False
+
+    def __init__(self, model, generate_kwargs: dict[str, Any] | None = None, **common) -> None:
+        super().__init__(model, **common)
+        self.hf = model.hf
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self._steps: list[tuple[int, int]] = []  # (drafted, committed) per verification step
+        # built once: transformers' stop-string criterion preprocesses the whole vocabulary
+        # (~0.5 s), which `generate(stop_strings=...)` would repeat on every call
+        self._stopping = None
+        if self.stop_strings:
+            from transformers import StopStringCriteria, StoppingCriteriaList
+
+            self._stopping = StoppingCriteriaList([StopStringCriteria(self.tokenizer, list(self.stop_strings))])
+
+    # --- configuration ---------------------------------------------------------------------
+    def sampling_kwargs(self, sampling: Sampling) -> dict[str, Any]:
+        if sampling.greedy:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k or None}
+
+    @contextlib.contextmanager
+    def _configured(self):
+        """Per-call settings that transformers reads from a model's generation config."""
+        yield
+
+    # --- decoding --------------------------------------------------------------------------
+    def generate(
+        self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None
+    ) -> Generation:
+        sampling = sampling or Sampling()
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device).view(1, -1)
+        n_prompt = prompt.shape[1]
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos = sorted(self.eos_token_ids)
+        kwargs = dict(
+            self.generate_kwargs,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+            **self.sampling_kwargs(sampling),
+        )
+        if self._stopping is not None:
+            kwargs["stopping_criteria"] = self._stopping
+        self._steps = []
+        sync = _synchronizer(self.model.device)
+        with torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else []):
+            torch.manual_seed(sampling.seed)
+            with self._configured(), self._recording(), torch.inference_mode():
+                sync()
+                t0 = time.perf_counter()
+                out = self.hf.generate(prompt, **kwargs)
+                sync()
+                seconds = time.perf_counter() - t0
+        new = out[0, n_prompt:].tolist()
+        if not self.speculative:
+            self._steps = [(0, 1)] * len(new)
+        return self._generation(prompt[0].tolist(), new, seconds, max_new_tokens, sampling)
+
+    def _generation(self, prompt: list[int], new: list[int], seconds: float, max_new_tokens: int,
+                    sampling: Sampling) -> Generation:
+        """Cut ``new`` exactly as the layered loop would (EOS, stop strings, budget)."""
+        state = DecodeState(list(prompt), len(prompt), cache=None, sampling=sampling, generator=None)
+        reason = self._commit(state, new, max_new_tokens)
+        if reason is None:  # transformers stopped on a criterion the cut did not see again
+            reason = "stop" if self.stop_strings else "length"
+        tokens = state.tokens[len(prompt):]
+        drafted, accepted, left = [], [], len(tokens)
+        for d, c in self._steps:  # keep the steps that produced the kept tokens
+            if left <= 0:
+                break
+            drafted.append(d)
+            accepted.append(min(c, left))
+            left -= c
+        stats = {"forward_passes": len(accepted)}
+        return Generation(
+            tokens=tokens, prompt_len=len(prompt), seconds=seconds, steps=len(accepted),
+            accepted_per_step=accepted, drafted_per_step=drafted, stop_reason=reason, stats=stats,
+        )
+
+    @contextlib.contextmanager
+    def _recording(self):
+        """Wrap the candidate generator transformers builds for this call to log each step."""
+        if not self.speculative:
+            yield
+            return
+        build = self.hf._get_candidate_generator
+        steps = self._steps
+
+        def recorded(*args, **kwargs):
+            gen = build(*args, **kwargs)
+            get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
+            drafted = [0]
+
+            def get_candidates_logged(input_ids, *a, **k):
+                candidate_ids, candidate_logits = get_candidates(input_ids, *a, **k)
+                drafted[0] = candidate_ids.shape[1] - input_ids.shape[1]
+                return candidate_ids, candidate_logits
+
+            def update_logged(input_ids, scores, num_matches):
+                steps.append((drafted[0], int(num_matches) + 1))
+                return update(input_ids, scores, num_matches)
+
+            gen.get_candidates, gen.update_candidate_strategy = get_candidates_logged, update_logged
+            return gen
+
+        self.hf._get_candidate_generator = recorded
+        try:
+            yield
+        finally:
+            del self.hf._get_candidate_generator  # the instance attribute; the method shows again
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:  # pragma: no cover
+        raise NotImplementedError(f"{self.name} decodes through transformers' generate")
+
+
+@register
+class HFGenerate(HFPeer):
+    """Plain ``generate``: the runtime check of selfspec's vanilla (same tokens, its own speed)."""
+
+    name = "hf_generate"
+
+
+@register
+class HFPromptLookup(HFPeer):
+    """Prompt lookup decoding (Saxena 2023): drafts are the tokens that followed the last
+    n-gram (``max_matching_ngram_size``) earlier in the context, ``prompt_lookup_num_tokens`` of them."""
+
+    name = "hf_prompt_lookup"
+    speculative = True
+
+    @classmethod
+    def from_config(cls, model, cfg, **common):
+        n = int(_get(cfg, "prompt_lookup_num_tokens", 10))
+        ngram = int(_get(cfg, "max_matching_ngram_size", 2))
+        if n < 1 or ngram < 1:
+            raise ValueError("method.prompt_lookup_num_tokens and method.max_matching_ngram_size must be >= 1")
+        return cls(model, {"prompt_lookup_num_tokens": n, "max_matching_ngram_size": ngram}, **common)
+
+
+class _AssistantSchedule(HFPeer):
+    """Peers whose drafter reads ``num_assistant_tokens(_schedule)`` from its generation config."""
+
+    speculative = True
+    assistant_hf: Any = None
+    num_assistant_tokens: int | None = None
+    schedule: str | None = None
+
+    @classmethod
+    def _schedule_from(cls, cfg) -> tuple[int | None, str | None]:
+        n = _get(cfg, "num_assistant_tokens")
+        schedule = _get(cfg, "num_assistant_tokens_schedule")
+        if n is not None and int(n) < 1:
+            raise ValueError(f"method.num_assistant_tokens must be >= 1, got {n}")
+        if schedule is not None and schedule not in ("constant", "heuristic", "heuristic_transient"):
+            raise ValueError("method.num_assistant_tokens_schedule must be constant, heuristic or "
+                             f"heuristic_transient, got {schedule!r}")
+        return (None if n is None else int(n)), schedule
+
+    @contextlib.contextmanager
+    def _configured(self):
+        gc = self.assistant_hf.generation_config
+        saved = (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule)
+        if self.num_assistant_tokens is not None:
+            gc.num_assistant_tokens = self.num_assistant_tokens
+        if self.schedule is not None:
+            gc.num_assistant_tokens_schedule = self.schedule
+        try:
+            yield
+        finally:
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
+
+
+@register
+class HFEarlyExit(_AssistantSchedule):
+    """LayerSkip-style self-speculation (Elhoushi et al. 2024, §4): the first
+    ``assistant_early_exit`` layers + LM head draft, the full model verifies. Meant for models
+    trained with early-exit loss (``layerskip-*`` configs); any model works, with low acceptance."""
+
+    name = "hf_early_exit"
+
+    @classmethod
+    def from_config(cls, model, cfg, **common):
+        exit_layer = _get(cfg, "assistant_early_exit")
+        if exit_layer is None or not 1 <= int(exit_layer) < model.num_layers:
+            raise ValueError(
+                f"method.assistant_early_exit={exit_layer} must be a layer count in [1, "
+                f"{model.num_layers - 1}] for this {model.num_layers}-layer model")
+        peer = cls(model, {"assistant_early_exit": int(exit_layer)}, **common)
+        peer.assistant_hf = model.hf
+        peer.num_assistant_tokens, peer.schedule = cls._schedule_from(cfg)
+        return peer
+
+
+@register
+class HFAssisted(_AssistantSchedule):
+    """Assisted generation with a separate draft model (``method.assistant``: a model config
+    name, e.g. a Qwen2.5-Coder 0.5B drafting for 1.5B); target and draft share a tokenizer."""
+
+    name = "hf_assisted"
+
+    @classmethod
+    def from_config(cls, model, cfg, **common):
+        from selfspec.config import model_config
+        from selfspec.models.loading import load_model
+
+        name = _get(cfg, "assistant")
+        if not name:
+            raise ValueError("method=hf_assisted needs method.assistant=<model config name of the "
+                             "draft model> (conf/model/), sharing the target's tokenizer")
+        draft = load_model(model_config(str(name)))
+        tok = common.get("tokenizer")
+        if tok is not None and draft.tokenizer is not None and draft.tokenizer.get_vocab() != tok.get_vocab():
+            raise ValueError(f"method.assistant={name}: its tokenizer differs from the target's; "
+                             "pick a draft model of the same family")
+        draft.model.hf.to(device=model.device)
+        peer = cls(model, {"assistant_model": draft.model.hf}, **common)
+        peer.assistant_hf = draft.model.hf
+        peer.num_assistant_tokens, peer.schedule = cls._schedule_from(cfg)
+        return peer
+
+
+PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
+
+# Bridge until selfspec.decoding.METHOD_MODULES lists the peers itself (a no-op once it does).
+from selfspec.decoding import METHOD_MODULES  # noqa: E402
+
+for _name in PEERS:
+    METHOD_MODULES.setdefault(_name, __name__)

@@ -1,0 +1,97 @@
+"""Aggregation of per-example result rows into per-method figures (DESIGN.md §Core contracts 6).
+
+Every figure is computed over the examples that **every** method finished, so the baseline and
+the methods are compared on the same examples:
+
+``tokens_per_s``        total new tokens / total seconds
+``seconds_per_token``   total seconds / total new tokens
+``speedup``             baseline seconds per token / method seconds per token
+``tau``                 mean accepted tokens per step, bonus token included (vanilla = 1.0):
+                        total new tokens / total steps (Spec-Bench's τ)
+``acceptance_rate``     accepted draft tokens / drafted tokens (LayerSkip); None if nothing drafted
+``consistency``         fraction of examples whose tokens equal the baseline's exactly
+``prefix_agreement``    mean over examples of (common prefix with the baseline / longer length):
+                        token-level agreement up to the first divergence
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Sequence
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def consistency(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Exact-match rate and mean prefix agreement of ``tokens`` against ``reference``."""
+    if not tokens:
+        return {"consistency": None, "prefix_agreement": None}
+    exact = sum(list(a) == list(b) for a, b in zip(tokens, reference))
+    agree = [common_prefix(a, b) / max(len(a), len(b), 1) for a, b in zip(tokens, reference)]
+    return {"consistency": exact / len(tokens), "prefix_agreement": sum(agree) / len(agree)}
+
+
+def _mean_stats(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[str, float] = defaultdict(float)
+    n = 0
+    for r in rows:
+        n += 1
+        for k, v in (r.get("stats") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                sums[k] += v
+    return {k: v / n for k, v in sums.items()} if n else {}
+
+
+def summarize(
+    rows: Iterable[dict[str, Any]],
+    methods: Sequence[str],
+    baseline: str,
+    score: Callable[[list[str], list[Any]], dict[str, float]] | None = None,
+    references: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Per-method summary of result rows (``method``, ``id``, ``tokens``, ``seconds`` ...).
+
+    ``score(predictions, references)`` is the task metric, applied to each method's
+    post-processed predictions (``prediction``) on the common examples.
+    """
+    by_method: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in methods}
+    for r in rows:
+        if r.get("method") in by_method:
+            by_method[r["method"]][str(r["id"])] = r
+    ids = [i for i in by_method[baseline]] if baseline in by_method else []
+    ids = [i for i in ids if all(i in by_method[m] for m in methods)]
+    base = [by_method[baseline][i] for i in ids] if ids else []
+    base_tokens = sum(r["new_tokens"] for r in base)
+    base_spt = sum(r["seconds"] for r in base) / base_tokens if base_tokens else None
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        rs = [by_method[m][i] for i in ids]
+        tokens = sum(r["new_tokens"] for r in rs)
+        seconds = sum(r["seconds"] for r in rs)
+        steps = sum(r["steps"] for r in rs)
+        drafted = sum(r.get("drafted", 0) for r in rs)
+        spt = seconds / tokens if tokens else None
+        entry: dict[str, Any] = {
+            "n_examples": len(rs),
+            "new_tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "seconds_per_token": spt,
+            "speedup": base_spt / spt if base_spt and spt else None,
+            "tau": tokens / steps if steps else None,
+            "acceptance_rate": sum(r.get("accepted_drafts", 0) for r in rs) / drafted if drafted else None,
+            "lossless": rs[0].get("lossless") if rs else None,
+        }
+        entry.update(consistency([r["tokens"] for r in rs], [r["tokens"] for r in base]))
+        if score is not None and references is not None and rs:
+            entry["metrics"] = score([r["prediction"] for r in rs], [references[i] for i in ids])
+        entry["stats"] = _mean_stats(rs)
+        out[m] = entry
+    return out

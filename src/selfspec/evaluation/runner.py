@@ -1,0 +1,277 @@
+"""The evaluation runner: the chosen methods on the same examples, warm-up first, interleaved.
+
+DESIGN.md §Core contracts 6 and Spec-Bench's conventions (REFERENCE.md): one process, one
+runtime, batch size 1; ``warmup`` generations per method before anything is timed; then per
+example the baseline, the method under test and the comparison methods run back to back
+(interleaved, so slow drifts of the machine hit every method alike). Each finished generation is
+appended to ``results.jsonl`` at once (an interrupted run keeps it; a re-run into the same
+directory skips it), and ``summary.json`` is rewritten from all rows at the end.
+
+    summary = evaluate(cfg, out_dir)       # cfg: conf/evaluate.yaml composed
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from selfspec.config import conf_dir, group_options
+from selfspec.decoding import Decoder, Sampling, build_decoder
+from selfspec.decoding import peers  # noqa: F401  (registers the hf_* peer baselines)
+from selfspec.evaluation.aggregate import summarize
+from selfspec.tracking import ResultsFile, Tracker, start_run, to_jsonable, write_json
+
+log = logging.getLogger(__name__)
+
+RESULTS = "results.jsonl"
+SUMMARY = "summary.json"
+RUN_CONFIG = "run_config.json"
+#: config keys whose change makes earlier rows of a run directory incomparable
+_RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods")
+
+
+class ResumeMismatch(ValueError):
+    """The run directory holds results of a different configuration."""
+
+
+@dataclass
+class MethodRun:
+    """One method of the run: its config (resolved) and its built decoder."""
+
+    name: str
+    cfg: DictConfig
+    decoder: Decoder
+
+    @property
+    def lossless(self) -> bool:
+        return bool(type(self.decoder).lossless)
+
+
+def method_configs(cfg: DictConfig) -> list[DictConfig]:
+    """The baseline, the method under test and ``compare``: each a resolved method config.
+
+    ``baseline`` and ``compare`` name files of ``conf/method/``; their interpolations resolve
+    against the run's config (as if composed as ``method=<name>``). Duplicates run once.
+    """
+    names = [str(cfg.baseline)] + [str(c) for c in (cfg.get("compare") or [])]
+    known = group_options("method")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown method config {name!r} in baseline/compare; choose from "
+                             f"{', '.join(known)} (conf/method/)")
+    loaded = [OmegaConf.load(conf_dir() / "method" / f"{n}.yaml") for n in names]
+    ordered = [loaded[0], cfg.method] + loaded[1:]
+    out: list[DictConfig] = []
+    for m in ordered:
+        root = OmegaConf.to_container(cfg, resolve=False)
+        root["method"] = OmegaConf.to_container(m, resolve=False)
+        resolved = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(root), resolve=True))["method"]
+        same = [o for o in out if o.name == resolved.name]
+        if same and same[0] != resolved:
+            raise ValueError(f"two different configs of method {resolved.name!r} in one run "
+                             "(method, baseline, compare); run them as separate jobs")
+        if not same:
+            out.append(resolved)
+    return out
+
+
+def _budget(cfg: DictConfig, task) -> int:
+    n = cfg.get("max_new_tokens")
+    n = int(task.cfg.max_new_tokens if n is None else n)
+    if n < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {n}")
+    return n
+
+
+def _task(cfg: DictConfig):
+    from selfspec.tasks import build_task
+
+    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
+    if cfg.get("n_examples") is not None:
+        task_cfg["n_examples"] = int(cfg.n_examples)
+    return build_task(task_cfg)
+
+
+def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
+    path = out_dir / RUN_CONFIG
+    if (out_dir / RESULTS).exists() and path.exists():
+        import json
+
+        before = json.loads(path.read_text())
+        changed = [k for k in _RESUME_KEYS if before.get(k) != identity.get(k)]
+        if changed:
+            raise ResumeMismatch(
+                f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
+                "evaluate into a new run directory (hydra.run.dir=...)")
+    write_json(path, identity)
+
+
+def _artefact_paths(run: MethodRun) -> list[Path]:
+    """Artefact directories a method reads: config values naming one, and ``decoder.artefacts``."""
+    found: list[Path] = []
+    values = list(OmegaConf.to_container(run.cfg, resolve=True).values())
+    extra = getattr(run.decoder, "artefacts", None)
+    if isinstance(extra, dict):
+        values += list(extra.values())
+    for v in values:
+        p = getattr(v, "path", v)
+        if isinstance(p, (str, Path)) and str(p) and Path(p).is_dir() and (Path(p) / "meta.json").exists():
+            found.append(Path(p).resolve())
+    return sorted(set(found))
+
+
+def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int) -> dict[str, Any]:
+    text = tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    drafted = sum(gen.drafted_per_step)
+    accepted = sum(max(a - 1, 0) for a, d in zip(gen.accepted_per_step, gen.drafted_per_step) if d)
+    return {
+        "id": ex.id,
+        "method": run.name,
+        "lossless": run.lossless,
+        "prompt_tokens": prompt_len,
+        "tokens": gen.tokens,
+        "text": text,
+        "prediction": task.postprocess(text),
+        "new_tokens": gen.new_tokens,
+        "seconds": gen.seconds,
+        "tokens_per_s": gen.new_tokens / gen.seconds if gen.seconds else None,
+        "steps": gen.steps,
+        "tau": gen.tau,
+        "drafted": drafted,
+        "accepted_drafts": accepted,
+        "acceptance_rate": gen.acceptance_rate,
+        "stop_reason": gen.stop_reason,
+        "stats": gen.stats,
+    }
+
+
+def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker | None = None) -> dict[str, Any]:
+    """Run the evaluation ``cfg`` describes into ``out_dir``; return the summary (also in summary.json).
+
+    ``loaded``: an already loaded model for ``cfg.model`` (tests, benchmarks); ``tracker``: an
+    open tracker (default: :func:`~selfspec.tracking.start_run` on ``cfg.logger``, finished here).
+    """
+    from selfspec.runinfo import run_info
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(int(cfg.seed))
+    sampling = Sampling.from_config(cfg.sampling)
+    task = _task(cfg)
+    budget = _budget(cfg, task)
+    method_cfgs = method_configs(cfg)
+    names = [str(m.name) for m in method_cfgs]
+    baseline = names[0]
+    under_test = str(cfg.method.name)
+    identity = to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
+                            | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": budget,
+                            "baseline": baseline, "methods": {str(m.name): m for m in method_cfgs}})
+    _check_resume(out_dir, identity)
+
+    if loaded is None:
+        from selfspec.models.loading import load_model
+
+        loaded = load_model(cfg.model)
+    tok = loaded.tokenizer
+    common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=list(task.cfg.stop), tokenizer=tok)
+    # build every decoder before the loop: a missing artefact fails here, with the method's message
+    runs = [MethodRun(str(m.name), m, build_decoder(m, loaded.model, **common)) for m in method_cfgs]
+
+    examples = task.examples()
+    prompts = {ex.id: task.encode(ex, tok) for ex in examples}
+    results = ResultsFile(out_dir / RESULTS)
+    done = {(str(r["id"]), r["method"]) for r in results}
+    todo = [ex for ex in examples if any((ex.id, r.name) not in done for r in runs)]
+    if done:
+        log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
+
+    own_tracker = tracker is None
+    tracker = tracker or start_run(cfg, "evaluate", dir=out_dir)
+    info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""))
+    artefacts = {r.name: [str(p) for p in _artefact_paths(r)] for r in runs}
+    for paths in artefacts.values():
+        for p in paths:
+            tracker.use_artifact(p)
+    try:
+        if todo:
+            _warmup(runs, [prompts[ex.id] for ex in examples], int(cfg.warmup),
+                    min(int(cfg.warmup_max_new_tokens), budget), sampling)
+        _loop(runs, todo, prompts, done, budget, sampling, task, tok, results, tracker,
+              under_test, baseline, bool(cfg.get("progress", True)))
+    finally:
+        results.close()
+
+    rows = results.rows()
+    refs = {ex.id: ex.reference for ex in examples}
+    per_method = summarize(rows, names, baseline, score=task.score, references=refs)
+    summary = {
+        "model": loaded.name,
+        "task": task.name,
+        "method": under_test,
+        "baseline": baseline,
+        "methods": per_method,
+        "greedy": sampling.greedy,
+        "max_new_tokens": budget,
+        "n_examples": len(examples),
+        "run_info": info,
+        "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
+        "artefacts": artefacts,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    write_json(out_dir / SUMMARY, summary)
+    tracker.summary({"methods": per_method, "run_info": info})
+    tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
+                               for r in rows if r.get("method") in names])
+    if own_tracker:
+        tracker.finish()
+    _log_summary(per_method, baseline)
+    return summary
+
+
+def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:
+    """``n`` untimed generations per method (Spec-Bench: 3), cycling through the prompts."""
+    if n <= 0 or not prompts:
+        return
+    for i in range(n):
+        for run in runs:
+            run.decoder.generate(prompts[i % len(prompts)], budget, sampling)
+
+
+def _loop(runs, todo, prompts, done, budget, sampling, task, tok, results, tracker, under_test, baseline,
+          progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    totals = {r.name: [0, 0.0] for r in runs}  # new tokens, seconds (this session)
+    bar = tqdm(todo, desc=f"{task.name} {under_test}", unit="ex", disable=not progress, dynamic_ncols=True)
+    for step, ex in enumerate(bar):
+        ids = prompts[ex.id]
+        for run in runs:
+            if (ex.id, run.name) in done:
+                continue
+            gen = run.decoder.generate(ids, budget, sampling)
+            results.append(_row(ex, run, gen, tok, task, len(ids)))
+            totals[run.name][0] += gen.new_tokens
+            totals[run.name][1] += gen.seconds
+        rates = {name: (t / s if s else 0.0) for name, (t, s) in totals.items()}
+        bar.set_postfix({f"{n} tok/s": f"{rates[n]:.1f}" for n in dict.fromkeys([baseline, under_test])})
+        tracker.log({f"{n}/tokens_per_s": v for n, v in rates.items()}, step=step)
+    bar.close()
+
+
+def _log_summary(per_method: dict[str, dict[str, Any]], baseline: str) -> None:
+    for name, m in per_method.items():
+        log.info("%-18s %6.2f tok/s  speedup %s  tau %s  consistency %s", name, m["tokens_per_s"] or 0.0,
+                 _fmt(m["speedup"]), _fmt(m["tau"]), _fmt(m["consistency"]))
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+__all__ = ["MethodRun", "ResumeMismatch", "evaluate", "method_configs", "RESULTS", "SUMMARY"]
