@@ -1,0 +1,290 @@
+"""AdaDecode: adaptive layer parallelism with early predictions, deferral and verification.
+
+Follows AdaDecode (ICML 2025, arXiv 2506.03700):
+
+* §3.1 — lightweight heads ``E_l = E* · T_l`` at intermediate layers
+  (:class:`selfspec.heads.IntermediateHeads`).
+* §3.2 **adaptive layer parallelism** — a token runs layer by layer; at a layer with a head,
+  if the head's top probability exceeds ``gamma`` the next token is *predicted early* and its
+  pass starts at once. The skipped deeper layers of the early token are **deferred**: when a
+  later pass reaches a layer, every position still owed that layer joins it, so each layer is
+  one batched call over all owed positions (the layer cache of each layer grows at its own
+  length; positions owed a layer are always a contiguous tail, so the queue ``P`` of the paper
+  is a stack of hidden-state segments, one per depth).
+* §3.3 **verification and rollback** — when a pass reaches the final layer, the final
+  distributions of all owed positions exist at once; the early predictions are verified with
+  the shared rules (:func:`~selfspec.decoding.sampling.greedy_verify`, or the modified
+  rejection sampling :func:`~selfspec.decoding.sampling.speculative_verify`: accept with
+  ``min(1, p*/p_l)``, else resample from ``normalize(max(0, p* − p_l))``). On a rejection every
+  layer's cache is cut back to the rejected position (O(1)) and decoding continues from the
+  corrected token.
+
+Mapping onto the shared loop: one :meth:`AdaDecode.step` = the early-exit passes up to and
+including one full pass; it returns only *verified* tokens (accepted early predictions and the
+final layer's own next token), so EOS / stop strings / budget are applied exactly. Unverified
+early tokens are method state inside the step. After the step every layer holds all committed
+tokens but the pending one (the full pass completes every deferred layer), so the shared
+cache invariant holds between steps; within a step deeper layers lag.
+
+Statistics (``Generation.stats``): ``exit_layer_<l>`` early predictions made at head ``l``
+(``full_passes`` counts the passes reaching the final layer, prefill included);
+``early_predictions``, ``rejected`` (the first failing prediction of a step), ``discarded``
+(predictions after it, never verified); ``early_prediction_rate`` = accepted early tokens /
+generated tokens; ``rejection_rate`` = rejected / verified predictions (the paper's Fig. of
+rejection rate); ``tokens_per_full_pass`` = generated tokens / full passes (equals ``tau``).
+
+``adadecode_noverify`` (§4.3 ablation "w/o verification", lossy) commits early predictions
+unchecked; its consistency ratio against vanilla is what the ablation reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, warp
+from selfspec.heads import IntermediateHeads, default_layers, load_heads
+
+
+@dataclass
+class _Segment:
+    """Hidden states of consecutive positions that have run ``depth`` layers (owed the rest)."""
+
+    depth: int
+    h: torch.Tensor  # [1, n, d]
+
+
+@dataclass
+class _StepState:
+    """What one step carries between its passes: the unverified early tokens and the queue."""
+
+    base: int  # position of the pending token (= committed tokens in every layer's cache)
+    cap: int  # most early tokens this step may predict
+    rope: tuple  # rotary (cos, sin) for positions base .. base + max_early
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list[torch.Tensor] = field(default_factory=list)
+    exit_layers: list[int] = field(default_factory=list)
+    stack: list[_Segment] = field(default_factory=list)
+
+
+@register
+class AdaDecode(Decoder):
+    """AdaDecode decoding (see module docstring). ``heads``: the intermediate heads; ``gamma``:
+    exit threshold on the head's top probability; ``max_early``: most unverified early tokens
+    per step (bounds the work a rejection can waste); ``exit_layers``: heads used for exits
+    (default all)."""
+
+    name = "adadecode"
+    lossless = True
+    verify = True
+
+    def __init__(
+        self,
+        model,
+        heads: IntermediateHeads,
+        gamma: float = 0.85,
+        max_early: int = 16,
+        exit_layers=None,
+        **common,
+    ) -> None:
+        super().__init__(model, **common)
+        if not gamma >= 0:
+            raise ValueError(f"adadecode gamma must be >= 0 (exit when head top probability > gamma), got {gamma}")
+        if max_early < 0:
+            raise ValueError(f"adadecode max_early must be >= 0, got {max_early}")
+        layers = list(heads.layers) if exit_layers is None else [int(i) for i in exit_layers]
+        missing = [i for i in layers if i not in heads.layers]
+        if missing:
+            raise ValueError(
+                f"adadecode exit_layers {layers}: layers {missing} have no head (the head set has {heads.layers}); "
+                "choose from those or retrain the heads"
+            )
+        self.heads = heads
+        self.gamma = float(gamma)
+        self.max_early = int(max_early)
+        self.exit_layers = frozenset(layers)
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model, cfg, **common) -> "AdaDecode":
+        """Keys (conf/method/adadecode*.yaml): ``gamma``, ``max_early``, ``exit_layers`` (null =
+        every head, a list of head layers, or ``middle``), ``head_kind`` (``linear`` / ``full``:
+        load the trained artefact of that kind; ``lm_head``: untrained final norm + head, the
+        "w/ original LM head" ablation), ``heads_dir`` (null = the default artefact directory,
+        see :func:`heads_artefact_dir`), ``heads_task`` (the data the heads were trained on: a
+        task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced)."""
+        kind = str(cfg.get("head_kind", "linear"))
+        if kind == "lm_head":
+            layers = cfg.get("layers") or default_layers(model.num_layers)
+            heads = IntermediateHeads.identity(model, layers, kind="lm_head")
+        elif kind in ("linear", "full"):
+            path = _heads_path(model, cfg, kind)
+            heads = load_heads(path, _loaded_proxy(model, common.get("tokenizer")))
+            if heads.kind != kind:
+                raise ValueError(f"heads artefact {path} holds {heads.kind!r} heads but method.head_kind={kind!r}")
+        else:
+            raise ValueError(f"method.head_kind must be linear, full or lm_head, got {kind!r}")
+        exit_layers = cfg.get("exit_layers")
+        if exit_layers == "middle":
+            exit_layers = [heads.layers[len(heads.layers) // 2]]
+        return cls(
+            model, heads, gamma=float(cfg.get("gamma", 0.85)), max_early=int(cfg.get("max_early", 16)),
+            exit_layers=exit_layers, **common,
+        )
+
+    # --- decoding --------------------------------------------------------------------------
+    def new_step(self, state: DecodeState, budget: int) -> _StepState:
+        base = state.n_cached
+        cap = max(0, min(budget - 1, self.max_early))
+        rope = self.model.rope(self.model.positions(base, cap + 1))
+        return _StepState(base, cap, rope)
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        ss = self.new_step(state, budget)
+        token = state.pending
+        while True:
+            logits = self.advance(state, ss, token)
+            if logits is None:  # early prediction: start the next token's pass
+                token = ss.drafts[-1]
+                continue
+            return self.verify_step(state, ss, logits)
+
+    def advance(self, state: DecodeState, ss: _StepState, token: int) -> torch.Tensor | None:
+        """One pass of ``token`` (at position ``base + len(drafts)``) through the layers.
+
+        Deferred positions join at the layer they owe. Returns the final logits of every owed
+        position ``[k + 1, V]`` if the pass reaches the end, or None after an early prediction
+        (appended to ``ss.drafts``).
+        """
+        m, cache = self.model, state.cache
+        pos = ss.base + len(ss.drafts)
+        allow_exit = len(ss.drafts) < ss.cap
+        h = m.embed(torch.tensor([[token]], device=m.device))
+        masks: dict[int, torch.Tensor | None] = {}
+        cos, sin = ss.rope
+        for j in range(m.num_layers):
+            if ss.stack and ss.stack[-1].depth == j:  # owed positions join this layer
+                joined = []
+                while ss.stack and ss.stack[-1].depth == j:
+                    joined.append(ss.stack.pop().h)
+                h = torch.cat(joined[::-1] + [h], dim=1)
+            n = h.shape[1]
+            start = pos + 1 - n
+            if n not in masks:
+                masks[n] = m.causal_mask(n, start)
+            rope = (cos[:, start - ss.base : pos + 1 - ss.base], sin[:, start - ss.base : pos + 1 - ss.base])
+            h = m.mlp(j, m.attention(j, h, rope, cache, masks[n]))
+            if allow_exit and j in self.exit_layers:
+                u = self._early(state, ss, j, h[:, -1])
+                if u is not None:
+                    ss.stack.append(_Segment(j + 1, h))
+                    ss.drafts.append(u)
+                    ss.exit_layers.append(j)
+                    return None
+        return m.logits(h[0])
+
+    def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> int | None:
+        """The head's prediction if its top probability exceeds gamma (and is not EOS), else None."""
+        logits = self.heads.logits(layer, h_last)[0]
+        probs = logits.softmax(-1)
+        if state.sampling.greedy:
+            conf, tok = (x.item() for x in probs.max(-1))
+            q = None
+        else:
+            q = warp(logits, state.sampling)
+            tok_t = torch.multinomial(q, 1, generator=state.generator)[0]
+            conf, tok = float(probs.max()), int(tok_t)
+        if conf <= self.gamma or tok in self.eos_token_ids:
+            return None
+        if q is not None:
+            ss.draft_probs.append(q)
+        return int(tok)
+
+    def verify_step(self, state: DecodeState, ss: _StepState, logits: torch.Tensor) -> list[int]:
+        """Verify the early tokens against the final logits; roll back; return verified tokens."""
+        k = len(ss.drafts)
+        assert logits.shape[0] == k + 1, "every owed position must reach the final layer"
+        draft = torch.tensor(ss.drafts, dtype=torch.long, device=logits.device)
+        if not self.verify:
+            n, nxt = k, int(select(logits[-1], state.sampling, state.generator))
+        elif state.sampling.greedy:
+            n, nxt = greedy_verify(draft, logits)
+        else:
+            target = warp(logits, state.sampling)
+            q = torch.stack(ss.draft_probs) if k else target[:0]
+            n, nxt = speculative_verify(draft, q, target, state.generator)
+        state.cache.truncate(ss.base + n + 1)
+        state.drafted = k
+        for layer in ss.exit_layers:
+            state.count(f"exit_layer_{layer}")
+        state.count("full_passes")
+        state.count("early_predictions", k)
+        state.count("accepted_early", n)
+        if n < k:
+            state.count("rejected")
+            state.count("discarded", k - n - 1)
+        return ss.drafts[:n] + [nxt]
+
+    def begin(self, state: DecodeState) -> None:
+        for key in ("full_passes", "early_predictions", "accepted_early", "rejected", "discarded"):
+            state.stats[key] = 0
+        state.stats["full_passes"] = 1  # prefill
+
+    def finish(self, state: DecodeState) -> None:
+        s = state.stats
+        generated = len(state.tokens) - state.prompt_len
+        verified = s["accepted_early"] + s["rejected"]
+        s["early_prediction_rate"] = s["accepted_early"] / generated if generated else 0.0
+        s["rejection_rate"] = s["rejected"] / verified if verified else 0.0
+        s["tokens_per_full_pass"] = generated / s["full_passes"]
+
+
+@register
+class AdaDecodeNoVerify(AdaDecode):
+    """Ablation "w/o verification" (AdaDecode §4.3): early predictions are committed unchecked.
+
+    Lossy: its output may differ from vanilla; report the consistency ratio."""
+
+    name = "adadecode_noverify"
+    lossless = False
+    verify = False
+
+
+# --- artefact location -----------------------------------------------------------------------
+def heads_artefact_dir(model_name: str, data: str | None, kind: str = "linear") -> Path:
+    """Where ``job=heads`` saves and AdaDecode looks: ``outputs/artefacts/heads/<model>-<data>``
+    (``data`` = the task the heads were trained on, or ``mixed``), ``-full`` appended for the
+    full-parameter ablation."""
+    from selfspec.artefacts import default_artefact_dir
+
+    tag = (data or "") + ("-full" if kind == "full" else "")
+    return default_artefact_dir("heads", model_name, tag or None)
+
+
+def _heads_path(model, cfg, kind: str) -> Path:
+    if cfg.get("heads_dir"):
+        return Path(str(cfg.get("heads_dir")))
+    data = cfg.get("heads_task")
+    path = heads_artefact_dir(model.name, str(data) if data else None, kind)
+    if not (path / "meta.json").exists():
+        extra = (["job.data=mixed"] if data == "mixed" else []) + (["job.kind=full"] if kind == "full" else [])
+        hint = f"make train-heads MODEL={model.name}" + (f" TASK={data}" if data and data != "mixed" else "")
+        hint += f' ARGS="{" ".join(extra)}"' if extra else ""
+        raise FileNotFoundError(
+            f"no AdaDecode heads at {path}: train them with `{hint}`, or set method.heads_dir=<artefact dir>, "
+            "or method.head_kind=lm_head (untrained ablation)"
+        )
+    return path
+
+
+def _loaded_proxy(model, tokenizer):
+    """What :func:`load_heads` needs of a LoadedModel, from the layered model and tokenizer."""
+    from selfspec.models.loading import fingerprint
+
+    if tokenizer is None:
+        raise ValueError("adadecode needs the tokenizer (decoder common argument) to check the heads' fingerprint")
+    return SimpleNamespace(model=model, name=model.name, fingerprint=fingerprint(model.config, tokenizer))
