@@ -1,0 +1,255 @@
+"""Draft & Verify: self-speculative decoding with skipped sublayers (Zhang et al., arXiv 2309.08168).
+
+One step (Draft & Verify §3.2, Algorithm 2 / Appendix K Algorithms 3-4):
+
+1. **Draft** up to ``K`` tokens with the model itself, skipping the attention and MLP
+   sublayers of the *skip set* (§3.3). Drafting shares the layer cache: the drafted tokens'
+   keys/values are written past the committed tokens (scratch) at every layer whose attention
+   runs.
+2. **Draft exit** (§3.4): stop as soon as the draft distribution's top probability falls below
+   the threshold ``gamma`` (that token is still verified). ``gamma`` is *adaptive* (Eq. 2-4,
+   updated after every verification from the EMA of the acceptance rate), *static*, or absent
+   (``draft_exit: none`` = fixed K, the Table 3-4 ablations).
+3. **Verify** ``[pending, d1..dk]`` in one full forward pass, after truncating every layer back
+   to the committed tokens (the scratch K/V came from approximate hidden states), then keep
+   ``n_cached + accepted + 1`` positions (gpt-fast's scheme). Greedy: exact match
+   (:func:`~selfspec.decoding.sampling.greedy_verify`), so the output equals vanilla token for
+   token. Sampling: speculative sampling (Appendix K; :func:`speculative_verify`), which
+   preserves the target distribution.
+
+Statistics follow :mod:`selfspec.decoding.base`: ``tau`` counts the bonus token; the
+acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``gamma`` (the threshold
+after the example), ``verifications`` and ``draft_exits`` (steps ended by the threshold).
+
+The threshold state (``gamma`` and the acceptance-rate EMA) lives on the decoder and carries
+over between examples as in the authors' code (REFERENCE.md); :meth:`DraftVerify.reset_gamma`
+restores ``gamma_0``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.sampling import greedy_verify, speculative_verify, warp
+from selfspec.models.layered import LayeredModel, SkipSet
+
+DRAFT_EXITS = ("adaptive", "static", "none")
+
+
+def _get(cfg, key, default=None):
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def skip_set_tensors(skip: SkipSet, num_layers: int) -> dict[str, torch.Tensor]:
+    """The artefact form of a skip set: ``attn`` and ``mlp`` int8 masks of length L (1 = skip)."""
+    attn = torch.zeros(num_layers, dtype=torch.int8)
+    mlp = torch.zeros(num_layers, dtype=torch.int8)
+    attn[sorted(skip.attn)] = 1
+    mlp[sorted(skip.mlp)] = 1
+    return {"attn": attn, "mlp": mlp}
+
+
+def skip_set_from_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str) -> SkipSet:
+    for key in ("attn", "mlp"):
+        if key not in tensors or tensors[key].numel() != num_layers:
+            raise ValueError(f"{where}: skip set needs '{key}' masks of length {num_layers} (one per layer)")
+    return SkipSet.of(
+        attn=torch.nonzero(tensors["attn"]).flatten().tolist(),
+        mlp=torch.nonzero(tensors["mlp"]).flatten().tolist(),
+    )
+
+
+def check_skip_set(skip: SkipSet, num_layers: int) -> SkipSet:
+    bad = sorted(i for i in skip.attn | skip.mlp if not 0 <= i < num_layers)
+    if bad:
+        raise ValueError(
+            f"skip set names layer(s) {bad} but the model has {num_layers} layers (0..{num_layers - 1}); "
+            "fix method.skip_attn / method.skip_mlp or search a skip set for this model"
+        )
+    return skip
+
+
+def load_skip_set(path: str | Path, model: LayeredModel, tokenizer=None) -> SkipSet:
+    """Read a ``skip_set`` artefact, checking it was searched for ``model``.
+
+    With the tokenizer the full fingerprint (config + vocabulary) is checked, else layer count
+    and hidden size.
+    """
+    from selfspec.artefacts import load_artefact
+    from selfspec.models.loading import fingerprint
+
+    if tokenizer is not None:
+        loaded = SimpleNamespace(model=model, name=model.name, fingerprint=fingerprint(model.config, tokenizer))
+        art = load_artefact(path, "skip_set", loaded)
+    else:
+        art = load_artefact(path, "skip_set")
+        if art.meta.get("num_layers") != model.num_layers:
+            raise ValueError(
+                f"skip set {path} was searched for {art.meta.get('model')!r} with {art.meta.get('num_layers')} "
+                f"layers, but {model.name!r} has {model.num_layers}; run `make search-skips MODEL={model.name}`"
+            )
+    return skip_set_from_tensors(art.tensors, model.num_layers, str(path))
+
+
+def resolve_skip_set(cfg, model: LayeredModel, tokenizer=None) -> SkipSet:
+    """The skip set a method config names: inline lists, an artefact path, or the default artefact.
+
+    ``skip_attn`` / ``skip_mlp`` (lists of layer indices) win when either is given; else
+    ``skip_set`` (a path) is loaded; else ``default_artefact_dir("skip_set", model, task)``,
+    falling back to the task-mix artefact ``.../<model>``.
+    """
+    from selfspec.artefacts import default_artefact_dir
+
+    attn, mlp = _get(cfg, "skip_attn"), _get(cfg, "skip_mlp")
+    if attn is not None or mlp is not None:
+        return check_skip_set(SkipSet.of(attn or (), mlp or ()), model.num_layers)
+    path = _get(cfg, "skip_set")
+    if path is None:
+        task = _get(cfg, "task")
+        candidates = [default_artefact_dir("skip_set", model.name, task)] if task else []
+        candidates.append(default_artefact_dir("skip_set", model.name))
+        path = next((p for p in candidates if (p / "meta.json").exists()), None)
+        if path is None:
+            raise FileNotFoundError(
+                f"no skip set for model {model.name!r} (looked in {', '.join(map(str, candidates))}); "
+                f"search one with `make search-skips MODEL={model.name}` (python -m selfspec.train job=skips), "
+                "or set method.skip_set=<path> or method.skip_attn=[...] method.skip_mlp=[...]"
+            )
+    return check_skip_set(load_skip_set(path, model, tokenizer), model.num_layers)
+
+
+@register
+class DraftVerify(Decoder):
+    """Self-speculative decoding with a skip set and an adaptive draft-exit threshold."""
+
+    name = "draft_verify"
+    lossless = True
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        skip_set: SkipSet,
+        max_draft: int = 12,
+        draft_exit: str = "adaptive",
+        gamma0: float = 0.6,
+        alpha: float = 0.9,
+        epsilon: float = 0.01,
+        beta1: float = 0.5,
+        beta2: float = 0.9,
+        **common,
+    ) -> None:
+        super().__init__(model, **common)
+        if max_draft < 1:
+            raise ValueError(f"method.max_draft (K) must be >= 1, got {max_draft}")
+        if draft_exit not in DRAFT_EXITS:
+            raise ValueError(f"method.draft_exit must be one of {', '.join(DRAFT_EXITS)}, got {draft_exit!r}")
+        for key, v in (("beta1", beta1), ("beta2", beta2), ("alpha", alpha)):
+            if not 0 <= v <= 1:
+                raise ValueError(f"method.{key} must be in [0, 1], got {v}")
+        self.skip_set = check_skip_set(skip_set, model.num_layers)
+        self.max_draft = int(max_draft)
+        self.draft_exit = draft_exit
+        self.gamma0, self.alpha, self.epsilon = float(gamma0), float(alpha), float(epsilon)
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.lookahead = self.max_draft  # drafted K/V are written past the committed tokens
+        self.reset_gamma()
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, cfg, **common) -> "DraftVerify":
+        skip = resolve_skip_set(cfg, model, common.get("tokenizer"))
+        return cls(
+            model,
+            skip,
+            max_draft=int(_get(cfg, "max_draft", 12)),
+            draft_exit=str(_get(cfg, "draft_exit", "adaptive")),
+            gamma0=float(_get(cfg, "gamma0", 0.6)),
+            alpha=float(_get(cfg, "alpha", 0.9)),
+            epsilon=float(_get(cfg, "epsilon", 0.01)),
+            beta1=float(_get(cfg, "beta1", 0.5)),
+            beta2=float(_get(cfg, "beta2", 0.9)),
+            **common,
+        )
+
+    # --- threshold (§3.4) ------------------------------------------------------------------
+    def reset_gamma(self) -> None:
+        """Restore ``gamma = gamma_0`` and forget the acceptance-rate EMA."""
+        self.gamma = self.gamma0
+        self.ar: float | None = None
+
+    def update_gamma(self, accepted: int, drafted: int, hit_max: bool) -> None:
+        """Eq. 2-4: ``AR <- b1 AR + (1-b1) AR_e``; ``gamma~ = gamma +- eps``; ``gamma <- b2 gamma + (1-b2) gamma~``.
+
+        ``b1 = 0`` for the first stage. As in the authors' code, the threshold is not lowered
+        when drafting stopped at the maximum K (the threshold did not bind).
+        """
+        if self.draft_exit != "adaptive" or drafted == 0:
+            return
+        ar_e = accepted / drafted
+        self.ar = ar_e if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_e
+        if self.ar <= self.alpha:
+            target = self.gamma + self.epsilon
+        elif hit_max:
+            return
+        else:
+            target = self.gamma - self.epsilon
+        self.gamma = self.beta2 * self.gamma + (1 - self.beta2) * target
+
+    # --- one step --------------------------------------------------------------------------
+    def draft(self, state: DecodeState, k_max: int) -> tuple[list[int], torch.Tensor | None, bool]:
+        """Draft up to ``k_max`` tokens with the skip set; returns (drafts, their q rows, exited)."""
+        model, s = self.model, state.sampling
+        start = state.n_cached
+        token = state.pending
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
+        for j in range(k_max):
+            ids.fill_(token)
+            h = model.forward(ids, state.cache, start=start + j, skip=self.skip_set)
+            logits = model.logits(h[:, -1])[0]
+            if s.greedy:
+                p_max, tok = logits.softmax(-1).max(-1)
+            else:
+                q = warp(logits, s)
+                tok = torch.multinomial(q, 1, generator=state.generator)[0]
+                p_max = q.max()
+                qs.append(q)
+            conf, tok = torch.stack([p_max, tok.to(p_max.dtype)]).tolist()  # one host sync
+            token = int(tok)
+            drafts.append(token)
+            if token in self.eos_token_ids:
+                return drafts, (torch.stack(qs) if qs else None), False
+            if self.draft_exit != "none" and conf < self.gamma:
+                return drafts, (torch.stack(qs) if qs else None), True
+        return drafts, (torch.stack(qs) if qs else None), False
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        model = self.model
+        k_max = min(self.max_draft, budget - 1)  # n accepted + 1 bonus <= budget
+        drafts, q, exited = self.draft(state, k_max) if k_max > 0 else ([], None, False)
+        k = len(drafts)
+        # verification: drop the scratch K/V, recompute [pending, d1..dk] with the full model
+        state.cache.truncate(state.n_cached)
+        ids = torch.tensor([[state.pending, *drafts]], device=model.device)
+        logits = model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
+        if state.sampling.greedy:
+            n, nxt = greedy_verify(ids[0, 1:], logits)
+        else:
+            p = warp(logits, state.sampling)
+            draft_q = q if q is not None else p.new_zeros(0, p.shape[-1])
+            n, nxt = speculative_verify(ids[0, 1:], draft_q, p, state.generator)
+        state.cache.truncate(state.n_cached + n + 1)
+        state.drafted = k
+        if k:
+            state.count("verifications")
+            state.count("draft_exits", int(exited))
+            self.update_gamma(n, k, hit_max=(k == self.max_draft))
+        return [*drafts[:n], nxt]
+
+    def finish(self, state: DecodeState) -> None:
+        state.stats["gamma"] = self.gamma

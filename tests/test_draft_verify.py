@@ -1,0 +1,202 @@
+"""Draft & Verify decoding: lossless against vanilla, exact cache rollback, target distribution."""
+
+import random
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from selfspec.config import compose, model_config
+from selfspec.decoding import Sampling, build_decoder
+from selfspec.decoding.base import DecodeState
+from selfspec.decoding.draft_verify import DraftVerify, resolve_skip_set, skip_set_tensors
+from selfspec.decoding.sampling import warp
+from selfspec.models.layered import SkipSet
+from selfspec.models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny8():
+    """A deeper tiny-random model (8 layers, 16 sublayers) so skip sets have room."""
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"random": {"num_hidden_layers": 8, "seed": 1}})
+    return load_model(cfg)
+
+
+def vanilla_tokens(loaded, ids, n, eos=()):
+    dec = build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model, eos_token_ids=eos)
+    return dec.generate(ids, n).tokens
+
+
+def dv(loaded, attn=(), mlp=(), **kw):
+    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": list(attn), "skip_mlp": list(mlp), **kw})
+    return build_decoder(cfg, loaded.model)
+
+
+def random_skip_sets(n_layers, count, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        out.append(([i for i in range(n_layers) if rng.random() < 0.5], [i for i in range(n_layers) if rng.random() < 0.5]))
+    return out
+
+
+def test_greedy_equals_vanilla_for_random_skip_sets(tiny8, prompt_ids):
+    ref = vanilla_tokens(tiny8, prompt_ids, 40)
+    for exit_mode, k in (("adaptive", 12), ("static", 5), ("none", 3)):
+        for attn, mlp in random_skip_sets(8, 3, seed=k):
+            dec = dv(tiny8, attn, mlp, draft_exit=exit_mode, max_draft=k, gamma0=0.05)
+            g = dec.generate(prompt_ids, 40)
+            assert g.tokens == ref, (exit_mode, attn, mlp)
+            assert sum(g.drafted_per_step) > 0
+
+
+@pytest.mark.parametrize(
+    "attn,mlp",
+    [((), ()), (range(8), [i for i in range(8) if i != 3]), ([i for i in range(8) if i != 5], range(8))],
+    ids=["empty", "all-but-one-attn", "all-but-one-mlp"],
+)
+def test_greedy_equals_vanilla_extreme_skip_sets(tiny8, prompt_ids, attn, mlp):
+    ref = vanilla_tokens(tiny8, prompt_ids, 30)
+    g = dv(tiny8, attn, mlp, draft_exit="none", max_draft=4).generate(prompt_ids, 30)
+    assert g.tokens == ref
+    if not attn and not mlp:  # the draft model is the model: every draft accepted
+        assert g.acceptance_rate == 1.0 and g.tau > 4
+
+
+def test_eos_and_budget_cut_like_vanilla(tiny8, prompt_ids):
+    free = vanilla_tokens(tiny8, prompt_ids, 25)
+    eos = free[9]
+    ref = vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos])
+    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6], "draft_exit": "none"})
+    g = build_decoder(cfg, tiny8.model, eos_token_ids=[eos]).generate(prompt_ids, 25)
+    assert g.tokens == ref and g.stop_reason == "eos"
+    for n in (1, 2, 7):
+        assert dv(tiny8, [0], [1, 2]).generate(prompt_ids, n).tokens == free[:n]
+
+
+def test_cache_after_rollback_equals_recomputation(tiny8, prompt_ids):
+    """Drive steps by hand; after each, every layer holds exactly the full model's K/V of the
+    committed tokens but the pending one (scratch drafts and rejected positions rolled back)."""
+    model = tiny8.model
+    dec = dv(tiny8, [1, 4, 6], [0, 5], draft_exit="none", max_draft=5)
+    prompt = torch.tensor([prompt_ids])
+    state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(200), Sampling(), None)
+    rejected = 0
+    with torch.inference_mode():
+        dec._commit(state, [dec.prefill(state, prompt)], 60)
+        for _ in range(8):
+            new = dec.step(state, 60)
+            rejected += state.drafted - (len(new) - 1)
+            dec._commit(state, new, 60)
+            ref = model.new_cache(200)
+            model.forward(torch.tensor([state.tokens[:-1]]), ref, start=0)
+            for i in range(model.num_layers):
+                assert state.cache.length(i) == state.n_cached
+                k, v = state.cache.layer_kv(i)
+                rk, rv = ref.layer_kv(i)
+                torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-4)
+    assert rejected > 0  # the rollback path was exercised
+
+
+def test_speculative_sampling_matches_target_distribution():
+    """First token emitted by a step (a verified draft or a residual resample) ~ p.
+
+    A 512-token-vocabulary random model keeps each step cheap. 6 outcomes (top_k=6),
+    N = 1,600 steps: an unbiased sampler's total variation distance from p is ~0.023 on average
+    (sd ~0.009); the bound 0.055 (mean + 3.5 sd) fails a sampler returning the draft distribution q (TV(p, q) is
+    checked to be > 0.15 here, so the test can tell them apart).
+    """
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
+    model = load_model(cfg).model
+    prompt_ids = list(range(40, 70))
+    s = Sampling(temperature=0.3, top_k=6, seed=0)
+    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_exit="none")
+    prompt = torch.tensor([prompt_ids])
+    gen = torch.Generator().manual_seed(0)
+    state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(64), s, gen)
+    with torch.inference_mode():
+        h = model.forward(prompt, state.cache, start=0)
+        first = int(model.logits(h[:, -1])[0].argmax())
+        state.tokens.append(first)
+        base = state.n_cached
+        # target p and draft q conditional on prompt + first, computed independently
+        p = warp(model.logits(model.forward(torch.tensor([prompt_ids + [first]]), model.new_cache(64), start=0)[:, -1])[0], s)
+        q_cache = model.new_cache(64)
+        model.forward(prompt, q_cache, start=0)
+        q = warp(model.logits(model.forward(torch.tensor([[first]]), q_cache, start=base, skip=dec.skip_set)[:, -1])[0], s)
+        counts = torch.zeros_like(p)
+        n = 1600
+        for _ in range(n):
+            new = dec.step(state, budget=2)
+            counts[new[0]] += 1
+            state.cache.truncate(base)
+    tv_pq = 0.5 * (p - q).abs().sum()
+    tv = 0.5 * (counts / n - p).abs().sum()
+    assert tv_pq > 0.15, f"draft too close to target for a meaningful test (TV {tv_pq:.3f})"
+    assert tv < 0.055, f"total variation {tv:.4f} (TV(p, q) = {tv_pq:.3f})"
+
+
+def test_sampling_is_seeded_and_lossless_path_runs(tiny8, prompt_ids):
+    s = Sampling(temperature=0.8, top_p=0.9, seed=5)
+    a = dv(tiny8, [2], [3]).generate(prompt_ids, 20, s)
+    b = dv(tiny8, [2], [3]).generate(prompt_ids, 20, s)
+    assert a.tokens == b.tokens and len(a.tokens) == 20 and sum(a.drafted_per_step) > 0
+
+
+def test_adaptive_gamma_update_rule_and_carry_over(tiny8, prompt_ids):
+    dec = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], alpha=0.9, gamma0=0.6)
+    # Eq. 2-4 by hand: first stage AR = AR_1 (beta1 = 0)
+    dec.update_gamma(accepted=1, drafted=4, hit_max=False)  # AR 0.25 <= 0.9 -> raise
+    assert dec.ar == 0.25 and dec.gamma == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
+    g1 = dec.gamma
+    dec.update_gamma(accepted=4, drafted=4, hit_max=False)  # AR 0.625 -> raise again
+    assert dec.ar == pytest.approx(0.625) and dec.gamma == pytest.approx(0.9 * g1 + 0.1 * (g1 + 0.01))
+    dec.ar, g2 = 0.95, dec.gamma
+    dec.update_gamma(accepted=12, drafted=12, hit_max=True)  # above target but hit K: not lowered
+    assert dec.gamma == g2
+    dec.update_gamma(accepted=3, drafted=3, hit_max=False)  # above target -> lower
+    assert dec.gamma == pytest.approx(0.9 * g2 + 0.1 * (g2 - 0.01))
+    # state carries over between generate calls; reset restores gamma0
+    dec.reset_gamma()
+    g = dec.generate(prompt_ids, 30)
+    assert g.stats["gamma"] == dec.gamma != 0.6 and g.stats["verifications"] > 0
+    before = dec.gamma
+    dec.generate(prompt_ids, 30)
+    assert dec.gamma != before
+    dec.reset_gamma()
+    assert dec.gamma == 0.6 and dec.ar is None
+    static = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_exit="static")
+    static.generate(prompt_ids, 30)
+    assert static.gamma == 0.6
+
+
+def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
+    from selfspec.artefacts import save_artefact
+
+    skip = SkipSet.of(attn=[1, 7], mlp=[0])
+    save_artefact(tmp_path / "sk", "skip_set", skip_set_tensors(skip, 8), tiny8)
+    cfg = OmegaConf.create({"name": "draft_verify", "skip_set": str(tmp_path / "sk")})
+    assert resolve_skip_set(cfg, tiny8.model, tiny8.tokenizer) == skip
+    dec = build_decoder(cfg, tiny8.model, tokenizer=tiny8.tokenizer)
+    assert isinstance(dec, DraftVerify) and dec.skip_set == skip
+    with pytest.raises(ValueError, match="layers"):
+        dv(tiny8, [8], [])
+    with pytest.raises(ValueError, match="draft_exit"):
+        dv(tiny8, [1], [], draft_exit="sometimes")
+    missing = OmegaConf.create({"name": "draft_verify", "task": "no-such-task"})
+    import os
+    os.environ["SELFSPEC_OUTPUTS"] = str(tmp_path / "out")
+    try:
+        with pytest.raises(FileNotFoundError, match="search-skips"):
+            resolve_skip_set(missing, tiny8.model)
+    finally:
+        del os.environ["SELFSPEC_OUTPUTS"]
+
+
+@pytest.mark.parametrize("method", ["draft_verify", "draft_verify_static", "draft_verify_fixed_k"])
+def test_method_configs_compose(method):
+    cfg = compose([f"+method={method}", "job=skips"], config_name="train")
+    m = cfg.method
+    assert m.name == "draft_verify" and m.task == cfg.task.name
+    assert m.draft_exit == {"draft_verify": "adaptive", "draft_verify_static": "static", "draft_verify_fixed_k": "none"}[method]
