@@ -1,0 +1,124 @@
+"""Training artefacts as report inputs: BO traces, head-training histories, tree latency curves,
+PPD prompt-token accuracy by distance.
+
+Every artefact directory holds ``meta.json`` (:mod:`selfspec.artefacts`: kind, model, task,
+training config, metrics). Series are read from JSON-lines files next to it (the skip-set search
+writes its BO trace there, one line per evaluated candidate) or from list-valued entries of
+``meta.json``'s metrics. What each kind's job writes:
+
+``skip_set``  ``trace.jsonl``: ``{"iteration", <objective>...}`` per candidate
+``heads``     ``history.jsonl`` or ``metrics.history``: ``{"step", "loss", ...}`` per logged step
+``ppd_tree``  ``latency.jsonl`` or ``metrics.latency``: ``{"size", "latency", "accept_length"?}``
+``prompts``   ``metrics``: ``top1@d`` / ``top5@d`` on held-out ShareGPT (PPD Table 2)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: objective names a BO trace may use, in order of preference
+OBJECTIVES = ("speedup", "tokens_per_s", "objective", "target", "score")
+
+
+@dataclass
+class ArtefactInfo:
+    path: Path
+    kind: str
+    model: str | None
+    task: str | None
+    meta: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.meta.get("metrics") or {}
+
+
+def read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def find_artefacts(root: str | Path) -> list[ArtefactInfo]:
+    """Artefact directories (with a readable ``meta.json``) under ``root``; hidden ones (training
+    checkpoints, temporary directories) are skipped."""
+    root = Path(root)
+    out = []
+    if not root.is_dir():
+        return out
+    for meta_path in sorted(root.rglob("meta.json")):
+        d = meta_path.parent
+        if any(part.startswith(".") for part in d.relative_to(root).parts):
+            continue
+        meta = read_meta(d)
+        if meta is None or "kind" not in meta:
+            continue
+        out.append(ArtefactInfo(d, str(meta["kind"]), meta.get("model"), meta.get("task"), meta))
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        continue
+    except OSError:
+        return []
+    return rows
+
+
+def series(info: ArtefactInfo, names: tuple[str, ...], metric_key: str) -> list[dict[str, Any]]:
+    """The first of ``names`` (JSON-lines files in the artefact dir) that exists, else
+    ``metrics[metric_key]`` when it is a list of dicts."""
+    for name in names:
+        if (info.path / name).exists():
+            return read_jsonl(info.path / name)
+    value = info.metrics.get(metric_key)
+    if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return value
+    return []
+
+
+def bo_traces(artefacts: list[ArtefactInfo]) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
+    """``({artefact: points}, objective name)`` of the skip-set searches."""
+    traces = {a.label: series(a, ("trace.jsonl", "bo_trace.jsonl"), "trace") for a in artefacts if a.kind == "skip_set"}
+    traces = {k: v for k, v in traces.items() if v}
+    for name in OBJECTIVES:
+        if any(isinstance(p.get(name), (int, float)) for pts in traces.values() for p in pts):
+            return traces, name
+    return {}, None
+
+
+def heads_histories(artefacts: list[ArtefactInfo]) -> dict[str, list[dict[str, Any]]]:
+    out = {a.label: series(a, ("history.jsonl",), "history") for a in artefacts if a.kind == "heads"}
+    return {k: v for k, v in out.items() if v}
+
+
+def tree_curves(artefacts: list[ArtefactInfo]) -> dict[str, list[dict[str, Any]]]:
+    out = {a.label: series(a, ("latency.jsonl",), "latency") for a in artefacts if a.kind == "ppd_tree"}
+    return {k: v for k, v in out.items() if v}
+
+
+def prompt_accuracy(path: str | Path) -> dict[str, float]:
+    """``top1@d`` / ``top5@d`` of a prompts artefact (empty when it has none)."""
+    meta = read_meta(Path(path)) or {}
+    if meta.get("kind") != "prompts":
+        return {}
+    return {k: v for k, v in (meta.get("metrics") or {}).items()
+            if k.startswith("top") and "@" in k and isinstance(v, (int, float))}

@@ -1,0 +1,163 @@
+"""Build the whole report: tables (Markdown, LaTeX), plots (PNG) and ``index.html``.
+
+    result = build_report(inputs=["outputs/eval", "outputs/multirun"], out_dir="outputs/report")
+    result.index        # outputs/report/index.html
+    result.headline     # ["adadecode_main · smollm2-135m · AdaDecode: XSum 1.12×, ..."]
+
+Records are grouped by the ``report.table`` id their run's config carries (an experiment preset
+sets it; plain runs fall in the ``runs`` table). Output layout::
+
+    out_dir/tables/<table>.md, <table>.tex
+    out_dir/plots/speedup_<table>_<model>.png, gamma.png, exit_layers.png, bo_trace.png, ...
+    out_dir/index.html, report.md (all tables)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from selfspec.reporting import artefacts as art
+from selfspec.reporting import plots
+from selfspec.reporting.html import write_index
+from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout
+from selfspec.reporting.paper import paper_records
+from selfspec.reporting.records import Record, collect, find_runs, latest_only
+from selfspec.reporting.tables import METHOD_TITLE, Table, _method_rank, build_table, to_latex, to_markdown
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("md", "tex")
+
+
+@dataclass
+class ReportResult:
+    out_dir: Path
+    index: Path | None
+    tables: dict[str, Table] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+    plots: list[Path] = field(default_factory=list)
+    headline: list[str] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
+
+
+def group_by_table(records: Iterable[Record]) -> dict[str, list[Record]]:
+    groups: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        groups[r.table or DEFAULT.id].append(r)
+    return groups
+
+
+def headline(tables: dict[str, list[Record]]) -> list[str]:
+    """One line per (table, model, method under test): its speedup on each task."""
+    lines = []
+    for table_id, recs in tables.items():
+        layout = get_layout(table_id)
+        metric = layout.headline
+        per: dict[tuple, dict[str, Any]] = defaultdict(dict)
+        for r in recs:
+            if r.method == "vanilla" or not isinstance(r.metric(metric), (int, float)):
+                continue
+            name = METHOD_TITLE.get(r.method, r.method)
+            if r.variant:
+                name += f" [{r.variant}]"
+            if r.field("temperature") != "greedy":
+                name += f" ({r.field('temperature')})"
+            per[(r.model, _method_rank(r.method), name)][r.task] = r.metric(metric)
+        for (model, _, name), by_task in sorted(per.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
+            unit = "×" if metric == "speedup" else ""
+            cells = ", ".join(f"{TASK_TITLE.get(t, t)} {v:.2f}{unit}" for t, v in sorted(by_task.items(), key=lambda kv: str(kv[0])))
+            lines.append(f"{table_id} · {model} · {name}: {cells}")
+    return lines
+
+
+def build_report(
+    inputs: Iterable[str | Path],
+    out_dir: str | Path = "outputs/report",
+    artefacts_dir: str | Path | None = "outputs/artefacts",
+    tables: Iterable[str] | None = None,
+    *,
+    paper: bool = True,
+    formats: Iterable[str] = FORMATS,
+    make_plots: bool = True,
+    newest_only: bool = True,
+    extra_records: Iterable[Record] = (),
+) -> ReportResult:
+    """Regenerate every table, plot and the HTML page from the result files under ``inputs``."""
+    inputs = [Path(p) for p in inputs]
+    out_dir = Path(out_dir)
+    formats = list(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"report formats {unknown}: choose from {list(FORMATS)}")
+    wanted = list(tables) if tables is not None else None
+    for t in wanted or []:
+        get_layout(t)  # an unknown id stops here, naming the known ones
+    runs = find_runs(inputs)
+    records = collect(runs) + list(extra_records)
+    if newest_only:
+        records = latest_only(records)
+    by_table = group_by_table(records)
+    if wanted is not None:
+        by_table = {t: by_table[t] for t in wanted if t in by_table}
+        missing = [t for t in wanted if t not in by_table]
+        if missing:
+            log.warning("no results for table(s) %s under %s", ", ".join(missing), ", ".join(map(str, inputs)))
+    result = ReportResult(out_dir=out_dir, index=None, records=records)
+    (out_dir / "tables").mkdir(parents=True, exist_ok=True)
+    order = list(LAYOUTS) + [DEFAULT.id]
+    rendered = []
+    all_md = []
+    for table_id in sorted(by_table, key=lambda t: order.index(t) if t in order else len(order)):
+        layout = get_layout(table_id)
+        refs = paper_records(table_id) if paper and table_id in LAYOUTS else []
+        table = build_table(layout, by_table[table_id], refs)
+        result.tables[table_id] = table
+        files = {}
+        md = to_markdown(table)
+        all_md.append(md)
+        writers = {"md": lambda: md, "tex": lambda: to_latex(table)}
+        for fmt in formats:
+            path = out_dir / "tables" / f"{table_id}.{fmt}"
+            path.write_text(writers[fmt](), encoding="utf-8")
+            result.files.append(path)
+            files[fmt] = path.relative_to(out_dir).as_posix()
+        rendered.append((table, files))
+    if all_md:
+        (out_dir / "report.md").write_text("\n".join(all_md), encoding="utf-8")
+        result.files.append(out_dir / "report.md")
+
+    if make_plots:
+        result.plots = _plots(by_table, records, out_dir / "plots", artefacts_dir)
+    result.headline = headline(by_table)
+    result.index = write_index(out_dir, rendered, result.plots, result.headline,
+                               {"n_runs": len(runs), "inputs": inputs})
+    return result
+
+
+def _plots(by_table: dict[str, list[Record]], records: list[Record], plot_dir: Path,
+           artefacts_dir: str | Path | None) -> list[Path]:
+    made: list[Path | None] = []
+    for table_id, recs in by_table.items():
+        layout = get_layout(table_id)
+        if layout.headline != "speedup":
+            continue
+        for model in sorted({r.model for r in recs if r.model}):
+            made.append(plots.speedup_plot([r for r in recs if r.model == model],
+                                           plot_dir / f"speedup_{table_id}_{model}.png",
+                                           f"{layout.title}\n{model}"))
+    made.append(plots.gamma_plot(records, plot_dir / "gamma.png"))
+    made.append(plots.exit_layers_plot(records, plot_dir / "exit_layers.png"))
+    if artefacts_dir is not None:
+        found = art.find_artefacts(artefacts_dir)
+        traces, objective = art.bo_traces(found)
+        if traces:
+            made.append(plots.trace_plot(traces, plot_dir / "bo_trace.png", x="iteration", y=objective,
+                                         title="Draft & Verify skip-set search (BO trace)"))
+        made.append(plots.trace_plot(art.heads_histories(found), plot_dir / "heads_training.png", x="step",
+                                     y="loss", title="AdaDecode heads: training loss", best=None))
+        made.append(plots.tree_latency_plot(art.tree_curves(found), plot_dir / "tree_latency.png"))
+    return [p for p in made if p is not None]

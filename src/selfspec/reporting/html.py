@@ -1,0 +1,82 @@
+"""A static ``index.html``: every table and plot on one page, readable without W&B.
+
+Tables are rendered from the same :class:`~selfspec.reporting.tables.Table` objects as the
+Markdown and LaTeX files; plots are linked relative to the page, so the report directory can be
+copied or served as it is.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from typing import Any
+
+from selfspec.reporting.tables import Table, source_line
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}
+th,td{border:1px solid #ccc;padding:.25em .5em;text-align:right}th{background:#f4f4f4}
+td:first-child,th:first-child{text-align:left}
+tr.block td{background:#fafafa;font-style:italic;text-align:left}
+.notes{font-size:.8em;color:#555}.plots img{max-width:48%;margin:.3em;border:1px solid #eee}
+.headline{background:#f6fbff;border:1px solid #cde;padding:.6em 1em}
+code{background:#f4f4f4;padding:0 .2em}
+"""
+
+
+def table_html(table: Table) -> str:
+    e = html.escape
+    head = table.header + ["src"]
+    out = ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"]
+    for block in table.blocks:
+        out.append(f'<tr class="block"><td colspan="{len(head)}">{e(block.title)}</td></tr>')
+        for row in block.rows:
+            src = f'<a href="#src-{table.layout.id}-{row.source}">[{row.source}]</a>' if row.source else ""
+            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells]) + f"<td>{src}</td></tr>")
+    out.append("</table>")
+    notes = [f"<li>{e(n)}</li>" for n in table.notes]
+    notes += [f'<li id="src-{table.layout.id}-{i}">[{i}] {e(source_line(p))}</li>'
+              for i, p in enumerate(table.sources, 1)]
+    if notes:
+        out.append('<ul class="notes">' + "".join(notes) + "</ul>")
+    return "\n".join(out)
+
+
+def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots: list[Path],
+                headline: list[str], info: dict[str, Any]) -> Path:
+    """``out_dir/index.html`` with the headline, each table (links to its .md/.tex) and the plots."""
+    e = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>selfspec report</title>"
+             f"<style>{_STYLE}</style></head><body>",
+             "<h1>selfspec report</h1>",
+             f"<p class='notes'>Generated {e(time.strftime('%Y-%m-%d %H:%M:%S'))} by <code>python -m "
+             f"selfspec.report</code> from {e(str(info.get('n_runs', 0)))} run directories "
+             f"({e(', '.join(map(str, info.get('inputs', []))))}).</p>"]
+    if headline:
+        parts.append("<div class='headline'><b>Headline speedups</b><ul>"
+                     + "".join(f"<li>{e(h)}</li>" for h in headline) + "</ul></div>")
+    if not tables:
+        parts.append("<p>No results found. Run <code>make sweep EXPERIMENT=...</code> or "
+                     "<code>python -m selfspec.evaluate ...</code> first.</p>")
+    for table, files in tables:
+        links = " · ".join(f"<a href='{e(rel)}'>{e(kind)}</a>" for kind, rel in files.items())
+        parts.append(f"<h2 id='{e(table.layout.id)}'>{e(table.layout.title)}</h2>")
+        if table.layout.paper:
+            parts.append(f"<p class='notes'>Layout of {e(table.layout.paper)}. {links}</p>")
+        parts.append(table_html(table))
+    if plots:
+        parts.append("<h2>Plots</h2><div class='plots'>")
+        for p in plots:
+            rel = p.relative_to(out_dir).as_posix()
+            parts.append(f"<a href='{e(rel)}'><img src='{e(rel)}' alt='{e(p.stem)}' title='{e(p.stem)}'></a>")
+        parts.append("</div>")
+    parts.append("<p class='notes'>speedup = vanilla seconds per token ÷ method seconds per token on the "
+                 "same examples (same process, interleaved, after warm-up); τ = tokens committed per step, "
+                 "bonus token included (vanilla = 1.00); AR = accepted drafts ÷ drafted tokens; "
+                 "consistency = share of examples whose greedy tokens equal vanilla's.</p></body></html>")
+    path = out_dir / "index.html"
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path

@@ -1,0 +1,167 @@
+"""Table layouts, one per paper table: the ``report.table`` id an experiment preset sets.
+
+A layout says which record fields make a row (method, variant, temperature), which field makes
+the column groups (the task, in the paper's order) and which cells each group shows. Cells:
+
+``tps_speedup``      tokens/s with the speedup in parentheses: ``38.09 (1.14×)`` (AdaDecode Table 1)
+``speedup``          ``1.57×`` (speedup = vanilla s/token ÷ method s/token, same examples)
+``ms_per_token``     latency per token in ms (Draft & Verify Tables 1–2)
+``tau``              mean tokens committed per step, bonus token included (vanilla = 1.00)
+``acceptance_rate``  accepted drafts / drafted tokens (Draft & Verify Tables 3–4 "AR")
+``consistency``      share of examples whose greedy tokens equal vanilla's (AdaDecode ablation)
+``score``            the task's quality metric: ROUGE-2 (XSum, CNN/DM), pass@k (HumanEval),
+                     accuracy (GSM8K); MT-Bench has none here (LLM judge)
+any other name       that metric as recorded (e.g. ``top1@2`` for PPD's top-1 accuracy at token distance 2,
+                     read from the prompts artefact the run used)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: quality metric per task, as the papers report it
+TASK_SCORE = {
+    "xsum": ("rouge2", "ROUGE-2"),
+    "cnndm": ("rouge2", "ROUGE-2"),
+    "humaneval": ("pass@1", "pass@1"),
+    "gsm8k": ("accuracy", "Acc."),
+}
+
+TASK_TITLE = {
+    "xsum": "XSum", "cnndm": "CNN/DM", "humaneval": "HumanEval", "gsm8k": "GSM8K",
+    "mtbench": "MT-Bench", "alpaca": "Alpaca",
+}
+
+CELL_TITLE = {
+    "tps_speedup": "tok/s (speedup)",
+    "speedup": "Speedup",
+    "ms_per_token": "ms/token",
+    "tau": "τ",
+    "acceptance_rate": "AR",
+    "consistency": "Consistency",
+    "tokens_per_s": "tok/s",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one paper table is laid out; ``paper`` names the table the layout follows."""
+
+    id: str
+    title: str
+    paper: str
+    rows: tuple[str, ...] = ("method",)
+    #: record field whose values become column groups (None: one group)
+    columns: str | None = "task"
+    column_order: tuple[str, ...] = ()
+    cells: tuple[str, ...] = ("tps_speedup", "tau", "consistency", "score")
+    #: record metric used for the "speedup per method" plot and the headline
+    headline: str = "speedup"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+LAYOUTS: dict[str, Layout] = {
+    layout.id: layout
+    for layout in (
+        Layout(
+            id="main",
+            title="Every method and peer against vanilla on every task",
+            paper="",
+            column_order=("xsum", "cnndm", "humaneval", "gsm8k", "mtbench"),
+            cells=("tps_speedup", "tau", "acceptance_rate", "consistency", "score"),
+        ),
+        Layout(
+            id="adadecode_main",
+            title="AdaDecode main results: throughput per method and task",
+            paper="AdaDecode (ICML 2025) Table 1",
+            column_order=("xsum", "humaneval", "gsm8k"),
+            cells=("tps_speedup", "tau", "consistency", "score"),
+        ),
+        Layout(
+            id="adadecode_ablation",
+            title="AdaDecode ablation: verification, adaptive layers, head parameterisation",
+            paper="AdaDecode (ICML 2025) ablation table",
+            rows=("method", "variant"),
+            column_order=("humaneval",),
+            cells=("consistency", "speedup", "tau"),
+        ),
+        Layout(
+            id="dv_text",
+            title="Draft & Verify: text generation (greedy and sampling)",
+            paper="Draft & Verify Table 1",
+            rows=("method", "temperature"),
+            column_order=("cnndm", "xsum"),
+            cells=("score", "ms_per_token", "speedup", "tau"),
+        ),
+        Layout(
+            id="dv_code",
+            title="Draft & Verify: code generation (pass@1 greedy, pass@10 sampling)",
+            paper="Draft & Verify Table 2",
+            rows=("method", "temperature"),
+            column_order=("humaneval",),
+            cells=("pass@1", "pass@10", "ms_per_token", "speedup", "tau"),
+        ),
+        Layout(
+            id="dv_fixed_k",
+            title="Draft & Verify: a fixed number K of draft tokens (no draft exit)",
+            paper="Draft & Verify Table 3",
+            rows=("method", "variant"),
+            column_order=("cnndm",),
+            cells=("acceptance_rate", "speedup", "tau"),
+        ),
+        Layout(
+            id="dv_static",
+            title="Draft & Verify: static draft-exit threshold γ (K = 12) vs adaptive",
+            paper="Draft & Verify Table 4",
+            rows=("method", "variant"),
+            column_order=("cnndm",),
+            cells=("acceptance_rate", "speedup", "tau"),
+        ),
+        Layout(
+            id="ppd_speedup",
+            title="PPD: speedup across MT-Bench, HumanEval and GSM8K",
+            paper="PPD Table 1 and Figure 5",
+            rows=("method", "temperature"),
+            column_order=("mtbench", "humaneval", "gsm8k"),
+            cells=("tps_speedup", "tau", "score"),
+        ),
+        Layout(
+            id="ppd_accuracy",
+            title="PPD: prediction accuracy by token distance (@i) and top-k",
+            paper="PPD Table 2 (App. B.1)",
+            rows=("method", "variant"),
+            columns=None,
+            cells=("top1@1", "top5@1", "top1@2", "top5@2", "top1@3", "top5@3", "tau", "speedup"),
+            headline="top1@1",
+        ),
+        Layout(
+            id="del_main",
+            title="DEL: dynamic exit layer vs fixed early-exit self-speculation",
+            paper="DEL (COLM 2025) Tables 1–2 / OpenReview rebuttal",
+            column_order=("cnndm", "xsum", "humaneval", "gsm8k"),
+            cells=("tps_speedup", "tau", "acceptance_rate", "score"),
+        ),
+    )
+}
+
+#: layout for results whose run config names no ``report.table`` (plain evaluate runs)
+DEFAULT = Layout(
+    id="runs",
+    title="Evaluation runs without a preset",
+    paper="",
+    rows=("method", "temperature"),
+    cells=("tps_speedup", "tau", "acceptance_rate", "consistency", "score"),
+)
+
+
+def get_layout(table_id: str | None) -> Layout:
+    """The layout of ``table_id``; None gives :data:`DEFAULT`; an unknown id names the known ones."""
+    if table_id is None or table_id == DEFAULT.id:
+        return DEFAULT
+    try:
+        return LAYOUTS[table_id]
+    except KeyError:
+        raise ValueError(
+            f"unknown report.table {table_id!r}; known tables: {', '.join(sorted(LAYOUTS))} "
+            "(src/selfspec/reporting/layouts.py)"
+        ) from None

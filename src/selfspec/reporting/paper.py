@@ -1,0 +1,54 @@
+"""The papers' own figures (``paper_figures.yaml``) as :class:`~selfspec.reporting.records.Record` s.
+
+Only numbers printed in the papers we have (``shared/papers``) are listed, each citing its table
+and setting. A paper row sits *alongside* a measured row only when the paper's model is the
+run's model (``model`` in the data file equals the run's ``model.name``) and the setting (task,
+temperature) matches; otherwise it is shown in a separate "paper (<model>)" reference block.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from selfspec.reporting.records import Record
+
+DATA = Path(__file__).with_name("paper_figures.yaml")
+_SETTING = ("table", "source", "paper_model", "model", "method", "task", "variant", "temperature")
+
+
+@functools.lru_cache(maxsize=1)
+def _entries() -> tuple[dict[str, Any], ...]:
+    entries = yaml.safe_load(DATA.read_text())
+    for i, e in enumerate(entries):
+        missing = [k for k in ("table", "source", "paper_model", "method", "task") if k not in e]
+        if missing:
+            raise ValueError(f"{DATA} entry {i}: missing {', '.join(missing)}")
+    return tuple(entries)
+
+
+def paper_records(table: str | None = None) -> list[Record]:
+    """The paper figures of ``table`` (all tables when None). Missing speedups are derived from
+    the paper's vanilla row of the same table, model, task and temperature (marked ``derived``)."""
+    entries = [e for e in _entries() if table is None or e["table"] == table]
+    records = []
+    for e in entries:
+        metrics = {k: v for k, v in e.items() if k not in _SETTING}
+        records.append(Record(
+            table=e["table"], model=e.get("model"), task=e["task"], method=str(e["method"]),
+            variant=e.get("variant"), temperature=e.get("temperature", 0.0), metrics=metrics,
+            origin="paper", paper_model=e["paper_model"],
+            provenance={"source": e["source"]},
+        ))
+    vanilla = {(r.table, r.paper_model, r.task, r.field("temperature")): r
+               for r in records if r.method == "vanilla"}
+    for r in records:
+        if r.metric("speedup") is None and r.metric("tokens_per_s") is not None:
+            base = vanilla.get((r.table, r.paper_model, r.task, r.field("temperature")))
+            if base is not None and base.metric("tokens_per_s"):
+                r.metrics["speedup"] = r.metrics["tokens_per_s"] / base.metrics["tokens_per_s"]
+                r.provenance["source"] += " (speedup derived from the paper's tokens/s)"
+    return records

@@ -1,0 +1,195 @@
+"""PNG plots of records and training artefacts (matplotlib, Agg backend; no display needed).
+
+``speedup``        speedup per method, grouped by task (one figure per table and model)
+``gamma``          acceptance rate (and speedup) against the confidence threshold γ: AdaDecode's
+                   ``method.gamma``, Draft & Verify's static ``method.gamma0``, early exit's
+                   static draft-stop threshold (AdaDecode §4 robustness to γ; D&V Table 4)
+``exit_layers``    how often each exit layer emitted a token (decoder stats ``exit_layer_<l>``)
+``bo_trace``       the skip-set search: objective per iteration and best so far (D&V Figure 4)
+``heads_training`` intermediate-head training loss per step (AdaDecode heads artefact)
+``tree_latency``   forward latency and accepted length against tree size (PPD Figure 8)
+
+Each function returns the written path, or None when there is nothing to plot.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from selfspec.reporting.layouts import TASK_TITLE  # noqa: E402
+from selfspec.reporting.records import Record, _get  # noqa: E402
+from selfspec.reporting.tables import METHOD_TITLE, _method_rank  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+_EXIT_KEY = re.compile(r"^exit_layer_(\d+)$")
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _label(r: Record) -> str:
+    label = METHOD_TITLE.get(r.method, r.method)
+    return f"{label} ({r.variant})" if r.variant else label
+
+
+def speedup_plot(records: list[Record], path: Path, title: str, metric: str = "speedup") -> Path | None:
+    """Grouped bars: one group per task, one bar per method (the baseline's 1.0 as a line)."""
+    recs = [r for r in records if isinstance(r.metric(metric), (int, float))]
+    if not recs:
+        return None
+    tasks = sorted({r.task for r in recs}, key=lambda t: list(TASK_TITLE).index(t) if t in TASK_TITLE else 99)
+    methods = sorted({_label(r) for r in recs},
+                     key=lambda lab: _method_rank(next(r.method for r in recs if _label(r) == lab)) + (lab,))
+    value = {(r.task, _label(r)): r.metric(metric) for r in recs}
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(tasks) + 0.3 * len(methods)), 3.6))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(tasks))]
+        ys = [value.get((t, m), 0.0) for t in tasks]
+        bars = ax.bar(xs, ys, width, label=m)
+        for x, y in zip(xs, ys):
+            if y:
+                ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
+        del bars
+    if metric == "speedup":
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(tasks)), [TASK_TITLE.get(t, t) for t in tasks])
+    ax.set_ylabel(metric)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def threshold_of(r: Record) -> float | None:
+    """The confidence threshold γ a record ran with, when it ran with a fixed one."""
+    cfg = r.config
+    method_cfg = (cfg.get("method") or {}) if isinstance(cfg, dict) else {}
+    if r.method != method_cfg.get("name"):
+        return None
+    if r.method == "adadecode":
+        return _get(cfg, "method.gamma")
+    if r.method == "draft_verify" and _get(cfg, "method.draft_exit") == "static":
+        return _get(cfg, "method.gamma0")
+    stop = _get(cfg, "method.draft_stop")
+    if isinstance(stop, dict) and stop.get("rule") == "static":
+        return stop.get("threshold")
+    return None
+
+
+def gamma_plot(records: list[Record], path: Path) -> Path | None:
+    """Acceptance rate (solid) and speedup (dashed, right axis) against γ, per method and task."""
+    series: dict[tuple[str, str], list[tuple[float, Any, Any]]] = defaultdict(list)
+    for r in records:
+        g = threshold_of(r)
+        if isinstance(g, (int, float)):
+            series[(r.method, r.task)].append((float(g), r.metric("acceptance_rate"), r.metric("speedup")))
+    series = {k: sorted(v) for k, v in series.items() if len({g for g, _, _ in v}) >= 2}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax2 = ax.twinx()
+    for (method, task), pts in sorted(series.items()):
+        label = f"{METHOD_TITLE.get(method, method)}, {TASK_TITLE.get(task, task)}"
+        line, = ax.plot([g for g, a, _ in pts], [a if a is not None else float("nan") for _, a, _ in pts],
+                        marker="o", label=label)
+        ax2.plot([g for g, _, _ in pts], [s if s is not None else float("nan") for _, _, s in pts],
+                 marker="x", ls="--", color=line.get_color())
+    ax.set_xlabel("threshold γ")
+    ax.set_ylabel("acceptance rate (—)")
+    ax2.set_ylabel("speedup (- -)")
+    ax.set_title("Acceptance and speedup against the threshold γ", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def exit_layer_counts(stats: dict[str, Any]) -> dict[int, float]:
+    return {int(m.group(1)): float(v) for k, v in stats.items()
+            if (m := _EXIT_KEY.match(k)) and isinstance(v, (int, float))}
+
+
+def exit_layers_plot(records: list[Record], path: Path) -> Path | None:
+    """Share of early-emitted tokens per exit layer, one bar series per (method, task)."""
+    hists = {}
+    for r in records:
+        counts = exit_layer_counts(r.stats)
+        if counts and sum(counts.values()) > 0:
+            hists[(_label(r), r.task, r.model)] = counts
+    if not hists:
+        return None
+    layers = sorted({layer for c in hists.values() for layer in c})
+    width = 0.8 / len(hists)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(layers) + 3), 3.6))
+    for j, ((label, task, model), counts) in enumerate(sorted(hists.items())):
+        total = sum(counts.values())
+        xs = [i + (j - (len(hists) - 1) / 2) * width for i in range(len(layers))]
+        ax.bar(xs, [counts.get(layer, 0.0) / total for layer in layers], width,
+               label=f"{label}, {TASK_TITLE.get(task, task)} ({model})")
+    ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
+    ax.set_xlabel("exit layer (0-based; the layer whose head emitted the token)")
+    ax.set_ylabel("share of early tokens")
+    ax.set_title("Exit-layer histogram", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def trace_plot(traces: dict[str, list[dict[str, Any]]], path: Path, *, x: str, y: str, title: str,
+               ylabel: str | None = None, best: str | None = "max") -> Path | None:
+    """Line plot of ``y`` against ``x`` for each named trace (``best``: also the running max/min)."""
+    traces = {k: [p for p in v if isinstance(p.get(y), (int, float))] for k, v in traces.items()}
+    traces = {k: v for k, v in traces.items() if v}
+    if not traces:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, pts in sorted(traces.items()):
+        xs = [p.get(x, i) for i, p in enumerate(pts)]
+        ys = [p[y] for p in pts]
+        line, = ax.plot(xs, ys, marker=".", lw=0.8, label=name)
+        if best:
+            run, out = None, []
+            for v in ys:
+                run = v if run is None else (max(run, v) if best == "max" else min(run, v))
+                out.append(run)
+            ax.plot(xs, out, color=line.get_color(), lw=1.6, label=f"{name} (best so far)")
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel or y)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def tree_latency_plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
+    """Latency per forward pass against tree size (left), accept length if recorded (right)."""
+    curves = {k: sorted((p for p in v if isinstance(p.get("latency"), (int, float))), key=lambda p: p["size"])
+              for k, v in curves.items()}
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax2 = None
+    for name, pts in sorted(curves.items()):
+        line, = ax.plot([p["size"] for p in pts], [1000 * p["latency"] for p in pts], marker="o", label=name)
+        acc = [(p["size"], p["accept_length"]) for p in pts if isinstance(p.get("accept_length"), (int, float))]
+        if acc:
+            ax2 = ax2 or ax.twinx()
+            ax2.plot(*zip(*acc), ls="--", marker="x", color=line.get_color())
+            ax2.set_ylabel("expected accept length (- -)")
+    ax.set_xlabel("tree size (tokens per forward pass)")
+    ax.set_ylabel("forward latency (ms, —)")
+    ax.set_title("PPD: latency against tree size", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

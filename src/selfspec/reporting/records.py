@@ -1,0 +1,287 @@
+"""Result records: one per (run, method), read from evaluation run directories, W&B or the papers.
+
+An evaluation run directory (``python -m selfspec.evaluate``) holds ``summary.json`` (per-method
+figures, see :mod:`selfspec.evaluation.aggregate`), ``results.jsonl`` (one line per example and
+method) and Hydra's ``.hydra/`` (the composed config, the overrides and the config-group
+choices). Each method in a run becomes one :class:`Record` carrying where it came from: run
+directory, git commit, hardware and library versions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+SUMMARY = "summary.json"
+RESULTS = "results.jsonl"
+
+
+@dataclass
+class Record:
+    """One method's figures in one setting."""
+
+    table: str | None
+    model: str | None
+    task: str | None
+    method: str
+    metrics: dict[str, Any]
+    variant: str | None = None
+    temperature: Any = 0.0
+    #: ``run`` (a local run directory), ``wandb`` (pulled from W&B) or ``paper``
+    origin: str = "run"
+    #: run directory / W&B path / citation, commit, hardware, versions; ``artefacts``: inputs
+    provenance: dict[str, Any] = field(default_factory=dict)
+    #: mean per-example decoder statistics (exit layers, drafts, ...)
+    stats: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    #: the paper's own model name (origin="paper")
+    paper_model: str | None = None
+    experiment: str | None = None
+
+    def field(self, name: str) -> Any:
+        """A row/column field by name (``method``, ``variant``, ``temperature``, ``task``, ``model``)."""
+        if name == "temperature":
+            return _temperature(self.temperature)
+        return getattr(self, name)
+
+    def metric(self, name: str) -> Any:
+        return self.metrics.get(name)
+
+
+def _temperature(t: Any) -> str:
+    if isinstance(t, (int, float)):
+        return "greedy" if float(t) == 0.0 else f"T={float(t):g}"
+    return "greedy" if t is None else f"T={t}"
+
+
+# --- configs ------------------------------------------------------------------------------------
+def _get(d: Any, dotted: str, default: Any = None) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return default
+        d = d[part]
+    return d
+
+
+def _load_yaml(path: Path) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(path)
+
+
+def resolve_config(cfg: Any) -> dict[str, Any]:
+    """A plain dict of a (possibly unresolved) config; values whose interpolation cannot be
+    resolved outside the run (``${hydra:...}``) are kept as their raw string."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    if not isinstance(cfg, (DictConfig, ListConfig)):
+        return cfg
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, DictConfig):
+            out = {}
+            for key in node.keys():
+                try:
+                    out[str(key)] = walk(node[key])
+                except Exception:  # noqa: BLE001 — unresolvable interpolation
+                    out[str(key)] = OmegaConf.to_container(node, resolve=False).get(key)
+            return out
+        if isinstance(node, ListConfig):
+            items = []
+            for i in range(len(node)):
+                try:
+                    items.append(walk(node[i]))
+                except Exception:  # noqa: BLE001
+                    items.append(OmegaConf.to_container(node, resolve=False)[i])
+            return items
+        return node
+
+    return walk(cfg)
+
+
+def run_config(run_dir: Path, summary: dict[str, Any] | None = None) -> tuple[dict, list[str], dict]:
+    """(resolved config, command-line overrides, config-group choices) of a run directory."""
+    summary = summary or {}
+    cfg: dict[str, Any] = {}
+    if isinstance(summary.get("config"), dict):
+        cfg = resolve_config(summary["config"])
+    elif (run_dir / ".hydra" / "config.yaml").exists():
+        cfg = resolve_config(_load_yaml(run_dir / ".hydra" / "config.yaml"))
+    overrides: list[str] = []
+    if (run_dir / ".hydra" / "overrides.yaml").exists():
+        overrides = [str(o) for o in (_load_yaml(run_dir / ".hydra" / "overrides.yaml") or [])]
+    choices: dict[str, Any] = {}
+    if (run_dir / ".hydra" / "hydra.yaml").exists():
+        from omegaconf import OmegaConf
+
+        hydra_cfg = OmegaConf.to_container(_load_yaml(run_dir / ".hydra" / "hydra.yaml"), resolve=False)
+        choices = _get(hydra_cfg, "hydra.runtime.choices", {}) or {}
+    return cfg, overrides, choices
+
+
+_IGNORED_OVERRIDES = re.compile(r"^\+*(task|model|experiment|logger|hydra[./]|n_examples|report[.])")
+
+
+def variant_label(cfg: dict[str, Any], overrides: list[str], choices: dict[str, Any]) -> str | None:
+    """What distinguishes this run from its siblings in the same table.
+
+    ``report.variant`` (a preset sets it, usually as an interpolation such as
+    ``K=${method.max_draft}``) wins; else the method config chosen when it is not the method's
+    own name (``method=draft_verify_static``), plus the method overrides of the command line.
+    """
+    label = _get(cfg, "report.variant")
+    if label not in (None, ""):
+        return str(label)
+    parts = []
+    method_choice = choices.get("method")
+    if method_choice and method_choice != _get(cfg, "method.name"):
+        parts.append(str(method_choice))
+    parts += [o for o in overrides if o.startswith("method.")]
+    return ", ".join(parts) or None
+
+
+# --- summaries ----------------------------------------------------------------------------------
+#: keys of a per-method summary entry (selfspec.evaluation.aggregate.summarize) that are figures
+_FIGURES = ("n_examples", "new_tokens", "seconds", "tokens_per_s", "seconds_per_token", "speedup",
+            "tau", "acceptance_rate", "lossless", "consistency", "prefix_agreement")
+
+
+def _method_entries(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{method: entry}`` from a summary in either shape: ``{"methods": {...}, ...}`` or the bare
+    mapping :func:`selfspec.evaluation.aggregate.summarize` returns."""
+    if isinstance(summary.get("methods"), dict):
+        return summary["methods"]
+    return {k: v for k, v in summary.items() if isinstance(v, dict) and "speedup" in v}
+
+
+def entry_metrics(entry: dict[str, Any]) -> dict[str, Any]:
+    """Flat metrics of one method entry: the figures, the task metrics, ms per token."""
+    metrics = {k: entry.get(k) for k in _FIGURES if k in entry}
+    metrics.update(entry.get("metrics") or {})
+    spt = entry.get("seconds_per_token")
+    if spt is not None:
+        metrics["ms_per_token"] = 1000.0 * spt
+    return metrics
+
+
+def provenance(run_dir: Path | str, summary: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    info = summary.get("run_info") or summary.get("run") or {}
+    versions = info.get("versions") or {}
+    hardware = info.get("hardware") or {}
+    return {
+        "source": str(run_dir),
+        "commit": info.get("git_commit"),
+        "hardware": _hardware_line(hardware, info.get("device")),
+        "versions": ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "selfspec")),
+        "created": summary.get("finished") or summary.get("created"),
+        "mtime": _mtime(Path(run_dir) / SUMMARY),
+        "artefacts": sorted({p for paths in (summary.get("artefacts") or {}).values() for p in paths or []}),
+    }
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _hardware_line(hw: dict[str, Any], device: Any = None) -> str:
+    if not hw:
+        return str(device or "")
+    gpu = hw.get("gpu")
+    if gpu:
+        return f"{gpu} ×{hw.get('gpu_count', 1)}"
+    return f"CPU {hw.get('processor', '')} ({hw.get('cpu_threads', '?')} threads)".replace("  ", " ")
+
+
+def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source: str, origin: str,
+                         overrides: list[str] | None = None, choices: dict[str, Any] | None = None) -> list[Record]:
+    """One :class:`Record` per method of a summary, with the run's setting."""
+    overrides, choices = overrides or [], choices or {}
+    prov = provenance(source, summary, cfg)
+    variant = variant_label(cfg, overrides, choices)
+    baseline = _get(cfg, "baseline", "vanilla")
+    method_under_test = _get(cfg, "method.name")
+    artefacts = summary.get("artefacts") or {}
+    out = []
+    for method, entry in _method_entries(summary).items():
+        metrics = entry_metrics(entry)
+        for path in artefacts.get(method) or []:
+            # PPD Table 2: the prompt tokens' accuracy by distance, measured when they were trained
+            from selfspec.reporting.artefacts import prompt_accuracy
+
+            metrics.update({k: v for k, v in prompt_accuracy(path).items() if k not in metrics})
+        out.append(Record(
+            table=_get(cfg, "report.table"),
+            experiment=choices.get("experiment") or _get(cfg, "report.experiment"),
+            model=_get(cfg, "model.name"),
+            task=_get(cfg, "task.name"),
+            method=method,
+            # the variant describes the method under test; the baseline and peers are themselves
+            variant=variant if method == method_under_test and method != baseline else None,
+            temperature=_get(cfg, "sampling.temperature", 0.0),
+            metrics=metrics,
+            stats=entry.get("stats") or {},
+            origin=origin,
+            provenance=prov,
+            config=cfg,
+        ))
+    return out
+
+
+def read_run(run_dir: str | Path) -> list[Record]:
+    """The records of one evaluation run directory (empty when it has no summary yet)."""
+    run_dir = Path(run_dir)
+    path = run_dir / SUMMARY
+    if not path.exists():
+        return []
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        log.warning("skipping %s: unreadable summary (%s)", path, err)
+        return []
+    cfg, overrides, choices = run_config(run_dir, summary)
+    return records_from_summary(summary, cfg, source=str(run_dir), origin="run",
+                                overrides=overrides, choices=choices)
+
+
+def find_runs(inputs: Iterable[str | Path]) -> list[Path]:
+    """Evaluation run directories (those holding ``summary.json``) under each input, sorted."""
+    found: set[Path] = set()
+    for root in inputs:
+        root = Path(root)
+        if (root / SUMMARY).exists():
+            found.add(root)
+        elif root.is_dir():
+            found.update(p.parent for p in root.rglob(SUMMARY))
+        else:
+            log.info("no results under %s", root)
+    return sorted(found)
+
+
+def collect(inputs: Iterable[str | Path]) -> list[Record]:
+    """Every record under ``inputs`` (run directories or folders that contain them)."""
+    records: list[Record] = []
+    for run in find_runs(inputs):
+        records.extend(read_run(run))
+    return records
+
+
+def latest_only(records: list[Record]) -> list[Record]:
+    """Keep, per (table, model, task, method, variant, temperature), the record of the newest run
+    (by its summary's modification time), so a re-run replaces a table row."""
+    best: dict[tuple, Record] = {}
+    for r in records:
+        key = (r.table, r.model, r.task, r.method, r.variant, r.field("temperature"), r.paper_model)
+        if key not in best or r.provenance.get("mtime", 0.0) >= best[key].provenance.get("mtime", 0.0):
+            best[key] = r
+    return list(best.values())

@@ -1,0 +1,310 @@
+"""Paper-style tables (Markdown and LaTeX) from records.
+
+A :class:`Table` is built once from the records of one ``report.table`` id and rendered twice.
+Measured rows come in one block per model; each row carries a source mark ``[n]`` whose note
+gives the run directory, commit, hardware and library versions. Where the paper's model is the
+run's model, the paper's figure for the same method and setting sits in a ``paper`` column next to
+the measured cells; the paper's other models follow as a separate reference block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
+from selfspec.reporting.records import Record
+
+#: row order: the reference first, selfspec's methods, then the transformers peers
+METHOD_ORDER = ("vanilla", "draft_verify", "adadecode", "ppd", "early_exit", "del",
+                "hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
+METHOD_TITLE = {
+    "vanilla": "Vanilla", "draft_verify": "Draft & Verify", "adadecode": "AdaDecode", "ppd": "PPD",
+    "early_exit": "Early exit (LayerSkip)", "del": "DEL", "hf_generate": "HF generate",
+    "hf_prompt_lookup": "HF prompt lookup", "hf_early_exit": "HF early exit", "hf_assisted": "HF assisted",
+}
+MISSING = "–"
+
+
+def _method_rank(method: str) -> tuple[int, str]:
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
+def _num(value: Any, fmt: str) -> str:
+    if value is None or isinstance(value, bool):
+        return MISSING
+    if isinstance(value, (int, float)):
+        return format(value, fmt)
+    return str(value)
+
+
+def cell_title(cell: str, task: str | None) -> str:
+    if cell == "score":
+        return TASK_SCORE.get(task or "", (None, "score"))[1]
+    return CELL_TITLE.get(cell, cell)
+
+
+def format_cell(cell: str, record: Record | None) -> str:
+    """One cell of ``record`` (``–`` where the figure is missing)."""
+    if record is None:
+        return MISSING
+    m = record.metrics
+    if cell == "tps_speedup":
+        tps, speedup = m.get("tokens_per_s"), m.get("speedup")
+        if tps is None and speedup is None:
+            return MISSING
+        sp = f"({speedup:.2f}×)" if isinstance(speedup, (int, float)) else ""
+        return f"{_num(tps, '.2f')} {sp}".strip() if tps is not None else sp
+    if cell == "speedup":
+        v = m.get("speedup")
+        return f"{v:.2f}×" if isinstance(v, (int, float)) else MISSING
+    if cell == "ms_per_token":
+        return _num(m.get("ms_per_token"), ".1f")
+    if cell == "tau":
+        return _num(m.get("tau"), ".2f")
+    if cell == "score":
+        key = TASK_SCORE.get(record.task or "", (None, None))[0]
+        return _num(m.get(key), ".3f") if key else MISSING
+    return _num(m.get(cell), ".3f")
+
+
+@dataclass
+class Row:
+    label: str
+    cells: list[str]
+    source: int | None = None  # index into Table.sources (1-based), None for paper rows
+
+
+@dataclass
+class Block:
+    title: str
+    rows: list[Row]
+
+
+@dataclass
+class Table:
+    layout: Layout
+    groups: list[str | None]
+    #: per group, the cell kinds shown (plus "paper" where the paper matches)
+    group_cells: list[list[str]]
+    blocks: list[Block]
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def header(self) -> list[str]:
+        head = ["Method"]
+        for group, cells in zip(self.groups, self.group_cells):
+            prefix = f"{TASK_TITLE.get(group, group)} " if group is not None and len(self.groups) > 1 else ""
+            head += [f"{prefix}{cell_title(c, group) if c != 'paper' else 'paper'}" for c in cells]
+        return head
+
+
+def row_label(record: Record, layout: Layout) -> str:
+    parts = []
+    for f in layout.rows:
+        if f == "method":
+            parts.append(METHOD_TITLE.get(record.method, record.method))
+        elif f == "temperature":
+            parts.append(record.field("temperature"))
+        else:
+            value = record.field(f)
+            if value not in (None, ""):
+                parts.append(str(value))
+    label = ", ".join(parts)
+    if record.metrics.get("lossless") is False:
+        label += " †"
+    return label
+
+
+def _row_key(record: Record, layout: Layout) -> tuple:
+    key = []
+    for f in layout.rows:
+        if f == "method":
+            key.append(_method_rank(record.method))
+        elif f == "temperature":
+            t = record.temperature
+            key.append((0, float(t)) if isinstance(t, (int, float)) else (1, str(t)))
+        else:
+            v = record.field(f)
+            key.append((v is not None, str(v or "")))
+    return tuple(key)
+
+
+def _groups(records: list[Record], layout: Layout) -> list[str | None]:
+    if layout.columns is None:
+        return [None]
+    present = {r.field(layout.columns) for r in records}
+    ordered = [c for c in layout.column_order if c in present]
+    return ordered + sorted(str(c) for c in present - set(ordered) if c is not None)
+
+
+def _paper_cell(layout: Layout) -> str:
+    """The cell the ``paper`` column repeats: the layout's first tokens/s or speedup-like cell."""
+    for c in layout.cells:
+        if c in ("tps_speedup", "speedup"):
+            return c
+    return layout.cells[0]
+
+
+def _setting_key(r: Record, layout: Layout) -> tuple:
+    return (r.method, r.variant if "variant" in layout.rows else None, r.field("temperature"), r.task)
+
+
+def build_table(layout: Layout, measured: list[Record], paper: list[Record] | None = None) -> Table:
+    """The table of ``layout`` from measured records and the paper's (``paper=None``: none)."""
+    paper = paper or []
+    groups = _groups(measured or paper, layout)
+    models = sorted({r.model for r in measured if r.model is not None})
+    matching = [p for p in paper if p.model is not None and p.model in models]
+    reference = [p for p in paper if p not in matching]
+    paper_by_setting = {(p.model,) + _setting_key(p, layout): p for p in matching}
+    paper_groups = {p.field(layout.columns) if layout.columns else None for p in matching}
+    group_cells = [list(layout.cells) + (["paper"] if g in paper_groups and matching else []) for g in groups]
+    table = Table(layout=layout, groups=groups, group_cells=group_cells, blocks=[])
+    pcell = _paper_cell(layout)
+
+    for model in models:
+        mine = [r for r in measured if r.model == model]
+        by_row: dict[tuple, dict[Any, Record]] = {}
+        labels: dict[tuple, str] = {}
+        for r in sorted(mine, key=lambda r: _row_key(r, layout)):
+            key = _row_key(r, layout)
+            labels.setdefault(key, row_label(r, layout))
+            by_row.setdefault(key, {})[r.field(layout.columns) if layout.columns else None] = r
+        rows = []
+        for key, per_group in by_row.items():
+            cells: list[str] = []
+            source = None
+            for group, kinds in zip(groups, group_cells):
+                rec = per_group.get(group)
+                for kind in kinds:
+                    if kind == "paper":
+                        ref = paper_by_setting.get((model,) + _setting_key(rec, layout)) if rec else None
+                        cells.append(format_cell(pcell, ref))
+                    else:
+                        cells.append(format_cell(kind, rec))
+                if rec is not None and source is None:
+                    source = table_source(table, rec)
+            rows.append(Row(labels[key], cells, source))
+        table.blocks.append(Block(f"{model} (measured)", rows))
+
+    for paper_model in sorted({p.paper_model for p in reference if p.paper_model}):
+        recs = [p for p in reference if p.paper_model == paper_model]
+        by_row: dict[tuple, dict[Any, Record]] = {}
+        labels = {}
+        for r in sorted(recs, key=lambda r: _row_key(r, layout)):
+            key = _row_key(r, layout)
+            labels.setdefault(key, row_label(r, layout))
+            by_row.setdefault(key, {})[r.field(layout.columns) if layout.columns else None] = r
+        rows = []
+        for key, per_group in by_row.items():
+            cells = []
+            for group, kinds in zip(groups, group_cells):
+                rec = per_group.get(group)
+                cells += [format_cell(k, rec) if k != "paper" else "" for k in kinds]
+            rows.append(Row(labels[key], cells))
+        sources = sorted({p.provenance["source"] for p in recs})
+        table.blocks.append(Block(f"paper ({paper_model}), reference only: {'; '.join(sources)}", rows))
+
+    if matching:
+        table.notes.append("paper: " + "; ".join(sorted({p.provenance['source'] for p in matching})))
+    if any(r.metrics.get("lossless") is False for r in measured):
+        table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
+    table.notes += list(layout.notes)
+    return table
+
+
+def table_source(table: Table, record: Record) -> int:
+    """The 1-based index of ``record``'s provenance in ``table.sources`` (added when new)."""
+    prov = record.provenance
+    for i, s in enumerate(table.sources):
+        if s.get("source") == prov.get("source"):
+            return i + 1
+    table.sources.append(prov)
+    return len(table.sources)
+
+
+def source_line(prov: dict[str, Any]) -> str:
+    parts = [str(prov.get("source"))]
+    for key in ("commit", "hardware", "versions"):
+        if prov.get(key):
+            parts.append(f"{key} {prov[key]}" if key == "commit" else str(prov[key]))
+    return " — ".join(parts)
+
+
+# --- rendering -----------------------------------------------------------------------------------
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def to_markdown(table: Table) -> str:
+    layout = table.layout
+    lines = [f"### {layout.title}", ""]
+    if layout.paper:
+        lines += [f"Layout of {layout.paper}. speedup = vanilla s/token ÷ method s/token on the same "
+                  "examples; τ = tokens per step incl. the bonus token.", ""]
+    header = table.header + ["src"]
+    for block in table.blocks:
+        lines.append(f"**{_md_escape(block.title)}**")
+        lines.append("")
+        lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
+        lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + [":-:"]) + "|")
+        for row in block.rows:
+            src = f"[{row.source}]" if row.source else ""
+            lines.append("| " + " | ".join(_md_escape(c) for c in [row.label, *row.cells, src]) + " |")
+        lines.append("")
+    for note in table.notes:
+        lines.append(f"- {_md_escape(note)}")
+    for i, prov in enumerate(table.sources, 1):
+        lines.append(f"- [{i}] {_md_escape(source_line(prov))}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+_TEX_SPECIAL = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
+                "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}",
+                "×": r"$\times$", "τ": r"$\tau$", "γ": r"$\gamma$", "†": r"$^\dagger$", "–": "--",
+                "—": "---", "≥": r"$\geq$"}
+
+
+def tex_escape(text: str) -> str:
+    return "".join(_TEX_SPECIAL.get(ch, ch) for ch in str(text))
+
+
+def to_latex(table: Table) -> str:
+    layout = table.layout
+    ncols = 1 + sum(len(c) for c in table.group_cells)
+    lines = [r"\begin{table}[t]", r"\centering", r"\small",
+             r"\begin{tabular}{l" + "".join("r" * len(c) for c in table.group_cells) + "}", r"\toprule"]
+    if any(g is not None for g in table.groups) and len(table.groups) > 1:
+        head, rules, col = [""], [], 2
+        for group, cells in zip(table.groups, table.group_cells):
+            head.append(rf"\multicolumn{{{len(cells)}}}{{c}}{{{tex_escape(TASK_TITLE.get(group, group))}}}")
+            rules.append(rf"\cmidrule(lr){{{col}-{col + len(cells) - 1}}}")
+            col += len(cells)
+        lines.append(" & ".join(head) + r" \\")
+        lines.append(" ".join(rules))
+        sub = ["Method"] + [cell_title(c, g) if c != "paper" else "paper"
+                            for g, cells in zip(table.groups, table.group_cells) for c in cells]
+    else:
+        sub = table.header
+    lines.append(" & ".join(tex_escape(h) for h in sub) + r" \\")
+    lines.append(r"\midrule")
+    for block in table.blocks:
+        lines.append(rf"\multicolumn{{{ncols}}}{{l}}{{\textit{{{tex_escape(block.title)}}}}} \\")
+        for row in block.rows:
+            label = tex_escape(row.label) + (f"$^{{[{row.source}]}}$" if row.source else "")
+            lines.append(" & ".join([label, *(tex_escape(c) for c in row.cells)]) + r" \\")
+        lines.append(r"\midrule" if block is not table.blocks[-1] else r"\bottomrule")
+    if not table.blocks:
+        lines.append(r"\bottomrule")
+    lines.append(r"\end{tabular}")
+    caption = tex_escape(layout.title) + (f" (layout of {tex_escape(layout.paper)})" if layout.paper else "")
+    lines.append(rf"\caption{{{caption}}}")
+    lines.append(rf"\label{{tab:{layout.id}}}")
+    notes = [tex_escape(n) for n in table.notes]
+    notes += [f"[{i}] " + tex_escape(source_line(p)) for i, p in enumerate(table.sources, 1)]
+    if notes:
+        lines.append(r"\par\footnotesize " + r" \\ ".join(notes))
+    lines.append(r"\end{table}")
+    return "\n".join(lines) + "\n"
