@@ -1,0 +1,220 @@
+"""``job=prompts``: train PPD's prompt-token embeddings by knowledge distillation (PPD §3.3).
+
+* Only the ``[m, n_ept, hidden]`` prompt embeddings train (:class:`selfspec.prompts.PromptTokens`,
+  initialised from ordinary token embeddings); the base model is frozen.
+* **Random insertion** (PPD §3.3): each micro-batch is one ShareGPT conversation, truncated
+  randomly to ``context_length`` tokens, with ``inserts`` random insertion points ``i``; after
+  each, the chain of ``m`` prompt tokens (× EPTs, ensemble attention mask, PPD App. B.5.1) sits at
+  positions ``i+1…i+m`` and sees ``x[0..i]`` only.
+* **Knowledge distillation** (PPD Eq. 1): prompt token ``d`` at ``i`` is trained towards the
+  frozen model's distribution of the token at distance ``d``, i.e. its logits at real position
+  ``i+d``: ``L = 1/m · Σ_d α^(d−1) · KL(teacher_d ‖ student_d)``, student logits = EPT average.
+
+Teacher logits and the student's context come from **one frozen pass** over the sequence,
+without gradients, that fills a layer cache; the prompt tokens of all insertion points then run
+as one small batch of queries against that cache with a tree-style mask. Real tokens never
+attend to prompt tokens, so the teacher is exact, and the expensive pass over the sequence keeps
+no activations — cheaper than one combined forward (which would store them for backward) and
+than a separate teacher pass (which would run the sequence twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.prompts import PromptTokens, save_prompts
+
+log = logging.getLogger(__name__)
+
+SHAREGPT_HUB = ("anon8231489123/ShareGPT_Vicuna_unfiltered", "ShareGPT_V3_unfiltered_cleaned_split.json")
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+         "assistant": "assistant", "system": "system"}
+
+
+# --- data ------------------------------------------------------------------------------------
+def sharegpt_path(cfg) -> Path | None:
+    """``job.data`` (a local ShareGPT JSON), else ``job.hub_id`` downloaded from the hub, else
+    ``None`` = the offline asset (DESIGN.md, Offline assets)."""
+    if cfg.get("data"):
+        return Path(str(cfg.data))
+    if cfg.get("hub_id"):
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(str(cfg.hub_id), SHAREGPT_HUB[1], repo_type="dataset"))
+    return None
+
+
+def conversation_text(record: dict, tokenizer, chat: bool) -> str | None:
+    turns = [(ROLES.get(str(t.get("from", "")).lower()), str(t.get("value", "")))
+             for t in record.get("conversations", [])]
+    turns = [(r, v) for r, v in turns if r and v.strip()]
+    if not turns:
+        return None
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": r, "content": v} for r, v in turns], tokenize=False)
+    return "\n\n".join(f"{r}: {v}" for r, v in turns)
+
+
+def load_sequences(path, tokenizer, chat: bool, n: int, min_tokens: int, max_tokens: int) -> list[torch.Tensor]:
+    """The first ``n`` usable ShareGPT conversations, tokenised and cut at ``max_tokens``
+    (a random window is taken later)."""
+    from selfspec.tasks.sharegpt import iter_sharegpt
+
+    seqs = []
+    for record in iter_sharegpt(path):
+        text = conversation_text(record, tokenizer, chat)
+        if text is None:
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_tokens]
+        if len(ids) >= min_tokens:
+            seqs.append(torch.tensor(ids, dtype=torch.long))
+        if len(seqs) >= n:
+            break
+    if not seqs:
+        raise ValueError(f"no ShareGPT conversation with >= {min_tokens} tokens in {path or 'the sharegpt asset'}; "
+                         "check job.data")
+    return seqs
+
+
+def sample_batch(seqs: list[torch.Tensor], index: int, seed: int, context_length: int, inserts: int,
+                 m: int) -> dict:
+    """Micro-batch ``index`` (deterministic in it): a random window of a random conversation and
+    ``inserts`` distinct insertion points with ``m`` real tokens after each (PPD §3.3)."""
+    rng = random.Random(seed * 1_000_003 + index)
+    ids = seqs[rng.randrange(len(seqs))]
+    length = min(len(ids), context_length)
+    start = rng.randrange(len(ids) - length + 1)
+    length = rng.randint(min(length, 2 * m + 2), length)  # random truncation
+    ids = ids[start: start + length]
+    points = rng.sample(range(length - m), min(inserts, length - m))
+    return {"ids": ids, "inserts": torch.tensor(sorted(points), dtype=torch.long)}
+
+
+# --- the forward of training --------------------------------------------------------------------
+def insertion_mask(n: int, inserts: torch.Tensor, m: int, n_ept: int) -> torch.Tensor:
+    """``[k·m·n_ept, n + k·m·n_ept]`` bool: prompt slot (group g, prompt p, EPT e) sees real
+    tokens ``0…inserts[g]`` and EPT ``e`` of prompts ``1…p`` of group ``g`` (ensemble mask)."""
+    dev = inserts.device
+    k = int(inserts.numel())
+    sp = torch.arange(m, device=dev).repeat_interleave(n_ept).repeat(k)
+    se = torch.arange(n_ept, device=dev).repeat(m * k)
+    sg = torch.arange(k, device=dev).repeat_interleave(m * n_ept)
+    real = torch.arange(n, device=dev).unsqueeze(0) <= inserts[sg].unsqueeze(1)
+    same = (sg[:, None] == sg[None]) & (se[:, None] == se[None]) & (sp[None] <= sp[:, None])
+    return torch.cat([real, same], dim=1)
+
+
+def student_teacher(model, prompts: PromptTokens, ids: torch.Tensor, inserts: torch.Tensor):
+    """-> (student logits ``[k, m, V]`` (EPT-averaged, with grad), teacher logits ``[k, m, V]``)."""
+    m, e = prompts.m, prompts.n_ept
+    ids = ids.to(model.device)
+    inserts = inserts.to(model.device)
+    n, k = int(ids.numel()), int(inserts.numel())
+    cache = model.new_cache(n + k * m * e)
+    dist = torch.arange(1, m + 1, device=model.device)
+    with torch.no_grad():
+        h = model.forward(ids.view(1, -1), cache, start=0)
+        teacher = model.logits(h[0, (inserts[:, None] + dist).reshape(-1)]).view(k, m, -1)
+    emb = prompts.chain().repeat(k, 1).unsqueeze(0)
+    positions = (inserts.repeat_interleave(m * e) + dist.repeat_interleave(e).repeat(k)).unsqueeze(0)
+    mask = model.prepare_mask(insertion_mask(n, inserts, m, e))
+    hs = model.forward(None, cache, start=n, mask=mask, positions=positions, h=emb)
+    student = PromptTokens.ensemble(model.logits(hs[0]).view(k, m, e, -1))
+    return student, teacher
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPD Eq. 1: ``1/m Σ_d α^(d−1) KL(teacher_d ‖ student_d)`` (mean over insertion points).
+    Returns (loss, per-distance KL ``[m]``)."""
+    t_logp = F.log_softmax(teacher.float(), -1)
+    s_logp = F.log_softmax(student.float(), -1)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean(0)  # [m]
+    weights = alpha ** torch.arange(kl.numel(), device=kl.device, dtype=kl.dtype)
+    return (weights * kl).mean(), kl.detach()
+
+
+def topk_accuracy(student: torch.Tensor, teacher: torch.Tensor, ks=(1, 5)) -> dict[str, torch.Tensor]:
+    """PPD Table 2: does the student's top-k at distance d hold the frozen model's argmax? ``{k: [m]}``."""
+    target = teacher.argmax(-1, keepdim=True)
+    order = student.topk(max(ks), -1).indices
+    return {k: (order[..., :k] == target).any(-1).float().mean(0) for k in ks}
+
+
+# --- the job -------------------------------------------------------------------------------------
+def run(cfg) -> dict:
+    from selfspec.artefacts import default_artefact_dir
+    from selfspec.models.loading import load_model
+    from selfspec.runinfo import run_info  # noqa: F401  (recorded by save_artefact)
+    from selfspec.tracking import start_run
+    from selfspec.training.loop import TrainConfig, clear_checkpoint, train
+
+    job = cfg.job
+    m, n_ept, alpha = int(job.m), int(job.n_ept), float(job.alpha)
+    if not 0 < alpha <= 1:
+        raise ValueError(f"job.alpha (KL decay per token distance) must be in (0, 1], got {alpha}")
+    tcfg = TrainConfig.from_config(job)
+    tcfg.seed = int(cfg.seed)
+    loaded = load_model(cfg.model)
+    model = loaded.model
+    L, inserts = int(job.context_length), int(job.inserts)
+    if L < 2 * m + 2:
+        raise ValueError(f"job.context_length={L} is too short for m={m} prompt tokens")
+    t0 = time.perf_counter()
+    seqs = load_sequences(sharegpt_path(job), loaded.tokenizer, loaded.chat,
+                          int(job.n_conversations) + int(job.held_out), 2 * m + 2, 4 * L)
+    held, train_seqs = seqs[: int(job.held_out)], seqs[int(job.held_out):]
+    if not train_seqs:
+        raise ValueError(f"only {len(seqs)} conversations loaded, all held out; lower job.held_out")
+    log.info("ShareGPT: %d train / %d held-out conversations (%.1fs)", len(train_seqs), len(held),
+             time.perf_counter() - t0)
+    prompts = PromptTokens.init_from_tokens(model, m, n_ept, seed=int(cfg.seed))
+    eval_batches = [sample_batch(held, i, int(cfg.seed) + 1, L, int(job.eval_inserts), m)
+                    for i in range(len(held))]
+
+    def loss_fn(module, batch):
+        student, teacher = student_teacher(model, module, batch["ids"], batch["inserts"])
+        loss, kl = distillation_loss(student, teacher, alpha)
+        return loss, {f"kl@{d + 1}": float(kl[d]) for d in range(m)}
+
+    def eval_fn(module):
+        hits, total = {1: torch.zeros(m), 5: torch.zeros(m)}, 0
+        kls = torch.zeros(m)
+        for b in eval_batches:
+            student, teacher = student_teacher(model, module, b["ids"], b["inserts"])
+            k = int(b["inserts"].numel())
+            for key, acc in topk_accuracy(student, teacher).items():
+                hits[key] += acc.cpu() * k
+            kls += distillation_loss(student, teacher, alpha)[1].cpu() * k
+            total += k
+        out = {f"top{key}@{d + 1}": float(hits[key][d] / total) for key in hits for d in range(m)}
+        out.update({f"kl@{d + 1}": float(kls[d] / total) for d in range(m)})
+        return out
+
+    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("prompts", loaded.name)
+    ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
+    tracker = start_run(cfg, job_type="train-prompts")
+    result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, int(cfg.seed), L, inserts, m),
+                   tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn)
+    final = result["eval"][-1] if result["eval"] else {}
+    metrics = {**{k.removeprefix("eval/"): v for k, v in final.items() if k != "step"},
+               "train_seconds": result["seconds"], "steps": result["step"],
+               "initial": result["eval"][0] if result["eval"] else {},
+               "final_loss": result["history"][-1]["loss"] if result["history"] else None,
+               "params": prompts.embeddings.numel(),
+               "param_fraction": prompts.embeddings.numel() / sum(p.numel() for p in model.hf.parameters()),
+               "bytes": prompts.num_bytes()}
+    save_prompts(out_dir, prompts, loaded, train_config=job, metrics=metrics)
+    clear_checkpoint(ckpt_dir)
+    tracker.summary(metrics)
+    tracker.table("accuracy", [{"distance": d + 1, "top1": metrics.get(f"top1@{d + 1}"),
+                                "top5": metrics.get(f"top5@{d + 1}")} for d in range(m)])
+    tracker.log_artifact(out_dir, kind="prompts")
+    tracker.finish()
+    log.info("prompts artefact -> %s (%s)", out_dir, {k: v for k, v in metrics.items() if "@" in k})
+    return {"artefact": str(out_dir), **metrics}
