@@ -18,6 +18,58 @@ any other name       that metric as recorded (e.g. ``top1@2`` for PPD's top-1 ac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def _cfg(cfg: dict[str, Any], dotted: str, default: Any = None) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(cfg, dict) or part not in cfg:
+            return default
+        cfg = cfg[part]
+    return cfg
+
+
+def adadecode_ablation_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
+    """The AdaDecode ablation row (§4.3) a method config is: conf/method/adadecode_*.yaml."""
+    if _cfg(cfg, "method.name") == "adadecode_noverify":
+        return "w/o verification"
+    if _cfg(cfg, "method.exit_layers") == "middle":
+        return "fixed layer"
+    kind = _cfg(cfg, "method.head_kind")
+    if kind == "lm_head":
+        return "original LM head"
+    if kind == "full":
+        return "full-parameterised head"
+    if _cfg(cfg, "method.heads_task") == "mixed":
+        return "mixed-domain head"
+    return "full"
+
+
+def fixed_k_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
+    """Draft & Verify Table 3: K drafts per step, no draft exit."""
+    return f"K={_cfg(cfg, 'method.max_draft')}"
+
+
+def draft_exit_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
+    """Draft & Verify Table 4: a static threshold γ, or the adaptive rule from its initial γ0."""
+    gamma0 = _cfg(cfg, "method.gamma0")
+    if _cfg(cfg, "method.draft_exit") == "adaptive":
+        return f"adaptive (γ0={gamma0:g})" if isinstance(gamma0, (int, float)) else "adaptive"
+    return f"γ={gamma0:g}" if isinstance(gamma0, (int, float)) else str(gamma0)
+
+
+def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
+    """PPD Table 2 rows: the prompt tokens' count m, EPTs per token and training steps."""
+    from selfspec.reporting.artefacts import read_meta
+
+    for path in (summary.get("artefacts") or {}).get(_cfg(cfg, "method.name"), []) or []:
+        from pathlib import Path
+
+        meta = read_meta(Path(path)) or {}
+        if meta.get("kind") == "prompts":
+            tc = meta.get("train_config") or {}
+            return f"m={tc.get('m')}, EPT={tc.get('n_ept')}, {tc.get('steps')} steps"
+    return None
 
 #: quality metric per task, as the papers report it
 TASK_SCORE = {
@@ -57,6 +109,8 @@ class Layout:
     cells: tuple[str, ...] = ("tps_speedup", "tau", "consistency", "score")
     #: record metric used for the "speedup per method" plot and the headline
     headline: str = "speedup"
+    #: the row's variant from a run's (config, summary); None: generic (method config + overrides)
+    variant: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -81,9 +135,10 @@ LAYOUTS: dict[str, Layout] = {
             id="adadecode_ablation",
             title="AdaDecode ablation: verification, adaptive layers, head parameterisation",
             paper="AdaDecode (ICML 2025) ablation table",
-            rows=("method", "variant"),
+            rows=("variant",),
             column_order=("humaneval",),
             cells=("consistency", "speedup", "tau"),
+            variant=adadecode_ablation_variant,
         ),
         Layout(
             id="dv_text",
@@ -106,6 +161,7 @@ LAYOUTS: dict[str, Layout] = {
             title="Draft & Verify: a fixed number K of draft tokens (no draft exit)",
             paper="Draft & Verify Table 3",
             rows=("method", "variant"),
+            variant=fixed_k_variant,
             column_order=("cnndm",),
             cells=("acceptance_rate", "speedup", "tau"),
         ),
@@ -114,6 +170,7 @@ LAYOUTS: dict[str, Layout] = {
             title="Draft & Verify: static draft-exit threshold γ (K = 12) vs adaptive",
             paper="Draft & Verify Table 4",
             rows=("method", "variant"),
+            variant=draft_exit_variant,
             column_order=("cnndm",),
             cells=("acceptance_rate", "speedup", "tau"),
         ),
@@ -131,6 +188,7 @@ LAYOUTS: dict[str, Layout] = {
             paper="PPD Table 2 (App. B.1)",
             rows=("method", "variant"),
             columns=None,
+            variant=prompts_variant,
             cells=("top1@1", "top5@1", "top1@2", "top5@2", "top1@3", "top5@3", "tau", "speedup"),
             headline="top1@1",
         ),

@@ -208,7 +208,13 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
     """One :class:`Record` per method of a summary, with the run's setting."""
     overrides, choices = overrides or [], choices or {}
     prov = provenance(source, summary, cfg)
-    variant = variant_label(cfg, overrides, choices)
+    from selfspec.reporting.layouts import LAYOUTS
+
+    layout = LAYOUTS.get(_get(cfg, "report.table"))
+    if layout is not None and layout.variant is not None:
+        variant = layout.variant(cfg, summary)
+    else:
+        variant = variant_label(cfg, overrides, choices)
     baseline = _get(cfg, "baseline", "vanilla")
     method_under_test = _get(cfg, "method.name")
     artefacts = summary.get("artefacts") or {}

@@ -111,7 +111,7 @@ def row_label(record: Record, layout: Layout) -> str:
             value = record.field(f)
             if value not in (None, ""):
                 parts.append(str(value))
-    label = ", ".join(parts)
+    label = ", ".join(parts) or METHOD_TITLE.get(record.method, record.method)
     if record.metrics.get("lossless") is False:
         label += " †"
     return label
@@ -148,7 +148,8 @@ def _paper_cell(layout: Layout) -> str:
 
 
 def _setting_key(r: Record, layout: Layout) -> tuple:
-    return (r.method, r.variant if "variant" in layout.rows else None, r.field("temperature"), r.task)
+    """What must agree for a paper figure to sit next to a measured one: the row fields and task."""
+    return tuple(r.field(f) for f in layout.rows if f != "model") + (r.task,)
 
 
 def build_table(layout: Layout, measured: list[Record], paper: list[Record] | None = None) -> Table:
