@@ -1,0 +1,467 @@
+"""Early-exit self-speculative decoding (LayerSkip) and its DEL controller (COLM 2025).
+
+**Early exit** (``method=early_exit``; LayerSkip self-speculation, DEL §2-3). Exit layer ``ℓ``
+(0-based, the convention of :mod:`selfspec.heads`: the head at ``ℓ`` reads the hidden state
+*after* layer ``ℓ``; LayerSkip's ``E`` is ``ℓ + 1``). One round:
+
+1. **draft** — the pending token ``x_0`` and then each draft ``d_i`` runs layers ``0..ℓ``
+   alone (their K/V go into the shared layer cache) and the exit head turns the layer-``ℓ``
+   state into the next draft; at most ``γ`` drafts, fewer when a draft-stop rule fires;
+2. **exit-query cache** — the layer-``ℓ`` states of ``x_0 … x_k`` are kept, so verification runs
+   only layers ``ℓ+1..L-1`` for them; layers ``0..ℓ`` keep the draft K/V, which are exact (they
+   *are* the full model's first layers). The last draft ``d_k`` has not been through layers
+   ``0..ℓ`` when it is drafted: verification runs them for it first — unless drafting stopped
+   on a low-confidence draft, whose (discarded) lower pass already did;
+3. **verify** — ``[x_0, d_1 … d_k]`` through the upper layers in one pass, then
+   :func:`~selfspec.decoding.sampling.greedy_verify` (greedy: identical to vanilla) or
+   :func:`~selfspec.decoding.sampling.speculative_verify` (sampling: the target distribution);
+4. **rollback** — every layer is truncated after the accepted tokens (O(1)).
+
+Exit heads (``exit_head``): ``lm_head`` — the model's own final norm + LM head, as LayerSkip
+checkpoints (``model=layerskip-llama3-8b``) expect; ``heads`` — the AdaDecode heads trained by
+``job=heads`` (:func:`selfspec.heads.load_heads`), so models without LayerSkip training draft
+well too. Draft-stop rules (``draft_stop``): none (fixed ``(ℓ, γ)``, LayerSkip's baseline), a
+static confidence threshold, or Draft & Verify's adaptive threshold (Draft & Verify §3.3), the
+"DV" baseline of DEL's Table 1.
+
+**DEL** (``method=del``; DEL §4). After each verification, *shadow tokens*: every candidate
+exit layer's head is applied to the hidden states of the verified positions (layers ``≤ ℓ``
+come from drafting, layers ``> ℓ`` from verification, so nothing is recomputed) and compared
+with the committed tokens. Exponentially decayed (``ω``) statistics per layer give the
+acceptance rate ``α_ℓ`` and the mean confidence of matched / mismatched shadow tokens.
+Before each round the controller picks ``(ℓ, γ) = argmax TPL`` (DEL §4.1, tokens per layer)
+and stops drafting when a draft's confidence falls below the per-layer dynamic threshold
+``τ_ℓ = (mean conf matched + mean conf mismatched) / 2`` (DEL §4.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, warp
+from selfspec.models.layered import LayeredModel
+
+EXIT_HEADS = ("lm_head", "heads")
+
+
+# --- exit heads ------------------------------------------------------------------------------
+def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, loaded=None):
+    """The :class:`~selfspec.heads.IntermediateHeads` a method config asks for.
+
+    ``lm_head``: parameter-free heads (final norm + LM head) at ``layers``; ``heads``: the
+    trained artefact at ``heads_path`` (null = ``outputs/artefacts/heads/<model>``), checked
+    against the loaded model's fingerprint (needs ``loaded``, the LoadedModel).
+    """
+    from selfspec.heads import IntermediateHeads, load_heads
+
+    if exit_head == "lm_head":
+        return IntermediateHeads(model, layers, "lm_head")
+    if exit_head != "heads":
+        raise ValueError(f"method.exit_head must be one of {', '.join(EXIT_HEADS)}, got {exit_head!r}")
+    if loaded is None:
+        raise ValueError(
+            "method.exit_head=heads needs the LoadedModel to check the heads artefact: call "
+            "build_decoder(method_cfg, loaded.model, loaded=loaded, ...)"
+        )
+    from selfspec.artefacts import default_artefact_dir
+
+    path = heads_path or default_artefact_dir("heads", loaded.name)
+    from pathlib import Path
+
+    if not (Path(path) / "meta.json").exists():
+        raise ValueError(
+            f"no heads artefact at {path}: train one (python -m selfspec.train job=heads "
+            f"model={loaded.name}) or set method.exit_head=lm_head / method.heads=<path>"
+        )
+    return load_heads(path, loaded)
+
+
+def head_cost_in_layers(model: LayeredModel, heads) -> float:
+    """Cost of one exit-head application in units of one decoder layer (parameters read).
+
+    DEL's TPL counts layers (memory-bound decoding loads each layer's weights once per pass);
+    on a small model an LM head is several layers' worth (SmolLM2-135M: ~8), so it is counted.
+    """
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    head = model.lm_head.weight.numel()
+    if heads.kind == "linear":
+        head += model.hidden_size**2
+    return head / layer
+
+
+# --- draft-stop rules --------------------------------------------------------------------------
+class DraftStop:
+    """No early stop: always draft ``γ`` tokens (fixed ``(ℓ, γ)``, LayerSkip)."""
+
+    def threshold(self, exit_layer: int) -> float:
+        return 0.0
+
+    def update(self, drafted: int, accepted: int, hit_max: bool) -> None:
+        pass
+
+
+@dataclass
+class StaticThreshold(DraftStop):
+    """Stop when the draft's confidence (top probability) is below a fixed value (Draft & Verify §4.4)."""
+
+    value: float
+
+    def threshold(self, exit_layer: int) -> float:
+        return self.value
+
+
+@dataclass
+class AdaptiveThreshold(DraftStop):
+    """Draft & Verify §3.3, eqs. (2)-(4): steer the threshold so the acceptance rate nears ``target``.
+
+    ``AR ← β1·AR + (1-β1)·AR_e`` (``β1 = 0`` at the first round), ``γ̃ = γ ± ε`` (up when
+    ``AR ≤ target``), ``γ ← β2·γ + (1-β2)·γ̃``; not lowered when drafting hit the maximum
+    (the authors' code). The state carries over between examples, as in their code.
+    """
+
+    initial: float = 0.6
+    target: float = 0.9
+    epsilon: float = 0.01
+    beta1: float = 0.5
+    beta2: float = 0.9
+    value: float = field(init=False)
+    ar: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.value = self.initial
+
+    def threshold(self, exit_layer: int) -> float:
+        return self.value
+
+    def update(self, drafted: int, accepted: int, hit_max: bool) -> None:
+        if drafted == 0:
+            return
+        ar_e = accepted / drafted
+        self.ar = ar_e if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_e
+        proposal = self.value + self.epsilon if self.ar <= self.target else self.value - self.epsilon
+        if hit_max and proposal < self.value:
+            return
+        self.value = self.beta2 * self.value + (1 - self.beta2) * proposal
+
+
+def draft_stop_from_config(cfg) -> DraftStop:
+    if cfg is None:
+        return DraftStop()
+    rule = cfg.get("rule")
+    if rule == "static":
+        return StaticThreshold(float(cfg["threshold"]))
+    if rule == "adaptive":
+        return AdaptiveThreshold(
+            float(cfg.get("initial", 0.6)), float(cfg.get("target", 0.9)), float(cfg.get("epsilon", 0.01)),
+            float(cfg.get("beta1", 0.5)), float(cfg.get("beta2", 0.9)),
+        )
+    raise ValueError(f"method.draft_stop.rule must be 'static' or 'adaptive' (or draft_stop: null), got {rule!r}")
+
+
+# --- the decoder -------------------------------------------------------------------------------
+@dataclass
+class _Round:
+    """What one round leaves for the controller (DEL's shadow tokens)."""
+
+    exit_layer: int
+    n_rows: int  # verified positions whose hidden states are in the shadow buffer (k + 1)
+
+
+@register
+class EarlyExit(Decoder):
+    """Early-exit self-speculation with a fixed ``(ℓ, γ)`` and an optional draft-stop rule."""
+
+    name = "early_exit"
+    lossless = True
+
+    def __init__(self, model: LayeredModel, heads, exit_layer: int, gamma: int,
+                 draft_stop: DraftStop | None = None, **common) -> None:
+        super().__init__(model, **common)
+        if gamma < 1:
+            raise ValueError(f"method.gamma (speculation length) must be >= 1, got {gamma}")
+        self.heads = heads
+        self.max_gamma = int(gamma)
+        self.lookahead = self.max_gamma + 1
+        self.draft_stop = draft_stop or DraftStop()
+        self.exit_layer = self._check_exit(exit_layer)
+        #: layers whose hidden states are kept for shadow tokens (DEL); none for fixed early exit
+        self.keep_layers: list[int] = []
+
+    def _check_exit(self, layer: int) -> int:
+        layer = int(layer)
+        if layer not in self.heads.layers:
+            raise ValueError(
+                f"method.exit_layer={layer} has no exit head: choose one of {self.heads.layers} "
+                f"({self.heads.kind} heads; for exit_head=lm_head any layer in [0, {self.model.num_layers - 2}])"
+            )
+        return layer
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, cfg, loaded=None, **common) -> "EarlyExit":
+        exit_layer = int(cfg.exit_layer)
+        if not 0 <= exit_layer < model.num_layers - 1:
+            raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
+                             f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
+        heads = build_exit_heads(model, str(cfg.exit_head), cfg.get("heads"), [exit_layer], loaded)
+        return cls(model, heads, exit_layer, int(cfg.gamma), draft_stop_from_config(cfg.get("draft_stop")), **common)
+
+    # --- per-example buffers ---------------------------------------------------------------
+    def begin(self, state: DecodeState) -> None:
+        m = self.model
+        # exit-query cache: layer-ℓ states of x_0 … x_k
+        self._hq = torch.empty(1, self.max_gamma + 1, m.hidden_size, dtype=m.dtype, device=m.device)
+        # hidden states of the kept (candidate) layers for the verified positions
+        self._slot = {layer: j for j, layer in enumerate(self.keep_layers)}
+        self._hs = torch.empty(len(self.keep_layers), self.max_gamma + 1, m.hidden_size, dtype=m.dtype,
+                               device=m.device)
+        state.stats.setdefault("exit_layer_sum", 0)
+        state.stats.setdefault("gamma_sum", 0)
+
+    def finish(self, state: DecodeState) -> None:
+        rounds = max(len(state.accepted_per_step) - 1, 1)
+        state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
+        state.stats["gamma_mean"] = state.stats.pop("gamma_sum") / rounds
+
+    # --- the controller's hooks (fixed here; DEL overrides) ---------------------------------
+    def plan(self, state: DecodeState) -> tuple[int, int]:
+        """``(exit layer ℓ, max drafts γ)`` for the next round."""
+        return self.exit_layer, self.max_gamma
+
+    def observe(self, state: DecodeState, rnd: _Round, committed: list[int]) -> None:
+        """After verification: ``committed`` are the tokens the verified rows produced."""
+
+    # --- one round ------------------------------------------------------------------------
+    def _layers(self, h, layers: range, cache, start: int, row: int) -> torch.Tensor:
+        """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
+        m = self.model
+        n = h.shape[1]
+        rope = m.rope(m.positions(start, n), h)
+        mask = m.causal_mask(n, start)
+        for i in layers:
+            h = m.mlp(i, m.attention(i, h, rope, cache, mask))
+            j = self._slot.get(i)
+            if j is not None:
+                self._hs[j, row : row + n] = h[0]
+        return h
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        m, cache, s = self.model, state.cache, state.sampling
+        ell, gamma = self.plan(state)
+        gamma = min(gamma, budget - 1)  # accepted drafts + 1 token at most fill the budget
+        lower, upper = range(0, ell + 1), range(ell + 1, m.num_layers)
+        start = state.n_cached
+        tau = self.draft_stop.threshold(ell)
+        x = state.pending_ids(m.device)
+        drafts: list[torch.Tensor] = []
+        q_rows: list[torch.Tensor] = []
+        lowered = 0  # x_0 … x_{lowered-1} have been through layers 0..ℓ
+        hit_max = True
+        for i in range(gamma):
+            h = self._layers(m.embed(x), lower, cache, start + i, i)
+            self._hq[:, i] = h[:, 0]
+            lowered += 1
+            logits = self.heads.logits(ell, h[0, -1])
+            if tau > 0:
+                conf = float(logits.softmax(-1).max())
+                if conf < tau:  # draft-exit: discard this draft; x_i is fully lowered
+                    hit_max = False
+                    break
+            if s.greedy:
+                tok = logits.argmax(-1).view(1)
+            else:
+                q = warp(logits, s)
+                tok = torch.multinomial(q.unsqueeze(0), 1, generator=state.generator).view(1)
+                q_rows.append(q)
+            drafts.append(tok)
+            x = tok.view(1, 1)
+        k = len(drafts)
+        if lowered == k:  # the last draft (or x_0 when γ = 0) still needs layers 0..ℓ
+            h = self._layers(m.embed(x), lower, cache, start + k, k)
+            self._hq[:, k] = h[:, 0]
+        # verification: layers ℓ+1..L-1 on the exit-query states of x_0, d_1 … d_k
+        h = self._layers(self._hq[:, : k + 1], upper, cache, start, 0)
+        target = m.logits(h[0])
+        draft = torch.cat(drafts) if k else torch.empty(0, dtype=torch.long, device=m.device)
+        if s.greedy:
+            n, nxt = greedy_verify(draft, target)
+        elif k:
+            n, nxt = speculative_verify(draft, torch.stack(q_rows), warp(target, s), state.generator)
+        else:
+            n, nxt = 0, int(select(target[0], s, state.generator))
+        new = draft[:n].tolist() + [nxt]
+        cache.truncate(start + n + 1)
+        state.drafted = k
+        state.count("exit_layer_sum", ell)
+        state.count("gamma_sum", k)
+        self.draft_stop.update(k, n, hit_max and k == gamma)
+        self.observe(state, _Round(ell, k + 1), new)
+        return new
+
+
+# --- DEL -----------------------------------------------------------------------------------------
+class ShadowStats:
+    """Exponentially decayed per-layer statistics of shadow tokens (DEL §4.1-4.2).
+
+    Each observation (one verified position) decays all sums by ``ω`` and adds its values;
+    estimates are ratios of decayed sums, so they are unbiased from the first observation on:
+    ``α_ℓ`` (agreement of layer ``ℓ``'s shadow token with the committed token) and the mean
+    confidence of matched and of mismatched shadow tokens.
+    """
+
+    def __init__(self, n_layers: int, omega: float) -> None:
+        if not 0 < omega < 1:
+            raise ValueError(f"method.omega (decay) must be in (0, 1), got {omega}")
+        self.omega = omega
+        z = lambda: torch.zeros(n_layers, dtype=torch.float64)  # noqa: E731
+        self.weight, self.match = z(), z()
+        self.conf_match, self.n_match = z(), z()
+        self.conf_miss, self.n_miss = z(), z()
+
+    @property
+    def empty(self) -> bool:
+        return bool(self.weight.max() == 0)
+
+    def update(self, match: torch.Tensor, conf: torch.Tensor) -> None:
+        """``match`` (bool) and ``conf`` ``[C, n]``: n observations in order, per layer."""
+        n = match.shape[1]
+        w = self.omega ** torch.arange(n - 1, -1, -1, dtype=torch.float64)  # newest weighs 1
+        decay = self.omega**n
+        mf, cf = match.double(), conf.double()
+        self.weight = decay * self.weight + w.sum()
+        self.match = decay * self.match + (mf * w).sum(1)
+        self.n_match = decay * self.n_match + (mf * w).sum(1)
+        self.conf_match = decay * self.conf_match + (cf * mf * w).sum(1)
+        self.n_miss = decay * self.n_miss + ((1 - mf) * w).sum(1)
+        self.conf_miss = decay * self.conf_miss + (cf * (1 - mf) * w).sum(1)
+
+    def alpha(self) -> torch.Tensor:
+        return self.match / self.weight.clamp_min(1e-12)
+
+    def threshold(self) -> torch.Tensor:
+        """``τ_ℓ = (mean conf matched + mean conf mismatched) / 2``; 0 (no stop) until both are seen."""
+        both = (self.n_match > 0) & (self.n_miss > 0)
+        tau = (self.conf_match / self.n_match.clamp_min(1e-12) + self.conf_miss / self.n_miss.clamp_min(1e-12)) / 2
+        return torch.where(both, tau, torch.zeros_like(tau))
+
+
+def expected_tokens(alpha: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+    """``[C, G]``: tokens one round commits with ``γ`` drafts, ``Σ_{i=0}^{γ} α^i`` (bonus token
+    included; i.i.d. acceptance, Leviathan et al. 2023 eq. 1)."""
+    top = int(gammas.max())
+    powers = alpha.double().unsqueeze(1) ** torch.arange(0, top + 1, dtype=torch.float64)
+    return powers.cumsum(1)[:, gammas]
+
+
+def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head_cost: float) -> torch.Tensor:
+    """``[C, G]``: layers loaded by one round at exit ``ℓ`` with ``γ`` drafts.
+
+    ``(γ+1)·(ℓ+1) + (L-ℓ-1) + (γ+1)·h``: ``γ`` draft passes and the last draft's pass through
+    layers ``0..ℓ``, one verification pass through the rest, ``γ`` exit heads and the final
+    head. DEL §4.1 writes ``γ(ℓ+1) + L-ℓ-1``; the extra terms are the last draft's lower layers
+    (verification needs them for the bonus token) and the heads (several layers' worth on small
+    models). With ``γ = 0`` this is one plain decoding step, ``L + h``.
+    """
+    g = gammas.double().unsqueeze(0)
+    ell = layers.double().unsqueeze(1)
+    return (g + 1) * (ell + 1) + (num_layers - ell - 1) + (g + 1) * head_cost
+
+
+def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor, num_layers: int,
+               head_cost: float) -> tuple[int, int, float]:
+    """DEL §4.1: ``(ℓ, γ)`` maximising tokens per layer ``TPL = E[tokens] / cost`` over the
+    candidate layers and speculation lengths; returns ``(layer, gamma, tpl)``."""
+    tpl = expected_tokens(alpha, gammas) / round_cost(layers, gammas, num_layers, head_cost)
+    flat = int(tpl.argmax())
+    c, g = divmod(flat, int(gammas.numel()))
+    return int(layers[c]), int(gammas[g]), float(tpl.view(-1)[flat])
+
+
+@register
+class DEL(EarlyExit):
+    """DEL: context-aware dynamic exit layer and speculation length (DEL §4, Algorithm 1)."""
+
+    name = "del"
+
+    def __init__(self, model: LayeredModel, heads, max_gamma: int, min_gamma: int = 1, omega: float = 0.95,
+                 dynamic_threshold: bool = True, prefill_shadow: int = 8, shadow_rows: int | None = None,
+                 head_cost: float | None = None, **common) -> None:
+        if not 0 <= min_gamma <= max_gamma:
+            raise ValueError(f"method.min_gamma must be in [0, max_gamma={max_gamma}], got {min_gamma}")
+        self.gammas = torch.arange(int(min_gamma), int(max_gamma) + 1)
+        self.candidates = list(heads.layers)
+        super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_gamma, None, **common)
+        self.keep_layers = self.candidates
+        self.omega = float(omega)
+        self.dynamic_threshold = bool(dynamic_threshold)
+        if prefill_shadow < 1:
+            raise ValueError(f"method.prefill_shadow must be >= 1 (prompt positions), got {prefill_shadow}")
+        self.prefill_shadow = int(prefill_shadow)
+        if shadow_rows is not None and shadow_rows < 1:
+            raise ValueError(f"method.shadow_rows must be >= 1 or null (all verified positions), got {shadow_rows}")
+        self.shadow_rows = shadow_rows
+        self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
+        self._layer_ids = torch.tensor(self.candidates)
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, cfg, loaded=None, **common) -> "DEL":
+        exit_head = str(cfg.exit_head)
+        layers = cfg.get("candidate_layers")
+        if exit_head == "heads" and layers is not None:
+            raise ValueError("method.candidate_layers applies to exit_head=lm_head; with trained heads "
+                             "the candidates are the layers that have a head (set candidate_layers: null)")
+        if layers is None:
+            layers = range(model.num_layers - 1)
+        heads = build_exit_heads(model, exit_head, cfg.get("heads"), list(layers), loaded)
+        return cls(model, heads, int(cfg.max_gamma), int(cfg.min_gamma), float(cfg.omega), bool(cfg.dynamic_threshold),
+                   int(cfg.prefill_shadow), cfg.get("shadow_rows"), cfg.get("head_cost"), **common)
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        self.stats = ShadowStats(len(self.candidates), self.omega)
+
+    def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
+        """Full pass over the prompt; shadow tokens of its last positions seed the statistics.
+
+        The prompt's own tokens are not the model's, so the shadow tokens there are compared
+        with the final layer's argmax (the token the model itself would commit greedily).
+        """
+        m = self.model
+        n = prompt.shape[1]
+        h = m.embed(prompt)
+        rope = m.rope(m.positions(0, n), h)
+        mask = m.causal_mask(n, 0)
+        rows = min(self.prefill_shadow, n)
+        kept = []
+        for i in range(m.num_layers):
+            h = m.mlp(i, m.attention(i, h, rope, state.cache, mask))
+            if i in self._slot:
+                kept.append(h[0, n - rows :])
+        final = m.logits(h[0, n - rows :])
+        self._shadow(torch.stack(kept), final.argmax(-1))
+        return int(select(final[-1], state.sampling, state.generator))
+
+    def _shadow(self, hs: torch.Tensor, committed: torch.Tensor) -> None:
+        """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
+        if self.heads.kind == "lm_head":  # one batched head for all layers
+            logits = self.heads.logits(self.candidates[0], hs)
+        else:
+            logits = torch.stack([self.heads.logits(layer, hs[j]) for j, layer in enumerate(self.candidates)])
+        conf, tok = logits.softmax(-1).max(-1)
+        self.stats.update(tok == committed.view(1, -1), conf)
+
+    def observe(self, state: DecodeState, rnd: _Round, committed: list[int]) -> None:
+        n = len(committed)  # verified rows 0..n-1 produced the committed tokens
+        rows = n if self.shadow_rows is None else min(n, self.shadow_rows)
+        target = torch.tensor(committed[:rows], device=self.model.device)
+        self._shadow(self._hs[:, :rows], target)
+
+    def plan(self, state: DecodeState) -> tuple[int, int]:
+        alpha = self.stats.alpha()
+        ell, gamma, _ = tpl_argmax(alpha, self._layer_ids, self.gammas, self.model.num_layers, self.head_cost)
+        if self.dynamic_threshold:
+            tau = float(self.stats.threshold()[self.candidates.index(ell)])
+            self.draft_stop = StaticThreshold(tau) if tau > 0 else DraftStop()
+        return ell, gamma
