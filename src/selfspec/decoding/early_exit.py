@@ -395,6 +395,7 @@ class DEL(EarlyExit):
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_gamma, None, **common)
         self.keep_layers = self.candidates
         self.omega = float(omega)
+        ShadowStats(1, self.omega)  # validates ω now, not at the first example
         self.dynamic_threshold = bool(dynamic_threshold)
         if prefill_shadow < 1:
             raise ValueError(f"method.prefill_shadow must be >= 1 (prompt positions), got {prefill_shadow}")

@@ -1,0 +1,127 @@
+"""DEL controller: greedy equals vanilla, shadow statistics and TPL argmax against brute force."""
+
+import itertools
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from selfspec.decoding import DecodeState, Sampling, build_decoder
+from selfspec.decoding.early_exit import DEL, ShadowStats, tpl_argmax
+from test_early_exit import agreeing_model, compose_method, vanilla
+
+
+@pytest.fixture(scope="module")
+def agree():
+    return agreeing_model()
+
+
+def del_decoder(loaded, **over):
+    cfg = OmegaConf.load("conf/method/del.yaml")
+    return build_decoder(OmegaConf.merge(cfg, over), loaded.model)
+
+
+@pytest.mark.parametrize("over", [{}, {"dynamic_threshold": False}, {"min_gamma": 0, "max_gamma": 6},
+                                  {"candidate_layers": [0, 2], "shadow_rows": 1, "head_cost": 0.0}])
+def test_greedy_equals_vanilla_under_controller(agree, tiny, prompt_ids, over):
+    for loaded in (agree, tiny):
+        ref = vanilla(loaded, prompt_ids, 32)
+        g = del_decoder(loaded, **over).generate(prompt_ids, 32)
+        assert g.tokens == ref, (loaded.name, over)
+    assert g.steps > 1
+
+
+def test_controller_moves_exit_and_gamma(agree, prompt_ids):
+    """On the agreeing model the controller drafts (accepted drafts) at changing (ℓ, γ)."""
+    d = del_decoder(agree, head_cost=0.0)
+    seen = set()
+    plan = d.plan
+    d.plan = lambda state: seen.add(plan(state)) or plan(state)
+    g = d.generate(prompt_ids, 48)
+    assert g.tokens == vanilla(agree, prompt_ids, 48)
+    assert g.acceptance_rate > 0.3 and len(seen) > 1, seen
+
+
+def test_sampling_runs_and_is_seeded(agree, prompt_ids):
+    s = Sampling(temperature=0.8, top_k=20, seed=5)
+    a = del_decoder(agree).generate(prompt_ids, 20, s).tokens
+    assert a == del_decoder(agree).generate(prompt_ids, 20, s).tokens and len(a) == 20
+
+
+def test_shadow_hidden_states_equal_recomputation(agree, prompt_ids):
+    """The candidate-layer states kept from drafting (layers <= ℓ) and verification (layers > ℓ)
+    equal those of a full pass over the verified positions, so shadow tokens are exact."""
+    m = agree.model
+    d = del_decoder(agree, head_cost=0.0)
+    checked = []
+
+    def observe(state, rnd, committed):
+        n = len(committed)
+        start = state.n_cached  # position of x_0 (the pending token of this round)
+        seq = state.tokens + committed[:-1]  # x_0 … x_{n-1}: the verified positions that were committed
+        h = m.embed(torch.tensor([seq]))
+        rope = m.rope(m.positions(0, len(seq)), h)
+        mask = m.causal_mask(len(seq), 0)
+        for i in range(m.num_layers - 1):
+            h = m.mlp(i, m.attention(i, h, rope, None, mask))
+            torch.testing.assert_close(d._hs[d._slot[i], :n], h[0, start : start + n], rtol=1e-4, atol=1e-4)
+        checked.append((rnd.exit_layer, n))
+        DEL.observe(d, state, rnd, committed)
+
+    d.observe = observe
+    d.generate(prompt_ids, 24)
+    assert any(n > 1 for _, n in checked) and len({e for e, _ in checked}) >= 1
+
+
+def test_shadow_stats_equal_brute_force_decayed_ratios():
+    torch.manual_seed(0)
+    omega, C = 0.9, 3
+    stats = ShadowStats(C, omega)
+    history = []
+    for n in (1, 4, 2, 5):
+        match = torch.rand(C, n) < 0.6
+        conf = torch.rand(C, n)
+        stats.update(match, conf)
+        history += [(match[:, j], conf[:, j]) for j in range(n)]
+    T = len(history)
+    for c in range(C):
+        w = [omega ** (T - 1 - t) for t in range(T)]
+        m = [float(h[0][c]) for h in history]
+        f = [float(h[1][c]) for h in history]
+        alpha = sum(wi * mi for wi, mi in zip(w, m)) / sum(w)
+        cm = sum(wi * mi * fi for wi, mi, fi in zip(w, m, f)) / sum(wi * mi for wi, mi in zip(w, m))
+        cx = sum(wi * (1 - mi) * fi for wi, mi, fi in zip(w, m, f)) / sum(wi * (1 - mi) for wi, mi in zip(w, m))
+        assert float(stats.alpha()[c]) == pytest.approx(alpha)
+        assert float(stats.threshold()[c]) == pytest.approx((cm + cx) / 2)
+    fresh = ShadowStats(2, omega)
+    fresh.update(torch.tensor([[True], [False]]), torch.tensor([[0.9], [0.2]]))
+    assert fresh.threshold().tolist() == [0.0, 0.0]  # no stop until both kinds are seen
+
+
+@pytest.mark.parametrize("head_cost", [0.0, 2.5])
+def test_tpl_argmax_matches_brute_force(head_cost):
+    L = 32
+    layers = [1, 3, 5, 7, 11, 15, 23]
+    for alpha in ([0.2, 0.35, 0.5, 0.6, 0.7, 0.85, 0.97], [0.0] * 7, [0.9, 0.1, 0.1, 0.1, 0.95, 0.99, 1.0],
+                  [0.5, 0.55, 0.62, 0.99, 0.99, 0.995, 0.999]):
+        for gmin, gmax in ((1, 18), (0, 6)):
+            best = None
+            for (ell, a), g in itertools.product(zip(layers, alpha), range(gmin, gmax + 1)):
+                tokens = sum(a**i for i in range(g + 1))
+                cost = g * (ell + 1 + head_cost) + (ell + 1) + (L - ell - 1) + head_cost
+                if best is None or tokens / cost > best[2] + 1e-12:
+                    best = (ell, g, tokens / cost)
+            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), torch.arange(gmin, gmax + 1), L, head_cost)
+            assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
+
+
+def test_config_composes_and_bad_values_stop(tiny):
+    cfg = compose_method("del")
+    d = build_decoder(cfg, tiny.model)
+    assert isinstance(d, DEL) and d.candidates == [0, 1, 2] and d.head_cost > 0
+    with pytest.raises(ValueError, match="omega"):
+        del_decoder(tiny, omega=1.0)
+    with pytest.raises(ValueError, match="min_gamma"):
+        del_decoder(tiny, min_gamma=30)
+    with pytest.raises(ValueError, match="candidate_layers"):
+        del_decoder(tiny, exit_head="heads")
