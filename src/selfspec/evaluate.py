@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # conf/hydra/launcher/{joblib,submitit_*}.yaml document and tune the plugins' configs of the same
 # name; Hydra validates them against those schemas and warns that this matching is deprecated.
-warnings.filterwarnings("ignore", message=r".*is validated against ConfigStore schema with the same name")
+warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")

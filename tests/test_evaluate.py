@@ -1,0 +1,144 @@
+"""Evaluation harness: runner on tiny-random (vanilla vs hf_generate), resume, interruption,
+aggregation, the `python -m selfspec.evaluate` entry and multiruns through joblib / submitit_local."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfspec.config import compose
+from selfspec.decoding.peers import HFGenerate
+from selfspec.evaluation import RESULTS, SUMMARY, ResumeMismatch, consistency, evaluate, method_configs, summarize
+from selfspec.tracking import ResultsFile
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model=tiny-random", "n_examples=2", "max_new_tokens=8", "warmup=1", "progress=false"]
+
+
+def _cfg(*extra):
+    return compose(SMALL + ["compare=[hf_generate]", *extra])
+
+
+def test_runner_vanilla_vs_hf_generate(tiny, tmp_path):
+    s = evaluate(_cfg(), tmp_path, loaded=tiny)
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert [(r["method"]) for r in rows] == ["vanilla", "hf_generate"] * 2  # interleaved per example
+    assert rows[0]["id"] == rows[1]["id"] != rows[2]["id"]
+    for a, b in (rows[:2], rows[2:]):
+        assert a["tokens"] == b["tokens"] and a["new_tokens"] == len(a["tokens"]) <= 8
+        assert a["lossless"] is True and a["seconds"] > 0 and a["text"] and "prediction" in a
+        assert {"steps", "tau", "acceptance_rate", "stop_reason", "stats", "prompt_tokens"} <= set(a)
+    on_disk = json.loads((tmp_path / SUMMARY).read_text())
+    assert on_disk["methods"] == json.loads(json.dumps(s["methods"]))
+    v, h = s["methods"]["vanilla"], s["methods"]["hf_generate"]
+    assert v["speedup"] == 1.0 and v["tau"] == 1.0 and v["consistency"] == 1.0
+    assert h["consistency"] == 1.0 and h["prefix_agreement"] == 1.0 and h["tau"] == 1.0
+    assert h["speedup"] == pytest.approx(v["seconds_per_token"] / h["seconds_per_token"])
+    assert set(v["metrics"]) == {"rouge1", "rouge2", "rougeL"}
+    info = s["run_info"]
+    assert {"git_commit", "versions", "hardware", "seed", "device", "dtype"} <= set(info)
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and "transformers" in info["versions"]
+    assert s["baseline"] == "vanilla" and set(s["method_configs"]) == {"vanilla", "hf_generate"}
+    assert s["config"]["model"]["name"] == "tiny-random"
+
+
+def test_resume_skips_finished_examples(tiny, tmp_path, monkeypatch):
+    evaluate(_cfg(), tmp_path, loaded=tiny)
+    before = ResultsFile(tmp_path / RESULTS).rows()
+    calls = []
+    real = HFGenerate.generate
+    monkeypatch.setattr(HFGenerate, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    s = evaluate(_cfg("n_examples=3"), tmp_path, loaded=tiny)  # one more example, same run dir
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert rows[:4] == before and len(rows) == 6
+    assert len(calls) == 1 + 1  # warm-up + the new example only
+    assert s["methods"]["hf_generate"]["n_examples"] == 3
+    with pytest.raises(ResumeMismatch, match="max_new_tokens"):
+        evaluate(_cfg("n_examples=3", "max_new_tokens=9"), tmp_path, loaded=tiny)
+
+
+def test_interrupted_run_keeps_finished_examples(tiny, tmp_path, monkeypatch):
+    real = HFGenerate.generate
+    calls = []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # warm-up, example 1, then die on example 2
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(HFGenerate, "generate", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(_cfg(), tmp_path, loaded=tiny)
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert [r["method"] for r in rows] == ["vanilla", "hf_generate", "vanilla"]
+    monkeypatch.setattr(HFGenerate, "generate", real)
+    s = evaluate(_cfg(), tmp_path, loaded=tiny)
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert [r["method"] for r in rows] == ["vanilla", "hf_generate", "vanilla", "hf_generate"]
+    assert s["methods"]["hf_generate"]["consistency"] == 1.0
+
+
+def test_method_configs_dedupe_and_check_names():
+    cfg = compose(SMALL + ["compare=[vanilla,hf_prompt_lookup]"])
+    assert [m.name for m in method_configs(cfg)] == ["vanilla", "hf_prompt_lookup"]
+    with pytest.raises(ValueError, match="unknown method config 'nope'"):
+        method_configs(compose(SMALL + ["compare=[nope]"]))
+
+
+def test_summarize_uses_common_examples():
+    rows = [
+        {"id": "a", "method": "vanilla", "tokens": [1, 2, 3, 4], "new_tokens": 4, "seconds": 4.0, "steps": 4},
+        {"id": "a", "method": "m", "tokens": [1, 2, 3, 4], "new_tokens": 4, "seconds": 1.0, "steps": 2,
+         "drafted": 3, "accepted_drafts": 2},
+        {"id": "b", "method": "vanilla", "tokens": [5, 6], "new_tokens": 2, "seconds": 2.0, "steps": 2},
+        {"id": "b", "method": "m", "tokens": [5, 7], "new_tokens": 2, "seconds": 1.0, "steps": 1,
+         "drafted": 1, "accepted_drafts": 0},
+        {"id": "c", "method": "vanilla", "tokens": [9], "new_tokens": 1, "seconds": 9.0, "steps": 1},
+    ]
+    s = summarize(rows, ["vanilla", "m"], "vanilla")
+    assert s["vanilla"]["n_examples"] == 2 and s["vanilla"]["seconds_per_token"] == 1.0
+    m = s["m"]
+    assert m["speedup"] == 3.0 and m["tau"] == 2.0 and m["acceptance_rate"] == 0.5
+    assert m["consistency"] == 0.5 and m["prefix_agreement"] == 0.75
+    assert consistency([], []) == {"consistency": None, "prefix_agreement": None}
+
+
+def test_wandb_logger_offline_through_runner(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    evaluate(compose(SMALL + ["logger=wandb", "warmup=0", "n_examples=1"]), tmp_path, loaded=tiny)
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert (tmp_path / RESULTS).exists() and (tmp_path / SUMMARY).exists()
+
+
+def _run(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, "-m", "selfspec.evaluate", *args], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_evaluate_entry_multirun_joblib(tmp_path):
+    """`python -m selfspec.evaluate -m task=xsum,gsm8k hydra/launcher=joblib`: a run dir per job."""
+    _run(["-m", *SMALL, "warmup=0", "n_examples=1", "max_new_tokens=4", "task=xsum,gsm8k",
+                  "hydra/launcher=joblib", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    summaries = sorted((tmp_path / "sweep").glob(f"*/{SUMMARY}"))
+    assert [json.loads(p.read_text())["task"] for p in summaries] == ["xsum", "gsm8k"]
+    for p in summaries:
+        assert (p.parent / RESULTS).exists() and (p.parent / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_evaluate_entry_multirun_submitit_local(tmp_path):
+    _run(["-m", *SMALL, "warmup=0", "n_examples=1", "max_new_tokens=4", "method=vanilla",
+                  "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    (summary,) = (tmp_path / "sweep").glob(f"*/{SUMMARY}")
+    assert json.loads(summary.read_text())["methods"]["vanilla"]["new_tokens"] >= 1
+    assert list((tmp_path / "sweep" / ".submitit").iterdir())
