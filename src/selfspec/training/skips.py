@@ -1,0 +1,606 @@
+"""Skip-set search for Draft & Verify (Zhang et al., arXiv 2309.08168, §3.3).
+
+``python -m selfspec.train job=skips model=<name> task=<name>`` (``make search-skips``) finds the
+attention and MLP sublayers to skip while drafting. The search space has one binary choice per
+sublayer, ``z in {0,1}^{2L}`` for an ``L``-layer model (attention dimensions first, then MLP,
+as in the authors' code; values in [0, 1], > 0.5 = skip). Three searches (``job.search``):
+
+``bo``        the paper: Bayesian optimisation (``bayesian-optimization``, Gaussian process,
+              ``random_state`` = seed) of the **measured** mean time per verified token of
+              greedy self-speculative decoding on a development set (§3.3 "Objective
+              Function"; paper: 8 prompts, 1-shot, 32 new tokens, 1,000 iterations). Noisy on a
+              shared machine and slow: every candidate is decoded and timed.
+``bo_model``  the same BO on a deterministic **cost model**: the candidate's drafts are scored
+              by teacher forcing (one batched forward over every dev position, see
+              :class:`CostModel`), its decoding is simulated with the real draft-exit rule, and
+              time is predicted from per-sublayer costs timed once at the start.
+``greedy``    a deterministic layer-importance pass on the cost model: rank sublayers by the
+              agreement they cost per unit of time they save, take the best prefix of that
+              ranking, then one pass of single-sublayer toggles (about 6L evaluations).
+
+Every evaluation is one row of ``trace.jsonl`` (iteration, sublayers skipped, objective,
+predicted/measured speedup, acceptance rate) in ``<artefact>.search-<search>/``, also logged to
+the tracker. A rerun **resumes**: the search is replayed from the trace (evaluations already
+in it are read, not recomputed; BO is seeded, so it proposes the same points) and continues.
+The result is a ``skip_set`` artefact (``attn`` / ``mlp`` int8 masks of length L) with the
+trace and the Figure-4 plot (speedup against number of skipped sublayers) copied into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import OmegaConf
+
+from selfspec.decoding.base import DecodeState, _synchronizer
+from selfspec.decoding.draft_verify import DraftVerify, skip_set_tensors
+from selfspec.decoding.vanilla import Vanilla
+from selfspec.models.layered import LayeredModel, SkipSet
+
+log = logging.getLogger(__name__)
+
+SEARCHES = ("bo", "bo_model", "greedy")
+
+
+# --- development set ------------------------------------------------------------------------
+def dev_prompts(cfg, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Token ids of the dev prompts: ``job.n_prompts`` split over ``job.tasks`` (or the task).
+
+    Prompts are the *last* examples of each task's shuffled pool, so they differ from the first
+    ``n_examples`` an evaluation uses whenever the pool holds more than both.
+    """
+    from selfspec.config import conf_dir
+    from selfspec.tasks import build_task
+
+    jc = cfg.job
+    if jc.tasks:
+        task_cfgs = []
+        for name in jc.tasks:
+            path = conf_dir() / "task" / f"{name}.yaml"
+            if not path.exists():
+                raise ValueError(f"job.tasks names unknown task {name!r} (no conf/task/{name}.yaml)")
+            task_cfgs.append(OmegaConf.load(path))
+    else:
+        task_cfgs = [cfg.task]
+    n = int(jc.n_prompts)
+    if n < len(task_cfgs):
+        raise ValueError(f"job.n_prompts={n} is fewer than the {len(task_cfgs)} tasks of job.tasks")
+    prompts, names = [], []
+    for j, tcfg in enumerate(task_cfgs):
+        opts = OmegaConf.to_container(tcfg, resolve=True)
+        opts.update(n_examples=None, max_prompt_tokens=jc.max_prompt_tokens)
+        task = build_task(opts)
+        k = n // len(task_cfgs) + (1 if j < n % len(task_cfgs) else 0)
+        for ex in task.examples()[-k:]:
+            prompts.append(task.encode(ex, tokenizer))
+            names.append(task.name)
+    return prompts, names
+
+
+# --- timing helpers -------------------------------------------------------------------------
+class _PrefillClock:
+    """Mixin: record ``stats['prefill_seconds']`` so decode time can exclude the prompt pass."""
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        self._t_begin = time.perf_counter()
+
+    def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
+        token = super().prefill(state, prompt)
+        _synchronizer(self.model.device)()
+        state.stats["prefill_seconds"] = time.perf_counter() - self._t_begin
+        return token
+
+
+class _TimedDraftVerify(_PrefillClock, DraftVerify):
+    pass
+
+
+class _TimedVanilla(_PrefillClock, Vanilla):
+    pass
+
+
+def decoding_options(jc) -> dict[str, Any]:
+    """``conf/method/draft_verify.yaml`` with ``job.decoding`` overrides, as DraftVerify kwargs."""
+    from selfspec.config import conf_dir
+
+    base = OmegaConf.load(conf_dir() / "method" / "draft_verify.yaml")
+    merged = OmegaConf.merge(base, jc.get("decoding") or {})
+    keys = ("max_draft", "draft_exit", "gamma0", "alpha", "epsilon", "beta1", "beta2")
+    unknown = set(merged) - set(base)
+    if unknown:
+        raise ValueError(f"job.decoding has unknown key(s) {sorted(unknown)}; allowed: {', '.join(keys)}")
+    return {k: merged[k] for k in keys}
+
+
+def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
+    """(decode seconds without prefill, decoded tokens, drafted, accepted drafts) over the prompts."""
+    secs, toks, drafted, accepted = 0.0, 0, 0, 0
+    for ids in prompts:
+        g = decoder.generate(ids, n_new)
+        secs += g.seconds - g.stats["prefill_seconds"]
+        toks += g.new_tokens - 1
+        drafted += sum(g.drafted_per_step)
+        accepted += sum(max(a - 1, 0) for a, d in zip(g.accepted_per_step, g.drafted_per_step) if d)
+    return secs, toks, drafted, accepted
+
+
+class TimedObjective:
+    """§3.3's objective: measured mean time per verified token (prefill excluded), greedy."""
+
+    kind = "measured"
+
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, repeats: int = 1):
+        self.model, self.prompts, self.n_new = model, prompts, n_new
+        self.decoding, self.repeats = decoding, max(1, int(repeats))
+        _TimedVanilla(model).generate(prompts[0], min(8, n_new))  # warm-up
+        self.vanilla_spt = self.baseline()
+
+    def baseline(self) -> float:
+        van = _TimedVanilla(self.model)
+        runs = [_decode_time(van, self.prompts, self.n_new) for _ in range(max(2, self.repeats))]
+        return statistics.median(s / t for s, t, _, _ in runs)
+
+    def __call__(self, skip: SkipSet) -> dict[str, Any]:
+        dec = _TimedDraftVerify(self.model, skip, **self.decoding)
+        runs = []
+        for _ in range(self.repeats):
+            dec.reset_gamma()
+            runs.append(_decode_time(dec, self.prompts, self.n_new))
+        secs, toks, drafted, accepted = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
+        spt = secs / toks
+        return {
+            "objective": spt,
+            "speedup": self.vanilla_spt / spt,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tau": (toks + 0.0) / max(1, toks - accepted) if toks else None,
+        }
+
+
+# --- the deterministic cost model ----------------------------------------------------------
+class CostModel:
+    """Predicted time per verified token of a skip set, without decoding it.
+
+    Set-up (once): greedy vanilla continuations ``c_1..c_T`` of the dev prompts; the full
+    model's K/V of every ``prompt + c_1..c_{T-1}`` in one layer cache (blocks side by side, a
+    block-diagonal mask); per-sublayer, head and verification costs timed once
+    (``calibration_repeats`` medians; or read from a resumed trace).
+
+    Per candidate: ONE forward over all ``n_prompts x (T-1)`` pending tokens with the skipped
+    sublayers — query ``c_j`` attends to the full model's K/V of its prefix and to its own draft
+    K/V — gives the draft's top-1 token and confidence at every position, i.e. exactly the
+    first draft of every step. Decoding is then simulated with the real draft-exit rule
+    (:meth:`DraftVerify.update_gamma`): drafts continue while confident, are accepted while
+    they match ``c``. Approximations: drafts after the first in a step see exact rather than
+    drafted K/V of their predecessors, and confidences after a mismatch are teacher-forced.
+    """
+
+    kind = "predicted"
+
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, repeats: int = 5,
+                 calibration: dict | None = None):
+        if n_new < 3:
+            raise ValueError("job.max_new_tokens must be >= 3 for the cost model (drafts need room)")
+        self.model, self.decoding, self.n_new = model, decoding, n_new
+        van = Vanilla(model)
+        self.targets: list[list[int]] = []
+        blocks, q_tok, q_pos, q_allow = [], [], [], []
+        offset = 0
+        for ids in prompts:
+            cont = van.generate(ids, n_new).tokens  # no EOS: exactly n_new tokens
+            self.targets.append(cont)
+            seq = list(ids) + cont[:-1]
+            blocks.append((offset, seq))
+            p = len(ids)
+            for j in range(1, n_new):  # pending c_j at position p + j - 1 predicts c_{j+1}
+                q_tok.append(cont[j - 1])
+                q_pos.append(p + j - 1)
+                q_allow.append((offset, offset + p + j - 1))
+            offset += len(seq)
+        self.base = offset
+        nq = len(q_tok)
+        self.cache = model.new_cache(self.base + nq)
+        with torch.inference_mode():
+            for off, seq in blocks:  # full K/V of each block, written at its offset
+                n = len(seq)
+                allow = torch.zeros(n, off + n, dtype=torch.bool, device=model.device)
+                allow[:, off:] = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
+                model.forward(torch.tensor([seq], device=model.device), self.cache,
+                              positions=model.positions(0, n), mask=model.prepare_mask(allow))
+        allow = torch.zeros(nq, self.base + nq, dtype=torch.bool, device=model.device)
+        for q, (a, b) in enumerate(q_allow):
+            allow[q, a:b] = True
+            allow[q, self.base + q] = True
+        self.q_ids = torch.tensor([q_tok], device=model.device)
+        self.q_pos = torch.tensor([q_pos], device=model.device)
+        self.q_mask = model.prepare_mask(allow)
+        self.q_target = torch.tensor([c for cont in self.targets for c in cont[1:]], device=model.device)
+        self.calibration = calibration or self.calibrate(prompts[0], repeats)
+        self.vanilla_spt = self.verify_cost(1)
+
+    # -- costs ---------------------------------------------------------------------------
+    def calibrate(self, prompt: list[int], repeats: int) -> dict[str, float]:
+        """Time (median of ``repeats``) one-token passes with all attention / all MLP / all
+        sublayers skipped and full passes of 1..K+1 tokens, after ``prompt`` in the cache."""
+        model, L = self.model, self.model.num_layers
+        k1 = int(self.decoding["max_draft"]) + 1
+        cache = model.new_cache(len(prompt) + k1 + 1)
+        sync = _synchronizer(model.device)
+        with torch.inference_mode():
+            model.forward(torch.tensor([prompt], device=model.device), cache, start=0)
+            p = len(prompt)
+
+            def timed(n, skip):
+                ids = torch.tensor([prompt[-1:] * n], device=model.device)
+                out = []
+                for _ in range(max(1, repeats) + 1):
+                    cache.truncate(p)
+                    sync()
+                    t0 = time.perf_counter()
+                    h = model.forward(ids, cache, start=p, skip=skip)
+                    model.logits(h[:, -1:]).argmax(-1).tolist()  # the step's host sync
+                    sync()
+                    out.append(time.perf_counter() - t0)
+                cache.truncate(p)
+                return statistics.median(out[1:])
+
+            everything = range(L)
+            full = timed(1, None)
+            no_attn = timed(1, SkipSet.of(attn=everything))
+            no_mlp = timed(1, SkipSet.of(mlp=everything))
+            bare = timed(1, SkipSet.of(attn=everything, mlp=everything))
+            verify = {n: timed(n, None) for n in sorted({1, 2, (k1 + 1) // 2, k1})}
+        ns = list(verify)
+        mean_n, mean_t = statistics.fmean(ns), statistics.fmean(verify.values())
+        slope = sum((n - mean_n) * (verify[n] - mean_t) for n in ns) / max(
+            1e-12, sum((n - mean_n) ** 2 for n in ns))
+        return {
+            "full": full,
+            "attn": max(0.0, (full - no_attn) / L),
+            "mlp": max(0.0, (full - no_mlp) / L),
+            "bare": bare,
+            "verify_intercept": mean_t - slope * mean_n,
+            "verify_slope": max(0.0, slope),
+        }
+
+    def draft_cost(self, skip: SkipSet) -> float:
+        c, L = self.calibration, self.model.num_layers
+        return c["bare"] + (L - len(skip.attn)) * c["attn"] + (L - len(skip.mlp)) * c["mlp"]
+
+    def verify_cost(self, n: int) -> float:
+        c = self.calibration
+        if n == 1:
+            return c["full"]
+        return max(c["full"], c["verify_intercept"] + c["verify_slope"] * n)
+
+    # -- drafts --------------------------------------------------------------------------
+    def draft_agreement(self, skip: SkipSet) -> tuple[torch.Tensor, torch.Tensor]:
+        """(match, confidence) of the first draft at every dev position (teacher forcing)."""
+        model = self.model
+        with torch.inference_mode():
+            h = model.forward(self.q_ids, self.cache, positions=self.q_pos, mask=self.q_mask, skip=skip)
+            self.cache.truncate(self.base)
+            conf, tok = model.logits(h[0]).softmax(-1).max(-1)
+        return (tok == self.q_target).cpu(), conf.cpu()
+
+    def __call__(self, skip: SkipSet) -> dict[str, Any]:
+        match, conf = self.draft_agreement(skip)
+        match, conf = match.tolist(), conf.tolist()
+        sim = DraftVerify(self.model, skip, **self.decoding)
+        c_draft = self.draft_cost(skip)
+        T, per = self.n_new, self.n_new - 1
+        cost, drafted_all, accepted_all, steps = 0.0, 0, 0, 0
+        for b in range(len(self.targets)):
+            m, cf = match[b * per:(b + 1) * per], conf[b * per:(b + 1) * per]
+            t = 1  # committed tokens (c_1 from prefill); query t-1 is pending c_t
+            while t < T:
+                k_max = min(sim.max_draft, T - t - 1)
+                drafted = accepted = 0
+                ok = True
+                for d in range(k_max):
+                    q = t - 1 + d
+                    drafted += 1
+                    ok = ok and m[q]
+                    accepted += ok
+                    if sim.draft_exit != "none" and cf[q] < sim.gamma:
+                        break
+                cost += drafted * c_draft + self.verify_cost(drafted + 1)
+                if drafted:
+                    sim.update_gamma(accepted, drafted, hit_max=drafted == sim.max_draft)
+                drafted_all, accepted_all, steps = drafted_all + drafted, accepted_all + accepted, steps + 1
+                t += accepted + 1
+        spt = cost / (len(self.targets) * per)
+        return {
+            "objective": spt,
+            "speedup": self.vanilla_spt / spt,
+            "acceptance_rate": accepted_all / drafted_all if drafted_all else None,
+            "tau": len(self.targets) * per / steps,
+            "agreement": sum(match) / len(match),
+        }
+
+
+# --- the trace ------------------------------------------------------------------------------
+class Trace:
+    """``trace.jsonl``: a header row, then one row per evaluation; replayed on resume."""
+
+    def __init__(self, path: Path, header: dict[str, Any]):
+        from selfspec.tracking import ResultsFile
+
+        self.file = ResultsFile(path)
+        rows = self.file.rows()
+        if rows and rows[0].get("header", {}).get("key") != header["key"]:
+            raise ValueError(
+                f"{path} was written by a search with other settings ({rows[0].get('header', {}).get('settings')}); "
+                "delete it to start over, or set artefact_dir=<another path>"
+            )
+        if not rows:
+            self.file.append({"header": header})
+            rows = [{"header": header}]
+        self.header = rows[0]["header"]
+        self.rows = rows[1:]
+        self.replayed = len(self.rows)
+        self.cursor = 0
+        self.memo = {r["key"]: r for r in self.rows}
+        self.on_row: Callable[[dict], None] = lambda row: None
+
+    def evaluate(self, skip: SkipSet, objective, stage: str, extra: dict | None = None) -> dict[str, Any]:
+        key = _key(skip)
+        if self.cursor < len(self.rows):  # replay
+            row = self.rows[self.cursor]
+            if row["key"] != key:
+                raise ValueError(
+                    f"resuming {self.file.path}: iteration {self.cursor} evaluated {row['key']} but the "
+                    f"search now proposes {key}; the settings changed — delete the trace to start over"
+                )
+            self.cursor += 1
+            return row
+        t0 = time.perf_counter()
+        cached = key in self.memo
+        result = dict(self.memo[key]) if cached else objective(skip)
+        for k in ("iteration", "stage", "seconds", "cached"):
+            result.pop(k, None)
+        row = {
+            "iteration": self.cursor, "stage": stage, "key": key,
+            "attn": sorted(skip.attn), "mlp": sorted(skip.mlp),
+            "n_attn": len(skip.attn), "n_mlp": len(skip.mlp), "n_skipped": len(skip),
+            **result, **(extra or {}), "cached": cached,
+            "seconds": time.perf_counter() - t0,
+        }
+        self.file.append(row)
+        self.rows.append(row)
+        self.memo.setdefault(key, row)
+        self.cursor += 1
+        self.on_row(row)
+        return row
+
+
+def _key(skip: SkipSet) -> str:
+    return "a" + ",".join(map(str, sorted(skip.attn))) + "|m" + ",".join(map(str, sorted(skip.mlp)))
+
+
+# --- searches -------------------------------------------------------------------------------
+def _names(L: int) -> list[str]:
+    w = len(str(L - 1))
+    return [f"attn_{i:0{w}d}" for i in range(L)] + [f"mlp_{i:0{w}d}" for i in range(L)]
+
+
+def _to_skip(x: dict[str, float], L: int) -> SkipSet:
+    names = _names(L)
+    return SkipSet.of(attn=[i for i in range(L) if x[names[i]] > 0.5],
+                      mlp=[i for i in range(L) if x[names[L + i]] > 0.5])
+
+
+def _to_x(skip: SkipSet, L: int) -> dict[str, float]:
+    names = _names(L)
+    return {**{names[i]: float(i in skip.attn) for i in range(L)},
+            **{names[L + i]: float(i in skip.mlp) for i in range(L)}}
+
+
+def probe_sets(L: int, jc) -> list[SkipSet]:
+    """Warm-start points (``job.warm_start``), then "skip the middle fraction" sets.
+
+    The authors probe known-good sets first; for a new model the middle layers are the usual
+    candidates (attention fraction f, MLP fraction f / 2).
+    """
+    out = []
+    for p in jc.get("warm_start") or []:
+        out.append(SkipSet.of(attn=p.get("attn", []), mlp=p.get("mlp", [])))
+    for f in jc.get("probe_fractions") or []:
+        def middle(frac):
+            n = int(round(frac * L))
+            lo = (L - n) // 2
+            return range(lo, lo + n)
+        out.append(SkipSet.of(attn=middle(float(f)), mlp=middle(float(f) / 2)))
+    for s in out:
+        bad = sorted(i for i in s.attn | s.mlp if not 0 <= i < L)
+        if bad:
+            raise ValueError(f"job.warm_start names layer(s) {bad}; the model has {L} layers")
+    return out
+
+
+def search_bo(objective, trace: Trace, L: int, jc, seed: int) -> None:
+    """§3.3: GP-based BO over ``[0, 1]^{2L}`` (> 0.5 = skip), probes first, then suggestions."""
+    from bayes_opt import BayesianOptimization
+
+    names = _names(L)
+    opt = BayesianOptimization(f=None, pbounds={n: (0.0, 1.0) for n in names}, random_state=seed,
+                               verbose=0, allow_duplicate_points=True)
+    opt.set_gp_params(alpha=float(jc.gp_alpha))
+
+    def run(x, stage):
+        row = trace.evaluate(_to_skip(x, L), objective, stage)
+        opt.register(params=x, target=-1000.0 * row["objective"])  # maximise -ms per token
+
+    for skip in probe_sets(L, jc):
+        run(_to_x(skip, L), "probe")
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    for _ in range(int(jc.init_points)):
+        run(dict(zip(names, rng.uniform(0, 1, len(names)).tolist())), "random")
+    for _ in range(int(jc.iterations)):
+        x = opt.suggest()
+        run({k: float(v) for k, v in x.items()}, "bo")
+
+
+def search_greedy(objective: CostModel, trace: Trace, L: int, jc) -> None:
+    """Layer-importance pass: rank single-sublayer skips by agreement lost per time saved,
+    take the best prefix of the ranking, then toggle each sublayer once (first improvement)."""
+    units = [("attn", i) for i in range(L)] + [("mlp", i) for i in range(L)]
+
+    def skip_of(us):
+        return SkipSet.of(attn=[i for k, i in us if k == "attn"], mlp=[i for k, i in us if k == "mlp"])
+
+    c = objective.calibration
+    score = {}
+    for u in units:
+        row = trace.evaluate(skip_of([u]), objective, "importance")
+        score[u] = (1.0 - row["agreement"]) / max(c[u[0]], 1e-9)
+    ranking = sorted(units, key=lambda u: (score[u], u))
+    best_n, best = 0, None
+    for n in range(1, len(units)):
+        row = trace.evaluate(skip_of(ranking[:n]), objective, "prefix")
+        if best is None or row["objective"] < best:
+            best_n, best = n, row["objective"]
+    chosen = set(ranking[:best_n])
+    for u in ranking:  # one refinement pass
+        trial = chosen ^ {u}
+        row = trace.evaluate(skip_of(sorted(trial)), objective, "toggle")
+        if row["objective"] < best:
+            chosen, best = trial, row["objective"]
+
+
+# --- plot -----------------------------------------------------------------------------------
+def plot_trace(rows: list[dict], path: Path, title: str) -> Path:
+    """Figure 4: speedup against the number of skipped sublayers, one point per evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["n_skipped"] for r in rows]
+    ys = [r["speedup"] for r in rows]
+    sc = ax.scatter(xs, ys, c=[r["iteration"] for r in rows], cmap="viridis", s=14)
+    fig.colorbar(sc, ax=ax, label="iteration")
+    best = max(rows, key=lambda r: r["speedup"])
+    ax.scatter([best["n_skipped"]], [best["speedup"]], marker="*", s=160, c="red",
+               label=f"best: {best['n_attn']} attn + {best['n_mlp']} MLP, {best['speedup']:.2f}x")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("number of skipped sublayers")
+    ax.set_ylabel("speedup")
+    ax.set_title(title)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- the job --------------------------------------------------------------------------------
+def run(cfg) -> dict:
+    from selfspec.artefacts import default_artefact_dir, save_artefact
+    from selfspec.models.loading import load_model
+    from selfspec.tracking import start_run
+
+    jc = cfg.job
+    search = str(jc.search)
+    if search not in SEARCHES:
+        raise ValueError(f"job.search={search!r}: choose one of {', '.join(SEARCHES)}")
+    torch.manual_seed(int(cfg.seed))
+    loaded = load_model(cfg.model)
+    model, L = loaded.model, loaded.model.num_layers
+    decoding = decoding_options(jc)
+    task_label = "+".join(jc.tasks) if jc.tasks else str(cfg.task.name)
+    out = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(
+        "skip_set", loaded.name, None if jc.tasks else task_label)
+    work = out.with_name(f"{out.name}.search-{search}")
+    prompts, sources = dev_prompts(cfg, loaded.tokenizer)
+    n_new = int(jc.max_new_tokens)
+    settings = {
+        "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint, "tasks": task_label,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16], "max_new_tokens": n_new,
+        "decoding": decoding, "seed": int(cfg.seed), "gp_alpha": float(jc.gp_alpha),
+        "init_points": int(jc.init_points), "warm_start": OmegaConf.to_container(jc.warm_start),
+        "probe_fractions": OmegaConf.to_container(jc.probe_fractions) if jc.probe_fractions else [],
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    trace_path = work / "trace.jsonl"
+    previous = None
+    if trace_path.exists():
+        from selfspec.tracking import ResultsFile
+
+        first = next(iter(ResultsFile(trace_path)), None)
+        previous = (first or {}).get("header", {}).get("calibration")
+
+    tracker = start_run(cfg, job_type="skips")
+    t_start = time.perf_counter()
+    with torch.inference_mode():
+        if search == "bo":
+            objective = TimedObjective(model, prompts, n_new, decoding, int(jc.repeats))
+            calibration = None
+        else:
+            objective = CostModel(model, prompts, n_new, decoding, int(jc.calibration_repeats), previous)
+            calibration = objective.calibration
+    t_setup = time.perf_counter() - t_start
+    trace = Trace(trace_path, {"key": key, "settings": settings, "calibration": calibration,
+                               "vanilla_seconds_per_token": objective.vanilla_spt})
+    if trace.replayed:
+        log.info("resuming %s: %d evaluations in the trace", trace_path, trace.replayed)
+
+    def on_row(row):
+        log.info("iter %d %s: %d attn + %d mlp skipped, %s %.4f ms/token, speedup %.3f, AR %s",
+                 row["iteration"], row["stage"], row["n_attn"], row["n_mlp"], objective.kind,
+                 1000 * row["objective"], row["speedup"], row["acceptance_rate"])
+        tracker.log({k: row[k] for k in ("n_attn", "n_mlp", "n_skipped", "objective", "speedup",
+                                          "acceptance_rate", "tau", "seconds") if row.get(k) is not None},
+                    step=row["iteration"])
+
+    trace.on_row = on_row
+    with torch.inference_mode():
+        if search == "greedy":
+            search_greedy(objective, trace, L, jc)
+        else:
+            search_bo(objective, trace, L, jc, int(cfg.seed))
+    rows = trace.rows
+    search_seconds = sum(r["seconds"] for r in rows) + t_setup
+    best = min(rows, key=lambda r: r["objective"])
+    skip = SkipSet.of(best["attn"], best["mlp"])
+
+    # one measured check of the result (also for the cost-model searches), on the same dev set
+    with torch.inference_mode():
+        timed = objective if search == "bo" else TimedObjective(model, prompts, n_new, decoding, 1)
+        check = timed(skip)
+    metrics = {
+        "search": search,
+        "evaluations": len(rows),
+        "search_seconds": search_seconds,
+        "n_attn": len(skip.attn), "n_mlp": len(skip.mlp),
+        "objective_kind": objective.kind,
+        f"{objective.kind}_speedup": best["speedup"],
+        "measured_speedup_dev": check["speedup"],
+        "measured_acceptance_rate_dev": check["acceptance_rate"],
+        "vanilla_seconds_per_token": timed.vanilla_spt,
+        "dev_prompts": len(prompts), "dev_tasks": sorted(set(sources)),
+    }
+    if jc.plot:
+        plot_trace(rows, work / "plot.png", f"{loaded.name} skip-set search ({search}, {objective.kind})")
+    save_artefact(out, "skip_set", skip_set_tensors(skip, L), loaded, task=task_label,
+                  train_config=cfg.job, metrics=metrics, extra={"attn": sorted(skip.attn), "mlp": sorted(skip.mlp)})
+    for name in ("trace.jsonl", "plot.png"):
+        if (work / name).exists():
+            shutil.copy2(work / name, out / name)
+    tracker.table("skip_search_trace", [{k: v for k, v in r.items() if k not in ("attn", "mlp")} for r in rows])
+    tracker.summary(metrics)
+    tracker.log_artifact(out, kind="skip_set")
+    tracker.finish()
+    log.info("skip set -> %s: %s", out, metrics)
+    return {"artefact": str(out), **metrics}

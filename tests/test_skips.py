@@ -1,0 +1,92 @@
+"""Skip-set search: cost model against real drafts, artefact + trace + plot, resume."""
+
+import json
+
+import pytest
+import torch
+
+from selfspec.config import compose
+from selfspec.decoding.draft_verify import resolve_skip_set
+from selfspec.models.layered import SkipSet
+from selfspec.training import skips
+
+OPTS = {"max_draft": 4, "draft_exit": "adaptive", "gamma0": 0.6, "alpha": 0.9, "epsilon": 0.01,
+        "beta1": 0.5, "beta2": 0.9}
+
+
+@pytest.fixture(autouse=True)
+def reuse_tiny(tiny, monkeypatch):
+    """The job loads cfg.model; hand it the session's tiny-random instead of loading it again."""
+    import selfspec.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda cfg: tiny)
+
+
+def job_cfg(tmp_path, *extra):
+    return compose([
+        "job=skips", "model=tiny-random", "task=xsum", f"artefact_dir={tmp_path / 'sk'}",
+        "job.n_prompts=2", "job.max_new_tokens=8", "job.max_prompt_tokens=48", "job.iterations=2",
+        "job.calibration_repeats=1", "job.probe_fractions=[0.5]", "job.plot=true",
+        "+job.decoding.max_draft=4", *extra], config_name="train")
+
+
+def test_cost_model_drafts_equal_real_first_drafts(tiny, prompt_ids):
+    """The batched teacher-forced pass gives, at every position, the draft the decoder would
+    make from that prefix (full model K/V of the prefix + the skipped model on the pending token)."""
+    model = tiny.model
+    prompts = [prompt_ids, prompt_ids[3:] + [42]]
+    cm = skips.CostModel(model, prompts, 6, OPTS, repeats=1)
+    skip = SkipSet.of(attn=[1, 2], mlp=[0, 3])
+    match, conf = cm.draft_agreement(skip)
+    q = 0
+    with torch.inference_mode():
+        for ids, cont in zip(prompts, cm.targets):
+            for j in range(1, 6):
+                cache = model.new_cache(64)
+                prefix = list(ids) + cont[: j - 1]
+                model.forward(torch.tensor([prefix]), cache, start=0)
+                h = model.forward(torch.tensor([[cont[j - 1]]]), cache, start=len(prefix), skip=skip)
+                p, tok = model.logits(h[:, -1])[0].softmax(-1).max(-1)
+                assert bool(match[q]) == (int(tok) == cont[j])
+                assert conf[q].item() == pytest.approx(p.item(), abs=1e-4)
+                q += 1
+    full = cm(SkipSet())
+    assert full["agreement"] == 1.0 and full["acceptance_rate"] == 1.0
+    assert cm(SkipSet.of(attn=range(4), mlp=range(4)))["agreement"] < 1.0
+
+
+@pytest.mark.parametrize("search", ["greedy", "bo_model", "bo"])
+def test_search_writes_artefact_trace_and_plot(tmp_path, tiny, search):
+    from selfspec.train import run_job
+
+    summary = run_job(job_cfg(tmp_path, f"job.search={search}"))
+    art = tmp_path / "sk"
+    meta = json.loads((art / "meta.json").read_text())
+    assert meta["kind"] == "skip_set" and meta["num_layers"] == 4 and summary["search"] == search
+    rows = [json.loads(line) for line in (art / "trace.jsonl").read_text().splitlines()][1:]
+    assert rows and all({"iteration", "n_attn", "n_mlp", "objective", "speedup", "acceptance_rate"} <= set(r) for r in rows)
+    assert (art / "plot.png").stat().st_size > 1000
+    skip = resolve_skip_set({"skip_set": str(art)}, tiny.model, tiny.tokenizer)
+    assert sorted(skip.attn) == meta["attn"] and sorted(skip.mlp) == meta["mlp"]
+    if search != "greedy":
+        assert [r["stage"] for r in rows] == ["probe", "bo", "bo"]
+
+
+def test_resumed_search_continues_its_trace(tmp_path):
+    from selfspec.train import run_job
+
+    run_job(job_cfg(tmp_path, "job.search=bo_model", "job.iterations=1"))
+    trace = tmp_path / "sk.search-bo_model" / "trace.jsonl"
+    first = trace.read_text().splitlines()
+    run_job(job_cfg(tmp_path, "job.search=bo_model", "job.iterations=3"))  # the "interrupted" run, resumed
+    resumed = trace.read_text().splitlines()
+    assert resumed[: len(first)] == first and len(resumed) == len(first) + 2
+    # uninterrupted, with the same (once-timed) calibration, the seeded search proposes the same sets
+    fresh = tmp_path / "fresh" / "sk.search-bo_model" / "trace.jsonl"
+    fresh.parent.mkdir(parents=True)
+    fresh.write_text(first[0] + "\n")  # header only: the calibration, no evaluations
+    run_job(job_cfg(tmp_path / "fresh", "job.search=bo_model", "job.iterations=3"))
+    keys = lambda lines: [json.loads(x)["key"] for x in lines[1:]]
+    assert keys(resumed) == keys(fresh.read_text().splitlines())
+    with pytest.raises(ValueError, match="other settings"):
+        run_job(job_cfg(tmp_path, "job.search=bo_model", "seed=3"))
