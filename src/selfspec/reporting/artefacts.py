@@ -8,7 +8,7 @@ writes its BO trace there, one line per evaluated candidate) or from list-valued
 
 ``skip_set``  ``trace.jsonl``: ``{"iteration", <objective>...}`` per candidate
 ``heads``     ``history.jsonl`` or ``metrics.history``: ``{"step", "loss", ...}`` per logged step
-``ppd_tree``  ``latency.jsonl`` or ``metrics.latency``: ``{"size", "latency", "accept_length"?}``
+``ppd_tree``  ``curve`` in ``meta.json``: ``{"size", "tau", "latency_s", "speedup"}`` per tree size
 ``prompts``   ``metrics``: ``top1@d`` / ``top5@d`` on held-out ShareGPT (PPD Table 2)
 """
 
@@ -111,7 +111,13 @@ def heads_histories(artefacts: list[ArtefactInfo]) -> dict[str, list[dict[str, A
 
 
 def tree_curves(artefacts: list[ArtefactInfo]) -> dict[str, list[dict[str, Any]]]:
-    out = {a.label: series(a, ("latency.jsonl",), "latency") for a in artefacts if a.kind == "ppd_tree"}
+    """``{artefact: [{"size", "latency" (s), "accept_length" (τ)}]}`` of the PPD tree builds."""
+    out = {}
+    for a in artefacts:
+        curve = a.meta.get("curve") if a.kind == "ppd_tree" else None
+        if isinstance(curve, list):
+            out[a.label] = [{"size": p.get("size"), "latency": p.get("latency_s"), "accept_length": p.get("tau")}
+                            for p in curve if isinstance(p, dict)]
     return {k: v for k, v in out.items() if v}
 
 

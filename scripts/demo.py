@@ -1,0 +1,207 @@
+"""The main job on the embedded default (``make demo``): train, search, evaluate, report.
+
+    python scripts/demo.py                          # SmolLM2-135M, ~30 min on 2 CPU cores
+    python scripts/demo.py --model tiny-random --small --out /tmp/demo   # the pipeline in ~1 min
+
+Steps, each the entry function of the project's own command, on the config that command would
+compose (``selfspec.config.compose`` with the same Hydra overrides, small budgets), so there is one
+source of truth per step and no interpreter start-up between steps:
+
+1. fetch the offline assets                     selfspec.assets.fetch_all      (make assets)
+2. AdaDecode heads (mixed-domain data)          selfspec.train.run_job         (job=heads job.data=mixed)
+3. Draft & Verify skip set (CNN/DM + XSum dev)  selfspec.train.run_job         (job=skips job.tasks=[cnndm,xsum])
+4. PPD prompt tokens, then the sparse tree      selfspec.train.run_job         (job=prompts ; job=ppd_tree)
+5. vanilla, AdaDecode, Draft & Verify, PPD and the transformers peers on a few examples of each
+   task, interleaved in one job per task        selfspec.evaluation.evaluate   (python -m selfspec.evaluate)
+6. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
+
+Each step prints the equivalent command line. Each job runs inside its own run directory (W&B
+writes there).
+
+Everything is logged to W&B offline (``logger=wandb``, ``WANDB_MODE=offline``; ``wandb sync``
+uploads later) and written under ``--out`` (artefacts in ``<out>/artefacts``, runs and the report
+in ``<out>/demo/<time>/``). The last lines printed say where the report is and the headline speedups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")
+PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
+
+#: budgets per step: "full" fits the 30-minute demo on 2 cores, "small" exercises the pipeline
+BUDGETS = {
+    "full": {
+        "heads": ["job.n_prompts=32", "job.n_heldout=4", "job.gen_tokens=48", "job.steps=150",
+                  "job.eval_every=50", "job.ckpt_every=50", "job.max_prompt_tokens=384"],
+        "skips": ["job.iterations=12", "job.n_prompts=4", "job.max_new_tokens=24", "job.max_prompt_tokens=256"],
+        "prompts": ["job.steps=120", "job.n_conversations=400", "job.held_out=8", "job.context_length=256",
+                    "job.eval_every=60", "job.ckpt_every=60"],
+        "ppd_tree": ["job.sizes=[1,2,4,6,8,12,16]", "job.n_prompts=4", "job.max_new_tokens=32",
+                     "job.latency_repeats=3"],
+        "evaluate": {"n": 3, "max_new_tokens": 64, "warmup": 1},
+    },
+    "small": {
+        "heads": ["job.n_prompts=4", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4", "job.steps=4",
+                  "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2", "job.max_prompt_tokens=64"],
+        "skips": ["job.iterations=2", "job.n_prompts=2", "job.max_new_tokens=6", "job.max_prompt_tokens=64",
+                  "job.plot=false"],
+        "prompts": ["job.steps=4", "job.n_conversations=12", "job.held_out=2", "job.context_length=64",
+                    "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
+        "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6", "job.latency_repeats=1",
+                     "job.latency_context=32", "job.plot=false"],
+        "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0},
+    },
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="conf/model name (default: the embedded SmolLM2-135M)")
+    p.add_argument("--small", action="store_true", help="tiny budgets: checks the pipeline, not the speedups")
+    p.add_argument("--out", type=Path, default=ROOT / "outputs", help="outputs root (artefacts, runs, report)")
+    p.add_argument("--tasks", nargs="+", default=None, choices=TASKS, help=f"default: {' '.join(TASKS)}")
+    p.add_argument("--n", type=int, default=None, help="examples per task (default: 3; --small: 1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="token budget per example")
+    p.add_argument("--logger", choices=("wandb", "none"), default="wandb", help="W&B (offline) or nothing")
+    p.add_argument("--reuse-artefacts", action="store_true",
+                   help="skip a training step whose artefact already exists under --out")
+    return p.parse_args(argv)
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.budget = BUDGETS["small" if args.small else "full"]
+        self.out = args.out.resolve()
+        self.run_dir = self.out / "demo" / time.strftime("%Y-%m-%d_%H-%M-%S")
+        self.group = f"demo-{self.run_dir.name}"
+        self.timings: dict[str, float] = {}
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def common(self) -> list[str]:
+        return [f"model={self.args.model}", f"logger={self.args.logger}"] + (
+            [f"logger.group={self.group}"] if self.args.logger == "wandb" else [])
+
+    @contextlib.contextmanager
+    def step(self, name: str, command: str, run_dir: Path | None = None):
+        """Time a step and print its command line; inside ``run_dir`` (the job's run directory)."""
+        print(f"\n=== {name}: {command}", flush=True)
+        t0 = time.perf_counter()
+        if run_dir is None:
+            yield
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.chdir(run_dir):
+                yield
+        self.timings[name] = time.perf_counter() - t0
+        print(f"=== {name} done in {self.timings[name]:.0f}s", flush=True)
+
+    def artefact(self, kind: str, suffix: str | None = None) -> Path:
+        name = f"{self.args.model}-{suffix}" if suffix else self.args.model
+        return self.out / "artefacts" / kind / name
+
+    def train(self, job: str, artefact: Path, extra: list[str] = ()) -> None:
+        from selfspec.config import compose
+        from selfspec.train import run_job
+
+        if self.args.reuse_artefacts and (artefact / "meta.json").exists():
+            print(f"=== {job}: reusing {artefact}")
+            return
+        overrides = [f"job={job}", *self.common(), *extra, *self.budget[job]]
+        cfg = compose(overrides, config_name="train")
+        with self.step(f"train {job}", "python -m selfspec.train " + " ".join(overrides), self.run_dir / "train" / job):
+            run_job(cfg)
+
+    # --- steps -----------------------------------------------------------------------------------
+    def fetch(self) -> None:
+        from selfspec import assets
+
+        with self.step("fetch assets", "python scripts/fetch_assets.py"):
+            for name, path in assets.fetch_all().items():
+                print(f"  {name:14s} {path}")
+
+    def train_all(self) -> None:
+        self.train("heads", self.artefact("heads", "mixed"), ["job.data=mixed"])
+        self.train("skips", self.artefact("skip_set"), ["job.tasks=[cnndm,xsum]"])
+        self.train("prompts", self.artefact("prompts"))
+        self.train("ppd_tree", self.artefact("ppd_tree"))
+
+    def peers(self) -> list[str]:
+        from selfspec.config import model_config
+
+        peers = list(PEERS)
+        cfg = model_config(self.args.model)
+        layers = (cfg.get("random") or {}).get("num_hidden_layers")
+        if layers is not None and layers <= 8:  # hf_early_exit drafts with the first 8 layers
+            peers.remove("hf_early_exit")
+        return peers
+
+    def evaluate(self) -> Path:
+        """One job per task: vanilla, AdaDecode (under test), Draft & Verify, PPD and the peers."""
+        from selfspec.config import compose
+        from selfspec.evaluation import evaluate
+
+        ev = self.budget["evaluate"]
+        sweep = self.run_dir / "eval"
+        compare = ",".join(["draft_verify", "ppd", *self.peers()])
+        shared = ["method=adadecode", "method.heads_task=mixed", f"compare=[{compare}]", *self.common(),
+                  f"n_examples={self.args.n or ev['n']}",
+                  f"max_new_tokens={self.args.max_new_tokens or ev['max_new_tokens']}",
+                  f"warmup={ev['warmup']}", "progress=false", "+report.table=main"]
+        tasks = self.args.tasks or list(TASKS)
+        for i, task in enumerate(tasks):
+            out = sweep / f"{i}_{task}_{self.args.model}_adadecode"
+            cfg = compose([f"task={task}", *shared], config_name="evaluate")
+            with self.step(f"evaluate {task}", f"python -m selfspec.evaluate task={task} " + " ".join(shared), out):
+                evaluate(cfg, out)
+        return sweep
+
+    def report(self, sweep: Path):
+        from selfspec.config import compose
+        from selfspec.report import run_report
+
+        t0 = time.perf_counter()
+        cfg = compose([f"inputs=[{sweep}]", f"output_dir={self.run_dir / 'report'}",
+                       f"artefacts_dir={self.out / 'artefacts'}", "wandb.enabled=false"], config_name="report")
+        result = run_report(cfg)
+        self.timings["report"] = time.perf_counter() - t0
+        return result
+
+    def main(self) -> int:
+        t0 = time.perf_counter()
+        self.fetch()
+        self.train_all()
+        sweep = self.evaluate()
+        result = self.report(sweep)
+        total = time.perf_counter() - t0
+        print("\n=== timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; total {total:.0f}s")
+        if self.args.logger == "wandb":
+            print(f"W&B (offline) runs in group {self.group}: wandb sync {self.run_dir}/**/wandb/offline-run-*")
+        print(f"Report: {result.index}  (tables: {result.out_dir / 'tables'}, plots: {result.out_dir / 'plots'})")
+        print("Headline speedups (vs vanilla, same examples):")
+        for line in result.headline:
+            print(f"  {line.split(' · ', 1)[1]}")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    args = parse_args(argv)
+    os.environ["SELFSPEC_OUTPUTS"] = str(args.out.resolve())  # default artefact paths of every step
+    if args.logger == "wandb":
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_SILENT", "true")
+    return Demo(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
