@@ -79,3 +79,116 @@ def test_malformed_trees_fail_clearly():
         check_trees({0: SparseTree((), (1,)), 1: SparseTree(((0,), (0, 0)), (1, 1, 0))}, 1)
     with pytest.raises(TreeError, match="lacks states"):
         check_trees({1: SparseTree(((0,),), (1, 1))}, 1)
+
+
+# --- the dynamic sparse tree builder (PPD §4) ------------------------------------------------------
+from selfspec.training.tree import (amortized_tokens, best_trees_for_size, build_trees,  # noqa: E402
+                                    expected_candidates, optimal_candidates, transitions)
+
+
+def _rank_model(m, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.rand(m, K + 1, generator=g)
+    p = (raw / raw.sum(-1, keepdim=True))[:, :K]  # last column: the true token is outside the top-K
+    return p.double().tolist()
+
+
+def _enumerate(tree, p):
+    """Brute force: every outcome (rank of the true token at each depth, or a miss) with its
+    probability; follow the tree; return E[accepted candidates] and P(next state)."""
+    K, depth = len(p[0]), max(tree.depth, 1)
+    nodes = set(tree.paths)
+    expect, states = 0.0, {}
+    for outcome in itertools.product(range(K + 1), repeat=depth):
+        prob = 1.0
+        for d, r in enumerate(outcome):
+            prob *= p[d][r] if r < K else 1.0 - sum(p[d])
+        path = ()
+        for r in outcome:
+            if path + (r,) not in nodes:
+                break
+            path += (r,)
+        expect += prob * len(path)
+        s = tree.prompts[tree.paths.index(path)]
+        states[s] = states.get(s, 0.0) + prob
+    return expect, states
+
+
+import itertools  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_expected_acceptance_and_transitions_equal_enumeration(seed):
+    m, K = 3, 3
+    p = _rank_model(m, K, seed)
+    for s in range(4):
+        tree = random_tree(6, 3, K, m, random.Random(seed * 10 + s))
+        expect, states = _enumerate(tree, p)
+        assert expected_candidates(tree.nodes, p) == pytest.approx(expect, abs=1e-12)
+        P = transitions({0: tree}, p, m)
+        for j in range(m + 1):
+            assert float(P[0, j]) == pytest.approx(states.get(j, 0.0), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_candidate_tree_is_optimal_against_all_subtrees(seed):
+    K, depth = 3, 2
+    p = _rank_model(depth, K, seed)
+    p = [sorted(row, reverse=True) for row in p]  # ranks are ordered by the guesser's confidence
+    universe = [(a,) for a in range(K)] + [(a, b) for a in range(K) for b in range(K)]
+    for n_c in range(1, 6):
+        best = max(expected_candidates(c, p) for c in itertools.combinations(universe, n_c)
+                   if all(len(v) == 1 or v[:-1] in c for v in c))
+        assert expected_candidates(optimal_candidates(n_c, depth, p), p) == pytest.approx(best, abs=1e-12)
+
+
+def test_amortized_tokens_equal_simulation_and_sizes_are_respected():
+    m, K = 2, 3
+    p = _rank_model(m, K, 7)
+    trees = build_trees(4, 3, m, p)
+    for k, t in trees.items():
+        assert t.depth <= k and t.num_candidates <= 4 and t.num_prompts <= 3
+    check_trees(trees, m)
+    # R(T) = π·f, with π the stationary law of the enumerated transitions
+    r = amortized_tokens(trees, p, m)
+    rng, state, total, steps = random.Random(0), m, 0, 60000
+    for _ in range(steps):
+        t = trees[state]
+        path = ()
+        for d in range(t.depth):
+            u, acc, nxt = rng.random(), 0.0, None
+            for rank in range(K):
+                acc += p[d][rank]
+                if u < acc:
+                    nxt = rank
+                    break
+            if nxt is None or path + (nxt,) not in t.paths:
+                break
+            path += (nxt,)
+        total += len(path)
+        state = t.prompts[t.paths.index(path)]
+    assert total / steps == pytest.approx(r, rel=0.03)
+    best = best_trees_for_size(8, m, 1, p)
+    assert best is not None and all(t.size() <= 8 for t in best[1].values())
+
+
+def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
+    from omegaconf import OmegaConf
+
+    from selfspec.config import compose
+    from selfspec.decoding import build_decoder
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.prompts import PromptTokens, save_prompts
+    from selfspec.train import run_job
+
+    save_prompts(tmp_path / "p", PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
+    cfg = compose(["job=ppd_tree", "model=tiny-random", f"job.prompts={tmp_path / 'p'}", "job.n_prompts=2",
+                   "job.max_new_tokens=10", "job.latency_repeats=1", "job.sizes=[1,3,5]", "job.plot=false",
+                   f"artefact_dir={tmp_path / 't'}"], config_name="train")
+    out = run_job(cfg)
+    assert out["chosen_size"] in (3, 5)
+    method = OmegaConf.create({"name": "ppd", "prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
+                               "posterior_threshold": 0.09, "posterior_alpha": 0.3})
+    dec = build_decoder(method, tiny.model)
+    assert max(lay.size for lay in dec.layouts.values()) <= out["chosen_size"]
+    assert dec.generate(prompt_ids, 10).tokens == Vanilla(tiny.model).generate(prompt_ids, 10).tokens

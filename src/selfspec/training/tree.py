@@ -1,0 +1,302 @@
+"""``job=ppd_tree``: build PPD's hardware-aware dynamic sparse tree (PPD §4) for one model.
+
+1. **Acceptance statistics** on a validation set: greedy continuations of held-out ShareGPT
+   prompts are generated with vanilla decoding; along them, the trained prompt tokens are
+   inserted and ``p[d][r]`` = P(the model's next token at distance ``d`` is the rank-``r`` guess
+   of prompt token ``d``) is counted (the paper uses Alpaca as its validation set).
+2. **Expected tokens** (Props 4.1, 4.2, 4.4): ``f(T_k) = Σ_{v ∈ C(T_k)} Π_{i ∈ Path(v)} p_i``;
+   the state after a step is the number of prompt tokens on the accepted node, a Markov chain
+   whose steady state ``π`` gives ``R(T) = Σ_k π_k f(T_k)`` accepted candidates per step
+   (``τ = 1 + R``, bonus token included).
+3. **Construction** (§4.2) for ``n_c`` candidates and ``n_p`` prompt tokens: optimal candidate
+   trees of depth ``<= k`` (best-first by path probability, as Medusa / Sequoia), every node given
+   ``m`` prompt tokens, then prompt tokens removed greedily by the smallest
+   ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain; for each tree size
+   ``n`` every split ``n = 1 + n_c + n_p·n_ept`` is tried and the best ``R`` kept.
+4. **Hardware awareness**: the forward latency ``L_fp(n)`` of each size is measured on this
+   machine; the chosen size maximises ``τ(n) / L_fp(n)``. The trees are saved as a
+   ``ppd_tree`` artefact with the curves (and a plot).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from selfspec.decoding.tree import TREE_KIND, SparseTree, full_mask, layout
+
+log = logging.getLogger(__name__)
+
+Path_ = tuple[int, ...]
+
+
+# --- Props 4.1–4.4 -----------------------------------------------------------------------------
+def path_prob(path: Path_, p) -> float:
+    out = 1.0
+    for d, r in enumerate(path):
+        out *= float(p[d][r])
+    return out
+
+
+def expected_candidates(nodes, p) -> float:
+    """``f(T)`` (Prop. 4.1): expected accepted candidate tokens of a candidate tree."""
+    return sum(path_prob(v, p) for v in nodes)
+
+
+def deepest_accepted(tree: SparseTree, p) -> list[float]:
+    """P(node v is the deepest accepted node), per node in ``tree.paths`` order (root first).
+
+    Under the rank model the true token has one rank, so siblings are mutually exclusive:
+    P(v accepted, no child accepted) = P(path v) · (1 − Σ_children p[depth][rank])."""
+    children: dict[Path_, float] = {}
+    for c in tree.nodes:
+        children[c[:-1]] = children.get(c[:-1], 0.0) + float(p[len(c) - 1][c[-1]])
+    return [path_prob(v, p) * (1.0 - children.get(v, 0.0)) for v in tree.paths]
+
+
+def transitions(trees: dict[int, SparseTree], p, m: int) -> torch.Tensor:
+    """``P[k, j]`` = P(next state j | state k) (Prop. 4.2's ``p(s_j | s_k)``)."""
+    P = torch.zeros(m + 1, m + 1, dtype=torch.float64)
+    for k, t in trees.items():
+        for prob, n_prompts in zip(deepest_accepted(t, p), t.prompts):
+            P[k, n_prompts] += prob
+    return P
+
+
+def steady_state(P: torch.Tensor, iters: int = 500) -> torch.Tensor:
+    pi = torch.full((P.shape[0],), 1.0 / P.shape[0], dtype=torch.float64)
+    for _ in range(iters):
+        pi = pi @ P
+    return pi / pi.sum()
+
+
+def amortized_tokens(trees: dict[int, SparseTree], p, m: int) -> float:
+    """``R(T) = Σ_k π_k f(T_k)`` (Prop. 4.4): accepted candidates per step in the long run."""
+    pi = steady_state(transitions(trees, p, m))
+    return float(sum(pi[k] * expected_candidates(t.nodes, p) for k, t in trees.items()))
+
+
+# --- construction (§4.2) --------------------------------------------------------------------------
+def optimal_candidates(n_c: int, depth: int, p) -> list[Path_]:
+    """The ``n_c``-node candidate tree of depth <= ``depth`` maximising ``f`` (best first by path
+    probability: a child never beats its parent, so the best ``n_c`` paths form a tree)."""
+    K = len(p[0])
+    nodes: list[Path_] = []
+    best_of = {(): 1.0}
+    for _ in range(n_c):
+        options = [(prob * float(p[len(v)][r]), v + (r,)) for v, prob in best_of.items()
+                   if len(v) < depth for r in range(K) if v + (r,) not in best_of]
+        if not options:
+            break
+        prob, node = max(options, key=lambda o: (o[0], [-x for x in o[1]]))
+        nodes.append(node)
+        best_of[node] = prob
+    return nodes
+
+
+def allocate_prompts(nodes: list[Path_], n_p: int, m: int, f: list[float], p) -> SparseTree:
+    """Give every node ``m`` prompt tokens, then remove them greedily by smallest
+    ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain."""
+    tree = SparseTree.with_prompts(nodes, {v: m for v in [()] + list(nodes)})
+    counts = list(tree.prompts)
+    accept = deepest_accepted(tree, p)
+    while sum(counts) > n_p:
+        delta = [accept[v] * (f[c] - f[c - 1]) if c > 0 else float("inf") for v, c in enumerate(counts)]
+        v = min(range(len(counts)), key=lambda i: (delta[i], -i))
+        counts[v] -= 1
+    return SparseTree(tree.nodes, tuple(counts))
+
+
+def build_trees(n_c: int, n_p: int, m: int, p) -> dict[int, SparseTree]:
+    """One tree per state ``0…m`` with at most ``n_c`` candidates and ``n_p`` prompt tokens."""
+    cands = {k: optimal_candidates(n_c if k else 0, k, p) for k in range(m + 1)}
+    f = [expected_candidates(cands[k], p) for k in range(m + 1)]
+    return {k: allocate_prompts(cands[k], n_p, m, f, p) for k in range(m + 1)}
+
+
+def best_trees_for_size(n: int, m: int, n_ept: int, p) -> tuple[float, dict[int, SparseTree]] | None:
+    """Try every split ``n = 1 + n_c + n_p·n_ept``; keep the one with the largest ``R``."""
+    best = None
+    for n_c in range(0, n):
+        rest = n - 1 - n_c
+        if rest % n_ept:
+            continue
+        n_p = rest // n_ept
+        if n_p > m * (n_c + 1):
+            continue
+        trees = build_trees(n_c, n_p, m, p)
+        r = amortized_tokens(trees, p, m)
+        if best is None or r > best[0] + 1e-12:
+            best = (r, trees)
+    return best
+
+
+# --- statistics and latency ------------------------------------------------------------------------
+def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_k: int) -> torch.Tensor:
+    """``p[d][r]`` over greedy sequences ``(tokens, prompt_len)``: how often the model's token at
+    distance ``d+1`` is the rank-``r`` guess of prompt token ``d+1`` (insertion after each
+    generated position)."""
+    from selfspec.training.prompts import student_teacher
+
+    m = prompts.m
+    counts = torch.zeros(m, top_k + 1, dtype=torch.float64)
+    for tokens, n_prompt in sequences:
+        ids = torch.tensor(tokens)
+        inserts = torch.arange(n_prompt - 1, len(tokens) - m - 1)
+        if inserts.numel() == 0:
+            continue
+        with torch.no_grad():
+            student, _ = student_teacher(model, prompts, ids, inserts)
+        # greedy sequences: the model's token at distance d after i is tokens[i + d + 1]
+        target = ids[(inserts[:, None] + torch.arange(2, m + 2)).clamp(max=len(tokens) - 1)].to(student.device)
+        order = student.topk(top_k, -1).indices
+        hit = order == target.unsqueeze(-1)
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(target, top_k))
+        for d in range(m):
+            counts[d] += torch.bincount(rank[:, d].cpu(), minlength=top_k + 1).double()
+    if counts.sum() == 0:
+        raise ValueError("no validation positions for acceptance statistics; raise job.max_new_tokens")
+    return (counts / counts.sum(-1, keepdim=True))[:, :top_k]
+
+
+def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, context: int, repeats: int) -> float:
+    """Median seconds of one PPD forward (tree of the deepest state) after ``context`` cached tokens."""
+    tree = trees[max(trees)]
+    lay = layout(tree, n_ept, model.device)
+    cache = model.new_cache(context + lay.size + 1)
+    with torch.inference_mode():
+        model.forward(torch.randint(0, model.vocab_size, (1, context), device=model.device), cache, start=0)
+        h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
+        mask = model.prepare_mask(full_mask(lay, context))
+        pos = (context + lay.offsets).unsqueeze(0)
+        times = []
+        for _ in range(repeats + 1):
+            cache.truncate(context)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.forward(None, cache, start=context, mask=mask, positions=pos, h=h)
+            model.logits(out[:, : lay.n_nodes])
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def validation_prompts(tokenizer, chat: bool, n: int, skip: int) -> list[list[int]]:
+    """First user turns of ShareGPT conversations ``skip…`` (after the training ones)."""
+    from selfspec.tasks.sharegpt import iter_sharegpt
+
+    out = []
+    for record in itertools.islice(iter_sharegpt(), skip, None):
+        turns = [t for t in record.get("conversations", []) if str(t.get("from")).lower() in ("human", "user")]
+        if not turns or not str(turns[0].get("value", "")).strip():
+            continue
+        text = str(turns[0]["value"])[:1500]
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append(list(ids)[-256:])
+        if len(out) >= n:
+            break
+    return out
+
+
+def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax[0].plot(sizes, [1000 * x for x in latency], "o-")
+    ax[0].set(xlabel="tree size (tokens per forward)", ylabel="forward latency (ms)", title="L_fp(n), this machine")
+    ax[1].plot(sizes, tau, "o-")
+    ax[1].set(xlabel="tree size", ylabel="expected tau", title="acceptance length tau(n)")
+    ax[2].plot(sizes, speedup, "o-")
+    ax[2].axvline(chosen, ls="--", c="gray")
+    ax[2].set(xlabel="tree size", ylabel="tau(n) L(1) / L(n)", title=f"theoretical speedup (chosen n={chosen})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg) -> dict:
+    from selfspec.artefacts import default_artefact_dir, save_artefact
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.models.loading import load_model
+    from selfspec.prompts import load_prompts
+    from selfspec.tracking import start_run
+
+    job = cfg.job
+    loaded = load_model(cfg.model)
+    model = loaded.model
+    prompts_path = Path(job.prompts) if job.get("prompts") else default_artefact_dir("prompts", loaded.name)
+    if not prompts_path.exists():
+        raise FileNotFoundError(f"no prompts artefact at {prompts_path}; run python -m selfspec.train job=prompts "
+                                f"model={loaded.name} first or set job.prompts")
+    prompts = load_prompts(prompts_path, loaded)
+    m, n_ept, top_k = prompts.m, prompts.n_ept, int(job.top_k)
+    sizes = sorted({int(s) for s in job.sizes})
+    if min(sizes) < 1:
+        raise ValueError(f"job.sizes must be >= 1 (tokens per forward), got {sizes}")
+    tracker = start_run(cfg, job_type="ppd-tree")
+    tracker.use_artifact(prompts_path, kind="prompts")
+    t0 = time.perf_counter()
+    vanilla = Vanilla(model)
+    seqs = []
+    for ids in validation_prompts(loaded.tokenizer, loaded.chat, int(job.n_prompts), int(job.skip_conversations)):
+        gen = vanilla.generate(ids, int(job.max_new_tokens))
+        seqs.append((ids + gen.tokens, len(ids)))
+    p = rank_statistics(model, prompts, seqs, top_k)
+    log.info("acceptance statistics from %d greedy sequences (%.1fs): top-1 by distance %s", len(seqs),
+             time.perf_counter() - t0, [round(float(x), 3) for x in p[:, 0]])
+    plist = p.tolist()
+    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, int(job.latency_context), int(job.latency_repeats))
+    rows, candidates = [], {}
+    for n in sizes:
+        best = best_trees_for_size(n, m, n_ept, plist) if n > 1 else (0.0, {k: SparseTree((), (0,)) for k in range(m + 1)})
+        if best is None:
+            continue
+        r, trees = best
+        lat = measure_latency(model, trees, n_ept, int(job.latency_context), int(job.latency_repeats)) if n > 1 else base
+        rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
+                     "candidates": max(t.num_candidates for t in trees.values()),
+                     "prompt_tokens": max(t.num_prompts for t in trees.values())})
+        candidates[n] = trees
+        tracker.log({"tree/tau": 1 + r, "tree/latency_ms": 1000 * lat, "tree/speedup": rows[-1]["speedup"]}, step=n)
+        log.info("size %3d: tau %.3f latency %.1f ms theoretical speedup %.3f", n, 1 + r, 1000 * lat,
+                 rows[-1]["speedup"])
+    ppd_rows = [row for row in rows if row["size"] > 1]
+    if not ppd_rows:
+        raise ValueError(f"no feasible tree size in job.sizes={sizes}; give sizes > 1")
+    chosen = max(ppd_rows, key=lambda row: row["speedup"])
+    trees = candidates[chosen["size"]]
+    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(TREE_KIND, loaded.name)
+    metrics = {"chosen_size": chosen["size"], "expected_tau": chosen["tau"], "latency_s": chosen["latency_s"],
+               "theoretical_speedup": chosen["speedup"], "vanilla_latency_s": base,
+               "top1_by_distance": [float(x) for x in p[:, 0]], "seconds": time.perf_counter() - t0}
+    save_artefact(out_dir, TREE_KIND,
+                  {"accept_probs": p.float(), "sizes": torch.tensor([r["size"] for r in rows]),
+                   "tau": torch.tensor([r["tau"] for r in rows]),
+                   "latency": torch.tensor([r["latency_s"] for r in rows])},
+                  loaded, train_config=job, metrics=metrics,
+                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}, "curve": rows,
+                         "prompts": str(prompts_path), "m": m, "n_ept": n_ept, "device": str(model.device)})
+    if job.plot:
+        plot_curves(out_dir / "latency.png", [r["size"] for r in rows], [r["tau"] for r in rows],
+                    [r["latency_s"] for r in rows], [r["speedup"] for r in rows], chosen["size"])
+    tracker.summary(metrics)
+    tracker.table("latency_vs_size", rows)
+    tracker.log_artifact(out_dir, kind=TREE_KIND)
+    tracker.finish()
+    log.info("ppd_tree artefact -> %s (size %d, expected tau %.3f)", out_dir, chosen["size"], chosen["tau"])
+    return {"artefact": str(out_dir), **metrics}
