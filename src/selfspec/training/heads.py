@@ -1,0 +1,315 @@
+"""``job=heads``: train AdaDecode's intermediate heads (AdaDecode §3.1).
+
+* Heads ``E_l = E* · T_l`` at ``job.layers`` (default three evenly spaced), ``T_l`` initialised to
+  the identity (:class:`selfspec.heads.IntermediateHeads`); the base model is frozen, only the
+  ``T_l`` train (``job.kind=full``: an own ``d×|V|`` head each, the §4.3 ablation).
+* Loss (§3.1): ``Σ_l KL(p* ‖ p_l)`` between the final layer's next-token distribution and head
+  ``l``'s, averaged over positions.
+* Data: the paper trains on the target task's training set. Offline default: **self-
+  distillation** — the model's own greedy continuations of task prompts (``job.data=task``), or
+  of several tasks' prompts (``job.data=mixed``, the mixed-domain ablation), generated once with
+  batched ``generate`` and cached on disk. The loss covers the positions that predict the
+  continuation (the distribution AdaDecode's heads must predict while decoding). Prompts come
+  from the *end* of the task's shuffled pool, so they do not overlap the evaluated examples
+  (taken from its start) unless the pool is too small — the overlap is logged.
+* One frozen forward per sequence feeds all heads (hidden states of the head layers and the
+  final layer); with ``job.cache_features`` they are kept in memory, so later epochs over a
+  small data set cost only the heads. The training loop (:mod:`selfspec.training.loop`) gives
+  mixed precision, gradient accumulation, checkpoints + resume and data parallelism.
+* Output: the head-set artefact (``outputs/artefacts/heads/<model>-<data>[-full]``), training
+  curves in the tracker, and per-head held-out KL and top-1 agreement with the final layer
+  (plus, for each ``job.eval_gammas`` γ, the fraction of positions a head would exit at and its
+  agreement there — what AdaDecode's speed and rejection rate depend on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from selfspec.heads import IntermediateHeads, default_layers, save_heads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    """Prompt + greedy continuation; positions ``start..len-1`` predict the continuation."""
+
+    ids: list[int]
+    start: int
+
+
+# --- data ------------------------------------------------------------------------------------
+def task_prompts(task_cfg, tokenizer, n: int, max_prompt_tokens: int | None) -> tuple[list[list[int]], int]:
+    """The last ``n`` prompts of a task's pool (token ids) and how many overlap its evaluated examples."""
+    from selfspec.tasks import build_task
+
+    plain = OmegaConf.to_container(task_cfg, resolve=True) if OmegaConf.is_config(task_cfg) else dict(task_cfg)
+    n_eval = plain.get("n_examples")
+    task = build_task({**plain, "n_examples": None})
+    pool = task.examples()
+    chosen = pool[-n:]
+    overlap = max(0, min(n_eval or len(pool), len(pool)) + len(chosen) - len(pool))
+    out = []
+    for ex in chosen:
+        ids = task.encode(ex, tokenizer)
+        if max_prompt_tokens and len(ids) > max_prompt_tokens:
+            ids = ids[-max_prompt_tokens:]
+        out.append(ids)
+    return out, overlap
+
+
+def greedy_continuations(loaded, prompts: list[list[int]], gen_tokens: int, batch: int) -> list[Sequence]:
+    """The model's own greedy continuations (batched ``generate``, left padding), cut after EOS."""
+    hf, device = loaded.model.hf, loaded.model.device
+    eos = set(loaded.eos_token_ids)
+    pad = loaded.tokenizer.pad_token_id
+    pad = pad if pad is not None else (min(eos) if eos else 0)
+    seqs = []
+    for b in range(0, len(prompts), batch):
+        group = prompts[b : b + batch]
+        width = max(len(p) for p in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for r, p in enumerate(group):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=gen_tokens,
+                              do_sample=False, pad_token_id=pad, eos_token_id=sorted(eos) or None)
+        for r, p in enumerate(group):
+            cont = out[r, width:].tolist()
+            for j, t in enumerate(cont):
+                if t in eos:
+                    cont = cont[: j + 1]
+                    break
+            seqs.append(Sequence(p + cont, len(p) - 1))
+        log.info("generated continuations %d/%d", min(b + batch, len(prompts)), len(prompts))
+    return seqs
+
+
+def build_data(cfg, loaded) -> tuple[list[Sequence], list[Sequence], str, dict]:
+    """Train / held-out sequences for ``cfg.job`` (cached on disk), the data tag, and data info."""
+    from selfspec.artefacts import default_artefact_dir
+    from selfspec.config import conf_dir
+
+    job = cfg.job
+    data = str(job.data)
+    if data == "task":
+        task_cfgs, tag = [cfg.task], str(cfg.task.name)
+    elif data == "mixed":
+        names = list(job.mixed_tasks)
+        if not names:
+            raise ValueError("job.data=mixed needs job.mixed_tasks (task names from conf/task/)")
+        task_cfgs, tag = [OmegaConf.load(conf_dir() / "task" / f"{n}.yaml") for n in names], "mixed"
+    else:
+        raise ValueError(f"job.data must be 'task' or 'mixed', got {data!r}")
+    n_train, n_held = int(job.n_prompts), int(job.n_heldout)
+    if n_train < 1 or n_held < 1:
+        raise ValueError(f"job.n_prompts and job.n_heldout must be >= 1, got {n_train}, {n_held}")
+    key = json.dumps([loaded.fingerprint, [OmegaConf.to_container(t, resolve=True) for t in task_cfgs],
+                      n_train, n_held, int(job.gen_tokens), job.max_prompt_tokens], sort_keys=True, default=str)
+    cache = default_artefact_dir("heads_data", loaded.name, f"{tag}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    file = cache / "sequences.json"
+    info = {"data": tag, "tasks": [str(t.name) for t in task_cfgs]}
+    if file.exists():
+        raw = json.loads(file.read_text())
+        log.info("heads data: cached sequences from %s", file)
+    else:
+        t0 = time.perf_counter()
+        train, held = [], []
+        k = len(task_cfgs)
+        for j, tcfg in enumerate(task_cfgs):
+            nt = n_train // k + (j < n_train % k)
+            nh = n_held // k + (j < n_held % k)
+            prompts, overlap = task_prompts(tcfg, loaded.tokenizer, nt + nh, job.max_prompt_tokens)
+            if overlap:
+                log.warning("heads data: %d of task %s's prompts are also among its evaluated examples "
+                            "(the pool is too small to keep them apart when all n_examples are evaluated)", overlap, tcfg.name)
+            seqs = greedy_continuations(loaded, prompts, int(job.gen_tokens), int(job.gen_batch))
+            held += seqs[:nh]  # the pool's last-but-nt prompts: held out
+            train += seqs[nh:]
+        raw = {"train": [vars(s) for s in train], "heldout": [vars(s) for s in held],
+               "seconds": time.perf_counter() - t0}
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(raw))
+        tmp.replace(file)
+        log.info("heads data: %d + %d sequences generated in %.1fs -> %s", len(train), len(held), raw["seconds"], file)
+    info["generation_seconds"] = raw.get("seconds")
+    return [Sequence(**s) for s in raw["train"]], [Sequence(**s) for s in raw["heldout"]], tag, info
+
+
+# --- features, loss, evaluation --------------------------------------------------------------
+class Features:
+    """Frozen-model hidden states of a sequence's predicting positions: one forward per sequence
+    gives every head layer and the final layer (kept in memory when ``cache`` is set)."""
+
+    def __init__(self, model, layers: list[int], seqs: list[Sequence], cache: bool) -> None:
+        self.model, self.layers, self.seqs, self.cache = model, layers, seqs, cache
+        self._memo: dict[int, dict] = {}
+
+    def __call__(self, i: int) -> dict:
+        if i in self._memo:
+            return self._memo[i]
+        m, s = self.model, self.seqs[i]
+        out = {}
+        with torch.no_grad():
+            ids = torch.tensor([s.ids], device=m.device)
+            h, prev = None, 0
+            for l in self.layers + [m.num_layers - 1]:
+                h = m.forward(ids, None, start=0, layers=range(prev, l + 1), h=h)
+                out[l] = h[0, s.start :].detach()
+                prev = l + 1
+        feats = {"heads": {l: out[l] for l in self.layers}, "final": out[m.num_layers - 1]}
+        if self.cache:
+            self._memo[i] = feats
+        return feats
+
+    def batch(self, idx: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        f = [self(i) for i in idx]
+        return ({l: torch.cat([x["heads"][l] for x in f]) for l in self.layers},
+                torch.cat([x["final"] for x in f]))
+
+
+def head_kl(heads: IntermediateHeads, hidden: dict[int, torch.Tensor], final: torch.Tensor):
+    """Per-head mean KL(p* ‖ p_l) over positions, and the final layer's log-probabilities."""
+    with torch.no_grad():
+        logp_star = F.log_softmax(heads.model.logits(final).float(), -1)
+    p_star = logp_star.exp()
+    kls = {}
+    for l in heads.layers:
+        logp = F.log_softmax(heads.logits(l, hidden[l]).float(), -1)
+        kls[l] = (p_star * (logp_star - logp)).sum(-1).mean()
+    return kls, logp_star
+
+
+def evaluate_heads(heads: IntermediateHeads, feats: Features, gammas) -> dict[str, float]:
+    """Held-out per-head KL, top-1 agreement with the final layer, and exit rate / agreement at γ."""
+    sums: dict[str, float] = {}
+    n = 0
+    with torch.no_grad():
+        for i in range(len(feats.seqs)):
+            hidden, final = feats.batch([i])
+            kls, logp_star = head_kl(heads, hidden, final)
+            target = logp_star.argmax(-1)
+            k = int(target.numel())
+            n += k
+            for l in heads.layers:
+                probs = heads.logits(l, hidden[l]).softmax(-1)
+                conf, pred = probs.max(-1)
+                agree = pred == target
+                add = {f"kl/{l}": float(kls[l]) * k, f"top1/{l}": float(agree.sum())}
+                for g in gammas:
+                    ex = conf > g
+                    add[f"exit@{g}/{l}"] = float(ex.sum())
+                    add[f"exit_agree@{g}/{l}"] = float((agree & ex).sum())
+                for key, v in add.items():
+                    sums[key] = sums.get(key, 0.0) + v
+    out = {}
+    for key, v in sums.items():
+        if key.startswith("exit_agree@"):
+            exits = sums[key.replace("exit_agree@", "exit@")]
+            out[key] = v / exits if exits else float("nan")
+        else:
+            out[key] = v / n
+    out["kl"] = sum(out[f"kl/{l}"] for l in heads.layers)
+    return out
+
+
+def batch_sampler(n: int, batch_size: int, seed: int):
+    """``batch_fn(i)``: micro-batch ``i`` — ``(sequence indices, position-sampling seed)``, a
+    deterministic function of ``i`` (exact resume)."""
+    if n < 1:
+        raise ValueError("no training sequences: raise job.n_prompts")
+
+    def batch_fn(i: int) -> tuple[list[int], int]:
+        rng = np.random.default_rng([seed, i])
+        return rng.choice(n, size=min(batch_size, n), replace=False).tolist(), int(rng.integers(1 << 31))
+
+    return batch_fn
+
+
+def make_heads(model, job) -> IntermediateHeads:
+    kind = str(job.kind)
+    if kind not in ("linear", "full"):
+        raise ValueError(f"job.kind must be linear or full (lm_head heads need no training: use "
+                         f"method.head_kind=lm_head), got {kind!r}")
+    layers = list(job.layers) if job.get("layers") else default_layers(model.num_layers, int(job.n_heads))
+    return IntermediateHeads(model, layers, kind)
+
+
+def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
+    """``(loss_fn, batch_fn, eval_fn)`` for :func:`selfspec.training.loop.train`."""
+    cache = bool(job.cache_features)
+    feats = Features(heads.model, heads.layers, train_seqs, cache)
+    held = Features(heads.model, heads.layers, held_seqs, True)
+    gammas = [float(g) for g in job.eval_gammas]
+
+    max_positions = int(job.max_positions) if job.get("max_positions") else None
+
+    def loss_fn(module, batch):
+        idx, pos_seed = batch
+        hidden, final = feats.batch(idx)
+        if max_positions and final.shape[0] > max_positions:  # the |V|-wide logits dominate the cost
+            g = torch.Generator().manual_seed(pos_seed)
+            keep = torch.randperm(final.shape[0], generator=g)[:max_positions].to(final.device)
+            hidden, final = {l: h[keep] for l, h in hidden.items()}, final[keep]
+        kls, _ = head_kl(module, hidden, final)
+        return sum(kls.values()), {f"kl/{l}": float(v.detach()) for l, v in kls.items()}
+
+    return loss_fn, batch_sampler(len(train_seqs), int(job.batch_size), seed), (
+        lambda module: evaluate_heads(module, held, gammas))
+
+
+# --- the job ---------------------------------------------------------------------------------
+def run(cfg) -> dict:
+    from selfspec.decoding.adadecode import heads_artefact_dir
+    from selfspec.models.loading import load_model
+    from selfspec.tracking import start_run
+    from selfspec.training.loop import TrainConfig, clear_checkpoint, train
+
+    job = cfg.job
+    tcfg = TrainConfig.from_config(job)
+    tcfg.seed = int(cfg.seed)
+    loaded = load_model(cfg.model)
+    heads = make_heads(loaded.model, job)
+    t0 = time.perf_counter()
+    train_seqs, held_seqs, tag, info = build_data(cfg, loaded)
+    data_seconds = time.perf_counter() - t0
+    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else heads_artefact_dir(loaded.name, tag, heads.kind)
+    ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
+    loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, job, int(cfg.seed))
+    tracker = start_run(cfg, job_type="train-heads")
+    result = train(heads, loss_fn, batch_fn, tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn)
+    strip = lambda d: {k.removeprefix("eval/"): v for k, v in d.items() if k != "step"}  # noqa: E731
+    final, initial = strip(result["eval"][-1]), strip(result["eval"][0])
+    n_params = sum(p.numel() for p in heads.parameters())
+    metrics = {**final, "initial": initial, "train_seconds": result["seconds"], "data_seconds": data_seconds,
+               "steps": result["step"], "params": n_params, "train_sequences": len(train_seqs),
+               "heldout_sequences": len(held_seqs),
+               "train_positions": sum(len(s.ids) - s.start for s in train_seqs)}
+    path = save_heads(out_dir, heads, loaded, task=tag, train_config=job, metrics=metrics, data=info)
+    clear_checkpoint(ckpt_dir)
+    summary = {"artefact": str(path), "layers": heads.layers, "kind": heads.kind,
+               **{k: v for k, v in metrics.items() if k != "initial"}}
+    tracker.table("heldout_agreement", [
+        {"layer": l, "top1_initial": initial[f"top1/{l}"], "top1": final[f"top1/{l}"],
+         "kl_initial": initial[f"kl/{l}"], "kl": final[f"kl/{l}"]} for l in heads.layers])
+    tracker.summary(summary)
+    tracker.log_artifact(path, kind="heads")
+    tracker.finish()
+    for l in heads.layers:
+        log.info("head %d: held-out top-1 agreement %.3f -> %.3f, KL %.3f -> %.3f", l, initial[f"top1/{l}"],
+                 final[f"top1/{l}"], initial[f"kl/{l}"], final[f"kl/{l}"])
+    return summary

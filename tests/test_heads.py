@@ -1,0 +1,112 @@
+"""Intermediate heads: identity initialisation, artefact round trip, training reduces the held-out
+KL, resume continues exactly, and the job end to end (data generation -> artefact -> decoder)."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from selfspec.artefacts import ArtefactError
+from selfspec.config import compose, conf_dir, model_config
+from selfspec.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
+from selfspec.models.loading import load_model
+from selfspec.training import heads as job_heads
+from selfspec.training.loop import TrainConfig, train
+
+
+def test_default_layers_evenly_spaced():
+    assert default_layers(32) == [7, 15, 23]  # hidden states after layers 8/16/24 (the paper)
+    assert default_layers(30) == [7, 14, 22]
+    assert default_layers(4, 1) == [1]
+    with pytest.raises(ValueError, match="n_heads"):
+        default_layers(4, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_untrained_heads_equal_final_norm_and_head(tiny, kind):
+    m = tiny.model
+    heads = IntermediateHeads.identity(m, [0, 2], kind)
+    h = torch.randn(1, 5, m.hidden_size)
+    torch.testing.assert_close(heads.logits(2, h), m.logits(h))
+    params = sum(p.numel() for p in heads.parameters())
+    assert params == {"linear": 2 * m.hidden_size ** 2, "full": 2 * m.hidden_size * m.vocab_size, "lm_head": 0}[kind]
+    assert not any(k.startswith("model") for k in heads.state_dict())  # base model is not part of it
+
+
+def test_bad_layers_and_kind(tiny):
+    with pytest.raises(ValueError, match=r"\[0, 2\]"):
+        IntermediateHeads(tiny.model, [3])  # the last layer is the final head itself
+    with pytest.raises(ValueError, match="kind"):
+        IntermediateHeads(tiny.model, [1], "mlp")
+
+
+def test_artefact_round_trip_and_mismatch(tiny, tmp_path):
+    heads = IntermediateHeads.identity(tiny.model, [1, 2])
+    with torch.no_grad():
+        heads.heads["1"].weight.add_(0.1)
+    path = save_heads(tmp_path / "h", heads, tiny, task="xsum", metrics={"kl": 1.0})
+    back = load_heads(path, tiny)
+    assert back.layers == [1, 2] and back.kind == "linear" and back.meta["task"] == "xsum"
+    h = torch.randn(2, tiny.model.hidden_size)
+    torch.testing.assert_close(back.logits(1, h), heads.logits(1, h))
+    other = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"num_hidden_layers": 6}}))
+    with pytest.raises(ArtefactError, match="num_layers|fingerprint"):
+        load_heads(path, other)
+
+
+def _job(**kw):
+    return OmegaConf.merge(OmegaConf.load(conf_dir() / "job" / "heads.yaml"), kw)
+
+
+def _synthetic(n, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [job_heads.Sequence(torch.randint(0, 2000, (length,), generator=g).tolist(), 8) for _ in range(n)]
+
+
+def _train(tiny, ckpt, steps, job):
+    heads = job_heads.make_heads(tiny.model, job)
+    loss_fn, batch_fn, eval_fn = job_heads.trainer(heads, _synthetic(6), _synthetic(2, seed=1), job, 0)
+    cfg = TrainConfig(steps=steps, lr=float(job.lr), schedule=str(job.schedule), ckpt_every=int(job.ckpt_every),
+                      eval_every=0, log_every=100)
+    return heads, train(heads, loss_fn, batch_fn, cfg, ckpt, eval_fn=eval_fn)
+
+
+def test_training_reduces_heldout_kl(tiny, tmp_path):
+    job = _job(layers=[1, 2], lr=3e-3, schedule="constant", ckpt_every=0, max_positions=None)
+    heads, result = _train(tiny, tmp_path / "ck", 12, job)
+    first, last = result["eval"][0], result["eval"][-1]
+    # the random model's distributions are nearly flat, so KLs are small; 12 steps cut them ~7%
+    assert last["eval/kl"] < 0.97 * first["eval/kl"], (first["eval/kl"], last["eval/kl"])
+    assert result["history"][-1]["loss"] < result["history"][0]["loss"]
+    assert all(0 <= last[f"eval/top1/{l}"] <= 1 for l in heads.layers)
+
+
+def test_resume_continues_from_checkpoint(tiny, tmp_path):
+    job = _job(layers=[1, 2], lr=1e-2, schedule="constant", ckpt_every=3, max_positions=32)
+    straight, _ = _train(tiny, tmp_path / "a", 6, job)
+    _train(tiny, tmp_path / "b", 3, job)  # "interrupted" after the step-3 checkpoint
+    resumed, result = _train(tiny, tmp_path / "b", 6, job)
+    assert [h["step"] for h in result["history"]] == list(range(1, 7))
+    for l in straight.layers:
+        torch.testing.assert_close(resumed.heads[str(l)].weight, straight.heads[str(l)].weight)
+
+
+def test_job_end_to_end(tiny, tmp_path, monkeypatch):
+    """Self-distillation data (greedy continuations), training, artefact, and AdaDecode loading it."""
+    from selfspec.decoding import build_decoder
+    from selfspec.train import run_job
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
+    cfg = compose(["job=heads", "model=tiny-random", "task=gsm8k", "job.n_prompts=3", "job.n_heldout=1",
+                   "job.gen_tokens=6", "job.steps=2", "job.eval_every=0", "job.max_prompt_tokens=48",
+                   "job.layers=[1,2]"], "train")
+    summary = run_job(cfg)
+    path = tmp_path / "artefacts" / "heads" / "tiny-random-gsm8k"
+    assert summary["artefact"] == str(path) and (path / "meta.json").exists()
+    assert not (path.parent / ".tiny-random-gsm8k.ckpt").exists()  # checkpoint cleared
+    assert summary["train_sequences"] == 3 and "top1/1" in summary
+    method = OmegaConf.merge(compose(["method=adadecode", "task=gsm8k"]).method, {"gamma": 0.0})
+    dec = build_decoder(method, tiny.model, tokenizer=tiny.tokenizer)
+    assert dec.heads.layers == [1, 2]
+    ids = tiny.tokenizer("Question: 2+2?\nAnswer:")["input_ids"]
+    ref = build_decoder(OmegaConf.create({"name": "vanilla"}), tiny.model).generate(ids, 12).tokens
+    assert dec.generate(ids, 12).tokens == ref
