@@ -100,7 +100,9 @@ class PPD(Decoder):
                 )
         prompts = load_prompts(prompts_path, model=model)
         trees, _ = load_trees(tree_path, model)
-        return cls(model, prompts, trees, float(cfg.posterior_threshold), float(cfg.posterior_alpha), **common)
+        dec = cls(model, prompts, trees, float(cfg.posterior_threshold), float(cfg.posterior_alpha), **common)
+        dec.artefacts = {"prompts": prompts_path, "tree": tree_path}  # lineage for the evaluation runner
+        return dec
 
     # --- hooks ----------------------------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:
