@@ -124,4 +124,4 @@ def test_config_composes_and_bad_values_stop(tiny):
     with pytest.raises(ValueError, match="min_gamma"):
         del_decoder(tiny, min_gamma=30)
     with pytest.raises(ValueError, match="candidate_layers"):
-        del_decoder(tiny, exit_head="heads")
+        del_decoder(tiny, exit_head="heads", candidate_layers=[1])

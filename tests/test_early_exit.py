@@ -98,12 +98,23 @@ def test_exit_query_reuse_gives_the_recomputed_cache(agree, prompt_ids):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_sampling_preserves_target_distribution(prompt_ids):
+@pytest.fixture
+def disagreeing(agree):
+    """The agreeing model with its upper layers 6× stronger (damping 0.3): drafts differ from the target."""
+    scale = lambda f: [w.mul_(f) for layer in agree.model.layers[1:]  # noqa: E731
+                       for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+    with torch.no_grad():
+        scale(6.0)
+    yield agree
+    with torch.no_grad():
+        scale(1 / 6.0)
+
+
+def test_sampling_preserves_target_distribution(disagreeing, prompt_ids):
     """Pairs of the first two tokens after the prompt under top-k sampling vs the exact target
-    distribution p(a)·p(b|a): total variation below 0.1 (an unbiased sampler: ~0.045 with 600
+    distribution p(a)·p(b|a): total variation below 0.12 (an unbiased sampler: ~0.055 with 400
     draws over 9 pairs; the draft's distribution at layer 0 is 0.45 away on the first token alone)."""
-    agree = agreeing_model(damp=0.3)
-    m = agree.model
+    m = disagreeing.model
     s = Sampling(temperature=0.05, top_k=3, seed=0)
     ids = prompt_ids
     with torch.inference_mode():
@@ -113,10 +124,10 @@ def test_sampling_preserves_target_distribution(prompt_ids):
             p2 = warp(m.logits(m.forward(torch.tensor([ids + [a]]), None, start=0)[0, -1]), s)
             for b in p2.nonzero().view(-1).tolist():
                 exact[(a, b)] = float(p1[a] * p2[b])
-    dec = ee(agree, 0, 3)
+    dec = ee(disagreeing, 0, 3)
     gen = torch.Generator().manual_seed(1)
     counts: dict = {}
-    n = 600
+    n = 400
     prompt = torch.tensor([ids])
     cache = m.new_cache(len(ids) + 16)
     with torch.inference_mode():
@@ -132,7 +143,7 @@ def test_sampling_preserves_target_distribution(prompt_ids):
             counts[tuple(new[:2])] = counts.get(tuple(new[:2]), 0) + 1
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-    assert tv < 0.1, f"total variation {tv:.4f}"
+    assert tv < 0.12, f"total variation {tv:.4f}"
 
 
 def test_adaptive_threshold_follows_draft_and_verify_rule():
