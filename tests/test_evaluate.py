@@ -84,7 +84,11 @@ def test_interrupted_run_keeps_finished_examples(tiny, tmp_path, monkeypatch):
 
 def test_method_configs_dedupe_and_check_names():
     cfg = compose(SMALL + ["compare=[vanilla,hf_prompt_lookup]"])
-    assert [m.name for m in method_configs(cfg)] == ["vanilla", "hf_prompt_lookup"]
+    assert list(method_configs(cfg)) == ["vanilla", "hf_prompt_lookup"]
+    variant = method_configs(compose(SMALL + ["method=draft_verify_static", "compare=[draft_verify]"]),
+                             label="draft_verify_static")
+    assert {k: v.name for k, v in variant.items()} == {
+        "vanilla": "vanilla", "draft_verify_static": "draft_verify", "draft_verify": "draft_verify"}
     with pytest.raises(ValueError, match="unknown method config 'nope'"):
         method_configs(compose(SMALL + ["compare=[nope]"]))
 

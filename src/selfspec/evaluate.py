@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> float | None:
     summary = evaluate(cfg, out)
     log.info("results in %s", out)
     # the method under test's speedup: what a Hydra sweeper would optimise
-    return summary["methods"][str(cfg.method.name)]["speedup"]
+    return summary["methods"][summary["method"]]["speedup"]
 
 
 if __name__ == "__main__":

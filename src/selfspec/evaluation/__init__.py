@@ -5,7 +5,8 @@
 """
 
 from selfspec.evaluation.aggregate import consistency, summarize
-from selfspec.evaluation.runner import RESULTS, SUMMARY, MethodRun, ResumeMismatch, evaluate, method_configs
+from selfspec.evaluation.runner import (RESULTS, SUMMARY, MethodRun, ResumeMismatch, evaluate, load_method_config,
+                                        method_configs, method_label)
 
 __all__ = ["RESULTS", "SUMMARY", "MethodRun", "ResumeMismatch", "consistency", "evaluate",
-           "method_configs", "summarize"]
+           "load_method_config", "method_configs", "method_label", "summarize"]

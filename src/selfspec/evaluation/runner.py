@@ -42,7 +42,7 @@ class ResumeMismatch(ValueError):
 
 @dataclass
 class MethodRun:
-    """One method of the run: its config (resolved) and its built decoder."""
+    """One method of the run: its label (config file name), resolved config and built decoder."""
 
     name: str
     cfg: DictConfig
@@ -53,31 +53,52 @@ class MethodRun:
         return bool(type(self.decoder).lossless)
 
 
-def method_configs(cfg: DictConfig) -> list[DictConfig]:
-    """The baseline, the method under test and ``compare``: each a resolved method config.
+def load_method_config(name: str) -> DictConfig:
+    """``conf/method/<name>.yaml`` composed by Hydra (its ``defaults`` list applied), unresolved."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    known = group_options("method")
+    if name not in known:
+        raise ValueError(f"unknown method config {name!r} in baseline/compare; choose from "
+                         f"{', '.join(known)} (conf/method/)")
+    if GlobalHydra.instance().is_initialized():  # inside @hydra.main: its search path is conf/
+        return compose(config_name=None, overrides=[f"+method={name}"]).method
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name=None, overrides=[f"+method={name}"]).method
+
+
+def method_label(cfg: DictConfig) -> str:
+    """The run's label of ``cfg.method``: its config file name (``method=<label>``).
+
+    Variants share a decoder (``draft_verify_static`` has ``name: draft_verify``), so results are
+    labelled by config file. Read from Hydra's choices inside ``@hydra.main``, else ``cfg.method.name``.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get("method")
+        if choice:
+            return str(choice)
+    return str(cfg.method.name)
+
+
+def method_configs(cfg: DictConfig, label: str | None = None) -> dict[str, DictConfig]:
+    """Label -> resolved config of the baseline, the method under test and ``compare``, in run order.
 
     ``baseline`` and ``compare`` name files of ``conf/method/``; their interpolations resolve
-    against the run's config (as if composed as ``method=<name>``). Duplicates run once.
+    against the run's config, as if composed as ``method=<name>``. A label given twice runs once.
     """
-    names = [str(cfg.baseline)] + [str(c) for c in (cfg.get("compare") or [])]
-    known = group_options("method")
+    label = label or method_label(cfg)
+    names = [str(cfg.baseline), label] + [str(c) for c in (cfg.get("compare") or [])]
+    out: dict[str, DictConfig] = {}
     for name in names:
-        if name not in known:
-            raise ValueError(f"unknown method config {name!r} in baseline/compare; choose from "
-                             f"{', '.join(known)} (conf/method/)")
-    loaded = [OmegaConf.load(conf_dir() / "method" / f"{n}.yaml") for n in names]
-    ordered = [loaded[0], cfg.method] + loaded[1:]
-    out: list[DictConfig] = []
-    for m in ordered:
+        if name in out:
+            continue
+        m = cfg.method if name == label else load_method_config(name)
         root = OmegaConf.to_container(cfg, resolve=False)
         root["method"] = OmegaConf.to_container(m, resolve=False)
-        resolved = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(root), resolve=True))["method"]
-        same = [o for o in out if o.name == resolved.name]
-        if same and same[0] != resolved:
-            raise ValueError(f"two different configs of method {resolved.name!r} in one run "
-                             "(method, baseline, compare); run them as separate jobs")
-        if not same:
-            out.append(resolved)
+        out[name] = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(root), resolve=True))["method"]
     return out
 
 
@@ -133,6 +154,7 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int) -> dict[str,
     return {
         "id": ex.id,
         "method": run.name,
+        "decoder": str(run.cfg.name),
         "lossless": run.lossless,
         "prompt_tokens": prompt_len,
         "tokens": gen.tokens,
@@ -151,11 +173,14 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int) -> dict[str,
     }
 
 
-def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker | None = None) -> dict[str, Any]:
+def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker | None = None,
+             label: str | None = None) -> dict[str, Any]:
     """Run the evaluation ``cfg`` describes into ``out_dir``; return the summary (also in summary.json).
 
     ``loaded``: an already loaded model for ``cfg.model`` (tests, benchmarks); ``tracker``: an
-    open tracker (default: :func:`~selfspec.tracking.start_run` on ``cfg.logger``, finished here).
+    open tracker (default: :func:`~selfspec.tracking.start_run` on ``cfg.logger``, finished here);
+    ``label``: the method under test's config name when ``cfg`` was composed outside ``@hydra.main``
+    (default: :func:`method_label`).
     """
     from selfspec.runinfo import run_info
 
@@ -165,13 +190,13 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     sampling = Sampling.from_config(cfg.sampling)
     task = _task(cfg)
     budget = _budget(cfg, task)
-    method_cfgs = method_configs(cfg)
-    names = [str(m.name) for m in method_cfgs]
+    under_test = label or method_label(cfg)
+    method_cfgs = method_configs(cfg, under_test)
+    names = list(method_cfgs)
     baseline = names[0]
-    under_test = str(cfg.method.name)
     identity = to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
                             | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": budget,
-                            "baseline": baseline, "methods": {str(m.name): m for m in method_cfgs}})
+                            "baseline": baseline, "methods": method_cfgs})
     _check_resume(out_dir, identity)
 
     if loaded is None:
@@ -181,7 +206,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     tok = loaded.tokenizer
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=list(task.cfg.stop), tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
-    runs = [MethodRun(str(m.name), m, build_decoder(m, loaded.model, **common)) for m in method_cfgs]
+    runs = [MethodRun(name, m, build_decoder(m, loaded.model, **common)) for name, m in method_cfgs.items()]
 
     examples = task.examples()
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
@@ -274,4 +299,5 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-__all__ = ["MethodRun", "ResumeMismatch", "evaluate", "method_configs", "RESULTS", "SUMMARY"]
+__all__ = ["MethodRun", "ResumeMismatch", "evaluate", "load_method_config", "method_configs", "method_label",
+           "RESULTS", "SUMMARY"]
