@@ -16,7 +16,7 @@ as in the authors' code; values in [0, 1], > 0.5 = skip). Three searches (``job.
               time is predicted from per-sublayer costs timed once at the start.
 ``greedy``    a deterministic layer-importance pass on the cost model: rank sublayers by the
               agreement they cost per unit of time they save, take the best prefix of that
-              ranking, then one pass of single-sublayer toggles (about 6L evaluations).
+              ranking, then (``job.refine``) one pass of single-sublayer toggles (at most 6L evaluations).
 
 Every evaluation is one row of ``trace.jsonl`` (iteration, sublayers skipped, objective,
 predicted/measured speedup, acceptance rate) in ``<artefact>.search-<search>/``, also logged to
@@ -465,13 +465,16 @@ def search_greedy(objective: CostModel, trace: Trace, L: int, jc) -> None:
         row = trace.evaluate(skip_of([u]), objective, "importance")
         score[u] = (1.0 - row["agreement"]) / max(c[u[0]], 1e-9)
     ranking = sorted(units, key=lambda u: (score[u], u))
-    best_n, best = 0, None
+    best_n, best = 0, objective.vanilla_spt
+    patience = int(jc.patience)
     for n in range(1, len(units)):
         row = trace.evaluate(skip_of(ranking[:n]), objective, "prefix")
-        if best is None or row["objective"] < best:
+        if row["objective"] < best:
             best_n, best = n, row["objective"]
+        elif patience and n - best_n >= patience:
+            break  # no better prefix for `patience` lengths
     chosen = set(ranking[:best_n])
-    for u in ranking:  # one refinement pass
+    for u in ranking if jc.refine else ():  # one refinement pass
         trial = chosen ^ {u}
         row = trace.evaluate(skip_of(sorted(trial)), objective, "toggle")
         if row["objective"] < best:
