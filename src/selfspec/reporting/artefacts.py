@@ -97,7 +97,8 @@ def series(info: ArtefactInfo, names: tuple[str, ...], metric_key: str) -> list[
 
 def bo_traces(artefacts: list[ArtefactInfo]) -> tuple[dict[str, list[dict[str, Any]]], str | None]:
     """``({artefact: points}, objective name)`` of the skip-set searches."""
-    traces = {a.label: series(a, ("trace.jsonl", "bo_trace.jsonl"), "trace") for a in artefacts if a.kind == "skip_set"}
+    traces = {a.label: [p for p in series(a, ("trace.jsonl", "bo_trace.jsonl"), "trace") if "header" not in p]
+              for a in artefacts if a.kind == "skip_set"}
     traces = {k: v for k, v in traces.items() if v}
     for name in OBJECTIVES:
         if any(isinstance(p.get(name), (int, float)) for pts in traces.values() for p in pts):

@@ -1,0 +1,209 @@
+"""Reporting: records from run directories, paper layouts (Markdown, LaTeX), plots, index.html, W&B."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from selfspec.config import compose
+from selfspec.reporting import build_report, get_layout, read_run
+from selfspec.reporting.artefacts import bo_traces, find_artefacts, tree_curves
+from selfspec.reporting.layouts import LAYOUTS
+from selfspec.reporting.paper import paper_records
+from selfspec.reporting.records import Record, latest_only
+from selfspec.reporting.tables import build_table, tex_escape, to_latex, to_markdown
+from selfspec.reporting.wandb_source import unflatten, wandb_records
+
+RUN_INFO = {"git_commit": "abc1234", "versions": {"torch": "2.13.0", "transformers": "5.23.0", "selfspec": "0.1.0"},
+            "hardware": {"processor": "x86_64", "cpu_threads": 2, "gpu": None}, "device": "cpu"}
+
+
+def entry(tps: float, speedup: float, tau: float = 1.0, ar=None, consistency=1.0, metrics=None, stats=None):
+    return {"n_examples": 2, "new_tokens": 100, "seconds": 100 / tps, "tokens_per_s": tps,
+            "seconds_per_token": 1 / tps, "speedup": speedup, "tau": tau, "acceptance_rate": ar,
+            "lossless": True, "consistency": consistency, "prefix_agreement": consistency,
+            "metrics": metrics or {}, "stats": stats or {}}
+
+
+def write_run(path: Path, *, table: str | None, task: str, method: str, methods: dict, model="smollm2-135m",
+              method_cfg: dict | None = None, temperature=0.0, artefacts=None) -> Path:
+    """A run directory in the shape selfspec.evaluation.runner writes."""
+    path.mkdir(parents=True)
+    cfg = {"model": {"name": model}, "task": {"name": task}, "method": {"name": method, **(method_cfg or {})},
+           "baseline": "vanilla", "sampling": {"temperature": temperature}}
+    if table:
+        cfg["report"] = {"table": table}
+    summary = {"model": model, "task": task, "method": method, "baseline": "vanilla", "methods": methods,
+               "run_info": RUN_INFO, "artefacts": artefacts or {}, "config": cfg}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "multirun"
+    for i, (task, score) in enumerate((("xsum", {"rouge2": 0.11}), ("humaneval", {"pass@1": 0.25}),
+                                        ("gsm8k", {"accuracy": 0.5}))):
+        write_run(root / f"{i}_{task}", table="adadecode_main", task=task, method="adadecode",
+                  methods={"vanilla": entry(20.0, 1.0, metrics=score),
+                           "adadecode": entry(26.0, 1.3, tau=1.8, ar=0.9, metrics=score,
+                                              stats={"exit_layer_7": 3.0, "exit_layer_15": 1.0}),
+                           "hf_generate": entry(18.0, 0.9, metrics=score)})
+    for k, (ar, sp) in {2: (0.9, 1.1), 4: (0.8, 1.2)}.items():
+        write_run(root / f"k{k}", table="dv_fixed_k", task="cnndm", method="draft_verify",
+                  method_cfg={"max_draft": k, "draft_exit": "none"},
+                  methods={"vanilla": entry(20.0, 1.0), "draft_verify": entry(20.0 * sp, sp, tau=2.0, ar=ar)})
+    for g in (0.2, 0.6):
+        write_run(root / f"g{g}", table="dv_static", task="cnndm", method="draft_verify",
+                  method_cfg={"gamma0": g, "draft_exit": "static"},
+                  methods={"vanilla": entry(20.0, 1.0), "draft_verify": entry(22.0, 1.1 + g, ar=1 - g / 2)})
+    return root
+
+
+def test_records_from_a_run_directory(runs):
+    records = read_run(runs / "0_xsum")
+    assert {r.method for r in records} == {"vanilla", "adadecode", "hf_generate"}
+    ada = next(r for r in records if r.method == "adadecode")
+    assert ada.table == "adadecode_main" and ada.task == "xsum" and ada.model == "smollm2-135m"
+    assert ada.metrics["speedup"] == 1.3 and ada.metrics["rouge2"] == 0.11
+    assert ada.metrics["ms_per_token"] == pytest.approx(1000 / 26)
+    assert ada.provenance["commit"] == "abc1234" and "torch 2.13.0" in ada.provenance["versions"]
+    assert ada.provenance["source"] == str(runs / "0_xsum")
+    assert read_run(runs / "missing") == []
+
+
+def test_build_report_writes_tables_plots_and_index(runs, tmp_path):
+    out = tmp_path / "report"
+    result = build_report([runs], out, artefacts_dir=None)
+    assert set(result.tables) == {"adadecode_main", "dv_fixed_k", "dv_static"}
+    md = (out / "tables" / "adadecode_main.md").read_text()
+    # the paper's layout: tokens/s with the speedup in parentheses, per task, with the source
+    assert "| AdaDecode | 26.00 (1.30×) | 1.80 | 1.000 | 0.110 | 26.00 (1.30×) | 1.80 | 1.000 | 0.250 |" in md
+    assert "abc1234" in md and "x86_64" in md and "transformers 5.23.0" in md
+    # the paper's figures for other models: a reference block, never a like-for-like column
+    assert "paper (Llama3.1-8B-Inst), reference only" in md and "38.09 (1.14×)" in md
+    tex = (out / "tables" / "adadecode_main.tex").read_text()
+    assert r"\begin{tabular}" in tex and r"\multicolumn{4}{c}{XSum}" in tex and r"26.00 (1.30$\times$)" in tex
+    fixed_k = (out / "tables" / "dv_fixed_k.md").read_text()
+    assert "| Draft & Verify, K=2 | 0.900 | 1.10× |" in fixed_k and "| Draft & Verify, K=2 | 0.924 | 1.37× |" in fixed_k
+    assert "| Draft & Verify, γ=0.2 | 0.900 | 1.30× |" in (out / "tables" / "dv_static.md").read_text()
+    names = {p.name for p in result.plots}
+    assert {"speedup_adadecode_main_smollm2-135m.png", "gamma.png", "exit_layers.png"} <= names
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in result.plots)
+    index = result.index.read_text()
+    assert "Draft &amp; Verify: a fixed number K" in index and "plots/gamma.png" in index
+    assert any(line.startswith("adadecode_main · smollm2-135m · AdaDecode: ") and "XSum 1.30×" in line
+               for line in result.headline)
+
+
+def test_paper_column_when_the_model_matches(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root / "a", table="adadecode_main", task="humaneval", method="adadecode", model="llama3.1-8b-instruct",
+              methods={"vanilla": entry(30.0, 1.0), "adadecode": entry(45.0, 1.5)})
+    table = build_table(get_layout("adadecode_main"), read_run(root / "a"), paper_records("adadecode_main"))
+    assert table.group_cells[0][-1] == "paper"
+    measured = table.blocks[0]
+    ada = next(r for r in measured.rows if r.label == "AdaDecode")
+    assert ada.cells[-1] == "49.21 (1.51×)"  # Table 1, Llama3.1-8B-Inst, HumanEval
+    assert not any("Llama3.1-8B-Inst" in b.title for b in table.blocks)  # matched, so no reference block
+
+
+def test_paper_figures_are_consistent():
+    from selfspec.config import group_options
+
+    models = set(group_options("model"))
+    for r in paper_records():
+        assert r.table in LAYOUTS, r.table
+        assert r.model is None or r.model in models, r.model
+        assert r.provenance["source"]
+    ppd = {(r.paper_model, r.method): r for r in paper_records("ppd_speedup")}
+    assert ppd[("Vicuna-7B", "ppd")].metrics["speedup"] == pytest.approx(88.0 / 39.2)  # derived
+    assert "derived" in ppd[("Vicuna-7B", "ppd")].provenance["source"]
+
+
+def test_newest_run_wins_and_unknown_table_is_named(runs, tmp_path):
+    import os
+
+    copy = write_run(tmp_path / "rerun", table="dv_fixed_k", task="cnndm", method="draft_verify",
+                     method_cfg={"max_draft": 2}, methods={"vanilla": entry(20.0, 1.0),
+                                                           "draft_verify": entry(30.0, 1.5, ar=0.95)})
+    os.utime(copy / "summary.json", (4e9, 4e9))
+    from selfspec.reporting import collect
+
+    recs = latest_only(collect([runs, copy]))
+    k2 = [r for r in recs if r.variant == "K=2"]
+    assert len(k2) == 1 and k2[0].metrics["speedup"] == 1.5
+    with pytest.raises(ValueError, match="unknown report.table 'nope'.*adadecode_main"):
+        get_layout("nope")
+    with pytest.raises(ValueError, match="unknown report.table"):
+        build_report([runs], tmp_path / "r", tables=["nope"])
+
+
+def test_latex_escaping_and_lossy_marker():
+    assert tex_escape("D&V_1 50% ×") == r"D\&V\_1 50\% $\times$"
+    rec = Record(table="ppd_speedup", model="m", task="mtbench", method="ppd", temperature=0.7,
+                 metrics={"tokens_per_s": 10.0, "speedup": 2.0, "tau": 2.5, "lossless": False},
+                 provenance={"source": "run"})
+    table = build_table(get_layout("ppd_speedup"), [rec])
+    assert table.blocks[0].rows[0].label == "PPD, T=0.7 †"
+    assert "lossy" in to_markdown(table) and r"$^\dagger$" in to_latex(table)
+
+
+def test_artefact_traces(tmp_path):
+    bo = tmp_path / "skip_set" / "m"
+    bo.mkdir(parents=True)
+    (bo / "meta.json").write_text(json.dumps({"kind": "skip_set", "model": "m"}))
+    rows = [{"header": {"key": "x"}}] + [{"iteration": i, "speedup": 1 + i / 10} for i in range(3)]
+    (bo / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tree = tmp_path / "ppd_tree" / "m"
+    tree.mkdir(parents=True)
+    (tree / "meta.json").write_text(json.dumps({"kind": "ppd_tree", "model": "m", "curve": [
+        {"size": 1, "tau": 1.0, "latency_s": 0.01}, {"size": 4, "tau": 1.6, "latency_s": 0.012}]}))
+    (tmp_path / ".hidden.ckpt").mkdir()
+    (tmp_path / ".hidden.ckpt" / "meta.json").write_text(json.dumps({"kind": "heads"}))
+    found = find_artefacts(tmp_path)
+    assert sorted(a.kind for a in found) == ["ppd_tree", "skip_set"]
+    traces, objective = bo_traces(found)
+    assert objective == "speedup" and len(traces["m"]) == 3
+    assert tree_curves(found)["m"][1] == {"size": 4, "latency": 0.012, "accept_length": 1.6}
+    result = build_report([tmp_path / "none"], tmp_path / "report", artefacts_dir=tmp_path)
+    assert {p.name for p in result.plots} == {"bo_trace.png", "tree_latency.png"}
+    assert "No results found" in result.index.read_text()
+
+
+def test_wandb_records_from_flattened_summaries():
+    summary = {"methods/vanilla/speedup": 1.0, "methods/vanilla/tokens_per_s": 20.0,
+               "methods/ppd/speedup": 1.7, "methods/ppd/tokens_per_s": 34.0, "run_info/git_commit": "abc", "_step": 3}
+    assert unflatten({"a/b": 1, "a/c": 2, "d": 3}) == {"a": {"b": 1, "c": 2}, "d": 3}
+    run = SimpleNamespace(summary=summary, id="r1", url="https://wandb.ai/x/selfspec/runs/r1",
+                          created_at="2026-01-01T00:00:00Z",
+                          config={"model": {"name": "m"}, "task": {"name": "mtbench"}, "method": {"name": "ppd"},
+                                  "report": {"table": "ppd_speedup"}, "sampling": {"temperature": 0.0}})
+    seen = {}
+
+    class Api:
+        def runs(self, path, filters):
+            seen.update(path=path, filters=filters)
+            return [run]
+
+    recs = wandb_records("selfspec", "me", {"jobType": "evaluate"}, api=Api())
+    assert seen == {"path": "me/selfspec", "filters": {"jobType": "evaluate"}}
+    ppd = next(r for r in recs if r.method == "ppd")
+    assert ppd.origin == "wandb" and ppd.table == "ppd_speedup" and ppd.metrics["speedup"] == 1.7
+    assert ppd.provenance["source"] == run.url and ppd.provenance["commit"] == "abc"
+
+
+def test_report_entry_point_config(runs, tmp_path):
+    from selfspec.report import run_report
+
+    cfg = compose([f"inputs=[{runs}]", f"output_dir={tmp_path / 'out'}", "artefacts_dir=null",
+                   "tables=[dv_fixed_k]", "formats=[md]", "plots=false", "wandb.enabled=false"],
+                  config_name="report")
+    result = run_report(cfg)
+    assert list(result.tables) == ["dv_fixed_k"] and not result.plots
+    assert sorted(p.name for p in (tmp_path / "out" / "tables").iterdir()) == ["dv_fixed_k.md"]
+    with pytest.raises(ValueError, match="wandb.enabled"):
+        run_report(compose([f"inputs=[{runs}]", "wandb.enabled=maybe"], config_name="report"))
