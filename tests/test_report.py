@@ -207,3 +207,24 @@ def test_report_entry_point_config(runs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out" / "tables").iterdir()) == ["dv_fixed_k.md"]
     with pytest.raises(ValueError, match="wandb.enabled"):
         run_report(compose([f"inputs=[{runs}]", "wandb.enabled=maybe"], config_name="report"))
+
+
+def test_dashboard_layout(tmp_path):
+    from selfspec.reporting.dashboard import SECTIONS, to_markdown
+
+    md = to_markdown()
+    assert "methods/adadecode/speedup" in md and "task.name" in md
+    assert all(s.panels for s in SECTIONS)
+    sys_path = Path(__file__).resolve().parents[1] / "scripts"
+    import runpy
+
+    out = tmp_path / "dash.md"
+    with pytest.raises(SystemExit) as exit_:
+        import sys as _sys
+
+        argv, _sys.argv = _sys.argv, ["wandb_dashboard.py", "--markdown", str(out)]
+        try:
+            runpy.run_path(str(sys_path / "wandb_dashboard.py"), run_name="__main__")
+        finally:
+            _sys.argv = argv
+    assert exit_.value.code == 0 and out.read_text() == md

@@ -132,6 +132,9 @@ def build_report(
 
     if make_plots:
         result.plots = _plots(by_table, records, out_dir / "plots", artefacts_dir)
+    from selfspec.reporting.dashboard import write_markdown
+
+    result.files.append(write_markdown(out_dir / "dashboard.md"))  # the W&B panel layout
     result.headline = headline(by_table)
     result.index = write_index(out_dir, rendered, result.plots, result.headline,
                                {"n_runs": len(runs), "inputs": inputs})

@@ -73,6 +73,8 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
             rel = p.relative_to(out_dir).as_posix()
             parts.append(f"<a href='{e(rel)}'><img src='{e(rel)}' alt='{e(p.stem)}' title='{e(p.stem)}'></a>")
         parts.append("</div>")
+    parts.append("<p class='notes'>W&amp;B: the panel layout for a dashboard is in "
+                 "<a href='dashboard.md'>dashboard.md</a> (<code>python scripts/wandb_dashboard.py</code> saves it).</p>")
     parts.append("<p class='notes'>speedup = vanilla seconds per token ÷ method seconds per token on the "
                  "same examples (same process, interleaved, after warm-up); τ = tokens committed per step, "
                  "bonus token included (vanilla = 1.00); AR = accepted drafts ÷ drafted tokens; "
