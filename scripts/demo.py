@@ -40,14 +40,14 @@ PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
 #: budgets per step: "full" fits the 30-minute demo on 2 cores, "small" exercises the pipeline
 BUDGETS = {
     "full": {
-        "heads": ["job.n_prompts=32", "job.n_heldout=4", "job.gen_tokens=48", "job.steps=150",
-                  "job.eval_every=50", "job.ckpt_every=50", "job.max_prompt_tokens=384"],
-        "skips": ["job.iterations=12", "job.n_prompts=4", "job.max_new_tokens=24", "job.max_prompt_tokens=256"],
-        "prompts": ["job.steps=120", "job.n_conversations=400", "job.held_out=8", "job.context_length=256",
-                    "job.eval_every=60", "job.ckpt_every=60"],
-        "ppd_tree": ["job.sizes=[1,2,4,6,8,12,16]", "job.n_prompts=4", "job.max_new_tokens=32",
+        "heads": ["job.n_prompts=15", "job.n_heldout=5", "job.gen_tokens=32", "job.steps=100",
+                  "job.eval_every=50", "job.ckpt_every=50", "job.max_prompt_tokens=256"],
+        "skips": ["job.iterations=8", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256"],
+        "prompts": ["job.steps=80", "job.n_conversations=200", "job.held_out=8", "job.context_length=192",
+                    "job.eval_every=40", "job.ckpt_every=40"],
+        "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24",
                      "job.latency_repeats=3"],
-        "evaluate": {"n": 3, "max_new_tokens": 64, "warmup": 1},
+        "evaluate": {"n": 2, "max_new_tokens": 48, "warmup": 1},
     },
     "small": {
         "heads": ["job.n_prompts=4", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4", "job.steps=4",
