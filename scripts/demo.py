@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny budgets: checks the pipeline, not the speedups")
     p.add_argument("--out", type=Path, default=ROOT / "outputs", help="outputs root (artefacts, runs, report)")
     p.add_argument("--tasks", nargs="+", default=None, choices=TASKS, help=f"default: {' '.join(TASKS)}")
-    p.add_argument("--n", type=int, default=None, help="examples per task (default: 3; --small: 1)")
+    p.add_argument("--n", type=int, default=None, help="examples per task (default: 2; --small: 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="token budget per example")
     p.add_argument("--logger", choices=("wandb", "none"), default="wandb", help="W&B (offline) or nothing")
     p.add_argument("--reuse-artefacts", action="store_true",
