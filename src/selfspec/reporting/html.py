@@ -34,7 +34,7 @@ def table_html(table: Table) -> str:
     for block in table.blocks:
         out.append(f'<tr class="block"><td colspan="{len(head)}">{e(block.title)}</td></tr>')
         for row in block.rows:
-            src = f'<a href="#src-{table.layout.id}-{row.source}">[{row.source}]</a>' if row.source else ""
+            src = " ".join(f'<a href="#src-{table.layout.id}-{i}">[{i}]</a>' for i in row.sources)
             out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells]) + f"<td>{src}</td></tr>")
     out.append("</table>")
     notes = [f"<li>{e(n)}</li>" for n in table.notes]

@@ -72,7 +72,12 @@ def format_cell(cell: str, record: Record | None) -> str:
 class Row:
     label: str
     cells: list[str]
-    source: int | None = None  # index into Table.sources (1-based), None for paper rows
+    #: indices into Table.sources (1-based) of the runs behind the row's cells; empty for paper rows
+    sources: list[int] = field(default_factory=list)
+
+    @property
+    def mark(self) -> str:
+        return f"[{','.join(map(str, self.sources))}]" if self.sources else ""
 
 
 @dataclass
@@ -176,7 +181,7 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
         rows = []
         for key, per_group in by_row.items():
             cells: list[str] = []
-            source = None
+            sources: list[int] = []
             for group, kinds in zip(groups, group_cells):
                 rec = per_group.get(group)
                 for kind in kinds:
@@ -185,9 +190,9 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
                         cells.append(format_cell(pcell, ref))
                     else:
                         cells.append(format_cell(kind, rec))
-                if rec is not None and source is None:
-                    source = table_source(table, rec)
-            rows.append(Row(labels[key], cells, source))
+                if rec is not None and (i := table_source(table, rec)) not in sources:
+                    sources.append(i)
+            rows.append(Row(labels[key], cells, sorted(sources)))
         table.blocks.append(Block(f"{model} (measured)", rows))
 
     for paper_model in sorted({p.paper_model for p in reference if p.paper_model}):
@@ -252,7 +257,7 @@ def to_markdown(table: Table) -> str:
         lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
         lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + [":-:"]) + "|")
         for row in block.rows:
-            src = f"[{row.source}]" if row.source else ""
+            src = row.mark
             lines.append("| " + " | ".join(_md_escape(c) for c in [row.label, *row.cells, src]) + " |")
         lines.append("")
     for note in table.notes:
@@ -294,7 +299,7 @@ def to_latex(table: Table) -> str:
     for block in table.blocks:
         lines.append(rf"\multicolumn{{{ncols}}}{{l}}{{\textit{{{tex_escape(block.title)}}}}} \\")
         for row in block.rows:
-            label = tex_escape(row.label) + (f"$^{{[{row.source}]}}$" if row.source else "")
+            label = tex_escape(row.label) + (f"$^{{{row.mark}}}$" if row.sources else "")
             lines.append(" & ".join([label, *(tex_escape(c) for c in row.cells)]) + r" \\")
         lines.append(r"\midrule" if block is not table.blocks[-1] else r"\bottomrule")
     if not table.blocks:
