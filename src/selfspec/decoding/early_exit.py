@@ -37,6 +37,7 @@ and stops drafting when a draft's confidence falls below the per-layer dynamic t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -69,8 +70,6 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, lo
     from selfspec.artefacts import default_artefact_dir
 
     path = heads_path or default_artefact_dir("heads", loaded.name)
-    from pathlib import Path
-
     if not (Path(path) / "meta.json").exists():
         raise ValueError(
             f"no heads artefact at {path}: train one (python -m selfspec.train job=heads "
