@@ -16,9 +16,14 @@ METHOD_MODULES = {
     "vanilla": "selfspec.decoding.vanilla",
     "draft_verify": "selfspec.decoding.draft_verify",
     "adadecode": "selfspec.decoding.adadecode",
+    "adadecode_noverify": "selfspec.decoding.adadecode",
     "ppd": "selfspec.decoding.ppd",
     "early_exit": "selfspec.decoding.early_exit",
     "del": "selfspec.decoding.early_exit",
+    "hf_generate": "selfspec.decoding.peers",
+    "hf_prompt_lookup": "selfspec.decoding.peers",
+    "hf_early_exit": "selfspec.decoding.peers",
+    "hf_assisted": "selfspec.decoding.peers",
 }
 
 
