@@ -99,7 +99,13 @@ class PPD(Decoder):
                     f"`python -m selfspec.train job={job} model={model.name}` or set method.{what}=<dir>"
                 )
         prompts = load_prompts(prompts_path, model=model)
-        trees, _ = load_trees(tree_path, model)
+        trees, meta = load_trees(tree_path, model)
+        if cfg.get("tree_size") is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
+            from selfspec.artefacts import load_artefact
+            from selfspec.training.tree import trees_for_size
+
+            stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
+            trees = trees_for_size(stats, int(cfg.tree_size), prompts.m, prompts.n_ept)
         dec = cls(model, prompts, trees, float(cfg.posterior_threshold), float(cfg.posterior_alpha), **common)
         dec.artefacts = {"prompts": prompts_path, "tree": tree_path}  # lineage for the evaluation runner
         return dec

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import statistics
 import time
 from pathlib import Path
 
@@ -164,13 +163,20 @@ def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_
     return (counts / counts.sum(-1, keepdim=True))[:, :top_k]
 
 
-def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, context: int, repeats: int) -> float:
-    """Median seconds of one PPD forward (tree of the deepest state) after ``context`` cached tokens."""
-    tree = trees[max(trees)]
-    lay = layout(tree, n_ept, model.device)
-    cache = model.new_cache(context + lay.size + 1)
+def context_cache(model, context: int, extra: int):
+    """A layer cache holding ``context`` random tokens, shared by every latency measurement."""
+    cache = model.new_cache(context + extra + 1)
     with torch.inference_mode():
         model.forward(torch.randint(0, model.vocab_size, (1, context), device=model.device), cache, start=0)
+    return cache
+
+
+def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, cache, context: int, repeats: int) -> float:
+    """Seconds (min over repeats) of one PPD forward (tree of the deepest state, its node logits included)
+    after ``context`` cached tokens: ``L_fp(n)`` of PPD §4 on this machine."""
+    tree = trees[max(trees)]
+    lay = layout(tree, n_ept, model.device)
+    with torch.inference_mode():
         h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
         mask = model.prepare_mask(full_mask(lay, context))
         pos = (context + lay.offsets).unsqueeze(0)
@@ -185,7 +191,7 @@ def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, context: in
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return min(times[1:])  # contention on a shared machine only ever adds time
 
 
 def validation_prompts(tokenizer, chat: bool, n: int, skip: int) -> list[list[int]]:
@@ -229,6 +235,17 @@ def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int) -> None:
     plt.close(fig)
 
 
+def trees_for_size(accept_probs, n: int, m: int, n_ept: int) -> dict[int, SparseTree]:
+    """Rebuild the trees of tree size ``n`` from a ``ppd_tree`` artefact's statistics (the
+    construction is deterministic in them), e.g. to decode with a size other than the chosen one."""
+    if n <= 1:
+        return {k: SparseTree((), (0,)) for k in range(m + 1)}
+    best = best_trees_for_size(n, m, n_ept, accept_probs.double().tolist())
+    if best is None:
+        raise ValueError(f"no dynamic sparse tree of size {n} for m={m}, n_ept={n_ept}; choose a larger tree_size")
+    return best[1]
+
+
 def run(cfg) -> dict:
     from selfspec.artefacts import default_artefact_dir, save_artefact
     from selfspec.decoding.vanilla import Vanilla
@@ -260,14 +277,16 @@ def run(cfg) -> dict:
     log.info("acceptance statistics from %d greedy sequences (%.1fs): top-1 by distance %s", len(seqs),
              time.perf_counter() - t0, [round(float(x), 3) for x in p[:, 0]])
     plist = p.tolist()
-    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, int(job.latency_context), int(job.latency_repeats))
+    context = int(job.latency_context)
+    cache = context_cache(model, context, max(sizes))
+    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, int(job.latency_repeats))
     rows, candidates = [], {}
     for n in sizes:
-        best = best_trees_for_size(n, m, n_ept, plist) if n > 1 else (0.0, {k: SparseTree((), (0,)) for k in range(m + 1)})
-        if best is None:
+        if n > 1 and best_trees_for_size(n, m, n_ept, plist) is None:
             continue
-        r, trees = best
-        lat = measure_latency(model, trees, n_ept, int(job.latency_context), int(job.latency_repeats)) if n > 1 else base
+        trees = trees_for_size(p, n, m, n_ept)
+        r = amortized_tokens(trees, plist, m)
+        lat = measure_latency(model, trees, n_ept, cache, context, int(job.latency_repeats)) if n > 1 else base
         rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
                      "candidates": max(t.num_candidates for t in trees.values()),
                      "prompt_tokens": max(t.num_prompts for t in trees.values())})
@@ -278,11 +297,18 @@ def run(cfg) -> dict:
     ppd_rows = [row for row in rows if row["size"] > 1]
     if not ppd_rows:
         raise ValueError(f"no feasible tree size in job.sizes={sizes}; give sizes > 1")
-    chosen = max(ppd_rows, key=lambda row: row["speedup"])
+    best_ppd = max(ppd_rows, key=lambda row: row["speedup"])
+    # size 1 (the root alone, no prompt tokens) is vanilla decoding: chosen when no tree pays off here
+    chosen = max(rows, key=lambda row: row["speedup"])
+    if chosen["size"] == 1:
+        log.warning("no tree beats vanilla on this machine with these prompts (best: size %d, theoretical "
+                    "speedup %.3f); the chosen tree is the root alone. method.tree_size=<n> forces a size.",
+                    best_ppd["size"], best_ppd["speedup"])
     trees = candidates[chosen["size"]]
     out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(TREE_KIND, loaded.name)
     metrics = {"chosen_size": chosen["size"], "expected_tau": chosen["tau"], "latency_s": chosen["latency_s"],
                "theoretical_speedup": chosen["speedup"], "vanilla_latency_s": base,
+               "best_ppd_size": best_ppd["size"], "best_ppd_speedup": best_ppd["speedup"],
                "top1_by_distance": [float(x) for x in p[:, 0]], "seconds": time.perf_counter() - t0}
     save_artefact(out_dir, TREE_KIND,
                   {"accept_probs": p.float(), "sizes": torch.tensor([r["size"] for r in rows]),
