@@ -125,3 +125,13 @@ def test_config_composes_and_bad_values_stop(tiny):
         del_decoder(tiny, min_gamma=30)
     with pytest.raises(ValueError, match="candidate_layers"):
         del_decoder(tiny, exit_head="heads", candidate_layers=[1])
+
+
+@pytest.mark.slow
+def test_smollm2_del_and_early_exit_equal_vanilla(smol):
+    ids = smol.tokenizer("Article: The council approved the new park on Tuesday.\nSummary:")["input_ids"]
+    ref = vanilla(smol, ids, 12)
+    from test_early_exit import ee
+
+    assert ee(smol, 9, 3).generate(ids, 12).tokens == ref
+    assert del_decoder(smol, candidate_layers=[5, 9, 14]).generate(ids, 12).tokens == ref
