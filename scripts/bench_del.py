@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--fixed", nargs="*", default=["3:2", "7:3", "11:4"], help="ℓ:γ pairs")
     ap.add_argument("--exit-head", default="lm_head", choices=["lm_head", "heads"])
+    ap.add_argument("--heads", default=None, help="heads artefact dir (default outputs/artefacts/heads/<model>)")
     ap.add_argument("--del-over", nargs="*", default=[], help="overrides of conf/method/del.yaml, key=value")
     ap.add_argument("--out", default="outputs/bench_del.json")
     args = ap.parse_args()
@@ -45,13 +46,13 @@ def main() -> None:
     heads_layers = None
     if args.exit_head == "heads":
         from selfspec.decoding.early_exit import build_exit_heads
-        heads_layers = build_exit_heads(loaded.model, "heads", None, [], loaded).layers
+        heads_layers = build_exit_heads(loaded.model, "heads", args.heads, [], loaded).layers
         print("trained heads at layers", heads_layers)
     for pair in args.fixed:
         ell, gamma = (int(x) for x in pair.split(":"))
         methods[f"fixed({ell},{gamma})"] = OmegaConf.merge(base, {"exit_layer": ell, "gamma": gamma,
-                                                                  "exit_head": args.exit_head})
-    del_cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), {"exit_head": args.exit_head},
+                                                                  "exit_head": args.exit_head, "heads": args.heads})
+    del_cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), {"exit_head": args.exit_head, "heads": args.heads},
                               OmegaConf.from_dotlist(args.del_over))
     methods["del"] = del_cfg
     decoders = {k: build_decoder(v, loaded.model, **({} if k == "vanilla" else common)) if k != "vanilla"
