@@ -271,11 +271,3 @@ class HFAssisted(_AssistantSchedule):
         peer.num_assistant_tokens, peer.schedule = cls._schedule_from(cfg)
         return peer
 
-
-PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
-
-# Bridge until selfspec.decoding.METHOD_MODULES lists the peers itself (a no-op once it does).
-from selfspec.decoding import METHOD_MODULES  # noqa: E402
-
-for _name in PEERS:
-    METHOD_MODULES.setdefault(_name, __name__)

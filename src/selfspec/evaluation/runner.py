@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec.config import conf_dir, group_options
 from selfspec.decoding import Decoder, Sampling, build_decoder
-from selfspec.decoding import peers  # noqa: F401  (registers the hf_* peer baselines)
 from selfspec.evaluation.aggregate import summarize
 from selfspec.tracking import ResultsFile, Tracker, start_run, to_jsonable, write_json
 
