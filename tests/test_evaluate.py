@@ -130,11 +130,13 @@ def _run(args, cwd):
 
 @pytest.mark.slow
 def test_evaluate_entry_multirun_joblib(tmp_path):
-    """`python -m selfspec.evaluate -m task=xsum,gsm8k hydra/launcher=joblib`: a run dir per job."""
-    _run(["-m", *SMALL, "warmup=0", "n_examples=1", "max_new_tokens=4", "task=xsum,gsm8k",
+    """`python -m selfspec.evaluate -m task=xsum,humaneval hydra/launcher=joblib`: a run dir per job
+    (humaneval's sandboxed scoring starts processes inside the loky worker)."""
+    _run(["-m", *SMALL, "warmup=0", "n_examples=1", "max_new_tokens=4", "task=xsum,humaneval",
                   "hydra/launcher=joblib", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
     summaries = sorted((tmp_path / "sweep").glob(f"*/{SUMMARY}"))
-    assert [json.loads(p.read_text())["task"] for p in summaries] == ["xsum", "gsm8k"]
+    assert [json.loads(p.read_text())["task"] for p in summaries] == ["xsum", "humaneval"]
+    assert "pass@1" in json.loads(summaries[1].read_text())["methods"]["vanilla"]["metrics"]
     for p in summaries:
         assert (p.parent / RESULTS).exists() and (p.parent / ".hydra" / "config.yaml").exists()
 

