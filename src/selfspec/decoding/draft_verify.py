@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.draft_exit import AdaptiveThreshold, DraftStop, StaticThreshold
 from selfspec.decoding.sampling import greedy_verify, speculative_verify, warp
 from selfspec.models.layered import LayeredModel, SkipSet
 
@@ -154,8 +155,8 @@ class DraftVerify(Decoder):
         self.skip_set = check_skip_set(skip_set, model.num_layers)
         self.max_draft = int(max_draft)
         self.draft_exit = draft_exit
-        self.gamma0, self.alpha, self.epsilon = float(gamma0), float(alpha), float(epsilon)
-        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.gamma0 = float(gamma0)
+        self._rule = dict(target=float(alpha), epsilon=float(epsilon), beta1=float(beta1), beta2=float(beta2))
         self.lookahead = self.max_draft  # drafted K/V are written past the committed tokens
         self.reset_gamma()
 
@@ -175,29 +176,33 @@ class DraftVerify(Decoder):
             **common,
         )
 
-    # --- threshold (§3.4) ------------------------------------------------------------------
+    # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:
         """Restore ``gamma = gamma_0`` and forget the acceptance-rate EMA."""
-        self.gamma = self.gamma0
-        self.ar: float | None = None
+        if self.draft_exit == "adaptive":
+            self.draft_stop: DraftStop = AdaptiveThreshold(initial=self.gamma0, **self._rule)
+        elif self.draft_exit == "static":
+            self.draft_stop = StaticThreshold(self.gamma0)
+        else:
+            self.draft_stop = DraftStop()
+
+    @property
+    def gamma(self) -> float:
+        """The current draft-exit threshold (0 when drafting always runs to K)."""
+        return self.draft_stop.threshold()
+
+    @property
+    def ar(self) -> float | None:
+        """The acceptance-rate EMA of the adaptive rule (None before the first verification)."""
+        return getattr(self.draft_stop, "ar", None)
+
+    @ar.setter
+    def ar(self, value: float | None) -> None:
+        self.draft_stop.ar = value
 
     def update_gamma(self, accepted: int, drafted: int, hit_max: bool) -> None:
-        """Eq. 2-4: ``AR <- b1 AR + (1-b1) AR_e``; ``gamma~ = gamma +- eps``; ``gamma <- b2 gamma + (1-b2) gamma~``.
-
-        ``b1 = 0`` for the first stage. As in the authors' code, the threshold is not lowered
-        when drafting stopped at the maximum K (the threshold did not bind).
-        """
-        if self.draft_exit != "adaptive" or drafted == 0:
-            return
-        ar_e = accepted / drafted
-        self.ar = ar_e if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_e
-        if self.ar <= self.alpha:
-            target = self.gamma + self.epsilon
-        elif hit_max:
-            return
-        else:
-            target = self.gamma - self.epsilon
-        self.gamma = self.beta2 * self.gamma + (1 - self.beta2) * target
+        """Eq. 2-4 (:class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`); no-op for the others."""
+        self.draft_stop.update(drafted, accepted, hit_max)
 
     # --- one step --------------------------------------------------------------------------
     def draft(self, state: DecodeState, k_max: int) -> tuple[list[int], torch.Tensor | None, bool]:
@@ -224,7 +229,7 @@ class DraftVerify(Decoder):
             drafts.append(token)
             if token in self.eos_token_ids:
                 return drafts, (torch.stack(qs) if qs else None), False
-            if self.draft_exit != "none" and conf < self.gamma:
+            if conf < self.gamma:
                 return drafts, (torch.stack(qs) if qs else None), True
         return drafts, (torch.stack(qs) if qs else None), False
 
