@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
 
     loaded = load_model(model_config(args.model))
-    common = dict(eos_token_ids=loaded.eos_token_ids, loaded=loaded)
+    common = dict(eos_token_ids=loaded.eos_token_ids)
     methods = {"vanilla": OmegaConf.create({"name": "vanilla"})}
     base = OmegaConf.load("conf/method/early_exit.yaml")
     heads_layers = None

@@ -27,11 +27,9 @@ def agree():
     return agreeing_model()
 
 
-def ee(loaded, exit_layer, gamma, draft_stop=None, loaded_model=None, **kw):
+def ee(loaded, exit_layer, gamma, draft_stop=None, **kw):
     cfg = {"name": "early_exit", "exit_layer": exit_layer, "gamma": gamma, "exit_head": kw.pop("exit_head", "lm_head"),
            "heads": kw.pop("heads", None), "draft_stop": draft_stop}
-    if loaded_model is not None:
-        kw["loaded"] = loaded_model
     return build_decoder(OmegaConf.create(cfg), loaded.model, **kw)
 
 
@@ -161,7 +159,7 @@ def test_adaptive_threshold_follows_draft_and_verify_rule():
     assert t.value == w
 
 
-def test_trained_heads_as_exit_heads(agree, prompt_ids, tmp_path):
+def test_trained_heads_as_exit_heads(agree, tiny, prompt_ids, tmp_path):
     from selfspec.heads import IntermediateHeads, save_heads
 
     heads = IntermediateHeads(agree.model, [1, 3], "linear")
@@ -169,14 +167,14 @@ def test_trained_heads_as_exit_heads(agree, prompt_ids, tmp_path):
         heads.heads["1"].weight.add_(0.01 * torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
     save_heads(tmp_path / "h", heads, agree)
     ref = vanilla(agree, prompt_ids, 30)
-    d = ee(agree, 1, 4, exit_head="heads", heads=str(tmp_path / "h"), loaded_model=agree)
+    d = ee(agree, 1, 4, exit_head="heads", heads=str(tmp_path / "h"))
     assert d.heads.kind == "linear" and d.generate(prompt_ids, 30).tokens == ref
     with pytest.raises(ValueError, match="no exit head"):
-        ee(agree, 2, 4, exit_head="heads", heads=str(tmp_path / "h"), loaded_model=agree)
-    with pytest.raises(ValueError, match="loaded="):
-        ee(agree, 1, 4, exit_head="heads", heads=str(tmp_path / "h"))
+        ee(agree, 2, 4, exit_head="heads", heads=str(tmp_path / "h"))
+    with pytest.raises(ValueError, match="trained for model"):  # heads of another model
+        ee(tiny, 1, 4, exit_head="heads", heads=str(tmp_path / "h"))
     with pytest.raises(ValueError, match="no heads artefact"):
-        ee(agree, 1, 4, exit_head="heads", heads=str(tmp_path / "missing"), loaded_model=agree)
+        ee(agree, 1, 4, exit_head="heads", heads=str(tmp_path / "missing"))
 
 
 def test_bad_config_stops_early(tiny):

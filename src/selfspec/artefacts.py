@@ -108,23 +108,23 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise ArtefactError(f"{path / META} is not valid JSON: {err}") from err
 
 
-def load_artefact(path: str | Path, kind: str, loaded_model=None, device=None) -> Artefact:
-    """Load an artefact of ``kind``; with ``loaded_model``, check it was trained for that model."""
+def load_artefact(path: str | Path, kind: str, model=None, device=None) -> Artefact:
+    """Load an artefact of ``kind``; with ``model`` (a LoadedModel or LayeredModel), check it was
+    trained for that model: fingerprint (when the model has one), layer count, hidden size."""
     path = Path(path)
     meta = read_meta(path)
     if meta.get("kind") != kind:
         raise ArtefactError(f"{path} holds a {meta.get('kind')!r} artefact, expected {kind!r}")
-    if loaded_model is not None:
-        model = loaded_model.model
-        for key, have in (
-            ("fingerprint", loaded_model.fingerprint),
-            ("num_layers", model.num_layers),
-            ("hidden_size", model.hidden_size),
-        ):
+    if model is not None:
+        layered = getattr(model, "model", model)
+        checks = [("num_layers", layered.num_layers), ("hidden_size", layered.hidden_size)]
+        if getattr(model, "fingerprint", None) is not None:
+            checks.insert(0, ("fingerprint", model.fingerprint))
+        for key, have in checks:
             if meta.get(key) != have:
                 raise ArtefactError(
                     f"{kind} artefact {path} was trained for model {meta.get('model')!r} "
-                    f"({key}={meta.get(key)}) but the loaded model {loaded_model.name!r} has {key}={have}; "
+                    f"({key}={meta.get(key)}) but the loaded model {layered.name!r} has {key}={have}; "
                     f"train one for this model or point the method at the right artefact"
                 )
     tensors = load_file(str(path / TENSORS), device=str(device or "cpu"))

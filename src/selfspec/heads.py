@@ -130,13 +130,15 @@ def save_heads(path, heads: IntermediateHeads, loaded_model, **meta) -> Path:
                          train_config=train_config, metrics=metrics, extra=extra)
 
 
-def load_heads(path, loaded_model) -> IntermediateHeads:
-    """Load a head set saved by :func:`save_heads` (checks it was trained for this model)."""
-    art = load_artefact(path, ARTEFACT_KIND, loaded_model, device=loaded_model.model.device)
+def load_heads(path, model) -> IntermediateHeads:
+    """Load a head set saved by :func:`save_heads`; ``model`` (LoadedModel or LayeredModel) is
+    checked against the artefact's fingerprint."""
+    layered = getattr(model, "model", model)
+    art = load_artefact(path, ARTEFACT_KIND, model, device=layered.device)
     layers, kind = art.meta.get("layers"), art.meta.get("head_kind")
     if layers is None or kind not in KINDS:
         raise ValueError(f"heads artefact {path} has no valid 'layers'/'head_kind' in meta.json; retrain it")
-    heads = IntermediateHeads(loaded_model.model, layers, kind)
+    heads = IntermediateHeads(layered, layers, kind)
     prefix = "T" if kind == "linear" else "W"
     with torch.no_grad():
         for i in heads.layers if kind != "lm_head" else []:

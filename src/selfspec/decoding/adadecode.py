@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -123,7 +122,7 @@ class AdaDecode(Decoder):
             heads = IntermediateHeads.identity(model, layers, kind="lm_head")
         elif kind in ("linear", "full"):
             path = _heads_path(model, cfg, kind)
-            heads = load_heads(path, _loaded_proxy(model, common.get("tokenizer")))
+            heads = load_heads(path, model)
             if heads.kind != kind:
                 raise ValueError(f"heads artefact {path} holds {heads.kind!r} heads but method.head_kind={kind!r}")
         else:
@@ -280,11 +279,3 @@ def _heads_path(model, cfg, kind: str) -> Path:
         )
     return path
 
-
-def _loaded_proxy(model, tokenizer):
-    """What :func:`load_heads` needs of a LoadedModel, from the layered model and tokenizer."""
-    from selfspec.models.loading import fingerprint
-
-    if tokenizer is None:
-        raise ValueError("adadecode needs the tokenizer (decoder common argument) to check the heads' fingerprint")
-    return SimpleNamespace(model=model, name=model.name, fingerprint=fingerprint(model.config, tokenizer))

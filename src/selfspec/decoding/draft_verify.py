@@ -29,7 +29,6 @@ restores ``gamma_0``.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -78,22 +77,11 @@ def check_skip_set(skip: SkipSet, num_layers: int) -> SkipSet:
 def load_skip_set(path: str | Path, model: LayeredModel, tokenizer=None) -> SkipSet:
     """Read a ``skip_set`` artefact, checking it was searched for ``model``.
 
-    With the tokenizer the full fingerprint (config + vocabulary) is checked, else layer count
-    and hidden size.
+    The model's fingerprint (config + vocabulary), layer count and hidden size are checked.
     """
     from selfspec.artefacts import load_artefact
-    from selfspec.models.loading import fingerprint
 
-    if tokenizer is not None:
-        loaded = SimpleNamespace(model=model, name=model.name, fingerprint=fingerprint(model.config, tokenizer))
-        art = load_artefact(path, "skip_set", loaded)
-    else:
-        art = load_artefact(path, "skip_set")
-        if art.meta.get("num_layers") != model.num_layers:
-            raise ValueError(
-                f"skip set {path} was searched for {art.meta.get('model')!r} with {art.meta.get('num_layers')} "
-                f"layers, but {model.name!r} has {model.num_layers}; run `make search-skips MODEL={model.name}`"
-            )
+    art = load_artefact(path, "skip_set", model)
     return skip_set_from_tensors(art.tensors, model.num_layers, str(path))
 
 

@@ -51,12 +51,12 @@ EXIT_HEADS = ("lm_head", "heads")
 
 
 # --- exit heads ------------------------------------------------------------------------------
-def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, loaded=None):
+def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers):
     """The :class:`~selfspec.heads.IntermediateHeads` a method config asks for.
 
     ``lm_head``: parameter-free heads (final norm + LM head) at ``layers``; ``heads``: the
     trained artefact at ``heads_path`` (null = ``outputs/artefacts/heads/<model>``), checked
-    against the loaded model's fingerprint (needs ``loaded``, the LoadedModel).
+    against the model's fingerprint.
     """
     from selfspec.heads import IntermediateHeads, load_heads
 
@@ -64,20 +64,15 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, lo
         return IntermediateHeads(model, layers, "lm_head")
     if exit_head != "heads":
         raise ValueError(f"method.exit_head must be one of {', '.join(EXIT_HEADS)}, got {exit_head!r}")
-    if loaded is None:
-        raise ValueError(
-            "method.exit_head=heads needs the LoadedModel to check the heads artefact: call "
-            "build_decoder(method_cfg, loaded.model, loaded=loaded, ...)"
-        )
     from selfspec.artefacts import default_artefact_dir
 
-    path = heads_path or default_artefact_dir("heads", loaded.name)
+    path = heads_path or default_artefact_dir("heads", model.name)
     if not (Path(path) / "meta.json").exists():
         raise ValueError(
             f"no heads artefact at {path}: train one (python -m selfspec.train job=heads "
-            f"model={loaded.name}) or set method.exit_head=lm_head / method.heads=<path>"
+            f"model={model.name}) or set method.exit_head=lm_head / method.heads=<path>"
         )
-    return load_heads(path, loaded)
+    return load_heads(path, model)
 
 
 def head_cost_in_layers(model: LayeredModel, heads) -> float:
@@ -132,12 +127,12 @@ class EarlyExit(Decoder):
         return layer
 
     @classmethod
-    def from_config(cls, model: LayeredModel, cfg, loaded=None, **common) -> "EarlyExit":
+    def from_config(cls, model: LayeredModel, cfg, **common) -> "EarlyExit":
         exit_layer = int(cfg.exit_layer)
         if not 0 <= exit_layer < model.num_layers - 1:
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
-        heads = build_exit_heads(model, str(cfg.exit_head), cfg.get("heads"), [exit_layer], loaded)
+        heads = build_exit_heads(model, str(cfg.exit_head), cfg.get("heads"), [exit_layer])
         return cls(model, heads, exit_layer, int(cfg.gamma), draft_stop_from_config(cfg.get("draft_stop")), **common)
 
     # --- per-example buffers ---------------------------------------------------------------
@@ -339,7 +334,7 @@ class DEL(EarlyExit):
         self._layer_ids = torch.tensor(self.candidates)
 
     @classmethod
-    def from_config(cls, model: LayeredModel, cfg, loaded=None, **common) -> "DEL":
+    def from_config(cls, model: LayeredModel, cfg, **common) -> "DEL":
         exit_head = str(cfg.exit_head)
         layers = cfg.get("candidate_layers")
         if exit_head == "heads" and layers is not None:
@@ -347,7 +342,7 @@ class DEL(EarlyExit):
                              "the candidates are the layers that have a head (set candidate_layers: null)")
         if layers is None:
             layers = range(model.num_layers - 1)
-        heads = build_exit_heads(model, exit_head, cfg.get("heads"), list(layers), loaded)
+        heads = build_exit_heads(model, exit_head, cfg.get("heads"), list(layers))
         return cls(model, heads, int(cfg.max_gamma), int(cfg.min_gamma), float(cfg.omega), bool(cfg.dynamic_threshold),
                    int(cfg.prefill_shadow), cfg.get("shadow_rows"), cfg.get("head_cost"), **common)
 

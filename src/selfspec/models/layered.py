@@ -72,6 +72,9 @@ class LayeredModel:
             p.requires_grad_(False)
         self.hf = hf_model
         self.name = name
+        #: sha of config + tokenizer (set by :func:`~selfspec.models.loading.load_model`);
+        #: artefacts record it and refuse to load for another model
+        self.fingerprint: str | None = None
         self.config = hf_model.config
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens

@@ -133,7 +133,8 @@ def load_model(cfg) -> LoadedModel:
     hf.to(device=device, dtype=dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
     layered = LayeredModel(hf, name=name)
-    return LoadedModel(layered, tok, name, fingerprint(hf.config, tok), bool(_get(cfg, "chat", False)), plain)
+    layered.fingerprint = fingerprint(hf.config, tok)
+    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain)
 
 
 def _load_pretrained(path: str, attn: str, name: str, cfg):
