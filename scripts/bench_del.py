@@ -46,7 +46,7 @@ def main() -> None:
     heads_layers = None
     if args.exit_head == "heads":
         from selfspec.decoding.early_exit import build_exit_heads
-        heads_layers = build_exit_heads(loaded.model, "heads", args.heads, [], loaded).layers
+        heads_layers = build_exit_heads(loaded.model, "heads", args.heads, []).layers
         print("trained heads at layers", heads_layers)
     for pair in args.fixed:
         ell, gamma = (int(x) for x in pair.split(":"))

@@ -62,6 +62,7 @@ class IntermediateHeads(torch.nn.Module):
 
     def __init__(self, model, layers: Iterable[int], kind: str = "linear") -> None:
         super().__init__()
+        self.path = None  # the artefact directory, when loaded by load_heads
         if kind not in KINDS:
             raise ValueError(f"head kind must be one of {', '.join(KINDS)}, got {kind!r}")
         layers = [int(i) for i in layers]
@@ -147,5 +148,6 @@ def load_heads(path, model) -> IntermediateHeads:
                 raise ValueError(f"heads artefact {path} lacks tensor {key!r}; retrain it")
             heads.heads[str(i)].weight.copy_(art.tensors[key])
     heads.meta = art.meta
+    heads.path = art.path
     heads.requires_grad_(False)
     return heads

@@ -91,6 +91,7 @@ class AdaDecode(Decoder):
         **common,
     ) -> None:
         super().__init__(model, **common)
+        self.artefacts = {"heads": heads.path} if heads.path else {}
         if not gamma >= 0:
             raise ValueError(f"adadecode gamma must be >= 0 (exit when head top probability > gamma), got {gamma}")
         if max_early < 0:

@@ -113,6 +113,8 @@ class Decoder:
     lossless: ClassVar[bool] = True
     #: extra cache positions a step may write beyond the committed tokens (drafts, trees)
     lookahead: int = 0
+    #: trained artefacts the decoder reads (name -> directory): run records and W&B lineage
+    artefacts: dict = {}
 
     def __init__(
         self,
@@ -155,12 +157,8 @@ class Decoder:
     ) -> Generation:
         """Decode up to ``max_new_tokens`` after ``prompt_ids`` (batch size 1)."""
         sampling = sampling or Sampling()
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device).view(1, -1)
+        prompt = self.prompt_tensor(prompt_ids, max_new_tokens)
         n_prompt = prompt.shape[1]
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
@@ -190,6 +188,15 @@ class Decoder:
             stop_reason=reason,
             stats=state.stats,
         )
+
+    def prompt_tensor(self, prompt_ids, max_new_tokens: int) -> torch.Tensor:
+        """``[1, n]`` prompt on the model's device; an empty prompt or budget stops here."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device).view(1, -1)
+        if prompt.shape[1] == 0:
+            raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return prompt
 
     def _commit(self, state: DecodeState, new: list[int], max_new_tokens: int) -> str | None:
         """Append ``new`` (cut at EOS / stop string / budget); return why to stop, or None."""

@@ -92,11 +92,18 @@ def resolve_skip_set(cfg, model: LayeredModel, tokenizer=None) -> SkipSet:
     ``skip_set`` (a path) is loaded; else ``default_artefact_dir("skip_set", model, task)``,
     falling back to the task-mix artefact ``.../<model>``.
     """
-    from selfspec.artefacts import default_artefact_dir
-
     attn, mlp = _get(cfg, "skip_attn"), _get(cfg, "skip_mlp")
     if attn is not None or mlp is not None:
         return check_skip_set(SkipSet.of(attn or (), mlp or ()), model.num_layers)
+    return check_skip_set(load_skip_set(skip_set_path(cfg, model), model, tokenizer), model.num_layers)
+
+
+def skip_set_path(cfg, model: LayeredModel) -> Path | None:
+    """The skip-set artefact a config reads (None for inline ``skip_attn`` / ``skip_mlp`` lists)."""
+    from selfspec.artefacts import default_artefact_dir
+
+    if _get(cfg, "skip_attn") is not None or _get(cfg, "skip_mlp") is not None:
+        return None
     path = _get(cfg, "skip_set")
     if path is None:
         task = _get(cfg, "task")
@@ -109,7 +116,7 @@ def resolve_skip_set(cfg, model: LayeredModel, tokenizer=None) -> SkipSet:
                 f"search one with `make search-skips MODEL={model.name}` (python -m selfspec.train job=skips), "
                 "or set method.skip_set=<path> or method.skip_attn=[...] method.skip_mlp=[...]"
             )
-    return check_skip_set(load_skip_set(path, model, tokenizer), model.num_layers)
+    return Path(path)
 
 
 @register
@@ -151,7 +158,7 @@ class DraftVerify(Decoder):
     @classmethod
     def from_config(cls, model: LayeredModel, cfg, **common) -> "DraftVerify":
         skip = resolve_skip_set(cfg, model, common.get("tokenizer"))
-        return cls(
+        dec = cls(
             model,
             skip,
             max_draft=int(_get(cfg, "max_draft", 12)),
@@ -163,6 +170,9 @@ class DraftVerify(Decoder):
             beta2=float(_get(cfg, "beta2", 0.9)),
             **common,
         )
+        path = skip_set_path(cfg, model)
+        dec.artefacts = {"skip_set": path} if path else {}
+        return dec
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:

@@ -107,6 +107,7 @@ class EarlyExit(Decoder):
     def __init__(self, model: LayeredModel, heads, exit_layer: int, gamma: int,
                  draft_stop: DraftStop | None = None, **common) -> None:
         super().__init__(model, **common)
+        self.artefacts = {"heads": heads.path} if heads.path else {}
         if gamma < 1:
             raise ValueError(f"method.gamma (speculation length) must be >= 1, got {gamma}")
         self.heads = heads

@@ -77,12 +77,8 @@ class HFPeer(Decoder):
         self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None
     ) -> Generation:
         sampling = sampling or Sampling()
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.model.device).view(1, -1)
+        prompt = self.prompt_tensor(prompt_ids, max_new_tokens)
         n_prompt = prompt.shape[1]
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         eos = sorted(self.eos_token_ids)
         kwargs = dict(
             self.generate_kwargs,

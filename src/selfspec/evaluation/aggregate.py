@@ -87,7 +87,7 @@ def summarize(
             "speedup": base_spt / spt if base_spt and spt else None,
             "tau": tokens / steps if steps else None,
             "acceptance_rate": sum(r.get("accepted_drafts", 0) for r in rs) / drafted if drafted else None,
-            "lossless": rs[0].get("lossless") if rs else None,
+            "lossless": all(r.get("lossless") for r in rs) if rs else None,
         }
         entry.update(consistency([r["tokens"] for r in rs], [r["tokens"] for r in base]))
         if score is not None and references is not None and rs:

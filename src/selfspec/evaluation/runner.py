@@ -154,7 +154,7 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int) -> dict[str,
         "id": ex.id,
         "method": run.name,
         "decoder": str(run.cfg.name),
-        "lossless": run.lossless,
+        "lossless": bool(gen.stats.get("lossless", run.lossless)),  # PPD sampling: typical acceptance
         "prompt_tokens": prompt_len,
         "tokens": gen.tokens,
         "text": text,
