@@ -151,3 +151,31 @@ def load_heads(path, model) -> IntermediateHeads:
     heads.path = art.path
     heads.requires_grad_(False)
     return heads
+
+
+def heads_artefact_dir(model_name: str, data: str | None, kind: str = "linear") -> Path:
+    """Where ``job=heads`` saves: ``outputs/artefacts/heads/<model>-<data>`` (``data`` = the task
+    the heads were trained on, or ``mixed``), ``-full`` appended for the full-parameter heads."""
+    from selfspec.artefacts import default_artefact_dir
+
+    tag = (data or "") + ("-full" if kind == "full" else "")
+    return default_artefact_dir("heads", model_name, tag or None)
+
+
+def find_heads(model_name: str, path=None, data: str | None = None, kind: str = "linear") -> Path:
+    """The heads artefact a method reads: ``path`` if given, else the first that exists of
+    ``<model>-<data>``, ``<model>-mixed``, ``<model>`` (AdaDecode, early exit and DEL alike)."""
+    if path:
+        return Path(str(path))
+    tried = []
+    for d in dict.fromkeys([data, "mixed", None]):
+        candidate = heads_artefact_dir(model_name, d, kind)
+        if (candidate / "meta.json").exists():
+            return candidate
+        tried.append(str(candidate))
+    task = f" TASK={data}" if data and data != "mixed" else ""
+    full = ' ARGS="job.kind=full"' if kind == "full" else ""
+    raise FileNotFoundError(
+        f"no {kind} heads for model {model_name!r} (looked in {', '.join(tried)}): train them with "
+        f"`make train-heads MODEL={model_name}{task}{full}`, or point the method at an artefact directory"
+    )

@@ -46,7 +46,7 @@ import torch
 
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, warp
-from selfspec.heads import IntermediateHeads, default_layers, load_heads
+from selfspec.heads import IntermediateHeads, default_layers, find_heads, load_heads
 
 
 @dataclass
@@ -115,7 +115,7 @@ class AdaDecode(Decoder):
         every head, a list of head layers, or ``middle``), ``head_kind`` (``linear`` / ``full``:
         load the trained artefact of that kind; ``lm_head``: untrained final norm + head, the
         "w/ original LM head" ablation), ``heads_dir`` (null = the default artefact directory,
-        see :func:`heads_artefact_dir`), ``heads_task`` (the data the heads were trained on: a
+        see :func:`selfspec.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
         task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced)."""
         kind = str(cfg.get("head_kind", "linear"))
         if kind == "lm_head":
@@ -255,28 +255,6 @@ class AdaDecodeNoVerify(AdaDecode):
 
 
 # --- artefact location -----------------------------------------------------------------------
-def heads_artefact_dir(model_name: str, data: str | None, kind: str = "linear") -> Path:
-    """Where ``job=heads`` saves and AdaDecode looks: ``outputs/artefacts/heads/<model>-<data>``
-    (``data`` = the task the heads were trained on, or ``mixed``), ``-full`` appended for the
-    full-parameter ablation."""
-    from selfspec.artefacts import default_artefact_dir
-
-    tag = (data or "") + ("-full" if kind == "full" else "")
-    return default_artefact_dir("heads", model_name, tag or None)
-
-
 def _heads_path(model, cfg, kind: str) -> Path:
-    if cfg.get("heads_dir"):
-        return Path(str(cfg.get("heads_dir")))
     data = cfg.get("heads_task")
-    path = heads_artefact_dir(model.name, str(data) if data else None, kind)
-    if not (path / "meta.json").exists():
-        extra = (["job.data=mixed"] if data == "mixed" else []) + (["job.kind=full"] if kind == "full" else [])
-        hint = f"make train-heads MODEL={model.name}" + (f" TASK={data}" if data and data != "mixed" else "")
-        hint += f' ARGS="{" ".join(extra)}"' if extra else ""
-        raise FileNotFoundError(
-            f"no AdaDecode heads at {path}: train them with `{hint}`, or set method.heads_dir=<artefact dir>, "
-            "or method.head_kind=lm_head (untrained ablation)"
-        )
-    return path
-
+    return find_heads(model.name, cfg.get("heads_dir"), str(data) if data else None, kind)

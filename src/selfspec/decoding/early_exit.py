@@ -51,22 +51,21 @@ EXIT_HEADS = ("lm_head", "heads")
 
 
 # --- exit heads ------------------------------------------------------------------------------
-def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers):
+def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, data: str | None = None):
     """The :class:`~selfspec.heads.IntermediateHeads` a method config asks for.
 
     ``lm_head``: parameter-free heads (final norm + LM head) at ``layers``; ``heads``: the
-    trained artefact at ``heads_path`` (null = ``outputs/artefacts/heads/<model>``), checked
+    trained artefact at ``heads_path`` (null = the one ``job=heads`` wrote for this model and the
+    task ``data``, else its mixed-domain heads: :func:`selfspec.heads.find_heads`), checked
     against the model's fingerprint.
     """
-    from selfspec.heads import IntermediateHeads, load_heads
+    from selfspec.heads import IntermediateHeads, find_heads, load_heads
 
     if exit_head == "lm_head":
         return IntermediateHeads(model, layers, "lm_head")
     if exit_head != "heads":
         raise ValueError(f"method.exit_head must be one of {', '.join(EXIT_HEADS)}, got {exit_head!r}")
-    from selfspec.artefacts import default_artefact_dir
-
-    path = heads_path or default_artefact_dir("heads", model.name)
+    path = find_heads(model.name, heads_path, data)
     if not (Path(path) / "meta.json").exists():
         raise ValueError(
             f"no heads artefact at {path}: train one (python -m selfspec.train job=heads "
@@ -133,7 +132,8 @@ class EarlyExit(Decoder):
         if not 0 <= exit_layer < model.num_layers - 1:
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
-        heads = build_exit_heads(model, str(cfg.exit_head), cfg.get("heads"), [exit_layer])
+        heads = build_exit_heads(model, str(cfg.exit_head), cfg.get("heads"), [exit_layer],
+                                 cfg.get("heads_task"))
         return cls(model, heads, exit_layer, int(cfg.gamma), draft_stop_from_config(cfg.get("draft_stop")), **common)
 
     # --- per-example buffers ---------------------------------------------------------------
@@ -343,7 +343,7 @@ class DEL(EarlyExit):
                              "the candidates are the layers that have a head (set candidate_layers: null)")
         if layers is None:
             layers = range(model.num_layers - 1)
-        heads = build_exit_heads(model, exit_head, cfg.get("heads"), list(layers))
+        heads = build_exit_heads(model, exit_head, cfg.get("heads"), list(layers), cfg.get("heads_task"))
         return cls(model, heads, int(cfg.max_gamma), int(cfg.min_gamma), float(cfg.omega), bool(cfg.dynamic_threshold),
                    int(cfg.prefill_shadow), cfg.get("shadow_rows"), cfg.get("head_cost"), **common)
 

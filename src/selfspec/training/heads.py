@@ -274,7 +274,7 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
 
 # --- the job ---------------------------------------------------------------------------------
 def run(cfg) -> dict:
-    from selfspec.decoding.adadecode import heads_artefact_dir
+    from selfspec.heads import heads_artefact_dir
     from selfspec.models.loading import load_model
     from selfspec.tracking import start_run
     from selfspec.training.loop import TrainConfig, clear_checkpoint, train
