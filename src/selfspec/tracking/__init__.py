@@ -277,5 +277,5 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
         mode=mode,
         reinit="create_new",
     )
-    log.info("W&B run %s (%s) in %s", run.name, mode, run_dir)
+    log.info("W&B run %s (%s) in %s", run.name or run.id, mode, run_dir)
     return WandbTracker(run, log_artifacts=bool(_get(logger_cfg, "log_artifacts", True)))
