@@ -6,7 +6,8 @@ from omegaconf import OmegaConf
 
 from selfspec.config import model_config
 from selfspec.decoding import DecodeState, Sampling, build_decoder
-from selfspec.decoding.early_exit import AdaptiveThreshold, EarlyExit
+from selfspec.decoding.draft_exit import AdaptiveThreshold
+from selfspec.decoding.early_exit import EarlyExit
 from selfspec.decoding.sampling import warp
 from selfspec.models.loading import load_model
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, warp
+from selfspec.decoding.sampling import select, verify_chain, warp
 from selfspec.heads import IntermediateHeads, default_layers, find_heads, load_heads
 
 
@@ -192,7 +192,8 @@ class AdaDecode(Decoder):
         logits = self.heads.logits(layer, h_last)[0]
         probs = logits.softmax(-1)
         if state.sampling.greedy:
-            conf, tok = (x.item() for x in probs.max(-1))
+            p_max, arg = probs.max(-1)
+            conf, tok = torch.stack([p_max, arg.to(p_max.dtype)]).tolist()  # one host sync
             q = None
         else:
             q = warp(logits, state.sampling)
@@ -211,12 +212,9 @@ class AdaDecode(Decoder):
         draft = torch.tensor(ss.drafts, dtype=torch.long, device=logits.device)
         if not self.verify:
             n, nxt = k, int(select(logits[-1], state.sampling, state.generator))
-        elif state.sampling.greedy:
-            n, nxt = greedy_verify(draft, logits)
         else:
-            target = warp(logits, state.sampling)
-            q = torch.stack(ss.draft_probs) if k else target[:0]
-            n, nxt = speculative_verify(draft, q, target, state.generator)
+            q = torch.stack(ss.draft_probs) if ss.draft_probs else None
+            n, nxt = verify_chain(draft, q, logits, state.sampling, state.generator)
         state.cache.truncate(ss.base + n + 1)
         state.drafted = k
         for layer in ss.exit_layers:

@@ -34,7 +34,7 @@ import torch
 
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import AdaptiveThreshold, DraftStop, StaticThreshold
-from selfspec.decoding.sampling import greedy_verify, speculative_verify, warp
+from selfspec.decoding.sampling import verify_chain, warp
 from selfspec.models.layered import LayeredModel, SkipSet
 
 DRAFT_EXITS = ("adaptive", "static", "none")
@@ -240,12 +240,7 @@ class DraftVerify(Decoder):
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *drafts]], device=model.device)
         logits = model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
-        if state.sampling.greedy:
-            n, nxt = greedy_verify(ids[0, 1:], logits)
-        else:
-            p = warp(logits, state.sampling)
-            draft_q = q if q is not None else p.new_zeros(0, p.shape[-1])
-            n, nxt = speculative_verify(ids[0, 1:], draft_q, p, state.generator)
+        n, nxt = verify_chain(ids[0, 1:], q, logits, state.sampling, state.generator)
         state.cache.truncate(state.n_cached + n + 1)
         state.drafted = k
         if k:

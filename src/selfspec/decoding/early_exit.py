@@ -42,9 +42,8 @@ from pathlib import Path
 import torch
 
 from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.draft_exit import (AdaptiveThreshold, DraftStop, StaticThreshold,  # noqa: F401
-                                         draft_stop_from_config)
-from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, warp
+from selfspec.decoding.draft_exit import DraftStop, StaticThreshold, draft_stop_from_config
+from selfspec.decoding.sampling import select, verify_chain, warp
 from selfspec.models.layered import LayeredModel
 
 EXIT_HEADS = ("lm_head", "heads")
@@ -213,12 +212,7 @@ class EarlyExit(Decoder):
         h = self._layers(self._hq[:, : k + 1], upper, cache, start, 0)
         target = m.logits(h[0])
         draft = torch.cat(drafts) if k else torch.empty(0, dtype=torch.long, device=m.device)
-        if s.greedy:
-            n, nxt = greedy_verify(draft, target)
-        elif k:
-            n, nxt = speculative_verify(draft, torch.stack(q_rows), warp(target, s), state.generator)
-        else:
-            n, nxt = 0, int(select(target[0], s, state.generator))
+        n, nxt = verify_chain(draft, torch.stack(q_rows) if q_rows else None, target, s, state.generator)
         new = draft[:n].tolist() + [nxt]
         cache.truncate(start + n + 1)
         state.drafted = k
@@ -244,9 +238,8 @@ class ShadowStats:
             raise ValueError(f"method.omega (decay) must be in (0, 1), got {omega}")
         self.omega = omega
         z = lambda: torch.zeros(n_layers, dtype=torch.float64)  # noqa: E731
-        self.weight, self.match = z(), z()
-        self.conf_match, self.n_match = z(), z()
-        self.conf_miss, self.n_miss = z(), z()
+        self.weight, self.match = z(), z()  # decayed observations, decayed matches (per layer)
+        self.conf_match, self.conf_miss = z(), z()
 
     @property
     def empty(self) -> bool:
@@ -260,9 +253,7 @@ class ShadowStats:
         mf, cf = match.double(), conf.double()
         self.weight = decay * self.weight + w.sum()
         self.match = decay * self.match + (mf * w).sum(1)
-        self.n_match = decay * self.n_match + (mf * w).sum(1)
         self.conf_match = decay * self.conf_match + (cf * mf * w).sum(1)
-        self.n_miss = decay * self.n_miss + ((1 - mf) * w).sum(1)
         self.conf_miss = decay * self.conf_miss + (cf * (1 - mf) * w).sum(1)
 
     def alpha(self) -> torch.Tensor:
@@ -270,8 +261,9 @@ class ShadowStats:
 
     def threshold(self) -> torch.Tensor:
         """``τ_ℓ = (mean conf matched + mean conf mismatched) / 2``; 0 (no stop) until both are seen."""
-        both = (self.n_match > 0) & (self.n_miss > 0)
-        tau = (self.conf_match / self.n_match.clamp_min(1e-12) + self.conf_miss / self.n_miss.clamp_min(1e-12)) / 2
+        miss = self.weight - self.match  # decayed mismatches
+        both = (self.match > 1e-12) & (miss > 1e-12)
+        tau = (self.conf_match / self.match.clamp_min(1e-12) + self.conf_miss / miss.clamp_min(1e-12)) / 2
         return torch.where(both, tau, torch.zeros_like(tau))
 
 

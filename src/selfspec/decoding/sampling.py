@@ -100,6 +100,26 @@ def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     return n, int(target[n])
 
 
+def verify_chain(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    s: Sampling,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Verify ``k`` drafted tokens against ``[k + 1, V]`` target logits under ``s``.
+
+    Greedy: :func:`greedy_verify`. Sampling: :func:`speculative_verify` with the drafts'
+    distributions ``draft_probs`` (``[k, V]``; None when nothing was drafted). The one rule every
+    lossless chain method (Draft & Verify, AdaDecode, early exit / DEL) verifies with.
+    """
+    if s.greedy:
+        return greedy_verify(draft, target_logits)
+    target = warp(target_logits, s)
+    q = draft_probs if draft_probs is not None and draft.numel() else target[:0]
+    return speculative_verify(draft, q, target, generator)
+
+
 def speculative_verify(
     draft: torch.Tensor,
     draft_probs: torch.Tensor,

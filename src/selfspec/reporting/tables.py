@@ -172,12 +172,7 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
 
     for model in models:
         mine = [r for r in measured if r.model == model]
-        by_row: dict[tuple, dict[Any, Record]] = {}
-        labels: dict[tuple, str] = {}
-        for r in sorted(mine, key=lambda r: _row_key(r, layout)):
-            key = _row_key(r, layout)
-            labels.setdefault(key, row_label(r, layout))
-            by_row.setdefault(key, {})[r.field(layout.columns) if layout.columns else None] = r
+        by_row, labels = _group_rows(mine, layout)
         rows = []
         for key, per_group in by_row.items():
             cells: list[str] = []
@@ -197,12 +192,7 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
 
     for paper_model in sorted({p.paper_model for p in reference if p.paper_model}):
         recs = [p for p in reference if p.paper_model == paper_model]
-        by_row: dict[tuple, dict[Any, Record]] = {}
-        labels = {}
-        for r in sorted(recs, key=lambda r: _row_key(r, layout)):
-            key = _row_key(r, layout)
-            labels.setdefault(key, row_label(r, layout))
-            by_row.setdefault(key, {})[r.field(layout.columns) if layout.columns else None] = r
+        by_row, labels = _group_rows(recs, layout)
         rows = []
         for key, per_group in by_row.items():
             cells = []
@@ -219,6 +209,17 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
         table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
     table.notes += list(layout.notes)
     return table
+
+
+def _group_rows(records, layout) -> tuple[dict[tuple, dict[Any, Record]], dict[tuple, str]]:
+    """Records -> ``{row key: {column group: record}}`` in row order, and each row's label."""
+    by_row: dict[tuple, dict[Any, Record]] = {}
+    labels: dict[tuple, str] = {}
+    for r in sorted(records, key=lambda r: _row_key(r, layout)):
+        key = _row_key(r, layout)
+        labels.setdefault(key, row_label(r, layout))
+        by_row.setdefault(key, {})[r.field(layout.columns) if layout.columns else None] = r
+    return by_row, labels
 
 
 def table_source(table: Table, record: Record) -> int:
