@@ -113,10 +113,7 @@ def test_tar_folder_member(tmp_path, monkeypatch):
 
 
 def test_download_falls_back_to_the_simple_index(tmp_path, monkeypatch):
-    class Failed:
-        returncode, stderr = 1, "ERROR: direct URL dependency"
-
-    monkeypatch.setattr(assets.subprocess, "run", lambda *a, **k: Failed())
+    monkeypatch.setattr(assets, "_pip_download", lambda a, d: (None, "ERROR: direct URL dependency"))
 
     def from_index(asset, dest):
         (dest / asset.filename).write_bytes(b"x")
@@ -131,6 +128,154 @@ def test_download_falls_back_to_the_simple_index(tmp_path, monkeypatch):
     monkeypatch.setattr(assets, "_download_from_index", unreachable)
     with pytest.raises(AssetError, match=r"'cnndm'.*direct URL dependency.*no route"):
         assets.download(assets.ASSETS["cnndm"], tmp_path / "again")
+
+
+class _Index:
+    """A simple index on the loopback interface, in one of the two forms of the simple API.
+
+    ``form`` is ``html`` (PEP 503) or ``json`` (PEP 691); ``label`` is the Content-Type it
+    claims (a server may label one form as the other). ``projects``: ``{project: {filename:
+    bytes}}``; files are served under ``/files/``, linked relatively from the HTML page and
+    absolutely from the JSON listing.
+    """
+
+    def __init__(self, form: str, projects: dict[str, dict[str, bytes]], label: str | None = None):
+        import hashlib
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        index = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest's output clean
+                pass
+
+            def do_GET(self):
+                index.requests.append(self.path)
+                parts = [p for p in self.path.split("?")[0].split("/") if p]
+                body, ctype = None, "application/octet-stream"
+                if len(parts) == 2 and parts[0] == "simple" and parts[1] in projects:
+                    body, ctype = index.page(parts[1]), label or (
+                        "text/html" if form == "html" else "application/vnd.pypi.simple.v1+json")
+                elif len(parts) == 2 and parts[0] == "files":
+                    body = next((f[parts[1]] for f in projects.values() if parts[1] in f), None)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.form, self.projects, self.requests = form, projects, []
+        self._sha = {n: hashlib.sha256(d).hexdigest() for f in projects.values() for n, d in f.items()}
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def page(self, project: str) -> bytes:
+        names = sorted(self.projects[project])
+        if self.form == "json":
+            base = self.url.rsplit("/", 1)[0]
+            return json.dumps({"meta": {"api-version": "1.0"}, "name": project, "files": [
+                {"filename": n, "url": f"{base}/files/{n}", "hashes": {"sha256": self._sha[n]}}
+                for n in names]}).encode()
+        links = "".join(f'<a href="../../files/{n}#sha256={self._sha[n]}">{n}</a><br/>' for n in names)
+        return f"<!DOCTYPE html><html><body><h1>Links for {project}</h1>{links}</body></html>".encode()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """Asset ``served`` (project ``Served_Pkg``) and a factory of loopback indexes; pip's own
+    download is made to fail, as it does for bigbench's sdist."""
+    archive = _tar(tmp_path / "served_pkg-1.0.tar.gz", {"served_pkg-1.0/data/x.json": b"{}"})
+    monkeypatch.setitem(assets.ASSETS, "served", Asset(
+        name="served", requirement="Served_Pkg==1.0", filename=archive.name,
+        sha256=assets.sha256_of(archive), members=("served_pkg-1.0/data/x.json",), description="test"))
+    monkeypatch.setattr(assets, "_pip_download", lambda a, d: (None, "ERROR: direct URL dependency"))
+    for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        monkeypatch.delenv(var, raising=False)
+    servers = []
+
+    def index(form, with_file=True, label=None):
+        files = {archive.name: archive.read_bytes()} if with_file else {"other-2.0.tar.gz": b"z"}
+        servers.append(_Index(form, {"served-pkg": files}, label))
+        return servers[-1]
+
+    yield index, tmp_path / "cache"
+    for s in servers:
+        s.close()
+
+
+@pytest.mark.parametrize("form,label", [("html", None), ("json", None),
+                                        ("html", "application/vnd.pypi.simple.v1+json")])
+def test_fetch_through_pip_index_url(served, monkeypatch, form, label):
+    """pip's ``index-url`` (here PIP_INDEX_URL, read through ``pip config list``) in either form;
+    the last case is a server that labels its HTML page as JSON, as the one on these machines does."""
+    index, cache = served
+    server = index(form, label=label)
+    monkeypatch.setenv("PIP_INDEX_URL", server.url)
+    path = assets.fetch("served", cache)
+    assert path.read_bytes() == b"{}" and assets.is_fetched("served", cache)
+    assert server.requests == ["/simple/served-pkg/", "/files/served_pkg-1.0.tar.gz"]
+
+
+def test_fetch_through_extra_index_url(served, monkeypatch):
+    """The first index does not list the file; the second of two extra indexes (JSON) does."""
+    index, cache = served
+    main, extra_html, extra_json = index("html", with_file=False), index("html", with_file=False), index("json")
+    monkeypatch.setenv("PIP_INDEX_URL", main.url)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", f"{extra_html.url} {extra_json.url}")
+    assert assets.fetch("served", cache).read_bytes() == b"{}"
+    assert main.requests == extra_html.requests == ["/simple/served-pkg/"]
+    assert extra_json.requests[-1] == "/files/served_pkg-1.0.tar.gz"
+
+
+def test_index_file_with_other_bytes_is_refused(served, monkeypatch, tmp_path):
+    """The sha256 pin still decides: an index serving other bytes under the name is refused."""
+    index, cache = served
+    server = index("json")
+    server.projects["served-pkg"]["served_pkg-1.0.tar.gz"] = b"tampered"
+    monkeypatch.setenv("PIP_INDEX_URL", server.url)
+    with pytest.raises(AssetError, match="sha256 mismatch"):
+        assets.fetch("served", cache)
+    assert not assets.is_fetched("served", cache)
+
+
+def test_no_index_lists_the_file_names_every_index(served, monkeypatch):
+    index, cache = served
+    a, b = index("html", with_file=False), index("json", with_file=False)
+    monkeypatch.setenv("PIP_INDEX_URL", a.url)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", b.url)
+    with pytest.raises(AssetError, match=r"not found on pip's indexes: .*127.0.0.1.*not listed.*127.0.0.1"):
+        assets.fetch("served", cache)
+
+
+def test_file_index_and_pip_precedence(tmp_path):
+    """A ``file://`` index (a folder of ``index.html`` pages, as pip reads it); environment
+    beats the ``download`` section, which beats ``global``; ``no-index`` empties the list."""
+    from selfspec import simple_index
+
+    (tmp_path / "simple" / "served-pkg").mkdir(parents=True)
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "served_pkg-1.0.tar.gz").write_bytes(b"abc")
+    (tmp_path / "simple" / "served-pkg" / "index.html").write_text(
+        '<html><body><a href="../../files/served_pkg-1.0.tar.gz#sha256=00">served_pkg-1.0.tar.gz</a></body></html>')
+    url = simple_index.find_file("Served.Pkg", "served_pkg-1.0.tar.gz", [(tmp_path / "simple").as_uri()])
+    assert simple_index.stream(url, tmp_path / "out.tar.gz").read_bytes() == b"abc"
+
+    config = {"global.index-url": "https://g/simple", "download.index-url": "https://d/simple/",
+              "global.extra-index-url": "file:///a/simple file:///b/simple"}
+    assert simple_index.configured_indexes(config) == ["https://d/simple", "file:///a/simple", "file:///b/simple"]
+    assert simple_index.configured_indexes(config | {":env:.index-url": "http://e/simple"})[0] == "http://e/simple"
+    assert simple_index.configured_indexes({}) == [simple_index.DEFAULT_INDEX]
+    assert simple_index.configured_indexes(config | {":env:.no-index": "1"}) == []
 
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):

