@@ -1,6 +1,6 @@
 """Trained artefacts — heads, prompt embeddings, skip sets, trees — as safetensors + ``meta.json``.
 
-DESIGN.md §Core contracts 5: ``meta.json`` records the kind, the model name, the model
+docs/design.md §2.5: ``meta.json`` records the kind, the model name, the model
 fingerprint (config + tokenizer), layer count, hidden size, task, training config and training
 metrics. :func:`load_artefact` checks kind and fingerprint and fails with a message naming the
 mismatch. Writes are atomic: a temporary directory is filled and renamed into place, so a

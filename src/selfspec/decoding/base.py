@@ -102,7 +102,7 @@ class DecodeState:
 
 
 class Decoder:
-    """Base of every decoding method (DESIGN.md §Core contracts 3).
+    """Base of every decoding method (docs/design.md §2.3).
 
     Subclasses set :attr:`name`, :attr:`lossless`, implement :meth:`step`, may override
     :meth:`prefill`, :meth:`begin` (per-example state) and :meth:`finish` (per-example

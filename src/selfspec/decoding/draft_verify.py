@@ -22,7 +22,7 @@ acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``gamma`` (t
 after the example), ``verifications`` and ``draft_exits`` (steps ended by the threshold).
 
 The threshold state (``gamma`` and the acceptance-rate EMA) lives on the decoder and carries
-over between examples as in the authors' code (REFERENCE.md); :meth:`DraftVerify.reset_gamma`
+over between examples as in the authors' code (docs/design.md §6); :meth:`DraftVerify.reset_gamma`
 restores ``gamma_0``.
 """
 

@@ -1,7 +1,7 @@
 """Peer baselines: ``transformers``' own ``generate`` and its speculative variants, as Decoders.
 
 They run in the same sweep as selfspec's methods, on the same examples, with the same EOS /
-stop strings / token budget, so their speedups are comparable (REFERENCE.md, benchmark
+stop strings / token budget, so their speedups are comparable (docs/design.md §3, benchmark
 conventions):
 
 ``hf_generate``       plain ``generate`` (Hugging Face's runtime and dynamic KV cache)

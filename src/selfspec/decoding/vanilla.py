@@ -1,7 +1,7 @@
 """Vanilla autoregressive decoding: the reference every method is measured against.
 
 One full forward pass per token on the same layered runtime and layer cache the methods use,
-so speedups compare methods, not runtimes (REFERENCE.md: Spec-Bench's baseline-cache confound).
+so speedups compare methods, not runtimes (docs/design.md §3: Spec-Bench's baseline-cache confound).
 """
 
 from __future__ import annotations

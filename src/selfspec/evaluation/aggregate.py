@@ -1,4 +1,4 @@
-"""Aggregation of per-example result rows into per-method figures (DESIGN.md §Core contracts 6).
+"""Aggregation of per-example result rows into per-method figures (docs/design.md §2.6, §3).
 
 Every figure is computed over the examples that **every** method finished, so the baseline and
 the methods are compared on the same examples:

@@ -1,6 +1,6 @@
 """The evaluation runner: the chosen methods on the same examples, warm-up first, interleaved.
 
-DESIGN.md §Core contracts 6 and Spec-Bench's conventions (REFERENCE.md): one process, one
+docs/design.md §2.6 and §3 (Spec-Bench's conventions): one process, one
 runtime, batch size 1; ``warmup`` generations per method before anything is timed; then per
 example the baseline, the method under test and the comparison methods run back to back
 (interleaved, so slow drifts of the machine hit every method alike). Each finished generation is

@@ -12,7 +12,7 @@ Self-speculative methods need more than the library's caches offer:
 
 The Llama-family attention modules of ``transformers`` write keys and values through
 ``past_key_values.update(key, value, layer_idx)`` and attend over what it returns, so this
-object drives the library's attention unchanged (DESIGN.md, "Facts checked").
+object drives the library's attention unchanged (docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 This module and :mod:`selfspec.models.loading` are the only places that know Hugging Face
 internals (module names, the decoder layer's pieces, rotary embeddings). Every method drives
-the model through this adapter, so baseline and methods share one runtime (REFERENCE.md,
+the model through this adapter, so baseline and methods share one runtime (docs/design.md §3,
 Spec-Bench: a baseline on a different cache is a fairness confound).
 
 The library's own modules do the work — embedding, RMSNorm, attention (with its rotary
@@ -49,7 +49,7 @@ class SkipSet:
 class LayeredModel:
     """Adapter over a ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2).
 
-    Contract (DESIGN.md §Core contracts 1): :meth:`embed`, :meth:`run_layer`,
+    Contract (docs/design.md §2.1): :meth:`embed`, :meth:`run_layer`,
     :meth:`logits`, :attr:`num_layers`, :attr:`hidden_size`, plus :meth:`forward` for a
     whole pass and mask / rotary helpers.
     """
@@ -129,7 +129,7 @@ class LayeredModel:
         """Mask for ``n_new`` queries appended after ``past`` cached positions (None if n_new == 1).
 
         SDPA's ``is_causal`` aligns the triangle top-left, wrong once keys outnumber queries,
-        so queries after a cache always get an explicit mask (DESIGN.md, Facts).
+        so queries after a cache always get an explicit mask (docs/design.md §4).
         """
         if n_new == 1:
             return None

@@ -8,7 +8,7 @@ generations and scores them. Records come from one of three sources:
 ``local``    ``datasets.load_dataset("json", data_files=...)``, same schema as the hub set;
 ``offline``  the package-shipped asset of :mod:`selfspec.assets` (the default here).
 
-Selection follows the research code (REFERENCE.md, Draft & Verify): the pool is shuffled with
+Selection follows the research code (docs/design.md §6, Draft & Verify): the pool is shuffled with
 ``shuffle_seed`` (the permutation ``datasets.Dataset.shuffle(seed=...)`` uses), the first
 ``shots`` records become the in-context exemplars, and the next ``n_examples`` are evaluated.
 """

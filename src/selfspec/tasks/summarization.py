@@ -1,6 +1,6 @@
 """Shared shape of the summarisation tasks (XSum, CNN/DM), as in Draft & Verify.
 
-Prompt (REFERENCE.md): ``shots`` exemplars ``Article: …\\nSummary: …\\n`` then
+Prompt (docs/design.md §6): ``shots`` exemplars ``Article: …\\nSummary: …\\n`` then
 ``Article: {x}\\nSummary:``; generations are cut at ``\\nArticle:``; ROUGE F1 with stemming.
 """
 

@@ -40,7 +40,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 # --- data ------------------------------------------------------------------------------------
 def sharegpt_path(cfg) -> Path | None:
     """``job.data`` (a local ShareGPT JSON), else ``job.hub_id`` downloaded from the hub, else
-    ``None`` = the offline asset (DESIGN.md, Offline assets)."""
+    ``None`` = the offline asset (docs/design.md §5)."""
     if cfg.get("data"):
         return Path(str(cfg.data))
     if cfg.get("hub_id"):
