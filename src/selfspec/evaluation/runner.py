@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.config import conf_dir, group_options
+from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder
 from selfspec.evaluation.aggregate import summarize
 from selfspec.tracking import ResultsFile, Tracker, start_run, to_jsonable, write_json
@@ -50,21 +50,6 @@ class MethodRun:
     @property
     def lossless(self) -> bool:
         return bool(type(self.decoder).lossless)
-
-
-def load_method_config(name: str) -> DictConfig:
-    """``conf/method/<name>.yaml`` composed by Hydra (its ``defaults`` list applied), unresolved."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    known = group_options("method")
-    if name not in known:
-        raise ValueError(f"unknown method config {name!r} in baseline/compare; choose from "
-                         f"{', '.join(known)} (conf/method/)")
-    if GlobalHydra.instance().is_initialized():  # inside @hydra.main: its search path is conf/
-        return compose(config_name=None, overrides=[f"+method={name}"]).method
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose(config_name=None, overrides=[f"+method={name}"]).method
 
 
 def method_label(cfg: DictConfig) -> str:
@@ -249,7 +234,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     write_json(out_dir / SUMMARY, summary)
-    tracker.summary({"methods": per_method, "run_info": info})
+    tracker.summary({"method": under_test, "methods": per_method, "method_configs": summary["method_configs"],
+                     "run_info": info})
     tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
                                for r in rows if r.get("method") in names])
     if own_tracker:
