@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from selfspec.artefacts import ArtefactError
 from selfspec.config import compose
 from selfspec.decoding.peers import HFGenerate
 from selfspec.evaluation import RESULTS, SUMMARY, ResumeMismatch, consistency, evaluate, method_configs, summarize
@@ -80,6 +81,17 @@ def test_interrupted_run_keeps_finished_examples(tiny, tmp_path, monkeypatch):
     rows = ResultsFile(tmp_path / RESULTS).rows()
     assert [r["method"] for r in rows] == ["vanilla", "hf_generate", "vanilla", "hf_generate"]
     assert s["methods"]["hf_generate"]["consistency"] == 1.0
+
+
+def test_failure_before_the_first_example_leaves_the_directory_empty(tiny, tmp_path):
+    """A decoder that cannot be built (its artefact is missing) stops the run before it starts: the
+    run directory (Hydra makes it first) gets no ``run_config.json``, nothing at all."""
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(ArtefactError, match="no-heads is not a selfspec artefact"):
+        evaluate(_cfg("method=adadecode", f"method.heads_dir={tmp_path / 'no-heads'}"), out, loaded=tiny,
+                 label="adadecode")
+    assert list(out.iterdir()) == []
 
 
 def test_method_configs_dedupe_and_check_names():

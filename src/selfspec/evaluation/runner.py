@@ -5,7 +5,9 @@ runtime, batch size 1; ``warmup`` generations per method before anything is time
 example the baseline, the method under test and the comparison methods run back to back
 (interleaved, so slow drifts of the machine hit every method alike). Each finished generation is
 appended to ``results.jsonl`` at once (an interrupted run keeps it; a re-run into the same
-directory skips it), and ``summary.json`` is rewritten from all rows at the end.
+directory skips it), and ``summary.json`` is rewritten from all rows at the end. A re-run whose
+model, task, sampling, budget or methods differ is refused (:class:`ResumeMismatch`) before anything
+in the directory changes; ``run_config.json`` is written only once a run really starts.
 
     summary = evaluate(cfg, out_dir)       # cfg: conf/evaluate.yaml composed
 """
@@ -104,6 +106,8 @@ def _task(cfg: DictConfig):
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
+    """Refuse a run directory that holds results of a different configuration. Reads only: a
+    refused rerun leaves the directory exactly as it was."""
     path = out_dir / RUN_CONFIG
     if (out_dir / RESULTS).exists() and path.exists():
         import json
@@ -114,7 +118,12 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
             raise ResumeMismatch(
                 f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
                 "evaluate into a new run directory (hydra.run.dir=...)")
-    write_json(path, identity)
+
+
+def _begin(out_dir: Path, identity: dict[str, Any]) -> None:
+    """Record the run in its directory once it really starts (model loaded, decoders built):
+    ``run_config.json``, what a rerun must match. A run that fails or is refused before leaves none."""
+    write_json(out_dir / RUN_CONFIG, identity)
 
 
 def _artefact_paths(run: MethodRun) -> list[Path]:
@@ -169,7 +178,6 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     from selfspec.runinfo import run_info
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(cfg.seed))
     sampling = Sampling.from_config(cfg.sampling)
     task = _task(cfg)
@@ -194,6 +202,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
     examples = task.examples()
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
+    _begin(out_dir, identity)
     results = ResultsFile(out_dir / RESULTS)
     done = {(str(r["id"]), r["method"]) for r in results}
     todo = [ex for ex in examples if any((ex.id, r.name) not in done for r in runs)]
