@@ -1,6 +1,7 @@
 """Evaluation harness: runner on tiny-random (vanilla vs hf_generate), resume, interruption,
 aggregation, the `python -m selfspec.evaluate` entry and multiruns through joblib / submitit_local."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -131,13 +132,35 @@ def test_wandb_logger_offline_through_runner(tiny, tmp_path, monkeypatch):
     assert (tmp_path / RESULTS).exists() and (tmp_path / SUMMARY).exists()
 
 
-def _run(args, cwd):
+def _run(args, cwd, ok: bool = True):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "selfspec.evaluate", *args], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert (out.returncode == 0) == ok, out.stderr[-3000:]
     return out
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root``, hidden ones included -> sha256 of its bytes."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_refused_rerun_leaves_the_run_directory_as_it_was(tmp_path):
+    """`python -m selfspec.evaluate` into a run directory holding another configuration's results
+    is refused before anything there changes, Hydra's .hydra/ included, so the results stay
+    labelled with the configuration that produced them (not the refused command line's)."""
+    run_dir = tmp_path / "run"
+    args = ["model=tiny-random", "task=xsum", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
+            "method=draft_verify", "method.skip_attn=[1]", "method.skip_mlp=[2]", f"hydra.run.dir={run_dir}"]
+    _run(args, tmp_path)
+    assert {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "run_config.json",
+            RESULTS, SUMMARY} <= set(_tree(run_dir))
+    before = _tree(run_dir)
+    refused = _run(args + ["method.max_draft=4"], tmp_path, ok=False)
+    assert "ResumeMismatch" in refused.stderr and "changed: methods" in refused.stderr
+    assert _tree(run_dir) == before
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ example the baseline, the method under test and the comparison methods run back 
 appended to ``results.jsonl`` at once (an interrupted run keeps it; a re-run into the same
 directory skips it), and ``summary.json`` is rewritten from all rows at the end. A re-run whose
 model, task, sampling, budget or methods differ is refused (:class:`ResumeMismatch`) before anything
-in the directory changes; ``run_config.json`` is written only once a run really starts.
+in the directory changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run
+really starts.
 
     summary = evaluate(cfg, out_dir)       # cfg: conf/evaluate.yaml composed
 """
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder
 from selfspec.evaluation.aggregate import summarize
-from selfspec.tracking import ResultsFile, Tracker, start_run, to_jsonable, write_json
+from selfspec.tracking import ResultsFile, Tracker, save_hydra_files, start_run, to_jsonable, write_json
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,12 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
                 "evaluate into a new run directory (hydra.run.dir=...)")
 
 
-def _begin(out_dir: Path, identity: dict[str, Any]) -> None:
+def _begin(out_dir: Path, identity: dict[str, Any], cfg: DictConfig) -> None:
     """Record the run in its directory once it really starts (model loaded, decoders built):
-    ``run_config.json``, what a rerun must match. A run that fails or is refused before leaves none."""
+    ``run_config.json``, what a rerun must match, and inside ``@hydra.main`` Hydra's ``.hydra/``
+    (conf/evaluate.yaml leaves it to this). A run that fails or is refused before leaves neither."""
     write_json(out_dir / RUN_CONFIG, identity)
+    save_hydra_files(out_dir, cfg)
 
 
 def _artefact_paths(run: MethodRun) -> list[Path]:
@@ -202,7 +205,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
     examples = task.examples()
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
-    _begin(out_dir, identity)
+    _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS)
     done = {(str(r["id"]), r["method"]) for r in results}
     todo = [ex for ex in examples if any((ex.id, r.name) not in done for r in runs)]
