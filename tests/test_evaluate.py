@@ -1,6 +1,7 @@
 """Evaluation harness: runner on tiny-random (vanilla vs hf_generate), resume, interruption,
 aggregation, the `python -m selfspec.evaluate` entry and multiruns through joblib / submitit_local."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from selfspec.artefacts import ArtefactError
 from selfspec.config import compose
 from selfspec.decoding.peers import HFGenerate
 from selfspec.evaluation import RESULTS, SUMMARY, ResumeMismatch, consistency, evaluate, method_configs, summarize
@@ -82,6 +84,17 @@ def test_interrupted_run_keeps_finished_examples(tiny, tmp_path, monkeypatch):
     assert s["methods"]["hf_generate"]["consistency"] == 1.0
 
 
+def test_failure_before_the_first_example_leaves_the_directory_empty(tiny, tmp_path):
+    """A decoder that cannot be built (its artefact is missing) stops the run before it starts: the
+    run directory (Hydra makes it first) gets no ``run_config.json``, nothing at all."""
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(ArtefactError, match="no-heads is not a selfspec artefact"):
+        evaluate(_cfg("method=adadecode", f"method.heads_dir={tmp_path / 'no-heads'}"), out, loaded=tiny,
+                 label="adadecode")
+    assert list(out.iterdir()) == []
+
+
 def test_method_configs_dedupe_and_check_names():
     cfg = compose(SMALL + ["compare=[vanilla,hf_prompt_lookup]"])
     assert list(method_configs(cfg)) == ["vanilla", "hf_prompt_lookup"]
@@ -119,13 +132,35 @@ def test_wandb_logger_offline_through_runner(tiny, tmp_path, monkeypatch):
     assert (tmp_path / RESULTS).exists() and (tmp_path / SUMMARY).exists()
 
 
-def _run(args, cwd):
+def _run(args, cwd, ok: bool = True):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "selfspec.evaluate", *args], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert (out.returncode == 0) == ok, out.stderr[-3000:]
     return out
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root``, hidden ones included -> sha256 of its bytes."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_refused_rerun_leaves_the_run_directory_as_it_was(tmp_path):
+    """`python -m selfspec.evaluate` into a run directory holding another configuration's results
+    is refused before anything there changes, Hydra's .hydra/ included, so the results stay
+    labelled with the configuration that produced them (not the refused command line's)."""
+    run_dir = tmp_path / "run"
+    args = ["model=tiny-random", "task=xsum", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
+            "method=draft_verify", "method.skip_attn=[1]", "method.skip_mlp=[2]", f"hydra.run.dir={run_dir}"]
+    _run(args, tmp_path)
+    assert {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "run_config.json",
+            RESULTS, SUMMARY} <= set(_tree(run_dir))
+    before = _tree(run_dir)
+    refused = _run(args + ["method.max_draft=4"], tmp_path, ok=False)
+    assert "ResumeMismatch" in refused.stderr and "changed: methods" in refused.stderr
+    assert _tree(run_dir) == before
 
 
 @pytest.mark.slow

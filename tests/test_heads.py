@@ -1,6 +1,8 @@
 """Intermediate heads: identity initialisation, artefact round trip, training reduces the held-out
 KL, resume continues exactly, and the job end to end (data generation -> artefact -> decoder)."""
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -10,7 +12,8 @@ from selfspec.config import compose, conf_dir, model_config
 from selfspec.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
 from selfspec.models.loading import load_model
 from selfspec.training import heads as job_heads
-from selfspec.training.loop import TrainConfig, train
+from selfspec.training import loop
+from selfspec.training.loop import CheckpointMismatch, TrainConfig, train
 
 
 def test_default_layers_evenly_spaced():
@@ -80,10 +83,25 @@ def test_training_reduces_heldout_kl(tiny, tmp_path):
     assert all(0 <= last[f"eval/top1/{l}"] <= 1 for l in heads.layers)
 
 
-def test_resume_continues_from_checkpoint(tiny, tmp_path):
+def _die_after_checkpoint(monkeypatch):
+    """The run is killed right after its first checkpoint is on disk; returns the undo."""
+    real = loop._save_checkpoint
+
+    def save_then_die(path, payload):
+        real(path, payload)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_save_checkpoint", save_then_die)
+    return lambda: monkeypatch.setattr(loop, "_save_checkpoint", real)
+
+
+def test_resume_continues_from_checkpoint(tiny, tmp_path, monkeypatch):
     job = _job(layers=[1, 2], lr=1e-2, schedule="constant", ckpt_every=3, max_positions=32)
     straight, _ = _train(tiny, tmp_path / "a", 6, job)
-    _train(tiny, tmp_path / "b", 3, job)  # "interrupted" after the step-3 checkpoint
+    undo = _die_after_checkpoint(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny, tmp_path / "b", 6, job)  # interrupted after the step-3 checkpoint
+    undo()
     resumed, result = _train(tiny, tmp_path / "b", 6, job)
     assert [h["step"] for h in result["history"]] == list(range(1, 7))
     for l in straight.layers:
@@ -110,3 +128,24 @@ def test_job_end_to_end(tiny, tmp_path, monkeypatch):
     ids = tiny.tokenizer("Question: 2+2?\nAnswer:")["input_ids"]
     ref = build_decoder(OmegaConf.create({"name": "vanilla"}), tiny.model).generate(ids, 12).tokens
     assert dec.generate(ids, 12).tokens == ref
+
+
+def test_resumed_job_refuses_changed_settings(tiny, tmp_path, monkeypatch):
+    """An interrupted heads job rerun with another ``job.lr`` stops, naming the change, instead of
+    silently keeping the checkpoint's optimizer (lr 1e-3) while recording 0.05 in meta.json."""
+    from selfspec.train import run_job
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
+    args = ["job=heads", "model=tiny-random", "task=gsm8k", "job.n_prompts=2", "job.n_heldout=1", "job.gen_tokens=4",
+            "job.steps=4", "job.ckpt_every=2", "job.eval_every=0", "job.max_prompt_tokens=32", "job.layers=[1,2]",
+            "job.lr=1e-3"]
+    path = tmp_path / "artefacts" / "heads" / "tiny-random-gsm8k"
+    undo = _die_after_checkpoint(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(compose(args, "train"))
+    undo()
+    with pytest.raises(CheckpointMismatch, match=r"lr: 0\.001 -> 0\.05; steps: 4 -> 6\). To resume it, restore"):
+        run_job(compose(args + ["job.lr=0.05", "job.steps=6"], "train"))
+    assert not path.exists()
+    summary = run_job(compose(args + ["job.log_every=1"], "train"))  # how often it logs may change
+    assert summary["steps"] == 4 and json.loads((path / "meta.json").read_text())["train_config"]["lr"] == 1e-3

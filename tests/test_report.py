@@ -9,10 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from selfspec.config import compose
-from selfspec.reporting import build_report, get_layout, read_run
+from selfspec.evaluation import evaluate
+from selfspec.heads import IntermediateHeads, save_heads
+from selfspec.reporting import build_report, collect, get_layout, read_run
 from selfspec.reporting.artefacts import bo_traces, find_artefacts, tree_curves
 from selfspec.reporting.layouts import LAYOUTS
 from selfspec.reporting.paper import paper_records
+from selfspec.reporting.plots import gamma_series
 from selfspec.reporting.records import Record, latest_only
 from selfspec.reporting.tables import build_table, tex_escape, to_latex, to_markdown
 from selfspec.reporting.wandb_source import unflatten, wandb_records
@@ -30,7 +33,8 @@ def entry(tps: float, speedup: float, tau: float = 1.0, ar=None, consistency=1.0
 
 def write_run(path: Path, *, table: str | None, task: str, method: str, methods: dict, model="smollm2-135m",
               method_cfg: dict | None = None, temperature=0.0, artefacts=None) -> Path:
-    """A run directory in the shape selfspec.evaluation.runner writes."""
+    """A summary-only run directory with chosen figures (label = decoder name; no variants): for the
+    tables' formatting. Label identity is tested on real runner output (``real_runs``)."""
     path.mkdir(parents=True)
     cfg = {"model": {"name": model}, "task": {"name": task}, "method": {"name": method, **(method_cfg or {})},
            "baseline": "vanilla", "sampling": {"temperature": temperature}}
@@ -52,15 +56,35 @@ def runs(tmp_path):
                            "adadecode": entry(26.0, 1.3, tau=1.8, ar=0.9, metrics=score,
                                               stats={"exit_layer_7": 3.0, "exit_layer_15": 1.0}),
                            "hf_generate": entry(18.0, 0.9, metrics=score)})
-    for k, (ar, sp) in {2: (0.9, 1.1), 4: (0.8, 1.2)}.items():
-        write_run(root / f"k{k}", table="dv_fixed_k", task="cnndm", method="draft_verify",
-                  method_cfg={"max_draft": k, "draft_exit": "none"},
-                  methods={"vanilla": entry(20.0, 1.0), "draft_verify": entry(20.0 * sp, sp, tau=2.0, ar=ar)})
-    for g in (0.2, 0.6):
-        write_run(root / f"g{g}", table="dv_static", task="cnndm", method="draft_verify",
-                  method_cfg={"gamma0": g, "draft_exit": "static"},
-                  methods={"vanilla": entry(20.0, 1.0), "draft_verify": entry(22.0, 1.1 + g, ar=1 - g / 2)})
     return root
+
+
+#: a few tokens of one example (of the preset's task): real runner output in seconds
+SMALL = ["model=tiny-random", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false"]
+SKIPS = ["method.skip_attn=[1]", "method.skip_mlp=[2]"]
+
+
+def real_run(loaded, out: Path, experiment: str, label: str, *overrides: str) -> Path:
+    """A run directory written by the evaluation runner, as ``experiment=<e> method=<label>`` runs."""
+    evaluate(compose(SMALL + [f"experiment={experiment}", f"method={label}", *overrides]), out, loaded=loaded,
+             label=label)
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_runs(tiny, tmp_path_factory):
+    """Method variants as the presets sweep them: labels whose decoder is another config's."""
+    root = tmp_path_factory.mktemp("real")
+    heads = save_heads(root / "heads", IntermediateHeads.identity(tiny.model, [1, 2]), tiny, task="xsum")
+    runs = root / "runs"
+    for k in (2, 4):
+        real_run(tiny, runs / f"k{k}", "dv_fixed_k", "draft_verify_fixed_k", f"method.max_draft={k}", *SKIPS)
+    for g in (0.2, 0.6):
+        real_run(tiny, runs / f"static_{g}", "dv_static", "draft_verify_static", f"method.gamma0={g}", *SKIPS)
+    real_run(tiny, runs / "adaptive", "dv_static", "draft_verify", *SKIPS)
+    for label in ("adadecode", "adadecode_fixed"):
+        real_run(tiny, runs / label, "adadecode_ablation", label, "task=xsum", f"method.heads_dir={heads}")
+    return runs
 
 
 def test_records_from_a_run_directory(runs):
@@ -78,7 +102,7 @@ def test_records_from_a_run_directory(runs):
 def test_build_report_writes_tables_plots_and_index(runs, tmp_path):
     out = tmp_path / "report"
     result = build_report([runs], out, artefacts_dir=None)
-    assert set(result.tables) == {"adadecode_main", "dv_fixed_k", "dv_static"}
+    assert set(result.tables) == {"adadecode_main"}
     md = (out / "tables" / "adadecode_main.md").read_text()
     # the paper's layout: tokens/s with the speedup in parentheses, per task, with the source
     assert "| AdaDecode | 26.00 (1.30×) | 1.80 | 1.000 | 0.110 | 26.00 (1.30×) | 1.80 | 1.000 | 0.250 |" in md
@@ -87,16 +111,39 @@ def test_build_report_writes_tables_plots_and_index(runs, tmp_path):
     assert "paper (Llama3.1-8B-Inst), reference only" in md and "38.09 (1.14×)" in md
     tex = (out / "tables" / "adadecode_main.tex").read_text()
     assert r"\begin{tabular}" in tex and r"\multicolumn{4}{c}{XSum}" in tex and r"26.00 (1.30$\times$)" in tex
-    fixed_k = (out / "tables" / "dv_fixed_k.md").read_text()
-    assert "| Draft & Verify, K=2 | 0.900 | 1.10× |" in fixed_k and "| Draft & Verify, K=2 | 0.924 | 1.37× |" in fixed_k
-    assert "| Draft & Verify, γ=0.2 | 0.900 | 1.30× |" in (out / "tables" / "dv_static.md").read_text()
     names = {p.name for p in result.plots}
-    assert {"speedup_adadecode_main_smollm2-135m.png", "gamma.png", "exit_layers.png"} <= names
+    assert {"speedup_adadecode_main_smollm2-135m.png", "exit_layers.png"} <= names
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in result.plots)
     index = result.index.read_text()
-    assert "Draft &amp; Verify: a fixed number K" in index and "plots/gamma.png" in index
+    assert "AdaDecode main results" in index and "plots/exit_layers.png" in index
     assert any(line.startswith("adadecode_main · smollm2-135m · AdaDecode: ") and "XSum 1.30×" in line
                for line in result.headline)
+
+
+def test_method_variants_keep_their_label_and_variant(real_runs, tmp_path):
+    """Records are keyed by the config label (``method=<label>``), as the runner keys its rows;
+    the decoder name only says which family a label belongs to."""
+    records = collect([real_runs])
+    static = [r for r in records if r.method == "draft_verify_static"]
+    assert sorted(r.variant for r in static) == ["γ=0.2", "γ=0.6"]
+    assert {r.decoder for r in static} == {"draft_verify"} and {r.method_config["gamma0"] for r in static} == {0.2, 0.6}
+    out = tmp_path / "report"
+    result = build_report([real_runs], out, artefacts_dir=None)
+    assert set(result.tables) == {"dv_fixed_k", "dv_static", "adadecode_ablation"}
+    table = {t: (out / "tables" / f"{t}.md").read_text() for t in result.tables}
+    for row in ("Draft & Verify (draft_verify_static), γ=0.2", "Draft & Verify (draft_verify_static), γ=0.6",
+                "Draft & Verify, adaptive (γ0=0.6)"):
+        assert f"| {row} |" in table["dv_static"], row
+    for k in (2, 4):
+        assert f"| Draft & Verify (draft_verify_fixed_k), K={k} |" in table["dv_fixed_k"]
+    # the paper's Table 3 row is the same label's, shown as reference (another model)
+    assert "| Draft & Verify (draft_verify_fixed_k), K=2 | 0.924 | 1.37× |" in table["dv_fixed_k"]
+    assert "| full |" in table["adadecode_ablation"] and "| fixed layer |" in table["adadecode_ablation"]
+    assert any("Draft & Verify (draft_verify_static) [γ=0.2]" in line for line in result.headline)
+    # the threshold plot: Draft & Verify's static points, by label
+    series = gamma_series(result.records)
+    assert [g for g, _, _ in series[("Draft & Verify (draft_verify_static)", "cnndm")]] == [0.2, 0.6]
+    assert "gamma.png" in {p.name for p in result.plots}
 
 
 def test_paper_column_when_the_model_matches(tmp_path):
@@ -124,18 +171,15 @@ def test_paper_figures_are_consistent():
     assert "derived" in ppd[("Vicuna-7B", "ppd")].provenance["source"]
 
 
-def test_newest_run_wins_and_unknown_table_is_named(runs, tmp_path):
+def test_newest_run_wins_and_unknown_table_is_named(tiny, real_runs, runs, tmp_path):
     import os
 
-    copy = write_run(tmp_path / "rerun", table="dv_fixed_k", task="cnndm", method="draft_verify",
-                     method_cfg={"max_draft": 2}, methods={"vanilla": entry(20.0, 1.0),
-                                                           "draft_verify": entry(30.0, 1.5, ar=0.95)})
+    copy = real_run(tiny, tmp_path / "rerun", "dv_fixed_k", "draft_verify_fixed_k", "method.max_draft=2", *SKIPS)
     os.utime(copy / "summary.json", (4e9, 4e9))
-    from selfspec.reporting import collect
-
-    recs = latest_only(collect([runs, copy]))
-    k2 = [r for r in recs if r.variant == "K=2"]
-    assert len(k2) == 1 and k2[0].metrics["speedup"] == 1.5
+    recs = latest_only(collect([real_runs, copy]))
+    k2 = [r for r in recs if r.method == "draft_verify_fixed_k" and r.variant == "K=2"]
+    assert len(k2) == 1 and k2[0].provenance["source"] == str(copy)
+    assert len([r for r in recs if r.method == "draft_verify_fixed_k"]) == 2  # K=2 and K=4
     with pytest.raises(ValueError, match="unknown report.table 'nope'.*adadecode_main"):
         get_layout("nope")
     with pytest.raises(ValueError, match="unknown report.table"):
@@ -196,10 +240,10 @@ def test_wandb_records_from_flattened_summaries():
     assert ppd.provenance["source"] == run.url and ppd.provenance["commit"] == "abc"
 
 
-def test_report_entry_point_config(runs, tmp_path):
+def test_report_entry_point_config(real_runs, runs, tmp_path):
     from selfspec.report import run_report
 
-    cfg = compose([f"inputs=[{runs}]", f"output_dir={tmp_path / 'out'}", "artefacts_dir=null",
+    cfg = compose([f"inputs=[{real_runs}]", f"output_dir={tmp_path / 'out'}", "artefacts_dir=null",
                    "tables=[dv_fixed_k]", "formats=[md]", "plots=false", "wandb.enabled=false"],
                   config_name="report")
     result = run_report(cfg)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from selfspec.training.loop import TrainConfig, load_checkpoint, train
+from selfspec.training.loop import CheckpointMismatch, TrainConfig, load_checkpoint, train
 
 W_TRUE = torch.tensor([[2.0, -1.0, 0.5]])
 
@@ -57,6 +57,17 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path):
     out = train(resumed, loss_fn, batch_fn, TrainConfig(**CFG), tmp_path / "b")
     assert out["step"] == 12 and len(out["history"]) == 12
     torch.testing.assert_close(resumed.weight, ref.weight)
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    """Resuming with other settings stops and names each change; only RESUMABLE keys may change."""
+    ckpt = tmp_path / "ck"
+    train(make(), loss_fn, batch_fn, TrainConfig(**CFG), ckpt, settings={"data": "a", "width": 3})
+    with pytest.raises(CheckpointMismatch, match=r"data: 'a' -> 'b'; lr: 0\.1 -> 0\.05; width: 3 -> '<unset>'\)"):
+        train(make(), loss_fn, batch_fn, TrainConfig(**{**CFG, "lr": 0.05}), ckpt, settings={"data": "b"})
+    again = TrainConfig(**{**CFG, "ckpt_every": 5, "eval_every": 0, "log_every": 1})
+    out = train(make(), loss_fn, batch_fn, again, ckpt, settings={"data": "a", "width": 3})
+    assert out["step"] == 12 and load_checkpoint(ckpt)["config"]["lr"] == 0.1
 
 
 def test_bad_config_is_named():

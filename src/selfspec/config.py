@@ -39,3 +39,19 @@ def compose(overrides: list[str] | None = None, config_name: str = "evaluate") -
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=False)
+
+
+def load_method_config(name: str) -> DictConfig:
+    """``conf/method/<name>.yaml`` composed by Hydra (its ``defaults`` list applied), unresolved."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    known = group_options("method")
+    if name not in known:
+        raise ValueError(f"unknown method config {name!r} in baseline/compare; choose from "
+                         f"{', '.join(known)} (conf/method/)")
+    if GlobalHydra.instance().is_initialized():  # inside @hydra.main: its search path is conf/
+        return hydra_compose(config_name=None, overrides=[f"+method={name}"]).method
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose(config_name=None, overrides=[f"+method={name}"]).method

@@ -5,7 +5,10 @@ runtime, batch size 1; ``warmup`` generations per method before anything is time
 example the baseline, the method under test and the comparison methods run back to back
 (interleaved, so slow drifts of the machine hit every method alike). Each finished generation is
 appended to ``results.jsonl`` at once (an interrupted run keeps it; a re-run into the same
-directory skips it), and ``summary.json`` is rewritten from all rows at the end.
+directory skips it), and ``summary.json`` is rewritten from all rows at the end. A re-run whose
+model, task, sampling, budget or methods differ is refused (:class:`ResumeMismatch`) before anything
+in the directory changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run
+really starts.
 
     summary = evaluate(cfg, out_dir)       # cfg: conf/evaluate.yaml composed
 """
@@ -21,10 +24,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.config import conf_dir, group_options
+from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder
 from selfspec.evaluation.aggregate import summarize
-from selfspec.tracking import ResultsFile, Tracker, start_run, to_jsonable, write_json
+from selfspec.tracking import ResultsFile, Tracker, save_hydra_files, start_run, to_jsonable, write_json
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +53,6 @@ class MethodRun:
     @property
     def lossless(self) -> bool:
         return bool(type(self.decoder).lossless)
-
-
-def load_method_config(name: str) -> DictConfig:
-    """``conf/method/<name>.yaml`` composed by Hydra (its ``defaults`` list applied), unresolved."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    known = group_options("method")
-    if name not in known:
-        raise ValueError(f"unknown method config {name!r} in baseline/compare; choose from "
-                         f"{', '.join(known)} (conf/method/)")
-    if GlobalHydra.instance().is_initialized():  # inside @hydra.main: its search path is conf/
-        return compose(config_name=None, overrides=[f"+method={name}"]).method
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose(config_name=None, overrides=[f"+method={name}"]).method
 
 
 def method_label(cfg: DictConfig) -> str:
@@ -119,6 +107,8 @@ def _task(cfg: DictConfig):
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
+    """Refuse a run directory that holds results of a different configuration. Reads only: a
+    refused rerun leaves the directory exactly as it was."""
     path = out_dir / RUN_CONFIG
     if (out_dir / RESULTS).exists() and path.exists():
         import json
@@ -129,7 +119,14 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
             raise ResumeMismatch(
                 f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
                 "evaluate into a new run directory (hydra.run.dir=...)")
-    write_json(path, identity)
+
+
+def _begin(out_dir: Path, identity: dict[str, Any], cfg: DictConfig) -> None:
+    """Record the run in its directory once it really starts (model loaded, decoders built):
+    ``run_config.json``, what a rerun must match, and inside ``@hydra.main`` Hydra's ``.hydra/``
+    (conf/evaluate.yaml leaves it to this). A run that fails or is refused before leaves neither."""
+    write_json(out_dir / RUN_CONFIG, identity)
+    save_hydra_files(out_dir, cfg)
 
 
 def _artefact_paths(run: MethodRun) -> list[Path]:
@@ -184,7 +181,6 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     from selfspec.runinfo import run_info
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(cfg.seed))
     sampling = Sampling.from_config(cfg.sampling)
     task = _task(cfg)
@@ -209,6 +205,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
     examples = task.examples()
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
+    _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS)
     done = {(str(r["id"]), r["method"]) for r in results}
     todo = [ex for ex in examples if any((ex.id, r.name) not in done for r in runs)]
@@ -249,7 +246,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     write_json(out_dir / SUMMARY, summary)
-    tracker.summary({"methods": per_method, "run_info": info})
+    tracker.summary({"method": under_test, "methods": per_method, "method_configs": summary["method_configs"],
+                     "run_info": info})
     tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
                                for r in rows if r.get("method") in names])
     if own_tracker:

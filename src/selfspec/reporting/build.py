@@ -26,7 +26,7 @@ from selfspec.reporting.html import write_index
 from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout
 from selfspec.reporting.paper import paper_records
 from selfspec.reporting.records import Record, collect, find_runs, latest_only
-from selfspec.reporting.tables import METHOD_TITLE, Table, _method_rank, build_table, to_latex, to_markdown
+from selfspec.reporting.tables import Table, build_table, method_rank, method_title, to_latex, to_markdown
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,12 @@ def headline(tables: dict[str, list[Record]]) -> list[str]:
         for r in recs:
             if r.method == "vanilla" or not isinstance(r.metric(metric), (int, float)):
                 continue
-            name = METHOD_TITLE.get(r.method, r.method)
+            name = method_title(r)
             if r.variant:
                 name += f" [{r.variant}]"
             if r.field("temperature") != "greedy":
                 name += f" ({r.field('temperature')})"
-            per[(r.model, _method_rank(r.method), name)][r.task] = r.metric(metric)
+            per[(r.model, method_rank(r), name)][r.task] = r.metric(metric)
         for (model, _, name), by_task in sorted(per.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
             unit = "×" if metric == "speedup" else ""
             cells = ", ".join(f"{TASK_TITLE.get(t, t)} {v:.2f}{unit}" for t, v in sorted(by_task.items(), key=lambda kv: str(kv[0])))

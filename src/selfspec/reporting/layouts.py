@@ -61,8 +61,9 @@ def draft_exit_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | No
 def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """PPD Table 2 rows: the prompt tokens' count m, EPTs per token and training steps."""
     from selfspec.reporting.artefacts import read_meta
+    from selfspec.reporting.records import label_under_test
 
-    for path in (summary.get("artefacts") or {}).get(_cfg(cfg, "method.name"), []) or []:
+    for path in (summary.get("artefacts") or {}).get(label_under_test(summary, cfg), []) or []:
         from pathlib import Path
 
         meta = read_meta(Path(path)) or {}

@@ -1,7 +1,8 @@
 """The papers' own figures (``paper_figures.yaml``) as :class:`~selfspec.reporting.records.Record` s.
 
 Only numbers printed in the papers we have (``shared/papers``) are listed, each citing its table
-and setting. A paper row sits *alongside* a measured row only when the paper's model is the
+and setting. ``method`` is the config label that reproduces the row (``draft_verify_fixed_k`` for
+Draft & Verify Table 3), or the paper's name for methods selfspec has no config for. A paper row sits *alongside* a measured row only when the paper's model is the
 run's model (``model`` in the data file equals the run's ``model.name``) and the setting (task,
 temperature) matches; otherwise it is shown in a separate "paper (<model>)" reference block.
 """
@@ -18,6 +19,17 @@ from selfspec.reporting.records import Record
 
 DATA = Path(__file__).with_name("paper_figures.yaml")
 _SETTING = ("table", "source", "paper_model", "model", "method", "task", "variant", "temperature")
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder(label: str) -> str | None:
+    """The decoder a method config label configures (``conf/method/<label>.yaml``'s ``name``);
+    None for the papers' own methods, which have no config."""
+    from selfspec.config import group_options, load_method_config
+
+    if label not in group_options("method"):
+        return None
+    return str(load_method_config(label).name)
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,6 +51,7 @@ def paper_records(table: str | None = None) -> list[Record]:
         metrics = {k: v for k, v in e.items() if k not in _SETTING}
         records.append(Record(
             table=e["table"], model=e.get("model"), task=e["task"], method=str(e["method"]),
+            decoder=_decoder(str(e["method"])),
             variant=e.get("variant"), temperature=e.get("temperature", 0.0), metrics=metrics,
             origin="paper", paper_model=e["paper_model"],
             provenance={"source": e["source"]},

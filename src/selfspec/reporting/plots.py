@@ -26,8 +26,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from selfspec.reporting.layouts import TASK_TITLE  # noqa: E402
-from selfspec.reporting.records import Record, _get  # noqa: E402
-from selfspec.reporting.tables import METHOD_TITLE, _method_rank  # noqa: E402
+from selfspec.reporting.records import Record  # noqa: E402
+from selfspec.reporting.tables import method_rank, method_title  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def _label(r: Record) -> str:
-    label = METHOD_TITLE.get(r.method, r.method)
-    return f"{label} ({r.variant})" if r.variant else label
+    label = method_title(r)
+    return f"{label}, {r.variant}" if r.variant else label
 
 
 def speedup_plot(records: list[Record], path: Path, title: str, metric: str = "speedup") -> Path | None:
@@ -54,7 +54,7 @@ def speedup_plot(records: list[Record], path: Path, title: str, metric: str = "s
         return None
     tasks = sorted({r.task for r in recs}, key=lambda t: list(TASK_TITLE).index(t) if t in TASK_TITLE else 99)
     methods = sorted({_label(r) for r in recs},
-                     key=lambda lab: _method_rank(next(r.method for r in recs if _label(r) == lab)) + (lab,))
+                     key=lambda lab: method_rank(next(r for r in recs if _label(r) == lab)) + (lab,))
     value = {(r.task, _label(r)): r.metric(metric) for r in recs}
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(tasks) + 0.3 * len(methods)), 3.6))
@@ -76,35 +76,40 @@ def speedup_plot(records: list[Record], path: Path, title: str, metric: str = "s
 
 
 def threshold_of(r: Record) -> float | None:
-    """The confidence threshold γ a record ran with, when it ran with a fixed one."""
-    cfg = r.config
-    method_cfg = (cfg.get("method") or {}) if isinstance(cfg, dict) else {}
-    if r.method != method_cfg.get("name"):
-        return None
-    if r.method == "adadecode":
-        return _get(cfg, "method.gamma")
-    if r.method == "draft_verify" and _get(cfg, "method.draft_exit") == "static":
-        return _get(cfg, "method.gamma0")
-    stop = _get(cfg, "method.draft_stop")
+    """The confidence threshold γ the record's method config fixes, if it fixes one: AdaDecode's
+    ``gamma``, Draft & Verify's ``gamma0`` under ``draft_exit: static``, early exit's static
+    ``draft_stop`` threshold."""
+    cfg = r.method_config
+    if r.family == "adadecode":
+        return cfg.get("gamma")
+    if r.family == "draft_verify" and cfg.get("draft_exit") == "static":
+        return cfg.get("gamma0")
+    stop = cfg.get("draft_stop")
     if isinstance(stop, dict) and stop.get("rule") == "static":
         return stop.get("threshold")
     return None
 
 
-def gamma_plot(records: list[Record], path: Path) -> Path | None:
-    """Acceptance rate (solid) and speedup (dashed, right axis) against γ, per method and task."""
+def gamma_series(records: list[Record]) -> dict[tuple[str, str], list[tuple[float, Any, Any]]]:
+    """``{(method title, task): [(γ, acceptance rate, speedup), ...]}`` sorted by γ, for each method
+    label run at two or more fixed thresholds."""
     series: dict[tuple[str, str], list[tuple[float, Any, Any]]] = defaultdict(list)
     for r in records:
         g = threshold_of(r)
         if isinstance(g, (int, float)):
-            series[(r.method, r.task)].append((float(g), r.metric("acceptance_rate"), r.metric("speedup")))
-    series = {k: sorted(v) for k, v in series.items() if len({g for g, _, _ in v}) >= 2}
+            series[(method_title(r), r.task)].append((float(g), r.metric("acceptance_rate"), r.metric("speedup")))
+    return {k: sorted(v) for k, v in series.items() if len({g for g, _, _ in v}) >= 2}
+
+
+def gamma_plot(records: list[Record], path: Path) -> Path | None:
+    """Acceptance rate (solid) and speedup (dashed, right axis) against γ, per method and task."""
+    series = gamma_series(records)
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     ax2 = ax.twinx()
-    for (method, task), pts in sorted(series.items()):
-        label = f"{METHOD_TITLE.get(method, method)}, {TASK_TITLE.get(task, task)}"
+    for (title, task), pts in sorted(series.items()):
+        label = f"{title}, {TASK_TITLE.get(task, task)}"
         line, = ax.plot([g for g, a, _ in pts], [a if a is not None else float("nan") for _, a, _ in pts],
                         marker="o", label=label)
         ax2.plot([g for g, _, _ in pts], [s if s is not None else float("nan") for _, _, s in pts],

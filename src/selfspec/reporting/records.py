@@ -24,7 +24,12 @@ RESULTS = "results.jsonl"
 
 @dataclass
 class Record:
-    """One method's figures in one setting."""
+    """One method's figures in one setting.
+
+    ``method`` is the method's public identity: its config label (``method=<label>``, the
+    ``method`` field of a results row, a key of the summary's ``methods``). ``decoder`` is the
+    decoder family the label configures (``draft_verify_static`` -> ``draft_verify``).
+    """
 
     table: str | None
     model: str | None
@@ -43,6 +48,15 @@ class Record:
     #: the paper's own model name (origin="paper")
     paper_model: str | None = None
     experiment: str | None = None
+    #: the label's decoder (its config's ``name``); None: the label names the decoder itself
+    decoder: str | None = None
+    #: the label's resolved method config (summary ``method_configs[label]``); {} when unknown
+    method_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        """The decoder family the label belongs to: what titles and row order go by."""
+        return self.decoder or self.method
 
     def field(self, name: str) -> Any:
         """A row/column field by name (``method``, ``variant``, ``temperature``, ``task``, ``model``)."""
@@ -130,22 +144,23 @@ def run_config(run_dir: Path, summary: dict[str, Any] | None = None) -> tuple[di
 _IGNORED_OVERRIDES = re.compile(r"^\+*(task|model|experiment|logger|hydra[./]|n_examples|report[.])")
 
 
-def variant_label(cfg: dict[str, Any], overrides: list[str], choices: dict[str, Any]) -> str | None:
+def variant_label(cfg: dict[str, Any], overrides: list[str]) -> str | None:
     """What distinguishes this run from its siblings in the same table.
 
     ``report.variant`` (a preset sets it, usually as an interpolation such as
-    ``K=${method.max_draft}``) wins; else the method config chosen when it is not the method's
-    own name (``method=draft_verify_static``), plus the method overrides of the command line.
+    ``K=${method.max_draft}``) wins; else the method overrides of the command line. The method
+    config chosen (``method=draft_verify_static``) is the record's label, not part of its variant.
     """
     label = _get(cfg, "report.variant")
     if label not in (None, ""):
         return str(label)
-    parts = []
-    method_choice = choices.get("method")
-    if method_choice and method_choice != _get(cfg, "method.name"):
-        parts.append(str(method_choice))
-    parts += [o for o in overrides if o.startswith("method.")]
-    return ", ".join(parts) or None
+    return ", ".join(o for o in overrides if o.startswith("method.")) or None
+
+
+def label_under_test(summary: dict[str, Any], cfg: dict[str, Any], choices: dict[str, Any] | None = None) -> str | None:
+    """The label of the run's method under test: the summary's ``method``, else the run's
+    ``method=`` choice, else (summaries written before labels) the method config's ``name``."""
+    return summary.get("method") or (choices or {}).get("method") or _get(cfg, "method.name")
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -205,7 +220,7 @@ def _hardware_line(hw: dict[str, Any], device: Any = None) -> str:
 
 def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source: str, origin: str,
                          overrides: list[str] | None = None, choices: dict[str, Any] | None = None) -> list[Record]:
-    """One :class:`Record` per method of a summary, with the run's setting."""
+    """One :class:`Record` per method label of a summary, with the run's setting."""
     overrides, choices = overrides or [], choices or {}
     prov = provenance(source, summary, cfg)
     from selfspec.reporting.layouts import LAYOUTS
@@ -214,9 +229,10 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
     if layout is not None and layout.variant is not None:
         variant = layout.variant(cfg, summary)
     else:
-        variant = variant_label(cfg, overrides, choices)
+        variant = variant_label(cfg, overrides)
     baseline = _get(cfg, "baseline", "vanilla")
-    method_under_test = _get(cfg, "method.name")
+    under_test = label_under_test(summary, cfg, choices)
+    configs = label_configs(summary, cfg, under_test)
     artefacts = summary.get("artefacts") or {}
     out = []
     for method, entry in _method_entries(summary).items():
@@ -226,14 +242,17 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
             from selfspec.reporting.artefacts import prompt_accuracy
 
             metrics.update({k: v for k, v in prompt_accuracy(path).items() if k not in metrics})
+        method_cfg = configs.get(method) or {}
         out.append(Record(
             table=_get(cfg, "report.table"),
             experiment=choices.get("experiment") or _get(cfg, "report.experiment"),
             model=_get(cfg, "model.name"),
             task=_get(cfg, "task.name"),
             method=method,
+            decoder=method_cfg.get("name"),
+            method_config=method_cfg,
             # the variant describes the method under test; the baseline and peers are themselves
-            variant=variant if method == method_under_test and method != baseline else None,
+            variant=variant if method == under_test and method != baseline else None,
             temperature=_get(cfg, "sampling.temperature", 0.0),
             metrics=metrics,
             stats=entry.get("stats") or {},
@@ -242,6 +261,15 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
             config=cfg,
         ))
     return out
+
+
+def label_configs(summary: dict[str, Any], cfg: dict[str, Any], under_test: str | None) -> dict[str, dict[str, Any]]:
+    """Label -> resolved method config: the summary's ``method_configs``; for summaries without
+    them (W&B, older runs), the run config's ``method`` stands for the method under test."""
+    configs = dict(summary.get("method_configs") or {})
+    if under_test not in configs and isinstance(cfg.get("method"), dict):
+        configs[under_test] = cfg["method"]
+    return configs
 
 
 def read_run(run_dir: str | Path) -> list[Record]:

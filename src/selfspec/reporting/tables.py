@@ -15,7 +15,7 @@ from typing import Any
 from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
 from selfspec.reporting.records import Record
 
-#: row order: the reference first, selfspec's methods, then the transformers peers
+#: row order by decoder family: the reference first, selfspec's methods, then the transformers peers
 METHOD_ORDER = ("vanilla", "draft_verify", "adadecode", "ppd", "early_exit", "del",
                 "hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
 METHOD_TITLE = {
@@ -26,8 +26,17 @@ METHOD_TITLE = {
 MISSING = "–"
 
 
-def _method_rank(method: str) -> tuple[int, str]:
-    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+def method_rank(record: Record) -> tuple[int, str, str]:
+    """Row order: by decoder family (:data:`METHOD_ORDER`), then by label."""
+    family = record.family
+    return (METHOD_ORDER.index(family) if family in METHOD_ORDER else len(METHOD_ORDER), family, record.method)
+
+
+def method_title(record: Record) -> str:
+    """The family's title, with the label when the label is a variant of it:
+    ``Draft & Verify``, ``Draft & Verify (draft_verify_static)``."""
+    title = METHOD_TITLE.get(record.family, record.family)
+    return title if record.method == record.family else f"{title} ({record.method})"
 
 
 def _num(value: Any, fmt: str) -> str:
@@ -109,14 +118,14 @@ def row_label(record: Record, layout: Layout) -> str:
     parts = []
     for f in layout.rows:
         if f == "method":
-            parts.append(METHOD_TITLE.get(record.method, record.method))
+            parts.append(method_title(record))
         elif f == "temperature":
             parts.append(record.field("temperature"))
         else:
             value = record.field(f)
             if value not in (None, ""):
                 parts.append(str(value))
-    label = ", ".join(parts) or METHOD_TITLE.get(record.method, record.method)
+    label = ", ".join(parts) or method_title(record)
     if record.metrics.get("lossless") is False:
         label += " †"
     return label
@@ -126,7 +135,7 @@ def _row_key(record: Record, layout: Layout) -> tuple:
     key = []
     for f in layout.rows:
         if f == "method":
-            key.append(_method_rank(record.method))
+            key.append(method_rank(record))
         elif f == "temperature":
             t = record.temperature
             key.append((0, float(t)) if isinstance(t, (int, float)) else (1, str(t)))

@@ -23,12 +23,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from selfspec.tracking.local import ResultsFile, to_jsonable, write_json
+from selfspec.tracking.local import ResultsFile, to_jsonable, write_json, write_text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Tracker", "WandbTracker", "ResultsFile", "artifact_name", "hydra_output_dir",
-           "start_run", "to_jsonable", "wandb_mode", "write_json"]
+__all__ = ["Tracker", "WandbTracker", "ResultsFile", "artifact_name", "hydra_output_dir", "save_hydra_files",
+           "start_run", "to_jsonable", "wandb_mode", "write_json", "write_text"]
 
 
 class Tracker:
@@ -126,6 +126,26 @@ def hydra_output_dir() -> Path | None:
     except Exception:  # noqa: BLE001
         pass
     return None
+
+
+def save_hydra_files(run_dir: str | Path, cfg) -> None:
+    """Inside a ``@hydra.main`` job, write Hydra's record of it to ``run_dir/.hydra/`` as Hydra does:
+    the job's ``config.yaml`` (``cfg``), ``hydra.yaml`` and the command line's ``overrides.yaml``.
+
+    For entry points whose config sets ``hydra.output_subdir: null`` (conf/evaluate.yaml): Hydra
+    then writes nothing before the job runs, and the job calls this once it has accepted the run
+    directory, so a refused rerun leaves the earlier run's record untouched. No-op outside Hydra.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.instance().cfg  # {"hydra": ...}
+    out = Path(run_dir) / ".hydra"
+    files = {"config.yaml": cfg, "hydra.yaml": hydra_cfg, "overrides.yaml": hydra_cfg.hydra.overrides.task}
+    for name, node in files.items():
+        write_text(out / name, OmegaConf.to_yaml(node))
 
 
 def _sweep_group() -> str | None:

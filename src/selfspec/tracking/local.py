@@ -96,17 +96,21 @@ class ResultsFile:
         self.close()
 
 
-def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as indented JSON atomically (temporary file in the same directory + rename)."""
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` atomically (temporary file in the same directory + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(to_jsonable(obj), f, indent=2, ensure_ascii=False)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON atomically (:func:`write_text`)."""
+    return write_text(path, json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False) + "\n")

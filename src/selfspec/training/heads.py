@@ -291,7 +291,8 @@ def run(cfg) -> dict:
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
     loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, job, int(cfg.seed))
     tracker = start_run(cfg, job_type="train-heads")
-    result = train(heads, loss_fn, batch_fn, tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn)
+    settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(job, resolve=True)}
+    result = train(heads, loss_fn, batch_fn, tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn, settings=settings)
     strip = lambda d: {k.removeprefix("eval/"): v for k, v in d.items() if k != "step"}  # noqa: E731
     final, initial = strip(result["eval"][-1]), strip(result["eval"][0])
     n_params = sum(p.numel() for p in heads.parameters())

@@ -9,7 +9,10 @@ lives inside the caller's ``loss_fn``. The loop gives both jobs the same enginee
 * learning-rate schedules (cosine / linear / constant, with warm-up);
 * checkpoints every ``ckpt_every`` steps, written atomically, and **resume**: a rerun with the
   same ``ckpt_dir`` continues from the last checkpoint with the same optimizer, schedule,
-  history and data position;
+  history and data position. It must have the same settings (``cfg`` and the job's ``settings``):
+  a changed one is refused by name (:class:`CheckpointMismatch`), since the restored optimizer
+  and schedule would silently keep the old values while the artefact recorded the new ones. Only
+  :data:`RESUMABLE` may change;
 * periodic evaluation and logging to a :mod:`selfspec.tracking` tracker.
 
 ``batch_fn(i)`` returns micro-batch number ``i`` and must be deterministic in ``i`` (that is
@@ -33,6 +36,15 @@ import torch
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
+#: settings a resumed run may change: how often it checkpoints, evaluates and logs, none of which
+#: changes the weights. ``steps`` is not among them: the learning-rate schedule (warm-up, cosine or
+#: linear decay) is a function of the total, so a resumed run with another total would follow
+#: neither schedule.
+RESUMABLE = ("ckpt_every", "eval_every", "log_every")
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint to resume was written by a run with other settings."""
 
 
 @dataclass
@@ -113,6 +125,22 @@ def load_checkpoint(ckpt_dir: str | Path) -> dict[str, Any] | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+_UNSET = "<unset>"
+
+
+def check_resume(ckpt_dir: Path, saved: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint whose settings differ from ``settings`` (but for
+    :data:`RESUMABLE`), naming each changed key with its old and new value."""
+    changed = [f"{k}: {saved.get(k, _UNSET)!r} -> {settings.get(k, _UNSET)!r}"
+               for k in sorted(set(saved) | set(settings))
+               if k not in RESUMABLE and saved.get(k, _UNSET) != settings.get(k, _UNSET)]
+    if changed:
+        raise CheckpointMismatch(
+            f"{ckpt_dir / CHECKPOINT} was written by a run with other settings ({'; '.join(changed)}). "
+            "To resume it, restore the old values; to train with the new ones, write the artefact to "
+            f"another directory (artefact_dir=...) or delete {ckpt_dir} to start over.")
+
+
 def train(
     module: torch.nn.Module,
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]],
@@ -121,12 +149,16 @@ def train(
     ckpt_dir: str | Path,
     tracker=None,
     eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``module``'s trainable parameters; return ``{"step", "history", "eval", "seconds"}``.
 
     ``loss_fn(module, batch)`` returns the loss of one micro-batch and metrics to log.
     ``eval_fn(module)`` returns held-out metrics (run every ``eval_every`` steps and at the end).
+    ``settings``: what else shapes the result (model, data, the job's own keys), plain values;
+    recorded in the checkpoint with ``cfg`` and checked on resume (:func:`check_resume`).
     """
+    settings = {**(settings or {}), **asdict(cfg)}
     acc = _accelerator(cfg)
     world, rank = acc.num_processes, acc.process_index
     torch.manual_seed(cfg.seed)
@@ -140,9 +172,7 @@ def train(
     start, history, evals, elapsed = 0, [], [], 0.0
     state = load_checkpoint(ckpt_dir)
     if state is not None:
-        if state.get("config", {}).get("steps") not in (None, cfg.steps):
-            log.warning("checkpoint was written for %s steps, now %s: schedule continues with the new total",
-                        state["config"]["steps"], cfg.steps)
+        check_resume(ckpt_dir, state.get("config", {}), settings)
         module.load_state_dict(state["module"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -156,7 +186,7 @@ def train(
             _save_checkpoint(ckpt_dir, {
                 "module": module.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "step": step, "history": history, "eval": evals,
-                "rng": torch.get_rng_state(), "config": asdict(cfg),
+                "rng": torch.get_rng_state(), "config": settings,
                 "seconds": elapsed + time.perf_counter() - t0,
             })
         acc.wait_for_everyone()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from selfspec.prompts import PromptTokens, save_prompts
 
@@ -200,7 +201,8 @@ def run(cfg) -> dict:
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
     tracker = start_run(cfg, job_type="train-prompts")
     result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, int(cfg.seed), L, inserts, m),
-                   tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn)
+                   tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn,
+                   settings={"model": loaded.name, **OmegaConf.to_container(job, resolve=True)})
     final = result["eval"][-1] if result["eval"] else {}
     metrics = {**{k.removeprefix("eval/"): v for k, v in final.items() if k != "step"},
                "train_seconds": result["seconds"], "steps": result["step"],
