@@ -30,6 +30,21 @@ def test_unknown_logger_and_mode_fail_early():
         wandb_mode("sometimes")
 
 
+def test_wandb_run_is_labelled_by_method_config(tmp_path, monkeypatch):
+    """A variant sharing a decoder (name: draft_verify) is tagged and grouped by its label."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg()
+    cfg.method.name = "draft_verify"
+    t = start_run(cfg, "evaluate", dir=tmp_path / "run", method_label="draft_verify_static")
+    assert "method:draft_verify_static" in t.run.tags and "method:draft_verify" not in t.run.tags
+    assert dict(t.run.config)["method_label"] == "draft_verify_static"
+    t.finish()
+    from selfspec.reporting.dashboard import METHODS, SECTIONS
+
+    assert "draft_verify_static" in METHODS and "adadecode_fixed" in METHODS
+    assert not [p.groupby for s in SECTIONS for p in s.panels if p.groupby == "method.name"]
+
+
 def test_mode_auto_is_offline_without_key(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -213,7 +213,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
 
     own_tracker = tracker is None
-    tracker = tracker or start_run(cfg, "evaluate", dir=out_dir)
+    tracker = tracker or start_run(cfg, "evaluate", dir=out_dir, method_label=under_test)
     info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""))
     artefacts = {r.name: [str(p) for p in _artefact_paths(r)] for r in runs}
     for paths in artefacts.values():

@@ -10,7 +10,7 @@
   ``wandb-workspaces`` package is installed and a W&B key is configured.
 
 Runs are grouped by ``logger.group`` (the Hydra sweep name by default) and tagged
-``model:<m>``, ``method:<m>``, ``task:<t>``, ``job:<type>`` (:func:`selfspec.tracking.start_run`).
+``model:<m>``, ``method:<label>``, ``task:<t>``, ``job:<type>`` (:func:`selfspec.tracking.start_run`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: methods whose figures the panels show (selfspec's and the transformers peers)
-METHODS = ("vanilla", "adadecode", "draft_verify", "ppd", "early_exit", "del",
-           "hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
+from selfspec.config import group_options
+
+#: methods whose figures the panels show: every config label of conf/method/ (selfspec's
+#: methods, their variants and the transformers peers), as results and summaries key them
+METHODS = tuple(group_options("method"))
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,12 @@ SECTIONS: tuple[Section, ...] = (
         Panel("bar", "tokens/s per method, by task", _per_method("tokens_per_s"), groupby="task.name"),
         Panel("bar", "τ: tokens per step (incl. bonus)", _per_method("tau"), groupby="task.name"),
         Panel("bar", "acceptance rate", _per_method("acceptance_rate"), groupby="task.name"),
-        Panel("bar", "consistency with vanilla (greedy)", _per_method("consistency"), groupby="method.name"),
+        Panel("bar", "consistency with vanilla (greedy)", _per_method("consistency"), groupby="method_label"),
     )),
     Section("Task quality (same examples)", "job:evaluate", (
-        Panel("bar", "ROUGE-2 (XSum, CNN/DM)", _per_method("metrics/rouge2"), groupby="method.name"),
-        Panel("bar", "pass@1 (HumanEval)", _per_method("metrics/pass@1"), groupby="method.name"),
-        Panel("bar", "accuracy (GSM8K)", _per_method("metrics/accuracy"), groupby="method.name"),
+        Panel("bar", "ROUGE-2 (XSum, CNN/DM)", _per_method("metrics/rouge2"), groupby="method_label"),
+        Panel("bar", "pass@1 (HumanEval)", _per_method("metrics/pass@1"), groupby="method_label"),
+        Panel("bar", "accuracy (GSM8K)", _per_method("metrics/accuracy"), groupby="method_label"),
     )),
     Section("Training artefacts", "job:train-*, job:skips", (
         Panel("line", "AdaDecode heads: KL loss", ("train/loss",), x="Step"),

@@ -260,11 +260,15 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | None = None) -> Tracker:
+def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | None = None,
+              method_label: str | None = None) -> Tracker:
     """Open a tracker for ``cfg.logger`` (a no-op one for ``logger=none`` or no logger).
 
     ``dir``: where W&B writes its files (default: the Hydra run directory, else the current
-    directory); the resolved ``cfg`` is the run's config.
+    directory); the resolved ``cfg`` is the run's config. ``method_label``: the method's public
+    identity, its config file name (``method=<label>``); it tags the run (``method:<label>``) and
+    is logged as the config key ``method_label`` that dashboards group by. Variants sharing a
+    decoder (``draft_verify_static``) stay apart.
     """
     logger_cfg = _get(cfg, "logger")
     kind = str(_get(logger_cfg, "name", "none"))
@@ -281,7 +285,7 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     tags = [str(t) for t in _get(logger_cfg, "tags", [])]
     for group in ("model", "method", "task"):
-        value = _get(_get(cfg, group), "name")
+        value = method_label if group == "method" and method_label else _get(_get(cfg, group), "name")
         if value is not None:
             tags.append(f"{group}:{value}")
     tags.append(f"job:{job_type}")
@@ -292,7 +296,7 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
         job_type=job_type,
         name=name,
         tags=tags,
-        config=to_jsonable(cfg),
+        config=to_jsonable(cfg) | ({"method_label": method_label} if method_label else {}),
         dir=str(run_dir),
         mode=mode,
         reinit="create_new",
