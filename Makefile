@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install assets test test-fast demo bench train-heads train-prompts search-skips build-tree evaluate sweep tables clean
+.PHONY: help install assets test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -43,6 +43,9 @@ demo: assets ## the main job on the embedded default: train, search, evaluate, r
 
 bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s side by side
 	$(PY) scripts/bench.py --model $(MODEL) --task $(TASK) --n $(N) $(if $(METHODS),--methods $(METHODS)) $(ARGS)
+
+bench-runtime: assets ## v(k), prefill, vanilla vs generate, LM head share, % of memory bandwidth for MODEL
+	$(PY) scripts/bench_runtime.py --model $(MODEL) $(ARGS)
 
 train-heads: assets ## AdaDecode: train intermediate heads for MODEL on TASK
 	$(PY) -m selfspec.train job=heads model=$(MODEL) task=$(TASK) $(ARGS)

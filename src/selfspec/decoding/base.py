@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from selfspec.decoding.sampling import Sampling, select
+from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
+from selfspec.models.costs import synchronizer
 from selfspec.models.layered import LayeredModel
 
 
@@ -165,11 +167,11 @@ class Decoder:
             generator.manual_seed(sampling.seed)
         cache = self.model.new_cache(n_prompt + max_new_tokens + self.lookahead + 1)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
-        sync = _synchronizer(self.model.device)
+        sync = synchronizer(self.model.device)
         sync()
         t0 = time.perf_counter()
         self.begin(state)
-        with torch.inference_mode():
+        with torch.inference_mode(), kernels.active():
             reason = self._commit(state, [self.prefill(state, prompt)], max_new_tokens)
             while reason is None:
                 state.drafted = 0
@@ -246,9 +248,3 @@ def register(cls: type[Decoder]) -> type[Decoder]:
 
 def registered() -> dict[str, type[Decoder]]:
     return dict(_REGISTRY)
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None

@@ -28,7 +28,8 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from selfspec.decoding.base import DecodeState, Decoder, Generation, _synchronizer, register
+from selfspec.decoding.base import DecodeState, Decoder, Generation, register
+from selfspec.models.costs import synchronizer
 from selfspec.decoding.sampling import Sampling
 
 
@@ -91,7 +92,7 @@ class HFPeer(Decoder):
         if self._stopping is not None:
             kwargs["stopping_criteria"] = self._stopping
         self._steps = []
-        sync = _synchronizer(self.model.device)
+        sync = synchronizer(self.model.device)
         with torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else []):
             torch.manual_seed(sampling.seed)
             with self._configured(), self._recording(), torch.inference_mode():

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
 
 #: model_type -> reason it works: decoder layers with input_layernorm / self_attn /
@@ -54,7 +55,7 @@ class LayeredModel:
     whole pass and mask / rotary helpers.
     """
 
-    def __init__(self, hf_model: torch.nn.Module, name: str = "model") -> None:
+    def __init__(self, hf_model: torch.nn.Module, name: str = "model", linear_kernel: str = "auto") -> None:
         model_type = getattr(hf_model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -89,6 +90,10 @@ class LayeredModel:
         self.head_dim = int(
             getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
         )
+        #: ``skinny`` or ``torch``: the kernel of the linears while this runtime computes
+        #: (:mod:`selfspec.models.kernels`; the model config's ``linear_kernel`` resolved)
+        self.linear_kernel = kernels.resolve(linear_kernel, self.device, self.dtype)
+        kernels.install(self.linears(), self.linear_kernel)
         impl = getattr(self.config, "_attn_implementation", "sdpa")
         # SDPA takes a boolean mask as is; eager attention adds the mask to the scores.
         self._additive_mask = impl not in ("sdpa",)
@@ -111,6 +116,11 @@ class LayeredModel:
         return LayerCache(
             self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device
         )
+
+    def linears(self) -> list[torch.nn.Linear]:
+        """The decoder layers' linear modules and the LM head."""
+        mods = [m for m in self.layers.modules() if isinstance(m, torch.nn.Linear)]
+        return mods + [self.lm_head]
 
     # --- pieces ----------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -183,7 +193,8 @@ class LayeredModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (float32 logits)."""
-        return self.lm_head(self.norm(h)).float()
+        with kernels.active():
+            return self.lm_head(self.norm(h)).float()
 
     # --- whole passes ----------------------------------------------------------------------
     def forward(
@@ -214,10 +225,11 @@ class LayeredModel:
         if mask is None:
             mask = self.causal_mask(n, start)
         rope = self.rope(positions, h)
-        if skip is None:
-            for i in layers:
-                h = self.mlp(i, self.attention(i, h, rope, cache, mask))
-        else:
-            for i in layers:
-                h = self.run_layer(i, h, rope, cache, mask, i in skip.attn, i in skip.mlp)
+        with kernels.active():
+            if skip is None:
+                for i in layers:
+                    h = self.mlp(i, self.attention(i, h, rope, cache, mask))
+            else:
+                for i in layers:
+                    h = self.run_layer(i, h, rope, cache, mask, i in skip.attn, i in skip.mlp)
         return h

@@ -11,6 +11,7 @@ Config keys (``conf/model/*.yaml``):
 ``dtype``           ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``
 ``device``          ``auto``, ``cpu``, ``cuda``, ``cuda:N``
 ``chat``            whether prompts go through the tokenizer's chat template
+``linear_kernel``   ``auto``, ``skinny``, ``torch``: the CPU linear kernel (:mod:`selfspec.models.kernels`)
 
 A GGUF file is dequantised by transformers on first load (~20 s for SmolLM2) and the result is
 kept as a plain safetensors directory in the cache, so later loads take about a second.
@@ -132,7 +133,7 @@ def load_model(cfg) -> LoadedModel:
         raise ModelLoadError(f"could not load model config {name!r} from {tried!r}: {err}") from err
     hf.to(device=device, dtype=dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
-    layered = LayeredModel(hf, name=name)
+    layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel", "auto")))
     layered.fingerprint = fingerprint(hf.config, tok)
     return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain)
 

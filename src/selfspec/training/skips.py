@@ -40,9 +40,10 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.decoding.base import DecodeState, _synchronizer
+from selfspec.decoding.base import DecodeState
 from selfspec.decoding.draft_verify import DraftVerify, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
+from selfspec.models.costs import synchronizer, time_forward
 from selfspec.models.layered import LayeredModel, SkipSet
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class _PrefillClock:
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         token = super().prefill(state, prompt)
-        _synchronizer(self.model.device)()
+        synchronizer(self.model.device)()
         state.stats["prefill_seconds"] = time.perf_counter() - self._t_begin
         return token
 
@@ -233,31 +234,19 @@ class CostModel:
         model, L = self.model, self.model.num_layers
         k1 = int(self.decoding["max_draft"]) + 1
         cache = model.new_cache(len(prompt) + k1 + 1)
-        sync = _synchronizer(model.device)
         with torch.inference_mode():
             model.forward(torch.tensor([prompt], device=model.device), cache, start=0)
-            p = len(prompt)
+        p = len(prompt)
 
-            def timed(n, skip):
-                ids = torch.tensor([prompt[-1:] * n], device=model.device)
-                out = []
-                for _ in range(max(1, repeats) + 1):
-                    cache.truncate(p)
-                    sync()
-                    t0 = time.perf_counter()
-                    h = model.forward(ids, cache, start=p, skip=skip)
-                    model.logits(h[:, -1:]).argmax(-1).tolist()  # the step's host sync
-                    sync()
-                    out.append(time.perf_counter() - t0)
-                cache.truncate(p)
-                return statistics.median(out[1:])
+        def timed(n, skip=None, rows=1):  # the runtime benchmark's timing loop (models.costs)
+            return time_forward(model, cache, p, n, skip=skip, logits_rows=rows, repeats=repeats)
 
-            everything = range(L)
-            full = timed(1, None)
-            no_attn = timed(1, SkipSet.of(attn=everything))
-            no_mlp = timed(1, SkipSet.of(mlp=everything))
-            bare = timed(1, SkipSet.of(attn=everything, mlp=everything))
-            verify = {n: timed(n, None) for n in sorted({1, 2, (k1 + 1) // 2, k1})}
+        everything = range(L)
+        full = timed(1)
+        no_attn = timed(1, SkipSet.of(attn=everything))
+        no_mlp = timed(1, SkipSet.of(mlp=everything))
+        bare = timed(1, SkipSet.of(attn=everything, mlp=everything))
+        verify = {n: timed(n, rows=n) for n in sorted({1, 2, (k1 + 1) // 2, k1})}
         ns = list(verify)
         mean_n, mean_t = statistics.fmean(ns), statistics.fmean(verify.values())
         slope = sum((n - mean_n) * (verify[n] - mean_t) for n in ns) / max(

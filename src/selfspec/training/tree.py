@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from selfspec.decoding.tree import TREE_KIND, SparseTree, full_mask, layout
+from selfspec.models.costs import context_cache, time_forward
 
 log = logging.getLogger(__name__)
 
@@ -163,35 +164,17 @@ def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_
     return (counts / counts.sum(-1, keepdim=True))[:, :top_k]
 
 
-def context_cache(model, context: int, extra: int):
-    """A layer cache holding ``context`` random tokens, shared by every latency measurement."""
-    cache = model.new_cache(context + extra + 1)
-    with torch.inference_mode():
-        model.forward(torch.randint(0, model.vocab_size, (1, context), device=model.device), cache, start=0)
-    return cache
-
-
 def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, cache, context: int, repeats: int) -> float:
     """Seconds (min over repeats) of one PPD forward (tree of the deepest state, its node logits included)
-    after ``context`` cached tokens: ``L_fp(n)`` of PPD §4 on this machine."""
+    after ``context`` cached tokens: ``L_fp(n)`` of PPD §4 on this machine (timed by
+    :func:`selfspec.models.costs.time_forward`, the runtime benchmark's timing loop)."""
     tree = trees[max(trees)]
     lay = layout(tree, n_ept, model.device)
-    with torch.inference_mode():
-        h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
-        mask = model.prepare_mask(full_mask(lay, context))
-        pos = (context + lay.offsets).unsqueeze(0)
-        times = []
-        for _ in range(repeats + 1):
-            cache.truncate(context)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = model.forward(None, cache, start=context, mask=mask, positions=pos, h=h)
-            model.logits(out[:, : lay.n_nodes])
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    return min(times[1:])  # contention on a shared machine only ever adds time
+    h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
+    mask = model.prepare_mask(full_mask(lay, context))
+    pos = (context + lay.offsets).unsqueeze(0)
+    return time_forward(model, cache, context, h=h, mask=mask, positions=pos, logits_rows=lay.n_nodes,
+                        repeats=repeats, reduce="min")
 
 
 def validation_prompts(tokenizer, chat: bool, n: int, skip: int) -> list[list[int]]:

@@ -1,0 +1,185 @@
+"""The cost model of the machine: what a forward of k new tokens costs here, measured once.
+
+Every speedup a speculative method can reach is its tokens per verification pass divided by
+what drafting plus that pass cost, so the methods' hardware-aware parts need the same curve:
+PPD's tree builder (the forward latency ``L_fp(n)`` of PPD §4), Draft & Verify's skip-search
+cost model (per-sublayer and verification costs, §3.3) and the runtime benchmark
+(``scripts/bench_runtime.py``). They all time through :func:`time_forward`, the one timing loop
+for forwards outside decoding (decoding itself is timed by the decoder loop).
+
+Figures are ratios taken in one process (``v(k) = t(k) / t(1)`` at the same context), so they
+stay meaningful on a shared machine; absolute times are medians of repeats after one untimed
+warm-up run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from selfspec.models.layered import LayeredModel, SkipSet
+
+__all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_forward",
+           "weight_bytes"]
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A function that waits for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def context_cache(model: LayeredModel, context: int, extra: int, seed: int = 0):
+    """A layer cache holding ``context`` random tokens (room for ``extra`` more), for timing."""
+    cache = model.new_cache(context + extra + 1)
+    if context:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.vocab_size, (1, context), generator=g).to(model.device)
+        with torch.inference_mode():
+            model.forward(ids, cache, start=0)
+    return cache
+
+
+def time_forward(model: LayeredModel, cache, context: int, n: int | None = None, *, repeats: int = 5,
+                 reduce: str = "median", skip: SkipSet | None = None, h: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                 logits_rows: int | None = None, layers: range | None = None) -> float:
+    """Seconds of one forward of ``n`` new tokens after ``context`` cached positions.
+
+    The pass runs ``layers`` (default all; ``skip`` sublayers left out) and the final norm + LM
+    head on ``logits_rows`` rows (default all ``n``: a verification pass scores every token;
+    0 = no head), then one host sync on the result, as a decoding step has. ``h`` / ``mask`` /
+    ``positions`` are given for tree passes (PPD). The cache is rolled back to ``context``
+    before every run. ``reduce``: ``median`` (default) or ``min`` of ``repeats`` timed runs.
+    """
+    if h is None and n is None:
+        raise ValueError("time_forward needs n (new tokens) or h (their hidden states)")
+    n = int(h.shape[1]) if h is not None else int(n)
+    rows = n if logits_rows is None else int(logits_rows)
+    ids = None if h is not None else torch.zeros(1, n, dtype=torch.long, device=model.device)
+    sync = synchronizer(model.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(max(1, repeats) + 1):
+            cache.truncate(context)
+            sync()
+            t0 = time.perf_counter()
+            out = model.forward(ids, cache, start=context, mask=mask, positions=positions, skip=skip,
+                                layers=layers, h=h)
+            if rows:
+                model.logits(out[:, :rows]).argmax(-1).tolist()
+            else:
+                out.sum().item()
+            sync()
+            times.append(time.perf_counter() - t0)
+        cache.truncate(context)
+    timed = times[1:]
+    if reduce == "min":  # contention on a shared machine only ever adds time
+        return min(timed)
+    if reduce != "median":
+        raise ValueError(f"reduce must be median or min, got {reduce!r}")
+    return statistics.median(timed)
+
+
+def weight_bytes(model: LayeredModel) -> int:
+    """Bytes of weights one decoding step reads: every parameter once (a tied head counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.hf.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    # the embedding reads one row per token, not the table, unless it is the (tied) LM head
+    embed = model.embed_tokens.weight
+    if embed.data_ptr() != model.lm_head.weight.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def measure_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write counted), the machine's memory bandwidth."""
+    n = mib * (1 << 20) // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    sync = synchronizer(device)
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * n * 4 / statistics.median(times[1:])
+
+
+@dataclass
+class CostCurve:
+    """Measured forward costs of one model on this machine.
+
+    ``seconds[context][k]``: median seconds of a forward of ``k`` new tokens (all layers, head
+    on every token) after ``context`` cached tokens; ``layer`` / ``head``: one decoder layer and
+    the final norm + LM head for one token at the first context.
+    """
+
+    model: str
+    device: str
+    dtype: str
+    linear_kernel: str
+    seconds: dict[int, dict[int, float]]
+    layer: float
+    head: float
+    meta: dict = field(default_factory=dict)
+
+    def v(self, k: int, context: int | None = None) -> float:
+        """``t(k) / t(1)`` at ``context`` (default: the first measured): a k-token verification
+        pass in units of one decoding step (linear between measured k)."""
+        row = self.seconds[context if context is not None else next(iter(self.seconds))]
+        return self.time(k, row) / row[1]
+
+    @staticmethod
+    def time(k: int, row: dict[int, float]) -> float:
+        ks = sorted(row)
+        if k in row:
+            return row[k]
+        if k > ks[-1]:
+            a, b = ks[-2], ks[-1]
+        else:
+            b = next(x for x in ks if x > k)
+            a = max(x for x in ks if x < b)
+        return row[a] + (row[b] - row[a]) * (k - a) / (b - a)
+
+    @property
+    def head_in_layers(self) -> float:
+        """The LM head's cost in decoder layers (DEL's TPL unit)."""
+        return self.head / self.layer if self.layer > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["seconds"] = {str(c): {str(k): t for k, t in row.items()} for c, row in self.seconds.items()}
+        return d
+
+
+def measure_curve(model: LayeredModel, ks=(1, 2, 4, 8, 16, 32), contexts=(512,), repeats: int = 7) -> CostCurve:
+    """Measure a :class:`CostCurve` (interleaving k within each repeat round, so drifts of a
+    shared machine hit every k alike)."""
+    seconds: dict[int, dict[int, float]] = {}
+    layer = head = 0.0
+    for context in contexts:
+        cache = context_cache(model, context, max(ks))
+        samples: dict[int, list[float]] = {k: [] for k in ks}
+        for _ in range(repeats):
+            for k in ks:
+                samples[k].append(time_forward(model, cache, context, k, repeats=1))
+        seconds[context] = {k: statistics.median(v) for k, v in samples.items()}
+        if not layer:
+            full = seconds[context][1]
+            no_head = time_forward(model, cache, context, 1, repeats=repeats, logits_rows=0)
+            head = max(0.0, full - no_head)
+            layer = no_head / model.num_layers
+    return CostCurve(model.name, str(model.device), str(model.dtype).replace("torch.", ""), model.linear_kernel,
+                     seconds, layer, head)

@@ -1,0 +1,149 @@
+"""The CPU linear kernel of the layered runtime: few-row products that cost about one row.
+
+A decoding step multiplies one token's hidden state by every weight matrix; a verification pass
+multiplies k of them. On a memory-bound machine both should cost about the same (the weights
+are read once either way), but the BLAS behind ``torch.nn.functional.linear`` on the AVX2 CPUs
+this project is developed on takes 2-3x as long for 8 rows as for one, which makes every
+verification pass expensive (the break-even τ of a speculative method rises with it).
+
+``csrc/skinny_linear.cpp`` is a small AVX2 kernel for 1..``MAX_ROWS`` rows: each block of weight
+rows is read once for all rows of the input, and each output element is computed by the same
+instruction sequence whatever the number of rows, so a k-token verification pass produces
+bit-identical linear outputs to k one-token steps. It is compiled once per machine with
+``torch.utils.cpp_extension`` into the selfspec cache and registered as
+``torch.ops.selfspec.skinny_linear``.
+
+:func:`install` routes a model's ``nn.Linear`` modules through it, but only while the layered
+runtime is computing (:func:`active`); the same modules called by transformers' own ``generate``
+(the HF peers, the tests' reference) run the stock kernel. Model config key ``linear_kernel``:
+``auto`` (this kernel on a CPU with AVX2 in float32, else torch's), ``skinny`` (this kernel, or
+an error saying why it cannot run), ``torch`` (always torch's).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "skinny", "torch")
+#: rows (tokens) up to which the skinny kernel runs; longer inputs (prefill) use torch's GEMM
+MAX_ROWS = 32
+SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
+
+_state = threading.local()
+
+
+class KernelUnavailable(RuntimeError):
+    """The skinny kernel cannot run here (no AVX2, no compiler, wrong device or dtype)."""
+
+
+class active:
+    """Context in which installed linears take the skinny kernel (re-entrant, per thread)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _state.depth -= 1
+
+
+def is_active() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+def _build_dir() -> Path:
+    from selfspec.assets import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return cache_dir() / "kernels" / f"skinny-{digest}"
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> None:
+    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear``.
+
+    Raises :class:`KernelUnavailable` with the reason when the CPU lacks AVX2/FMA or the build fails.
+    """
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise KernelUnavailable(f"the skinny linear kernel needs AVX2; this CPU reports {capability}")
+    from torch.utils.cpp_extension import load as build
+
+    folder = _build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        build("selfspec_skinny", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
+              build_directory=str(folder), is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
+        raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with the skinny kernel (float32, CPU, contiguous weight)."""
+    y = torch.ops.selfspec.skinny_linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight = module.weight
+    if (_state.__dict__.get("depth", 0) and x.numel() <= MAX_ROWS * x.shape[-1]
+            and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())):
+        return skinny_linear(x, weight, module.bias)
+    return F.linear(x, weight, module.bias)
+
+
+def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel ``linear_kernel=kernel`` means here: ``skinny`` or ``torch``.
+
+    ``auto`` takes ``skinny`` on a CPU in float32 when it builds, and says so in the log when it
+    does not; an explicit ``skinny`` that cannot run raises :class:`KernelUnavailable`.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"model.linear_kernel={kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "torch":
+        return "torch"
+    why = None
+    if device.type != "cpu" or dtype != torch.float32:
+        why = f"it runs on CPU in float32, this model is on {device.type} in {str(dtype).replace('torch.', '')}"
+    else:
+        try:
+            load()
+        except KernelUnavailable as err:
+            why = str(err)
+    if why is None:
+        return "skinny"
+    if kernel == "skinny":
+        raise KernelUnavailable(f"model.linear_kernel=skinny: {why}; use model.linear_kernel=auto or torch")
+    if device.type == "cpu" and dtype == torch.float32:
+        log.warning("linear kernel: torch's (the skinny kernel is unavailable: %s)", why)
+    return "torch"
+
+
+def install(modules, kernel: str) -> None:
+    """Route ``modules`` (``nn.Linear``) through :func:`_forward` when ``kernel == "skinny"``.
+
+    The modules keep their class, parameters and state dict; only their instance ``forward``
+    changes, and it takes the stock path outside :class:`active`.
+    """
+    for module in modules:
+        if kernel == "skinny":
+            if not module.weight.is_contiguous():
+                module.weight.data = module.weight.data.contiguous()
+            module.forward = _forward.__get__(module)
+        else:
+            module.__dict__.pop("forward", None)
+
+
+__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "active", "install", "is_active", "load", "resolve",
+           "skinny_linear"]
+

@@ -1,0 +1,113 @@
+"""The shared runtime: the skinny linear kernel, the cost model and the runtime benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.models import kernels
+from selfspec.models.costs import CostCurve, context_cache, time_forward, weight_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_kernel = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                  reason="the skinny kernel needs AVX2")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (192, 64), (40, 8)])
+def test_skinny_linear_matches_torch(shape):
+    kernels.load()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g)
+    b = torch.randn(shape[0], generator=g)
+    for rows in (1, 2, 3, 5, 8, 13, 32):
+        x = torch.randn(1, rows, shape[1], generator=g)
+        torch.testing.assert_close(kernels.skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_skinny_rows_are_bit_identical_to_one_row_calls():
+    """Row i of a k-row product equals the 1-row product of row i exactly, for every k: a
+    verification pass sees the linear outputs one-token decoding would."""
+    kernels.load()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 576, generator=g)
+    x = torch.randn(32, 576, generator=g)
+    singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(32)])
+    for k in (2, 3, 4, 7, 8, 16, 32):
+        assert torch.equal(kernels.skinny_linear(x[:k], w), singles[:k]), k
+
+
+def test_kernel_choice_is_refused_or_explained():
+    with pytest.raises(ValueError, match=r"model.linear_kernel='fast' is not one of auto, skinny, torch"):
+        kernels.resolve("fast", torch.device("cpu"), torch.float32)
+    with pytest.raises(kernels.KernelUnavailable, match=r"linear_kernel=skinny: .*float32.*bfloat16"):
+        kernels.resolve("skinny", torch.device("cpu"), torch.bfloat16)
+    assert kernels.resolve("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
+
+
+@needs_kernel
+def test_kernel_runs_inside_the_runtime_only(tiny, prompt_ids, monkeypatch):
+    """transformers' own generate (the HF peers, the tests' reference) keeps the stock kernel;
+    selfspec's decoders take the skinny one, and both give the same tokens."""
+    from selfspec.decoding.vanilla import Vanilla
+
+    from conftest import hf_greedy
+
+    assert tiny.model.linear_kernel == "skinny"
+    calls = []
+    real = kernels.skinny_linear
+    monkeypatch.setattr(kernels, "skinny_linear", lambda *a: calls.append(1) or real(*a))
+    ref = hf_greedy(tiny, prompt_ids, 12)
+    assert calls == [] and not kernels.is_active()
+    out = Vanilla(tiny.model).generate(prompt_ids, 12).tokens
+    assert calls and out == ref and not kernels.is_active()
+
+
+def test_cost_curve_interpolates_and_reports_ratios():
+    curve = CostCurve("m", "cpu", "float32", "torch", {512: {1: 0.01, 2: 0.012, 8: 0.02}, 128: {1: 0.008, 8: 0.01}},
+                      layer=0.001, head=0.004)
+    assert curve.v(1) == 1.0 and curve.v(8) == pytest.approx(2.0) and curve.v(8, 128) == pytest.approx(1.25)
+    assert curve.v(5) == pytest.approx((0.012 + (0.02 - 0.012) * 3 / 6) / 0.01)
+    assert curve.v(16) == pytest.approx((0.02 + (0.02 - 0.012) / 6 * 8) / 0.01)  # extrapolated
+    assert curve.head_in_layers == pytest.approx(4.0)
+    assert json.loads(json.dumps(curve.to_dict()))["seconds"]["512"]["8"] == 0.02
+
+
+def test_time_forward_leaves_the_cache_as_it_was(tiny):
+    model = tiny.model
+    cache = context_cache(model, 16, 8)
+    keys = [k.clone() for k in cache.keys]
+    assert time_forward(model, cache, 16, 8, repeats=2) > 0
+    assert cache.lengths == [16] * model.num_layers
+    assert all(torch.equal(a[:, :, :16], b[:, :, :16]) for a, b in zip(keys, cache.keys))
+    with pytest.raises(ValueError, match="needs n"):
+        time_forward(model, cache, 16)
+
+
+def test_weight_bytes_counts_a_tied_head_once(tiny):
+    model = tiny.model
+    params = sum(p.numel() * 4 for p in model.hf.parameters())
+    untied = params - model.embed_tokens.weight.numel() * 4  # embedding rows are looked up, not read
+    assert weight_bytes(model) == untied
+
+
+def test_bench_runtime_script(tmp_path):
+    out = tmp_path / "runtime.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_runtime.py"), "--model", "tiny-random",
+                           "--contexts", "32,64", "--ks", "1,2,4", "--repeats", "1", "--new-tokens", "8",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "v(k)" in proc.stdout and "ratio" in proc.stdout and "bandwidth" in proc.stdout
+    r = json.loads(out.read_text())
+    assert set(r["v"]) == {"32", "64"} and r["v"]["64"]["1"] == 1.0
+    assert r["same_tokens_as_generate"] is True and r["vanilla_over_generate"] > 0
+    assert 0 < r["bandwidth_fraction"] and r["linear_kernel"] in ("skinny", "torch")
