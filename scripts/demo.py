@@ -13,7 +13,8 @@ source of truth per step and no interpreter start-up between steps:
 4. PPD prompt tokens, then the sparse tree      selfspec.train.run_job         (job=prompts ; job=ppd_tree)
 5. vanilla, AdaDecode, Draft & Verify, PPD and the transformers peers on a few examples of each
    task, interleaved in one job per task        selfspec.evaluation.evaluate   (python -m selfspec.evaluate)
-6. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
+6. the runtime benchmark: v(k), prefill, vanilla vs generate, bandwidth  (make bench-runtime)
+7. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
 
 Each step prints the equivalent command line. Each job runs inside its own run directory (W&B
 writes there).
@@ -129,6 +130,27 @@ class Demo:
             for name, path in assets.fetch_all().items():
                 print(f"  {name:14s} {path}")
 
+    def runtime(self) -> Path:
+        """The runtime benchmark (``make bench-runtime``); its ``runtime.json`` joins the report's inputs."""
+        import json
+
+        from selfspec.config import model_config
+        from selfspec.evaluation.runtime import format_report, runtime_report
+        from selfspec.models.loading import load_model
+
+        small = self.args.small
+        cmd = f"python scripts/bench_runtime.py --model {self.args.model}" + (
+            " --contexts 64 --ks 1,2,4 --repeats 1" if small else " --contexts 512 --repeats 5")
+        with self.step("runtime benchmark", cmd):
+            report = runtime_report(load_model(model_config(self.args.model)),
+                                    (1, 2, 4) if small else (1, 2, 4, 8, 16, 32), (64,) if small else (512,),
+                                    8 if small else 32, 1 if small else 5)
+            print(format_report(report))
+            out = self.run_dir / "runtime" / "runtime.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1, default=str))
+        return out.parent
+
     def train_all(self) -> None:
         self.train("heads", self.artefact("heads", "mixed"), ["job.data=mixed"])
         self.train("skips", self.artefact("skip_set"), ["job.tasks=[cnndm,xsum]"])
@@ -165,12 +187,12 @@ class Demo:
                 evaluate(cfg, out)
         return sweep
 
-    def report(self, sweep: Path):
+    def report(self, inputs: list[Path]):
         from selfspec.config import compose
         from selfspec.report import run_report
 
         t0 = time.perf_counter()
-        cfg = compose([f"inputs=[{sweep}]", f"output_dir={self.run_dir / 'report'}",
+        cfg = compose([f"inputs=[{','.join(map(str, inputs))}]", f"output_dir={self.run_dir / 'report'}",
                        f"artefacts_dir={self.out / 'artefacts'}", "wandb.enabled=false"], config_name="report")
         result = run_report(cfg)
         self.timings["report"] = time.perf_counter() - t0
@@ -181,7 +203,8 @@ class Demo:
         self.fetch()
         self.train_all()
         sweep = self.evaluate()
-        result = self.report(sweep)
+        runtime = self.runtime()
+        result = self.report([sweep, runtime])
         total = time.perf_counter() - t0
         print("\n=== timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; total {total:.0f}s")
         if self.args.logger == "wandb":

@@ -58,6 +58,10 @@ def test_demo_small_pipeline_regenerates_tables(demo_module, tmp_path, monkeypat
     ada = summary["methods"]["adadecode"]
     assert f"| AdaDecode | {ada['tokens_per_s']:.2f} ({ada['speedup']:.2f}×) |" in table
     assert (report_dir / "plots" / "speedup_main_tiny-random.png").exists()
+    runtime = json.loads((run_dir / "runtime" / "runtime.json").read_text())
+    assert runtime["model"] == "tiny-random" and runtime["v"]["64"]["1"] == 1.0
+    index = (report_dir / "index.html").read_text()
+    assert "The runtime on this machine" in index and "transformers generate" in index
 
     # regenerate from the result files alone: the same tables
     shutil.rmtree(report_dir / "tables")

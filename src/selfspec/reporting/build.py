@@ -14,6 +14,8 @@ sets it; plain runs fall in the ``runs`` table). Output layout::
 
 from __future__ import annotations
 
+import json
+
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -137,8 +139,23 @@ def build_report(
     result.files.append(write_markdown(out_dir / "dashboard.md"))  # the W&B panel layout
     result.headline = headline(by_table)
     result.index = write_index(out_dir, rendered, result.plots, result.headline,
-                               {"n_runs": len(runs), "inputs": inputs})
+                               {"n_runs": len(runs), "inputs": inputs}, runtime_reports(inputs))
     return result
+
+
+def runtime_reports(inputs: Iterable[Path]) -> list[dict[str, Any]]:
+    """The runtime benchmarks (``runtime.json``, written by ``scripts/bench_runtime.py --out``
+    and the demo) found under ``inputs``, newest first."""
+    found = []
+    for root in inputs:
+        paths = [root] if root.is_file() else sorted(root.rglob("runtime.json")) if root.is_dir() else []
+        for path in paths:
+            if path.name == "runtime.json":
+                try:
+                    found.append((path.stat().st_mtime, json.loads(path.read_text()) | {"path": str(path)}))
+                except (OSError, ValueError) as err:
+                    log.warning("skipping unreadable runtime benchmark %s: %s", path, err)
+    return [r for _, r in sorted(found, key=lambda t: -t[0])]
 
 
 def _plots(by_table: dict[str, list[Record]], records: list[Record], plot_dir: Path,

@@ -45,8 +45,33 @@ def table_html(table: Table) -> str:
     return "\n".join(out)
 
 
+def runtime_html(r: dict[str, Any]) -> str:
+    """One runtime benchmark (:mod:`selfspec.evaluation.runtime`) as a v(k) table and a list."""
+    e = html.escape
+    ks = list(next(iter(r["v"].values())))
+    out = [f"<p class='notes'>{e(r['model'])} on {e(r['device'])} {e(r['dtype'])}, linear kernel "
+           f"{e(str(r.get('linear_kernel')))}, {e(str(r.get('threads')))} threads; load average "
+           f"{e(str(r.get('load')))} ({e(r.get('path', ''))}).</p>",
+           "<table><tr><th>context</th>" + "".join(f"<th>v({k})</th>" for k in ks) + "<th>t(1) ms</th></tr>"]
+    for c, row in r["v"].items():
+        t1 = r["curve"]["seconds"][str(c)]["1"] * 1e3
+        out.append(f"<tr><td>{e(str(c))}</td>" + "".join(f"<td>{row[k]:.2f}</td>" for k in ks)
+                   + f"<td>{t1:.1f}</td></tr>")
+    out.append("</table><ul class='notes'>"
+               f"<li>v(k) = time of a forward of k new tokens (LM head on each) ÷ one token: a speculative "
+               f"method must commit more than v(k) tokens per verification pass of k to beat plain decoding.</li>"
+               f"<li>prefill: {r['prefill_tokens_per_s']:.0f} tokens/s; decoding at context {r['context']}: vanilla "
+               f"{r['vanilla_tokens_per_s']:.2f} tokens/s, transformers generate {r['generate_tokens_per_s']:.2f} "
+               f"tokens/s (ratio {r['vanilla_over_generate']:.3f})</li>"
+               f"<li>LM head: {100 * r['head_share_of_step']:.1f}% of a decoding step</li>"
+               f"<li>memory: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved by vanilla decoding, "
+               f"{100 * r['bandwidth_fraction']:.1f}% of the {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s a large copy "
+               f"reaches in the same process</li></ul>")
+    return "\n".join(out)
+
+
 def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots: list[Path],
-                headline: list[str], info: dict[str, Any]) -> Path:
+                headline: list[str], info: dict[str, Any], runtime: list[dict[str, Any]] = ()) -> Path:
     """``out_dir/index.html`` with the headline, each table (links to its .md/.tex) and the plots."""
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>selfspec report</title>"
@@ -67,6 +92,9 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
         if table.layout.paper:
             parts.append(f"<p class='notes'>Layout of {e(table.layout.paper)}. {links}</p>")
         parts.append(table_html(table))
+    if runtime:
+        parts.append("<h2 id='runtime'>The runtime on this machine</h2>")
+        parts.extend(runtime_html(r) for r in runtime)
     if plots:
         parts.append("<h2>Plots</h2><div class='plots'>")
         for p in plots:

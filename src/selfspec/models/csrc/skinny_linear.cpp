@@ -15,6 +15,10 @@
 #include <immintrin.h>
 #include <algorithm>
 
+#ifndef SKINNY_NB
+#define SKINNY_NB 24
+#endif
+
 namespace {
 
 inline float hsum(__m256 v) {
@@ -76,7 +80,7 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t NB = 24;  // weight rows per task: 24 x K floats stay in L1/L2 across row blocks
+  constexpr int64_t NB = SKINNY_NB;  // weight rows per task, kept in L1/L2 across the blocks of x rows
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, n1 = std::min(N, n0 + NB);
