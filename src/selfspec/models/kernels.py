@@ -1,4 +1,5 @@
-"""The CPU linear kernel of the layered runtime: few-row products that cost about one row.
+"""The layered runtime's fast paths: few-row linears that cost about one row, and masked GQA
+attention without copies. Both run only while the runtime computes (:class:`active`).
 
 A decoding step multiplies one token's hidden state by every weight matrix; a verification pass
 multiplies k of them. On a memory-bound machine both should cost about the same (the weights
@@ -102,6 +103,43 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight, module.bias)
 
 
+#: the attention implementation :func:`install_attention` registers with transformers
+ATTENTION = "selfspec_sdpa"
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except that inside the layered runtime on CPU a masked
+    grouped-query attention (every verification pass and prefill: they carry an explicit mask)
+    lets the kernel share K/V heads (``enable_gqa``) instead of copying them once per query
+    head, as transformers does whenever a mask is given. The outputs are the same; outside
+    :class:`active` (transformers' own ``generate``) this is the stock function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (attention_mask is None or not is_active() or query.device.type != "cpu"
+            or getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=False, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=1)
+def _register_attention() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def install_attention(config) -> None:
+    """Route a model's ``sdpa`` attention through :func:`_attention` (other implementations stay)."""
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        _register_attention()
+        config._attn_implementation = ATTENTION
+
+
 def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     """The kernel ``linear_kernel=kernel`` means here: ``skinny`` or ``torch``.
 
@@ -144,6 +182,6 @@ def install(modules, kernel: str) -> None:
             module.__dict__.pop("forward", None)
 
 
-__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "active", "install", "is_active", "load", "resolve",
-           "skinny_linear"]
+__all__ = ["ATTENTION", "KERNELS", "MAX_ROWS", "KernelUnavailable", "active", "install", "install_attention",
+           "is_active", "load", "resolve", "skinny_linear"]
 

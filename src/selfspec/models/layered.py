@@ -94,9 +94,10 @@ class LayeredModel:
         #: (:mod:`selfspec.models.kernels`; the model config's ``linear_kernel`` resolved)
         self.linear_kernel = kernels.resolve(linear_kernel, self.device, self.dtype)
         kernels.install(self.linears(), self.linear_kernel)
+        kernels.install_attention(self.config)
         impl = getattr(self.config, "_attn_implementation", "sdpa")
         # SDPA takes a boolean mask as is; eager attention adds the mask to the scores.
-        self._additive_mask = impl not in ("sdpa",)
+        self._additive_mask = impl not in ("sdpa", kernels.ATTENTION)
 
     # --- properties ------------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@
 #include <algorithm>
 
 #ifndef SKINNY_NB
-#define SKINNY_NB 24
+#define SKINNY_NB 48
 #endif
 
 namespace {
@@ -39,6 +39,11 @@ inline void tile(const float* x, const float* w, int64_t K, float* y, int64_t ld
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
+    // fetch the next tile's weight rows while this one computes (memory and FMA overlap)
+    if ((k & 15) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T0);
+    }
     __m256 wv[NR];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
@@ -80,17 +85,17 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t NB = SKINNY_NB;  // weight rows per task, kept in L1/L2 across the blocks of x rows
+  constexpr int64_t NB = SKINNY_NB;  // weight rows per parallel task
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB, n1 = std::min(N, n0 + NB);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mb = static_cast<int>(std::min<int64_t>(4, M - m0));
-        int64_t n = n0;
-        for (; n + 3 <= n1; n += 3) tile_rows<3>(mb, xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
-        for (; n < n1; ++n) tile_rows<1>(mb, xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
-      }
-    }
+    const int64_t n_end = std::min(N, b1 * NB);
+    int64_t n = b0 * NB;
+    // a tile of 3 weight rows is read from memory once and reused from L1 for every block of x rows
+    for (; n + 3 <= n_end; n += 3)
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        tile_rows<3>(static_cast<int>(std::min<int64_t>(4, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
+    for (; n < n_end; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += 4)
+        tile_rows<1>(static_cast<int>(std::min<int64_t>(4, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
   });
   return y.view(out_shape);
 }
