@@ -111,3 +111,24 @@ def test_bench_runtime_script(tmp_path):
     assert set(r["v"]) == {"32", "64"} and r["v"]["64"]["1"] == 1.0
     assert r["same_tokens_as_generate"] is True and r["vanilla_over_generate"] > 0
     assert 0 < r["bandwidth_fraction"] and r["linear_kernel"] in ("skinny", "torch")
+
+
+def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
+    """Inside the runtime a masked grouped-query attention runs with ``enable_gqa`` (no K/V copy);
+    its output equals transformers' own SDPA path bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny.model
+    assert model.config._attn_implementation == kernels.ATTENTION
+    attn = model.layers[0].self_attn
+    assert attn.num_key_value_groups > 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, model.head_dim, generator=g)
+    k = torch.randn(1, 2, 12, model.head_dim, generator=g)
+    v = torch.randn(1, 2, 12, model.head_dim, generator=g)
+    mask = model.causal_mask(5, 7)
+    stock, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
+    with kernels.active():
+        fast, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
+    outside, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
+    assert torch.equal(fast, stock) and torch.equal(outside, stock)
