@@ -31,6 +31,17 @@ class UnsupportedModelError(ValueError):
     """The model family has a layer structure the adapter does not drive."""
 
 
+def check_model_type(model_type: str | None, name: str, where: str = "") -> None:
+    """Refuse a model family :class:`LayeredModel` cannot drive (read from a config.json or a GGUF
+    file's ``general.architecture`` before any weights load)."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model {name!r}{f' ({where})' if where else ''} has model_type={model_type!r}; selfspec's "
+            f"layered runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoder layers). "
+            "Choose a model of one of these families."
+        )
+
+
 @dataclass(frozen=True)
 class SkipSet:
     """Sublayers to skip while drafting (Draft & Verify §3.1): attention and MLP layer indices."""
@@ -56,12 +67,7 @@ class LayeredModel:
 
     def __init__(self, hf_model: torch.nn.Module, name: str = "model") -> None:
         model_type = getattr(hf_model.config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model {name!r} has model_type={model_type!r}; selfspec's layered runtime supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoder layers). Choose a model "
-                "of one of these families."
-            )
+        check_model_type(model_type, name)
         window = getattr(hf_model.config, "sliding_window", None)
         if model_type == "mistral" and window:
             self.max_context = int(window)  # beyond it Mistral's attention would differ
