@@ -1,5 +1,5 @@
-"""Bad input stops early, with one message naming what to change: local data files, model sources
-(GGUF files)."""
+"""Bad input stops early, with one message naming what to change: local data files, impossible
+config values, model sources (GGUF files)."""
 
 import json
 from pathlib import Path
@@ -10,7 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.checks import ConfigError
-from selfspec.config import model_config
+from selfspec.config import compose, group_options, model_config
+from selfspec.decoding import check_method
+from selfspec.evaluation import method_configs
 from selfspec.models.layered import UnsupportedModelError
 from selfspec.models.loading import load_model
 from selfspec.tasks import TaskDataError, build_task
@@ -76,6 +78,18 @@ def test_task_specific_record_problems_name_the_line(tmp_path, task, record, mes
 def test_missing_data_files_are_named(options, message):
     with pytest.raises(TaskDataError, match=message):
         build_task({"name": "xsum", **options}).examples()
+
+
+# --- impossible config values ------------------------------------------------------------------
+def test_every_shipped_method_config_passes():
+    """Each conf/method file reads every key it sets; hf_assisted alone needs a value from the user."""
+    cfg = compose(["compare=[" + ",".join(group_options("method")) + "]"])
+    for name, m in method_configs(cfg, label="vanilla").items():
+        if name == "hf_assisted":
+            with pytest.raises(ConfigError, match=r"method\.assistant=null"):
+                check_method(m)
+        else:
+            check_method(m)
 
 
 # --- model sources: local GGUF files -------------------------------------------------------------

@@ -108,6 +108,27 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise ArtefactError(f"{path / META} is not valid JSON: {err}") from err
 
 
+#: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``)
+JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips"}
+
+
+def artefact_option(key: str, value: Any, kind: str) -> Path | None:
+    """A config value naming an artefact directory of ``kind`` (``null``: the method's default
+    location), checked without a model: the directory must hold a ``kind`` artefact."""
+    from selfspec import checks
+
+    if value is None:
+        return None
+    path = Path(checks.text(key, value)).expanduser()
+    if not (path / META).exists():
+        raise checks.refuse(key, value, f"no artefact there (no {META}); build one with `python -m "
+                            f"selfspec.train job={JOBS.get(kind, kind)} model=<model>` or fix the path")
+    found = read_meta(path).get("kind")
+    if found != kind:
+        raise checks.refuse(key, value, f"it holds a {found!r} artefact, not {kind!r}")
+    return path
+
+
 def load_artefact(path: str | Path, kind: str, model=None, device=None) -> Artefact:
     """Load an artefact of ``kind``; with ``model`` (a LoadedModel or LayeredModel), check it was
     trained for that model: fingerprint (when the model has one), layer count, hidden size."""
