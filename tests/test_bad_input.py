@@ -1,5 +1,5 @@
-"""Bad input stops early, with one message naming what to change: local data files, impossible
-config values, model sources (GGUF files)."""
+"""Bad input stops early, with one message naming what to change, before any model loads: local
+data files, impossible config values, model sources (GGUF files)."""
 
 import json
 from pathlib import Path
@@ -12,10 +12,25 @@ from omegaconf import OmegaConf
 from selfspec.checks import ConfigError
 from selfspec.config import compose, group_options, model_config
 from selfspec.decoding import check_method
-from selfspec.evaluation import method_configs
+from selfspec.evaluation import evaluate, method_configs, prepare
 from selfspec.models.layered import UnsupportedModelError
 from selfspec.models.loading import load_model
 from selfspec.tasks import TaskDataError, build_task
+from selfspec.train import prepare_job, run_job
+
+EVAL = ["model=tiny-random", "n_examples=2", "max_new_tokens=4", "warmup=0", "progress=false"]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything loads a model: the bad input must be found before."""
+    import selfspec.models.loading as loading
+
+    def refuse(cfg):
+        raise AssertionError("a model was loaded before the bad input was found")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
 
 # --- local data files --------------------------------------------------------------------------
 GOOD = {"id": "a", "document": "Some text.", "summary": "Text."}
@@ -46,6 +61,21 @@ def test_bad_local_file_names_file_line_and_field(tmp_path, name, text, message)
     task = build_task({"name": "xsum", "source": "local", "data_files": str(_file(tmp_path, name, text))})
     with pytest.raises(TaskDataError, match=message):
         task.examples()
+
+
+@pytest.mark.parametrize("name,text,message", BAD_FILES[:4])
+def test_bad_local_file_stops_evaluate_before_the_model_loads(tmp_path, no_model_load, name, text, message):
+    path = _file(tmp_path, name, text)
+    with pytest.raises(TaskDataError, match=message):
+        evaluate(compose(EVAL + ["task.source=local", f"task.data_files={path}"]), tmp_path / "run")
+
+
+@pytest.mark.parametrize("job", ["heads", "skips"])
+def test_bad_local_file_stops_training_before_the_model_loads(tmp_path, no_model_load, job):
+    path = _file(tmp_path, "array.json", BAD_FILES[3][1])
+    cfg = compose([f"job={job}", "model=tiny-random", "task.source=local", f"task.data_files={path}"], "train")
+    with pytest.raises(TaskDataError, match=BAD_FILES[3][2]):
+        run_job(cfg)
 
 
 def test_json_array_file_is_read_like_json_lines(tmp_path):
@@ -81,6 +111,133 @@ def test_missing_data_files_are_named(options, message):
 
 
 # --- impossible config values ------------------------------------------------------------------
+EVAL_BAD = [
+    (["sampling.top_p=0"], r"sampling\.top_p=0 is not allowed: must be in \(0, 1\]"),
+    (["sampling.top_p=1.5"], r"sampling\.top_p=1\.5 is not allowed"),
+    (["sampling.temperature=-0.5"], r"sampling\.temperature=-0\.5 is not allowed: must be >= 0"),
+    (["sampling.top_k=-1"], r"sampling\.top_k=-1 is not allowed"),
+    (["sampling.top_k=2.5"], r"sampling\.top_k=2\.5 is not allowed: must be an integer"),
+    (["+sampling.top_q=0.5"], r"sampling\.top_q is not a key of sampling"),
+    (["n_examples=0"], r"n_examples=0 is not allowed: must be >= 1"),
+    (["max_new_tokens=0"], r"max_new_tokens=0 is not allowed"),
+    (["warmup=-1"], r"warmup=-1 is not allowed"),
+    (["warmup_max_new_tokens=0"], r"warmup_max_new_tokens=0"),
+    (["progress=maybe"], r"progress=maybe is not allowed: must be true or false"),
+    (["seed=0.5"], r"seed=0\.5 is not allowed: must be an integer"),
+    (["method=adadecode", "method.gamma=1.5"], r"method\.gamma=1\.5 is not allowed: must be in \[0, 1\) "
+                                               r"\(exit threshold on a head's top probability"),
+    (["method=adadecode", "method.gamma=1"], r"method\.gamma=1 is not allowed: must be in \[0, 1\)"),
+    (["method=adadecode", "method.gamma=-0.1"], r"method\.gamma=-0\.1 is not allowed"),
+    (["method=adadecode", "method.max_early=0"], r"method\.max_early=0 is not allowed: must be >= 1"),
+    (["method=adadecode", "method.head_kind=linar"], r"method\.head_kind=linar is not allowed: must be one of "
+                                                     r"linear, full, lm_head"),
+    (["method=adadecode", "method.exit_layers=[1,1]"], r"method\.exit_layers=\[1, 1\] is not allowed: must not repeat"),
+    (["method=adadecode", "method.exit_layers=top"], r"method\.exit_layers=top is not allowed: must be a list"),
+    (["method=adadecode", "method.layers=[1,2]"], r"method\.layers=\[1, 2\] is not allowed: set only with "
+                                                  r"head_kind=lm_head"),
+    (["method=adadecode", "method.heads_dir=/nonexistent"], r"method\.heads_dir=/nonexistent is not allowed: no "
+                                                            r"artefact there \(no meta\.json\); build one with "
+                                                            r"`python -m selfspec\.train job=heads"),
+    (["method=draft_verify", "method.max_draft=0"], r"method\.max_draft=0 is not allowed: must be >= 1"),
+    (["method=draft_verify", "method.draft_exit=sometimes"], r"method\.draft_exit=sometimes .*adaptive, static, none"),
+    (["method=draft_verify", "method.gamma0=1.2"], r"method\.gamma0=1\.2 is not allowed: must be in \[0, 1\]"),
+    (["method=draft_verify", "method.alpha=2"], r"method\.alpha=2 is not allowed"),
+    (["method=draft_verify", "method.epsilon=0"], r"method\.epsilon=0 is not allowed: must be in \(0, 1\]"),
+    (["method=draft_verify", "method.beta1=1"], r"method\.beta1=1 is not allowed: must be in \[0, 1\)"),
+    (["method=draft_verify", "method.skip_attn=[-1]"], r"method\.skip_attn\[0\]=-1 is not allowed: must be >= 0"),
+    (["method=early_exit", "method.gamma=1.5"], r"method\.gamma=1\.5 is not allowed: must be an integer"),
+    (["method=early_exit", "method.gamma=0"], r"method\.gamma=0 is not allowed: must be >= 1"),
+    (["method=early_exit", "method.exit_layer=-1"], r"method\.exit_layer=-1 is not allowed"),
+    (["method=early_exit", "method.exit_head=nope"], r"method\.exit_head=nope is not allowed"),
+    (["method=early_exit", "method.heads=/nonexistent"], r"method\.heads=/nonexistent is not allowed"),
+    (["method=early_exit", "method.draft_stop={rule:static,threshold:1.5}"],
+     r"method\.draft_stop\.threshold=1\.5 is not allowed: must be in \[0, 1\]"),
+    (["method=early_exit", "method.draft_stop={rule:magic}"], r"method\.draft_stop\.rule=magic is not allowed"),
+    (["method=early_exit", "method.draft_stop={rule:static,thresold:0.5}"],
+     r"method\.draft_stop\.thresold is not a key of draft_stop with rule: static"),
+    (["method=early_exit_dv_threshold", "method.draft_stop.beta2=1.5"], r"method\.draft_stop\.beta2=1\.5"),
+    (["method=del", "method.omega=1"], r"method\.omega=1 is not allowed: must be in \(0, 1\)"),
+    (["method=del", "method.min_gamma=30"], r"method\.min_gamma=30 is not allowed: must be in \[0, 18\]"),
+    (["method=del", "method.max_gamma=0"], r"method\.max_gamma=0 is not allowed"),
+    (["method=del", "method.dynamic_threshold=yes"], r"method\.dynamic_threshold=yes .*must be true or false"),
+    (["method=del", "method.prefill_shadow=0"], r"method\.prefill_shadow=0"),
+    (["method=del", "method.shadow_rows=0"], r"method\.shadow_rows=0"),
+    (["method=del", "method.head_cost=-1"], r"method\.head_cost=-1 is not allowed: must be >= 0"),
+    (["method=del_heads", "method.candidate_layers=[1]"], r"method\.candidate_layers=\[1\] is not allowed: set "
+                                                          r"only with exit_head=lm_head"),
+    (["method=ppd", "method.posterior_threshold=0"], r"method\.posterior_threshold=0 is not allowed"),
+    (["method=ppd", "method.posterior_alpha=0"], r"method\.posterior_alpha=0 is not allowed: must be > 0"),
+    (["method=ppd", "method.tree_size=0"], r"method\.tree_size=0 is not allowed"),
+    (["method=hf_prompt_lookup", "method.prompt_lookup_num_tokens=0"], r"method\.prompt_lookup_num_tokens=0"),
+    (["method=hf_early_exit", "method.assistant_early_exit=0"], r"method\.assistant_early_exit=0"),
+    (["method=hf_early_exit", "method.num_assistant_tokens_schedule=fast"],
+     r"method\.num_assistant_tokens_schedule=fast is not allowed: must be one of constant, heuristic"),
+    (["method=hf_assisted"], r"method\.assistant=null is not allowed"),
+    (["method=hf_assisted", "method.assistant=nope"], r"method\.assistant=nope is not allowed: must be one of .*tiny-random"),
+    (["task.shots=-1"], r"task\.shots=-1 is not allowed: must be >= 0"),
+    (["task.n_examples=0"], r"task\.n_examples=0 is not allowed"),
+    (["task.source=web"], r"task\.source=web is not allowed: must be one of offline, hub, local"),
+    (["task.use_chat_template=sometimes"], r"task\.use_chat_template=sometimes"),
+    (["task.max_new_tokens=0"], r"task\.max_new_tokens=0"),
+    (["task.data_files=x.jsonl"], r"task\.data_files=\[x\.jsonl\] is not allowed: data files are read only with "
+                                  r"task\.source=local"),
+    (["task.source=local"], r"task\.data_files=null is not allowed: task\.source=local needs data_files"),
+    (["model.dtype=int8"], r"model\.dtype=int8 is not allowed: must be one of auto, float32"),
+    (["model.device=gpu"], r"model\.device=gpu is not allowed"),
+    (["model.attn_implementation=flash_attention_2"], r"model\.attn_implementation=flash_attention_2 is not "
+                                                      r"allowed: must be one of sdpa, eager"),
+    (["+model.random.num_hidden_layer=2"], r"model\.random\.num_hidden_layer is not a key of LlamaConfig"),
+    (["model.name_or_path=gpt2"], r"model\.random and model\.name_or_path both name where the model comes from"),
+    (["+model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
+                                  r"model\.name_or_path"),
+    (["logger=wandb", "logger.mode=sometimes"], r"logger\.mode=sometimes is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", EVAL_BAD, ids=[" ".join(o) for o, _ in EVAL_BAD])
+def test_impossible_evaluate_config_is_refused_before_the_model_loads(tmp_path, no_model_load, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        evaluate(compose(EVAL + overrides), tmp_path)
+
+
+JOB_BAD = [
+    (["job=heads", "job.kind=lm_head"], r"job\.kind=lm_head is not allowed: must be one of linear, full"),
+    (["job=heads", "job.layers=[]"], r"job\.layers=\[\] is not allowed: must name at least one layer"),
+    (["job=heads", "job.data=both"], r"job\.data=both is not allowed"),
+    (["job=heads", "job.mixed_tasks=[xsum,squad]"], r"job\.mixed_tasks\[1\]=squad is not allowed"),
+    (["job=heads", "job.n_prompts=0"], r"job\.n_prompts=0 is not allowed"),
+    (["job=heads", "job.eval_gammas=[0.5,1.0]"], r"job\.eval_gammas\[1\]=1\.0 is not allowed: must be in \[0, 1\)"),
+    (["job=heads", "job.lr=0"], r"job\.lr=0 is not allowed: must be > 0"),
+    (["job=heads", "job.log_every=0"], r"job\.log_every=0 is not allowed: must be >= 1"),
+    (["job=heads", "job.schedule=exp"], r"job\.schedule=exp is not allowed"),
+    (["job=heads", "job.max_grad_norm=0"], r"job\.max_grad_norm=0 is not allowed"),
+    (["job=heads", "seed=0.5"], r"seed=0\.5 is not allowed"),
+    (["job=heads", "model.dtype=int8"], r"model\.dtype=int8 is not allowed"),
+    (["job=prompts", "job.alpha=0"], r"job\.alpha=0 is not allowed: must be in \(0, 1\]"),
+    (["job=prompts", "job.held_out=0"], r"job\.held_out=0 is not allowed"),
+    (["job=prompts", "job.context_length=4"], r"job\.context_length=4 is not allowed: must be >= 8"),
+    (["job=prompts", "job.data=/nonexistent.json"], r"job\.data=/nonexistent\.json is not allowed: no such file"),
+    (["job=skips", "job.search=random"], r"job\.search=random is not allowed: must be one of bo, bo_model, greedy"),
+    (["job=skips", "job.probe_fractions=[0]"], r"job\.probe_fractions\[0\]=0 is not allowed"),
+    (["job=skips", "job.tasks=[xsum,squad]"], r"job\.tasks\[1\]=squad is not allowed"),
+    (["job=skips", "+job.decoding.gamma0=2"], r"job\.decoding\.gamma0=2 is not allowed: must be in \[0, 1\]"),
+    (["job=skips", "+job.decoding.max_draf=4"], r"job\.decoding\.max_draf is not a key"),
+    (["job=skips", "job.search=greedy", "job.max_new_tokens=2"], r"job\.max_new_tokens=2 is not allowed: must be >= 3"),
+    (["job=skips", "job.warm_start=[{attn:[-1]}]"], r"job\.warm_start\[0\]\.attn\[0\]=-1 is not allowed"),
+    (["job=skips", "job.iterations=0", "job.probe_fractions=[]"], r"job\.iterations=0 is not allowed: the search "
+                                                                   r"would evaluate nothing"),
+    (["job=ppd_tree", "job.sizes=[1]"], r"job\.sizes=\[1\] is not allowed: must hold a size > 1"),
+    (["job=ppd_tree", "job.latency_repeats=0"], r"job\.latency_repeats=0 is not allowed"),
+    (["job=ppd_tree", "job.prompts=/nonexistent"], r"job\.prompts=/nonexistent is not allowed: no artefact there"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", JOB_BAD, ids=[" ".join(o) for o, _ in JOB_BAD])
+def test_impossible_job_config_is_refused_before_the_model_loads(no_model_load, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run_job(compose(["model=tiny-random"] + overrides, "train"))
+
+
 def test_every_shipped_method_config_passes():
     """Each conf/method file reads every key it sets; hf_assisted alone needs a value from the user."""
     cfg = compose(["compare=[" + ",".join(group_options("method")) + "]"])
@@ -90,6 +247,23 @@ def test_every_shipped_method_config_passes():
                 check_method(m)
         else:
             check_method(m)
+
+
+def test_every_shipped_task_and_experiment_passes(no_model_load):
+    for task in group_options("task"):
+        assert prepare(compose([f"task={task}", "model=tiny-random", "n_examples=2"])).examples
+    for experiment in group_options("experiment"):
+        prepare(compose([f"experiment={experiment}", "model=tiny-random", "n_examples=2"]))
+
+
+def test_every_shipped_job_config_passes(tiny, tmp_path, monkeypatch):
+    from selfspec.artefacts import default_artefact_dir
+    from selfspec.prompts import PromptTokens, save_prompts
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))  # ppd_tree needs a prompts artefact
+    save_prompts(default_artefact_dir("prompts", "tiny-random"), PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
+    for job in group_options("job"):
+        prepare_job(compose([f"job={job}", "model=tiny-random"], "train"))
 
 
 # --- model sources: local GGUF files -------------------------------------------------------------
