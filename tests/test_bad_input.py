@@ -1,7 +1,9 @@
 """Bad input stops early, with one message naming what to change, before any model loads: local
-data files, impossible config values, model sources (GGUF files)."""
+data files, impossible config values, model sources (GGUF files) and artefacts of other weights."""
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -9,10 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from selfspec.artefacts import ArtefactError, META
 from selfspec.checks import ConfigError
 from selfspec.config import compose, group_options, model_config
-from selfspec.decoding import check_method
+from selfspec.decoding import build_decoder, check_method
 from selfspec.evaluation import evaluate, method_configs, prepare
+from selfspec.heads import IntermediateHeads, load_heads, save_heads
 from selfspec.models.layered import UnsupportedModelError
 from selfspec.models.loading import load_model
 from selfspec.tasks import TaskDataError, build_task
@@ -358,7 +362,7 @@ def test_local_gguf_file_loads_once_converted_from_every_spelling(tmp_path, conv
     assert Vanilla(loaded.model).generate(ids, 8).tokens == want
     for spelling in ({"name_or_path": str(path)}, {"name_or_path": str(tmp_path), "gguf_file": "tiny.gguf"}):
         again = load_model(_model(**spelling))
-        assert again.fingerprint == loaded.fingerprint
+        assert (again.fingerprint, again.weights_digest) == (loaded.fingerprint, loaded.weights_digest)
     assert conversions == ["tiny.gguf", "tiny.gguf"]  # ... then read from the cache (+1: the reference)
 
 
@@ -400,6 +404,35 @@ def test_smollm2_gguf_path_decodes_like_the_embedded_default(smol, tmp_path, mon
     path = asset_path("smollm2-gguf")
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # its own conversion, not the default's
     mine = load_model(OmegaConf.merge(model_config("smollm2-135m"), {"gguf_path": str(path)}))
-    assert mine.fingerprint == smol.fingerprint
+    assert (mine.fingerprint, mine.weights_digest) == (smol.fingerprint, smol.weights_digest)
     ids = smol.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]
     assert Vanilla(mine.model).generate(ids, 16).tokens == Vanilla(smol.model).generate(ids, 16).tokens
+
+
+# --- artefacts record the weights --------------------------------------------------------------
+def test_artefact_of_other_weights_is_refused(tiny, tmp_path):
+    seed1 = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"seed": 1}}))
+    assert seed1.fingerprint == tiny.fingerprint and seed1.weights_digest != tiny.weights_digest
+    path = save_heads(tmp_path / "h", IntermediateHeads.identity(tiny.model, [1, 2]), tiny)
+    message = (rf"heads artefact {re.escape(str(path))} was trained for model 'tiny-random' with other weights "
+               rf"\(weights={tiny.weights_digest}\) than the loaded model 'tiny-random' \(weights={seed1.weights_digest}\)")
+    with pytest.raises(ArtefactError, match=message):
+        load_heads(path, seed1)
+    method = OmegaConf.create({"name": "adadecode", "heads_dir": str(path)})
+    with pytest.raises(ArtefactError, match="other weights"):
+        build_decoder(method, seed1.model)
+    assert load_heads(path, tiny).layers == [1, 2]  # the same seed loads
+    bf16 = load_model(OmegaConf.merge(model_config("tiny-random"), {"dtype": "bfloat16"}))
+    assert bf16.weights_digest == tiny.weights_digest  # the same weights in another dtype
+    assert load_heads(path, bf16).layers == [1, 2]
+
+
+def test_artefact_without_a_weights_digest_loads_with_a_warning(tiny, tmp_path):
+    path = save_heads(tmp_path / "h", IntermediateHeads.identity(tiny.model, [1]), tiny)
+    meta = json.loads((path / META).read_text())
+    del meta["weights"]
+    (path / META).write_text(json.dumps(meta))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_heads(path, tiny)
+    assert any("predates weight digests" in str(w.message) for w in caught)

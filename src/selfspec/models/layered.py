@@ -81,6 +81,8 @@ class LayeredModel:
         #: sha of config + tokenizer (set by :func:`~selfspec.models.loading.load_model`);
         #: artefacts record it and refuse to load for another model
         self.fingerprint: str | None = None
+        #: digest of the weights (set by :func:`~selfspec.models.loading.load_model`); checked likewise
+        self.weights_digest: str | None = None
         self.config = hf_model.config
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens

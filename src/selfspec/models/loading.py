@@ -25,6 +25,9 @@ weights are read. A GGUF file is dequantised by transformers on first load (~20 
 and the result is kept as a plain safetensors directory in the cache, so later loads take about
 a second; a local file's cache entry is keyed by its path, size and modification time, so an
 edited file is converted again.
+
+A loaded model carries two identities that artefacts record and check: :func:`fingerprint`
+(architecture config + tokenizer) and :func:`weights_digest` (the weights themselves).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ MODEL_KEYS = ("name", "name_or_path", "gguf_file", "gguf_path", "gguf_asset", "r
 ATTENTION = ("sdpa", "eager")
 #: rotary keys LlamaConfig still accepts (folded into ``rope_parameters``)
 LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")
+#: values sampled per tensor by :func:`weights_digest`
+DIGEST_SAMPLES = 64
 
 
 class ModelLoadError(RuntimeError):
@@ -72,6 +77,7 @@ class LoadedModel:
     fingerprint: str
     chat: bool
     cfg: dict
+    weights_digest: str | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -247,6 +253,26 @@ def fingerprint(hf_config, tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_digest(hf_model: torch.nn.Module) -> str:
+    """sha256 (16 hex) of the weights: each tensor's name, shape and :data:`DIGEST_SAMPLES` values
+    spread evenly over it, rounded to bfloat16.
+
+    Artefacts record it next to :func:`fingerprint`, so heads trained on one checkpoint (or random
+    seed, or quantisation) do not load silently into another of the same architecture. It is
+    computed once at load, from the weights as loaded, *before* they are cast to ``model.dtype``,
+    and the samples are rounded to bfloat16: the same weights give the same digest whether the
+    model runs in float32 or bfloat16 (and an fp32 checkpoint digests like its bf16 copy), while
+    any other trained values change it. Cost: ~64 values per tensor (an 8B model: ~20k values).
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(hf_model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)][:DIGEST_SAMPLES]
+        h.update(f"{name}:{tuple(tensor.shape)}:".encode())
+        h.update(sample.to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 # --- loading ---------------------------------------------------------------------------------
 def load_model(cfg) -> LoadedModel:
     """Load the model a ``model`` config describes (see module docstring)."""
@@ -266,11 +292,13 @@ def load_model(cfg) -> LoadedModel:
         raise
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load model config {name!r} from {source.key}={source.where}: {err}") from err
+    digest = weights_digest(hf)  # before the cast: the same for every run dtype
     hf.to(device=device, dtype=dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
     layered = LayeredModel(hf, name=name)
     layered.fingerprint = fingerprint(hf.config, tok)
-    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain)
+    layered.weights_digest = digest
+    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain, digest)
 
 
 def _load_pretrained(path: str, attn: str, name: str):

@@ -168,7 +168,7 @@ def build_data(opts: dict, loaded) -> tuple[list[Sequence], list[Sequence], str,
     tasks = opts["tasks"]
     tag = tasks[0].task.name if opts["data"] == "task" else "mixed"
     n_train, n_held = opts["n_prompts"], opts["n_heldout"]
-    key = json.dumps([loaded.fingerprint, [t.cfg for t in tasks], n_train, n_held,
+    key = json.dumps([loaded.fingerprint, loaded.weights_digest, [t.cfg for t in tasks], n_train, n_held,
                       opts["gen_tokens"], opts["max_prompt_tokens"]], sort_keys=True, default=str)
     cache = default_artefact_dir("heads_data", loaded.name, f"{tag}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     file = cache / "sequences.json"

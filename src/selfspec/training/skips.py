@@ -581,7 +581,8 @@ def run(cfg) -> dict:
     work = out.with_name(f"{out.name}.search-{search}")
     prompts, sources = dev_prompts(opts["dev_tasks"], loaded.tokenizer)
     settings = {
-        "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint, "tasks": task_label,
+        "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint,
+        "weights": loaded.weights_digest, "tasks": task_label,
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16], "max_new_tokens": n_new,
         "decoding": decoding, "seed": int(cfg.seed), "gp_alpha": opts["gp_alpha"],
         "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
