@@ -186,6 +186,7 @@ EVAL_BAD = [
     (["task.data_files=x.jsonl"], r"task\.data_files=\[x\.jsonl\] is not allowed: data files are read only with "
                                   r"task\.source=local"),
     (["task.source=local"], r"task\.data_files=null is not allowed: task\.source=local needs data_files"),
+    (["task.split=validation"], r"task\.split=validation is not allowed: a split is read only with task\.source=hub"),
     (["model.dtype=int8"], r"model\.dtype=int8 is not allowed: must be one of auto, float32"),
     (["model.device=gpu"], r"model\.device=gpu is not allowed"),
     (["model.attn_implementation=flash_attention_2"], r"model\.attn_implementation=flash_attention_2 is not "

@@ -244,6 +244,9 @@ class TaskConfig:
         for i, name in enumerate(self.data_files or []):
             checks.text(f"task.data_files[{i}]", name)
         checks.optional(checks.text, key("split"), self.split)
+        if self.split is not None and self.source != "hub":
+            raise checks.refuse(key("split"), self.split, f"a split is read only with task.source=hub, not "
+                                f"{self.source}")
         checks.optional(checks.integer, key("n_examples"), self.n_examples, 1, why="null = the whole pool")
         checks.optional(checks.integer, key("shuffle_seed"), self.shuffle_seed, why="null = file order")
         checks.integer(key("shots"), self.shots, 0)
