@@ -175,8 +175,8 @@ def test_config_errors(peaked, tmp_path):
     m = peaked.model
     with pytest.raises(ValueError, match="exit_layers"):
         AdaDecode(m, random_heads(m), exit_layers=[3])
-    with pytest.raises(ValueError, match="gamma"):
-        AdaDecode(m, random_heads(m), gamma=-0.5)
+    with pytest.raises(ValueError, match=r"method\.gamma=-0\.5 is not allowed"):
+        build_decoder(OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "gamma": -0.5}), m)
     cfg = OmegaConf.create({"name": "adadecode", "heads_dir": None, "heads_task": "nonexistent-task"})
     with pytest.raises(FileNotFoundError, match="make train-heads"):
         build_decoder(cfg, m, tokenizer=peaked.tokenizer)

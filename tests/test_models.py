@@ -5,6 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.artefacts import ArtefactError, load_artefact, save_artefact
+from selfspec.checks import ConfigError
 from selfspec.config import model_config
 from selfspec.models.layered import LayeredModel, UnsupportedModelError
 from selfspec.models.loading import ModelLoadError, load_model
@@ -22,12 +23,12 @@ def test_unloadable_path_names_the_config(tmp_path):
 
 
 def test_config_without_source_is_refused():
-    with pytest.raises(ModelLoadError, match="names no source"):
+    with pytest.raises(ConfigError, match="names no source"):
         load_model(OmegaConf.create({"name": "empty", "device": "cpu"}))
 
 
 def test_bad_dtype_is_named():
-    with pytest.raises(ModelLoadError, match="model.dtype"):
+    with pytest.raises(ConfigError, match="model.dtype=int3 is not allowed"):
         load_model(OmegaConf.create({"name": "x", "random": {"vocab_size": 10}, "dtype": "int3", "device": "cpu"}))
 
 

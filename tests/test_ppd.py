@@ -118,5 +118,5 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
     dec = build_decoder(cfg, m)
     assert dec.generate(prompt_ids, 8).tokens == Vanilla(m).generate(prompt_ids, 8).tokens
     cfg.tree = str(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="job=ppd_tree"):
+    with pytest.raises(ValueError, match=r"method\.tree=.*missing is not allowed: no artefact there.*job=ppd_tree"):
         build_decoder(cfg, m)

@@ -101,7 +101,7 @@ def test_malformed_jsonl_names_file_line_field(tmp_path, bad, message):
         task.examples()
 
 
-def test_local_jsonl_loads_through_datasets(tmp_path):
+def test_local_jsonl_loads(tmp_path):
     rows = [json.dumps({"id": str(i), "document": f"Doc {i}.", "summary": f"S {i}."})
             for i in range(5)]
     task = build_task({"name": "xsum", "source": "local", "data_files": str(_write(tmp_path, rows)),

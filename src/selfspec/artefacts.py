@@ -1,10 +1,12 @@
 """Trained artefacts — heads, prompt embeddings, skip sets, trees — as safetensors + ``meta.json``.
 
-docs/design.md §2.5: ``meta.json`` records the kind, the model name, the model
-fingerprint (config + tokenizer), layer count, hidden size, task, training config and training
-metrics. :func:`load_artefact` checks kind and fingerprint and fails with a message naming the
-mismatch. Writes are atomic: a temporary directory is filled and renamed into place, so a
-crash never leaves a half-written artefact.
+docs/design.md §2.5: ``meta.json`` records the kind, the model name, the model fingerprint (config + tokenizer), the
+model's weights digest (:func:`selfspec.models.loading.weights_digest`), layer count, hidden
+size, task, training config and training metrics. :func:`load_artefact` checks kind,
+fingerprint and weights and fails with a message naming the mismatch (an artefact written
+before weights digests existed loads with a warning that its weights cannot be checked). Writes
+are atomic: a temporary directory is filled and renamed into place, so a crash never leaves a
+half-written artefact.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,8 +63,8 @@ def save_artefact(
 ) -> Path:
     """Write ``path/`` atomically with ``tensors.safetensors`` and ``meta.json``.
 
-    ``loaded_model`` is a :class:`~selfspec.models.loading.LoadedModel` (its name and
-    fingerprint go into the metadata).
+    ``loaded_model`` is a :class:`~selfspec.models.loading.LoadedModel` (its name, fingerprint and
+    weights digest go into the metadata).
     """
     from selfspec.runinfo import run_info
 
@@ -71,6 +74,7 @@ def save_artefact(
         "kind": kind,
         "model": loaded_model.name,
         "fingerprint": loaded_model.fingerprint,
+        "weights": loaded_model.weights_digest,
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "vocab_size": model.vocab_size,
@@ -108,27 +112,69 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise ArtefactError(f"{path / META} is not valid JSON: {err}") from err
 
 
+#: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``)
+JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips"}
+
+
+def artefact_option(key: str, value: Any, kind: str) -> Path | None:
+    """A config value naming an artefact directory of ``kind`` (``null``: the method's default
+    location), checked without a model: the directory must hold a ``kind`` artefact."""
+    from selfspec import checks
+
+    if value is None:
+        return None
+    path = Path(checks.text(key, value)).expanduser()
+    if not (path / META).exists():
+        raise checks.refuse(key, value, f"no artefact there (no {META}); build one with `python -m "
+                            f"selfspec.train job={JOBS.get(kind, kind)} model=<model>` or fix the path")
+    found = read_meta(path).get("kind")
+    if found != kind:
+        raise checks.refuse(key, value, f"it holds a {found!r} artefact, not {kind!r}")
+    return path
+
+
 def load_artefact(path: str | Path, kind: str, model=None, device=None) -> Artefact:
     """Load an artefact of ``kind``; with ``model`` (a LoadedModel or LayeredModel), check it was
-    trained for that model: fingerprint (when the model has one), layer count, hidden size."""
+    trained for that model: fingerprint and weights digest (when the model has them), layer
+    count, hidden size."""
     path = Path(path)
     meta = read_meta(path)
     if meta.get("kind") != kind:
         raise ArtefactError(f"{path} holds a {meta.get('kind')!r} artefact, expected {kind!r}")
     if model is not None:
-        layered = getattr(model, "model", model)
-        checks = [("num_layers", layered.num_layers), ("hidden_size", layered.hidden_size)]
-        if getattr(model, "fingerprint", None) is not None:
-            checks.insert(0, ("fingerprint", model.fingerprint))
-        for key, have in checks:
-            if meta.get(key) != have:
-                raise ArtefactError(
-                    f"{kind} artefact {path} was trained for model {meta.get('model')!r} "
-                    f"({key}={meta.get(key)}) but the loaded model {layered.name!r} has {key}={have}; "
-                    f"train one for this model or point the method at the right artefact"
-                )
+        check_model(meta, path, model)
     tensors = load_file(str(path / TENSORS), device=str(device or "cpu"))
     return Artefact(tensors, meta, path)
+
+
+def check_model(meta: dict[str, Any], path: Path, model) -> None:
+    """Raise :class:`ArtefactError` naming the first of fingerprint, weights digest, layer count and
+    hidden size in which the artefact's model differs from ``model``."""
+    layered = getattr(model, "model", model)
+    kind = meta.get("kind")
+    pairs = [("num_layers", layered.num_layers), ("hidden_size", layered.hidden_size)]
+    if getattr(model, "fingerprint", None) is not None:
+        pairs.insert(0, ("fingerprint", model.fingerprint))
+    for key, have in pairs:
+        if meta.get(key) != have:
+            raise ArtefactError(
+                f"{kind} artefact {path} was trained for model {meta.get('model')!r} "
+                f"({key}={meta.get(key)}) but the loaded model {layered.name!r} has {key}={have}; "
+                f"train one for this model or point the method at the right artefact"
+            )
+    have = getattr(model, "weights_digest", None)
+    if have is None:
+        return
+    if meta.get("weights") is None:
+        warnings.warn(f"{kind} artefact {path} predates weight digests: it cannot be checked against the "
+                      f"weights of {layered.name!r}; retrain it to be sure it fits them", stacklevel=3)
+    elif meta["weights"] != have:
+        raise ArtefactError(
+            f"{kind} artefact {path} was trained for model {meta.get('model')!r} with other weights "
+            f"(weights={meta['weights']}) than the loaded model {layered.name!r} (weights={have}): same "
+            "architecture and tokenizer, but another checkpoint, seed or quantisation; train one for "
+            "these weights or point the method at the right artefact"
+        )
 
 
 def default_artefact_dir(kind: str, model_name: str, task: str | None = None) -> Path:

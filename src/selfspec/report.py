@@ -12,6 +12,7 @@ import logging
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec import checks
 from selfspec.config import conf_dir
 
 log = logging.getLogger(__name__)
@@ -22,15 +23,15 @@ def run_report(cfg: DictConfig):
     from selfspec.reporting.build import build_report
     from selfspec.reporting.wandb_source import enabled, wandb_records
 
+    flags = {key: checks.flag(key, cfg[key]) for key in ("paper", "plots", "newest_only")}
     extra = []
     if enabled(cfg.wandb.enabled):
         filters = OmegaConf.to_container(cfg.wandb.filters, resolve=True) if cfg.wandb.filters else {}
         extra = wandb_records(str(cfg.wandb.project), cfg.wandb.entity, filters)
     tables = list(cfg.tables) if cfg.tables is not None else None
     return build_report(
-        list(cfg.inputs), cfg.output_dir, cfg.artefacts_dir, tables,
-        paper=bool(cfg.paper), formats=list(cfg.formats), make_plots=bool(cfg.plots),
-        newest_only=bool(cfg.newest_only), extra_records=extra,
+        list(cfg.inputs), cfg.output_dir, cfg.artefacts_dir, tables, paper=flags["paper"], formats=list(cfg.formats),
+        make_plots=flags["plots"], newest_only=flags["newest_only"], extra_records=extra,
     )
 
 

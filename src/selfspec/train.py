@@ -1,6 +1,8 @@
 """``python -m selfspec.train job=<name>``: train one artefact (heads, prompts, skips, ppd_tree).
 
-Each job is a module in :mod:`selfspec.training` with ``run(cfg) -> dict`` (its summary).
+Each job is a module in :mod:`selfspec.training` with ``prepare(cfg)`` (every config value
+checked and the job's data read, without the model) and ``run(cfg) -> dict`` (its summary),
+which prepares before it loads the model.
 """
 
 from __future__ import annotations
@@ -24,11 +26,21 @@ JOBS = {
 }
 
 
-def run_job(cfg: DictConfig) -> dict:
+def job_module(cfg: DictConfig):
+    """The module of ``cfg.job.name``."""
     name = str(cfg.job.name)
     if name not in JOBS:
         raise ValueError(f"unknown job {name!r}; choose one of {', '.join(sorted(JOBS))} (conf/job/)")
-    return importlib.import_module(JOBS[name]).run(cfg)
+    return importlib.import_module(JOBS[name])
+
+
+def prepare_job(cfg: DictConfig):
+    """Check the job's config and read its data, without loading the model."""
+    return job_module(cfg).prepare(cfg)
+
+
+def run_job(cfg: DictConfig) -> dict:
+    return job_module(cfg).run(cfg)
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")

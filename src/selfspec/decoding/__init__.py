@@ -7,7 +7,9 @@ registers its class with :func:`~selfspec.decoding.base.register`.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
+from selfspec import checks
 from selfspec.decoding.base import Decoder, DecodeState, Generation, register, registered
 from selfspec.decoding.sampling import Sampling
 
@@ -37,9 +39,20 @@ def decoder_class(name: str) -> type[Decoder]:
     return registered()[name]
 
 
+def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
+    """The checked options of a ``method`` config (:meth:`Decoder.options`), without a model.
+
+    A key the decoder does not read is refused too (:class:`~selfspec.checks.ConfigError`)."""
+    cls = decoder_class(str(method_cfg.name))
+    options = cls.options(method_cfg, prefix)
+    checks.known_keys(prefix, [k for k in method_cfg if k != "name"], [*options, "name"], f"method {cls.name}")
+    return options
+
+
 def build_decoder(method_cfg, model, **common) -> Decoder:
     """Build the decoder a ``method`` config group names (``method.name``)."""
-    return decoder_class(str(method_cfg.name)).from_config(model, method_cfg, **common)
+    return decoder_class(str(method_cfg.name)).from_config(model, check_method(method_cfg), **common)
 
 
-__all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "decoder_class", "register"]
+__all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "check_method", "decoder_class",
+           "register"]

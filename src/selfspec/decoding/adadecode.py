@@ -40,12 +40,13 @@ unchecked; its consistency ratio against vanilla is what the ablation reports.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.heads import KINDS as HEAD_KINDS
 from selfspec.heads import IntermediateHeads, default_layers, find_heads, load_heads
 
 
@@ -92,10 +93,6 @@ class AdaDecode(Decoder):
     ) -> None:
         super().__init__(model, **common)
         self.artefacts = {"heads": heads.path} if heads.path else {}
-        if not gamma >= 0:
-            raise ValueError(f"adadecode gamma must be >= 0 (exit when head top probability > gamma), got {gamma}")
-        if max_early < 0:
-            raise ValueError(f"adadecode max_early must be >= 0, got {max_early}")
         layers = list(heads.layers) if exit_layers is None else [int(i) for i in exit_layers]
         missing = [i for i in layers if i not in heads.layers]
         if missing:
@@ -110,31 +107,56 @@ class AdaDecode(Decoder):
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
-    def from_config(cls, model, cfg, **common) -> "AdaDecode":
-        """Keys (conf/method/adadecode*.yaml): ``gamma``, ``max_early``, ``exit_layers`` (null =
-        every head, a list of head layers, or ``middle``), ``head_kind`` (``linear`` / ``full``:
-        load the trained artefact of that kind; ``lm_head``: untrained final norm + head, the
-        "w/ original LM head" ablation), ``heads_dir`` (null = the default artefact directory,
-        see :func:`selfspec.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/adadecode*.yaml): ``gamma`` (exit when a head's top probability
+        exceeds it, so in [0, 1)), ``max_early`` (>= 1), ``exit_layers`` (null = every head, a
+        list of head layers, or ``middle``), ``head_kind`` (``linear`` / ``full``: load the trained
+        artefact of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head"
+        ablation), ``heads_dir`` (null = the default artefact directory, see
+        :func:`selfspec.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
         task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced)."""
-        kind = str(cfg.get("head_kind", "linear"))
+        from selfspec.artefacts import artefact_option
+
+        key = f"{prefix}.{{}}".format
+        kind = checks.choice(key("head_kind"), cfg.get("head_kind", "linear"), HEAD_KINDS)
+        exit_layers = cfg.get("exit_layers")
+        if exit_layers != "middle":
+            exit_layers = checks.optional(checks.integers, key("exit_layers"), exit_layers, distinct=True,
+                                          why="null = every head, or middle")
+        layers = cfg.get("layers")
+        if layers is not None and kind != "lm_head":
+            raise checks.refuse(key("layers"), layers, f"set only with head_kind=lm_head; {kind} heads sit at "
+                                "the layers of their artefact (choose among them with exit_layers)")
+        return {
+            "gamma": checks.probability(key("gamma"), cfg.get("gamma", 0.85), high_open=True,
+                                        why="exit threshold on a head's top probability: at 1 or more "
+                                            "no token ever exits"),
+            "max_early": checks.integer(key("max_early"), cfg.get("max_early", 16), 1,
+                                        why="unverified early tokens per full pass; 0 would never exit"),
+            "exit_layers": exit_layers,
+            "head_kind": kind,
+            "heads_dir": artefact_option(key("heads_dir"), cfg.get("heads_dir"), "heads"),
+            "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task")),
+            "layers": checks.optional(checks.integers, key("layers"), layers, distinct=True),
+        }
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common) -> "AdaDecode":
+        """Load (or build) the heads :meth:`options` name and check them against the model."""
+        kind = options["head_kind"]
         if kind == "lm_head":
-            layers = cfg.get("layers") or default_layers(model.num_layers)
+            layers = options["layers"] or default_layers(model.num_layers)
             heads = IntermediateHeads.identity(model, layers, kind="lm_head")
-        elif kind in ("linear", "full"):
-            path = _heads_path(model, cfg, kind)
+        else:
+            path = find_heads(model.name, options["heads_dir"], options["heads_task"], kind)
             heads = load_heads(path, model)
             if heads.kind != kind:
                 raise ValueError(f"heads artefact {path} holds {heads.kind!r} heads but method.head_kind={kind!r}")
-        else:
-            raise ValueError(f"method.head_kind must be linear, full or lm_head, got {kind!r}")
-        exit_layers = cfg.get("exit_layers")
+        exit_layers = options["exit_layers"]
         if exit_layers == "middle":
             exit_layers = [heads.layers[len(heads.layers) // 2]]
-        return cls(
-            model, heads, gamma=float(cfg.get("gamma", 0.85)), max_early=int(cfg.get("max_early", 16)),
-            exit_layers=exit_layers, **common,
-        )
+        return cls(model, heads, gamma=options["gamma"], max_early=options["max_early"],
+                   exit_layers=exit_layers, **common)
 
     # --- decoding --------------------------------------------------------------------------
     def new_step(self, state: DecodeState, budget: int) -> _StepState:
@@ -250,9 +272,3 @@ class AdaDecodeNoVerify(AdaDecode):
     name = "adadecode_noverify"
     lossless = False
     verify = False
-
-
-# --- artefact location -----------------------------------------------------------------------
-def _heads_path(model, cfg, kind: str) -> Path:
-    data = cfg.get("heads_task")
-    return find_heads(model.name, cfg.get("heads_dir"), str(data) if data else None, kind)

@@ -108,7 +108,8 @@ class Decoder:
 
     Subclasses set :attr:`name`, :attr:`lossless`, implement :meth:`step`, may override
     :meth:`prefill`, :meth:`begin` (per-example state) and :meth:`finish` (per-example
-    statistics), and build themselves from a method config in :meth:`from_config`.
+    statistics), read and check their method config's keys in :meth:`options` (no model
+    needed) and build themselves from those options in :meth:`from_config`.
     """
 
     name: ClassVar[str] = "base"
@@ -134,8 +135,16 @@ class Decoder:
 
     # --- hooks -----------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, model: LayeredModel, cfg, **common) -> "Decoder":
-        """Build from the ``method`` config group; ``common`` holds eos/stop/tokenizer."""
+    def options(cls, cfg, prefix: str = "method") -> dict[str, Any]:
+        """Every key of the method config this decoder reads, checked with :mod:`selfspec.checks`
+        and named ``<prefix>.<key>``. Needs no model: the entry points call it (through
+        :func:`selfspec.decoding.check_method`) before loading one. Default: no keys."""
+        return {}
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict[str, Any], **common) -> "Decoder":
+        """Build from :meth:`options` of the method config (model-dependent checks happen here);
+        ``common`` holds eos/stop/tokenizer."""
         return cls(model, **common)
 
     def begin(self, state: DecodeState) -> None:

@@ -14,7 +14,11 @@ The drafted token whose confidence is below the threshold is still verified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from selfspec import checks
 
 
 class DraftStop:
@@ -71,15 +75,36 @@ class AdaptiveThreshold(DraftStop):
         self.value = self.beta2 * self.value + (1 - self.beta2) * proposal
 
 
-def draft_stop_from_config(cfg) -> DraftStop:
+#: allowed range and meaning of each :class:`AdaptiveThreshold` parameter (Draft & Verify §3.3)
+ADAPTIVE_RANGES: dict[str, tuple[dict[str, Any], str]] = {
+    "initial": ({"low": 0, "high": 1}, "initial threshold on a draft's top probability"),
+    "target": ({"low": 0, "high": 1}, "target acceptance rate"),
+    "epsilon": ({"low": 0, "high": 1, "low_open": True}, "threshold step; 0 would never adapt"),
+    "beta1": ({"low": 0, "high": 1, "high_open": True}, "EMA factor of the acceptance rate; 1 freezes it"),
+    "beta2": ({"low": 0, "high": 1, "high_open": True}, "EMA factor of the threshold; 1 freezes it"),
+}
+ADAPTIVE_DEFAULTS = {f.name: f.default for f in fields(AdaptiveThreshold) if f.init}
+
+
+def adaptive_parameters(named: dict[str, tuple[str, Any]]) -> dict[str, float]:
+    """``{parameter: (config key, value)}`` -> checked :class:`AdaptiveThreshold` keyword arguments
+    (Draft & Verify and early exit name the parameters differently in their configs)."""
+    return {param: checks.number(key, value, **ADAPTIVE_RANGES[param][0], why=ADAPTIVE_RANGES[param][1])
+            for param, (key, value) in named.items()}
+
+
+def draft_stop_from_config(cfg, prefix: str = "method.draft_stop") -> DraftStop:
+    """The rule a ``draft_stop`` config names, every value checked: null (never stop early),
+    ``{rule: static, threshold}`` or ``{rule: adaptive, initial, target, epsilon, beta1, beta2}``."""
     if cfg is None:
         return DraftStop()
-    rule = cfg.get("rule")
+    if not isinstance(cfg, Mapping):
+        raise checks.refuse(prefix, cfg, "must be null, {rule: static, threshold: p} or {rule: adaptive, ...}")
+    rule = checks.choice(f"{prefix}.rule", cfg.get("rule"), ("static", "adaptive"), why="or draft_stop: null")
     if rule == "static":
-        return StaticThreshold(float(cfg["threshold"]))
-    if rule == "adaptive":
-        return AdaptiveThreshold(
-            float(cfg.get("initial", 0.6)), float(cfg.get("target", 0.9)), float(cfg.get("epsilon", 0.01)),
-            float(cfg.get("beta1", 0.5)), float(cfg.get("beta2", 0.9)),
-        )
-    raise ValueError(f"method.draft_stop.rule must be 'static' or 'adaptive' (or draft_stop: null), got {rule!r}")
+        checks.known_keys(prefix, cfg, ("rule", "threshold"), "draft_stop with rule: static")
+        return StaticThreshold(checks.probability(f"{prefix}.threshold", cfg.get("threshold"),
+                                                  why="stop drafting below this top probability"))
+    checks.known_keys(prefix, cfg, ("rule", *ADAPTIVE_DEFAULTS), "draft_stop with rule: adaptive")
+    return AdaptiveThreshold(**adaptive_parameters(
+        {p: (f"{prefix}.{p}", cfg.get(p, d)) for p, d in ADAPTIVE_DEFAULTS.items()}))

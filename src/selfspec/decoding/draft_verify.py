@@ -32,12 +32,18 @@ from pathlib import Path
 
 import torch
 
+from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.draft_exit import AdaptiveThreshold, DraftStop, StaticThreshold
+from selfspec.decoding.draft_exit import (ADAPTIVE_DEFAULTS, AdaptiveThreshold, DraftStop, StaticThreshold,
+                                          adaptive_parameters)
 from selfspec.decoding.sampling import verify_chain, warp
 from selfspec.models.layered import LayeredModel, SkipSet
 
 DRAFT_EXITS = ("adaptive", "static", "none")
+#: config key -> :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold` parameter (Eq. 2-4)
+RULE_KEYS = {"gamma0": "initial", "alpha": "target", "epsilon": "epsilon", "beta1": "beta1", "beta2": "beta2"}
+#: the decoding settings of a config (what the constructor takes besides the skip set)
+DECODING_KEYS = ("max_draft", "draft_exit", *RULE_KEYS)
 
 
 def _get(cfg, key, default=None):
@@ -140,13 +146,6 @@ class DraftVerify(Decoder):
         **common,
     ) -> None:
         super().__init__(model, **common)
-        if max_draft < 1:
-            raise ValueError(f"method.max_draft (K) must be >= 1, got {max_draft}")
-        if draft_exit not in DRAFT_EXITS:
-            raise ValueError(f"method.draft_exit must be one of {', '.join(DRAFT_EXITS)}, got {draft_exit!r}")
-        for key, v in (("beta1", beta1), ("beta2", beta2), ("alpha", alpha)):
-            if not 0 <= v <= 1:
-                raise ValueError(f"method.{key} must be in [0, 1], got {v}")
         self.skip_set = check_skip_set(skip_set, model.num_layers)
         self.max_draft = int(max_draft)
         self.draft_exit = draft_exit
@@ -156,21 +155,32 @@ class DraftVerify(Decoder):
         self.reset_gamma()
 
     @classmethod
-    def from_config(cls, model: LayeredModel, cfg, **common) -> "DraftVerify":
-        skip = resolve_skip_set(cfg, model, common.get("tokenizer"))
-        dec = cls(
-            model,
-            skip,
-            max_draft=int(_get(cfg, "max_draft", 12)),
-            draft_exit=str(_get(cfg, "draft_exit", "adaptive")),
-            gamma0=float(_get(cfg, "gamma0", 0.6)),
-            alpha=float(_get(cfg, "alpha", 0.9)),
-            epsilon=float(_get(cfg, "epsilon", 0.01)),
-            beta1=float(_get(cfg, "beta1", 0.5)),
-            beta2=float(_get(cfg, "beta2", 0.9)),
-            **common,
-        )
-        path = skip_set_path(cfg, model)
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
+        lists, else the ``skip_set`` artefact, else the default one for ``task``) and the decoding
+        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1, ``draft_exit``, and the threshold
+        rule's ``gamma0``, ``alpha``, ``epsilon``, ``beta1``, ``beta2``)."""
+        from selfspec.artefacts import artefact_option
+
+        key = f"{prefix}.{{}}".format
+        rule = adaptive_parameters({param: (key(k), _get(cfg, k, ADAPTIVE_DEFAULTS[param]))
+                                    for k, param in RULE_KEYS.items()})
+        return {
+            "skip_set": artefact_option(key("skip_set"), cfg.get("skip_set"), "skip_set"),
+            "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
+            "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
+            "task": checks.optional(checks.text, key("task"), cfg.get("task")),
+            "max_draft": checks.integer(key("max_draft"), _get(cfg, "max_draft", 12), 1,
+                                        why="K, the most draft tokens per step"),
+            "draft_exit": checks.choice(key("draft_exit"), _get(cfg, "draft_exit", "adaptive"), DRAFT_EXITS),
+            **{k: rule[param] for k, param in RULE_KEYS.items()},
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "DraftVerify":
+        skip = resolve_skip_set(options, model, common.get("tokenizer"))
+        dec = cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, **common)
+        path = skip_set_path(options, model)
         dec.artefacts = {"skip_set": path} if path else {}
         return dec
 

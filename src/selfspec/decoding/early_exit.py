@@ -37,10 +37,10 @@ and stops drafting when a draft's confidence falls below the per-layer dynamic t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import DraftStop, StaticThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select, verify_chain, warp
@@ -62,15 +62,21 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, da
 
     if exit_head == "lm_head":
         return IntermediateHeads(model, layers, "lm_head")
-    if exit_head != "heads":
-        raise ValueError(f"method.exit_head must be one of {', '.join(EXIT_HEADS)}, got {exit_head!r}")
-    path = find_heads(model.name, heads_path, data)
-    if not (Path(path) / "meta.json").exists():
-        raise ValueError(
-            f"no heads artefact at {path}: train one (python -m selfspec.train job=heads "
-            f"model={model.name}) or set method.exit_head=lm_head / method.heads=<path>"
-        )
-    return load_heads(path, model)
+    return load_heads(find_heads(model.name, heads_path, data), model)
+
+
+def exit_head_options(cfg, prefix: str) -> dict:
+    """The exit-head keys early exit and DEL share: ``exit_head``, ``heads`` (a heads artefact,
+    ``exit_head=heads`` only) and ``heads_task``."""
+    from selfspec.artefacts import artefact_option
+
+    key = f"{prefix}.{{}}".format
+    exit_head = checks.choice(key("exit_head"), cfg.get("exit_head", "lm_head"), EXIT_HEADS)
+    heads = artefact_option(key("heads"), cfg.get("heads"), "heads")
+    if heads is not None and exit_head != "heads":
+        raise checks.refuse(key("heads"), cfg.get("heads"), "set only with exit_head=heads")
+    return {"exit_head": exit_head, "heads": heads,
+            "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task"))}
 
 
 def head_cost_in_layers(model: LayeredModel, heads) -> float:
@@ -106,8 +112,6 @@ class EarlyExit(Decoder):
                  draft_stop: DraftStop | None = None, **common) -> None:
         super().__init__(model, **common)
         self.artefacts = {"heads": heads.path} if heads.path else {}
-        if gamma < 1:
-            raise ValueError(f"method.gamma (speculation length) must be >= 1, got {gamma}")
         self.heads = heads
         self.max_gamma = int(gamma)
         self.lookahead = self.max_gamma + 1
@@ -126,14 +130,26 @@ class EarlyExit(Decoder):
         return layer
 
     @classmethod
-    def from_config(cls, model: LayeredModel, cfg, **common) -> "EarlyExit":
-        exit_layer = int(cfg.exit_layer)
-        if not 0 <= exit_layer < model.num_layers - 1:
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
+        with the model), ``gamma`` (drafts per round, >= 1), the exit head
+        (:func:`exit_head_options`) and ``draft_stop`` (:func:`draft_stop_from_config`)."""
+        key = f"{prefix}.{{}}".format
+        return {
+            "exit_layer": checks.integer(key("exit_layer"), cfg.get("exit_layer"), 0, why="0-based exit layer ℓ"),
+            "gamma": checks.integer(key("gamma"), cfg.get("gamma"), 1, why="speculation length: drafts per round"),
+            **exit_head_options(cfg, prefix),
+            "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "EarlyExit":
+        exit_layer = options["exit_layer"]
+        if not exit_layer < model.num_layers - 1:
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
-        heads = build_exit_heads(model, str(cfg.exit_head), cfg.get("heads"), [exit_layer],
-                                 cfg.get("heads_task"))
-        return cls(model, heads, exit_layer, int(cfg.gamma), draft_stop_from_config(cfg.get("draft_stop")), **common)
+        heads = build_exit_heads(model, options["exit_head"], options["heads"], [exit_layer], options["heads_task"])
+        return cls(model, heads, exit_layer, options["gamma"], options["draft_stop"], **common)
 
     # --- per-example buffers ---------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:
@@ -234,8 +250,6 @@ class ShadowStats:
     """
 
     def __init__(self, n_layers: int, omega: float) -> None:
-        if not 0 < omega < 1:
-            raise ValueError(f"method.omega (decay) must be in (0, 1), got {omega}")
         self.omega = omega
         z = lambda: torch.zeros(n_layers, dtype=torch.float64)  # noqa: E731
         self.weight, self.match = z(), z()  # decayed observations, decayed matches (per layer)
@@ -308,36 +322,56 @@ class DEL(EarlyExit):
     def __init__(self, model: LayeredModel, heads, max_gamma: int, min_gamma: int = 1, omega: float = 0.95,
                  dynamic_threshold: bool = True, prefill_shadow: int = 8, shadow_rows: int | None = None,
                  head_cost: float | None = None, **common) -> None:
-        if not 0 <= min_gamma <= max_gamma:
-            raise ValueError(f"method.min_gamma must be in [0, max_gamma={max_gamma}], got {min_gamma}")
         self.gammas = torch.arange(int(min_gamma), int(max_gamma) + 1)
         self.candidates = list(heads.layers)
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_gamma, None, **common)
         self.keep_layers = self.candidates
         self.omega = float(omega)
-        ShadowStats(1, self.omega)  # validates ω now, not at the first example
         self.dynamic_threshold = bool(dynamic_threshold)
-        if prefill_shadow < 1:
-            raise ValueError(f"method.prefill_shadow must be >= 1 (prompt positions), got {prefill_shadow}")
         self.prefill_shadow = int(prefill_shadow)
-        if shadow_rows is not None and shadow_rows < 1:
-            raise ValueError(f"method.shadow_rows must be >= 1 or null (all verified positions), got {shadow_rows}")
         self.shadow_rows = shadow_rows
         self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
         self._layer_ids = torch.tensor(self.candidates)
 
     @classmethod
-    def from_config(cls, model: LayeredModel, cfg, **common) -> "DEL":
-        exit_head = str(cfg.exit_head)
-        layers = cfg.get("candidate_layers")
-        if exit_head == "heads" and layers is not None:
-            raise ValueError("method.candidate_layers applies to exit_head=lm_head; with trained heads "
-                             "the candidates are the layers that have a head (set candidate_layers: null)")
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/del*.yaml): the exit head (:func:`exit_head_options`),
+        ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_gamma``
+        >= 1 and ``min_gamma`` in [0, max_gamma], ``omega`` in (0, 1), ``dynamic_threshold``,
+        ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null) and ``head_cost`` (>= 0 or null)."""
+        key = f"{prefix}.{{}}".format
+        heads = exit_head_options(cfg, prefix)
+        layers = checks.optional(checks.integers, key("candidate_layers"), cfg.get("candidate_layers"), distinct=True)
+        if layers is not None and heads["exit_head"] == "heads":
+            raise checks.refuse(key("candidate_layers"), layers, "set only with exit_head=lm_head; with trained "
+                                "heads the candidates are the layers that have a head (set candidate_layers: null)")
+        max_gamma = checks.integer(key("max_gamma"), cfg.get("max_gamma"), 1, why="largest speculation length")
+        return {
+            **heads,
+            "candidate_layers": layers,
+            "max_gamma": max_gamma,
+            "min_gamma": checks.integer(key("min_gamma"), cfg.get("min_gamma", 1), 0, max_gamma,
+                                        why=f"smallest speculation length, at most max_gamma={max_gamma}"),
+            "omega": checks.number(key("omega"), cfg.get("omega", 0.95), 0, 1, low_open=True, high_open=True,
+                                   why="decay of the shadow-token statistics"),
+            "dynamic_threshold": checks.flag(key("dynamic_threshold"), cfg.get("dynamic_threshold", True)),
+            "prefill_shadow": checks.integer(key("prefill_shadow"), cfg.get("prefill_shadow", 8), 1,
+                                             why="prompt positions seeding the statistics"),
+            "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
+                                           why="null = every verified position"),
+            "head_cost": checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
+                                         why="null = from parameter counts"),
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "DEL":
+        layers = options["candidate_layers"]
         if layers is None:
             layers = range(model.num_layers - 1)
-        heads = build_exit_heads(model, exit_head, cfg.get("heads"), list(layers), cfg.get("heads_task"))
-        return cls(model, heads, int(cfg.max_gamma), int(cfg.min_gamma), float(cfg.omega), bool(cfg.dynamic_threshold),
-                   int(cfg.prefill_shadow), cfg.get("shadow_rows"), cfg.get("head_cost"), **common)
+        heads = build_exit_heads(model, options["exit_head"], options["heads"], list(layers), options["heads_task"])
+        return cls(model, heads, options["max_gamma"], options["min_gamma"], options["omega"],
+                   options["dynamic_threshold"], options["prefill_shadow"], options["shadow_rows"],
+                   options["head_cost"], **common)
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, Generation, register
 from selfspec.models.costs import synchronizer
 from selfspec.decoding.sampling import Sampling
@@ -179,12 +180,21 @@ class HFPromptLookup(HFPeer):
     speculative = True
 
     @classmethod
-    def from_config(cls, model, cfg, **common):
-        n = int(_get(cfg, "prompt_lookup_num_tokens", 10))
-        ngram = int(_get(cfg, "max_matching_ngram_size", 2))
-        if n < 1 or ngram < 1:
-            raise ValueError("method.prompt_lookup_num_tokens and method.max_matching_ngram_size must be >= 1")
-        return cls(model, {"prompt_lookup_num_tokens": n, "max_matching_ngram_size": ngram}, **common)
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        return {
+            "prompt_lookup_num_tokens": checks.integer(f"{prefix}.prompt_lookup_num_tokens",
+                                                       _get(cfg, "prompt_lookup_num_tokens", 10), 1,
+                                                       why="drafted tokens per step"),
+            "max_matching_ngram_size": checks.integer(f"{prefix}.max_matching_ngram_size",
+                                                      _get(cfg, "max_matching_ngram_size", 2), 1),
+        }
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common):
+        return cls(model, dict(options), **common)
+
+
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 
 class _AssistantSchedule(HFPeer):
@@ -196,15 +206,21 @@ class _AssistantSchedule(HFPeer):
     schedule: str | None = None
 
     @classmethod
-    def _schedule_from(cls, cfg) -> tuple[int | None, str | None]:
-        n = _get(cfg, "num_assistant_tokens")
-        schedule = _get(cfg, "num_assistant_tokens_schedule")
-        if n is not None and int(n) < 1:
-            raise ValueError(f"method.num_assistant_tokens must be >= 1, got {n}")
-        if schedule is not None and schedule not in ("constant", "heuristic", "heuristic_transient"):
-            raise ValueError("method.num_assistant_tokens_schedule must be constant, heuristic or "
-                             f"heuristic_transient, got {schedule!r}")
-        return (None if n is None else int(n)), schedule
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """``num_assistant_tokens`` (>= 1) and ``num_assistant_tokens_schedule``; null = transformers'
+        default."""
+        return {
+            "num_assistant_tokens": checks.optional(checks.integer, f"{prefix}.num_assistant_tokens",
+                                                    _get(cfg, "num_assistant_tokens"), 1,
+                                                    why="drafted tokens per step; null = transformers' default"),
+            "num_assistant_tokens_schedule": checks.optional(
+                checks.choice, f"{prefix}.num_assistant_tokens_schedule", _get(cfg, "num_assistant_tokens_schedule"),
+                SCHEDULES, why="null = transformers' default"),
+        }
+
+    def _set_schedule(self, options: dict) -> None:
+        self.num_assistant_tokens = options["num_assistant_tokens"]
+        self.schedule = options["num_assistant_tokens_schedule"]
 
     @contextlib.contextmanager
     def _configured(self):
@@ -229,15 +245,22 @@ class HFEarlyExit(_AssistantSchedule):
     name = "hf_early_exit"
 
     @classmethod
-    def from_config(cls, model, cfg, **common):
-        exit_layer = _get(cfg, "assistant_early_exit")
-        if exit_layer is None or not 1 <= int(exit_layer) < model.num_layers:
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        return {**super().options(cfg, prefix),
+                "assistant_early_exit": checks.integer(f"{prefix}.assistant_early_exit",
+                                                       _get(cfg, "assistant_early_exit"), 1,
+                                                       why="layers that draft; below the model's layer count")}
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common):
+        exit_layer = options["assistant_early_exit"]
+        if not exit_layer < model.num_layers:
             raise ValueError(
                 f"method.assistant_early_exit={exit_layer} must be a layer count in [1, "
                 f"{model.num_layers - 1}] for this {model.num_layers}-layer model")
-        peer = cls(model, {"assistant_early_exit": int(exit_layer)}, **common)
+        peer = cls(model, {"assistant_early_exit": exit_layer}, **common)
         peer.assistant_hf = model.hf
-        peer.num_assistant_tokens, peer.schedule = cls._schedule_from(cfg)
+        peer._set_schedule(options)
         return peer
 
 
@@ -249,15 +272,24 @@ class HFAssisted(_AssistantSchedule):
     name = "hf_assisted"
 
     @classmethod
-    def from_config(cls, model, cfg, **common):
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """``assistant``: the model config (conf/model/) of the draft model, checked to exist."""
+        from selfspec.config import group_options
+
+        name = _get(cfg, "assistant")
+        if name is None:
+            raise checks.refuse(f"{prefix}.assistant", name, "method=hf_assisted needs method.assistant=<model "
+                                "config name of the draft model> (conf/model/), sharing the target's tokenizer")
+        checks.choice(f"{prefix}.assistant", name, group_options("model"), why="a model config of conf/model/")
+        return {**super().options(cfg, prefix), "assistant": name}
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common):
         from selfspec.config import model_config
         from selfspec.models.loading import load_model
 
-        name = _get(cfg, "assistant")
-        if not name:
-            raise ValueError("method=hf_assisted needs method.assistant=<model config name of the "
-                             "draft model> (conf/model/), sharing the target's tokenizer")
-        draft = load_model(model_config(str(name)))
+        name = options["assistant"]
+        draft = load_model(model_config(name))
         tok = common.get("tokenizer")
         if tok is not None and draft.tokenizer is not None and draft.tokenizer.get_vocab() != tok.get_vocab():
             raise ValueError(f"method.assistant={name}: its tokenizer differs from the target's; "
@@ -265,6 +297,6 @@ class HFAssisted(_AssistantSchedule):
         draft.model.hf.to(device=model.device)
         peer = cls(model, {"assistant_model": draft.model.hf}, **common)
         peer.assistant_hf = draft.model.hf
-        peer.num_assistant_tokens, peer.schedule = cls._schedule_from(cfg)
+        peer._set_schedule(options)
         return peer
 

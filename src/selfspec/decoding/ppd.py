@@ -27,10 +27,10 @@ Under greedy decoding the output equals vanilla token for token.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
+from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import SparseTree, TreeLayout, candidate_tokens, check_trees, full_mask, layout
@@ -69,9 +69,6 @@ class PPD(Decoder):
             raise ValueError(f"prompt embeddings have hidden size {prompts.hidden_size}, model "
                              f"{model.name!r} has {model.hidden_size}; use prompts trained for this model")
         check_trees(trees, prompts.m)
-        if not 0 < posterior_threshold <= 1 or posterior_alpha <= 0:
-            raise ValueError("ppd: posterior_threshold must be in (0, 1] and posterior_alpha > 0, got "
-                             f"{posterior_threshold}, {posterior_alpha}")
         self.prompts = prompts
         self.trees = dict(trees)
         self.threshold = float(posterior_threshold)
@@ -85,13 +82,32 @@ class PPD(Decoder):
         self._state = 0
 
     @classmethod
-    def from_config(cls, model, cfg, **common) -> "PPD":
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/ppd.yaml): the ``prompts`` and ``tree`` artefacts (null = the default
+        ones for the model), typical acceptance's ``posterior_threshold`` in (0, 1] and
+        ``posterior_alpha`` > 0, and ``tree_size`` (>= 1, or null = the size the ppd_tree job chose)."""
+        from selfspec.artefacts import artefact_option
+
+        key = f"{prefix}.{{}}".format
+        return {
+            "prompts": artefact_option(key("prompts"), cfg.get("prompts"), "prompts"),
+            "tree": artefact_option(key("tree"), cfg.get("tree"), "ppd_tree"),
+            "posterior_threshold": checks.probability(key("posterior_threshold"), cfg.get("posterior_threshold", 0.09),
+                                                      low_open=True, why="typical acceptance's ε"),
+            "posterior_alpha": checks.number(key("posterior_alpha"), cfg.get("posterior_alpha", 0.3), 0,
+                                             low_open=True, why="typical acceptance's α"),
+            "tree_size": checks.optional(checks.integer, key("tree_size"), cfg.get("tree_size"), 1,
+                                         why="tokens per forward; null = the size the ppd_tree job chose"),
+        }
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common) -> "PPD":
         from selfspec.artefacts import default_artefact_dir
         from selfspec.decoding.tree import load_trees
         from selfspec.prompts import load_prompts
 
-        prompts_path = Path(cfg.prompts) if cfg.get("prompts") else default_artefact_dir("prompts", model.name)
-        tree_path = Path(cfg.tree) if cfg.get("tree") else default_artefact_dir("ppd_tree", model.name)
+        prompts_path = options["prompts"] or default_artefact_dir("prompts", model.name)
+        tree_path = options["tree"] or default_artefact_dir("ppd_tree", model.name)
         for what, path, job in (("prompts", prompts_path, "prompts"), ("tree", tree_path, "ppd_tree")):
             if not path.exists():
                 raise FileNotFoundError(
@@ -100,13 +116,13 @@ class PPD(Decoder):
                 )
         prompts = load_prompts(prompts_path, model=model)
         trees, meta = load_trees(tree_path, model)
-        if cfg.get("tree_size") is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
+        if options["tree_size"] is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
             from selfspec.artefacts import load_artefact
             from selfspec.training.tree import trees_for_size
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
-            trees = trees_for_size(stats, int(cfg.tree_size), prompts.m, prompts.n_ept)
-        dec = cls(model, prompts, trees, float(cfg.posterior_threshold), float(cfg.posterior_alpha), **common)
+            trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept)
+        dec = cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"], **common)
         dec.artefacts = {"prompts": prompts_path, "tree": tree_path}  # lineage for the evaluation runner
         return dec
 

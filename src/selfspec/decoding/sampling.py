@@ -12,14 +12,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
+
+from selfspec import checks
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings; ``temperature == 0`` means greedy decoding."""
+    """Sampling settings (``sampling.*`` of conf/evaluate.yaml); ``temperature == 0`` means greedy
+    decoding. Every value is checked here, named as its config key; none is replaced."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -27,12 +31,12 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        put = partial(object.__setattr__, self)
+        put("temperature", checks.number("sampling.temperature", self.temperature, 0, why="0 = greedy"))
+        put("top_p", checks.probability("sampling.top_p", self.top_p, low_open=True,
+                                        why="nucleus probability mass kept; 1 = no top-p truncation"))
+        put("top_k", checks.integer("sampling.top_k", self.top_k, 0, why="0 = no top-k truncation"))
+        put("seed", checks.integer("sampling.seed", self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -40,15 +44,12 @@ class Sampling:
 
     @classmethod
     def from_config(cls, cfg) -> "Sampling":
+        """From a ``sampling`` config; a key left out or null takes the default above."""
         if cfg is None:
             return cls()
-        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
-        return cls(
-            temperature=float(get("temperature", 0.0) or 0.0),
-            top_p=float(get("top_p", 1.0) or 1.0),
-            top_k=int(get("top_k", 0) or 0),
-            seed=int(get("seed", 0) or 0),
-        )
+        names = [f.name for f in fields(cls)]
+        checks.known_keys("sampling", cfg, names, "sampling")
+        return cls(**{k: cfg[k] for k in names if k in cfg and cfg[k] is not None})
 
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

@@ -6,7 +6,7 @@
 
 from selfspec.evaluation.aggregate import consistency, summarize
 from selfspec.evaluation.runner import (RESULTS, SUMMARY, MethodRun, ResumeMismatch, evaluate, load_method_config,
-                                        method_configs, method_label)
+                                        method_configs, method_label, prepare)
 
 __all__ = ["RESULTS", "SUMMARY", "MethodRun", "ResumeMismatch", "consistency", "evaluate",
-           "load_method_config", "method_configs", "method_label", "summarize"]
+           "load_method_config", "method_configs", "method_label", "prepare", "summarize"]

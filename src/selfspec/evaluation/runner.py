@@ -1,14 +1,17 @@
 """The evaluation runner: the chosen methods on the same examples, warm-up first, interleaved.
 
-docs/design.md §2.6 and §3 (Spec-Bench's conventions): one process, one
-runtime, batch size 1; ``warmup`` generations per method before anything is timed; then per
-example the baseline, the method under test and the comparison methods run back to back
-(interleaved, so slow drifts of the machine hit every method alike). Each finished generation is
-appended to ``results.jsonl`` at once (an interrupted run keeps it; a re-run into the same
-directory skips it), and ``summary.json`` is rewritten from all rows at the end. A re-run whose
-model, task, sampling, budget or methods differ is refused (:class:`ResumeMismatch`) before anything
-in the directory changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run
-really starts.
+docs/design.md §2.6 and §3 (Spec-Bench's conventions): one process, one runtime, batch size 1;
+``warmup`` generations per method before anything is timed; then per example the baseline, the
+method under test and the comparison methods run back to back (interleaved, so slow drifts of the
+machine hit every method alike). Each finished generation is appended to ``results.jsonl`` at
+once (an interrupted run keeps it; a re-run into the same directory skips it), and
+``summary.json`` is rewritten from all rows at the end. A re-run whose model, task, sampling,
+budget or methods differ is refused (:class:`ResumeMismatch`) before anything in the directory
+changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run really starts.
+
+Bad input stops before the model loads: every config value (run options, sampling, task, each
+method's options, the model config, the logger) is checked and the task's examples are read and
+checked first (:func:`prepare`), so a typo never costs a model load.
 
     summary = evaluate(cfg, out_dir)       # cfg: conf/evaluate.yaml composed
 """
@@ -16,7 +19,6 @@ really starts.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec import checks
 from selfspec.config import load_method_config
-from selfspec.decoding import Decoder, Sampling, build_decoder
+from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
 from selfspec.evaluation.aggregate import summarize
 from selfspec.tracking import ResultsFile, Tracker, save_hydra_files, start_run, to_jsonable, write_json
 
@@ -77,7 +80,8 @@ def method_configs(cfg: DictConfig, label: str | None = None) -> dict[str, DictC
     against the run's config, as if composed as ``method=<name>``. A label given twice runs once.
     """
     label = label or method_label(cfg)
-    names = [str(cfg.baseline), label] + [str(c) for c in (cfg.get("compare") or [])]
+    compare = cfg.get("compare") or []
+    names = [str(cfg.baseline), label] + [str(c) for c in ([compare] if isinstance(compare, str) else compare)]
     out: dict[str, DictConfig] = {}
     for name in names:
         if name in out:
@@ -91,19 +95,68 @@ def method_configs(cfg: DictConfig, label: str | None = None) -> dict[str, DictC
 
 def _budget(cfg: DictConfig, task) -> int:
     n = cfg.get("max_new_tokens")
-    n = int(task.cfg.max_new_tokens if n is None else n)
-    if n < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {n}")
-    return n
+    if n is None:
+        return task.cfg.max_new_tokens
+    return checks.integer("max_new_tokens", n, 1, why="null = the task's max_new_tokens")
 
 
 def _task(cfg: DictConfig):
     from selfspec.tasks import build_task
 
-    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    if cfg.get("n_examples") is not None:
-        task_cfg["n_examples"] = int(cfg.n_examples)
-    return build_task(task_cfg)
+    n = cfg.get("n_examples")
+    if n is None:
+        return build_task(cfg.task)
+    return build_task(cfg.task, n_examples=checks.integer("n_examples", n, 1, why="null = the task's n_examples"))
+
+
+def _check_run_options(cfg: DictConfig) -> None:
+    """The keys of conf/evaluate.yaml read outside the groups (``n_examples`` and
+    ``max_new_tokens`` are checked where they are read)."""
+    checks.integer("seed", cfg.seed)
+    checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
+    checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
+    checks.flag("progress", cfg.get("progress", True))
+
+
+def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
+    """Every method config's options (:func:`~selfspec.decoding.check_method`), without a model; an
+    error in a baseline / compare method names its config file."""
+    for name, m in method_cfgs.items():
+        try:
+            check_method(m)
+        except checks.ConfigError as err:
+            if name == under_test:
+                raise
+            raise checks.ConfigError(f"{err} (in conf/method/{name}.yaml, run as baseline or compare)") from None
+
+
+@dataclass
+class Plan:
+    """What :func:`prepare` checked and read before the model loads."""
+
+    sampling: Sampling
+    task: Any
+    examples: list
+    budget: int
+    under_test: str
+    method_cfgs: dict[str, DictConfig]
+
+
+def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
+    """Check every config value and read the task's examples — all that can fail without a model."""
+    from selfspec.models.loading import check_model_config
+    from selfspec.tracking import check_logger
+
+    _check_run_options(cfg)
+    sampling = Sampling.from_config(cfg.sampling)
+    task = _task(cfg)
+    budget = _budget(cfg, task)
+    under_test = label or method_label(cfg)
+    method_cfgs = method_configs(cfg, under_test)
+    check_methods(method_cfgs, under_test)
+    check_model_config(cfg.model)
+    check_logger(cfg.get("logger"))
+    return Plan(sampling, task, task.examples(), budget, under_test, method_cfgs)
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -180,13 +233,11 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     """
     from selfspec.runinfo import run_info
 
+    plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
+    sampling, task, examples, budget = plan.sampling, plan.task, plan.examples, plan.budget
+    under_test, method_cfgs = plan.under_test, plan.method_cfgs
     out_dir = Path(out_dir)
     torch.manual_seed(int(cfg.seed))
-    sampling = Sampling.from_config(cfg.sampling)
-    task = _task(cfg)
-    budget = _budget(cfg, task)
-    under_test = label or method_label(cfg)
-    method_cfgs = method_configs(cfg, under_test)
     names = list(method_cfgs)
     baseline = names[0]
     identity = to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
@@ -203,7 +254,6 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     # build every decoder before the loop: a missing artefact fails here, with the method's message
     runs = [MethodRun(name, m, build_decoder(m, loaded.model, **common)) for name, m in method_cfgs.items()]
 
-    examples = task.examples()
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS)
@@ -296,5 +346,5 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-__all__ = ["MethodRun", "ResumeMismatch", "evaluate", "load_method_config", "method_configs", "method_label",
-           "RESULTS", "SUMMARY"]
+__all__ = ["MethodRun", "Plan", "ResumeMismatch", "check_methods", "evaluate", "load_method_config",
+           "method_configs", "method_label", "prepare", "RESULTS", "SUMMARY"]

@@ -32,6 +32,17 @@ class UnsupportedModelError(ValueError):
     """The model family has a layer structure the adapter does not drive."""
 
 
+def check_model_type(model_type: str | None, name: str, where: str = "") -> None:
+    """Refuse a model family :class:`LayeredModel` cannot drive (read from a config.json or a GGUF
+    file's ``general.architecture`` before any weights load)."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model {name!r}{f' ({where})' if where else ''} has model_type={model_type!r}; selfspec's "
+            f"layered runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoder layers). "
+            "Choose a model of one of these families."
+        )
+
+
 @dataclass(frozen=True)
 class SkipSet:
     """Sublayers to skip while drafting (Draft & Verify §3.1): attention and MLP layer indices."""
@@ -57,12 +68,7 @@ class LayeredModel:
 
     def __init__(self, hf_model: torch.nn.Module, name: str = "model", linear_kernel: str = "auto") -> None:
         model_type = getattr(hf_model.config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model {name!r} has model_type={model_type!r}; selfspec's layered runtime supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoder layers). Choose a model "
-                "of one of these families."
-            )
+        check_model_type(model_type, name)
         window = getattr(hf_model.config, "sliding_window", None)
         if model_type == "mistral" and window:
             self.max_context = int(window)  # beyond it Mistral's attention would differ
@@ -76,6 +82,8 @@ class LayeredModel:
         #: sha of config + tokenizer (set by :func:`~selfspec.models.loading.load_model`);
         #: artefacts record it and refuse to load for another model
         self.fingerprint: str | None = None
+        #: digest of the weights (set by :func:`~selfspec.models.loading.load_model`); checked likewise
+        self.weights_digest: str | None = None
         self.config = hf_model.config
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens

@@ -1,42 +1,67 @@
-"""Model loading: hub id, local directory, GGUF file inside a package-shipped asset, or a seeded
-random model for tests — each returned as a :class:`LoadedModel` around the layered adapter.
+"""Model loading: hub id, local directory, local GGUF file, GGUF file inside a package-shipped
+asset, or a seeded random model for tests — each returned as a :class:`LoadedModel` around the
+layered adapter.
 
-Config keys (``conf/model/*.yaml``):
+Config keys (``conf/model/*.yaml``; any other key is refused):
 
-``name``            short name used in results and artefacts
-``name_or_path``    hub id or local directory (users with the hub)
-``gguf_asset``      offline asset holding a GGUF file (``selfspec.assets``), with ``gguf_file``
-``random``          LlamaConfig fields of a seeded random model (``tiny-random``), with ``seed``
-``tokenizer``       where the tokenizer comes from when it differs (another model config name)
-``dtype``           ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``
-``device``          ``auto``, ``cpu``, ``cuda``, ``cuda:N``
-``chat``            whether prompts go through the tokenizer's chat template
-``linear_kernel``   ``auto``, ``skinny``, ``torch``: the CPU linear kernel (:mod:`selfspec.models.kernels`)
+``name``                short name used in results and artefacts
+``name_or_path``        hub id or local directory (users with the hub); a path ending in ``.gguf``
+                        is read as ``gguf_path``
+``gguf_file``           with ``name_or_path``: the GGUF file inside that hub repo or directory
+``gguf_path``           a local GGUF file (``model.gguf_path=/path/to/file.gguf``)
+``gguf_asset``          offline asset holding a GGUF file (``selfspec.assets``): the embedded default,
+                        used when neither ``name_or_path`` nor ``gguf_path`` is given
+``random``              LlamaConfig fields of a seeded random model (``tiny-random``), with ``seed``
+``tokenizer``           ``random`` only: the model config whose tokenizer it borrows
+``dtype``               ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``
+``device``              ``auto``, ``cpu``, ``cuda``, ``cuda:N``
+``attn_implementation`` ``sdpa`` or ``eager`` (the layered runtime passes explicit 4-D masks)
+``chat``                whether prompts go through the tokenizer's chat template
+``linear_kernel``       ``auto``, ``skinny``, ``torch``: the CPU linear kernel (:mod:`selfspec.models.kernels`)
 
-A GGUF file is dequantised by transformers on first load (~20 s for SmolLM2) and the result is
-kept as a plain safetensors directory in the cache, so later loads take about a second.
+:func:`check_model_config` checks every key without loading anything (the entry points call it
+first). A GGUF file's architecture (its ``general.architecture`` metadata) and a directory's or hub
+repo's ``config.json`` are checked against the families :class:`LayeredModel` drives before any
+weights are read. A GGUF file is dequantised by transformers on first load (~20 s for SmolLM2)
+and the result is kept as a plain safetensors directory in the cache, so later loads take about
+a second; a local file's cache entry is keyed by its path, size and modification time, so an
+edited file is converted again.
+
+A loaded model carries two identities that artefacts record and check: :func:`fingerprint`
+(architecture config + tokenizer) and :func:`weights_digest` (the weights themselves).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from selfspec.models.layered import LayeredModel
+from selfspec import assets, checks
+from selfspec.models.layered import LayeredModel, UnsupportedModelError, check_model_type
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+MODEL_KEYS = ("name", "name_or_path", "gguf_file", "gguf_path", "gguf_asset", "random", "tokenizer", "dtype",
+              "device", "attn_implementation", "linear_kernel", "chat")
+#: attention implementations that take the explicit 4-D masks the layered runtime builds (trees, caches)
+ATTENTION = ("sdpa", "eager")
+#: rotary keys LlamaConfig still accepts (folded into ``rope_parameters``)
+LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")
+#: values sampled per tensor by :func:`weights_digest`
+DIGEST_SAMPLES = 64
 
 
 class ModelLoadError(RuntimeError):
@@ -53,6 +78,7 @@ class LoadedModel:
     fingerprint: str
     chat: bool
     cfg: dict
+    weights_digest: str | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -67,13 +93,134 @@ class LoadedModel:
         return sorted(ids)
 
 
+class Source(NamedTuple):
+    """Where a model config's weights come from: ``kind`` is ``random``, ``pretrained`` (hub id or
+    directory), ``gguf`` (a local GGUF file), ``hub_gguf`` (``file`` inside hub repo ``where``) or
+    ``asset`` (an offline asset); ``key`` is the config key that named it."""
+
+    kind: str
+    where: str
+    key: str
+    file: str | None = None
+
+
 def _get(cfg, key, default=None):
     value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
     return default if value is None else value
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
+# --- checking a config without loading -----------------------------------------------------
+def check_model_config(cfg) -> Source:
+    """Check every key of a ``model`` config (see the module docstring) without loading anything;
+    return the :class:`Source` it names. Raises :class:`~selfspec.checks.ConfigError`."""
+    plain = dict(cfg.items()) if hasattr(cfg, "items") else dict(vars(cfg))
+    checks.known_keys("model", plain, MODEL_KEYS, "a model config (conf/model/)")
+    checks.text("model.name", _get(cfg, "name", "model"))
+    checks.choice("model.dtype", _get(cfg, "dtype", "auto"), ("auto", *DTYPES))
+    device = _get(cfg, "device", "auto")
+    try:
+        resolve_device(checks.text("model.device", device))
+    except RuntimeError as err:
+        if isinstance(err, ModelLoadError):
+            raise
+        raise checks.refuse("model.device", device, "must be auto, cpu, cuda or cuda:<index>") from None
+    checks.choice("model.attn_implementation", _get(cfg, "attn_implementation", "sdpa"), ATTENTION,
+                  why="the layered runtime passes explicit 4-D attention masks")
+    checks.flag("model.chat", _get(cfg, "chat", False))
+    from selfspec.models.kernels import KERNELS
+
+    checks.choice("model.linear_kernel", _get(cfg, "linear_kernel", "auto"), KERNELS,
+                  why="the CPU linear kernel of the layered runtime")
+    return model_source(cfg)
+
+
+def model_source(cfg) -> Source:
+    """The one source a model config names, checked (files must exist, assets be fetched).
+
+    ``random``, ``gguf_path`` and ``name_or_path`` exclude each other; ``gguf_asset`` (the embedded
+    default) is used only when neither of the last two is given.
+    """
+    given = [k for k in ("random", "gguf_path", "name_or_path") if _get(cfg, k) is not None]
+    if len(given) > 1:
+        raise checks.ConfigError(f"model.{given[0]} and model.{given[1]} both name where the model comes "
+                                 f"from; set one of them (the other to null)")
+    if _get(cfg, "tokenizer") is not None and given != ["random"]:
+        raise checks.refuse("model.tokenizer", _get(cfg, "tokenizer"), "set only with model.random (a "
+                            "pretrained model brings its own tokenizer)")
+    if _get(cfg, "gguf_file") is not None and given != ["name_or_path"]:
+        raise checks.refuse("model.gguf_file", _get(cfg, "gguf_file"), "names a GGUF file inside "
+                            "model.name_or_path (a hub repo or directory); for a local file set "
+                            "model.gguf_path=/path/to/file.gguf")
+    if given == ["random"]:
+        if _get(cfg, "gguf_asset") is not None:
+            raise checks.refuse("model.gguf_asset", _get(cfg, "gguf_asset"), "model.random names a random "
+                                "model; set one of them (the other to null)")
+        _check_random(cfg)
+        return Source("random", "random", "model.random")
+    if given == ["gguf_path"]:
+        return _gguf_file_source(_get(cfg, "gguf_path"), "model.gguf_path")
+    if given == ["name_or_path"]:
+        return _named_source(checks.text("model.name_or_path", _get(cfg, "name_or_path")), _get(cfg, "gguf_file"))
+    asset = _get(cfg, "gguf_asset")
+    if asset is not None:
+        from selfspec.assets import ASSETS, asset_path
+
+        if asset not in ASSETS:
+            hint = "; for a GGUF file use model.gguf_path=<file>" if str(asset).endswith(".gguf") else ""
+            raise checks.refuse("model.gguf_asset", asset, f"must be an offline asset: one of "
+                                f"{', '.join(ASSETS)}{hint}")
+        asset_path(asset)  # not fetched: names the command that fetches it
+        return Source("asset", asset, "model.gguf_asset")
+    raise checks.ConfigError(
+        f"model config {_get(cfg, 'name', 'model')!r} names no source: set model.name_or_path (hub id or local "
+        "directory), model.gguf_path (a GGUF file), model.gguf_asset, or model.random")
+
+
+def _named_source(path: str, gguf_file: str | None) -> Source:
+    """``name_or_path``: a GGUF file, a directory (with ``gguf_file`` inside it) or a hub id."""
+    local = Path(path).expanduser()
+    if gguf_file is None:
+        if path.endswith(".gguf"):
+            return _gguf_file_source(path, "model.name_or_path")
+        return Source("pretrained", path, "model.name_or_path")
+    checks.text("model.gguf_file", gguf_file)
+    if local.is_dir():
+        return _gguf_file_source(str(local / gguf_file), "model.gguf_file")
+    if local.exists():
+        raise checks.refuse("model.name_or_path", path, "with model.gguf_file it must be a hub repo or a "
+                            "directory holding that file")
+    return Source("hub_gguf", path, "model.name_or_path", gguf_file)
+
+
+def _gguf_file_source(value: Any, key: str) -> Source:
+    """A local GGUF file: it must exist and start with the GGUF magic bytes."""
+    path = Path(checks.text(key, value)).expanduser()
+    if not path.is_file():
+        raise checks.refuse(key, value, "no such file" if not path.exists() else "must be a GGUF file, not a directory")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise checks.refuse(key, value, "not a GGUF file (it does not start with the GGUF magic bytes)")
+    return Source("gguf", str(path), key)
+
+
+def _check_random(cfg) -> None:
+    """``random``: LlamaConfig fields (each a real one: a typo would silently take the default),
+    ``seed``, and ``vocab_size`` or a ``tokenizer`` model config to borrow."""
+    from transformers import LlamaConfig
+
+    from selfspec.config import group_options
+
+    spec = _get(cfg, "random")
+    if not hasattr(spec, "items"):
+        raise checks.refuse("model.random", spec, "must be a mapping of LlamaConfig fields (and seed)")
+    fields = {*inspect.signature(LlamaConfig.__init__).parameters, *LlamaConfig().to_dict(), *LEGACY_ROPE_KEYS}
+    checks.known_keys("model.random", spec, fields - {"self"} | {"seed"}, "LlamaConfig (and seed)")
+    checks.integer("model.random.seed", spec.get("seed", 0))
+    tokenizer = _get(cfg, "tokenizer")
+    if tokenizer is not None:
+        checks.choice("model.tokenizer", tokenizer, group_options("model"), why="a model config of conf/model/")
+    elif spec.get("vocab_size") is None:
+        raise checks.ConfigError("model.random needs vocab_size or model.tokenizer=<model config name>")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -87,11 +234,10 @@ def resolve_device(device: str = "auto") -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"model.dtype={dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return DTYPES[checks.choice("model.dtype", dtype, ("auto", *DTYPES))]
 
 
+# --- identity --------------------------------------------------------------------------------
 def fingerprint(hf_config, tokenizer) -> str:
     """sha256 (16 hex) of the architecture config and the tokenizer vocabulary.
 
@@ -108,46 +254,67 @@ def fingerprint(hf_config, tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_digest(hf_model: torch.nn.Module) -> str:
+    """sha256 (16 hex) of the weights: each tensor's name, shape and :data:`DIGEST_SAMPLES` values
+    spread evenly over it, rounded to bfloat16.
+
+    Artefacts record it next to :func:`fingerprint`, so heads trained on one checkpoint (or random
+    seed, or quantisation) do not load silently into another of the same architecture. It is
+    computed once at load, from the weights as loaded, *before* they are cast to ``model.dtype``,
+    and the samples are rounded to bfloat16: the same weights give the same digest whether the
+    model runs in float32 or bfloat16 (and an fp32 checkpoint digests like its bf16 copy), while
+    any other trained values change it. Cost: ~64 values per tensor (an 8B model: ~20k values).
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(hf_model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // DIGEST_SAMPLES)][:DIGEST_SAMPLES]
+        h.update(f"{name}:{tuple(tensor.shape)}:".encode())
+        h.update(sample.to("cpu", torch.float32).to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# --- loading ---------------------------------------------------------------------------------
 def load_model(cfg) -> LoadedModel:
     """Load the model a ``model`` config describes (see module docstring)."""
+    source = check_model_config(cfg)
     name = str(_get(cfg, "name", "model"))
     device = resolve_device(str(_get(cfg, "device", "auto")))
     dtype = resolve_dtype(str(_get(cfg, "dtype", "auto")), device)
     attn = str(_get(cfg, "attn_implementation", "sdpa"))
     try:
-        if _get(cfg, "random") is not None:
+        if source.kind == "random":
             hf, tok = _load_random(cfg, attn)
-        elif _get(cfg, "name_or_path"):
-            hf, tok = _load_pretrained(str(_get(cfg, "name_or_path")), attn, name, cfg)
-        elif _get(cfg, "gguf_asset"):
-            hf, tok = _load_gguf_asset(cfg, attn)
+        elif source.kind == "pretrained":
+            hf, tok = _load_pretrained(source.where, attn, name)
         else:
-            raise ModelLoadError(
-                f"model config {name!r} names no source: set model.name_or_path (hub id or local "
-                "directory), model.gguf_asset, or model.random"
-            )
-    except ModelLoadError:
+            hf, tok = _load_gguf(source, attn, name)
+    except (ModelLoadError, checks.ConfigError, UnsupportedModelError):
         raise
     except (OSError, ValueError) as err:
-        tried = _get(cfg, "name_or_path") or _get(cfg, "gguf_asset") or "random"
-        raise ModelLoadError(f"could not load model config {name!r} from {tried!r}: {err}") from err
+        raise ModelLoadError(f"could not load model config {name!r} from {source.key}={source.where}: {err}") from err
+    digest = weights_digest(hf)  # before the cast: the same for every run dtype
     hf.to(device=device, dtype=dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
     layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel", "auto")))
     layered.fingerprint = fingerprint(hf.config, tok)
-    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain)
+    layered.weights_digest = digest
+    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain, digest)
 
 
-def _load_pretrained(path: str, attn: str, name: str, cfg):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_pretrained(path: str, attn: str, name: str):
+    """A hub id or local directory; its config.json's model family is checked before the weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     local = Path(path).expanduser()
     where = "local directory" if local.exists() else "hub id"
     if where == "local directory" and not (local / "config.json").exists():
         raise ModelLoadError(f"model config {name!r}: local directory {local} has no config.json")
     try:
+        config = AutoConfig.from_pretrained(path)
+        check_model_type(getattr(config, "model_type", None), name, f"{where} {path}")
         tok = AutoTokenizer.from_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype="auto")
+        hf = AutoModelForCausalLM.from_pretrained(path, config=config, attn_implementation=attn, dtype="auto")
     except OSError as err:
         raise ModelLoadError(
             f"model config {name!r}: could not load {path!r} as a {where} ({err.__class__.__name__}: "
@@ -157,38 +324,78 @@ def _load_pretrained(path: str, attn: str, name: str, cfg):
     return hf, tok
 
 
-def _load_gguf_asset(cfg, attn: str):
-    """GGUF inside a package asset, converted once to a safetensors directory in the cache."""
+def _gguf_path(source: Source) -> Path:
+    """The local GGUF file of a ``gguf``, ``hub_gguf`` (downloaded) or ``asset`` source."""
+    if source.kind == "asset":
+        from selfspec.assets import asset_path
+
+        return asset_path(source.where)
+    if source.kind == "hub_gguf":
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(source.where, source.file))
+    return Path(source.where)
+
+
+def _cache_name(source: Source, gguf: Path) -> str:
+    """The conversion cache entry of a GGUF file: an asset (pinned by sha256) is keyed by its name
+    and size, a user's file by its absolute path, size and modification time (an edited file is
+    converted again)."""
+    st = gguf.stat()
+    if source.kind == "asset":
+        tag, identity = source.where, f"{gguf.name}:{st.st_size}"
+    else:
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", gguf.stem)
+        identity = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{tag}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """A GGUF file's ``general.architecture`` (metadata only: no tensor is read)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get("general.architecture")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _converted(source: Source, name: str) -> Path:
+    """The safetensors directory a GGUF source is dequantised into, once (:func:`_cache_name`).
+
+    The file's model family is read from its metadata first, so an unsupported one is refused
+    before anything is dequantised.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from selfspec.assets import asset_path
+    gguf = _gguf_path(source)
+    converted = assets.cache_dir() / "models" / _cache_name(source, gguf)
+    if (converted / "config.json").exists():
+        return converted
+    check_model_type(gguf_architecture(gguf), name, f"GGUF file {gguf}")
+    log.info("converting %s to safetensors in %s (once)", gguf.name, converted)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    converted.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".tmp-"))
+    try:
+        hf.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, converted)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return converted
 
-    asset = str(_get(cfg, "gguf_asset"))
-    gguf = asset_path(asset)
-    converted = cache_dir() / "models" / f"{asset}-{_file_digest(gguf)}"
-    if not (converted / "config.json").exists():
-        log.info("converting %s to safetensors in %s (once)", gguf.name, converted)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        hf.hf_quantizer = None
-        if hasattr(hf.config, "quantization_config"):
-            del hf.config.quantization_config
-        converted.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".tmp-"))
-        try:
-            hf.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            os.replace(tmp, converted)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+def _load_gguf(source: Source, attn: str, name: str):
+    """A GGUF file, through its dequantised safetensors directory (:func:`_converted`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    converted = _converted(source, name)
     tok = AutoTokenizer.from_pretrained(converted)
     hf = AutoModelForCausalLM.from_pretrained(converted, attn_implementation=attn, dtype=torch.float32)
     return hf, tok
-
-
-def _file_digest(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.name}:{st.st_size}".encode()).hexdigest()[:10]
 
 
 def _load_random(cfg, attn: str):
@@ -203,8 +410,6 @@ def _load_random(cfg, attn: str):
     if tok_from:
         tok = _tokenizer_of(str(tok_from))
         vocab = vocab or len(tok)
-    if vocab is None:
-        raise ModelLoadError("model.random needs vocab_size or model.tokenizer")
     config = LlamaConfig(vocab_size=int(vocab), **spec)
     config._attn_implementation = attn
     if tok is not None:
@@ -223,12 +428,10 @@ def _tokenizer_of(model_name: str):
     from selfspec.config import model_config
 
     other = model_config(model_name)
-    if _get(other, "gguf_asset"):
-        from selfspec.assets import asset_path
-
-        gguf = asset_path(str(_get(other, "gguf_asset")))
-        converted = cache_dir() / "models" / f"{_get(other, 'gguf_asset')}-{_file_digest(gguf)}"
-        if not (converted / "tokenizer_config.json").exists():
-            _load_gguf_asset(other, "sdpa")
-        return AutoTokenizer.from_pretrained(converted)
-    return AutoTokenizer.from_pretrained(str(_get(other, "name_or_path")))
+    source = check_model_config(other)
+    if source.kind == "pretrained":
+        return AutoTokenizer.from_pretrained(source.where)
+    if source.kind == "random":
+        raise checks.refuse("model.tokenizer", model_name, "must name a model config with a tokenizer, not "
+                            "another random model")
+    return AutoTokenizer.from_pretrained(_converted(source, model_name))

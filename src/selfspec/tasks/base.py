@@ -5,8 +5,14 @@ reference its metric needs, metadata), renders prompts for a tokenizer, post-pro
 generations and scores them. Records come from one of three sources:
 
 ``hub``      ``datasets.load_dataset(hub_id, hub_config, split=split)`` (needs the hub);
-``local``    ``datasets.load_dataset("json", data_files=...)``, same schema as the hub set;
+``local``    ``data_files``: JSON-lines files or JSON arrays of records (what ``datasets``' json
+             loader reads; ``.gz`` too, globs expanded), same schema as the hub set;
 ``offline``  the package-shipped asset of :mod:`selfspec.assets` (the default here).
+
+Every record is checked when it is read (:func:`check_record`: the task's ``required`` fields and
+types, then :meth:`Task.record_problem`), so a malformed file stops with one
+:class:`TaskDataError` naming the file, the line (JSON lines) or index (JSON array) and the field
+— before any model is loaded, since the entry points read the examples first.
 
 Selection follows the research code (docs/design.md §6, Draft & Verify): the pool is shuffled with
 ``shuffle_seed`` (the permutation ``datasets.Dataset.shuffle(seed=...)`` uses), the first
@@ -15,16 +21,20 @@ Selection follows the research code (docs/design.md §6, Draft & Verify): the po
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import gzip
 import json
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
+
+from selfspec import checks
 
 __all__ = [
     "Example",
@@ -36,6 +46,7 @@ __all__ = [
     "build_task",
     "get_task",
     "read_jsonl",
+    "read_records",
     "register",
     "render",
 ]
@@ -71,42 +82,98 @@ def get_task(name: str) -> type[Task]:
         raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
 
 
-def build_task(cfg: Mapping[str, Any]) -> Task:
-    """Instantiate a task from its config (``conf/task/<name>.yaml``, or a plain dict)."""
+def build_task(cfg: Mapping[str, Any], **replace: Any) -> Task:
+    """Instantiate a task from its config (``conf/task/<name>.yaml``, or a plain dict).
+
+    ``replace``: options the caller sets instead of the config's (e.g. the whole pool for
+    training: ``n_examples=None``), applied after every config value was checked.
+    """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
     options = dict(cfg)
     name = options.pop("name", None)
     if name is None:
         raise ValueError("task config has no 'name' key")
-    return get_task(name)(**options)
+    task = get_task(name)(**options)
+    if replace:
+        task.cfg = dataclasses.replace(task.cfg, **replace)
+        task.cfg.check(name)
+    return task
 
 
-def read_jsonl(path: Path, required: Mapping[str, type | tuple[type, ...]],
-               skip_comments: bool = False) -> list[dict[str, Any]]:
+#: field -> type(s) a record must have
+Required = Mapping[str, type | tuple[type, ...]]
+#: a task's extra check of one record: a message for what is wrong with it, or None
+Problem = Callable[[dict[str, Any]], str | None]
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def read_jsonl(path: Path, required: Required, skip_comments: bool = False,
+               problem: Problem | None = None) -> list[dict[str, Any]]:
     """Read a JSON-lines file, checking that every record has the ``required`` fields.
 
     Blank lines are skipped, and lines starting with ``#`` too when ``skip_comments``.
     Raises :class:`TaskDataError` naming the file, the line and the field at fault.
     """
-    opener = gzip.open if path.suffix == ".gz" else open
+    with _open(path) as f:
+        return _jsonl_records(f, path, required, skip_comments, problem)
+
+
+def _jsonl_records(lines: Iterable[str], path: Path, required: Required, skip_comments: bool,
+                   problem: Problem | None) -> list[dict[str, Any]]:
     records = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip() or (skip_comments and line.lstrip().startswith("#")):
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskDataError(f"{path}, line {lineno}: not valid JSON ({exc.msg})") from None
-            check_record(record, required, f"{path}, line {lineno}")
-            records.append(record)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip() or (skip_comments and line.lstrip().startswith("#")):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskDataError(f"{path}, line {lineno}: not valid JSON ({exc.msg})") from None
+        check_record(record, required, f"{path}, line {lineno}", problem)
+        records.append(record)
     return records
 
 
-def check_record(record: Any, required: Mapping[str, type | tuple[type, ...]],
-                 where: str) -> None:
-    """Raise :class:`TaskDataError` at ``where`` unless ``record`` has the ``required`` fields."""
+def read_records(path: Path, required: Required, problem: Problem | None = None) -> list[dict[str, Any]]:
+    """The records of a local data file: JSON lines, or one JSON array of objects.
+
+    These are the layouts ``datasets.load_dataset("json", ...)`` reads (``.gz`` compressed
+    too). Every record is checked (:func:`check_record`); an empty file, an empty array or any
+    other JSON layout raises :class:`TaskDataError` naming the file, and a bad record the line
+    (JSON lines) or the index (array) and the field.
+    """
+    with _open(path) as f:
+        text = f.read()
+    layout = f"JSON lines or a JSON array of objects with the fields {', '.join(required)}"
+    if not text.strip():
+        raise TaskDataError(f"{path}: the file is empty; expected {layout}")
+    whole = _whole_json(text)
+    if isinstance(whole, list):
+        if not whole:
+            raise TaskDataError(f"{path}: the JSON array holds no records; expected {layout}")
+        for i, record in enumerate(whole):
+            check_record(record, required, f"{path}, record [{i}] of the JSON array", problem)
+        return whole
+    if isinstance(whole, dict) and "\n" in text.strip():
+        raise TaskDataError(f"{path}: the file is one JSON object (keys {', '.join(map(str, whole))}); "
+                            f"expected {layout}")
+    return _jsonl_records(text.splitlines(), path, required, False, problem)
+
+
+def _whole_json(text: str) -> Any:
+    """``text`` parsed as one JSON document, or None when it is not one (e.g. JSON lines)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def check_record(record: Any, required: Required, where: str, problem: Problem | None = None) -> None:
+    """Raise :class:`TaskDataError` at ``where`` unless ``record`` has the ``required`` fields
+    (with their types) and ``problem(record)`` finds nothing wrong."""
     if not isinstance(record, dict):
         raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key, kind in required.items():
@@ -117,6 +184,28 @@ def check_record(record: Any, required: Mapping[str, type | tuple[type, ...]],
             want = " or ".join(k.__name__ for k in kinds)
             raise TaskDataError(f"{where}: field {key!r} should be {want}, "
                                 f"got {type(record[key]).__name__}")
+    message = problem(record) if problem is not None else None
+    if message:
+        raise TaskDataError(f"{where}: {message}")
+
+
+def data_paths(data_files: Sequence[str], key: str = "task.data_files") -> list[Path]:
+    """The files ``data_files`` names (``~`` and glob patterns expanded), each an existing file."""
+    paths: list[Path] = []
+    for entry in data_files:
+        name = str(Path(str(entry)).expanduser())
+        if glob.has_magic(name):
+            found = sorted(Path(p) for p in glob.glob(name, recursive=True) if Path(p).is_file())
+            if not found:
+                raise TaskDataError(f"{key}: the pattern {entry!r} matches no file")
+            paths += found
+        elif not Path(name).is_file():
+            what = "is a directory" if Path(name).is_dir() else "does not exist"
+            raise TaskDataError(f"{key}: {entry!r} {what}; give JSON-lines or JSON files (or a glob "
+                                "such as data/*.jsonl)")
+        else:
+            paths.append(Path(name))
+    return paths
 
 
 @dataclass
@@ -140,19 +229,34 @@ class TaskConfig:
     use_chat_template: bool | str = "auto"
 
     def check(self, task: str) -> None:
-        """Normalise the options and reject impossible ones, naming the option to change."""
-        if self.source not in ("hub", "local", "offline"):
-            raise ValueError(f"task {task}: source must be hub, local or offline, "
-                             f"got {self.source!r}")
+        """Check every option (naming it as ``task.<option>=<value>``); a single string given for
+        ``data_files`` or ``stop`` is read as a list of one."""
+        key = "task.{}".format
+        checks.choice(key("source"), self.source, ("offline", "hub", "local"))
         if isinstance(self.data_files, str):
             self.data_files = [self.data_files]
         if self.source == "local" and not self.data_files:
-            raise ValueError(f"task {task}: source=local needs data_files=<path.jsonl>")
-        if self.shots < 0 or (self.n_examples is not None and self.n_examples < 1):
-            raise ValueError(f"task {task}: shots must be >= 0 and n_examples >= 1")
-        if self.use_chat_template not in (True, False, "auto"):
-            raise ValueError(f"task {task}: use_chat_template must be true, false or auto")
-        self.stop = list(self.stop)
+            raise checks.refuse(key("data_files"), self.data_files,
+                                f"task.source=local needs data_files=<path.jsonl or .json> (task {task})")
+        if self.source != "local" and self.data_files:
+            raise checks.refuse(key("data_files"), self.data_files,
+                                f"data files are read only with task.source=local, not {self.source}")
+        for i, name in enumerate(self.data_files or []):
+            checks.text(f"task.data_files[{i}]", name)
+        checks.optional(checks.text, key("split"), self.split)
+        if self.split is not None and self.source != "hub":
+            raise checks.refuse(key("split"), self.split, f"a split is read only with task.source=hub, not "
+                                f"{self.source}")
+        checks.optional(checks.integer, key("n_examples"), self.n_examples, 1, why="null = the whole pool")
+        checks.optional(checks.integer, key("shuffle_seed"), self.shuffle_seed, why="null = file order")
+        checks.integer(key("shots"), self.shots, 0)
+        checks.integer(key("max_new_tokens"), self.max_new_tokens, 1)
+        checks.optional(checks.integer, key("max_prompt_tokens"), self.max_prompt_tokens, 1,
+                        why="null = no limit")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        for i, s in enumerate(self.stop):
+            checks.text(f"task.stop[{i}]", s)
+        checks.choice(key("use_chat_template"), self.use_chat_template, (True, False, "auto"))
 
 
 class Task:
@@ -229,24 +333,28 @@ class Task:
                               for i, r in enumerate(rest[:n])]
         return self._examples
 
-    def _records(self) -> list[dict[str, Any]]:
-        if self.cfg.source == "offline":
-            return self.offline_records()
-        import datasets
+    def record_problem(self, record: dict[str, Any]) -> str | None:
+        """What is wrong with a record that has the ``required`` fields (default: nothing);
+        checked as each record is read, so the message gets the file and line."""
+        return None
 
-        if self.cfg.source == "hub":
+    def _records(self) -> list[dict[str, Any]]:
+        """The pool, every record checked (:func:`check_record`) where it is read."""
+        if self.cfg.source == "local":
+            return [r for path in data_paths(self.cfg.data_files)
+                    for r in read_records(path, self.required, self.record_problem)]
+        if self.cfg.source == "offline":
+            records, where = self.offline_records(), f"offline asset of task {self.name}, record"
+        else:
+            import datasets
+
             split = self.cfg.split or self.hub_split
             ds = datasets.load_dataset(self.hub_id, self.hub_config, split=split)
             records = [{self.hub_rename.get(k, k): v for k, v in r.items()} for r in ds]
-            for i, r in enumerate(records):
-                check_record(r, self.required, f"{self.hub_id} split {split}, row {i}")
-            return records
-        for name in self.cfg.data_files:
-            path = Path(name)
-            if path.suffix == ".jsonl" and path.is_file():
-                read_jsonl(path, self.required)  # names the line at fault before datasets does
-        ds = datasets.load_dataset("json", data_files=list(self.cfg.data_files), split="train")
-        return list(ds)
+            where = f"{self.hub_id} split {split}, row"
+        for i, r in enumerate(records):
+            check_record(r, self.required, f"{where} {i}", self.record_problem)
+        return records
 
     def encode(self, example: Example, tokenizer: Any) -> list[int]:
         """Token ids of the rendered prompt, keeping the last ``max_prompt_tokens``.

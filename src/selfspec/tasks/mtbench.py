@@ -27,6 +27,12 @@ class MTBench(Task):
     def offline_records(self) -> list[dict[str, Any]]:
         return read_jsonl(asset_path("mtbench"), self.required)
 
+    def record_problem(self, record: dict[str, Any]) -> str | None:
+        turns = record["turns"]
+        if not turns or not all(isinstance(t, str) for t in turns):
+            return "field 'turns' should be a non-empty list of strings (the question's turns)"
+        return None
+
     def make_example(self, record: dict[str, Any], index: int,
                      exemplars: list[dict[str, Any]]) -> Example:
         return Example(id=str(record.get("question_id", index)), prompt=record["turns"][0],

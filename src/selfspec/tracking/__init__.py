@@ -23,12 +23,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from selfspec import checks
 from selfspec.tracking.local import ResultsFile, to_jsonable, write_json, write_text
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Tracker", "WandbTracker", "ResultsFile", "artifact_name", "hydra_output_dir", "save_hydra_files",
-           "start_run", "to_jsonable", "wandb_mode", "write_json", "write_text"]
+__all__ = ["Tracker", "WandbTracker", "ResultsFile", "artifact_name", "check_logger", "hydra_output_dir",
+           "save_hydra_files", "start_run", "to_jsonable", "wandb_mode", "write_json", "write_text"]
 
 
 class Tracker:
@@ -103,11 +104,23 @@ def _api_key_configured() -> bool:
         return False
 
 
+LOGGERS = ("none", "wandb")
+MODES = ("auto", "online", "offline", "disabled")
+
+
+def check_logger(logger_cfg) -> str:
+    """The ``logger`` config's name, with its keys checked (before anything expensive runs)."""
+    kind = _get(logger_cfg, "name", "none")
+    checks.choice("logger.name", kind, LOGGERS, why="use logger=wandb or logger=none (conf/logger/)")
+    if kind == "wandb":
+        wandb_mode(_get(logger_cfg, "mode", "auto"))
+        checks.flag("logger.log_artifacts", _get(logger_cfg, "log_artifacts", True))
+    return kind
+
+
 def wandb_mode(mode: str = "auto") -> str:
     """``online`` / ``offline`` / ``disabled`` for a ``logger.mode`` setting (see module docs)."""
-    mode = str(mode)
-    if mode not in ("auto", "online", "offline", "disabled"):
-        raise ValueError(f"logger.mode={mode!r}: use auto, online, offline or disabled")
+    checks.choice("logger.mode", mode, MODES)
     if mode != "auto":
         return mode
     env = os.environ.get("WANDB_MODE")
@@ -271,12 +284,9 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
     decoder (``draft_verify_static``) stay apart.
     """
     logger_cfg = _get(cfg, "logger")
-    kind = str(_get(logger_cfg, "name", "none"))
-    if kind == "none":
+    if check_logger(logger_cfg) == "none":
         return Tracker()
-    if kind != "wandb":
-        raise ValueError(f"logger.name={kind!r}: use logger=wandb or logger=none (conf/logger/)")
-    mode = wandb_mode(str(_get(logger_cfg, "mode", "auto")))
+    mode = wandb_mode(_get(logger_cfg, "mode", "auto"))
     if mode == "disabled":
         return Tracker()
     import wandb

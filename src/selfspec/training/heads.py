@@ -30,12 +30,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from selfspec import checks
 from selfspec.heads import IntermediateHeads, default_layers, save_heads
 
 log = logging.getLogger(__name__)
@@ -49,20 +51,80 @@ class Sequence:
     start: int
 
 
-# --- data ------------------------------------------------------------------------------------
-def task_prompts(task_cfg, tokenizer, n: int, max_prompt_tokens: int | None) -> tuple[list[list[int]], int]:
-    """The last ``n`` prompts of a task's pool (token ids) and how many overlap its evaluated examples."""
+# --- config and data (before the model loads) --------------------------------------------------
+@dataclass
+class DataTask:
+    """A task the heads' prompts come from: its whole pool read and checked before the model loads."""
+
+    cfg: dict
+    task: Any
+    n_eval: int | None  # examples an evaluation of it would use (for the overlap warning)
+
+
+def prepare(cfg) -> dict:
+    """Every key of conf/job/heads.yaml checked and the prompt tasks' data read — all that can fail
+    without the model (:func:`run` calls it first)."""
+    from selfspec.training import check_run, job_keys, task_names
+    from selfspec.training.loop import TrainConfig
+
+    check_run(cfg)
+    job, key = cfg.job, "job.{}".format
+    layers = checks.optional(checks.integers, key("layers"), job.get("layers"), distinct=True,
+                             why="0-based layers; null = n_heads evenly spaced")
+    if layers == []:
+        raise checks.refuse(key("layers"), layers, "must name at least one layer (null = n_heads evenly spaced)")
+    data = checks.choice(key("data"), job.data, ("task", "mixed"))
+    mixed = task_names(key("mixed_tasks"), job.mixed_tasks)
+    if data == "mixed" and not mixed:
+        raise checks.refuse(key("mixed_tasks"), mixed, "job.data=mixed needs at least one task")
+    opts = {
+        "kind": checks.choice(key("kind"), job.kind, ("linear", "full"),
+                              why="lm_head heads need no training: use method.head_kind=lm_head"),
+        "layers": layers,
+        "n_heads": checks.integer(key("n_heads"), job.n_heads, 1),
+        "data": data,
+        "mixed_tasks": mixed,
+        "n_prompts": checks.integer(key("n_prompts"), job.n_prompts, 1),
+        "n_heldout": checks.integer(key("n_heldout"), job.n_heldout, 1),
+        "gen_tokens": checks.integer(key("gen_tokens"), job.gen_tokens, 1),
+        "gen_batch": checks.integer(key("gen_batch"), job.gen_batch, 1),
+        "max_prompt_tokens": checks.optional(checks.integer, key("max_prompt_tokens"), job.max_prompt_tokens, 1),
+        "batch_size": checks.integer(key("batch_size"), job.batch_size, 1),
+        "max_positions": checks.optional(checks.integer, key("max_positions"), job.get("max_positions"), 1,
+                                         why="null = every position"),
+        "cache_features": checks.flag(key("cache_features"), job.cache_features),
+        "eval_gammas": checks.listed(checks.probability, key("eval_gammas"), job.eval_gammas, high_open=True,
+                                     why="exit thresholds on a head's top probability"),
+    }
+    job_keys(job, opts)
+    opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
+    opts["tasks"] = data_tasks(cfg, data, mixed)
+    return opts
+
+
+def data_tasks(cfg, data: str, mixed: list[str]) -> list[DataTask]:
+    """The task(s) of ``job.data`` (the composed task, or ``job.mixed_tasks``), pools read."""
+    from selfspec.config import conf_dir
     from selfspec.tasks import build_task
 
-    plain = OmegaConf.to_container(task_cfg, resolve=True) if OmegaConf.is_config(task_cfg) else dict(task_cfg)
-    n_eval = plain.get("n_examples")
-    task = build_task({**plain, "n_examples": None})
-    pool = task.examples()
+    cfgs = [cfg.task] if data == "task" else [OmegaConf.load(conf_dir() / "task" / f"{n}.yaml") for n in mixed]
+    out = []
+    for tcfg in cfgs:
+        plain = OmegaConf.to_container(tcfg, resolve=True)
+        task = build_task(plain, n_examples=None)
+        task.examples()  # read and check the whole pool now
+        out.append(DataTask(plain, task, plain.get("n_examples")))
+    return out
+
+
+def task_prompts(data: DataTask, tokenizer, n: int, max_prompt_tokens: int | None) -> tuple[list[list[int]], int]:
+    """The last ``n`` prompts of a task's pool (token ids) and how many overlap its evaluated examples."""
+    pool = data.task.examples()
     chosen = pool[-n:]
-    overlap = max(0, min(n_eval or len(pool), len(pool)) + len(chosen) - len(pool))
+    overlap = max(0, min(data.n_eval or len(pool), len(pool)) + len(chosen) - len(pool))
     out = []
     for ex in chosen:
-        ids = task.encode(ex, tokenizer)
+        ids = data.task.encode(ex, tokenizer)
         if max_prompt_tokens and len(ids) > max_prompt_tokens:
             ids = ids[-max_prompt_tokens:]
         out.append(ids)
@@ -98,45 +160,35 @@ def greedy_continuations(loaded, prompts: list[list[int]], gen_tokens: int, batc
     return seqs
 
 
-def build_data(cfg, loaded) -> tuple[list[Sequence], list[Sequence], str, dict]:
-    """Train / held-out sequences for ``cfg.job`` (cached on disk), the data tag, and data info."""
+def build_data(opts: dict, loaded) -> tuple[list[Sequence], list[Sequence], str, dict]:
+    """Train / held-out sequences for :func:`prepare`'s options (cached on disk), the data tag,
+    and data info."""
     from selfspec.artefacts import default_artefact_dir
-    from selfspec.config import conf_dir
 
-    job = cfg.job
-    data = str(job.data)
-    if data == "task":
-        task_cfgs, tag = [cfg.task], str(cfg.task.name)
-    elif data == "mixed":
-        names = list(job.mixed_tasks)
-        if not names:
-            raise ValueError("job.data=mixed needs job.mixed_tasks (task names from conf/task/)")
-        task_cfgs, tag = [OmegaConf.load(conf_dir() / "task" / f"{n}.yaml") for n in names], "mixed"
-    else:
-        raise ValueError(f"job.data must be 'task' or 'mixed', got {data!r}")
-    n_train, n_held = int(job.n_prompts), int(job.n_heldout)
-    if n_train < 1 or n_held < 1:
-        raise ValueError(f"job.n_prompts and job.n_heldout must be >= 1, got {n_train}, {n_held}")
-    key = json.dumps([loaded.fingerprint, [OmegaConf.to_container(t, resolve=True) for t in task_cfgs],
-                      n_train, n_held, int(job.gen_tokens), job.max_prompt_tokens], sort_keys=True, default=str)
+    tasks = opts["tasks"]
+    tag = tasks[0].task.name if opts["data"] == "task" else "mixed"
+    n_train, n_held = opts["n_prompts"], opts["n_heldout"]
+    key = json.dumps([loaded.fingerprint, loaded.weights_digest, [t.cfg for t in tasks], n_train, n_held,
+                      opts["gen_tokens"], opts["max_prompt_tokens"]], sort_keys=True, default=str)
     cache = default_artefact_dir("heads_data", loaded.name, f"{tag}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     file = cache / "sequences.json"
-    info = {"data": tag, "tasks": [str(t.name) for t in task_cfgs]}
+    info = {"data": tag, "tasks": [t.task.name for t in tasks]}
     if file.exists():
         raw = json.loads(file.read_text())
         log.info("heads data: cached sequences from %s", file)
     else:
         t0 = time.perf_counter()
         train, held = [], []
-        k = len(task_cfgs)
-        for j, tcfg in enumerate(task_cfgs):
+        k = len(tasks)
+        for j, data in enumerate(tasks):
             nt = n_train // k + (j < n_train % k)
             nh = n_held // k + (j < n_held % k)
-            prompts, overlap = task_prompts(tcfg, loaded.tokenizer, nt + nh, job.max_prompt_tokens)
+            prompts, overlap = task_prompts(data, loaded.tokenizer, nt + nh, opts["max_prompt_tokens"])
             if overlap:
                 log.warning("heads data: %d of task %s's prompts are also among its evaluated examples "
-                            "(the pool is too small to keep them apart when all n_examples are evaluated)", overlap, tcfg.name)
-            seqs = greedy_continuations(loaded, prompts, int(job.gen_tokens), int(job.gen_batch))
+                            "(the pool is too small to keep them apart when all n_examples are evaluated)",
+                            overlap, data.task.name)
+            seqs = greedy_continuations(loaded, prompts, opts["gen_tokens"], opts["gen_batch"])
             held += seqs[:nh]  # the pool's last-but-nt prompts: held out
             train += seqs[nh:]
         raw = {"train": [vars(s) for s in train], "heldout": [vars(s) for s in held],
@@ -241,22 +293,20 @@ def batch_sampler(n: int, batch_size: int, seed: int):
 
 
 def make_heads(model, job) -> IntermediateHeads:
-    kind = str(job.kind)
-    if kind not in ("linear", "full"):
-        raise ValueError(f"job.kind must be linear or full (lm_head heads need no training: use "
-                         f"method.head_kind=lm_head), got {kind!r}")
-    layers = list(job.layers) if job.get("layers") else default_layers(model.num_layers, int(job.n_heads))
-    return IntermediateHeads(model, layers, kind)
+    """Untrained heads of ``job["kind"]`` at ``job["layers"]`` (null: ``n_heads`` evenly spaced);
+    ``job`` is :func:`prepare`'s options or a heads job config."""
+    layers = job.get("layers")
+    layers = default_layers(model.num_layers, int(job["n_heads"])) if layers is None else list(layers)
+    return IntermediateHeads(model, layers, str(job["kind"]))
 
 
 def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
-    """``(loss_fn, batch_fn, eval_fn)`` for :func:`selfspec.training.loop.train`."""
-    cache = bool(job.cache_features)
-    feats = Features(heads.model, heads.layers, train_seqs, cache)
+    """``(loss_fn, batch_fn, eval_fn)`` for :func:`selfspec.training.loop.train` (``job`` as in
+    :func:`make_heads`)."""
+    feats = Features(heads.model, heads.layers, train_seqs, bool(job["cache_features"]))
     held = Features(heads.model, heads.layers, held_seqs, True)
-    gammas = [float(g) for g in job.eval_gammas]
-
-    max_positions = int(job.max_positions) if job.get("max_positions") else None
+    gammas = [float(g) for g in job["eval_gammas"]]
+    max_positions = job.get("max_positions")
 
     def loss_fn(module, batch):
         idx, pos_seed = batch
@@ -268,7 +318,7 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
         kls, _ = head_kl(module, hidden, final)
         return sum(kls.values()), {f"kl/{l}": float(v.detach()) for l, v in kls.items()}
 
-    return loss_fn, batch_sampler(len(train_seqs), int(job.batch_size), seed), (
+    return loss_fn, batch_sampler(len(train_seqs), int(job["batch_size"]), seed), (
         lambda module: evaluate_heads(module, held, gammas))
 
 
@@ -277,22 +327,21 @@ def run(cfg) -> dict:
     from selfspec.heads import heads_artefact_dir
     from selfspec.models.loading import load_model
     from selfspec.tracking import start_run
-    from selfspec.training.loop import TrainConfig, clear_checkpoint, train
+    from selfspec.training.loop import clear_checkpoint, train
 
-    job = cfg.job
-    tcfg = TrainConfig.from_config(job)
-    tcfg.seed = int(cfg.seed)
+    opts = prepare(cfg)  # config and data checked before the model loads
     loaded = load_model(cfg.model)
-    heads = make_heads(loaded.model, job)
+    heads = make_heads(loaded.model, opts)
     t0 = time.perf_counter()
-    train_seqs, held_seqs, tag, info = build_data(cfg, loaded)
+    train_seqs, held_seqs, tag, info = build_data(opts, loaded)
     data_seconds = time.perf_counter() - t0
     out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else heads_artefact_dir(loaded.name, tag, heads.kind)
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
-    loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, job, int(cfg.seed))
+    loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, opts, int(cfg.seed))
     tracker = start_run(cfg, job_type="train-heads")
-    settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(job, resolve=True)}
-    result = train(heads, loss_fn, batch_fn, tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn, settings=settings)
+    settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(cfg.job, resolve=True)}
+    result = train(heads, loss_fn, batch_fn, opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
+                   settings=settings)
     strip = lambda d: {k.removeprefix("eval/"): v for k, v in d.items() if k != "step"}  # noqa: E731
     final, initial = strip(result["eval"][-1]), strip(result["eval"][0])
     n_params = sum(p.numel() for p in heads.parameters())
@@ -300,7 +349,7 @@ def run(cfg) -> dict:
                "steps": result["step"], "params": n_params, "train_sequences": len(train_seqs),
                "heldout_sequences": len(held_seqs),
                "train_positions": sum(len(s.ids) - s.start for s in train_seqs)}
-    path = save_heads(out_dir, heads, loaded, task=tag, train_config=job, metrics=metrics, data=info)
+    path = save_heads(out_dir, heads, loaded, task=tag, train_config=cfg.job, metrics=metrics, data=info)
     clear_checkpoint(ckpt_dir)
     summary = {"artefact": str(path), "layers": heads.layers, "kind": heads.kind,
                **{k: v for k, v in metrics.items() if k != "initial"}}

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 
+from selfspec import checks
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
@@ -45,6 +47,10 @@ RESUMABLE = ("ckpt_every", "eval_every", "log_every")
 
 class CheckpointMismatch(ValueError):
     """The checkpoint to resume was written by a run with other settings."""
+
+
+SCHEDULES = ("cosine", "linear", "constant")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
 
 @dataclass
@@ -63,23 +69,28 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"training steps must be >= 1, got {self.steps}")
-        if self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"schedule must be cosine, linear or constant, got {self.schedule!r}")
-        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        """Check every value, named as its job config key (``job.lr=0 is not allowed: ...``)."""
+        key = "job.{}".format
+        self.steps = checks.integer(key("steps"), self.steps, 1)
+        self.lr = checks.number(key("lr"), self.lr, 0, low_open=True)
+        self.schedule = checks.choice(key("schedule"), self.schedule, SCHEDULES)
+        self.warmup_steps = checks.integer(key("warmup_steps"), self.warmup_steps, 0)
+        self.grad_accum = checks.integer(key("grad_accum"), self.grad_accum, 1)
+        self.max_grad_norm = checks.optional(checks.number, key("max_grad_norm"), self.max_grad_norm, 0,
+                                             low_open=True, why="null = no clipping")
+        self.weight_decay = checks.number(key("weight_decay"), self.weight_decay, 0)
+        self.mixed_precision = checks.choice(key("mixed_precision"), self.mixed_precision, MIXED_PRECISION)
+        self.ckpt_every = checks.integer(key("ckpt_every"), self.ckpt_every, 0, why="0 = only at the end")
+        self.eval_every = checks.integer(key("eval_every"), self.eval_every, 0, why="0 = at the start and end only")
+        self.log_every = checks.integer(key("log_every"), self.log_every, 1)
+        self.seed = checks.integer("seed", self.seed)
 
     @classmethod
-    def from_config(cls, cfg) -> "TrainConfig":
-        """Take the known keys of a (job) config; other keys belong to the job."""
-        names = {f.name for f in fields(cls)}
+    def from_config(cls, cfg, seed: int = 0) -> "TrainConfig":
+        """Take the known keys of a (job) config (other keys belong to the job) and the run's seed."""
+        names = {f.name for f in fields(cls)} - {"seed"}
         items = cfg.items() if hasattr(cfg, "items") else vars(cfg).items()
-        return cls(**{k: v for k, v in items if k in names})
+        return cls(**{k: v for k, v in items if k in names}, seed=seed)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from selfspec import checks
 from selfspec.prompts import PromptTokens, save_prompts
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,53 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 
 
 # --- data ------------------------------------------------------------------------------------
-def sharegpt_path(cfg) -> Path | None:
+def sharegpt_path(job) -> Path | None:
     """``job.data`` (a local ShareGPT JSON), else ``job.hub_id`` downloaded from the hub, else
     ``None`` = the offline asset (docs/design.md §5)."""
-    if cfg.get("data"):
-        return Path(str(cfg.data))
-    if cfg.get("hub_id"):
+    if job.get("data"):
+        return Path(str(job.data)).expanduser()
+    if job.get("hub_id"):
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(str(cfg.hub_id), SHAREGPT_HUB[1], repo_type="dataset"))
+        return Path(hf_hub_download(str(job.hub_id), SHAREGPT_HUB[1], repo_type="dataset"))
     return None
+
+
+def prepare(cfg) -> dict:
+    """Every key of conf/job/prompts.yaml checked and the ShareGPT file found and its first record
+    read — all that can fail without the model (:func:`run` calls it first)."""
+    from selfspec.tasks.sharegpt import iter_sharegpt
+    from selfspec.training import check_run, job_keys
+    from selfspec.training.loop import TrainConfig
+
+    check_run(cfg)
+    job, key = cfg.job, "job.{}".format
+    m = checks.integer(key("m"), job.m, 1, why="prompt tokens")
+    data = checks.optional(checks.text, key("data"), job.data, why="a local ShareGPT JSON file")
+    hub_id = checks.optional(checks.text, key("hub_id"), job.hub_id)
+    if data is not None and hub_id is not None:
+        raise checks.refuse(key("hub_id"), hub_id, "set job.data (a local file) or job.hub_id, not both")
+    if data is not None and not Path(data).expanduser().is_file():
+        raise checks.refuse(key("data"), data, "no such file")
+    opts = {
+        "m": m,
+        "n_ept": checks.integer(key("n_ept"), job.n_ept, 1, why="ensemble prompt tokens per prompt token"),
+        "alpha": checks.probability(key("alpha"), job.alpha, low_open=True, why="KL decay per token distance"),
+        "data": data,
+        "hub_id": hub_id,
+        "n_conversations": checks.integer(key("n_conversations"), job.n_conversations, 1),
+        "held_out": checks.integer(key("held_out"), job.held_out, 1, why="conversations for the held-out accuracy"),
+        "context_length": checks.integer(key("context_length"), job.context_length, 2 * m + 2,
+                                         why=f"tokens; m={m} prompt tokens need at least 2m + 2"),
+        "inserts": checks.integer(key("inserts"), job.inserts, 1),
+        "eval_inserts": checks.integer(key("eval_inserts"), job.eval_inserts, 1),
+    }
+    job_keys(job, opts)
+    opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
+    opts["path"] = sharegpt_path(job)
+    if next(iter_sharegpt(opts["path"]), None) is None:
+        raise ValueError(f"{opts['path'] or 'the sharegpt asset'} holds no complete ShareGPT conversation; check job.data")
+    return opts
 
 
 def conversation_text(record: dict, tokenizer, chat: bool) -> str | None:
@@ -153,29 +191,23 @@ def run(cfg) -> dict:
     from selfspec.models.loading import load_model
     from selfspec.runinfo import run_info  # noqa: F401  (recorded by save_artefact)
     from selfspec.tracking import start_run
-    from selfspec.training.loop import TrainConfig, clear_checkpoint, train
+    from selfspec.training.loop import clear_checkpoint, train
 
-    job = cfg.job
-    m, n_ept, alpha = int(job.m), int(job.n_ept), float(job.alpha)
-    if not 0 < alpha <= 1:
-        raise ValueError(f"job.alpha (KL decay per token distance) must be in (0, 1], got {alpha}")
-    tcfg = TrainConfig.from_config(job)
-    tcfg.seed = int(cfg.seed)
+    opts = prepare(cfg)  # config and data checked before the model loads
+    m, n_ept, alpha = opts["m"], opts["n_ept"], opts["alpha"]
     loaded = load_model(cfg.model)
     model = loaded.model
-    L, inserts = int(job.context_length), int(job.inserts)
-    if L < 2 * m + 2:
-        raise ValueError(f"job.context_length={L} is too short for m={m} prompt tokens")
+    L, inserts, held_out = opts["context_length"], opts["inserts"], opts["held_out"]
     t0 = time.perf_counter()
-    seqs = load_sequences(sharegpt_path(job), loaded.tokenizer, loaded.chat,
-                          int(job.n_conversations) + int(job.held_out), 2 * m + 2, 4 * L)
-    held, train_seqs = seqs[: int(job.held_out)], seqs[int(job.held_out):]
+    seqs = load_sequences(opts["path"], loaded.tokenizer, loaded.chat, opts["n_conversations"] + held_out,
+                          2 * m + 2, 4 * L)
+    held, train_seqs = seqs[:held_out], seqs[held_out:]
     if not train_seqs:
         raise ValueError(f"only {len(seqs)} conversations loaded, all held out; lower job.held_out")
     log.info("ShareGPT: %d train / %d held-out conversations (%.1fs)", len(train_seqs), len(held),
              time.perf_counter() - t0)
     prompts = PromptTokens.init_from_tokens(model, m, n_ept, seed=int(cfg.seed))
-    eval_batches = [sample_batch(held, i, int(cfg.seed) + 1, L, int(job.eval_inserts), m)
+    eval_batches = [sample_batch(held, i, int(cfg.seed) + 1, L, opts["eval_inserts"], m)
                     for i in range(len(held))]
 
     def loss_fn(module, batch):
@@ -201,8 +233,8 @@ def run(cfg) -> dict:
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
     tracker = start_run(cfg, job_type="train-prompts")
     result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, int(cfg.seed), L, inserts, m),
-                   tcfg, ckpt_dir, tracker=tracker, eval_fn=eval_fn,
-                   settings={"model": loaded.name, **OmegaConf.to_container(job, resolve=True)})
+                   opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
+                   settings={"model": loaded.name, **OmegaConf.to_container(cfg.job, resolve=True)})
     final = result["eval"][-1] if result["eval"] else {}
     metrics = {**{k.removeprefix("eval/"): v for k, v in final.items() if k != "step"},
                "train_seconds": result["seconds"], "steps": result["step"],
@@ -211,7 +243,7 @@ def run(cfg) -> dict:
                "params": prompts.embeddings.numel(),
                "param_fraction": prompts.embeddings.numel() / sum(p.numel() for p in model.hf.parameters()),
                "bytes": prompts.num_bytes()}
-    save_prompts(out_dir, prompts, loaded, train_config=job, metrics=metrics)
+    save_prompts(out_dir, prompts, loaded, train_config=cfg.job, metrics=metrics)
     clear_checkpoint(ckpt_dir)
     tracker.summary(metrics)
     tracker.table("accuracy", [{"distance": d + 1, "top1": metrics.get(f"top1@{d + 1}"),

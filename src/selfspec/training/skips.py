@@ -40,8 +40,9 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
+from selfspec import checks
 from selfspec.decoding.base import DecodeState
-from selfspec.decoding.draft_verify import DraftVerify, skip_set_tensors
+from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.costs import synchronizer, time_forward
 from selfspec.models.layered import LayeredModel, SkipSet
@@ -51,35 +52,83 @@ log = logging.getLogger(__name__)
 SEARCHES = ("bo", "bo_model", "greedy")
 
 
-# --- development set ------------------------------------------------------------------------
-def dev_prompts(cfg, tokenizer) -> tuple[list[list[int]], list[str]]:
-    """Token ids of the dev prompts: ``job.n_prompts`` split over ``job.tasks`` (or the task).
+# --- config and development set (before the model loads) -------------------------------------
+def prepare(cfg) -> dict:
+    """Every key of conf/job/skips.yaml checked and the development tasks' data read — all that can
+    fail without the model (:func:`run` calls it first)."""
+    from selfspec.training import check_run, job_keys, task_names
+
+    check_run(cfg)
+    jc, key = cfg.job, "job.{}".format
+    search = checks.choice(key("search"), jc.search, SEARCHES)
+    tasks = checks.optional(task_names, key("tasks"), jc.tasks)
+    n_prompts = checks.integer(key("n_prompts"), jc.n_prompts, max(1, len(tasks or ())),
+                               why="dev prompts, split over job.tasks: at least one per task")
+    opts = {
+        "search": search,
+        "iterations": checks.integer(key("iterations"), jc.iterations, 0),
+        "init_points": checks.integer(key("init_points"), jc.init_points, 0),
+        "gp_alpha": checks.number(key("gp_alpha"), jc.gp_alpha, 0, low_open=True, why="the GP's noise term"),
+        "acq_n_random": checks.integer(key("acq_n_random"), jc.get("acq_n_random", 10_000), 1),
+        "acq_n_smart": checks.integer(key("acq_n_smart"), jc.get("acq_n_smart", 10), 0),
+        "warm_start": checks.listed(warm_start_set, key("warm_start"), jc.get("warm_start") or []),
+        "probe_fractions": checks.listed(checks.probability, key("probe_fractions"), jc.get("probe_fractions") or [],
+                                         low_open=True, why="fraction of the middle sublayers to skip"),
+        "tasks": tasks,
+        "n_prompts": n_prompts,
+        "max_new_tokens": checks.integer(key("max_new_tokens"), jc.max_new_tokens, 1 if search == "bo" else 3,
+                                         why="tokens per dev prompt; the cost model needs >= 3"),
+        "max_prompt_tokens": checks.optional(checks.integer, key("max_prompt_tokens"), jc.max_prompt_tokens, 1),
+        "decoding": decoding_options(jc),
+        "repeats": checks.integer(key("repeats"), jc.repeats, 1),
+        "calibration_repeats": checks.integer(key("calibration_repeats"), jc.calibration_repeats, 1),
+        "patience": checks.integer(key("patience"), jc.patience, 0, why="0 = try every prefix length"),
+        "refine": checks.flag(key("refine"), jc.refine),
+        "plot": checks.flag(key("plot"), jc.plot),
+    }
+    job_keys(jc, opts)
+    if search != "greedy" and not (opts["iterations"] + opts["init_points"] + len(opts["warm_start"])
+                                   + len(opts["probe_fractions"])):
+        raise checks.refuse(key("iterations"), opts["iterations"], "the search would evaluate nothing: raise "
+                            "job.iterations or give job.warm_start / job.probe_fractions")
+    opts["dev_tasks"] = dev_tasks(cfg, opts)
+    return opts
+
+
+def warm_start_set(key: str, value) -> SkipSet:
+    """One ``job.warm_start`` entry, ``{attn: [...], mlp: [...]}`` (layer indices)."""
+    if not hasattr(value, "items"):
+        raise checks.refuse(key, value, "must be {attn: [layers], mlp: [layers]}")
+    checks.known_keys(key, value, ("attn", "mlp"), "a warm-start skip set")
+    return SkipSet.of(attn=checks.integers(f"{key}.attn", value.get("attn") or []),
+                      mlp=checks.integers(f"{key}.mlp", value.get("mlp") or []))
+
+
+def dev_tasks(cfg, opts: dict) -> list:
+    """The development tasks (``job.tasks``, or the composed task), with ``job.n_prompts`` split
+    evenly over them, as ``(task, k)``; each task's pool is read and checked now."""
+    from selfspec.config import conf_dir
+    from selfspec.tasks import build_task
+
+    names = opts["tasks"]
+    task_cfgs = [OmegaConf.load(conf_dir() / "task" / f"{n}.yaml") for n in names] if names else [cfg.task]
+    n = opts["n_prompts"]
+    out = []
+    for j, tcfg in enumerate(task_cfgs):
+        task = build_task(tcfg, n_examples=None, max_prompt_tokens=opts["max_prompt_tokens"])
+        task.examples()  # read and check the pool now
+        out.append((task, n // len(task_cfgs) + (1 if j < n % len(task_cfgs) else 0)))
+    return out
+
+
+def dev_prompts(tasks, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Token ids of the dev prompts of :func:`dev_tasks` and their task names.
 
     Prompts are the *last* examples of each task's shuffled pool, so they differ from the first
     ``n_examples`` an evaluation uses whenever the pool holds more than both.
     """
-    from selfspec.config import conf_dir
-    from selfspec.tasks import build_task
-
-    jc = cfg.job
-    if jc.tasks:
-        task_cfgs = []
-        for name in jc.tasks:
-            path = conf_dir() / "task" / f"{name}.yaml"
-            if not path.exists():
-                raise ValueError(f"job.tasks names unknown task {name!r} (no conf/task/{name}.yaml)")
-            task_cfgs.append(OmegaConf.load(path))
-    else:
-        task_cfgs = [cfg.task]
-    n = int(jc.n_prompts)
-    if n < len(task_cfgs):
-        raise ValueError(f"job.n_prompts={n} is fewer than the {len(task_cfgs)} tasks of job.tasks")
     prompts, names = [], []
-    for j, tcfg in enumerate(task_cfgs):
-        opts = OmegaConf.to_container(tcfg, resolve=True)
-        opts.update(n_examples=None, max_prompt_tokens=jc.max_prompt_tokens)
-        task = build_task(opts)
-        k = n // len(task_cfgs) + (1 if j < n % len(task_cfgs) else 0)
+    for task, k in tasks:
         for ex in task.examples()[-k:]:
             prompts.append(task.encode(ex, tokenizer))
             names.append(task.name)
@@ -110,16 +159,15 @@ class _TimedVanilla(_PrefillClock, Vanilla):
 
 
 def decoding_options(jc) -> dict[str, Any]:
-    """``conf/method/draft_verify.yaml`` with ``job.decoding`` overrides, as DraftVerify kwargs."""
+    """``conf/method/draft_verify.yaml`` with ``job.decoding`` overrides, checked, as DraftVerify kwargs."""
     from selfspec.config import conf_dir
 
     base = OmegaConf.load(conf_dir() / "method" / "draft_verify.yaml")
-    merged = OmegaConf.merge(base, jc.get("decoding") or {})
-    keys = ("max_draft", "draft_exit", "gamma0", "alpha", "epsilon", "beta1", "beta2")
-    unknown = set(merged) - set(base)
-    if unknown:
-        raise ValueError(f"job.decoding has unknown key(s) {sorted(unknown)}; allowed: {', '.join(keys)}")
-    return {k: merged[k] for k in keys}
+    overrides = jc.get("decoding") or {}
+    checks.known_keys("job.decoding", overrides, DECODING_KEYS, "the Draft & Verify decoding settings")
+    merged = OmegaConf.merge(base, overrides)
+    options = DraftVerify.options({k: merged[k] for k in DECODING_KEYS}, prefix="job.decoding")
+    return {k: options[k] for k in DECODING_KEYS}
 
 
 def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
@@ -393,16 +441,14 @@ def _to_x(skip: SkipSet, L: int) -> dict[str, float]:
             **{names[L + i]: float(i in skip.mlp) for i in range(L)}}
 
 
-def probe_sets(L: int, jc) -> list[SkipSet]:
+def probe_sets(L: int, opts: dict) -> list[SkipSet]:
     """Warm-start points (``job.warm_start``), then "skip the middle fraction" sets.
 
     The authors probe known-good sets first; for a new model the middle layers are the usual
     candidates (attention fraction f, MLP fraction f / 2).
     """
-    out = []
-    for p in jc.get("warm_start") or []:
-        out.append(SkipSet.of(attn=p.get("attn", []), mlp=p.get("mlp", [])))
-    for f in jc.get("probe_fractions") or []:
+    out = list(opts["warm_start"])
+    for f in opts["probe_fractions"]:
         def middle(frac):
             n = int(round(frac * L))
             lo = (L - n) // 2
@@ -415,28 +461,28 @@ def probe_sets(L: int, jc) -> list[SkipSet]:
     return out
 
 
-def search_bo(objective, trace: Trace, L: int, jc, seed: int) -> None:
+def search_bo(objective, trace: Trace, L: int, opts: dict, seed: int) -> None:
     """§3.3: GP-based BO over ``[0, 1]^{2L}`` (> 0.5 = skip), probes first, then suggestions."""
     from bayes_opt import BayesianOptimization
 
     names = _names(L)
     opt = BayesianOptimization(f=None, pbounds={n: (0.0, 1.0) for n in names}, random_state=seed,
                                verbose=0, allow_duplicate_points=True)
-    opt.set_gp_params(alpha=float(jc.gp_alpha))
+    opt.set_gp_params(alpha=opts["gp_alpha"])
 
     def run(x, stage):
         row = trace.evaluate(_to_skip(x, L), objective, stage)
         opt.register(params=x, target=-1000.0 * row["objective"])  # maximise -ms per token
 
-    for skip in probe_sets(L, jc):
+    for skip in probe_sets(L, opts):
         run(_to_x(skip, L), "probe")
     import numpy as np
 
     rng = np.random.RandomState(seed)
-    for _ in range(int(jc.init_points)):
+    for _ in range(opts["init_points"]):
         run(dict(zip(names, rng.uniform(0, 1, len(names)).tolist())), "random")
-    n_random, n_smart = int(jc.get("acq_n_random", 10_000)), int(jc.get("acq_n_smart", 10))
-    for _ in range(int(jc.iterations)):
+    n_random, n_smart = opts["acq_n_random"], opts["acq_n_smart"]
+    for _ in range(opts["iterations"]):
         # the acquisition's own optimiser: n_random samples + n_smart L-BFGS-B restarts. Its cost
         # grows with 2L and the trace (~11 s per suggestion at 60 dims with the defaults on one
         # CPU core, ~2.7 s with 2000/2), so it is configurable (job.acq_n_random/acq_n_smart).
@@ -449,7 +495,7 @@ def search_bo(objective, trace: Trace, L: int, jc, seed: int) -> None:
         run({k: float(v) for k, v in params.items()}, "bo")
 
 
-def search_greedy(objective: CostModel, trace: Trace, L: int, jc) -> None:
+def search_greedy(objective: CostModel, trace: Trace, L: int, opts: dict) -> None:
     """Layer-importance pass: rank single-sublayer skips by agreement lost per time saved,
     take the best prefix of the ranking, then toggle each sublayer once (first improvement)."""
     units = [("attn", i) for i in range(L)] + [("mlp", i) for i in range(L)]
@@ -464,7 +510,7 @@ def search_greedy(objective: CostModel, trace: Trace, L: int, jc) -> None:
         score[u] = (1.0 - row["agreement"]) / max(c[u[0]], 1e-9)
     ranking = sorted(units, key=lambda u: (score[u], u))
     best_n, best = 0, objective.vanilla_spt
-    patience = int(jc.patience)
+    patience = opts["patience"]
     for n in range(1, len(units)):
         row = trace.evaluate(skip_of(ranking[:n]), objective, "prefix")
         if row["objective"] < best:
@@ -472,7 +518,7 @@ def search_greedy(objective: CostModel, trace: Trace, L: int, jc) -> None:
         elif patience and n - best_n >= patience:
             break  # no better prefix for `patience` lengths
     chosen = set(ranking[:best_n])
-    for u in ranking if jc.refine else ():  # one refinement pass
+    for u in ranking if opts["refine"] else ():  # one refinement pass
         trial = chosen ^ {u}
         row = trace.evaluate(skip_of(sorted(trial)), objective, "toggle")
         if row["objective"] < best:
@@ -513,25 +559,23 @@ def run(cfg) -> dict:
     from selfspec.tracking import start_run
 
     jc = cfg.job
-    search = str(jc.search)
-    if search not in SEARCHES:
-        raise ValueError(f"job.search={search!r}: choose one of {', '.join(SEARCHES)}")
+    opts = prepare(cfg)  # config and data checked before the model loads
+    search, decoding, n_new = opts["search"], opts["decoding"], opts["max_new_tokens"]
     torch.manual_seed(int(cfg.seed))
     loaded = load_model(cfg.model)
     model, L = loaded.model, loaded.model.num_layers
-    decoding = decoding_options(jc)
-    task_label = "+".join(jc.tasks) if jc.tasks else str(cfg.task.name)
+    task_label = "+".join(opts["tasks"]) if opts["tasks"] else str(cfg.task.name)
     out = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(
-        "skip_set", loaded.name, None if jc.tasks else task_label)
+        "skip_set", loaded.name, None if opts["tasks"] else task_label)
     work = out.with_name(f"{out.name}.search-{search}")
-    prompts, sources = dev_prompts(cfg, loaded.tokenizer)
-    n_new = int(jc.max_new_tokens)
+    prompts, sources = dev_prompts(opts["dev_tasks"], loaded.tokenizer)
     settings = {
-        "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint, "tasks": task_label,
+        "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint,
+        "weights": loaded.weights_digest, "tasks": task_label,
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16], "max_new_tokens": n_new,
-        "decoding": decoding, "seed": int(cfg.seed), "gp_alpha": float(jc.gp_alpha),
-        "init_points": int(jc.init_points), "warm_start": OmegaConf.to_container(jc.warm_start),
-        "probe_fractions": OmegaConf.to_container(jc.probe_fractions) if jc.probe_fractions else [],
+        "decoding": decoding, "seed": int(cfg.seed), "gp_alpha": opts["gp_alpha"],
+        "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
+        "warm_start": OmegaConf.to_container(jc.warm_start) if jc.get("warm_start") else [],
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     trace_path = work / "trace.jsonl"
@@ -546,10 +590,10 @@ def run(cfg) -> dict:
     t_start = time.perf_counter()
     with torch.inference_mode():
         if search == "bo":
-            objective = TimedObjective(model, prompts, n_new, decoding, int(jc.repeats))
+            objective = TimedObjective(model, prompts, n_new, decoding, opts["repeats"])
             calibration = None
         else:
-            objective = CostModel(model, prompts, n_new, decoding, int(jc.calibration_repeats), previous)
+            objective = CostModel(model, prompts, n_new, decoding, opts["calibration_repeats"], previous)
             calibration = objective.calibration
     t_setup = time.perf_counter() - t_start
     trace = Trace(trace_path, {"key": key, "settings": settings, "calibration": calibration,
@@ -568,9 +612,9 @@ def run(cfg) -> dict:
     trace.on_row = on_row
     with torch.inference_mode():
         if search == "greedy":
-            search_greedy(objective, trace, L, jc)
+            search_greedy(objective, trace, L, opts)
         else:
-            search_bo(objective, trace, L, jc, int(cfg.seed))
+            search_bo(objective, trace, L, opts, int(cfg.seed))
     rows = trace.rows
     search_seconds = sum(r["seconds"] for r in rows) + t_setup
     best = min(rows, key=lambda r: r["objective"])
@@ -592,7 +636,7 @@ def run(cfg) -> dict:
         "vanilla_seconds_per_token": timed.vanilla_spt,
         "dev_prompts": len(prompts), "dev_tasks": sorted(set(sources)),
     }
-    if jc.plot:
+    if opts["plot"]:
         plot_trace(rows, work / "plot.png", f"{loaded.name} skip-set search ({search}, {objective.kind})")
     save_artefact(out, "skip_set", skip_set_tensors(skip, L), loaded, task=task_label,
                   train_config=cfg.job, metrics=metrics, extra={"attn": sorted(skip.attn), "mlp": sorted(skip.mlp)})

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from selfspec import checks
 from selfspec.decoding.tree import TREE_KIND, SparseTree, full_mask, layout
 from selfspec.models.costs import context_cache, time_forward
 
@@ -229,6 +230,39 @@ def trees_for_size(accept_probs, n: int, m: int, n_ept: int) -> dict[int, Sparse
     return best[1]
 
 
+def prepare(cfg) -> dict:
+    """Every key of conf/job/ppd_tree.yaml checked, the prompts artefact found and the ShareGPT asset
+    present — all that can fail without the model (:func:`run` calls it first)."""
+    from selfspec.artefacts import artefact_option, default_artefact_dir
+    from selfspec.assets import asset_path
+    from selfspec.training import check_run
+
+    check_run(cfg)
+    job, key = cfg.job, "job.{}".format
+    sizes = sorted(set(checks.listed(checks.integer, key("sizes"), job.sizes, 1, why="tokens per forward")))
+    if not any(n > 1 for n in sizes):
+        raise checks.refuse(key("sizes"), job.sizes, "must hold a size > 1 (size 1 is plain decoding)")
+    opts = {
+        "prompts": artefact_option(key("prompts"), job.prompts, "prompts"),
+        "top_k": checks.integer(key("top_k"), job.top_k, 1, why="guesses per prompt token"),
+        "n_prompts": checks.integer(key("n_prompts"), job.n_prompts, 1),
+        "skip_conversations": checks.integer(key("skip_conversations"), job.skip_conversations, 0),
+        "max_new_tokens": checks.integer(key("max_new_tokens"), job.max_new_tokens, 1),
+        "sizes": sizes,
+        "latency_context": checks.integer(key("latency_context"), job.latency_context, 1),
+        "latency_repeats": checks.integer(key("latency_repeats"), job.latency_repeats, 1),
+        "plot": checks.flag(key("plot"), job.plot),
+    }
+    checks.known_keys("job", job, [*opts, "name"], "job ppd_tree (conf/job/ppd_tree.yaml)")
+    if opts["prompts"] is None:
+        opts["prompts"] = default_artefact_dir("prompts", str(cfg.model.name))
+        if not (opts["prompts"] / "meta.json").exists():
+            raise FileNotFoundError(f"no prompts artefact at {opts['prompts']}; run python -m selfspec.train "
+                                    f"job=prompts model={cfg.model.name} first or set job.prompts")
+    asset_path("sharegpt")  # the validation conversations (not fetched: names the command)
+    return opts
+
+
 def run(cfg) -> dict:
     from selfspec.artefacts import default_artefact_dir, save_artefact
     from selfspec.decoding.vanilla import Vanilla
@@ -237,39 +271,34 @@ def run(cfg) -> dict:
     from selfspec.tracking import start_run
 
     job = cfg.job
+    opts = prepare(cfg)  # config and data checked before the model loads
     loaded = load_model(cfg.model)
     model = loaded.model
-    prompts_path = Path(job.prompts) if job.get("prompts") else default_artefact_dir("prompts", loaded.name)
-    if not prompts_path.exists():
-        raise FileNotFoundError(f"no prompts artefact at {prompts_path}; run python -m selfspec.train job=prompts "
-                                f"model={loaded.name} first or set job.prompts")
+    prompts_path = opts["prompts"]
     prompts = load_prompts(prompts_path, loaded)
-    m, n_ept, top_k = prompts.m, prompts.n_ept, int(job.top_k)
-    sizes = sorted({int(s) for s in job.sizes})
-    if min(sizes) < 1:
-        raise ValueError(f"job.sizes must be >= 1 (tokens per forward), got {sizes}")
+    m, n_ept, top_k, sizes = prompts.m, prompts.n_ept, opts["top_k"], opts["sizes"]
     tracker = start_run(cfg, job_type="ppd-tree")
     tracker.use_artifact(prompts_path, kind="prompts")
     t0 = time.perf_counter()
     vanilla = Vanilla(model)
     seqs = []
-    for ids in validation_prompts(loaded.tokenizer, loaded.chat, int(job.n_prompts), int(job.skip_conversations)):
-        gen = vanilla.generate(ids, int(job.max_new_tokens))
+    for ids in validation_prompts(loaded.tokenizer, loaded.chat, opts["n_prompts"], opts["skip_conversations"]):
+        gen = vanilla.generate(ids, opts["max_new_tokens"])
         seqs.append((ids + gen.tokens, len(ids)))
     p = rank_statistics(model, prompts, seqs, top_k)
     log.info("acceptance statistics from %d greedy sequences (%.1fs): top-1 by distance %s", len(seqs),
              time.perf_counter() - t0, [round(float(x), 3) for x in p[:, 0]])
     plist = p.tolist()
-    context = int(job.latency_context)
+    context = opts["latency_context"]
     cache = context_cache(model, context, max(sizes))
-    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, int(job.latency_repeats))
+    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, opts["latency_repeats"])
     rows, candidates = [], {}
     for n in sizes:
         if n > 1 and best_trees_for_size(n, m, n_ept, plist) is None:
             continue
         trees = trees_for_size(p, n, m, n_ept)
         r = amortized_tokens(trees, plist, m)
-        lat = measure_latency(model, trees, n_ept, cache, context, int(job.latency_repeats)) if n > 1 else base
+        lat = measure_latency(model, trees, n_ept, cache, context, opts["latency_repeats"]) if n > 1 else base
         rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
                      "candidates": max(t.num_candidates for t in trees.values()),
                      "prompt_tokens": max(t.num_prompts for t in trees.values())})
@@ -300,7 +329,7 @@ def run(cfg) -> dict:
                   loaded, train_config=job, metrics=metrics,
                   extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}, "curve": rows,
                          "prompts": str(prompts_path), "m": m, "n_ept": n_ept, "device": str(model.device)})
-    if job.plot:
+    if opts["plot"]:
         plot_curves(out_dir / "latency.png", [r["size"] for r in rows], [r["tau"] for r in rows],
                     [r["latency_s"] for r in rows], [r["speedup"] for r in rows], chosen["size"])
     tracker.summary(metrics)

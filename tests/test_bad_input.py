@@ -1,0 +1,439 @@
+"""Bad input stops early, with one message naming what to change, before any model loads: local
+data files, impossible config values, model sources (GGUF files) and artefacts of other weights."""
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from selfspec.artefacts import ArtefactError, META
+from selfspec.checks import ConfigError
+from selfspec.config import compose, group_options, model_config
+from selfspec.decoding import build_decoder, check_method
+from selfspec.evaluation import evaluate, method_configs, prepare
+from selfspec.heads import IntermediateHeads, load_heads, save_heads
+from selfspec.models.layered import UnsupportedModelError
+from selfspec.models.loading import load_model
+from selfspec.tasks import TaskDataError, build_task
+from selfspec.train import prepare_job, run_job
+
+EVAL = ["model=tiny-random", "n_examples=2", "max_new_tokens=4", "warmup=0", "progress=false"]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything loads a model: the bad input must be found before."""
+    import selfspec.models.loading as loading
+
+    def refuse(cfg):
+        raise AssertionError("a model was loaded before the bad input was found")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+# --- local data files --------------------------------------------------------------------------
+GOOD = {"id": "a", "document": "Some text.", "summary": "Text."}
+
+BAD_FILES = [
+    ("empty.jsonl", "", r"empty\.jsonl: the file is empty; expected JSON lines or a JSON array of objects "
+                        r"with the fields document, summary"),
+    ("blank.jsonl", "\n\n", r"blank\.jsonl: the file is empty"),
+    ("empty.json", "[]", r"empty\.json: the JSON array holds no records"),
+    ("array.json", json.dumps([GOOD, {"document": "x"}], indent=1),
+     r"array\.json, record \[1\] of the JSON array: missing field 'summary'"),
+    ("typed.json", json.dumps([GOOD, {"document": "x", "summary": None}]),
+     r"typed\.json, record \[1\] of the JSON array: field 'summary' should be str, got NoneType"),
+    ("lines.json", json.dumps(GOOD) + "\n" + json.dumps({"document": "x"}) + "\n",
+     r"lines\.json, line 2: missing field 'summary'"),
+    ("object.json", json.dumps(GOOD, indent=1), r"object\.json: the file is one JSON object"),
+]
+
+
+def _file(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name,text,message", BAD_FILES)
+def test_bad_local_file_names_file_line_and_field(tmp_path, name, text, message):
+    task = build_task({"name": "xsum", "source": "local", "data_files": str(_file(tmp_path, name, text))})
+    with pytest.raises(TaskDataError, match=message):
+        task.examples()
+
+
+@pytest.mark.parametrize("name,text,message", BAD_FILES[:4])
+def test_bad_local_file_stops_evaluate_before_the_model_loads(tmp_path, no_model_load, name, text, message):
+    path = _file(tmp_path, name, text)
+    with pytest.raises(TaskDataError, match=message):
+        evaluate(compose(EVAL + ["task.source=local", f"task.data_files={path}"]), tmp_path / "run")
+
+
+@pytest.mark.parametrize("job", ["heads", "skips"])
+def test_bad_local_file_stops_training_before_the_model_loads(tmp_path, no_model_load, job):
+    path = _file(tmp_path, "array.json", BAD_FILES[3][1])
+    cfg = compose([f"job={job}", "model=tiny-random", "task.source=local", f"task.data_files={path}"], "train")
+    with pytest.raises(TaskDataError, match=BAD_FILES[3][2]):
+        run_job(cfg)
+
+
+def test_json_array_file_is_read_like_json_lines(tmp_path):
+    rows = [{"id": str(i), "document": f"Doc {i}.", "summary": f"S {i}."} for i in range(4)]
+    array = _file(tmp_path, "a.json", json.dumps(rows, indent=2))
+    lines = _file(tmp_path, "b.jsonl", "\n".join(json.dumps(r) for r in rows))
+    opts = {"name": "xsum", "source": "local", "shots": 1, "shuffle_seed": None, "n_examples": None}
+    a = build_task({**opts, "data_files": str(array)}).examples()
+    b = build_task({**opts, "data_files": str(lines)}).examples()
+    assert [(e.id, e.prompt, e.reference) for e in a] == [(e.id, e.prompt, e.reference) for e in b]
+    assert [e.id for e in a] == ["1", "2", "3"]
+    both = build_task({**opts, "data_files": str(tmp_path / "*.json*")}).examples()  # a glob: both files
+    assert len(both) == 7
+
+
+@pytest.mark.parametrize("task,record,message", [
+    ("gsm8k", {"question": "1+1?", "answer": "two"}, r"g\.jsonl, line 1: field 'answer' holds no final number"),
+    ("mtbench", {"turns": [], "category": "writing"}, r"g\.jsonl, line 1: field 'turns' should be a non-empty list"),
+])
+def test_task_specific_record_problems_name_the_line(tmp_path, task, record, message):
+    path = _file(tmp_path, "g.jsonl", json.dumps(record) + "\n")
+    with pytest.raises(TaskDataError, match=message):
+        build_task({"name": task, "source": "local", "data_files": str(path)}).examples()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"source": "local", "data_files": "/nonexistent/x.jsonl"}, r"task\.data_files: '/nonexistent/x\.jsonl' does not exist"),
+    ({"source": "local", "data_files": "/nonexistent/*.jsonl"}, r"the pattern '/nonexistent/\*\.jsonl' matches no file"),
+])
+def test_missing_data_files_are_named(options, message):
+    with pytest.raises(TaskDataError, match=message):
+        build_task({"name": "xsum", **options}).examples()
+
+
+# --- impossible config values ------------------------------------------------------------------
+EVAL_BAD = [
+    (["sampling.top_p=0"], r"sampling\.top_p=0 is not allowed: must be in \(0, 1\]"),
+    (["sampling.top_p=1.5"], r"sampling\.top_p=1\.5 is not allowed"),
+    (["sampling.temperature=-0.5"], r"sampling\.temperature=-0\.5 is not allowed: must be >= 0"),
+    (["sampling.top_k=-1"], r"sampling\.top_k=-1 is not allowed"),
+    (["sampling.top_k=2.5"], r"sampling\.top_k=2\.5 is not allowed: must be an integer"),
+    (["+sampling.top_q=0.5"], r"sampling\.top_q is not a key of sampling"),
+    (["n_examples=0"], r"n_examples=0 is not allowed: must be >= 1"),
+    (["max_new_tokens=0"], r"max_new_tokens=0 is not allowed"),
+    (["warmup=-1"], r"warmup=-1 is not allowed"),
+    (["warmup_max_new_tokens=0"], r"warmup_max_new_tokens=0"),
+    (["progress=maybe"], r"progress=maybe is not allowed: must be true or false"),
+    (["seed=0.5"], r"seed=0\.5 is not allowed: must be an integer"),
+    (["method=adadecode", "method.gamma=1.5"], r"method\.gamma=1\.5 is not allowed: must be in \[0, 1\) "
+                                               r"\(exit threshold on a head's top probability"),
+    (["method=adadecode", "method.gamma=1"], r"method\.gamma=1 is not allowed: must be in \[0, 1\)"),
+    (["method=adadecode", "method.gamma=-0.1"], r"method\.gamma=-0\.1 is not allowed"),
+    (["method=adadecode", "method.max_early=0"], r"method\.max_early=0 is not allowed: must be >= 1"),
+    (["method=adadecode", "method.head_kind=linar"], r"method\.head_kind=linar is not allowed: must be one of "
+                                                     r"linear, full, lm_head"),
+    (["method=adadecode", "method.exit_layers=[1,1]"], r"method\.exit_layers=\[1, 1\] is not allowed: must not repeat"),
+    (["method=adadecode", "method.exit_layers=top"], r"method\.exit_layers=top is not allowed: must be a list"),
+    (["method=adadecode", "method.layers=[1,2]"], r"method\.layers=\[1, 2\] is not allowed: set only with "
+                                                  r"head_kind=lm_head"),
+    (["method=adadecode", "method.heads_dir=/nonexistent"], r"method\.heads_dir=/nonexistent is not allowed: no "
+                                                            r"artefact there \(no meta\.json\); build one with "
+                                                            r"`python -m selfspec\.train job=heads"),
+    (["method=draft_verify", "method.max_draft=0"], r"method\.max_draft=0 is not allowed: must be >= 1"),
+    (["method=draft_verify", "method.draft_exit=sometimes"], r"method\.draft_exit=sometimes .*adaptive, static, none"),
+    (["method=draft_verify", "method.gamma0=1.2"], r"method\.gamma0=1\.2 is not allowed: must be in \[0, 1\]"),
+    (["method=draft_verify", "method.alpha=2"], r"method\.alpha=2 is not allowed"),
+    (["method=draft_verify", "method.epsilon=0"], r"method\.epsilon=0 is not allowed: must be in \(0, 1\]"),
+    (["method=draft_verify", "method.beta1=1"], r"method\.beta1=1 is not allowed: must be in \[0, 1\)"),
+    (["method=draft_verify", "method.skip_attn=[-1]"], r"method\.skip_attn\[0\]=-1 is not allowed: must be >= 0"),
+    (["method=early_exit", "method.gamma=1.5"], r"method\.gamma=1\.5 is not allowed: must be an integer"),
+    (["method=early_exit", "method.gamma=0"], r"method\.gamma=0 is not allowed: must be >= 1"),
+    (["method=early_exit", "method.exit_layer=-1"], r"method\.exit_layer=-1 is not allowed"),
+    (["method=early_exit", "method.exit_head=nope"], r"method\.exit_head=nope is not allowed"),
+    (["method=early_exit", "method.heads=/nonexistent"], r"method\.heads=/nonexistent is not allowed"),
+    (["method=early_exit", "method.draft_stop={rule:static,threshold:1.5}"],
+     r"method\.draft_stop\.threshold=1\.5 is not allowed: must be in \[0, 1\]"),
+    (["method=early_exit", "method.draft_stop={rule:magic}"], r"method\.draft_stop\.rule=magic is not allowed"),
+    (["method=early_exit", "method.draft_stop={rule:static,thresold:0.5}"],
+     r"method\.draft_stop\.thresold is not a key of draft_stop with rule: static"),
+    (["method=early_exit_dv_threshold", "method.draft_stop.beta2=1.5"], r"method\.draft_stop\.beta2=1\.5"),
+    (["method=del", "method.omega=1"], r"method\.omega=1 is not allowed: must be in \(0, 1\)"),
+    (["method=del", "method.min_gamma=30"], r"method\.min_gamma=30 is not allowed: must be in \[0, 18\]"),
+    (["method=del", "method.max_gamma=0"], r"method\.max_gamma=0 is not allowed"),
+    (["method=del", "method.dynamic_threshold=yes"], r"method\.dynamic_threshold=yes .*must be true or false"),
+    (["method=del", "method.prefill_shadow=0"], r"method\.prefill_shadow=0"),
+    (["method=del", "method.shadow_rows=0"], r"method\.shadow_rows=0"),
+    (["method=del", "method.head_cost=-1"], r"method\.head_cost=-1 is not allowed: must be >= 0"),
+    (["method=del_heads", "method.candidate_layers=[1]"], r"method\.candidate_layers=\[1\] is not allowed: set "
+                                                          r"only with exit_head=lm_head"),
+    (["method=ppd", "method.posterior_threshold=0"], r"method\.posterior_threshold=0 is not allowed"),
+    (["method=ppd", "method.posterior_alpha=0"], r"method\.posterior_alpha=0 is not allowed: must be > 0"),
+    (["method=ppd", "method.tree_size=0"], r"method\.tree_size=0 is not allowed"),
+    (["method=hf_prompt_lookup", "method.prompt_lookup_num_tokens=0"], r"method\.prompt_lookup_num_tokens=0"),
+    (["method=hf_early_exit", "method.assistant_early_exit=0"], r"method\.assistant_early_exit=0"),
+    (["method=hf_early_exit", "method.num_assistant_tokens_schedule=fast"],
+     r"method\.num_assistant_tokens_schedule=fast is not allowed: must be one of constant, heuristic"),
+    (["method=hf_assisted"], r"method\.assistant=null is not allowed"),
+    (["method=hf_assisted", "method.assistant=nope"], r"method\.assistant=nope is not allowed: must be one of .*tiny-random"),
+    (["task.shots=-1"], r"task\.shots=-1 is not allowed: must be >= 0"),
+    (["task.n_examples=0"], r"task\.n_examples=0 is not allowed"),
+    (["task.source=web"], r"task\.source=web is not allowed: must be one of offline, hub, local"),
+    (["task.use_chat_template=sometimes"], r"task\.use_chat_template=sometimes"),
+    (["task.max_new_tokens=0"], r"task\.max_new_tokens=0"),
+    (["task.data_files=x.jsonl"], r"task\.data_files=\[x\.jsonl\] is not allowed: data files are read only with "
+                                  r"task\.source=local"),
+    (["task.source=local"], r"task\.data_files=null is not allowed: task\.source=local needs data_files"),
+    (["task.split=validation"], r"task\.split=validation is not allowed: a split is read only with task\.source=hub"),
+    (["model.dtype=int8"], r"model\.dtype=int8 is not allowed: must be one of auto, float32"),
+    (["model.device=gpu"], r"model\.device=gpu is not allowed"),
+    (["model.attn_implementation=flash_attention_2"], r"model\.attn_implementation=flash_attention_2 is not "
+                                                      r"allowed: must be one of sdpa, eager"),
+    (["+model.random.num_hidden_layer=2"], r"model\.random\.num_hidden_layer is not a key of LlamaConfig"),
+    (["model.name_or_path=gpt2"], r"model\.random and model\.name_or_path both name where the model comes from"),
+    (["+model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
+                                  r"model\.name_or_path"),
+    (["logger=wandb", "logger.mode=sometimes"], r"logger\.mode=sometimes is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", EVAL_BAD, ids=[" ".join(o) for o, _ in EVAL_BAD])
+def test_impossible_evaluate_config_is_refused_before_the_model_loads(tmp_path, no_model_load, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        evaluate(compose(EVAL + overrides), tmp_path)
+
+
+JOB_BAD = [
+    (["job=heads", "job.kind=lm_head"], r"job\.kind=lm_head is not allowed: must be one of linear, full"),
+    (["job=heads", "job.layers=[]"], r"job\.layers=\[\] is not allowed: must name at least one layer"),
+    (["job=heads", "job.data=both"], r"job\.data=both is not allowed"),
+    (["job=heads", "job.mixed_tasks=[xsum,squad]"], r"job\.mixed_tasks\[1\]=squad is not allowed"),
+    (["job=heads", "job.n_prompts=0"], r"job\.n_prompts=0 is not allowed"),
+    (["job=heads", "job.eval_gammas=[0.5,1.0]"], r"job\.eval_gammas\[1\]=1\.0 is not allowed: must be in \[0, 1\)"),
+    (["job=heads", "job.lr=0"], r"job\.lr=0 is not allowed: must be > 0"),
+    (["job=heads", "job.log_every=0"], r"job\.log_every=0 is not allowed: must be >= 1"),
+    (["job=heads", "job.schedule=exp"], r"job\.schedule=exp is not allowed"),
+    (["job=heads", "job.max_grad_norm=0"], r"job\.max_grad_norm=0 is not allowed"),
+    (["job=heads", "seed=0.5"], r"seed=0\.5 is not allowed"),
+    (["job=heads", "model.dtype=int8"], r"model\.dtype=int8 is not allowed"),
+    (["job=prompts", "job.alpha=0"], r"job\.alpha=0 is not allowed: must be in \(0, 1\]"),
+    (["job=prompts", "job.held_out=0"], r"job\.held_out=0 is not allowed"),
+    (["job=prompts", "job.context_length=4"], r"job\.context_length=4 is not allowed: must be >= 8"),
+    (["job=prompts", "job.data=/nonexistent.json"], r"job\.data=/nonexistent\.json is not allowed: no such file"),
+    (["job=skips", "job.search=random"], r"job\.search=random is not allowed: must be one of bo, bo_model, greedy"),
+    (["job=skips", "job.probe_fractions=[0]"], r"job\.probe_fractions\[0\]=0 is not allowed"),
+    (["job=skips", "job.tasks=[xsum,squad]"], r"job\.tasks\[1\]=squad is not allowed"),
+    (["job=skips", "+job.decoding.gamma0=2"], r"job\.decoding\.gamma0=2 is not allowed: must be in \[0, 1\]"),
+    (["job=skips", "+job.decoding.max_draf=4"], r"job\.decoding\.max_draf is not a key"),
+    (["job=skips", "job.search=greedy", "job.max_new_tokens=2"], r"job\.max_new_tokens=2 is not allowed: must be >= 3"),
+    (["job=skips", "job.warm_start=[{attn:[-1]}]"], r"job\.warm_start\[0\]\.attn\[0\]=-1 is not allowed"),
+    (["job=skips", "job.iterations=0", "job.probe_fractions=[]"], r"job\.iterations=0 is not allowed: the search "
+                                                                   r"would evaluate nothing"),
+    (["job=ppd_tree", "job.sizes=[1]"], r"job\.sizes=\[1\] is not allowed: must hold a size > 1"),
+    (["job=ppd_tree", "job.latency_repeats=0"], r"job\.latency_repeats=0 is not allowed"),
+    (["job=ppd_tree", "job.prompts=/nonexistent"], r"job\.prompts=/nonexistent is not allowed: no artefact there"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", JOB_BAD, ids=[" ".join(o) for o, _ in JOB_BAD])
+def test_impossible_job_config_is_refused_before_the_model_loads(no_model_load, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run_job(compose(["model=tiny-random"] + overrides, "train"))
+
+
+def test_every_shipped_method_config_passes():
+    """Each conf/method file reads every key it sets; hf_assisted alone needs a value from the user."""
+    cfg = compose(["compare=[" + ",".join(group_options("method")) + "]"])
+    for name, m in method_configs(cfg, label="vanilla").items():
+        if name == "hf_assisted":
+            with pytest.raises(ConfigError, match=r"method\.assistant=null"):
+                check_method(m)
+        else:
+            check_method(m)
+
+
+def test_every_shipped_task_and_experiment_passes(no_model_load):
+    for task in group_options("task"):
+        assert prepare(compose([f"task={task}", "model=tiny-random", "n_examples=2"])).examples
+    for experiment in group_options("experiment"):
+        prepare(compose([f"experiment={experiment}", "model=tiny-random", "n_examples=2"]))
+
+
+def test_every_shipped_job_config_passes(tiny, tmp_path, monkeypatch):
+    from selfspec.artefacts import default_artefact_dir
+    from selfspec.prompts import PromptTokens, save_prompts
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))  # ppd_tree needs a prompts artefact
+    save_prompts(default_artefact_dir("prompts", "tiny-random"), PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
+    for job in group_options("job"):
+        prepare_job(compose([f"job={job}", "model=tiny-random"], "train"))
+
+
+# --- model sources: local GGUF files -------------------------------------------------------------
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte alphabet: a byte-level BPE vocabulary of 256 single-character tokens."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:] + [256 + n for n in range(256 - len(bs))]
+    bs += [b for b in range(256) if b not in bs]
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def write_gguf(path: Path, arch: str = "llama", d: int = 16, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny GGUF file as llama.cpp names its tensors: random F32 weights, a byte-level tokenizer."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens = _bytes_to_unicode() + ["he"]
+    vocab, heads, ff = len(tokens), 2, 32
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(["h e"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.3).astype(np.float32)
+
+    kv = d // heads
+    w.add_tensor("token_embd.weight", rand(vocab, d))
+    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    w.add_tensor("output.weight", rand(vocab, d))
+    for i in range(layers):
+        for name, shape in (("attn_q", (d, d)), ("attn_k", (kv, d)), ("attn_v", (kv, d)), ("attn_output", (d, d)),
+                            ("ffn_gate", (ff, d)), ("ffn_up", (ff, d)), ("ffn_down", (d, ff))):
+            w.add_tensor(f"blk.{i}.{name}.weight", rand(*shape))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _model(**keys):
+    return OmegaConf.create({"name": "g", "dtype": "float32", "device": "cpu", **keys})
+
+
+@pytest.fixture
+def conversions(monkeypatch, tmp_path):
+    """Calls that dequantise a GGUF file (``from_pretrained(..., gguf_file=...)``); the cache in tmp."""
+    import transformers
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recorded(*args, **kwargs):
+        if kwargs.get("gguf_file"):
+            calls.append(kwargs["gguf_file"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recorded)
+    return calls
+
+
+def test_local_gguf_file_loads_once_converted_from_every_spelling(tmp_path, conversions):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from selfspec.decoding.vanilla import Vanilla
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+    loaded = load_model(_model(gguf_path=str(path)))
+    assert conversions == ["tiny.gguf"]  # dequantised once ...
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    ids = tok("hello there")["input_ids"]
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert Vanilla(loaded.model).generate(ids, 8).tokens == want
+    for spelling in ({"name_or_path": str(path)}, {"name_or_path": str(tmp_path), "gguf_file": "tiny.gguf"}):
+        again = load_model(_model(**spelling))
+        assert (again.fingerprint, again.weights_digest) == (loaded.fingerprint, loaded.weights_digest)
+    assert conversions == ["tiny.gguf", "tiny.gguf"]  # ... then read from the cache (+1: the reference)
+
+
+def test_unsupported_gguf_architecture_is_refused_before_dequantising(tmp_path, conversions):
+    path = write_gguf(tmp_path / "other.gguf", arch="gpt2")
+    for keys in ({"gguf_path": str(path)}, {"name_or_path": str(path)}):
+        with pytest.raises(UnsupportedModelError, match=r"GGUF file .*other\.gguf\) has model_type='gpt2'.*llama"):
+            load_model(_model(**keys))
+    assert conversions == [] and not (tmp_path / "cache" / "models").exists()
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"gguf_path": "/nonexistent/m.gguf"}, r"model\.gguf_path=/nonexistent/m\.gguf is not allowed: no such file"),
+    ({"name_or_path": "/nonexistent/m.gguf"}, r"model\.name_or_path=/nonexistent/m\.gguf is not allowed: no such file"),
+    ({"gguf_asset": "/models/m.gguf"}, r"model\.gguf_asset=/models/m\.gguf is not allowed: must be an offline asset: "
+                                       r"one of smollm2-gguf.*use model\.gguf_path=<file>"),
+    ({"gguf_file": "m.gguf"}, r"model\.gguf_file=m\.gguf is not allowed: names a GGUF file inside model\.name_or_path"),
+    ({"gguf_path": "a.gguf", "name_or_path": "b"}, r"model\.gguf_path and model\.name_or_path both name"),
+    ({"gguf_asset": "smollm2-gguf", "hub_id": "x/y"}, r"model\.hub_id is not a key of a model config"),
+    ({"name_or_path": "x/y", "tokenizer": "smollm2-135m"}, r"model\.tokenizer=smollm2-135m is not allowed: set only "
+                                                           r"with model\.random"),
+])
+def test_bad_model_sources_are_named(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        load_model(_model(**keys))
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = _file(tmp_path, "notes.gguf", "plain text")
+    with pytest.raises(ConfigError, match=r"notes\.gguf is not allowed: not a GGUF file"):
+        load_model(_model(gguf_path=str(path)))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_path_decodes_like_the_embedded_default(smol, tmp_path, monkeypatch):
+    from selfspec.assets import asset_path
+    from selfspec.decoding.vanilla import Vanilla
+
+    path = asset_path("smollm2-gguf")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # its own conversion, not the default's
+    mine = load_model(OmegaConf.merge(model_config("smollm2-135m"), {"gguf_path": str(path)}))
+    assert (mine.fingerprint, mine.weights_digest) == (smol.fingerprint, smol.weights_digest)
+    ids = smol.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]
+    assert Vanilla(mine.model).generate(ids, 16).tokens == Vanilla(smol.model).generate(ids, 16).tokens
+
+
+# --- artefacts record the weights --------------------------------------------------------------
+def test_artefact_of_other_weights_is_refused(tiny, tmp_path):
+    seed1 = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"seed": 1}}))
+    assert seed1.fingerprint == tiny.fingerprint and seed1.weights_digest != tiny.weights_digest
+    path = save_heads(tmp_path / "h", IntermediateHeads.identity(tiny.model, [1, 2]), tiny)
+    message = (rf"heads artefact {re.escape(str(path))} was trained for model 'tiny-random' with other weights "
+               rf"\(weights={tiny.weights_digest}\) than the loaded model 'tiny-random' \(weights={seed1.weights_digest}\)")
+    with pytest.raises(ArtefactError, match=message):
+        load_heads(path, seed1)
+    method = OmegaConf.create({"name": "adadecode", "heads_dir": str(path)})
+    with pytest.raises(ArtefactError, match="other weights"):
+        build_decoder(method, seed1.model)
+    assert load_heads(path, tiny).layers == [1, 2]  # the same seed loads
+    bf16 = load_model(OmegaConf.merge(model_config("tiny-random"), {"dtype": "bfloat16"}))
+    assert bf16.weights_digest == tiny.weights_digest  # the same weights in another dtype
+    assert load_heads(path, bf16).layers == [1, 2]
+
+
+def test_artefact_without_a_weights_digest_loads_with_a_warning(tiny, tmp_path):
+    path = save_heads(tmp_path / "h", IntermediateHeads.identity(tiny.model, [1]), tiny)
+    meta = json.loads((path / META).read_text())
+    del meta["weights"]
+    (path / META).write_text(json.dumps(meta))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_heads(path, tiny)
+    assert any("predates weight digests" in str(w.message) for w in caught)
