@@ -52,8 +52,13 @@ def versions() -> dict[str, str]:
     return out
 
 
-def run_info(seed: int | None = None, device: str | None = None, dtype: str | None = None) -> dict[str, Any]:
+def run_info(seed: int | None = None, device: str | None = None, dtype: str | None = None,
+             linear_kernel: str | None = None) -> dict[str, Any]:
+    """What a result needs to be trusted: commit, library versions, hardware, seed, device, dtype
+    and the runtime's linear kernel (``skinny`` or ``torch``: their outputs differ in the last bits)."""
     info = {"git_commit": git_commit(), "versions": versions(), "hardware": hardware()}
+    if linear_kernel is not None:
+        info["linear_kernel"] = linear_kernel
     if seed is not None:
         info["seed"] = seed
     if device is not None:
