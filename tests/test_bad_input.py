@@ -128,6 +128,8 @@ EVAL_BAD = [
     (["warmup_max_new_tokens=0"], r"warmup_max_new_tokens=0"),
     (["progress=maybe"], r"progress=maybe is not allowed: must be true or false"),
     (["seed=0.5"], r"seed=0\.5 is not allowed: must be an integer"),
+    (["n_samples=0"], r"n_samples=0 is not allowed: must be >= 1"),
+    (["n_samples=2"], r"n_samples=2 is not allowed: must be 1 under greedy decoding \(sampling\.temperature=0\)"),
     (["method=adadecode", "method.gamma=1.5"], r"method\.gamma=1\.5 is not allowed: must be in \[0, 1\) "
                                                r"\(exit threshold on a head's top probability"),
     (["method=adadecode", "method.gamma=1"], r"method\.gamma=1 is not allowed: must be in \[0, 1\)"),

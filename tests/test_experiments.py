@@ -65,7 +65,8 @@ def test_preset_is_a_global_multirun_whose_jobs_compose(name):
 def test_presets_sweep_the_papers_axes():
     assert split_values(sweep_params("adadecode_main")["task"]) == ["xsum", "humaneval", "gsm8k"]
     assert split_values(sweep_params("dv_text")["sampling.temperature"]) == ["0.0", "0.2"]
-    assert split_values(sweep_params("dv_code")["sampling.temperature"]) == ["0.0", "0.6"]
+    code = compose(["experiment=dv_code"])  # Draft & Verify's HumanEval setting: 10 samples, T 0.6, top-p 0.95
+    assert (code.n_samples, code.sampling.temperature, code.sampling.top_p) == (10, 0.6, 0.95)
     assert split_values(sweep_params("ppd_speedup")["task"]) == ["mtbench", "humaneval", "gsm8k"]
     assert len(split_values(sweep_params("adadecode_ablation")["method"])) == 6
     assert compose(["experiment=dv_static"]).method.max_draft == 12  # Table 4: K = 12

