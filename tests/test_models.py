@@ -49,3 +49,32 @@ def test_artefact_of_another_model_is_refused(tiny, tmp_path):
     with pytest.raises(ArtefactError, match="expected 'prompts'"):
         load_artefact(tmp_path / "a", "prompts", other)
     assert load_artefact(tmp_path / "a", "heads", other.model).meta["num_layers"] == 2
+
+
+@pytest.mark.slow
+def test_smollm2_saved_as_a_directory_decodes_and_shares_artefacts_with_the_gguf(smol, tmp_path):
+    """The embedded default saved with ``save_pretrained`` (model and tokenizer) and loaded back
+    through ``model.name_or_path=<dir>``: the same fingerprint and weights digest, vanilla decodes a
+    real prompt token for token like the GGUF path, and heads saved from one load into the other."""
+    from selfspec.config import compose
+    from selfspec.decoding import build_decoder
+    from selfspec.heads import IntermediateHeads, load_heads, save_heads
+
+    directory = tmp_path / "smollm2-dir"
+    smol.model.hf.save_pretrained(directory)
+    smol.tokenizer.save_pretrained(directory)
+    cfg = compose(["model=smollm2-135m", f"model.name_or_path={directory}"]).model
+    loaded = load_model(cfg)
+    assert loaded.model.hf.config.name_or_path == str(directory)
+    assert (loaded.fingerprint, loaded.weights_digest) == (smol.fingerprint, smol.weights_digest)
+    text = smol.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about the sea."}], tokenize=False, add_generation_prompt=True)
+    ids = smol.tokenizer(text)["input_ids"]
+    assert loaded.tokenizer(text)["input_ids"] == ids
+    vanilla = OmegaConf.create({"name": "vanilla"})
+    tokens = [build_decoder(vanilla, m.model).generate(ids, 24).tokens for m in (smol, loaded)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 24
+    for source, target in ((smol, loaded), (loaded, smol)):
+        path = save_heads(tmp_path / f"heads-{source is smol}", IntermediateHeads.identity(source.model, [9, 19]),
+                          source)
+        assert load_heads(path, target).layers == [9, 19]
