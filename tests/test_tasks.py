@@ -112,6 +112,46 @@ def test_local_jsonl_loads(tmp_path):
     assert examples[0].prompt == "Article: Doc 0.\nSummary: S 0.\nArticle: Doc 1.\nSummary:"
 
 
+#: per task: two records in the hub data set's own schema (every column it has), the column holding
+#: the input, and the example reference each record must give
+HUB_SCHEMA = {
+    "xsum": ([{"document": f"Storm {i} hit the coast.", "summary": f"Storm {i}.", "id": f"x{i}"} for i in range(2)],
+             "document", lambda r: r["summary"]),
+    "cnndm": ([{"article": f"Rain {i} fell all day.", "highlights": f"Rain {i}.", "id": f"c{i}"} for i in range(2)],
+              "article", lambda r: r["highlights"]),
+    "humaneval": ([{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": f"    return {i}\n",
+                    "test": f"def check(c):\n    assert c() == {i}\n", "entry_point": f"f{i}"} for i in range(2)],
+                  "prompt", lambda r: {k: r[k] for k in ("task_id", "prompt", "test", "entry_point")}),
+    "gsm8k": ([{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = <<{i}+2={i + 2}>>{i + 2}\n#### {i + 2}"}
+               for i in range(2)], "question", lambda r: r["answer"].rsplit("#### ", 1)[1]),
+    "mtbench": ([{"prompt": [f"Write poem {i}.", "Shorter."], "prompt_id": 81 + i, "category": "writing",
+                  "reference": []} for i in range(2)], "prompt", lambda r: None),  # judged by an LLM: no reference
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_SCHEMA))
+def test_local_jsonl_in_the_hub_schema(tmp_path, name):
+    """A hub data set saved as JSON lines (its own column names) loads with source=local: each
+    example's prompt holds the record's input and its reference is the record's answer."""
+    records, field, reference = HUB_SCHEMA[name]
+    path = _write(tmp_path, [json.dumps(r) for r in records])
+    task = build_task({"name": name, "source": "local", "data_files": str(path), "shots": 0,
+                       "shuffle_seed": None, "n_examples": None})
+    examples = task.examples()
+    assert len(examples) == len(records)
+    for ex, record in zip(examples, records):
+        given = record[field][0] if name == "mtbench" else record[field]  # MT-Bench: the first turn
+        assert given in ex.prompt and ex.reference == reference(record)
+    if name == "mtbench":
+        assert [e.id for e in examples] == ["81", "82"] and examples[0].meta["turns"] == records[0]["prompt"]
+
+
+def test_local_record_with_a_hub_column_and_its_field_is_refused(tmp_path):
+    path = _write(tmp_path, [json.dumps({"prompt": ["Q"], "turns": ["Q"], "category": "writing"})])
+    with pytest.raises(TaskDataError, match=r"line 1: fields 'prompt' and 'turns' are the same field"):
+        build_task({"name": "mtbench", "source": "local", "data_files": str(path)}).examples()
+
+
 @pytest.mark.parametrize("name,hub_args,row", [
     ("cnndm", ("abisee/cnn_dailymail", "3.0.0", "test"), {"id": "x", "article": "A.", "highlights": "H."}),
     ("gsm8k", ("openai/gsm8k", "main", "test"), {"question": "1+1?", "answer": "2\n#### 2"}),

@@ -123,7 +123,7 @@ def read_jsonl(path: Path, required: Required, skip_comments: bool = False,
 
 
 def _jsonl_records(lines: Iterable[str], path: Path, required: Required, skip_comments: bool,
-                   problem: Problem | None) -> list[dict[str, Any]]:
+                   problem: Problem | None, rename: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     records = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip() or (skip_comments and line.lstrip().startswith("#")):
@@ -132,13 +132,28 @@ def _jsonl_records(lines: Iterable[str], path: Path, required: Required, skip_co
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TaskDataError(f"{path}, line {lineno}: not valid JSON ({exc.msg})") from None
+        record = renamed(record, rename, f"{path}, line {lineno}")
         check_record(record, required, f"{path}, line {lineno}", problem)
         records.append(record)
     return records
 
 
-def read_records(path: Path, required: Required, problem: Problem | None = None) -> list[dict[str, Any]]:
-    """The records of a local data file: JSON lines, or one JSON array of objects.
+def renamed(record: Any, rename: Mapping[str, str] | None, where: str) -> Any:
+    """``record`` with its hub columns renamed to the task's fields (``Task.hub_rename``); a record
+    holding both a hub column and the field it becomes is refused at ``where``."""
+    if not rename or not isinstance(record, dict):
+        return record
+    both = [f"{k!r} and {rename[k]!r}" for k in record if k in rename and rename[k] in record]
+    if both:
+        raise TaskDataError(f"{where}: fields {', '.join(both)} are the same field under its hub and its "
+                            "own name; keep one")
+    return {rename.get(k, k): v for k, v in record.items()}
+
+
+def read_records(path: Path, required: Required, problem: Problem | None = None,
+                 rename: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The records of a local data file: JSON lines, or one JSON array of objects, in the hub
+    schema (``rename``: hub column -> the task's field, as for the hub itself).
 
     These are the layouts ``datasets.load_dataset("json", ...)`` reads (``.gz`` compressed
     too). Every record is checked (:func:`check_record`); an empty file, an empty array or any
@@ -154,13 +169,14 @@ def read_records(path: Path, required: Required, problem: Problem | None = None)
     if isinstance(whole, list):
         if not whole:
             raise TaskDataError(f"{path}: the JSON array holds no records; expected {layout}")
-        for i, record in enumerate(whole):
+        records = [renamed(r, rename, f"{path}, record [{i}] of the JSON array") for i, r in enumerate(whole)]
+        for i, record in enumerate(records):
             check_record(record, required, f"{path}, record [{i}] of the JSON array", problem)
-        return whole
+        return records
     if isinstance(whole, dict) and "\n" in text.strip():
         raise TaskDataError(f"{path}: the file is one JSON object (keys {', '.join(map(str, whole))}); "
                             f"expected {layout}")
-    return _jsonl_records(text.splitlines(), path, required, False, problem)
+    return _jsonl_records(text.splitlines(), path, required, False, problem, rename)
 
 
 def _whole_json(text: str) -> Any:
@@ -353,7 +369,7 @@ class Task:
         """The pool, every record checked (:func:`check_record`) where it is read."""
         if self.cfg.source == "local":
             return [r for path in data_paths(self.cfg.data_files)
-                    for r in read_records(path, self.required, self.record_problem)]
+                    for r in read_records(path, self.required, self.record_problem, self.hub_rename)]
         if self.cfg.source == "offline":
             records, where = self.offline_records(), f"offline asset of task {self.name}, record"
         else:
