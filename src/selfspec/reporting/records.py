@@ -1,7 +1,7 @@
 """Result records: one per (run, method), read from evaluation run directories, W&B or the papers.
 
 An evaluation run directory (``python -m selfspec.evaluate``) holds ``summary.json`` (per-method
-figures, see :mod:`selfspec.evaluation.aggregate`), ``results.jsonl`` (one line per example and
+figures, see :mod:`selfspec.evaluation.aggregate`), ``results.jsonl`` (one line per example, sample and
 method) and Hydra's ``.hydra/`` (the composed config, the overrides and the config-group
 choices). Each method in a run becomes one :class:`Record` carrying where it came from: run
 directory, git commit, hardware and library versions.
