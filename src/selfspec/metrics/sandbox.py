@@ -77,8 +77,10 @@ log = logging.getLogger(__name__)
 BUBBLEWRAP = "bubblewrap"
 RLIMITS_ONLY = "rlimits-only"
 NOBODY = 65534
-#: seconds allowed on top of the timeout for bubblewrap and the interpreter to start
-STARTUP_S = 2.0
+#: seconds allowed on top of the timeout for bubblewrap and the interpreter to start (the program's own
+#: timeout is kept by the harness inside; this only bounds a start-up that hangs, and is generous so
+#: that a loaded machine does not fail correct programs)
+STARTUP_S = 10.0
 TMP_BYTES = 64 << 20  # size of the sandbox's private /tmp
 WORKDIR = "/tmp/work"  # the working directory inside the bubblewrap sandbox
 _CHILD = Path(__file__).with_name("_sandbox_child.py")
