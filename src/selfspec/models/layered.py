@@ -145,12 +145,14 @@ class LayeredModel:
         return torch.arange(start, start + n, device=self.device).unsqueeze(0)
 
     def causal_mask(self, n_new: int, past: int) -> torch.Tensor | None:
-        """Mask for ``n_new`` queries appended after ``past`` cached positions (None if n_new == 1).
+        """Mask for ``n_new`` queries appended after ``past`` cached positions.
 
         SDPA's ``is_causal`` aligns the triangle top-left, wrong once keys outnumber queries,
-        so queries after a cache always get an explicit mask (docs/design.md §4).
+        so queries after a cache always get an explicit mask (docs/design.md §4). None (no mask
+        needed) for one query, and for a prefill into an empty cache under SDPA, whose causal
+        kernel then runs as it does in transformers' own prefill.
         """
-        if n_new == 1:
+        if n_new == 1 or (past == 0 and not self._additive_mask):
             return None
         q = torch.arange(n_new, device=self.device).unsqueeze(1) + past
         k = torch.arange(past + n_new, device=self.device).unsqueeze(0)
