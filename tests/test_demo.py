@@ -69,4 +69,4 @@ def test_demo_small_pipeline_regenerates_tables(demo_module, tmp_path, monkeypat
                    "wandb.enabled=false"], config_name="report")
     again = run_report(cfg)
     assert (report_dir / "tables" / "main.md").read_text() == table
-    assert {p.name for p in again.plots} >= {"speedup_main_tiny-random.png", "tree_latency.png"}
+    assert {p.path.name for p in again.plots} >= {"speedup_main_tiny-random.png", "tree_latency.png"}
