@@ -69,7 +69,7 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
     ax.set_xlabel("task")
     ax.set_ylabel(SPEEDUP_LABEL)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     return save_figure(fig, path, (
         f"{title.replace(chr(10), ', ')}: each method's speedup over vanilla on the same examples, per task. "
         "Bars above the dashed line (1.0×) are faster than vanilla, below it slower; the number on a bar "
