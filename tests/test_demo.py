@@ -1,51 +1,28 @@
-"""The demo's pipeline, reduced (tiny-random, --small, one task): train, evaluate, report — and the
-tables regenerate from the result files it wrote."""
+"""The demo's pipeline, reduced (tiny-random, --small): train, evaluate, report — and the tables
+regenerate from the result files it wrote. The run is the session's ``demo_run`` (conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from selfspec.config import compose
+from selfspec.report import run_report
 
 
-@pytest.fixture
-def demo_module(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import demo
-
-    yield demo
-    sys.modules.pop("demo", None)
-
-
-def test_demo_small_pipeline_regenerates_tables(demo_module, tmp_path, monkeypatch, capsys):
-    from selfspec.config import compose
-    from selfspec.report import run_report
-
-    out = tmp_path / "outputs"
-    # the demo points every default artefact path at --out and logs to W&B offline; restore after
-    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(out))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.chdir(tmp_path)
-    assert demo_module.main(["--model", "tiny-random", "--small", "--out", str(out), "--tasks", "xsum",
-                             "--logger", "wandb"]) == 0
-    printed = capsys.readouterr().out.strip().splitlines()
-
+def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
+    out, run_dir, printed = demo_run.out, demo_run.run_dir, demo_run.printed
     for kind, name in (("heads", "tiny-random-mixed"), ("skip_set", "tiny-random"), ("prompts", "tiny-random"),
                        ("ppd_tree", "tiny-random")):
         assert (out / "artefacts" / kind / name / "meta.json").exists(), kind
-    (run_dir,) = (out / "demo").iterdir()
-    (eval_dir,) = (run_dir / "eval").iterdir()
+    evals = sorted((run_dir / "eval").iterdir())
+    assert [d.name for d in evals] == [f"{i}_{t}_tiny-random_adadecode" for i, t in
+                                       enumerate(("xsum", "cnndm", "humaneval", "gsm8k", "mtbench"))]
+    eval_dir = evals[0]
     summary = json.loads((eval_dir / "summary.json").read_text())
     assert set(summary["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd", "hf_generate",
                                        "hf_prompt_lookup"}
     assert summary["config"]["report"]["table"] == "main"
-    assert list(eval_dir.glob("wandb/offline-run-*")), "W&B offline run missing"
+    assert all(list(d.glob("wandb/offline-run-*")) for d in evals), "W&B offline run missing"
 
     # the last lines: where the report is, then the headline speedups
     report_dir = run_dir / "report"
@@ -64,9 +41,37 @@ def test_demo_small_pipeline_regenerates_tables(demo_module, tmp_path, monkeypat
     assert "The runtime on this machine" in index and "transformers generate" in index
 
     # regenerate from the result files alone: the same tables
-    shutil.rmtree(report_dir / "tables")
-    cfg = compose([f"inputs=[{run_dir / 'eval'}]", f"output_dir={report_dir}", f"artefacts_dir={out / 'artefacts'}",
+    again_dir = tmp_path / "again"
+    cfg = compose([f"inputs=[{run_dir / 'eval'}]", f"output_dir={again_dir}", f"artefacts_dir={out / 'artefacts'}",
                    "wandb.enabled=false"], config_name="report")
     again = run_report(cfg)
-    assert (report_dir / "tables" / "main.md").read_text() == table
-    assert {p.name for p in again.plots} >= {"speedup_main_tiny-random.png", "tree_latency.png"}
+    assert (again_dir / "tables" / "main.md").read_text() == table
+    assert {p.path.name for p in again.plots} >= {"speedup_main_tiny-random.png", "tree_latency.png"}
+
+
+def test_answer_per_task_matches_the_demo_runs(demo_run):
+    """The page's answer for each task: the fastest lossless method of that task's run, with its
+    speedup, consistency and quality metric as the runner wrote them."""
+    from selfspec.reporting.answer import answers
+    from selfspec.reporting.layouts import TASK_SCORE
+    from selfspec.reporting.records import collect
+    from selfspec.reporting.tables import METHOD_TITLE
+
+    by_task = {a.task: a for a in answers(collect([demo_run.run_dir / "eval"]))}
+    assert set(by_task) == {"xsum", "cnndm", "humaneval", "gsm8k", "mtbench"}
+    for run in (demo_run.run_dir / "eval").iterdir():
+        summary = json.loads((run / "summary.json").read_text())
+        methods = summary["methods"]
+        label = max((m for m in methods if m != "vanilla" and methods[m]["lossless"] is not False),
+                    key=lambda m: methods[m]["speedup"])
+        got = by_task[summary["task"]]
+        assert got.method == METHOD_TITLE[label] and got.source == str(run)
+        assert got.speedup == methods[label]["speedup"]
+        assert got.consistency == methods[label]["consistency"]
+        assert got.tokens_per_s == methods[label]["tokens_per_s"]
+        key = TASK_SCORE.get(summary["task"], (None,))[0]
+        if key:
+            assert got.score == methods[label]["metrics"][key]
+            assert got.baseline_score == methods["vanilla"]["metrics"][key]
+        else:
+            assert got.score is None and got.score_name is None

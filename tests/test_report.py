@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +14,7 @@ from selfspec.config import compose
 from selfspec.evaluation import evaluate
 from selfspec.heads import IntermediateHeads, save_heads
 from selfspec.reporting import build_report, collect, get_layout, read_run
+from selfspec.reporting.answer import answers
 from selfspec.reporting.artefacts import bo_traces, find_artefacts, tree_curves
 from selfspec.reporting.layouts import LAYOUTS
 from selfspec.reporting.paper import paper_records
@@ -44,6 +47,55 @@ def write_run(path: Path, *, table: str | None, task: str, method: str, methods:
                "run_info": RUN_INFO, "artefacts": artefacts or {}, "config": cfg}
     (path / "summary.json").write_text(json.dumps(summary))
     return path
+
+class _Figures(HTMLParser):
+    """Every ``<img>`` of a page with the caption of the ``<figure>`` holding it (None: no figure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.images: list[list] = []  # [src, caption]
+        self._figure: list | None = None
+        self._in_caption = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "figure":
+            self._figure = []
+        elif tag == "img":
+            self.images.append([dict(attrs)["src"], None])
+            if self._figure is not None:
+                self._figure.append(self.images[-1])
+        elif tag == "figcaption":
+            self._in_caption = True
+
+    def handle_endtag(self, tag):
+        if tag == "figure":
+            self._figure = None
+        elif tag == "figcaption":
+            self._in_caption = False
+
+    def handle_data(self, data):
+        if self._in_caption and self._figure:
+            for image in self._figure:
+                image[1] = (image[1] or "") + data
+
+
+#: an axis label names a quantity and its unit in parentheses: "forward latency (ms; —)"
+UNIT = re.compile(r"\S.*\(.+\)")
+
+
+def assert_plots_explained(result) -> None:
+    """Every plot the report embeds sits in a <figure> with its caption, and labels its axes with units."""
+    parser = _Figures()
+    parser.feed(result.index.read_text())
+    by_src = {p.path.relative_to(result.out_dir).as_posix(): p for p in result.plots}
+    assert sorted(src for src, _ in parser.images) == sorted(by_src)
+    for src, caption in parser.images:
+        assert caption and caption.strip() == by_src[src].caption and len(caption) > 60, src
+    for plot in result.plots:
+        assert plot.labels[0][0], f"{plot.path.name}: no x label"
+        for x, y in plot.labels:
+            assert UNIT.match(y), f"{plot.path.name}: y label {y!r} names no unit"
+            assert not x or x == "task" or UNIT.match(x), f"{plot.path.name}: x label {x!r} names no unit"
 
 
 @pytest.fixture
@@ -111,11 +163,17 @@ def test_build_report_writes_tables_plots_and_index(runs, tmp_path):
     assert "paper (Llama3.1-8B-Inst), reference only" in md and "38.09 (1.14×)" in md
     tex = (out / "tables" / "adadecode_main.tex").read_text()
     assert r"\begin{tabular}" in tex and r"\multicolumn{4}{c}{XSum}" in tex and r"26.00 (1.30$\times$)" in tex
-    names = {p.name for p in result.plots}
+    names = {p.path.name for p in result.plots}
     assert {"speedup_adadecode_main_smollm2-135m.png", "exit_layers.png"} <= names
-    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in result.plots)
+    assert all(p.path.read_bytes()[:4] == b"\x89PNG" for p in result.plots)
+    assert_plots_explained(result)
     index = result.index.read_text()
     assert "AdaDecode main results" in index and "plots/exit_layers.png" in index
+    # the page leads with the answer, then the paper-layout tables, then the plots
+    assert index.index("Fastest lossless method per task") < index.index("AdaDecode main results") < index.index(
+        "<h2 id='plots'>")
+    assert "| XSum | greedy | smollm2-135m | AdaDecode | 1.30× faster than vanilla | 26.00 (vanilla 20.00) | 1.000 | " \
+           "ROUGE-2 0.110 (vanilla 0.110) | 2 |" in (out / "report.md").read_text()
     assert any(line.startswith("adadecode_main · smollm2-135m · AdaDecode: ") and "XSum 1.30×" in line
                for line in result.headline)
 
@@ -143,7 +201,8 @@ def test_method_variants_keep_their_label_and_variant(real_runs, tmp_path):
     # the threshold plot: Draft & Verify's static points, by label
     series = gamma_series(result.records)
     assert [g for g, _, _ in series[("Draft & Verify (draft_verify_static)", "cnndm")]] == [0.2, 0.6]
-    assert "gamma.png" in {p.name for p in result.plots}
+    assert "gamma.png" in {p.path.name for p in result.plots}
+    assert_plots_explained(result)
 
 
 def test_paper_column_when_the_model_matches(tmp_path):
@@ -213,8 +272,13 @@ def test_artefact_traces(tmp_path):
     traces, objective = bo_traces(found)
     assert objective == "speedup" and len(traces["m"]) == 3
     assert tree_curves(found)["m"][1] == {"size": 4, "latency": 0.012, "accept_length": 1.6}
+    heads = tmp_path / "heads" / "m-xsum"
+    heads.mkdir(parents=True)
+    (heads / "meta.json").write_text(json.dumps({"kind": "heads", "model": "m"}))
+    (heads / "history.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1 / (s + 1)}) + "\n" for s in range(3)))
     result = build_report([tmp_path / "none"], tmp_path / "report", artefacts_dir=tmp_path)
-    assert {p.name for p in result.plots} == {"bo_trace.png", "tree_latency.png"}
+    assert {p.path.name for p in result.plots} == {"bo_trace.png", "heads_training.png", "tree_latency.png"}
+    assert_plots_explained(result)
     assert "No results found" in result.index.read_text()
 
 
@@ -272,3 +336,48 @@ def test_dashboard_layout(tmp_path):
         finally:
             _sys.argv = argv
     assert exit_.value.code == 0 and out.read_text() == md
+
+
+def test_answer_per_task_from_real_runner_output(real_runs):
+    """The fastest lossless method per task is the one with the highest speedup among the runs'
+    own summaries, with that run's consistency and quality metric next to vanilla's."""
+    records = collect([real_runs])
+    (cnndm,) = [a for a in answers(records) if a.task == "cnndm"]
+    runs = {p.parent: json.loads(p.read_text()) for p in real_runs.rglob("summary.json")}
+    tested = [(run, label, m) for run, s in runs.items() if s["task"] == "cnndm" for label, m in s["methods"].items()
+              if label != "vanilla"]
+    run, label, best = max(tested, key=lambda t: t[2]["speedup"])
+    title = {"draft_verify": "Draft & Verify, adaptive"}.get(label, f"Draft & Verify ({label}), ")  # + variant
+    assert cnndm.source == str(run) and cnndm.method.startswith(title)
+    assert cnndm.speedup == best["speedup"] and cnndm.consistency == best["consistency"]
+    assert cnndm.tokens_per_s == best["tokens_per_s"]
+    assert cnndm.baseline_tokens_per_s == runs[run]["methods"]["vanilla"]["tokens_per_s"]
+    assert cnndm.score_name == "ROUGE-2" and cnndm.score == best["metrics"]["rouge2"]
+    assert cnndm.baseline_score == runs[run]["methods"]["vanilla"]["metrics"]["rouge2"]
+    assert cnndm.compared == len({label for _, label, _ in tested})
+
+
+def test_answer_leaves_out_lossy_runs_and_says_when_none_is_faster():
+    def rec(method, speedup, lossless=True, source="run"):
+        return Record(table="runs", model="m", task="gsm8k", method=method, provenance={"source": source},
+                      metrics={"speedup": speedup, "tokens_per_s": 10 * speedup, "lossless": lossless,
+                               "consistency": 1.0, "accuracy": 0.5})
+
+    (a,) = answers([rec("vanilla", 1.0), rec("ppd", 3.0, lossless=False), rec("adadecode", 0.9)])
+    assert a.method == "AdaDecode" and a.verdict == "none faster than vanilla (best 0.90×)"
+    assert (a.score_name, a.score, a.baseline_score, a.baseline_tokens_per_s) == ("Acc.", 0.5, 0.5, 10.0)
+    assert answers([rec("vanilla", 1.0), rec("ppd", 3.0, lossless=False)]) == []
+
+
+def test_training_plots_label_axes_and_caption(tmp_path):
+    """The skip search's Figure 4 and the PPD tree's curves: units on every axis, a caption drawn in."""
+    from selfspec.training.skips import plot_trace
+    from selfspec.training.tree import plot_curves
+
+    rows = [{"iteration": i, "n_skipped": i + 1, "speedup": 0.8 + i / 10, "n_attn": i, "n_mlp": 1} for i in range(4)]
+    plots = [plot_trace(rows, tmp_path / "skips.png", "m skip-set search"),
+             plot_curves(tmp_path / "tree.png", [1, 2, 4], [1.0, 1.4, 1.6], [0.01, 0.012, 0.02], [1.0, 1.17, 0.8], 2)]
+    for plot in plots:
+        assert plot.path.read_bytes()[:4] == b"\x89PNG" and len(plot.caption) > 60
+        assert all(UNIT.match(y) for _, y in plot.labels), plot.labels
+        assert all(UNIT.match(x) for x, _ in plot.labels if x), plot.labels

@@ -7,11 +7,13 @@ experiment preset set (``conf/experiment/``); and writes ``outputs/report/``:
 
     tables/<table>.md, tables/<table>.tex   one per paper table (layouts.py), rows with sources
     plots/*.png                              speedup, γ, exit layers, BO trace, heads, tree latency
-    index.html, report.md                    everything on one page
+    index.html, report.md                    the answer per task first, then every table and plot
 
 Modules: :mod:`~selfspec.reporting.records` (reading runs), :mod:`~selfspec.reporting.layouts`
 (one layout per paper table), :mod:`~selfspec.reporting.paper` (the papers' figures,
 ``paper_figures.yaml``), :mod:`~selfspec.reporting.tables`, :mod:`~selfspec.reporting.plots`,
+:mod:`~selfspec.reporting.figure` (a PNG with its caption and axis labels),
+:mod:`~selfspec.reporting.answer` (per task, the fastest lossless method),
 :mod:`~selfspec.reporting.artefacts`, :mod:`~selfspec.reporting.html`,
 :mod:`~selfspec.reporting.wandb_source`, :mod:`~selfspec.reporting.dashboard` (the W&B panel
 layout) and :mod:`~selfspec.reporting.build` (all of it).

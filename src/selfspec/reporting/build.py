@@ -3,19 +3,19 @@
     result = build_report(inputs=["outputs/eval", "outputs/multirun"], out_dir="outputs/report")
     result.index        # outputs/report/index.html
     result.headline     # ["adadecode_main · smollm2-135m · AdaDecode: XSum 1.12×, ..."]
+    result.answers      # per task: the fastest lossless method, its speedup, consistency, quality
 
 Records are grouped by the ``report.table`` id their run's config carries (an experiment preset
 sets it; plain runs fall in the ``runs`` table). Output layout::
 
     out_dir/tables/<table>.md, <table>.tex
     out_dir/plots/speedup_<table>_<model>.png, gamma.png, exit_layers.png, bo_trace.png, ...
-    out_dir/index.html, report.md (all tables)
+    out_dir/index.html, report.md (the answer per task, then all tables)
 """
 
 from __future__ import annotations
 
 import json
-
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,6 +24,9 @@ from typing import Any, Iterable
 
 from selfspec.reporting import artefacts as art
 from selfspec.reporting import plots
+from selfspec.reporting.answer import Answer, answers
+from selfspec.reporting.answer import to_markdown as to_answer_markdown
+from selfspec.reporting.figure import Plot
 from selfspec.reporting.html import write_index
 from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout
 from selfspec.reporting.paper import paper_records
@@ -41,8 +44,11 @@ class ReportResult:
     index: Path | None
     tables: dict[str, Table] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
-    plots: list[Path] = field(default_factory=list)
+    #: the PNGs with their captions and axis labels
+    plots: list[Plot] = field(default_factory=list)
     headline: list[str] = field(default_factory=list)
+    #: per (model, task, decoding): the fastest lossless method (what the page leads with)
+    answers: list[Answer] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
 
 
@@ -128,8 +134,10 @@ def build_report(
             result.files.append(path)
             files[fmt] = path.relative_to(out_dir).as_posix()
         rendered.append((table, files))
+    result.answers = answers(r for recs in by_table.values() for r in recs)
     if all_md:
-        (out_dir / "report.md").write_text("\n".join(all_md), encoding="utf-8")
+        (out_dir / "report.md").write_text("\n".join([to_answer_markdown(result.answers), *all_md]),
+                                           encoding="utf-8")
         result.files.append(out_dir / "report.md")
 
     if make_plots:
@@ -138,7 +146,7 @@ def build_report(
 
     result.files.append(write_markdown(out_dir / "dashboard.md"))  # the W&B panel layout
     result.headline = headline(by_table)
-    result.index = write_index(out_dir, rendered, result.plots, result.headline,
+    result.index = write_index(out_dir, rendered, result.plots, result.answers,
                                {"n_runs": len(runs), "inputs": inputs}, runtime_reports(inputs))
     return result
 
@@ -159,8 +167,8 @@ def runtime_reports(inputs: Iterable[Path]) -> list[dict[str, Any]]:
 
 
 def _plots(by_table: dict[str, list[Record]], records: list[Record], plot_dir: Path,
-           artefacts_dir: str | Path | None) -> list[Path]:
-    made: list[Path | None] = []
+           artefacts_dir: str | Path | None) -> list[Plot]:
+    made: list[Plot | None] = []
     for table_id, recs in by_table.items():
         layout = get_layout(table_id)
         if layout.headline != "speedup":
@@ -175,9 +183,7 @@ def _plots(by_table: dict[str, list[Record]], records: list[Record], plot_dir: P
         found = art.find_artefacts(artefacts_dir)
         traces, objective = art.bo_traces(found)
         if traces:
-            made.append(plots.trace_plot(traces, plot_dir / "bo_trace.png", x="iteration", y=objective,
-                                         title="Draft & Verify skip-set search (BO trace)"))
-        made.append(plots.trace_plot(art.heads_histories(found), plot_dir / "heads_training.png", x="step",
-                                     y="loss", title="AdaDecode heads: training loss", best=None))
+            made.append(plots.bo_trace_plot(traces, objective, plot_dir / "bo_trace.png"))
+        made.append(plots.heads_training_plot(art.heads_histories(found), plot_dir / "heads_training.png"))
         made.append(plots.tree_latency_plot(art.tree_curves(found), plot_dir / "tree_latency.png"))
     return [p for p in made if p is not None]

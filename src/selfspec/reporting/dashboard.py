@@ -60,7 +60,7 @@ SECTIONS: tuple[Section, ...] = (
         Panel("bar", "pass@1 (HumanEval)", _per_method("metrics/pass@1"), groupby="method_label"),
         Panel("bar", "accuracy (GSM8K)", _per_method("metrics/accuracy"), groupby="method_label"),
     )),
-    Section("Training artefacts", "job:train-*, job:skips", (
+    Section("Training artefacts", "job:train-*, job:skips, job:ppd-tree", (
         Panel("line", "AdaDecode heads: KL loss", ("train/loss",), x="Step"),
         Panel("line", "PPD prompt tokens: KL loss", ("train/loss",), x="Step"),
         Panel("line", "skip-set search: speedup and s/token per candidate (BO trace)", ("speedup", "objective"), x="Step"),

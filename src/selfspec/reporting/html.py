@@ -1,8 +1,10 @@
 """A static ``index.html``: every table and plot on one page, readable without W&B.
 
-Tables are rendered from the same :class:`~selfspec.reporting.tables.Table` objects as the
-Markdown and LaTeX files; plots are linked relative to the page, so the report directory can be
-copied or served as it is.
+The page leads with the answer (per task, the fastest lossless method, its speedup, consistency
+and quality: :mod:`~selfspec.reporting.answer`), then the paper-layout tables, rendered from the
+same :class:`~selfspec.reporting.tables.Table` objects as the Markdown and LaTeX files, then the
+runtime benchmarks and the plots, each a ``<figure>`` with a caption saying what to see in it.
+Files are linked relative to the page, so the report directory can be copied or served as it is.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from selfspec.reporting import answer as ans
+from selfspec.reporting.figure import Plot
 from selfspec.reporting.tables import Table, source_line
 
 _STYLE = """
@@ -19,12 +23,19 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}
 th,td{border:1px solid #ccc;padding:.25em .5em;text-align:right}th{background:#f4f4f4}
-td:first-child,th:first-child{text-align:left}
+td:first-child,th:first-child{text-align:left}td.src{white-space:nowrap}
 tr.block td{background:#fafafa;font-style:italic;text-align:left}
-.notes{font-size:.8em;color:#555}.plots img{max-width:48%;margin:.3em;border:1px solid #eee}
-.headline{background:#f6fbff;border:1px solid #cde;padding:.6em 1em}
+.notes{font-size:.8em;color:#555}.scroll{overflow-x:auto}
+.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:1em}
+figure{margin:0;border:1px solid #eee;padding:.4em}figure img{width:100%;height:auto}figure.wide{grid-column:1/-1}
+figcaption{font-size:.8em;color:#444;margin-top:.3em}
+.answer{background:#f6fbff;border:1px solid #cde;padding:.3em 1em .6em}.answer td,.answer th{text-align:left}
+.answer td:nth-child(5){font-weight:bold}
 code{background:#f4f4f4;padding:0 .2em}
 """
+
+#: a plot wider than this (width ÷ height) takes a whole row of the plot grid
+WIDE = 2.0
 
 
 def table_html(table: Table) -> str:
@@ -35,7 +46,7 @@ def table_html(table: Table) -> str:
         out.append(f'<tr class="block"><td colspan="{len(head)}">{e(block.title)}</td></tr>')
         for row in block.rows:
             src = " ".join(f'<a href="#src-{table.layout.id}-{i}">[{i}]</a>' for i in row.sources)
-            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells]) + f"<td>{src}</td></tr>")
+            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells]) + f"<td class='src'>{src}</td></tr>")
     out.append("</table>")
     notes = [f"<li>{e(n)}</li>" for n in table.notes]
     notes += [f'<li id="src-{table.layout.id}-{i}">[{i}] {e(source_line(p))}</li>'
@@ -70,19 +81,39 @@ def runtime_html(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots: list[Path],
-                headline: list[str], info: dict[str, Any], runtime: list[dict[str, Any]] = ()) -> Path:
-    """``out_dir/index.html`` with the headline, each table (links to its .md/.tex) and the plots."""
+def answer_html(items: list[ans.Answer]) -> str:
+    """The answer box: per task, the fastest lossless method and its figures."""
+    e = html.escape
+    if not items:
+        return ("<div class='answer'><p>No method under test has a measured speedup yet: run "
+                "<code>python -m selfspec.evaluate method=... task=...</code>.</p></div>")
+    rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in ans.cells(a)) + "</tr>" for a in items)
+    return ("<div class='answer scroll'><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in ans.HEADER)
+            + f"</tr>{rows}</table><p class='notes'>Speedup = vanilla seconds per token ÷ the method's, on the "
+            "same examples in the same run; lossy runs (†) are left out here and shown in the tables below. "
+            "Quality: the task's metric for the method and for vanilla on the same examples.</p></div>")
+
+
+def figure_html(plot: Plot, out_dir: Path) -> str:
+    """One plot as a ``<figure>`` linking the PNG, with its caption; a wide plot spans the row."""
+    e = html.escape
+    rel = e(plot.path.relative_to(out_dir).as_posix())
+    wide = " class='wide'" if plot.aspect > WIDE else ""
+    return (f"<figure{wide}><a href='{rel}'><img src='{rel}' alt='{e(plot.path.stem)}'></a>"
+            f"<figcaption>{e(plot.caption)}</figcaption></figure>")
+
+
+def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots: list[Plot],
+                answers: list[ans.Answer], info: dict[str, Any], runtime: list[dict[str, Any]] = ()) -> Path:
+    """``out_dir/index.html``: the answer, each table (links to its .md/.tex), runtime, the plots."""
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>selfspec report</title>"
-             f"<style>{_STYLE}</style></head><body>",
+             f"<link rel='icon' href='data:,'><style>{_STYLE}</style></head><body>",
              "<h1>selfspec report</h1>",
              f"<p class='notes'>Generated {e(time.strftime('%Y-%m-%d %H:%M:%S'))} by <code>python -m "
              f"selfspec.report</code> from {e(str(info.get('n_runs', 0)))} run directories "
-             f"({e(', '.join(map(str, info.get('inputs', []))))}).</p>"]
-    if headline:
-        parts.append("<div class='headline'><b>Headline speedups</b><ul>"
-                     + "".join(f"<li>{e(h)}</li>" for h in headline) + "</ul></div>")
+             f"({e(', '.join(map(str, info.get('inputs', []))))}).</p>",
+             "<h2 id='answer'>Fastest lossless method per task</h2>", answer_html(answers)]
     if not tables:
         parts.append("<p>No results found. Run <code>make sweep EXPERIMENT=...</code> or "
                      "<code>python -m selfspec.evaluate ...</code> first.</p>")
@@ -91,15 +122,13 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
         parts.append(f"<h2 id='{e(table.layout.id)}'>{e(table.layout.title)}</h2>")
         if table.layout.paper:
             parts.append(f"<p class='notes'>Layout of {e(table.layout.paper)}. {links}</p>")
-        parts.append(table_html(table))
+        parts.append(f"<div class='scroll'>{table_html(table)}</div>")
     if runtime:
         parts.append("<h2 id='runtime'>The runtime on this machine</h2>")
-        parts.extend(runtime_html(r) for r in runtime)
+        parts.extend(f"<div class='scroll'>{runtime_html(r)}</div>" for r in runtime)
     if plots:
-        parts.append("<h2>Plots</h2><div class='plots'>")
-        for p in plots:
-            rel = p.relative_to(out_dir).as_posix()
-            parts.append(f"<a href='{e(rel)}'><img src='{e(rel)}' alt='{e(p.stem)}' title='{e(p.stem)}'></a>")
+        parts.append("<h2 id='plots'>Plots</h2><div class='plots'>")
+        parts.extend(figure_html(p, out_dir) for p in plots)
         parts.append("</div>")
     parts.append("<p class='notes'>W&amp;B: the panel layout for a dashboard is in "
                  "<a href='dashboard.md'>dashboard.md</a> (<code>python scripts/wandb_dashboard.py</code> saves it).</p>")

@@ -9,7 +9,9 @@
 ``heads_training`` intermediate-head training loss per step (AdaDecode heads artefact)
 ``tree_latency``   forward latency and accepted length against tree size (PPD Figure 8)
 
-Each function returns the written path, or None when there is nothing to plot.
+Each function returns the written :class:`~selfspec.reporting.figure.Plot` (the PNG, a caption
+saying what to see in it, the axis labels), or None when there is nothing to plot. Every axis
+label names its quantity and unit.
 """
 
 from __future__ import annotations
@@ -25,54 +27,53 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from selfspec.reporting.figure import Plot, save_figure  # noqa: E402
 from selfspec.reporting.layouts import TASK_TITLE  # noqa: E402
 from selfspec.reporting.records import Record  # noqa: E402
-from selfspec.reporting.tables import method_rank, method_title  # noqa: E402
+from selfspec.reporting.tables import method_rank, method_title, method_variant_title  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 _EXIT_KEY = re.compile(r"^exit_layer_(\d+)$")
+SPEEDUP_LABEL = "speedup vs vanilla (×)"
+#: a skip-set search objective (artefacts.OBJECTIVES): its axis label and which way is better
+BO_OBJECTIVES = {
+    "speedup": (SPEEDUP_LABEL, "max"),
+    "tokens_per_s": ("throughput (tokens/s)", "max"),
+    "objective": ("time per verified token (s)", "min"),
+    "target": ("BO target (−ms per token)", "max"),
+    "score": ("BO score (higher is better, —)", "max"),
+}
 
 
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _label(r: Record) -> str:
-    label = method_title(r)
-    return f"{label}, {r.variant}" if r.variant else label
-
-
-def speedup_plot(records: list[Record], path: Path, title: str, metric: str = "speedup") -> Path | None:
+def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
     """Grouped bars: one group per task, one bar per method (the baseline's 1.0 as a line)."""
-    recs = [r for r in records if isinstance(r.metric(metric), (int, float))]
+    recs = [r for r in records if isinstance(r.metric("speedup"), (int, float))]
     if not recs:
         return None
     tasks = sorted({r.task for r in recs}, key=lambda t: list(TASK_TITLE).index(t) if t in TASK_TITLE else 99)
-    methods = sorted({_label(r) for r in recs},
-                     key=lambda lab: method_rank(next(r for r in recs if _label(r) == lab)) + (lab,))
-    value = {(r.task, _label(r)): r.metric(metric) for r in recs}
+    methods = sorted({method_variant_title(r) for r in recs},
+                     key=lambda lab: method_rank(next(r for r in recs if method_variant_title(r) == lab)) + (lab,))
+    value = {(r.task, method_variant_title(r)): r.metric("speedup") for r in recs}
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(tasks) + 0.3 * len(methods)), 3.6))
     for j, m in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(tasks))]
         ys = [value.get((t, m), 0.0) for t in tasks]
-        bars = ax.bar(xs, ys, width, label=m)
+        ax.bar(xs, ys, width, label=m)
         for x, y in zip(xs, ys):
             if y:
                 ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
-        del bars
-    if metric == "speedup":
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(tasks)), [TASK_TITLE.get(t, t) for t in tasks])
-    ax.set_ylabel(metric)
+    ax.set_xlabel("task")
+    ax.set_ylabel(SPEEDUP_LABEL)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
+    return save_figure(fig, path, (
+        f"{title.replace(chr(10), ', ')}: each method's speedup over vanilla on the same examples, per task. "
+        "Bars above the dashed line (1.0×) are faster than vanilla, below it slower; the number on a bar "
+        "is its speedup."))
 
 
 def threshold_of(r: Record) -> float | None:
@@ -101,7 +102,7 @@ def gamma_series(records: list[Record]) -> dict[tuple[str, str], list[tuple[floa
     return {k: sorted(v) for k, v in series.items() if len({g for g, _, _ in v}) >= 2}
 
 
-def gamma_plot(records: list[Record], path: Path) -> Path | None:
+def gamma_plot(records: list[Record], path: Path) -> Plot | None:
     """Acceptance rate (solid) and speedup (dashed, right axis) against γ, per method and task."""
     series = gamma_series(records)
     if not series:
@@ -114,12 +115,15 @@ def gamma_plot(records: list[Record], path: Path) -> Path | None:
                         marker="o", label=label)
         ax2.plot([g for g, _, _ in pts], [s if s is not None else float("nan") for _, _, s in pts],
                  marker="x", ls="--", color=line.get_color())
-    ax.set_xlabel("threshold γ")
-    ax.set_ylabel("acceptance rate (—)")
-    ax2.set_ylabel("speedup (- -)")
+    ax.set_xlabel("threshold γ (draft-token probability)")
+    ax.set_ylabel("acceptance rate (accepted ÷ drafted; —)")
+    ax2.set_ylabel(f"{SPEEDUP_LABEL[:-1]}; - -)")
     ax.set_title("Acceptance and speedup against the threshold γ", fontsize=10)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path, (
+        "Runs at fixed confidence thresholds γ: acceptance rate (solid, left axis) and speedup over vanilla "
+        "(dashed, right axis). A higher γ drafts fewer tokens that are accepted more often; the best γ is "
+        "where the dashed line peaks, and a flat line means the method is robust to γ."))
 
 
 def exit_layer_counts(stats: dict[str, Any]) -> dict[int, float]:
@@ -127,13 +131,13 @@ def exit_layer_counts(stats: dict[str, Any]) -> dict[int, float]:
             if (m := _EXIT_KEY.match(k)) and isinstance(v, (int, float))}
 
 
-def exit_layers_plot(records: list[Record], path: Path) -> Path | None:
+def exit_layers_plot(records: list[Record], path: Path) -> Plot | None:
     """Share of early-emitted tokens per exit layer, one bar series per (method, task)."""
     hists = {}
     for r in records:
         counts = exit_layer_counts(r.stats)
         if counts and sum(counts.values()) > 0:
-            hists[(_label(r), r.task, r.model)] = counts
+            hists[(method_variant_title(r), r.task, r.model)] = counts
     if not hists:
         return None
     layers = sorted({layer for c in hists.values() for layer in c})
@@ -145,15 +149,18 @@ def exit_layers_plot(records: list[Record], path: Path) -> Path | None:
         ax.bar(xs, [counts.get(layer, 0.0) / total for layer in layers], width,
                label=f"{label}, {TASK_TITLE.get(task, task)} ({model})")
     ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
-    ax.set_xlabel("exit layer (0-based; the layer whose head emitted the token)")
-    ax.set_ylabel("share of early tokens")
+    ax.set_xlabel("exit layer (0-based index of the layer whose head emitted the token)")
+    ax.set_ylabel("share of early tokens (fraction)")
     ax.set_title("Exit-layer histogram", fontsize=10)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path, (
+        "Where tokens left the model early: the share of early-emitted tokens per exit layer, for each "
+        "method and task. Mass at shallow layers means cheap drafts; mass at deep layers means the "
+        "intermediate heads are rarely confident early."))
 
 
-def trace_plot(traces: dict[str, list[dict[str, Any]]], path: Path, *, x: str, y: str, title: str,
-               ylabel: str | None = None, best: str | None = "max") -> Path | None:
+def trace_plot(traces: dict[str, list[dict[str, Any]]], path: Path, *, x: str, y: str, xlabel: str, ylabel: str,
+               title: str, caption: str, best: str | None = "max") -> Plot | None:
     """Line plot of ``y`` against ``x`` for each named trace (``best``: also the running max/min)."""
     traces = {k: [p for p in v if isinstance(p.get(y), (int, float))] for k, v in traces.items()}
     traces = {k: v for k, v in traces.items() if v}
@@ -170,14 +177,34 @@ def trace_plot(traces: dict[str, list[dict[str, Any]]], path: Path, *, x: str, y
                 run = v if run is None else (max(run, v) if best == "max" else min(run, v))
                 out.append(run)
             ax.plot(xs, out, color=line.get_color(), lw=1.6, label=f"{name} (best so far)")
-    ax.set_xlabel(x)
-    ax.set_ylabel(ylabel or y)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path, caption)
 
 
-def tree_latency_plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
+def bo_trace_plot(traces: dict[str, list[dict[str, Any]]], objective: str, path: Path) -> Plot | None:
+    """The skip-set searches' objective per evaluated candidate, and the best so far (D&V Figure 4)."""
+    ylabel, best = BO_OBJECTIVES.get(objective, (f"{objective} (as logged)", "max"))
+    return trace_plot(traces, path, x="iteration", y=objective, xlabel="search iteration (candidate skip set)",
+                      ylabel=ylabel, title="Draft & Verify skip-set search (BO trace)", best=best, caption=(
+                          "Draft & Verify's skip-set search: each evaluated candidate (thin line, dots) and "
+                          "the best found so far (thick line). The search has converged where the thick "
+                          "line flattens; its last value is the skip set's measured result."))
+
+
+def heads_training_plot(histories: dict[str, list[dict[str, Any]]], path: Path) -> Plot | None:
+    """AdaDecode heads: the training loss per logged step."""
+    return trace_plot(histories, path, x="step", y="loss", xlabel="training step (optimiser updates)",
+                      ylabel="loss: Σ KL(p* ‖ p_l) over heads (nats)", title="AdaDecode heads: training loss",
+                      best=None, caption=(
+                          "AdaDecode intermediate heads: the distillation loss (KL from the final layer's "
+                          "distribution to each head's, summed over heads) per training step. It should "
+                          "fall and flatten; a loss still falling at the end means more steps would help."))
+
+
+def tree_latency_plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> Plot | None:
     """Latency per forward pass against tree size (left), accept length if recorded (right)."""
     curves = {k: sorted((p for p in v if isinstance(p.get("latency"), (int, float))), key=lambda p: p["size"])
               for k, v in curves.items()}
@@ -192,9 +219,12 @@ def tree_latency_plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> Pa
         if acc:
             ax2 = ax2 or ax.twinx()
             ax2.plot(*zip(*acc), ls="--", marker="x", color=line.get_color())
-            ax2.set_ylabel("expected accept length (- -)")
+            ax2.set_ylabel("expected accept length τ (tokens per step; - -)")
     ax.set_xlabel("tree size (tokens per forward pass)")
-    ax.set_ylabel("forward latency (ms, —)")
+    ax.set_ylabel("forward latency (ms; —)")
     ax.set_title("PPD: latency against tree size", fontsize=10)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path, (
+        "PPD's hardware-aware tree: forward latency measured on this machine (solid, left axis) and the "
+        "expected tokens per step τ (dashed, right axis) against tree size. The builder keeps the size that "
+        "maximises τ ÷ latency; where latency grows faster than τ, size 1 (plain decoding) wins."))

@@ -39,6 +39,12 @@ def method_title(record: Record) -> str:
     return title if record.method == record.family else f"{title} ({record.method})"
 
 
+def method_variant_title(record: Record) -> str:
+    """:func:`method_title` with the variant: ``Draft & Verify (draft_verify_static), γ=0.2``."""
+    title = method_title(record)
+    return f"{title}, {record.variant}" if record.variant else title
+
+
 def _num(value: Any, fmt: str) -> str:
     if value is None or isinstance(value, bool):
         return MISSING

@@ -1,0 +1,190 @@
+"""README.md's commands work as written: every command of its ```bash blocks runs, in the README's
+order, in a scratch directory laid out as the repository (its own ``outputs/``), on tiny-random
+with small budgets. What cannot run here is listed in :data:`NOT_RUN` with the reason, and checked
+as far as it can be (the make target exists, the flags parse, the Hydra overrides compose).
+
+Substitutions, and nothing else: ``MODEL=``/``model=`` become tiny-random, ``N=`` 1; Hydra commands
+get small budgets (the demo's ``--small`` ones for training jobs, :data:`SMALL_EVAL` for
+evaluations), replacing a budget the README sets (``n_examples=50``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: what a scratch copy of the repository needs (links: the code under test is this checkout's)
+LAYOUT = ("Makefile", "pyproject.toml", "README.md", "conf", "scripts", "src")
+MODEL = "tiny-random"
+SMALL_EVAL = ["n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false"]
+SMALL_BENCH = ["--max-new-tokens", "4", "--warmup", "0"]
+#: the demo's --small budget per training job (scripts/demo.py)
+JOB_BUDGET = runpy.run_path(str(ROOT / "scripts" / "demo.py"))["BUDGETS"]["small"]
+#: make targets that train, and their job
+TRAIN_TARGETS = {"train-heads": "heads", "train-prompts": "prompts", "build-tree": "ppd_tree",
+                 "search-skips": "skips"}
+#: the README's training examples train for TASK=xsum; its evaluation examples run other tasks too,
+#: which find heads trained on mixed data and a skip set searched for the model (job.data=mixed,
+#: job.tasks=[...]): the session's demo trained both for tiny-random (conftest.py demo_run)
+PREREQUISITES = (("heads", "tiny-random-mixed"), ("skip_set", "tiny-random"))
+
+
+def bash_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks, one per line, without their trailing comments."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S)
+    lines = (re.sub(r"\s+#\s.*$", "", line).strip() for block in blocks for line in block.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _words(command: str) -> list[str]:
+    return shlex.split(command, comments=True)
+
+
+# --- what cannot run here, and what is checked instead ----------------------------------------------
+def _check_make_target(run, target: str, expect: str):
+    out = run(["make", "-n", target]).stdout
+    assert expect in out, f"make -n {target} does not run {expect!r}:\n{out}"
+
+
+def _check_wandb_sync(run, command: str):
+    """The path expression finds the offline run the README's ``logger=wandb`` example wrote."""
+    found = run(_words(command.split(" -exec ")[0])).stdout.split()
+    assert found and all(Path(p).name.startswith("offline-run-") for p in found), found
+    assert "PATHS" in run(["wandb", "sync", "--help"]).stdout
+
+
+def _check_dashboard(run, command: str):
+    words = _words(command)
+    assert "--entity" in run([*words[:2], "--help"]).stdout
+    run([*words[:2], "--markdown", "outputs/dashboard.md"])  # the layout it would save, offline
+
+
+def _check_slurm(run, command: str):
+    """The overrides compose with the Slurm launcher: the sweep's first job's ``--cfg hydra``
+    (it prints the config and submits nothing)."""
+    words = adapt(command)
+    multirun = words.index("selfspec.evaluate") + 1
+    if words[multirun] == "-m":
+        del words[multirun]
+    first = [w.split(",")[0] if "=" in w and "[" not in w else w for w in words]
+    out = run([*first, "--cfg", "hydra"]).stdout
+    assert "SlurmLauncher" in out and "partition: gpu" in out and "gpus_per_node: 1" in out, out[-2000:]
+
+
+#: README command -> (why it does not run here, the check made instead)
+NOT_RUN = {
+    "make demo": ("the 30-minute demo on SmolLM2-135M; tests/test_demo.py runs its pipeline on tiny-random",
+                  lambda run, cmd: _check_make_target(run, "demo", "scripts/demo.py")),
+    "make test": ("the test suite itself, of which this test is part",
+                  lambda run, cmd: _check_make_target(run, "test", "pytest")),
+    "find outputs -type d -name 'offline-run-*' -exec wandb sync {} +": (
+        "uploads to W&B: needs an API key and the network", _check_wandb_sync),
+    "python scripts/wandb_dashboard.py --entity <you>": (
+        "saves a W&B workspace: needs an API key, the network and wandb-workspaces", _check_dashboard),
+    "python -m selfspec.evaluate -m hydra/launcher=submitit_slurm hydra.launcher.partition=gpu "
+    "hydra.launcher.gpus_per_node=1 task=xsum,gsm8k": ("submits to a Slurm cluster", _check_slurm),
+}
+
+
+# --- substitutions ------------------------------------------------------------------------------------
+def _merge(overrides: list[str], extra: list[str]) -> list[str]:
+    """Hydra overrides with ``extra`` replacing those of the same key."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + extra
+
+
+def _hydra_budget(overrides: list[str], module: str) -> list[str]:
+    """Small budgets for a ``selfspec.train`` / ``selfspec.evaluate`` command line, model tiny-random."""
+    if module == "selfspec.train":
+        extra = JOB_BUDGET[next((o.split("=", 1)[1] for o in overrides if o.startswith("job=")), "heads")]
+    else:
+        extra = SMALL_EVAL
+    return _merge(overrides, [f"model={MODEL}", *extra])
+
+
+def _make(words: list[str]) -> list[str]:
+    target = next(w for w in words if "=" not in w)
+    var = dict(w.split("=", 1) for w in words if "=" in w)
+    args = shlex.split(var.get("ARGS", ""))
+    if target in TRAIN_TARGETS:
+        args = _merge(args, JOB_BUDGET[TRAIN_TARGETS[target]])
+        var["MODEL"] = MODEL
+    elif target in ("evaluate", "bench"):
+        var["MODEL"] = MODEL
+        args = args + SMALL_BENCH if target == "bench" else _merge(args, SMALL_EVAL)
+    elif target == "sweep":  # the Makefile passes no MODEL to a sweep: the preset's model, overridden
+        args = _merge(args, [f"model={MODEL}", *SMALL_EVAL])
+    if "N" in var:
+        var["N"] = "1"
+    var["ARGS"] = " ".join(args)
+    return ["make", target, *(f"{k}={v}" for k, v in var.items())]
+
+
+def adapt(command: str) -> list[str]:
+    """The README command as run here (see the module docstring)."""
+    words = _words(command)
+    if words[0] == "make":
+        return _make(words[1:])
+    if "-m" in words and words[words.index("-m") + 1].startswith("selfspec."):
+        i = words.index("-m") + 2
+        return words[:i] + _hydra_budget(words[i:], words[i - 1])
+    return words
+
+
+# --- the test -------------------------------------------------------------------------------------------
+@pytest.fixture
+def scratch(tmp_path):
+    """A directory laid out as the repository (links) with an empty ``outputs/``; a runner there."""
+    for name in LAYOUT:
+        (tmp_path / name).symlink_to(ROOT / name)
+    venv = Path(sys.prefix)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_API")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT / "src"),
+               SELFSPEC_OUTPUTS=str(tmp_path / "outputs"), WANDB_MODE="offline", WANDB_SILENT="true")
+
+    def run(argv: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+        if argv[0] == "make":  # this interpreter's environment, taken as installed (no reinstall into it)
+            argv = ["make", f"VENV={venv}", "-o", str(venv / ".installed"), *argv[1:]]
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, f"{shlex.join(argv)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        return proc
+
+    return tmp_path, run
+
+
+def test_every_readme_command_is_run_or_excluded_with_a_reason():
+    commands = bash_commands(README.read_text())
+    assert len(commands) >= 15, commands
+    stale = [c for c in NOT_RUN if c not in commands]
+    assert not stale, f"NOT_RUN names commands README.md no longer has: {stale}"
+
+
+@pytest.mark.slow
+def test_readme_commands_work_as_written(scratch, demo_run):
+    if shutil.which("make") is None:
+        pytest.fail("make is not installed: the README's commands are make targets")
+    root, run = scratch
+    for kind, name in PREREQUISITES:
+        shutil.copytree(demo_run.out / "artefacts" / kind / name, root / "outputs" / "artefacts" / kind / name)
+    for command in bash_commands(README.read_text()):
+        if command in NOT_RUN:
+            NOT_RUN[command][1](run, command)
+        else:
+            run(adapt(command))
+    # what the commands left: artefacts, run directories, a report from the named inputs only
+    for kind, name in (("heads", "tiny-random-xsum"), ("prompts", "tiny-random"), ("ppd_tree", "tiny-random"),
+                       ("skip_set", "tiny-random-xsum")):
+        assert (root / "outputs" / "artefacts" / kind / name / "meta.json").is_file(), (kind, name)
+    assert len(list((root / "outputs" / "multirun").rglob("summary.json"))) >= 12 + 3 + 2 + 2
+    index = (root / "outputs" / "report" / "index.html").read_text()
+    assert "from 0 run directories" not in index and "(outputs/multirun)" in index
