@@ -205,3 +205,15 @@ def test_isolation_reaches_the_evaluation_summary():
              "tokens": [1], "prediction": "    pass\n"}]
     entry = summarize(rows, ["vanilla"], "vanilla", score=task.score, references={ex.id: ex.reference})
     assert entry["vanilla"]["metrics"] == {"pass@1": 0.0, "isolation": sandbox.isolation()}
+
+
+def test_an_interpreter_under_tmp_stays_visible(monkeypatch):
+    """A checkout (and its .venv) under /tmp, as CI clones it: the sandbox's private /tmp must not
+    hide the interpreter; its folder is bound read-only into the sandbox."""
+    import sys
+
+    monkeypatch.setattr(sys, "prefix", "/tmp/ci-clone/.venv")
+    monkeypatch.setattr(sys, "executable", "/tmp/ci-clone/.venv/bin/python")
+    binds = sandbox._interpreter_binds()
+    assert binds[:3] == ["--ro-bind", "/tmp/ci-clone/.venv", "/tmp/ci-clone/.venv"]
+    assert "/tmp/ci-clone/.venv/bin" not in binds  # covered by the venv's own bind

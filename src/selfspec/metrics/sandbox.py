@@ -172,8 +172,21 @@ def _command(launcher: _Launcher, workdir: str, fd: int, limits: Limits) -> list
     # as root without dropping to nobody: root of its own user namespace, seen as nobody inside
     ids = ["--uid", str(NOBODY), "--gid", str(NOBODY)] if os.geteuid() == 0 and launcher.user is None else []
     return [launcher.bwrap, "--ro-bind", "/", "/", "--tmpfs", "/proc", "--dev", "/dev",
-            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--bind", workdir, WORKDIR, "--chdir", WORKDIR,
-            "--unshare-all", "--die-with-parent", "--new-session", *ids, "--", *child]
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", *_interpreter_binds(), "--bind", workdir, WORKDIR,
+            "--chdir", WORKDIR, "--unshare-all", "--die-with-parent", "--new-session", *ids, "--", *child]
+
+
+def _interpreter_binds() -> list[str]:
+    """``--ro-bind`` of the interpreter's folders that live under ``/tmp`` (a virtual environment
+    in a checkout under /tmp, as CI makes), which the sandbox's private ``/tmp`` would hide."""
+    tmp = Path("/tmp")
+    folders = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
+                                            os.path.dirname(os.path.realpath(sys.executable)))}
+    binds: list[str] = []
+    for folder in sorted(f for f in folders if tmp in f.parents):
+        if not any(parent in folders for parent in folder.parents):  # the outermost one covers the rest
+            binds += ["--ro-bind", str(folder), str(folder)]
+    return binds
 
 
 def _execute(launcher: _Launcher, program: str, limits: Limits) -> Outcome:
