@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,6 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     lets the kernel share K/V heads (``enable_gqa``) instead of copying them once per query
     head, as transformers does whenever a mask is given. The outputs are the same; outside
     :class:`active` (transformers' own ``generate``) this is the stock function."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (attention_mask is None or not is_active() or query.device.type != "cpu"
             or getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
