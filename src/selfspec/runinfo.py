@@ -53,12 +53,15 @@ def versions() -> dict[str, str]:
 
 
 def run_info(seed: int | None = None, device: str | None = None, dtype: str | None = None,
-             linear_kernel: str | None = None) -> dict[str, Any]:
-    """What a result needs to be trusted: commit, library versions, hardware, seed, device, dtype
-    and the runtime's linear kernel (``skinny`` or ``torch``: their outputs differ in the last bits)."""
+             linear_kernel: str | None = None, capture: str | None = None) -> dict[str, Any]:
+    """What a result needs to be trusted: commit, library versions, hardware, seed, device, dtype,
+    the runtime's linear kernel (``skinny`` or ``torch``: their outputs differ in the last bits) and
+    its capture mode (``graphs``, ``static`` or ``off``: static passes attend over the whole buffer)."""
     info = {"git_commit": git_commit(), "versions": versions(), "hardware": hardware()}
     if linear_kernel is not None:
         info["linear_kernel"] = linear_kernel
+    if capture is not None:
+        info["capture"] = capture
     if seed is not None:
         info["seed"] = seed
     if device is not None:

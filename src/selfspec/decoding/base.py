@@ -174,7 +174,7 @@ class Decoder:
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(sampling.seed)
-        cache = self.model.new_cache(n_prompt + max_new_tokens + self.lookahead + 1)
+        cache = self.model.new_cache(n_prompt + max_new_tokens + self.lookahead + 1, reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
         sync()

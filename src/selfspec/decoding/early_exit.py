@@ -264,7 +264,7 @@ class ShadowStats:
         n = match.shape[1]
         w = self.omega ** torch.arange(n - 1, -1, -1, dtype=torch.float64)  # newest weighs 1
         decay = self.omega**n
-        mf, cf = match.double(), conf.double()
+        mf, cf = match.double().cpu(), conf.double().cpu()  # the controller's statistics live on the host
         self.weight = decay * self.weight + w.sum()
         self.match = decay * self.match + (mf * w).sum(1)
         self.conf_match = decay * self.conf_match + (cf * mf * w).sum(1)

@@ -293,7 +293,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     own_tracker = tracker is None
     tracker = tracker or start_run(cfg, "evaluate", dir=out_dir, method_label=under_test)
     info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
-                    linear_kernel=loaded.model.linear_kernel)
+                    linear_kernel=loaded.model.linear_kernel, capture=loaded.model.capture)
     artefacts = {r.name: [str(p) for p in _artefact_paths(r)] for r in runs}
     for paths in artefacts.values():
         for p in paths:

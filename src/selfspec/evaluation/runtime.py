@@ -82,6 +82,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "device": str(model.device),
         "dtype": str(model.dtype).replace("torch.", ""),
         "linear_kernel": model.linear_kernel,
+        "capture": model.capture,
         "threads": torch.get_num_threads(),
         "curve": curve.to_dict(),
         "v": {c: {k: curve.v(k, c) for k in ks} for c in contexts},
@@ -107,6 +108,7 @@ def format_report(r: dict[str, Any]) -> str:
     """The report as the console table ``make bench-runtime`` prints."""
     ks = list(next(iter(r["v"].values())))
     lines = [f"model {r['model']}  {r['device']} {r['dtype']}  linear kernel {r['linear_kernel']}  "
+             f"capture {r.get('capture', 'off')}  "
              f"threads {r['threads']}  load {r['load'][0]} -> {r['load'][1]}",
              "v(k) = forward of k new tokens / one token (head on every token)",
              f"{'context':>8} " + "".join(f"{'k=' + str(k):>8}" for k in ks) + f"{'t(1) ms':>10}"]

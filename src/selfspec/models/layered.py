@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.models import kernels
+from selfspec.models import capture, kernels
 from selfspec.models.cache import LayerCache
 
 #: model_type -> reason it works: decoder layers with input_layernorm / self_attn /
@@ -66,7 +66,8 @@ class LayeredModel:
     whole pass and mask / rotary helpers.
     """
 
-    def __init__(self, hf_model: torch.nn.Module, name: str = "model", linear_kernel: str = "auto") -> None:
+    def __init__(self, hf_model: torch.nn.Module, name: str = "model", linear_kernel: str = "auto",
+                 capture_mode: str = "auto") -> None:
         model_type = getattr(hf_model.config, "model_type", None)
         check_model_type(model_type, name)
         window = getattr(hf_model.config, "sliding_window", None)
@@ -106,6 +107,11 @@ class LayeredModel:
         impl = getattr(self.config, "_attn_implementation", "sdpa")
         # SDPA takes a boolean mask as is; eager attention adds the mask to the scores.
         self._additive_mask = impl not in ("sdpa", kernels.ATTENTION)
+        #: ``graphs``, ``static`` or ``off``: how whole passes of few tokens run
+        #: (:mod:`selfspec.models.capture`; the model config's ``capture`` resolved)
+        self.capture = capture.resolve(capture_mode, self.device)
+        self.steps = capture.StepRunner(self, self.capture) if self.capture != "off" else None
+        self._pooled: LayerCache | None = None
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -116,12 +122,26 @@ class LayeredModel:
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self, max_length: int) -> LayerCache:
+    def new_cache(self, max_length: int, reuse: bool = False) -> LayerCache:
+        """A cache of ``max_length`` positions. ``reuse=True`` (one generation at a time, as
+        :meth:`~selfspec.decoding.base.Decoder.generate` uses it) hands out the model's pooled cache
+        under ``capture=graphs``, emptied, so graphs captured on it are replayed across examples;
+        it grows (and its graphs are dropped) when a longer one is asked for."""
         if max_length > self.max_context:
             raise ValueError(
                 f"requested cache of {max_length} positions exceeds {self.name}'s context of "
                 f"{self.max_context}; lower max_new_tokens or the task's max_prompt_tokens"
             )
+        if reuse and self.capture == "graphs":
+            pooled = self._pooled
+            if pooled is None or pooled.max_length < max_length + capture.BUCKETS[-1]:
+                if pooled is not None:
+                    self.steps.forget(pooled)
+                size = min(-(-(max_length + capture.BUCKETS[-1]) // 256) * 256, self.max_context)
+                self._pooled = pooled = LayerCache(
+                    self.num_layers, self.num_kv_heads, self.head_dim, size, self.dtype, self.device)
+            pooled.reset()
+            return pooled
         return LayerCache(
             self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device
         )
@@ -223,14 +243,21 @@ class LayeredModel:
 
         Positions default to ``start + arange(n)`` where ``start`` defaults to the cache length
         of the first layer run; the mask defaults to causal after that many cached positions.
-        Returns the last hidden states ``[1, n, d]`` (before the final norm).
+        Returns the last hidden states ``[1, n, d]`` (before the final norm). Under
+        ``capture=static|graphs`` a pass of at most 32 tokens with default mask and positions runs
+        as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
         """
         layers = range(self.num_layers) if layers is None else layers
+        if start is None:
+            start = cache.length(layers[0]) if cache is not None and len(layers) else 0
+        if self.steps is not None and mask is None and positions is None:
+            with kernels.active():
+                out = self.steps.run(ids, h, cache, start, layers, skip)
+            if out is not None:
+                return out
         if h is None:
             h = self.embed(ids)
         n = h.shape[1]
-        if start is None:
-            start = cache.length(layers[0]) if cache is not None and len(layers) else 0
         if positions is None:
             positions = self.positions(start, n)
         if mask is None:

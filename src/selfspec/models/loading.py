@@ -18,6 +18,8 @@ Config keys (``conf/model/*.yaml``; any other key is refused):
 ``attn_implementation`` ``sdpa`` or ``eager`` (the layered runtime passes explicit 4-D masks)
 ``chat``                whether prompts go through the tokenizer's chat template
 ``linear_kernel``       ``auto``, ``skinny``, ``torch``: the CPU linear kernel (:mod:`selfspec.models.kernels`)
+``capture``             ``auto``, ``graphs``, ``static``, ``off``: static-shape decoding steps, captured as
+                        CUDA graphs on a GPU (:mod:`selfspec.models.capture`)
 
 :func:`check_model_config` checks every key without loading anything (the entry points call it
 first). A GGUF file's architecture (its ``general.architecture`` metadata) and a directory's or hub
@@ -55,7 +57,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 MODEL_KEYS = ("name", "name_or_path", "gguf_file", "gguf_path", "gguf_asset", "random", "tokenizer", "dtype",
-              "device", "attn_implementation", "linear_kernel", "chat")
+              "device", "attn_implementation", "linear_kernel", "capture",
+              "chat")
 #: attention implementations that take the explicit 4-D masks the layered runtime builds (trees, caches)
 ATTENTION = ("sdpa", "eager")
 #: rotary keys LlamaConfig still accepts (folded into ``rope_parameters``)
@@ -131,6 +134,13 @@ def check_model_config(cfg) -> Source:
 
     checks.choice("model.linear_kernel", _get(cfg, "linear_kernel", "auto"), KERNELS,
                   why="the CPU linear kernel of the layered runtime")
+    from selfspec.models import capture
+
+    mode = checks.choice("model.capture", _get(cfg, "capture", "auto"), capture.MODES,
+                         why="static-shape decoding steps, captured as CUDA graphs on a GPU")
+    if mode == "graphs" and resolve_device(str(device)).type != "cuda":
+        raise checks.refuse("model.capture", mode, "needs a CUDA device (model.device); use static to run the "
+                            "same static-shape pass eagerly on a CPU, or auto")
     return model_source(cfg)
 
 
@@ -284,7 +294,7 @@ def load_model(cfg) -> LoadedModel:
     attn = str(_get(cfg, "attn_implementation", "sdpa"))
     try:
         if source.kind == "random":
-            hf, tok = _load_random(cfg, attn)
+            hf, tok = _load_random(cfg, attn, device, dtype)
         elif source.kind == "pretrained":
             hf, tok = _load_pretrained(source.where, attn, name)
         else:
@@ -296,7 +306,8 @@ def load_model(cfg) -> LoadedModel:
     digest = weights_digest(hf)  # before the cast: the same for every run dtype
     hf.to(device=device, dtype=dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
-    layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel", "auto")))
+    layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel", "auto")),
+                           capture_mode=str(_get(cfg, "capture", "auto")))
     layered.fingerprint = fingerprint(hf.config, tok)
     layered.weights_digest = digest
     return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain, digest)
@@ -398,8 +409,11 @@ def _load_gguf(source: Source, attn: str, name: str):
     return hf, tok
 
 
-def _load_random(cfg, attn: str):
-    """A seeded random Llama-architecture model with a real tokenizer (for fast tests)."""
+def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
+    """A seeded random Llama-architecture model with a real tokenizer (for fast tests), or one of a
+    large model's shape for runtime benchmarks. On CUDA it is built on the device in its dtype
+    (an 8B shape would take 32 GB of host memory in float32 first), so its values come from the
+    device's generator and differ from the same seed's on a CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = dict(_get(cfg, "random"))
@@ -416,7 +430,17 @@ def _load_random(cfg, attn: str):
         config.eos_token_id = tok.eos_token_id
         config.bos_token_id = tok.bos_token_id
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(config)
+    if device.type == "cuda":
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                torch.cuda.manual_seed(seed)
+                hf = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+    else:
+        hf = LlamaForCausalLM(config)
     hf.generation_config.eos_token_id = config.eos_token_id
     return hf, tok
 

@@ -61,7 +61,8 @@ def runtime_html(r: dict[str, Any]) -> str:
     e = html.escape
     ks = list(next(iter(r["v"].values())))
     out = [f"<p class='notes'>{e(r['model'])} on {e(r['device'])} {e(r['dtype'])}, linear kernel "
-           f"{e(str(r.get('linear_kernel')))}, {e(str(r.get('threads')))} threads; load average "
+           f"{e(str(r.get('linear_kernel')))}, capture {e(str(r.get('capture', 'off')))}, "
+           f"{e(str(r.get('threads')))} threads; load average "
            f"{e(str(r.get('load')))} ({e(r.get('path', ''))}).</p>",
            "<table><tr><th>context</th>" + "".join(f"<th>v({k})</th>" for k in ks) + "<th>t(1) ms</th></tr>"]
     for c, row in r["v"].items():

@@ -1,0 +1,126 @@
+"""Static-shape (capturable) decoding steps, tested on the CPU with ``capture=static``: the pass a
+GPU captures as a CUDA graph, run eagerly. Every decoder must give the tokens it gives on the
+dynamic path, and the static pass must write the cache the dynamic pass writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.checks import ConfigError
+from selfspec.decoding import Sampling
+from selfspec.decoding.draft_verify import DraftVerify
+from selfspec.decoding.vanilla import Vanilla
+from selfspec.models import capture
+from selfspec.models.layered import LayeredModel, SkipSet
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """tiny-random twice over the same weights: dynamic passes, and static-shape passes."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    loaded = load_model(model_config("tiny-random"))
+    static = LayeredModel(loaded.model.hf, name="tiny-static", linear_kernel=loaded.model.linear_kernel,
+                          capture_mode="static")
+    return loaded.model, static
+
+
+def test_buckets_and_modes():
+    assert [capture.bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert capture.bucket(33) is None
+    assert capture.resolve("auto", torch.device("cpu")) == "off"
+    assert capture.resolve("static", torch.device("cpu")) == "static"
+    with pytest.raises(capture.CaptureUnavailable, match="capture=graphs needs a CUDA device.*static"):
+        capture.resolve("graphs", torch.device("cpu"))
+
+
+def test_graphs_on_cpu_refused_before_loading():
+    from selfspec.config import model_config
+    from selfspec.models.loading import check_model_config
+
+    cfg = model_config("tiny-random")
+    cfg.capture = "graphs"
+    with pytest.raises(ConfigError, match=r"model.capture=graphs is not allowed: needs a CUDA device"):
+        check_model_config(cfg)
+    cfg.capture = "always"
+    with pytest.raises(ConfigError, match=r"model.capture=always is not allowed: must be one of auto, graphs, static, off"):
+        check_model_config(cfg)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 13])
+def test_static_pass_writes_the_cache_the_dynamic_pass_writes(pair, k):
+    dyn, static = pair
+    ids = torch.randint(0, dyn.vocab_size, (1, 50), generator=torch.Generator().manual_seed(k))
+    caches = []
+    with torch.inference_mode():
+        for m in (dyn, static):
+            cache = m.new_cache(64)
+            m.forward(ids[:, :30], cache, start=0)  # prefill: longer than a bucket, dynamic
+            h = m.forward(ids[:, 30:30 + k], cache)
+            caches.append((cache, h))
+        assert static.steps.routed >= 1
+    (c1, h1), (c2, h2) = caches
+    assert h2.shape == h1.shape == (1, k, dyn.hidden_size)
+    torch.testing.assert_close(h2, h1, rtol=1e-5, atol=1e-5)
+    assert c2.lengths == c1.lengths == [30 + k] * dyn.num_layers
+    for i in range(dyn.num_layers):
+        for a, b in zip(c1.layer_kv(i), c2.layer_kv(i)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_passes_outside_the_static_shapes_take_the_dynamic_path(pair):
+    _, static = pair
+    cache = static.new_cache(80)
+    ids = torch.zeros(1, 40, dtype=torch.long)
+    with torch.inference_mode():
+        before = static.steps.routed
+        static.forward(ids, cache, start=0)  # 40 > the largest bucket
+        assert static.steps.routed == before
+        static.forward(ids[:, :20], cache)  # 40 + 32 > 80? no: 40 + 32 = 72 <= 80, routed
+        assert static.steps.routed == before + 1 and cache.lengths[0] == 60
+        static.forward(ids[:, :5], cache)  # 60 + 8 <= 80
+        assert static.steps.routed == before + 2
+        cache.truncate(70)
+        static.forward(ids[:, :3], cache, start=cache.length(0))  # 65 + 4 <= 80
+        assert static.steps.routed == before + 3
+    # outside inference mode (training) nothing is routed
+    with torch.no_grad():
+        static.forward(ids[:, :1], static.new_cache(8), start=0)
+    assert static.steps.routed == before + 3
+
+
+def test_decoders_give_the_same_tokens_static_and_dynamic(pair, prompt_ids):
+    dyn, static = pair
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
+        ref = Vanilla(dyn).generate(prompt_ids, 40, sampling).tokens
+        assert Vanilla(static).generate(prompt_ids, 40, sampling).tokens == ref
+        skip = SkipSet.of(attn=[1], mlp=[2])
+        for m in (dyn, static):
+            out = DraftVerify(m, skip_set=skip).generate(prompt_ids, 40, sampling)
+            if sampling.greedy:
+                assert out.tokens == ref
+        assert DraftVerify(static, skip_set=skip).generate(prompt_ids, 40, sampling).tokens == \
+            DraftVerify(dyn, skip_set=skip).generate(prompt_ids, 40, sampling).tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_dynamic_tokens_and_capture_once(prompt_ids):
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    cfg = model_config("tiny-random")
+    cfg.device, cfg.capture = "cuda", "off"
+    dyn = load_model(cfg).model
+    graphs = LayeredModel(dyn.hf, name="tiny-graphs", capture_mode="graphs")
+    assert graphs.capture == "graphs"
+    skip = SkipSet.of(attn=[1], mlp=[2])
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
+        for make in (Vanilla, lambda m: DraftVerify(m, skip_set=skip)):
+            ref = make(dyn).generate(prompt_ids, 40, sampling).tokens
+            assert make(graphs).generate(prompt_ids, 40, sampling).tokens == ref
+    captured = graphs.steps.captured
+    assert captured > 0 and graphs.steps.routed > captured
+    Vanilla(graphs).generate(prompt_ids, 40)  # the pooled cache: replayed, not captured again
+    assert graphs.steps.captured == captured
