@@ -99,20 +99,51 @@ def test_shadow_stats_equal_brute_force_decayed_ratios():
 
 
 @pytest.mark.parametrize("head_cost", [0.0, 2.5])
-def test_tpl_argmax_matches_brute_force(head_cost):
+@pytest.mark.parametrize("measured", [False, True])
+def test_tpl_argmax_matches_brute_force(head_cost, measured):
+    """DEL's count (every pass costs its layers, v = 1) and the measured variant, where scoring
+    γ+1 tokens in one pass costs v(γ+1) single-token passes (here v(k) = 1 + 0.1·(k-1))."""
     L = 32
     layers = [1, 3, 5, 7, 11, 15, 23]
+    v = (lambda k: 1 + 0.1 * (k - 1)) if measured else (lambda k: 1.0)
     for alpha in ([0.2, 0.35, 0.5, 0.6, 0.7, 0.85, 0.97], [0.0] * 7, [0.9, 0.1, 0.1, 0.1, 0.95, 0.99, 1.0],
                   [0.5, 0.55, 0.62, 0.99, 0.99, 0.995, 0.999]):
         for gmin, gmax in ((1, 18), (0, 6)):
             best = None
             for (ell, a), g in itertools.product(zip(layers, alpha), range(gmin, gmax + 1)):
                 tokens = sum(a**i for i in range(g + 1))
-                cost = g * (ell + 1 + head_cost) + (ell + 1) + (L - ell - 1) + head_cost
+                cost = g * (ell + 1 + head_cost) + (ell + 1) + (L - ell - 1 + head_cost) * v(g + 1)
                 if best is None or tokens / cost > best[2] + 1e-12:
                     best = (ell, g, tokens / cost)
-            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), torch.arange(gmin, gmax + 1), L, head_cost)
+            gammas = torch.arange(gmin, gmax + 1)
+            verify = torch.tensor([v(int(g) + 1) for g in gammas]) if measured else None
+            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, L, head_cost, verify)
             assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
+
+
+def test_measured_costs_come_from_the_models_cost_curve(tiny, prompt_ids):
+    """cost_model=measured reads the runtime's cost curve (one measurement per loaded model):
+    an expensive verification pass makes the controller stop drafting; parameters keeps DEL's count."""
+    from selfspec.models.costs import CostCurve
+
+    m = tiny.model
+    saved = m.cost_curve
+    steep = {1: 1.0, 2: 3.0, 4: 6.0, 8: 12.0, 16: 24.0, 32: 48.0}  # v(k) = 3k/2 for k >= 2
+    m.cost_curve = CostCurve("tiny", "cpu", "float32", "torch", {512: steep}, layer=0.25, head=0.5)
+    try:
+        d = del_decoder(tiny, min_gamma=0, max_gamma=8)
+        assert d.head_cost == pytest.approx(2.0)
+        assert d.verify.tolist() == pytest.approx([1.0, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 13.5])
+        d.stats = ShadowStats(len(d.candidates), d.omega)
+        d.stats.update(torch.ones(len(d.candidates), 1, dtype=torch.bool), torch.ones(len(d.candidates), 1))
+        assert d.plan(None)[1] == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
+        g = d.generate(prompt_ids, 16)
+        assert g.tokens == vanilla(tiny, prompt_ids, 16)
+        p = del_decoder(tiny, min_gamma=0, max_gamma=8, cost_model="parameters")
+        assert p.verify is None and p.head_cost == pytest.approx(m.lm_head.weight.numel() /
+                                                                 sum(x.numel() for x in m.layers[0].parameters()))
+    finally:
+        m.cost_curve = saved
 
 
 def test_config_composes_and_bad_values_stop(tiny):

@@ -44,6 +44,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import DraftStop, StaticThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
 EXIT_HEADS = ("lm_head", "heads")
@@ -79,17 +80,19 @@ def exit_head_options(cfg, prefix: str) -> dict:
             "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task"))}
 
 
-def head_cost_in_layers(model: LayeredModel, heads) -> float:
-    """Cost of one exit-head application in units of one decoder layer (parameters read).
+def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None) -> float:
+    """Cost of one exit-head application in units of one decoder layer.
 
     DEL's TPL counts layers (memory-bound decoding loads each layer's weights once per pass);
     on a small model an LM head is several layers' worth (SmolLM2-135M: ~8), so it is counted.
+    ``lm_head``: the LM head's measured cost in layers (default: from parameters read); a
+    trained linear head adds its ``d×d`` weight.
     """
     layer = sum(p.numel() for p in model.layers[0].parameters())
-    head = model.lm_head.weight.numel()
+    cost = model.lm_head.weight.numel() / layer if lm_head is None else float(lm_head)
     if heads.kind == "linear":
-        head += model.hidden_size**2
-    return head / layer
+        cost += model.hidden_size**2 / layer
+    return cost
 
 
 # --- the decoder -------------------------------------------------------------------------------
@@ -289,7 +292,8 @@ def expected_tokens(alpha: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
     return powers.cumsum(1)[:, gammas]
 
 
-def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head_cost: float) -> torch.Tensor:
+def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head_cost: float,
+               verify: torch.Tensor | None = None) -> torch.Tensor:
     """``[C, G]``: layers loaded by one round at exit ``ℓ`` with ``γ`` drafts.
 
     ``(γ+1)·(ℓ+1) + (L-ℓ-1) + (γ+1)·h``: ``γ`` draft passes and the last draft's pass through
@@ -297,17 +301,24 @@ def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head
     head. DEL §4.1 writes ``γ(ℓ+1) + L-ℓ-1``; the extra terms are the last draft's lower layers
     (verification needs them for the bonus token) and the heads (several layers' worth on small
     models). With ``γ = 0`` this is one plain decoding step, ``L + h``.
+
+    ``verify`` (``[G]``, default all 1) is the measured cost of scoring ``γ+1`` tokens in one
+    pass in units of one token's, ``v(γ+1)`` of the runtime's cost curve: the verification pass
+    (the layers above ``ℓ`` and the final head) is then charged ``(L-ℓ-1+h)·v(γ+1)``. DEL's
+    count assumes a memory-bound machine where ``v ≈ 1``; on a CPU it is not (docs/design.md §4).
     """
     g = gammas.double().unsqueeze(0)
     ell = layers.double().unsqueeze(1)
-    return (g + 1) * (ell + 1) + (num_layers - ell - 1) + (g + 1) * head_cost
+    v = torch.ones_like(g) if verify is None else verify.double().view(1, -1)
+    return (g + 1) * (ell + 1) + g * head_cost + (num_layers - ell - 1 + head_cost) * v
 
 
 def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor, num_layers: int,
-               head_cost: float) -> tuple[int, int, float]:
+               head_cost: float, verify: torch.Tensor | None = None) -> tuple[int, int, float]:
     """DEL §4.1: ``(ℓ, γ)`` maximising tokens per layer ``TPL = E[tokens] / cost`` over the
-    candidate layers and speculation lengths; returns ``(layer, gamma, tpl)``."""
-    tpl = expected_tokens(alpha, gammas) / round_cost(layers, gammas, num_layers, head_cost)
+    candidate layers and speculation lengths (costs as :func:`round_cost`); returns
+    ``(layer, gamma, tpl)``."""
+    tpl = expected_tokens(alpha, gammas) / round_cost(layers, gammas, num_layers, head_cost, verify)
     flat = int(tpl.argmax())
     c, g = divmod(flat, int(gammas.numel()))
     return int(layers[c]), int(gammas[g]), float(tpl.view(-1)[flat])
@@ -321,7 +332,7 @@ class DEL(EarlyExit):
 
     def __init__(self, model: LayeredModel, heads, max_gamma: int, min_gamma: int = 1, omega: float = 0.95,
                  dynamic_threshold: bool = True, prefill_shadow: int = 8, shadow_rows: int | None = None,
-                 head_cost: float | None = None, **common) -> None:
+                 head_cost: float | None = None, cost_model: str = "measured", **common) -> None:
         self.gammas = torch.arange(int(min_gamma), int(max_gamma) + 1)
         self.candidates = list(heads.layers)
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_gamma, None, **common)
@@ -330,7 +341,17 @@ class DEL(EarlyExit):
         self.dynamic_threshold = bool(dynamic_threshold)
         self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
-        self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
+        #: ``measured``: TPL's costs from the runtime's cost curve on this machine; ``parameters``:
+        #: DEL's layer count with heads from parameter counts and v(k) = 1
+        self.cost_model = cost_model
+        self.verify = None
+        if cost_model == "measured":
+            curve = model_curve(model, max_k=int(max_gamma) + 1)
+            self.verify = torch.tensor([curve.v(int(g) + 1) for g in self.gammas], dtype=torch.float64)
+            measured = head_cost_in_layers(model, heads, lm_head=curve.head_in_layers)
+            self.head_cost = measured if head_cost is None else float(head_cost)
+        else:
+            self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
         self._layer_ids = torch.tensor(self.candidates)
 
     @classmethod
@@ -338,7 +359,8 @@ class DEL(EarlyExit):
         """Keys (conf/method/del*.yaml): the exit head (:func:`exit_head_options`),
         ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_gamma``
         >= 1 and ``min_gamma`` in [0, max_gamma], ``omega`` in (0, 1), ``dynamic_threshold``,
-        ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null) and ``head_cost`` (>= 0 or null)."""
+        ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null), ``head_cost`` (>= 0 or null) and
+        ``cost_model`` (``measured`` or ``parameters``)."""
         key = f"{prefix}.{{}}".format
         heads = exit_head_options(cfg, prefix)
         layers = checks.optional(checks.integers, key("candidate_layers"), cfg.get("candidate_layers"), distinct=True)
@@ -360,7 +382,9 @@ class DEL(EarlyExit):
             "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
                                            why="null = every verified position"),
             "head_cost": checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
-                                         why="null = from parameter counts"),
+                                         why="null = from the cost model"),
+            "cost_model": checks.choice(key("cost_model"), cfg.get("cost_model", "measured"),
+                                        ("measured", "parameters"), why="where TPL's costs come from"),
         }
 
     @classmethod
@@ -371,7 +395,7 @@ class DEL(EarlyExit):
         heads = build_exit_heads(model, options["exit_head"], options["heads"], list(layers), options["heads_task"])
         return cls(model, heads, options["max_gamma"], options["min_gamma"], options["omega"],
                    options["dynamic_threshold"], options["prefill_shadow"], options["shadow_rows"],
-                   options["head_cost"], **common)
+                   options["head_cost"], options["cost_model"], **common)
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
@@ -415,7 +439,8 @@ class DEL(EarlyExit):
 
     def plan(self, state: DecodeState) -> tuple[int, int]:
         alpha = self.stats.alpha()
-        ell, gamma, _ = tpl_argmax(alpha, self._layer_ids, self.gammas, self.model.num_layers, self.head_cost)
+        ell, gamma, _ = tpl_argmax(alpha, self._layer_ids, self.gammas, self.model.num_layers, self.head_cost,
+                                   self.verify)
         if self.dynamic_threshold:
             tau = float(self.stats.threshold()[self.candidates.index(ell)])
             self.draft_stop = StaticThreshold(tau) if tau > 0 else DraftStop()

@@ -177,9 +177,27 @@ def measure_curve(model: LayeredModel, ks=(1, 2, 4, 8, 16, 32), contexts=(512,),
                 samples[k].append(time_forward(model, cache, context, k, repeats=1))
         seconds[context] = {k: statistics.median(v) for k, v in samples.items()}
         if not layer:
-            full = seconds[context][1]
-            no_head = time_forward(model, cache, context, 1, repeats=repeats, logits_rows=0)
-            head = max(0.0, full - no_head)
-            layer = no_head / model.num_layers
+            # the head timed on its own (embedding + final norm + LM head, no layer): a difference
+            # of two medians would drown a small head in a shared machine's noise
+            head = time_forward(model, cache, context, 1, repeats=repeats, logits_rows=1, layers=range(0))
+            layer = max(seconds[context][1] - head, 0.0) / model.num_layers
     return CostCurve(model.name, str(model.device), str(model.dtype).replace("torch.", ""), model.linear_kernel,
                      seconds, layer, head)
+
+
+def model_curve(model: LayeredModel, max_k: int = 32, context: int = 512, repeats: int = 3) -> CostCurve:
+    """The model's cost curve on this machine, measured once per loaded model and kept on it
+    (:attr:`LayeredModel.cost_curve`), so every hardware-aware controller reads the same figures.
+
+    ``k`` runs over the powers of two up to the first at least ``max_k``;
+    ``context`` is capped by the model's context. A few seconds on a CPU for a small model.
+    """
+    ks = [1, 2]
+    while ks[-1] < max_k:
+        ks.append(2 * ks[-1])
+    context = max(1, min(context, model.max_context - max(ks) - 2))
+    curve = getattr(model, "cost_curve", None)
+    if curve is not None and max(curve.seconds[next(iter(curve.seconds))]) >= max(ks):
+        return curve
+    model.cost_curve = measure_curve(model, ks, (context,), repeats)
+    return model.cost_curve

@@ -112,6 +112,8 @@ class LayeredModel:
         self.capture = capture.resolve(capture_mode, self.device)
         self.steps = capture.StepRunner(self, self.capture) if self.capture != "off" else None
         self._pooled: LayerCache | None = None
+        #: measured forward costs (:func:`selfspec.models.costs.model_curve`), once asked for
+        self.cost_curve = None
 
     # --- properties ------------------------------------------------------------------------
     @property
