@@ -2,6 +2,7 @@
 
     python scripts/bench.py                                   # vanilla vs transformers generate, smollm2-135m
     python scripts/bench.py --methods vanilla,draft_verify,hf_prompt_lookup --task xsum --n 5
+    python scripts/bench.py --methods ngram,hf_prompt_lookup --task cnndm --n 5  # model-free drafts vs transformers'
     python scripts/bench.py --model tiny-random --n 2 -- sampling.temperature=0.7   # extra Hydra overrides
 
 Same examples, warm-up first, methods interleaved per example (selfspec.evaluation.runner: no

@@ -45,6 +45,31 @@ def hf_greedy(loaded, ids, n):
     return out[0, len(ids):].tolist()
 
 
+def rolled_back_steps(dec, ids, steps: int = 8, budget: int = 60) -> int:
+    """Prefill ``ids`` and drive ``dec.step`` by hand; after each step every layer must hold exactly
+    the full model's K/V of the committed tokens but the pending one (drafts' scratch K/V and
+    rejected positions rolled back). Returns how many drafts were rejected."""
+    from selfspec.decoding import Sampling
+    from selfspec.decoding.base import DecodeState
+
+    model = dec.model
+    state = DecodeState(list(ids), len(ids), model.new_cache(200), Sampling(), None)
+    rejected = 0
+    with torch.inference_mode():
+        dec.begin(state)
+        dec._commit(state, [dec.prefill(state, torch.tensor([ids]))], budget)
+        for _ in range(steps):
+            new = dec.step(state, budget)
+            rejected += state.drafted - (len(new) - 1)
+            dec._commit(state, new, budget)
+            ref = model.new_cache(200)
+            model.forward(torch.tensor([state.tokens[:-1]]), ref, start=0)
+            for i in range(model.num_layers):
+                assert state.cache.length(i) == state.n_cached
+                torch.testing.assert_close(state.cache.layer_kv(i), ref.layer_kv(i), atol=1e-5, rtol=1e-4)
+    return rejected
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The demo's whole pipeline once per session, reduced: tiny-random, ``--small``, every task, W&B

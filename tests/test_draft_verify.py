@@ -6,6 +6,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import rolled_back_steps
+
 from selfspec.config import compose, model_config
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.base import DecodeState
@@ -77,25 +79,8 @@ def test_eos_and_budget_cut_like_vanilla(tiny8, prompt_ids):
 def test_cache_after_rollback_equals_recomputation(tiny8, prompt_ids):
     """Drive steps by hand; after each, every layer holds exactly the full model's K/V of the
     committed tokens but the pending one (scratch drafts and rejected positions rolled back)."""
-    model = tiny8.model
     dec = dv(tiny8, [1, 4, 6], [0, 5], draft_exit="none", max_draft=5)
-    prompt = torch.tensor([prompt_ids])
-    state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(200), Sampling(), None)
-    rejected = 0
-    with torch.inference_mode():
-        dec._commit(state, [dec.prefill(state, prompt)], 60)
-        for _ in range(8):
-            new = dec.step(state, 60)
-            rejected += state.drafted - (len(new) - 1)
-            dec._commit(state, new, 60)
-            ref = model.new_cache(200)
-            model.forward(torch.tensor([state.tokens[:-1]]), ref, start=0)
-            for i in range(model.num_layers):
-                assert state.cache.length(i) == state.n_cached
-                k, v = state.cache.layer_kv(i)
-                rk, rv = ref.layer_kv(i)
-                torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-4)
-                torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-4)
+    rejected = rolled_back_steps(dec, prompt_ids)
     assert rejected > 0  # the rollback path was exercised
 
 

@@ -22,6 +22,7 @@ METHOD_MODULES = {
     "ppd": "selfspec.decoding.ppd",
     "early_exit": "selfspec.decoding.early_exit",
     "del": "selfspec.decoding.early_exit",
+    "ngram": "selfspec.decoding.ngram",
     "hf_generate": "selfspec.decoding.peers",
     "hf_prompt_lookup": "selfspec.decoding.peers",
     "hf_early_exit": "selfspec.decoding.peers",

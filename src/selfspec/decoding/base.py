@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from selfspec.decoding.sampling import Sampling, select
+from selfspec.decoding.sampling import Sampling, select, verify_chain
 from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
 from selfspec.models.costs import synchronizer
@@ -161,6 +161,27 @@ class Decoder:
 
     def finish(self, state: DecodeState) -> None:
         """Per-example statistics after the loop (default: nothing)."""
+
+    def verify_drafts(
+        self, state: DecodeState, drafts: Sequence[int], draft_probs: torch.Tensor | None = None
+    ) -> tuple[int, int]:
+        """Verify a drafted chain with one full forward pass and roll the cache back.
+
+        Every layer is first truncated to the committed tokens (drafting may have written scratch
+        K/V past them), then ``[pending, d1..dk]`` runs through the full model and
+        :func:`~selfspec.decoding.sampling.verify_chain` decides under ``state.sampling``
+        (``draft_probs``: the ``[k, V]`` distributions the drafts came from; unused when greedy).
+        Afterwards the cache holds ``n_cached + n + 1`` positions (gpt-fast's scheme): the pending
+        token and the ``n`` accepted drafts. Returns ``(n, next_token)``; ``[*drafts[:n], next_token]``
+        are the tokens to commit. With no drafts this is one plain decoding step.
+        """
+        model = self.model
+        state.cache.truncate(state.n_cached)
+        ids = torch.tensor([[state.pending, *drafts]], device=model.device)
+        logits = model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
+        n, nxt = verify_chain(ids[0, 1:], draft_probs, logits, state.sampling, state.generator)
+        state.cache.truncate(state.n_cached + n + 1)
+        return n, nxt
 
     # --- the loop --------------------------------------------------------------------------
     def generate(

@@ -36,7 +36,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import (ADAPTIVE_DEFAULTS, AdaptiveThreshold, DraftStop, StaticThreshold,
                                           adaptive_parameters)
-from selfspec.decoding.sampling import verify_chain, warp
+from selfspec.decoding.sampling import warp
 from selfspec.models.layered import LayeredModel, SkipSet
 
 DRAFT_EXITS = ("adaptive", "static", "none")
@@ -242,16 +242,11 @@ class DraftVerify(Decoder):
         return drafts, (torch.stack(qs) if qs else None), False
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        model = self.model
         k_max = min(self.max_draft, budget - 1)  # n accepted + 1 bonus <= budget
         drafts, q, exited = self.draft(state, k_max) if k_max > 0 else ([], None, False)
         k = len(drafts)
         # verification: drop the scratch K/V, recompute [pending, d1..dk] with the full model
-        state.cache.truncate(state.n_cached)
-        ids = torch.tensor([[state.pending, *drafts]], device=model.device)
-        logits = model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
-        n, nxt = verify_chain(ids[0, 1:], q, logits, state.sampling, state.generator)
-        state.cache.truncate(state.n_cached + n + 1)
+        n, nxt = self.verify_drafts(state, drafts, q)
         state.drafted = k
         if k:
             state.count("verifications")

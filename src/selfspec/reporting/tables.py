@@ -15,12 +15,14 @@ from typing import Any
 from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
 from selfspec.reporting.records import Record
 
-#: row order by decoder family: the reference first, selfspec's methods, then the transformers peers
-METHOD_ORDER = ("vanilla", "draft_verify", "adadecode", "ppd", "early_exit", "del",
+#: row order by decoder family: the reference first, selfspec's methods (the papers', then those
+#: beyond the papers), then the transformers peers
+METHOD_ORDER = ("vanilla", "draft_verify", "adadecode", "ppd", "early_exit", "del", "ngram",
                 "hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
 METHOD_TITLE = {
     "vanilla": "Vanilla", "draft_verify": "Draft & Verify", "adadecode": "AdaDecode", "ppd": "PPD",
-    "early_exit": "Early exit (LayerSkip)", "del": "DEL", "hf_generate": "HF generate",
+    "early_exit": "Early exit (LayerSkip)", "del": "DEL", "ngram": "N-gram lookup (beyond the papers)",
+    "hf_generate": "HF generate",
     "hf_prompt_lookup": "HF prompt lookup", "hf_early_exit": "HF early exit", "hf_assisted": "HF assisted",
 }
 MISSING = "–"

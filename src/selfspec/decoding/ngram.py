@@ -1,0 +1,184 @@
+"""Model-free drafts: n-gram lookup over the prompt and the generated text (beyond the papers).
+
+None of the four papers this framework reproduces drafts without a model; this method is an
+addition (issue 12, "Model-free drafts"). The idea is prompt lookup decoding (Saxena 2023; the
+``prompt_lookup_num_tokens`` option of ``transformers``, run here as the peer ``hf_prompt_lookup``)
+and llama.cpp's n-gram drafting, where text that already occurred — in the prompt (an article
+being summarised, code being edited) or earlier in the output — is a free guess of what comes
+next. FR-Spec and the other "cheap drafter" work motivate the same trade: a draft that costs
+nothing need not be good to pay, only verified. The code here is selfspec's own.
+
+One step:
+
+1. **Lookup** (:class:`NgramIndex`). For ``n = max_ngram`` down to ``min_ngram``, take the last
+   ``n`` committed tokens (the pending token included) and look for their most recent earlier
+   occurrence in the sequence (prompt + generated). The first ``n`` that matches wins (longest
+   match first). The draft is the ``k`` tokens that followed that occurrence; when the copy runs
+   past the end of the sequence it continues from its own drafts, so a period-``p`` repeat
+   (``a b a b``) drafts ``k`` tokens, not ``p``. The index holds the most recent end position of
+   every n-gram and grows with the committed tokens: a lookup costs ``O(max_ngram)`` dictionary
+   probes plus indexing the tokens committed since the last one.
+2. **Verify** the chain ``[pending, d1..dk]`` in one full forward pass with the shared rule
+   (:meth:`~selfspec.decoding.base.Decoder.verify_drafts`, i.e.
+   :func:`~selfspec.decoding.sampling.verify_chain`). Greedy: exact match, so the output is
+   vanilla's token for token. Sampling: the drafts are deterministic given the context, so the
+   draft distribution is a point mass ``q = one_hot(d_i)``; speculative sampling then accepts
+   ``d_i`` with probability ``min(1, p(d_i) / 1) = p(d_i)`` and otherwise resamples from
+   ``normalize(max(0, p - q))`` = ``p`` with ``d_i`` removed, so every emitted token is
+   distributed exactly as the target ``p``.
+3. **No match** — nothing is drafted and the step is one plain decoding step (a single-token
+   forward pass and the target's own token): the cost of vanilla plus a few dictionary probes.
+
+**Draft length controller** (``draft_schedule``). ``constant``: always ``max_draft`` tokens.
+``adaptive`` (default): the draft length ``k`` starts at ``max_draft`` for every example; after a
+verification in which every draft was accepted ``k`` grows by 2, after one with a rejection it
+shrinks by 1, within ``[1, max_draft]`` (the additive schedule of transformers' assisted
+generation, as an idea). Steps without a match leave ``k`` unchanged. On a CPU a forward pass
+over a few tokens costs about as much as over one, so ``k`` matters little there; it bounds the
+wasted width when the machine is loaded or on accelerators where width is not free.
+
+Statistics (``stats``): ``verifications`` (steps that drafted), ``plain_steps`` (no match),
+``match_len`` (mean n of the matches) and ``draft_len`` (the controller's ``k`` at the end).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from selfspec import checks
+from selfspec.decoding.base import DecodeState, Decoder, register
+
+SCHEDULES = ("adaptive", "constant")
+#: config key -> default (conf/method/ngram.yaml)
+DEFAULTS = {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "adaptive"}
+
+
+class NgramIndex:
+    """Most recent occurrence of every n-gram (``min_n <= n <= max_n``) of a growing sequence.
+
+    ``lookup(tokens, k)`` indexes what was appended to ``tokens`` since the last call (the
+    sequence may only grow: a new example needs a new index), then drafts as the module
+    docstring describes. An n-gram is indexed by its end position ``e`` (exclusive) only once a
+    token follows it (``e < len(tokens)``), so the current suffix never matches itself.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._next_end = 1  # n-grams ending before this position are indexed
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams of ``tokens`` that end before its last token."""
+        for e in range(self._next_end, len(tokens)):
+            for n, last in self._last.items():
+                if e >= n:
+                    last[tuple(tokens[e - n:e])] = e
+        self._next_end = max(self._next_end, len(tokens))
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """``(n, e)``: the longest suffix n-gram of ``tokens`` seen before and the end of its most
+        recent earlier occurrence; ``(0, -1)`` when none matches."""
+        self.extend(tokens)
+        size = len(tokens)
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            e = self._last[n].get(tuple(tokens[size - n:]))
+            if e is not None:
+                return n, e
+        return 0, -1
+
+    def lookup(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` draft tokens after the longest matching suffix, and that suffix's length n
+        (``([], 0)`` when nothing matches or ``k < 1``)."""
+        n, e = self.match(tokens)
+        if not n or k < 1:
+            return [], n
+        size = len(tokens)
+        drafts: list[int] = []
+        for j in range(e, e + k):  # past the end the copy continues from its own drafts
+            drafts.append(tokens[j] if j < size else drafts[j - size])
+        return drafts, n
+
+
+@register
+class NgramLookup(Decoder):
+    """Self-speculative decoding with model-free n-gram drafts (module docstring)."""
+
+    name = "ngram"
+    lossless = True
+
+    def __init__(self, model, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8,
+                 draft_schedule: str = "adaptive", **common) -> None:
+        super().__init__(model, **common)
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"method.min_ngram={min_ngram} must be in [1, method.max_ngram={max_ngram}]")
+        if max_draft < 1 or draft_schedule not in SCHEDULES:
+            raise ValueError(f"method.max_draft={max_draft} must be >= 1 and method.draft_schedule="
+                             f"{draft_schedule} one of {', '.join(SCHEDULES)}")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        self.max_draft = int(max_draft)
+        self.draft_schedule = draft_schedule
+        self.lookahead = self.max_draft  # verification writes k + 1 positions past the committed ones
+        self.draft_len = self.max_draft
+
+    @classmethod
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/ngram.yaml): ``max_ngram`` >= 1 (longest suffix matched),
+        ``min_ngram`` in [1, max_ngram] (shortest), ``max_draft`` >= 1 (most draft tokens per
+        step), ``draft_schedule`` (``adaptive`` | ``constant``); null takes the default."""
+        value = {k: (cfg.get(k) if cfg.get(k) is not None else d) for k, d in DEFAULTS.items()}
+        key = f"{prefix}.{{}}".format
+        max_n = checks.integer(key("max_ngram"), value["max_ngram"], 1, why="longest n-gram matched")
+        min_n = checks.integer(key("min_ngram"), value["min_ngram"], 1, max_n,
+                               why=f"shortest n-gram matched, at most {key('max_ngram')}")
+        return {
+            "max_ngram": max_n,
+            "min_ngram": min_n,
+            "max_draft": checks.integer(key("max_draft"), value["max_draft"], 1, why="most draft tokens per step"),
+            "draft_schedule": checks.choice(key("draft_schedule"), value["draft_schedule"], SCHEDULES,
+                                            why="adaptive: draft length follows acceptance; constant: max_draft"),
+        }
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common) -> "NgramLookup":
+        return cls(model, **options, **common)
+
+    def begin(self, state: DecodeState) -> None:
+        self.index = NgramIndex(self.min_ngram, self.max_ngram)
+        self.draft_len = self.max_draft
+        self._match_lens = 0
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        k_max = min(self.draft_len, budget - 1)  # n accepted + 1 bonus <= budget
+        drafts, n_gram = self.index.lookup(state.tokens, k_max)
+        q = None
+        if drafts and not state.sampling.greedy:  # deterministic drafts: point-mass q
+            q = torch.nn.functional.one_hot(torch.tensor(drafts, device=self.model.device),
+                                            self.model.vocab_size).float()
+        n, nxt = self.verify_drafts(state, drafts, q)
+        k = state.drafted = len(drafts)
+        if k:
+            state.count("verifications")
+            self._match_lens += n_gram
+            self.adapt(n, k)
+        else:
+            state.count("plain_steps")
+        return [*drafts[:n], nxt]
+
+    def adapt(self, accepted: int, drafted: int) -> None:
+        """The draft-length controller (module docstring): +2 after a fully accepted draft, -1
+        after a rejection, within [1, max_draft]; ``constant`` keeps ``max_draft``."""
+        if self.draft_schedule == "constant":
+            return
+        step = 2 if accepted == drafted else -1
+        self.draft_len = max(1, min(self.max_draft, self.draft_len + step))
+
+    def finish(self, state: DecodeState) -> None:
+        verifications = state.stats.get("verifications", 0)
+        state.stats.setdefault("plain_steps", 0)
+        state.stats.setdefault("verifications", 0)
+        state.stats["match_len"] = self._match_lens / verifications if verifications else 0.0
+        state.stats["draft_len"] = self.draft_len

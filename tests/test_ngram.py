@@ -1,0 +1,218 @@
+"""N-gram lookup decoding: the matcher by hand, lossless against vanilla, target distribution, config."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import rolled_back_steps
+
+from selfspec.checks import ConfigError
+from selfspec.config import compose, model_config
+from selfspec.decoding import Sampling, build_decoder, check_method
+from selfspec.decoding.base import DecodeState
+from selfspec.decoding.ngram import NgramIndex, NgramLookup
+from selfspec.decoding.sampling import warp
+from selfspec.models.loading import load_model
+
+REPEAT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog"
+
+
+def ngram(loaded, eos=(), **kw):
+    return build_decoder(OmegaConf.create({"name": "ngram", **kw}), loaded.model, eos_token_ids=eos)
+
+
+def vanilla_tokens(loaded, ids, n, eos=()):
+    return build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model, eos_token_ids=eos).generate(ids, n).tokens
+
+
+# --- the matcher -------------------------------------------------------------------------------
+def test_matcher_longest_suffix_first_then_shorter():
+    #        0  1  2  3  4  5  6  7  8  9  10
+    seq = [1, 2, 9, 4, 8, 2, 9, 6, 1, 2, 9]
+    # 3-gram (1, 2, 9) ends at 3 earlier -> copy from 3; (2, 9) alone would copy from 7
+    assert NgramIndex(1, 3).lookup(seq, 3) == ([4, 8, 2], 3)
+    assert NgramIndex(1, 2).lookup(seq, 3) == ([6, 1, 2], 2)
+    assert NgramIndex(1, 3).match(seq) == (3, 3)
+
+
+def test_matcher_takes_the_most_recent_occurrence():
+    seq = [5, 1, 7, 1, 8, 1]  # (1) ended at 2 and at 4: the later one (followed by 8) wins
+    assert NgramIndex(1, 1).lookup(seq, 1) == ([8], 1)
+    # past the end the copy continues from its own drafts: 8, 1, then 8 again
+    assert NgramIndex(1, 1).lookup(seq, 3) == ([8, 1, 8], 1)
+
+
+def test_matcher_copies_periodic_repeats_beyond_the_sequence():
+    assert NgramIndex(1, 2).lookup([5, 5, 5], 4) == ([5, 5, 5, 5], 2)
+    seq = [1, 2, 3, 4, 1, 2]
+    assert NgramIndex(1, 3).lookup(seq, 4) == ([3, 4, 1, 2], 2)
+    assert NgramIndex(1, 3).lookup(seq, 6) == ([3, 4, 1, 2, 3, 4], 2)
+
+
+def test_matcher_no_match_and_limits():
+    assert NgramIndex(1, 3).lookup([1, 2, 3], 5) == ([], 0)
+    assert NgramIndex(2, 3).lookup([1, 2, 1], 5) == ([], 0)  # only a 1-gram matches, below min_n
+    assert NgramIndex(1, 3).lookup([7], 5) == ([], 0)
+    assert NgramIndex(1, 3).lookup([4, 4], 0) == ([], 1)  # a match, but no room to draft
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex(3, 2)
+
+
+def test_matcher_grows_incrementally_like_a_fresh_index():
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    grown = NgramIndex(1, 3)
+    for end in range(1, len(seq) + 1):
+        assert grown.lookup(seq[:end], 4) == NgramIndex(1, 3).lookup(seq[:end], 4), end
+
+
+# --- decoding: lossless and the controller ---------------------------------------------------------
+@pytest.mark.parametrize("kw", [{}, {"draft_schedule": "constant", "max_draft": 3},
+                                {"min_ngram": 2, "max_ngram": 4, "max_draft": 12}, {"max_ngram": 1, "max_draft": 1}])
+def test_greedy_equals_vanilla_with_and_without_repetition(tiny, prompt_ids, kw):
+    repeat_ids = tiny.tokenizer(REPEAT)["input_ids"]
+    for ids, repeats in ((repeat_ids, True), (prompt_ids, False)):
+        ref = vanilla_tokens(tiny, ids, 40)
+        g = ngram(tiny, **kw).generate(ids, 40)
+        assert g.tokens == ref, (kw, repeats)
+        assert sum(g.accepted_per_step) == len(g.tokens) and len(g.drafted_per_step) == g.steps
+        if repeats:
+            assert sum(g.drafted_per_step) > 0 and g.stats["verifications"] > 0
+
+
+def test_copies_are_accepted_where_the_output_repeats(tiny):
+    """The random model's greedy output falls into a loop (period 3 here): the copy of the loop is
+    accepted whole (7 tokens in one step), and the other steps stay plain."""
+    base = tiny.tokenizer("a b c d")["input_ids"]
+    ids = base + vanilla_tokens(tiny, base, 12) * 3
+    g = ngram(tiny, max_draft=6).generate(ids, 24)
+    assert g.tokens == vanilla_tokens(tiny, ids, 24)
+    assert g.tau > 1.3 and max(g.accepted_per_step) == 7 and g.stats["plain_steps"] > 0
+
+
+def test_no_match_is_a_plain_step(tiny):
+    """Distinct prompt tokens and min_ngram = 3: the first step finds nothing and drafts nothing."""
+    ids = list(range(1000, 1030))
+    dec = ngram(tiny, min_ngram=3)
+    state = DecodeState(list(ids), len(ids), tiny.model.new_cache(64), Sampling(), None)
+    with torch.inference_mode():
+        dec.begin(state)
+        dec._commit(state, [dec.prefill(state, torch.tensor([ids]))], 8)
+        new = dec.step(state, 8)
+    assert state.drafted == 0 and len(new) == 1 and state.stats == {"plain_steps": 1}
+    assert state.cache.length(0) == state.n_cached + 1
+    assert [*state.tokens[len(ids):], *new] == vanilla_tokens(tiny, ids, 2)
+
+
+def test_eos_and_budget_cut_like_vanilla(tiny):
+    ids = tiny.tokenizer(REPEAT)["input_ids"]
+    free = vanilla_tokens(tiny, ids, 25)
+    eos = free[9]
+    g = ngram(tiny, eos=[eos]).generate(ids, 25)
+    assert g.tokens == vanilla_tokens(tiny, ids, 25, eos=[eos]) and g.stop_reason == "eos"
+    for n in (1, 2, 7):
+        assert ngram(tiny).generate(ids, n).tokens == free[:n]
+
+
+def test_cache_after_rollback_equals_recomputation(tiny):
+    ids = tiny.tokenizer(REPEAT)["input_ids"]
+    dec = ngram(tiny, draft_schedule="constant", max_draft=5)
+    real = NgramIndex.lookup
+    # where nothing matches, draft the pending token repeated (mostly rejected: rollbacks)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NgramIndex, "lookup", lambda self, tokens, k: real(self, tokens, k) if real(self, tokens, k)[0]
+                   else ([tokens[-1]] * k, 1))
+        rejected = rolled_back_steps(dec, ids)
+    assert rejected > 0  # the rollback path was exercised
+
+
+def test_adaptive_draft_length_follows_acceptance(tiny):
+    dec = NgramLookup(tiny.model, max_draft=6)
+    assert dec.draft_len == 6
+    dec.adapt(accepted=1, drafted=6)
+    dec.adapt(accepted=0, drafted=5)
+    assert dec.draft_len == 4
+    dec.adapt(accepted=4, drafted=4)
+    assert dec.draft_len == 6
+    dec.adapt(accepted=6, drafted=6)
+    assert dec.draft_len == 6  # capped at max_draft
+    for _ in range(10):
+        dec.adapt(accepted=0, drafted=1)
+    assert dec.draft_len == 1  # never below one draft
+    const = NgramLookup(tiny.model, max_draft=6, draft_schedule="constant")
+    const.adapt(accepted=0, drafted=6)
+    assert const.draft_len == 6
+
+
+# --- sampling --------------------------------------------------------------------------------------
+def test_sampling_with_point_mass_drafts_matches_target_distribution():
+    """First token emitted by a step (the accepted draft or a residual resample) ~ p.
+
+    As the Draft & Verify test: a 512-token-vocabulary random model, top_k = 6, N = 1,600 steps; an
+    unbiased sampler's total variation from p is ~0.023 (sd ~0.009), the bound is 0.055. The draft
+    token d is chosen with 0.25 <= p(d) <= 0.75, so both the accept and the residual path run
+    often, and a sampler that resampled from p instead of the residual (P(d) = p(d)(2 - p(d))) or
+    always kept the draft is at least 0.18 away.
+    """
+    cfg = OmegaConf.merge(model_config("tiny-random"),
+                          {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
+    model = load_model(cfg).model
+    s = Sampling(temperature=0.05, top_k=6, seed=0)
+    base = list(range(40, 70))
+    # the pending token 45 occurred once before, followed by the draft d (written at index 6);
+    # d: the token whose p(d) in that context is nearest 0.5
+    with torch.inference_mode():
+        contexts = torch.tensor([[*base[:6], d, *base[7:], 45] for d in range(512)])
+        p_all = warp(model.logits(model.forward(contexts, None, start=0)[:, -1]), s)
+        d = int((p_all.diagonal() - 0.5).abs().argmin())
+        ids = contexts[d].tolist()
+        p = warp(model.logits(model.forward(torch.tensor([ids]), None, start=0)[:, -1])[0], s)
+        assert 0.25 <= p[d] <= 0.75, f"p(d) = {p[d]:.3f}"
+        dec = NgramLookup(model, max_ngram=2, max_draft=2)
+        gen = torch.Generator().manual_seed(0)
+        state = DecodeState(list(ids), len(ids), model.new_cache(64), s, gen)
+        model.forward(torch.tensor([ids[:-1]]), state.cache, start=0)
+        base_len = state.n_cached
+        dec.begin(state)
+        assert dec.index.lookup(ids, 2)[0][0] == d
+        counts = torch.zeros_like(p)
+        accepted = 0
+        n = 1600
+        for _ in range(n):
+            new = dec.step(state, budget=3)
+            assert state.drafted >= 1
+            accepted += len(new) > 1
+            counts[new[0]] += 1
+            state.cache.truncate(base_len)
+    tv = 0.5 * (counts / n - p).abs().sum()
+    assert 0.15 * n < accepted < 0.85 * n  # both paths exercised
+    assert tv < 0.055, f"total variation {tv:.4f} (p(d) = {p[d]:.3f})"
+
+
+def test_sampling_is_seeded_and_drafts(tiny):
+    """Sharp sampling (T = 0.1, top-k 3) on the looping output of the random model: drafts run."""
+    base = tiny.tokenizer("a b c d")["input_ids"]
+    ids = base + vanilla_tokens(tiny, base, 12) * 3
+    s = Sampling(temperature=0.1, top_k=3, seed=5)
+    a = ngram(tiny).generate(ids, 24, s)
+    b = ngram(tiny).generate(ids, 24, s)
+    assert a.tokens == b.tokens and len(a.tokens) == 24 and sum(a.drafted_per_step) > 0
+
+
+# --- configuration ---------------------------------------------------------------------------------
+def test_method_config_composes_and_is_checked():
+    cfg = compose(["model=tiny-random", "method=ngram"])
+    assert check_method(cfg.method) == {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "adaptive"}
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"max_ngram": 0}, r"method\.max_ngram=0 is not allowed: must be >= 1"),
+    ({"min_ngram": 3, "max_ngram": 2}, r"method\.min_ngram=3 is not allowed: must be in \[1, 2\]"),
+    ({"min_ngram": 0}, r"method\.min_ngram=0 is not allowed"),
+    ({"max_draft": 0}, r"method\.max_draft=0 is not allowed: must be >= 1"),
+    ({"max_draft": 2.5}, r"method\.max_draft=2\.5 is not allowed: must be an integer"),
+    ({"draft_schedule": "sometimes"}, r"method\.draft_schedule=sometimes is not allowed: must be one of adaptive"),
+    ({"ngram_size": 2}, r"ngram_size"),
+])
+def test_bad_config_is_refused(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        check_method(OmegaConf.create({"name": "ngram", **kw}))
