@@ -1,8 +1,8 @@
 """Issue 13: the embedded default's (SmolLM2-135M-Instruct) vanilla outputs, in its default prompt
 format, are real answers on a few examples of each task (docs/design.md §6, prompt formats).
 
-Cheap by design (a few examples, at most 48 new tokens, prompts clipped): under a minute of
-generation on 2 CPU cores.
+Cheap by design (two examples per task, 40-64 new tokens, prompts clipped to 512 tokens): about
+350 new tokens in all, well under two minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_the_embedded_default_gets_the_chat_format():
 
 @pytest.mark.parametrize("name", ["xsum", "cnndm"])
 def test_summaries_are_about_their_article_and_copy_no_other_record(smol, name):
-    task, examples, predictions = answers(smol, name, 2, 48, max_prompt_tokens=640)
+    task, examples, predictions = answers(smol, name, 2, 40, max_prompt_tokens=512)
     field = task.document_field
     paper = build_task({"name": name, "n_examples": 2, "prompt_format": "paper"})
     pool = {ex.id: ex for ex in examples}
@@ -60,7 +60,7 @@ def test_summaries_are_about_their_article_and_copy_no_other_record(smol, name):
     for ex, prediction in zip(examples, predictions):
         assert len(re.findall(r"\w+", prediction)) >= 5, (ex.id, prediction)
         own = pool[ex.id].messages[-1]["content"]
-        assert ngrams(prediction, 2) & ngrams(own, 2), (ex.id, prediction)  # about its own article
+        assert len(ngrams(prediction, 2) & ngrams(own, 2)) >= 2, (ex.id, prediction)  # about its article
         for other in others[ex.id]:
             if other.strip() not in own:
                 copied = ngrams(prediction, COPIED_WORDS) & ngrams(other, COPIED_WORDS)
@@ -68,18 +68,19 @@ def test_summaries_are_about_their_article_and_copy_no_other_record(smol, name):
 
 
 def test_humaneval_completions_parse_after_the_prompt(smol):
-    task, examples, predictions = answers(smol, "humaneval", 2, 64)
+    """Each completion parses after its prompt, and the entry point the tests call (the last
+    definition of it in the program) has statements beyond its docstring."""
+    _, examples, predictions = answers(smol, "humaneval", 2, 64)
     for ex, completion in zip(examples, predictions):
-        assert completion.strip(), ex.id
-        ast.parse(ex.prompt + completion)
-        assert not completion.lstrip().startswith("```") and "```" not in completion, completion
-    # the program the sandbox runs defines the entry point after the prompt's stub
-    tree = ast.parse(examples[0].prompt + predictions[0])
-    names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)]
-    assert names.count(examples[0].meta["entry_point"]) >= 1 and len(names) >= 1
+        assert completion.strip() and "```" not in completion, (ex.id, completion)
+        tree = ast.parse(ex.prompt + completion)
+        entry = [node for node in tree.body
+                 if isinstance(node, ast.FunctionDef) and node.name == ex.meta["entry_point"]][-1]
+        code = [s for s in entry.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        assert code, (ex.id, completion)
 
 
 def test_gsm8k_answers_hold_a_number(smol):
-    _, examples, predictions = answers(smol, "gsm8k", 2, 64)
+    _, examples, predictions = answers(smol, "gsm8k", 2, 48)
     for ex, prediction in zip(examples, predictions):
         assert extract_number(prediction) is not None, (ex.id, prediction)

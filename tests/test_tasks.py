@@ -274,7 +274,9 @@ def test_chat_summary_prompt_puts_the_instruction_after_the_article():
     assert render(ex, FakeTokenizer(chat=True)).endswith("one sentence.</user><assistant>")
     with pytest.raises(ValueError, match="chat prompt format"):
         render(ex, FakeTokenizer(chat=True), use_chat_template=False)
-    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+    with pytest.raises(ValueError, match=r"task xsum: task.prompt_format=auto with model.chat=true renders chat "
+                                         r"turns, but the model's tokenizer has no chat template; set "
+                                         r"task.prompt_format=paper"):
         task.encode(ex, FakeTokenizer(chat=False))
 
 

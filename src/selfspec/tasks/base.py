@@ -494,6 +494,11 @@ class Task:
         raw prompts.
         """
         chat = self.uses_chat_template(tokenizer)
+        if self.prompt_format == "chat" and getattr(tokenizer, "chat_template", None) is None:
+            how = "task.prompt_format=chat" if self.cfg.prompt_format == "chat" else \
+                "task.prompt_format=auto with model.chat=true"
+            raise ValueError(f"task {self.name}: {how} renders chat turns, but the model's tokenizer has no "
+                             "chat template; set task.prompt_format=paper")
         text = render(example, tokenizer, chat)
         ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
         if self.cfg.max_prompt_tokens is not None and len(ids) > self.cfg.max_prompt_tokens:
