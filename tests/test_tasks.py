@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -291,7 +292,8 @@ def test_humaneval_paper_prompt_stays_raw_for_a_chat_tokenizer():
 
 
 REPLIES = [  # (a chat reply, what its completion must hold / must not hold)
-    ("Sure!\n```python\nimport math\n\ndef {f}(*args):\n{body}\n\nprint({f}(1))\nassert False\n```\n\nDone, and print(1) explained.",
+    ("Sure!\n```python\nimport math\n\ndef {f}(*args):\n{body}\n\nprint({f}(1))\nassert False\n```\n\n"
+     "Done, and print(1) explained.",
      ["import math"], ["print(", "assert False"]),
     ("```py\n@staticmethod\ndef helper():\n    return 1\ndef {f}(*args):\n{body}\n```", ["@staticmethod"], []),
     ("Here it is:\n\n```\n{body}\n```", [], ["```"]),
@@ -316,8 +318,6 @@ def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
         text = reply.format(f=record["entry_point"], body=body).replace("*args", prompt_args, 1)
         completion = task.postprocess(text)
         assert all(h in completion for h in holds) and not any(x in completion for x in lacks), completion
-        import ast
-
         ast.parse(ex.prompt + completion)
         completions.append(completion)
     got = task.score(completions, [e.reference for e in task.examples()])

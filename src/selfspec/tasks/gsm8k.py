@@ -86,7 +86,8 @@ class GSM8K(Task):
 
 def chat_question(question: str) -> str:
     """The chat format's request for one problem."""
-    return f"{question.strip()}\n\nSolve this step by step, then give the final answer on its own line as \"#### <number>\"."
+    return (f"{question.strip()}\n\nSolve this step by step, then give the final answer on its own line "
+            "as \"#### <number>\".")
 
 
 def gsm_symbolic_records(folder: Path, size: int,

