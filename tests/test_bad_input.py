@@ -187,6 +187,10 @@ EVAL_BAD = [
     (["task.n_examples=0"], r"task\.n_examples=0 is not allowed"),
     (["task.source=web"], r"task\.source=web is not allowed: must be one of offline, hub, local"),
     (["task.use_chat_template=sometimes"], r"task\.use_chat_template=sometimes"),
+    (["task.prompt_format=instruct"], r"task\.prompt_format=instruct is not allowed: must be one of auto, paper, chat"),
+    (["task.prompt_format=chat", "task.use_chat_template=false"],
+     r"task\.use_chat_template=false is not allowed: task\.prompt_format=chat is rendered with the chat template"),
+    (["model.chat=maybe"], r"model\.chat=maybe is not allowed"),
     (["task.max_new_tokens=0"], r"task\.max_new_tokens=0"),
     (["task.data_files=x.jsonl"], r"task\.data_files=\[x\.jsonl\] is not allowed: data files are read only with "
                                   r"task\.source=local"),

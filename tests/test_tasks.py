@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -239,3 +240,86 @@ def test_iter_sharegpt_stops_at_truncation(tmp_path):
 def test_iter_sharegpt_real_asset():
     first = next(iter(iter_sharegpt()))
     assert first["conversations"][0]["from"] == "human"
+
+
+# --- prompt formats (issue 13): the paper's raw prompt, or chat turns for an instruct model --------
+@pytest.mark.parametrize("name,paper_shots,paper_stop", [
+    ("xsum", 1, ["\nArticle:"]), ("cnndm", 1, ["\nArticle:"]), ("gsm8k", 0, ["\nQuestion:"]),
+    ("humaneval", 0, ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]), ("mtbench", 0, [])])
+def test_prompt_format_auto_follows_the_model_chat_key(name, paper_shots, paper_stop):
+    paper = build_task({"name": name, "n_examples": 2})
+    chat = build_task({"name": name, "n_examples": 2}, model_chat=True)
+    assert (paper.prompt_format, paper.shots, paper.stop) == ("paper", paper_shots, paper_stop)
+    assert (chat.prompt_format, chat.shots) == ("chat", 0)
+    assert chat.stop == (["\n```\n\n"] if name == "humaneval" else [])
+    assert all(e.messages is None and e.meta["prompt_format"] == "paper" for e in paper.examples())
+    for ex in chat.examples():
+        assert ex.meta["prompt_format"] == "chat" and [m["role"] for m in ex.messages] == ["user"]
+    # an explicit value wins in either format; use_chat_template=false keeps auto at the paper format
+    pinned = build_task({"name": name, "n_examples": 2, "prompt_format": "paper"}, model_chat=True)
+    assert pinned.prompt_format == "paper" and pinned.examples()[0].prompt == paper.examples()[0].prompt
+    assert build_task({"name": name, "use_chat_template": False}, model_chat=True).prompt_format == "paper"
+    both = build_task({"name": name, "n_examples": 2, "shots": 1, "stop": ["END"]}, model_chat=True)
+    assert both.shots == 1 and both.stop == ["END"] and both.postprocess("a END b") == both.extract_answer("a ")
+
+
+def test_chat_summary_prompt_puts_the_instruction_after_the_article():
+    task = build_task({"name": "xsum", "n_examples": 1, "shots": 1}, model_chat=True)
+    (shot,), ex = task.exemplars, task.examples()[0]
+    user, reply, ask = ex.messages
+    assert user["content"].startswith("Article: " + shot["document"].strip()[:50])
+    assert user["content"].endswith("\n\nSummarize the article above in one sentence.")
+    assert reply == {"role": "assistant", "content": " ".join(shot["summary"].split())}
+    assert ask["content"] == f"Article: {ex.prompt.split('Article: ')[-1][:-len(chr(10) + 'Summary:')].strip()}" \
+        "\n\nSummarize the article above in one sentence."
+    assert render(ex, FakeTokenizer(chat=True)).endswith("one sentence.</user><assistant>")
+    with pytest.raises(ValueError, match="chat prompt format"):
+        render(ex, FakeTokenizer(chat=True), use_chat_template=False)
+    with pytest.raises(ValueError, match=r"task xsum: task.prompt_format=auto with model.chat=true renders chat "
+                                         r"turns, but the model's tokenizer has no chat template; set "
+                                         r"task.prompt_format=paper"):
+        task.encode(ex, FakeTokenizer(chat=False))
+
+
+def test_humaneval_paper_prompt_stays_raw_for_a_chat_tokenizer():
+    paper = build_task({"name": "humaneval", "n_examples": 1, "prompt_format": "paper"}, model_chat=True)
+    ex = paper.examples()[0]
+    assert not paper.uses_chat_template(FakeTokenizer(chat=True))
+    assert paper.encode(ex, FakeTokenizer(chat=True)) == FakeTokenizer(chat=False)(ex.prompt, True)["input_ids"]
+    chat = build_task({"name": "humaneval", "n_examples": 1}, model_chat=True)
+    text = render(chat.examples()[0], FakeTokenizer(chat=True))
+    assert "```python\n" + ex.prompt.rstrip() + "\n```" in text
+
+
+REPLIES = [  # (a chat reply, what its completion must hold / must not hold)
+    ("Sure!\n```python\nimport math\n\ndef {f}(*args):\n{body}\n\nprint({f}(1))\nassert False\n```\n\n"
+     "Done, and print(1) explained.",
+     ["import math"], ["print(", "assert False"]),
+    ("```py\n@staticmethod\ndef helper():\n    return 1\ndef {f}(*args):\n{body}\n```", ["@staticmethod"], []),
+    ("Here it is:\n\n```\n{body}\n```", [], ["```"]),
+    ("```python\ndef {f}(*args):\n{body}\n\nresult = {f}(", [], ["result"]),  # cut by the budget
+]
+
+
+@pytest.mark.parametrize("reply,holds,lacks", REPLIES)
+def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
+    """The canonical solution inside a chat reply, extracted, passes the tests after the prompt."""
+    from selfspec.assets import asset_path
+    from selfspec.metrics import sandbox
+    from selfspec.tasks.base import read_jsonl
+
+    task = build_task({"name": "humaneval", "n_examples": 2}, model_chat=True)
+    records = {r["task_id"]: r for r in read_jsonl(asset_path("humaneval"), {"task_id": str})}
+    completions = []
+    for ex in task.examples():
+        record = records[ex.id]
+        prompt_args = record["prompt"].split(f"def {record['entry_point']}(")[1].split(")")[0]
+        body = record["canonical_solution"].rstrip("\n")
+        text = reply.format(f=record["entry_point"], body=body).replace("*args", prompt_args, 1)
+        completion = task.postprocess(text)
+        assert all(h in completion for h in holds) and not any(x in completion for x in lacks), completion
+        ast.parse(ex.prompt + completion)
+        completions.append(completion)
+    got = task.score(completions, [e.reference for e in task.examples()])
+    assert got == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert task.postprocess("No code here, sorry.") != "" and task.postprocess("") == ""

@@ -109,12 +109,14 @@ def _budget(cfg: DictConfig, task) -> int:
 
 
 def _task(cfg: DictConfig):
-    from selfspec.tasks import build_task
+    from selfspec.tasks import build_task, model_chat
 
+    chat = model_chat(cfg)
     n = cfg.get("n_examples")
     if n is None:
-        return build_task(cfg.task)
-    return build_task(cfg.task, n_examples=checks.integer("n_examples", n, 1, why="null = the task's n_examples"))
+        return build_task(cfg.task, model_chat=chat)
+    return build_task(cfg.task, model_chat=chat,
+                      n_examples=checks.integer("n_examples", n, 1, why="null = the task's n_examples"))
 
 
 def _n_samples(cfg: DictConfig, sampling: Sampling) -> int:
@@ -278,7 +280,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
         loaded = load_model(cfg.model)
     tok = loaded.tokenizer
-    common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=list(task.cfg.stop), tokenizer=tok)
+    common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
     runs = [MethodRun(name, m, build_decoder(m, loaded.model, **common)) for name, m in method_cfgs.items()]
 

@@ -10,8 +10,9 @@
 
 from selfspec.tasks import cnndm, gsm8k, humaneval, mtbench, xsum  # noqa: F401  (register)
 from selfspec.tasks.base import (TASKS, Example, Task, TaskConfig, TaskDataError, build_task,
-                                 cut_at, get_task, read_jsonl, read_records, register, render)
+                                 cut_at, get_task, model_chat, read_jsonl, read_records, register,
+                                 render)
 from selfspec.tasks.sharegpt import iter_sharegpt
 
 __all__ = ["TASKS", "Example", "Task", "TaskConfig", "TaskDataError", "build_task", "cut_at",
-           "get_task", "iter_sharegpt", "read_jsonl", "read_records", "register", "render"]
+           "get_task", "iter_sharegpt", "model_chat", "read_jsonl", "read_records", "register", "render"]

@@ -17,6 +17,13 @@ types, then :meth:`Task.record_problem`), so a malformed file stops with one
 Selection follows the research code (docs/design.md §6, Draft & Verify): the pool is shuffled with
 ``shuffle_seed`` (the permutation ``datasets.Dataset.shuffle(seed=...)`` uses), the first
 ``shots`` records become the in-context exemplars, and the next ``n_examples`` are evaluated.
+
+Prompt formats (``prompt_format``; docs/design.md §6, "Prompt formats"): ``paper`` is the papers'
+raw text prompt (k-shot ``Article: …\\nSummary:``, HumanEval's bare signature); ``chat`` is the
+task's instruction as chat turns (each exemplar an earlier user/assistant exchange) through the
+tokenizer's chat template, with the task's own stop strings and answer extraction; ``auto`` (the
+default) is ``chat`` for a model whose config says ``chat: true`` (an instruct model) and
+``paper`` otherwise. The paper presets (``conf/experiment/``) pin ``paper``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ __all__ = [
     "TaskConfig",
     "cut_at",
     "build_task",
+    "model_chat",
     "get_task",
     "read_jsonl",
     "read_records",
@@ -57,12 +65,14 @@ class TaskDataError(ValueError):
 
 @dataclass
 class Example:
-    """One evaluation item: ``prompt`` is the model input text before chat templating."""
+    """One evaluation item: ``prompt`` is the model input text before chat templating;
+    ``messages`` (the ``chat`` prompt format) are the chat turns the model reads instead."""
 
     id: str
     prompt: str
     reference: Any
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -82,11 +92,22 @@ def get_task(name: str) -> type[Task]:
         raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
 
 
-def build_task(cfg: Mapping[str, Any], **replace: Any) -> Task:
+def model_chat(cfg: Any) -> bool:
+    """The ``chat`` key of a composed config's model (``cfg.model``): whether it is an instruct model
+    (``prompt_format=auto`` follows it); false when absent. Checked by
+    :func:`selfspec.models.loading.check_model_config` (``model.chat``)."""
+    model = cfg.get("model") if hasattr(cfg, "get") else getattr(cfg, "model", None)
+    value = model.get("chat") if hasattr(model, "get") else getattr(model, "chat", None)
+    return bool(checks.flag("model.chat", False if value is None else value))
+
+
+def build_task(cfg: Mapping[str, Any], *, model_chat: bool = False, **replace: Any) -> Task:
     """Instantiate a task from its config (``conf/task/<name>.yaml``, or a plain dict).
 
-    ``replace``: options the caller sets instead of the config's (e.g. the whole pool for
-    training: ``n_examples=None``), applied after every config value was checked.
+    ``model_chat``: the model config's ``chat`` key (an instruct model), which
+    ``prompt_format=auto`` follows. ``replace``: options the caller sets instead of the config's
+    (e.g. the whole pool for training: ``n_examples=None``), applied after every config value
+    was checked.
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
@@ -94,7 +115,7 @@ def build_task(cfg: Mapping[str, Any], **replace: Any) -> Task:
     name = options.pop("name", None)
     if name is None:
         raise ValueError("task config has no 'name' key")
-    task = get_task(name)(**options)
+    task = get_task(name)(model_chat=model_chat, **options)
     if replace:
         task.cfg = dataclasses.replace(task.cfg, **replace)
         task.cfg.check(name)
@@ -224,13 +245,20 @@ def data_paths(data_files: Sequence[str], key: str = "task.data_files") -> list[
     return paths
 
 
+#: values of ``task.prompt_format``
+PROMPT_FORMATS = ("auto", "paper", "chat")
+
+
 @dataclass
 class TaskConfig:
     """Options shared by every task (the keys of ``conf/task/<name>.yaml`` besides ``name``).
 
     ``split`` defaults to the task's hub split; ``n_examples=None`` takes the whole pool;
     ``shuffle_seed=None`` keeps the file order; ``max_prompt_tokens`` keeps the prompt's last
-    tokens; ``use_chat_template`` is ``true``, ``false`` or ``"auto"`` (when the tokenizer has one).
+    tokens; ``shots=None`` and ``stop=None`` take the prompt format's own; ``prompt_format`` is ``"auto"``,
+    ``"paper"`` or ``"chat"`` (module docstring); ``use_chat_template`` (``paper`` format) is
+    ``true``, ``false`` or ``"auto"`` (the task's choice for the paper prompt: HumanEval never,
+    the others when the tokenizer has a template); the ``chat`` format always uses the template.
     """
 
     source: str = "offline"
@@ -238,10 +266,11 @@ class TaskConfig:
     split: str | None = None
     n_examples: int | None = None
     shuffle_seed: int | None = 42
-    shots: int = 0
+    shots: int | None = None
     max_new_tokens: int = 512
     max_prompt_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] | None = None
+    prompt_format: str = "auto"
     use_chat_template: bool | str = "auto"
 
     def check(self, task: str) -> None:
@@ -265,14 +294,21 @@ class TaskConfig:
                                 f"{self.source}")
         checks.optional(checks.integer, key("n_examples"), self.n_examples, 1, why="null = the whole pool")
         checks.optional(checks.integer, key("shuffle_seed"), self.shuffle_seed, why="null = file order")
-        checks.integer(key("shots"), self.shots, 0)
+        checks.optional(checks.integer, key("shots"), self.shots, 0, why="null = the prompt format's own")
         checks.integer(key("max_new_tokens"), self.max_new_tokens, 1)
         checks.optional(checks.integer, key("max_prompt_tokens"), self.max_prompt_tokens, 1,
                         why="null = no limit")
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        for i, s in enumerate(self.stop):
-            checks.text(f"task.stop[{i}]", s)
+        if self.stop is not None:
+            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+            for i, s in enumerate(self.stop):
+                checks.text(f"task.stop[{i}]", s)
+        checks.choice(key("prompt_format"), self.prompt_format, PROMPT_FORMATS,
+                      why="auto: chat for a model with chat: true, else paper")
         checks.choice(key("use_chat_template"), self.use_chat_template, (True, False, "auto"))
+        if self.prompt_format == "chat" and self.use_chat_template is False:
+            raise checks.refuse(key("use_chat_template"), self.use_chat_template,
+                                "task.prompt_format=chat is rendered with the chat template; use "
+                                "task.prompt_format=paper for a raw prompt")
 
 
 class Task:
@@ -281,7 +317,12 @@ class Task:
     Subclasses set ``name``, ``hub_id`` / ``hub_config`` / ``hub_split``, ``required`` (the
     fields a hub or local record must have, with their types), ``hub_rename`` (hub column ->
     field), ``defaults`` (their :class:`TaskConfig` values) and implement
-    :meth:`offline_records`, :meth:`make_example` and :meth:`score`.
+    :meth:`offline_records`, :meth:`make_example` and :meth:`score`; for the ``chat`` prompt
+    format they set ``chat_stop`` and may implement :meth:`chat_messages` and
+    :meth:`extract_answer`. ``paper_stop`` / ``chat_stop`` are the stop strings of each format
+    (``task.stop`` overrides both), ``paper_shots`` / ``chat_shots`` their exemplars (``task.shots``
+    overrides both); ``paper_chat_template`` is what ``use_chat_template=auto``
+    means for the paper prompt.
     """
 
     name: ClassVar[str]
@@ -291,17 +332,60 @@ class Task:
     required: ClassVar[dict[str, type | tuple[type, ...]]]
     defaults: ClassVar[dict[str, Any]] = {}
     hub_rename: ClassVar[dict[str, str]] = {}
+    paper_shots: ClassVar[int] = 0
+    chat_shots: ClassVar[int] = 0
+    paper_stop: ClassVar[list[str]] = []
+    chat_stop: ClassVar[list[str]] = []
+    paper_chat_template: ClassVar[bool | str] = "auto"
 
-    def __init__(self, **options: Any) -> None:
-        """Options are the :class:`TaskConfig` fields; unset ones take the task's ``defaults``."""
+    def __init__(self, model_chat: bool = False, **options: Any) -> None:
+        """Options are the :class:`TaskConfig` fields; unset ones take the task's ``defaults``.
+        ``model_chat``: the model config's ``chat`` key, which ``prompt_format=auto`` follows."""
         try:
             self.cfg = TaskConfig(**{**self.defaults, **options})
         except TypeError as exc:
             known = ", ".join(TaskConfig.__dataclass_fields__)
             raise ValueError(f"task {self.name}: {exc}; known options: {known}") from None
         self.cfg.check(self.name)
+        self.model_chat = bool(model_chat)
         self._examples: list[Example] | None = None
         self._exemplars: list[dict[str, Any]] = []
+
+    # -- prompt format -----------------------------------------------------------------
+    @property
+    def prompt_format(self) -> str:
+        """``paper`` or ``chat``: ``task.prompt_format``, with ``auto`` resolved by the model's
+        ``chat`` key (an explicit ``use_chat_template=false`` keeps the paper's raw prompt)."""
+        if self.cfg.prompt_format != "auto":
+            return self.cfg.prompt_format
+        return "chat" if self.model_chat and self.cfg.use_chat_template is not False else "paper"
+
+    @property
+    def shots(self) -> int:
+        """The exemplars per prompt: ``task.shots``, else the prompt format's own."""
+        if self.cfg.shots is not None:
+            return int(self.cfg.shots)
+        return self.chat_shots if self.prompt_format == "chat" else self.paper_shots
+
+    @property
+    def stop(self) -> list[str]:
+        """The stop strings in use: ``task.stop``, else the prompt format's own."""
+        if self.cfg.stop is not None:
+            return list(self.cfg.stop)
+        return list(self.chat_stop if self.prompt_format == "chat" else self.paper_stop)
+
+    def uses_chat_template(self, tokenizer: Any) -> bool:
+        """Whether prompts go through ``tokenizer``'s chat template: always in the chat format;
+        in the paper format per ``use_chat_template`` (``auto``: ``paper_chat_template``, whose
+        ``auto`` is "when the tokenizer has one")."""
+        if self.prompt_format == "chat":
+            return True
+        choice = self.cfg.use_chat_template
+        if choice == "auto":
+            choice = self.paper_chat_template
+        if choice == "auto":
+            return getattr(tokenizer, "chat_template", None) is not None
+        return bool(choice)
 
     # -- hooks -------------------------------------------------------------------------
     def offline_records(self) -> list[dict[str, Any]]:
@@ -310,8 +394,19 @@ class Task:
 
     def make_example(self, record: dict[str, Any], index: int,
                      exemplars: list[dict[str, Any]]) -> Example:
-        """One :class:`Example` from a record, with the shot records for its prompt."""
+        """One :class:`Example` from a record, with the shot records for its prompt (the paper's
+        text prompt; :meth:`examples` adds the chat turns in the chat format)."""
         raise NotImplementedError
+
+    def chat_messages(self, record: dict[str, Any], exemplars: list[dict[str, Any]],
+                      example: Example) -> list[dict[str, str]]:
+        """The chat format's turns for a record (default: the paper prompt as one user turn)."""
+        return [{"role": "user", "content": example.prompt}]
+
+    def extract_answer(self, text: str) -> str:
+        """The chat format's answer as scored, from the text cut at the stop strings (default:
+        stripped)."""
+        return text.strip()
 
     def score(self, predictions: Sequence[Any], references: Sequence[Any]) -> dict[str, float]:
         """Metric values for post-processed ``predictions`` against example references."""
@@ -329,8 +424,10 @@ class Task:
         return None
 
     def postprocess(self, text: str) -> str:
-        """The generation as scored: cut at the first stop string."""
-        return cut_at(text, self.cfg.stop)
+        """The generation as scored: cut at the first stop string; in the chat format, then
+        :meth:`extract_answer`."""
+        text = cut_at(text, self.stop)
+        return self.extract_answer(text) if self.prompt_format == "chat" else text
 
     # -- loading -----------------------------------------------------------------------
     @property
@@ -346,19 +443,26 @@ class Task:
             order = (np.arange(len(pool)) if self.cfg.shuffle_seed is None
                      else np.random.default_rng(self.cfg.shuffle_seed).permutation(len(pool)))
             pool = [pool[i] for i in order]
-            if self.cfg.shots >= len(pool):
-                raise ValueError(f"task {self.name}: shots={self.cfg.shots} leaves no examples "
+            shots = self.shots
+            if shots >= len(pool):
+                raise ValueError(f"task {self.name}: shots={shots} leaves no examples "
                                  f"from a pool of {len(pool)}")
-            self._exemplars, rest = pool[: self.cfg.shots], pool[self.cfg.shots:]
+            self._exemplars, rest = pool[:shots], pool[shots:]
             n = len(rest) if self.cfg.n_examples is None else self.cfg.n_examples
             if n > len(rest):
                 warnings.warn(f"task {self.name}: n_examples={n} but only {len(rest)} are "
-                              f"available after {self.cfg.shots} shot(s); using {len(rest)}",
+                              f"available after {shots} shot(s); using {len(rest)}",
                               stacklevel=2)
                 n = len(rest)
-            self._examples = [self.make_example(r, i, self._exemplars)
-                              for i, r in enumerate(rest[:n])]
+            self._examples = [self._example(r, i) for i, r in enumerate(rest[:n])]
         return self._examples
+
+    def _example(self, record: dict[str, Any], index: int) -> Example:
+        example = self.make_example(record, index, self._exemplars)
+        example.meta["prompt_format"] = self.prompt_format
+        if self.prompt_format == "chat":
+            example.messages = self.chat_messages(record, self._exemplars, example)
+        return example
 
     def record_problem(self, record: dict[str, Any]) -> str | None:
         """What is wrong with a record that has the ``required`` fields (default: nothing);
@@ -389,8 +493,12 @@ class Task:
         The chat template already carries the special tokens, so they are only added to
         raw prompts.
         """
-        chat = (getattr(tokenizer, "chat_template", None) is not None
-                if self.cfg.use_chat_template == "auto" else self.cfg.use_chat_template)
+        chat = self.uses_chat_template(tokenizer)
+        if self.prompt_format == "chat" and getattr(tokenizer, "chat_template", None) is None:
+            how = "task.prompt_format=chat" if self.cfg.prompt_format == "chat" else \
+                "task.prompt_format=auto with model.chat=true"
+            raise ValueError(f"task {self.name}: {how} renders chat turns, but the model's tokenizer has no "
+                             "chat template; set task.prompt_format=paper")
         text = render(example, tokenizer, chat)
         ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
         if self.cfg.max_prompt_tokens is not None and len(ids) > self.cfg.max_prompt_tokens:
@@ -415,14 +523,21 @@ def render(example: Example, tokenizer: Any = None, use_chat_template: bool | st
     """The text the model reads: the raw prompt, or the chat template applied to it.
 
     ``use_chat_template="auto"`` applies the template when ``tokenizer`` has one (instruct
-    models); the prompt becomes one user turn followed by the generation prompt.
+    models); the prompt becomes one user turn followed by the generation prompt. An example in
+    the chat format (``example.messages``) is its turns through the template, always.
     """
+    if example.messages is not None:
+        if use_chat_template is False:
+            raise ValueError(f"example {example.id} is in the chat prompt format; it is rendered with "
+                             "the chat template (task.prompt_format=paper gives a raw prompt)")
+        use_chat_template = True
     if use_chat_template == "auto":
         use_chat_template = getattr(tokenizer, "chat_template", None) is not None
     if not use_chat_template:
         return example.prompt
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("use_chat_template=true needs a tokenizer with a chat template")
+        raise ValueError("use_chat_template=true (or task.prompt_format=chat) needs a tokenizer with a "
+                         "chat template")
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": example.prompt})
+    messages += example.messages or [{"role": "user", "content": example.prompt}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

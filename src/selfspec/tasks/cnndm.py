@@ -21,6 +21,7 @@ class CnnDm(SummarisationTask):
     hub_config = "3.0.0"
     document_field = "article"
     summary_field = "highlights"
+    instruction = "Summarize the article above in three short sentences."
     required = {"article": str, "highlights": str}
 
     def offline_records(self) -> list[dict[str, Any]]:

@@ -4,6 +4,10 @@ Prompt: ``shots`` exemplars ``Question: …\\nAnswer: <solution ending in #### N
 ``Question: {q}\\nAnswer:``; the answer is the number after ``####``, else after "the answer
 is", else the last number (:func:`selfspec.metrics.extract_number`).
 
+Chat format (the default for instruct models; a deviation, docs/design.md §6): each question is a
+user turn asking for the reasoning and a last line ``#### <number>``, each exemplar an earlier
+exchange whose reply is its solution; the reply is scored with the same number extraction.
+
 Offline stand-in (labelled ``source: gsm-symbolic`` in each example's meta): problems drawn
 from the GSM-Symbolic templates (Mirzadeh et al. 2024; 100 templates built from GSM8K test
 problems) shipped in the ``reasoning-gym`` wheel (asset ``gsm-symbolic``). The package itself
@@ -40,7 +44,8 @@ class GSM8K(Task):
     hub_id = "openai/gsm8k"
     hub_config = "main"
     required = {"question": str, "answer": str}
-    defaults = {"n_examples": 1000, "stop": ["\nQuestion:"]}
+    defaults = {"n_examples": 1000}
+    paper_stop = ["\nQuestion:"]
 
     def offline_records(self) -> list[dict[str, Any]]:
         return gsm_symbolic_records(asset_path("gsm-symbolic"), GSM_SYMBOLIC_SIZE)
@@ -56,6 +61,14 @@ class GSM8K(Task):
                   "source": record.get("source", self.cfg.source)},
         )
 
+    def chat_messages(self, record: dict[str, Any], exemplars: list[dict[str, Any]],
+                      example: Example) -> list[dict[str, str]]:
+        turns: list[dict[str, str]] = []
+        for r in exemplars:
+            turns += [{"role": "user", "content": chat_question(r["question"])},
+                      {"role": "assistant", "content": r["answer"]}]
+        return turns + [{"role": "user", "content": chat_question(record["question"])}]
+
     def record_problem(self, record: dict[str, Any]) -> str | None:
         if extract_number(record["answer"]) is None:
             return "field 'answer' holds no final number (GSM8K solutions end in '#### <number>')"
@@ -69,6 +82,12 @@ class GSM8K(Task):
         from selfspec import metrics
 
         return metrics.gsm8k_accuracy(predictions, references)
+
+
+def chat_question(question: str) -> str:
+    """The chat format's request for one problem."""
+    return (f"{question.strip()}\n\nSolve this step by step, then give the final answer on its own line "
+            "as \"#### <number>\".")
 
 
 def gsm_symbolic_records(folder: Path, size: int,

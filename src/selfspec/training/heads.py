@@ -105,13 +105,13 @@ def prepare(cfg) -> dict:
 def data_tasks(cfg, data: str, mixed: list[str]) -> list[DataTask]:
     """The task(s) of ``job.data`` (the composed task, or ``job.mixed_tasks``), pools read."""
     from selfspec.config import conf_dir
-    from selfspec.tasks import build_task
+    from selfspec.tasks import build_task, model_chat
 
     cfgs = [cfg.task] if data == "task" else [OmegaConf.load(conf_dir() / "task" / f"{n}.yaml") for n in mixed]
     out = []
     for tcfg in cfgs:
         plain = OmegaConf.to_container(tcfg, resolve=True)
-        task = build_task(plain, n_examples=None)
+        task = build_task(plain, model_chat=model_chat(cfg), n_examples=None)
         task.examples()  # read and check the whole pool now
         out.append(DataTask(plain, task, plain.get("n_examples")))
     return out
@@ -168,7 +168,7 @@ def build_data(opts: dict, loaded) -> tuple[list[Sequence], list[Sequence], str,
     tasks = opts["tasks"]
     tag = tasks[0].task.name if opts["data"] == "task" else "mixed"
     n_train, n_held = opts["n_prompts"], opts["n_heldout"]
-    key = json.dumps([loaded.fingerprint, loaded.weights_digest, [t.cfg for t in tasks], n_train, n_held,
+    key = json.dumps([loaded.fingerprint, loaded.weights_digest, [(t.cfg, t.task.prompt_format) for t in tasks], n_train, n_held,
                       opts["gen_tokens"], opts["max_prompt_tokens"]], sort_keys=True, default=str)
     cache = default_artefact_dir("heads_data", loaded.name, f"{tag}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     file = cache / "sequences.json"

@@ -108,14 +108,15 @@ def dev_tasks(cfg, opts: dict) -> list:
     """The development tasks (``job.tasks``, or the composed task), with ``job.n_prompts`` split
     evenly over them, as ``(task, k)``; each task's pool is read and checked now."""
     from selfspec.config import conf_dir
-    from selfspec.tasks import build_task
+    from selfspec.tasks import build_task, model_chat
 
     names = opts["tasks"]
     task_cfgs = [OmegaConf.load(conf_dir() / "task" / f"{n}.yaml") for n in names] if names else [cfg.task]
     n = opts["n_prompts"]
     out = []
     for j, tcfg in enumerate(task_cfgs):
-        task = build_task(tcfg, n_examples=None, max_prompt_tokens=opts["max_prompt_tokens"])
+        task = build_task(tcfg, model_chat=model_chat(cfg), n_examples=None,
+                          max_prompt_tokens=opts["max_prompt_tokens"])
         task.examples()  # read and check the pool now
         out.append((task, n // len(task_cfgs) + (1 if j < n % len(task_cfgs) else 0)))
     return out
