@@ -323,14 +323,15 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
 
 
 # --- the job ---------------------------------------------------------------------------------
-def run(cfg) -> dict:
+def run(cfg, loaded=None) -> dict:
     from selfspec.heads import heads_artefact_dir
-    from selfspec.models.loading import load_model
+    from selfspec.models.loading import model_for
     from selfspec.tracking import start_run
+    from selfspec.training import progress
     from selfspec.training.loop import clear_checkpoint, train
 
     opts = prepare(cfg)  # config and data checked before the model loads
-    loaded = load_model(cfg.model)
+    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     heads = make_heads(loaded.model, opts)
     t0 = time.perf_counter()
     train_seqs, held_seqs, tag, info = build_data(opts, loaded)
@@ -341,7 +342,7 @@ def run(cfg) -> dict:
     tracker = start_run(cfg, job_type="train-heads")
     settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(cfg.job, resolve=True)}
     result = train(heads, loss_fn, batch_fn, opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
-                   settings=settings)
+                   settings=settings, progress=progress(cfg))
     strip = lambda d: {k.removeprefix("eval/"): v for k, v in d.items() if k != "step"}  # noqa: E731
     final, initial = strip(result["eval"][-1]), strip(result["eval"][0])
     n_params = sum(p.numel() for p in heads.parameters())
