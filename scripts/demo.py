@@ -23,8 +23,8 @@ handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
 7. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
 
 Each step prints the equivalent command line and its wall time; the last lines list every step's
-time and the machine's load average (``os.getloadavg``) at the start and the end, since other work
-on the machine slows every step. Long steps show tqdm bars with an ETA on stderr (training steps,
+time and CPU time, and the machine's load average (``os.getloadavg``) at the start and the end:
+other work on the machine slows every step's wall time, while its CPU time stays about the same. Long steps show tqdm bars with an ETA on stderr (training steps,
 skip-search evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.
 Each job runs inside its own run directory (W&B writes there).
 
@@ -115,6 +115,8 @@ class Demo:
         self.run_dir = self.out / "demo" / time.strftime("%Y-%m-%d_%H-%M-%S")
         self.group = f"demo-{self.run_dir.name}"
         self.timings: dict[str, float] = {}
+        #: CPU seconds of this process per step (all threads): what the step costs without other load
+        self.cpu: dict[str, float] = {}
         self.loaded = None  # the model every step shares, loaded by :meth:`load`
         self.progress = "false" if args.no_progress else "true"
 
@@ -127,7 +129,7 @@ class Demo:
     def step(self, name: str, command: str, run_dir: Path | None = None):
         """Time a step and print its command line; inside ``run_dir`` (the job's run directory)."""
         print(f"\n=== {name}: {command}", flush=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if run_dir is None:
             yield
         else:
@@ -135,7 +137,8 @@ class Demo:
             with contextlib.chdir(run_dir):
                 yield
         self.timings[name] = time.perf_counter() - t0
-        print(f"=== {name} done in {self.timings[name]:.0f}s", flush=True)
+        self.cpu[name] = time.process_time() - c0
+        print(f"=== {name} done in {self.timings[name]:.0f}s (CPU {self.cpu[name]:.0f}s)", flush=True)
 
     def artefact(self, kind: str, suffix: str | None = None) -> Path:
         name = f"{self.args.model}-{suffix}" if suffix else self.args.model
@@ -239,17 +242,18 @@ class Demo:
         from selfspec.config import compose
         from selfspec.report import run_report
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         cfg = compose([f"inputs=[{','.join(map(str, inputs))}]", f"output_dir={self.run_dir / 'report'}",
                        f"artefacts_dir={self.out / 'artefacts'}", "wandb.enabled=false"], config_name="report")
         result = run_report(cfg)
         self.timings["report"] = time.perf_counter() - t0
+        self.cpu["report"] = time.process_time() - c0
         return result
 
     def main(self) -> int:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         load0 = load_average()
         with logging_redirect_tqdm():  # log lines print above the progress bars, not through them
             self.fetch()
@@ -258,8 +262,10 @@ class Demo:
             sweep = self.evaluate()
             runtime = self.runtime()
             result = self.report([sweep, runtime])
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
         print("\n=== timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; total {total:.0f}s")
+        print("=== CPU seconds (this process, all threads): " + ", ".join(
+            f"{k} {v:.0f}s" for k, v in self.cpu.items()) + f"; total {cpu:.0f}s")
         print(f"=== load average (1, 5, 15 min; {os.cpu_count()} CPUs): at the start {load0}, "
               f"at the end {load_average()}")
         if self.args.logger == "wandb":

@@ -52,6 +52,8 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
     for step in ("load model", "train heads", "train skips", "evaluate xsum", "evaluate humaneval T=0.6",
                  "runtime benchmark", "report"):
         assert f"{step} " in timings, step
+    cpu = next(line for line in printed if line.startswith("=== CPU seconds (this process, all threads): "))
+    assert "train heads " in cpu and "evaluate xsum T=0.2 " in cpu and "; total " in cpu
     assert any(line.startswith("=== load average (1, 5, 15 min; ") for line in printed)
     runtime = json.loads((run_dir / "runtime" / "runtime.json").read_text())
     assert runtime["model"] == "tiny-random" and runtime["v"]["64"]["1"] == 1.0
