@@ -70,24 +70,27 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
 
 
 def test_answer_per_task_matches_the_demo_runs(demo_run):
-    """The page's answer for each task: the fastest lossless method of that task's run, with its
-    speedup, consistency and quality metric as the runner wrote them."""
+    """The page's answer for each task and decoding: the fastest lossless method of that run, with
+    its speedup, consistency (none under sampling) and quality metric as the runner wrote them."""
     from selfspec.reporting.answer import answers
     from selfspec.reporting.layouts import TASK_SCORE
     from selfspec.reporting.records import collect
     from selfspec.reporting.tables import METHOD_TITLE
 
-    by_task = {a.task: a for a in answers(collect([demo_run.run_dir / "eval"]))}
-    assert set(by_task) == {"xsum", "cnndm", "humaneval", "gsm8k", "mtbench"}
+    by_task = {(a.task, a.decoding): a for a in answers(collect([demo_run.run_dir / "eval"]))}
+    assert set(by_task) == {(t, "greedy") for t in ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")} | {
+        ("xsum", "T=0.2"), ("humaneval", "T=0.6")}
     for run in (demo_run.run_dir / "eval").iterdir():
         summary = json.loads((run / "summary.json").read_text())
         methods = summary["methods"]
         label = max((m for m in methods if m != "vanilla" and methods[m]["lossless"] is not False),
                     key=lambda m: methods[m]["speedup"])
-        got = by_task[summary["task"]]
+        temperature = summary["config"]["sampling"]["temperature"]
+        got = by_task[(summary["task"], "greedy" if summary["greedy"] else f"T={temperature:g}")]
         assert got.method == METHOD_TITLE[label] and got.source == str(run)
         assert got.speedup == methods[label]["speedup"]
         assert got.consistency == methods[label]["consistency"]
+        assert (got.consistency is None) is (not summary["greedy"])
         assert got.tokens_per_s == methods[label]["tokens_per_s"]
         key = TASK_SCORE.get(summary["task"], (None,))[0]
         if key:
