@@ -1,6 +1,6 @@
 """The main job on the embedded default (``make demo``): train, search, evaluate, report.
 
-    python scripts/demo.py                          # SmolLM2-135M, under 20 min on 2 CPU cores
+    python scripts/demo.py                          # SmolLM2-135M on CPU (README: measured time)
     python scripts/demo.py --model tiny-random --small --out /tmp/demo   # the pipeline in ~1 min
     python scripts/demo.py --skip-search bo         # the paper's timed BO for the skip set (slower)
 
@@ -24,8 +24,9 @@ handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
 
 Each step prints the equivalent command line and its wall time; the last lines list every step's
 time and CPU time, and the machine's load average (``os.getloadavg``) at the start and the end:
-other work on the machine slows every step's wall time, while its CPU time stays about the same. Long steps show tqdm bars with an ETA on stderr (training steps,
-skip-search evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.
+other work on the machine slows every step's wall time, while its CPU time stays about the same.
+Long steps show tqdm bars with an ETA on stderr (heads data, training steps, skip-search
+evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.
 Each job runs inside its own run directory (W&B writes there).
 
 Everything is logged to W&B offline (``logger=wandb``, ``WANDB_MODE=offline``; ``wandb sync``
@@ -47,13 +48,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")
 PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
 #: sampling settings as in the papers (temperature, top-p): Draft & Verify Table 1 for text
-#: (conf/experiment/dv_text.yaml) and Table 2 for code (conf/experiment/dv_code.yaml); AdaDecode and
-#: PPD report greedy speedups only, so their sampling rows use the same settings
+#: (conf/experiment/dv_text.yaml) and Table 2 for code (conf/experiment/dv_code.yaml). AdaDecode
+#: reports greedy decoding only and PPD's non-greedy rows use the model's default temperature, so
+#: every method's sampling row here uses the Draft & Verify setting of the task
 SAMPLING = {"xsum": (0.2, 0.85), "cnndm": (0.2, 0.85), "humaneval": (0.6, 0.95)}
 #: methods of the sampling runs (besides vanilla): the lossless ones and PPD (typical acceptance, lossy)
 SAMPLING_METHODS = ("draft_verify", "ppd")
 
-#: budgets per step: "full" fits the 30-minute demo on 2 cores, "small" exercises the pipeline
+#: budgets per step: "full" is the demo on the embedded default, "small" exercises the pipeline
 BUDGETS = {
     "full": {
         "heads": ["job.n_prompts=15", "job.n_heldout=5", "job.gen_tokens=32", "job.steps=100",
