@@ -50,7 +50,7 @@ test: browser assets ## run all tests (fast tiny-random ones and the marked end-
 test-fast: browser assets ## run the fast tests only (no end-to-end tests on SmolLM2)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
-demo: assets ## the main job on the embedded default: train, search, evaluate, report (~30 min on 2 cores)
+demo: assets ## the main job on the embedded default: train, search, evaluate, report (prints per-step times)
 	$(PY) scripts/demo.py $(ARGS)
 
 bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s side by side

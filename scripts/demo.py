@@ -1,23 +1,33 @@
 """The main job on the embedded default (``make demo``): train, search, evaluate, report.
 
-    python scripts/demo.py                          # SmolLM2-135M, ~30 min on 2 CPU cores
+    python scripts/demo.py                          # SmolLM2-135M on CPU (README: measured time)
     python scripts/demo.py --model tiny-random --small --out /tmp/demo   # the pipeline in ~1 min
+    python scripts/demo.py --skip-search bo         # the paper's timed BO for the skip set (slower)
 
 Steps, each the entry function of the project's own command, on the config that command would
 compose (``selfspec.config.compose`` with the same Hydra overrides, small budgets), so there is one
-source of truth per step and no interpreter start-up between steps:
+source of truth per step and no interpreter start-up between steps. The model is loaded once and
+handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
 
 1. fetch the offline assets                     selfspec.assets.fetch_all      (make assets)
 2. AdaDecode heads (mixed-domain data)          selfspec.train.run_job         (job=heads job.data=mixed)
-3. Draft & Verify skip set (CNN/DM + XSum dev)  selfspec.train.run_job         (job=skips job.tasks=[cnndm,xsum])
+3. Draft & Verify skip set (CNN/DM + XSum dev)  selfspec.train.run_job         (job=skips job.tasks=[cnndm,xsum]
+                                                job.search=bo_model: BO on the cost model, nothing timed
+                                                per candidate; --skip-search bo for the paper's timed BO)
 4. PPD prompt tokens, then the sparse tree      selfspec.train.run_job         (job=prompts ; job=ppd_tree)
 5. vanilla, AdaDecode, Draft & Verify, PPD and the transformers peers on a few examples of each
    task, interleaved in one job per task        selfspec.evaluation.evaluate   (python -m selfspec.evaluate)
+   then sampling runs (XSum, HumanEval: the Draft & Verify paper's temperature and top-p; vanilla,
+   AdaDecode, Draft & Verify, PPD): rows labelled "lossless (distribution)", PPD's lossy (†)
 6. the runtime benchmark: v(k), prefill, vanilla vs generate, bandwidth  (make bench-runtime)
 7. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
 
-Each step prints the equivalent command line. Each job runs inside its own run directory (W&B
-writes there).
+Each step prints the equivalent command line and its wall time; the last lines list every step's
+time and CPU time, and the machine's load average (``os.getloadavg``) at the start and the end:
+other work on the machine slows every step's wall time, while its CPU time stays about the same.
+Long steps show tqdm bars with an ETA on stderr (heads data, training steps, skip-search
+evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.
+Each job runs inside its own run directory (W&B writes there).
 
 Everything is logged to W&B offline (``logger=wandb``, ``WANDB_MODE=offline``; ``wandb sync``
 uploads later, as the demo's last lines say) and written under ``--out`` (artefacts in ``<out>/artefacts``, runs and the report
@@ -37,24 +47,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")
 PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
+#: sampling settings as in the papers (temperature, top-p): Draft & Verify Table 1 for text
+#: (conf/experiment/dv_text.yaml) and Table 2 for code (conf/experiment/dv_code.yaml). AdaDecode
+#: reports greedy decoding only and PPD's non-greedy rows use the model's default temperature, so
+#: every method's sampling row here uses the Draft & Verify setting of the task
+SAMPLING = {"xsum": (0.2, 0.85), "cnndm": (0.2, 0.85), "humaneval": (0.6, 0.95)}
+#: methods of the sampling runs (besides vanilla): the lossless ones and PPD (typical acceptance, lossy)
+SAMPLING_METHODS = ("draft_verify", "ppd")
 
-#: budgets per step: "full" fits the 30-minute demo on 2 cores, "small" exercises the pipeline
+#: budgets per step: "full" is the demo on the embedded default, "small" exercises the pipeline
 BUDGETS = {
     "full": {
         "heads": ["job.n_prompts=15", "job.n_heldout=5", "job.gen_tokens=32", "job.steps=100",
                   "job.eval_every=50", "job.ckpt_every=50", "job.max_prompt_tokens=256"],
-        "skips": ["job.iterations=8", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256"],
-        "prompts": ["job.steps=80", "job.n_conversations=200", "job.held_out=8", "job.context_length=192",
-                    "job.eval_every=40", "job.ckpt_every=40"],
+        # the cost-model BO: 30 suggestions, each scored without timing (a smaller acquisition
+        # optimiser: ~4x cheaper per suggestion at 2L = 60); the timed BO: job.iterations=8 and
+        # job.max_new_tokens=16 fit the budget (--skip-search bo)
+        "skips": ["job.iterations=30", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256",
+                  "job.acq_n_random=2000", "job.acq_n_smart=2", "job.calibration_repeats=3"],
+        "skips_bo": ["job.iterations=8", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256"],
+        # 40 steps: a step costs ~12 CPU-s on 2 cores (backward through the whole model at 192 tokens);
+        # at 80 steps this was the demo's most expensive step (README: measured step times)
+        "prompts": ["job.steps=40", "job.n_conversations=200", "job.held_out=8", "job.context_length=192",
+                    "job.eval_every=20", "job.ckpt_every=20"],
         "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24",
                      "job.latency_repeats=3"],
-        "evaluate": {"n": 2, "max_new_tokens": 48, "warmup": 1},
+        "evaluate": {"n": 3, "max_new_tokens": 48, "warmup": 1},
     },
     "small": {
         "heads": ["job.n_prompts=4", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4", "job.steps=4",
                   "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2", "job.max_prompt_tokens=64"],
         "skips": ["job.iterations=2", "job.n_prompts=2", "job.max_new_tokens=6", "job.max_prompt_tokens=64",
-                  "job.plot=false"],
+                  "job.plot=false", "job.acq_n_random=200", "job.acq_n_smart=0", "job.calibration_repeats=1"],
+        "skips_bo": ["job.iterations=2", "job.n_prompts=2", "job.max_new_tokens=6", "job.max_prompt_tokens=64",
+                     "job.plot=false"],
         "prompts": ["job.steps=4", "job.n_conversations=12", "job.held_out=2", "job.context_length=64",
                     "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
         "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6", "job.latency_repeats=1",
@@ -70,11 +96,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny budgets: checks the pipeline, not the speedups")
     p.add_argument("--out", type=Path, default=ROOT / "outputs", help="outputs root (artefacts, runs, report)")
     p.add_argument("--tasks", nargs="+", default=None, choices=TASKS, help=f"default: {' '.join(TASKS)}")
-    p.add_argument("--n", type=int, default=None, help="examples per task (default: 2; --small: 1)")
+    p.add_argument("--n", type=int, default=None, help="examples per task (default: 3; --small: 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="token budget per example")
     p.add_argument("--logger", choices=("wandb", "none"), default="wandb", help="W&B (offline) or nothing")
     p.add_argument("--reuse-artefacts", action="store_true",
                    help="skip a training step whose artefact already exists under --out")
+    p.add_argument("--skip-search", choices=("bo_model", "bo", "greedy"), default="bo_model",
+                   help="Draft & Verify skip-set search: bo_model (BO on the cost model, default), bo (the "
+                        "paper's BO of measured time per token), greedy (the layer-importance pass)")
+    p.add_argument("--sampling", nargs="*", default=["xsum", "humaneval"], choices=sorted(SAMPLING),
+                   help="tasks that also get a sampling run at the paper's temperature and top-p "
+                        "(default: xsum humaneval; none: --sampling with no task)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars (stderr)")
     return p.parse_args(argv)
 
 
@@ -86,6 +119,10 @@ class Demo:
         self.run_dir = self.out / "demo" / time.strftime("%Y-%m-%d_%H-%M-%S")
         self.group = f"demo-{self.run_dir.name}"
         self.timings: dict[str, float] = {}
+        #: CPU seconds of this process per step (all threads): what the step costs without other load
+        self.cpu: dict[str, float] = {}
+        self.loaded = None  # the model every step shares, loaded by :meth:`load`
+        self.progress = "false" if args.no_progress else "true"
 
     # --- helpers ---------------------------------------------------------------------------------
     def common(self) -> list[str]:
@@ -96,7 +133,7 @@ class Demo:
     def step(self, name: str, command: str, run_dir: Path | None = None):
         """Time a step and print its command line; inside ``run_dir`` (the job's run directory)."""
         print(f"\n=== {name}: {command}", flush=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if run_dir is None:
             yield
         else:
@@ -104,7 +141,8 @@ class Demo:
             with contextlib.chdir(run_dir):
                 yield
         self.timings[name] = time.perf_counter() - t0
-        print(f"=== {name} done in {self.timings[name]:.0f}s", flush=True)
+        self.cpu[name] = time.process_time() - c0
+        print(f"=== {name} done in {self.timings[name]:.0f}s (CPU {self.cpu[name]:.0f}s)", flush=True)
 
     def artefact(self, kind: str, suffix: str | None = None) -> Path:
         name = f"{self.args.model}-{suffix}" if suffix else self.args.model
@@ -117,12 +155,21 @@ class Demo:
         if self.args.reuse_artefacts and (artefact / "meta.json").exists():
             print(f"=== {job}: reusing {artefact}")
             return
-        overrides = [f"job={job}", *self.common(), *extra, *self.budget[job]]
+        budget = self.budget["skips_bo" if job == "skips" and self.args.skip_search == "bo" else job]
+        overrides = [f"job={job}", *self.common(), *extra, *budget, f"progress={self.progress}"]
         cfg = compose(overrides, config_name="train")
         with self.step(f"train {job}", "python -m selfspec.train " + " ".join(overrides), self.run_dir / "train" / job):
-            run_job(cfg)
+            run_job(cfg, self.loaded)
 
     # --- steps -----------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model once; every step gets it (no reload per step)."""
+        from selfspec.config import model_config
+        from selfspec.models.loading import load_model
+
+        with self.step("load model", f"model={self.args.model}"):
+            self.loaded = load_model(model_config(self.args.model))
+
     def fetch(self) -> None:
         from selfspec import assets
 
@@ -134,15 +181,13 @@ class Demo:
         """The runtime benchmark (``make bench-runtime``); its ``runtime.json`` joins the report's inputs."""
         import json
 
-        from selfspec.config import model_config
         from selfspec.evaluation.runtime import format_report, runtime_report
-        from selfspec.models.loading import load_model
 
         small = self.args.small
         cmd = f"python scripts/bench_runtime.py --model {self.args.model}" + (
             " --contexts 64 --ks 1,2,4 --repeats 1" if small else " --contexts 512 --repeats 5")
         with self.step("runtime benchmark", cmd):
-            report = runtime_report(load_model(model_config(self.args.model)),
+            report = runtime_report(self.loaded,
                                     (1, 2, 4) if small else (1, 2, 4, 8, 16, 32), (64,) if small else (512,),
                                     8 if small else 32, 1 if small else 5)
             print(format_report(report))
@@ -153,7 +198,7 @@ class Demo:
 
     def train_all(self) -> None:
         self.train("heads", self.artefact("heads", "mixed"), ["job.data=mixed"])
-        self.train("skips", self.artefact("skip_set"), ["job.tasks=[cnndm,xsum]"])
+        self.train("skips", self.artefact("skip_set"), ["job.tasks=[cnndm,xsum]", f"job.search={self.args.skip_search}"])
         self.train("prompts", self.artefact("prompts"))
         self.train("ppd_tree", self.artefact("ppd_tree"))
 
@@ -178,35 +223,55 @@ class Demo:
         shared = ["method=adadecode", "method.heads_task=mixed", f"compare=[{compare}]", *self.common(),
                   f"n_examples={self.args.n or ev['n']}",
                   f"max_new_tokens={self.args.max_new_tokens or ev['max_new_tokens']}",
-                  f"warmup={ev['warmup']}", "progress=false", "+report.table=main"]
+                  f"warmup={ev['warmup']}", f"progress={self.progress}", "+report.table=main"]
         tasks = self.args.tasks or list(TASKS)
-        for i, task in enumerate(tasks):
-            out = sweep / f"{i}_{task}_{self.args.model}_adadecode"
-            cfg = compose([f"task={task}", *shared], config_name="evaluate")
-            with self.step(f"evaluate {task}", f"python -m selfspec.evaluate task={task} " + " ".join(shared), out):
-                evaluate(cfg, out)
+        jobs = [(task, f"{i}_{task}_{self.args.model}_adadecode", [f"task={task}", *shared])
+                for i, task in enumerate(tasks)]
+        # sampling runs: the lossless methods' rows "lossless (distribution)", PPD's lossy
+        sampled = ",".join(SAMPLING_METHODS)
+        for task in [t for t in tasks if t in (self.args.sampling or ())]:
+            temperature, top_p = SAMPLING[task]
+            overrides = [o.replace(f"compare=[{compare}]", f"compare=[{sampled}]") for o in shared]
+            jobs.append((f"{task} T={temperature}", f"{len(jobs)}_{task}_{self.args.model}_adadecode_T{temperature}",
+                         [f"task={task}", *overrides, f"sampling.temperature={temperature}",
+                          f"sampling.top_p={top_p}"]))
+        for name, run, overrides in jobs:
+            out = sweep / run
+            cfg = compose(overrides, config_name="evaluate")
+            with self.step(f"evaluate {name}", "python -m selfspec.evaluate " + " ".join(overrides), out):
+                evaluate(cfg, out, self.loaded)
         return sweep
 
     def report(self, inputs: list[Path]):
         from selfspec.config import compose
         from selfspec.report import run_report
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         cfg = compose([f"inputs=[{','.join(map(str, inputs))}]", f"output_dir={self.run_dir / 'report'}",
                        f"artefacts_dir={self.out / 'artefacts'}", "wandb.enabled=false"], config_name="report")
         result = run_report(cfg)
         self.timings["report"] = time.perf_counter() - t0
+        self.cpu["report"] = time.process_time() - c0
         return result
 
     def main(self) -> int:
-        t0 = time.perf_counter()
-        self.fetch()
-        self.train_all()
-        sweep = self.evaluate()
-        runtime = self.runtime()
-        result = self.report([sweep, runtime])
-        total = time.perf_counter() - t0
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        load0 = load_average()
+        with logging_redirect_tqdm():  # log lines print above the progress bars, not through them
+            self.fetch()
+            self.load()
+            self.train_all()
+            sweep = self.evaluate()
+            runtime = self.runtime()
+            result = self.report([sweep, runtime])
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
         print("\n=== timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in self.timings.items()) + f"; total {total:.0f}s")
+        print("=== CPU seconds (this process, all threads): " + ", ".join(
+            f"{k} {v:.0f}s" for k, v in self.cpu.items()) + f"; total {cpu:.0f}s")
+        print(f"=== load average (1, 5, 15 min; {os.cpu_count()} CPUs): at the start {load0}, "
+              f"at the end {load_average()}")
         if self.args.logger == "wandb":
             print(f"W&B (offline) runs in group {self.group}; upload them with: "
                   f"find {self.run_dir} -type d -name 'offline-run-*' -exec wandb sync {{}} +")
@@ -215,6 +280,14 @@ class Demo:
         for line in result.headline:
             print(f"  {line.split(' · ', 1)[1]}")
         return 0
+
+
+def load_average() -> str:
+    """The machine's 1-, 5- and 15-minute load averages (what ``uptime`` prints)."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,6 +226,7 @@ JOB_BAD = [
     (["job=heads", "job.schedule=exp"], r"job\.schedule=exp is not allowed"),
     (["job=heads", "job.max_grad_norm=0"], r"job\.max_grad_norm=0 is not allowed"),
     (["job=heads", "seed=0.5"], r"seed=0\.5 is not allowed"),
+    (["job=skips", "progress=yes"], r"progress=yes is not allowed: must be true or false"),
     (["job=heads", "model.dtype=int8"], r"model\.dtype=int8 is not allowed"),
     (["job=prompts", "job.alpha=0"], r"job\.alpha=0 is not allowed: must be in \(0, 1\]"),
     (["job=prompts", "job.held_out=0"], r"job\.held_out=0 is not allowed"),

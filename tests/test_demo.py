@@ -16,7 +16,8 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
         assert (out / "artefacts" / kind / name / "meta.json").exists(), kind
     evals = sorted((run_dir / "eval").iterdir())
     assert [d.name for d in evals] == [f"{i}_{t}_tiny-random_adadecode" for i, t in
-                                       enumerate(("xsum", "cnndm", "humaneval", "gsm8k", "mtbench"))]
+                                       enumerate(("xsum", "cnndm", "humaneval", "gsm8k", "mtbench"))] + [
+        "5_xsum_tiny-random_adadecode_T0.2", "6_humaneval_tiny-random_adadecode_T0.6"]
     eval_dir = evals[0]
     summary = json.loads((eval_dir / "summary.json").read_text())
     assert set(summary["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd", "hf_generate",
@@ -31,10 +32,29 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
     assert all(line.startswith("  tiny-random · ") for line in printed[head + 1:]) and printed[head + 1:]
     table = (report_dir / "tables" / "main.md").read_text()
     vanilla = summary["methods"]["vanilla"]
-    assert f"| Vanilla | {vanilla['tokens_per_s']:.2f} (1.00×) |" in table
+    assert f"| Vanilla, greedy | {vanilla['tokens_per_s']:.2f} (1.00×) |" in table
     ada = summary["methods"]["adadecode"]
-    assert f"| AdaDecode | {ada['tokens_per_s']:.2f} ({ada['speedup']:.2f}×) |" in table
+    assert f"| AdaDecode, greedy | {ada['tokens_per_s']:.2f} ({ada['speedup']:.2f}×) |" in table
+    # the sampling runs, at the paper's temperature and top-p: the lossless methods' rows say
+    # "lossless (distribution)" and show no consistency figure; PPD's typical acceptance is lossy (†)
+    sampled = json.loads((evals[6] / "summary.json").read_text())
+    assert sampled["config"]["sampling"] | {"seed": 0} == {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "seed": 0}
+    assert set(sampled["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd"}
+    for label, title in (("adadecode", "AdaDecode"), ("draft_verify", "Draft & Verify")):
+        m = sampled["methods"][label]
+        assert m["consistency"] is None and m["lossless"] is True
+        assert f"| {title}, T=0.6 · lossless (distribution) | " in table
+    assert sampled["methods"]["ppd"]["lossless"] is False and "| PPD, T=0.6 † |" in table
+    assert "| PPD, T=0.6 † · lossless" not in table
     assert (report_dir / "plots" / "speedup_main_tiny-random.png").exists()
+    # every step's wall time and the machine's load, printed at the end
+    timings = next(line for line in printed if line.startswith("=== timings: "))
+    for step in ("load model", "train heads", "train skips", "evaluate xsum", "evaluate humaneval T=0.6",
+                 "runtime benchmark", "report"):
+        assert f"{step} " in timings, step
+    cpu = next(line for line in printed if line.startswith("=== CPU seconds (this process, all threads): "))
+    assert "train heads " in cpu and "evaluate xsum T=0.2 " in cpu and "; total " in cpu
+    assert any(line.startswith("=== load average (1, 5, 15 min; ") for line in printed)
     runtime = json.loads((run_dir / "runtime" / "runtime.json").read_text())
     assert runtime["model"] == "tiny-random" and runtime["v"]["64"]["1"] == 1.0
     index = (report_dir / "index.html").read_text()
@@ -50,24 +70,27 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
 
 
 def test_answer_per_task_matches_the_demo_runs(demo_run):
-    """The page's answer for each task: the fastest lossless method of that task's run, with its
-    speedup, consistency and quality metric as the runner wrote them."""
+    """The page's answer for each task and decoding: the fastest lossless method of that run, with
+    its speedup, consistency (none under sampling) and quality metric as the runner wrote them."""
     from selfspec.reporting.answer import answers
     from selfspec.reporting.layouts import TASK_SCORE
     from selfspec.reporting.records import collect
     from selfspec.reporting.tables import METHOD_TITLE
 
-    by_task = {a.task: a for a in answers(collect([demo_run.run_dir / "eval"]))}
-    assert set(by_task) == {"xsum", "cnndm", "humaneval", "gsm8k", "mtbench"}
+    by_task = {(a.task, a.decoding): a for a in answers(collect([demo_run.run_dir / "eval"]))}
+    assert set(by_task) == {(t, "greedy") for t in ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")} | {
+        ("xsum", "T=0.2"), ("humaneval", "T=0.6")}
     for run in (demo_run.run_dir / "eval").iterdir():
         summary = json.loads((run / "summary.json").read_text())
         methods = summary["methods"]
         label = max((m for m in methods if m != "vanilla" and methods[m]["lossless"] is not False),
                     key=lambda m: methods[m]["speedup"])
-        got = by_task[summary["task"]]
+        temperature = summary["config"]["sampling"]["temperature"]
+        got = by_task[(summary["task"], "greedy" if summary["greedy"] else f"T={temperature:g}")]
         assert got.method == METHOD_TITLE[label] and got.source == str(run)
         assert got.speedup == methods[label]["speedup"]
         assert got.consistency == methods[label]["consistency"]
+        assert (got.consistency is None) is (not summary["greedy"])
         assert got.tokens_per_s == methods[label]["tokens_per_s"]
         key = TASK_SCORE.get(summary["task"], (None,))[0]
         if key:
@@ -75,3 +98,32 @@ def test_answer_per_task_matches_the_demo_runs(demo_run):
             assert got.baseline_score == methods["vanilla"]["metrics"][key]
         else:
             assert got.score is None and got.score_name is None
+
+
+def test_skip_search_is_the_cost_model_bo_and_loads_the_model_once(demo_run):
+    """The demo's skip set comes from BO on the cost model (no timing per candidate), and the model
+    is loaded once for every step."""
+    meta = json.loads((demo_run.out / "artefacts" / "skip_set" / "tiny-random" / "meta.json").read_text())
+    assert meta["metrics"]["search"] == "bo_model" and meta["metrics"]["objective_kind"] != "measured"
+    assert sum("=== load model: " in line for line in demo_run.printed) == 1
+
+
+def test_demo_sampling_settings_are_the_papers():
+    """The demo's sampling runs use Draft & Verify's settings, as its presets hold them."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import demo
+    finally:
+        sys.path.remove(str(root / "scripts"))
+        sys.modules.pop("demo", None)
+    text = OmegaConf.load(root / "conf" / "experiment" / "dv_text.yaml").hydra.sweeper.params
+    code = OmegaConf.load(root / "conf" / "experiment" / "dv_code.yaml").sampling
+    t_text = max(float(t) for t in str(text["sampling.temperature"]).split(","))
+    assert demo.SAMPLING["xsum"] == demo.SAMPLING["cnndm"] == (t_text, float(text["sampling.top_p"]))
+    assert demo.SAMPLING["humaneval"] == (code.temperature, code.top_p)

@@ -222,3 +222,17 @@ def test_evaluate_entry_multirun_submitit_local(tmp_path):
     (summary,) = (tmp_path / "sweep").glob(f"*/{SUMMARY}")
     assert json.loads(summary.read_text())["methods"]["vanilla"]["new_tokens"] >= 1
     assert list((tmp_path / "sweep" / ".submitit").iterdir())
+
+
+def test_a_model_loaded_from_another_config_is_refused(tiny, tmp_path):
+    """``loaded`` (one model shared by several steps, as the demo does) must come from the run's
+    model config: another one is refused by the keys that differ, before anything is written; a
+    training job checks the same."""
+    from selfspec.train import run_job
+
+    with pytest.raises(ValueError, match=r"loaded model 'tiny-random' .* model\.linear_kernel differ"):
+        evaluate(_cfg("model.linear_kernel=torch"), tmp_path / "run", loaded=tiny)
+    assert not (tmp_path / "run").exists()
+    differ = r"than 'smollm2-135m': model\.chat, model\.gguf_asset, model\.name, model\.random, model\.tokenizer differ"
+    with pytest.raises(ValueError, match=differ):
+        run_job(compose(["job=heads", "model=smollm2-135m", "job.steps=1"], config_name="train"), loaded=tiny)

@@ -83,7 +83,7 @@ def _check_slurm(run, command: str):
 
 #: README command -> (why it does not run here, the check made instead)
 NOT_RUN = {
-    "make demo": ("the 30-minute demo on SmolLM2-135M; tests/test_demo.py runs its pipeline on tiny-random",
+    "make demo": ("the demo on SmolLM2-135M (tens of minutes); tests/test_demo.py runs its pipeline on tiny-random",
                   lambda run, cmd: _check_make_target(run, "demo", "scripts/demo.py")),
     "make test": ("the test suite itself, of which this test is part",
                   lambda run, cmd: _check_make_target(run, "test", "pytest")),

@@ -381,3 +381,65 @@ def test_training_plots_label_axes_and_caption(tmp_path):
         assert plot.path.read_bytes()[:4] == b"\x89PNG" and len(plot.caption) > 60
         assert all(UNIT.match(y) for _, y in plot.labels), plot.labels
         assert all(UNIT.match(x) for x, _ in plot.labels if x), plot.labels
+
+
+@pytest.fixture(scope="module")
+def sampling_runs(tiny, tmp_path_factory):
+    """Real runner output for the main table, greedy and sampling (T=0.2, top-p 0.85: Draft & Verify's
+    text setting): Draft & Verify with HF generate, and PPD (typical acceptance under sampling)."""
+    import torch
+
+    from selfspec.artefacts import save_artefact
+    from selfspec.decoding.tree import SparseTree
+    from selfspec.prompts import PromptTokens, save_prompts
+
+    root = tmp_path_factory.mktemp("sampling")
+    g = torch.Generator().manual_seed(0)
+    save_prompts(root / "prompts", PromptTokens(torch.randn(2, 1, tiny.model.hidden_size, generator=g) * 0.5), tiny)
+    trees = {0: SparseTree((), (2,)), 1: SparseTree(((0,), (1,)), (1, 2, 0)), 2: SparseTree(((0,), (0, 0)), (0, 1, 2))}
+    save_artefact(root / "tree", "ppd_tree", {"tau": torch.ones(1)}, tiny,
+                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
+    ppd = [f"method.prompts={root / 'prompts'}", f"method.tree={root / 'tree'}"]
+    runs = root / "runs"
+    for decoding, sampling in (("greedy", []), ("T0.2", ["sampling.temperature=0.2", "sampling.top_p=0.85"])):
+        for label, extra in (("draft_verify", ["compare=[hf_generate]", *SKIPS]), ("ppd", ppd)):
+            evaluate(compose(SMALL + ["task=xsum", "max_new_tokens=6", "+report.table=main", f"method={label}",
+                                      *extra, *sampling]), runs / f"{decoding}_{label}", loaded=tiny, label=label)
+    return runs
+
+
+def test_sampling_rows_are_lossless_in_distribution(sampling_runs, tmp_path):
+    """A sampling run's lossless methods get a row labelled "lossless (distribution)" with speedup, τ
+    and acceptance but no consistency figure (n/a: token-level consistency does not apply); PPD's
+    typical acceptance stays lossy (†); greedy rows keep their measured consistency."""
+    summary = {d.name: json.loads((d / "summary.json").read_text()) for d in sampling_runs.iterdir()}
+    dv, ppd = summary["T0.2_draft_verify"]["methods"], summary["T0.2_ppd"]["methods"]
+    assert dv["draft_verify"]["lossless"] is True and ppd["ppd"]["lossless"] is False
+    assert all(m["consistency"] is None and m["prefix_agreement"] is None for m in [*dv.values(), *ppd.values()])
+    assert summary["greedy_draft_verify"]["methods"]["draft_verify"]["consistency"] == 1.0
+
+    result = build_report([sampling_runs], tmp_path / "report", artefacts_dir=None)
+    md = (tmp_path / "report" / "tables" / "main.md").read_text()
+
+    def row(label: str, m: dict, consistency: str) -> str:
+        ar = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
+        return (f"| {label} | {m['tokens_per_s']:.2f} ({m['speedup']:.2f}×) | {m['tau']:.2f} | {ar} | {consistency} "
+                f"| {m['metrics']['rouge2']:.3f} |")
+
+    assert row("Draft & Verify, T=0.2 · lossless (distribution)", dv["draft_verify"], "n/a") in md
+    assert row("HF generate, T=0.2 · lossless (distribution)", dv["hf_generate"], "n/a") in md
+    assert row("PPD, T=0.2 †", ppd["ppd"], "n/a") in md
+    greedy = summary["greedy_draft_verify"]["methods"]["draft_verify"]
+    assert row("Draft & Verify, greedy", greedy, "1.000") in md
+    assert "| Vanilla, T=0.2 |" in md  # the reference itself is not labelled
+    assert "lossless (distribution): a sampling row" in md and "† lossy" in md
+    assert md.count("lossless (distribution)") == 3  # the two rows and the note: never PPD's or vanilla's
+    plot = next(p for p in result.plots if p.path.name == "speedup_main_tiny-random.png")
+    assert plot.path.exists()
+
+    by_decoding = {a.decoding: a for a in result.answers}
+    assert set(by_decoding) == {"greedy", "T=0.2"}
+    sampled = by_decoding["T=0.2"]
+    assert sampled.method in ("Draft & Verify", "HF generate") and sampled.consistency is None
+    assert "| n/a (lossless in distribution) |" in (tmp_path / "report" / "report.md").read_text()
+    assert by_decoding["greedy"].consistency == 1.0

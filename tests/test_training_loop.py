@@ -75,3 +75,13 @@ def test_bad_config_is_named():
         TrainConfig(schedule="exp")
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+
+
+def test_progress_bar_on_stderr_only_when_asked(tmp_path, capsys):
+    """``progress=True``: a tqdm bar on stderr (steps done of all, the last loss, an ETA), stdout
+    untouched; off by default."""
+    train(make(), loss_fn, batch_fn, TrainConfig(**CFG), tmp_path / "quiet")
+    assert capsys.readouterr().err == ""
+    train(make(), loss_fn, batch_fn, TrainConfig(**{**CFG, "steps": 8}), tmp_path / "ck", progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "train: 100%" in err and "8/8" in err and "loss=" in err and "<00:00" in err

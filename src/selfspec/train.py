@@ -2,7 +2,8 @@
 
 Each job is a module in :mod:`selfspec.training` with ``prepare(cfg)`` (every config value
 checked and the job's data read, without the model) and ``run(cfg) -> dict`` (its summary),
-which prepares before it loads the model.
+which prepares before it loads the model (``run(cfg, loaded)`` uses a model the caller loaded from
+``cfg.model`` instead).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def prepare_job(cfg: DictConfig):
     return job_module(cfg).prepare(cfg)
 
 
-def run_job(cfg: DictConfig) -> dict:
-    return job_module(cfg).run(cfg)
+def run_job(cfg: DictConfig, loaded=None) -> dict:
+    """Run the job; ``loaded``: a model already loaded from ``cfg.model`` (the demo shares one)."""
+    return job_module(cfg).run(cfg, loaded)
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")

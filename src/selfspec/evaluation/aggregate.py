@@ -11,7 +11,8 @@ sample with the same seed, and the figures below pool all samples:
 ``tau``                 mean accepted tokens per step, bonus token included (vanilla = 1.0):
                         total new tokens / total steps (Spec-Bench's τ)
 ``acceptance_rate``     accepted draft tokens / drafted tokens (LayerSkip); None if nothing drafted
-``consistency``         fraction of examples whose tokens equal the baseline's exactly
+``consistency``         fraction of examples whose tokens equal the baseline's exactly (greedy
+                        decoding only; None under sampling)
 ``prefix_agreement``    mean over examples of (common prefix with the baseline / longer length):
                         token-level agreement up to the first divergence
 """
@@ -78,6 +79,7 @@ def summarize(
     baseline: str,
     score: Callable[[list[str], list[Any]], dict[str, float]] | None = None,
     references: dict[str, Any] | None = None,
+    greedy: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Per-method summary of result rows (``method``, ``id``, ``sample``, ``tokens``, ``seconds`` ...);
     a row without ``sample`` is sample 0.
@@ -86,6 +88,8 @@ def summarize(
     applied to each method's post-processed predictions (``prediction``) on the common
     generations: per example the list of its samples' predictions, in sample order. Its dict is
     the entry's ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).
+    ``greedy=False`` (a sampling run): ``consistency`` and ``prefix_agreement`` are None, since
+    lossless sampling keeps vanilla's output distribution, not its tokens.
     """
     common = common_rows(rows, methods, baseline)
     keys = [generation_key(r) for r in common.get(baseline, [])]
@@ -113,7 +117,8 @@ def summarize(
             "acceptance_rate": sum(r.get("accepted_drafts", 0) for r in rs) / drafted if drafted else None,
             "lossless": all(r.get("lossless") for r in rs) if rs else None,
         }
-        entry.update(consistency([r["tokens"] for r in rs], [r["tokens"] for r in base]))
+        entry.update(consistency([r["tokens"] for r in rs], [r["tokens"] for r in base]) if greedy
+                     else {"consistency": None, "prefix_agreement": None})
         if score is not None and references is not None and rs:
             samples: dict[str, list[str]] = {i: [] for i in ids}
             for k, r in zip(keys, rs):

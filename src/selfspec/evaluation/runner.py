@@ -275,10 +275,9 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
                             "baseline": baseline, "methods": method_cfgs, "n_samples": n_samples})
     _check_resume(out_dir, identity)
 
-    if loaded is None:
-        from selfspec.models.loading import load_model
+    from selfspec.models.loading import model_for
 
-        loaded = load_model(cfg.model)
+    loaded = model_for(cfg.model, loaded)
     tok = loaded.tokenizer
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
@@ -311,7 +310,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
     rows = results.rows()
     refs = {ex.id: ex.reference for ex in examples}
-    per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs)
+    per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs, greedy=sampling.greedy)
     samples_files = _write_samples(out_dir, task, common_rows(rows, names, baseline))
     summary = {
         "model": loaded.name,

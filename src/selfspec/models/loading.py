@@ -313,6 +313,28 @@ def load_model(cfg) -> LoadedModel:
     return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain, digest)
 
 
+def _plain_config(cfg) -> dict:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
+
+
+def model_for(cfg, loaded: LoadedModel | None = None) -> LoadedModel:
+    """``loaded`` when it was loaded from the model config ``cfg`` (one model shared by several
+    steps, as the demo does), :func:`load_model` when ``loaded`` is None; a model loaded from
+    another config is refused, naming the keys that differ."""
+    if loaded is None:
+        return load_model(cfg)
+    want, have = _plain_config(cfg), _plain_config(loaded.cfg)
+    if want != have:
+        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        raise ValueError(f"the loaded model {loaded.name!r} was loaded from another model config than "
+                         f"{want.get('name')!r}: model.{', model.'.join(diff)} differ")
+    return loaded
+
+
 def _load_pretrained(path: str, attn: str, name: str):
     """A hub id or local directory; its config.json's model family is checked before the weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -7,7 +7,8 @@ Candidates are the measured records of every table (the papers' figures are not 
 except the baseline itself and lossy runs (``lossless: false``, e.g. PPD's typical acceptance
 under sampling): the page answers "which lossless method is fastest". Speedup, consistency and
 the task's quality metric (ROUGE-2, pass@1, accuracy; :data:`~selfspec.reporting.layouts.TASK_SCORE`)
-are the winner's own figures from its run, next to vanilla's from the same run.
+are the winner's own figures from its run, next to vanilla's from the same run. Under sampling the
+candidates are lossless in distribution (speculative sampling), so there is no consistency figure.
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ def answers(records: Iterable[Record]) -> list[Answer]:
             model=model, task=task, decoding=decoding, method=method_variant_title(best),
             speedup=float(best.metric("speedup")), tokens_per_s=best.metric("tokens_per_s"),
             baseline_tokens_per_s=base.metric("tokens_per_s") if base else None,
-            consistency=best.metric("consistency"), score_name=title,
+            # under sampling token-level consistency does not apply (lossless in distribution)
+            consistency=None if best.sampling else best.metric("consistency"), score_name=title,
             score=best.metric(key) if key else None,
             baseline_score=base.metric(key) if base and key else None,
             compared=len({r.method for r in candidates}), source=str(source)))
-    return sorted(out, key=lambda a: (str(a.model), _task_order(a.task), a.decoding))
+    return sorted(out, key=lambda a: (str(a.model), _task_order(a.task), a.decoding != "greedy", a.decoding))
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -105,7 +107,15 @@ def cells(a: Answer) -> list[str]:
         f"{a.score_name} {_fmt(a.score, '.3f')} (vanilla {_fmt(a.baseline_score, '.3f')})")
     return [a.task_title, a.decoding, str(a.model), a.method, a.verdict,
             f"{_fmt(a.tokens_per_s, '.2f')} (vanilla {_fmt(a.baseline_tokens_per_s, '.2f')})",
-            _fmt(a.consistency, ".3f"), score, str(a.compared)]
+            _consistency(a), score, str(a.compared)]
+
+
+def _consistency(a: Answer) -> str:
+    """The consistency cell: the share under greedy decoding, ``n/a (lossless in distribution)``
+    under sampling, where speculative sampling keeps vanilla's distribution, not its tokens."""
+    if a.decoding != "greedy":
+        return "n/a (lossless in distribution)"
+    return _fmt(a.consistency, ".3f")
 
 
 HEADER = ["Task", "Decoding", "Model", "Fastest lossless method", "Speedup", "tok/s", "Consistency",

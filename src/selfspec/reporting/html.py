@@ -136,7 +136,9 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
     parts.append("<p class='notes'>speedup = vanilla seconds per token ÷ method seconds per token on the "
                  "same examples (same process, interleaved, after warm-up); τ = tokens committed per step, "
                  "bonus token included (vanilla = 1.00); AR = accepted drafts ÷ drafted tokens; "
-                 "consistency = share of examples whose greedy tokens equal vanilla's.</p></body></html>")
+                 "consistency = share of examples whose greedy tokens equal vanilla's; a sampling row of a "
+                 "lossless method is labelled lossless (distribution): speculative sampling keeps vanilla's "
+                 "output distribution, not its tokens, so its consistency is n/a.</p></body></html>")
     path = out_dir / "index.html"
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

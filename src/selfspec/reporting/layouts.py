@@ -8,7 +8,9 @@ the column groups (the task, in the paper's order) and which cells each group sh
 ``ms_per_token``     latency per token in ms (Draft & Verify Tables 1–2)
 ``tau``              mean tokens committed per step, bonus token included (vanilla = 1.00)
 ``acceptance_rate``  accepted drafts / drafted tokens (Draft & Verify Tables 3–4 "AR")
-``consistency``      share of examples whose greedy tokens equal vanilla's (AdaDecode ablation)
+``consistency``      share of examples whose greedy tokens equal vanilla's (AdaDecode ablation); ``n/a``
+                     in a sampling row, labelled "lossless (distribution)" (speculative sampling keeps
+                     vanilla's output distribution, not its tokens)
 ``score``            the task's quality metric: ROUGE-2 (XSum, CNN/DM), pass@k (HumanEval),
                      accuracy (GSM8K); MT-Bench has none here (LLM judge)
 any other name       that metric as recorded (e.g. ``top1@2`` for PPD's top-1 accuracy at token distance 2,
@@ -122,6 +124,8 @@ LAYOUTS: dict[str, Layout] = {
             id="main",
             title="Every method and peer against vanilla on every task",
             paper="",
+            # greedy rows and, where sampling runs exist, each method's sampling row (its temperature)
+            rows=("method", "temperature"),
             column_order=("xsum", "cnndm", "humaneval", "gsm8k", "mtbench"),
             cells=("tps_speedup", "tau", "acceptance_rate", "consistency", "score"),
         ),

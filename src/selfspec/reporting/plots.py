@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from selfspec.reporting.figure import Plot, save_figure  # noqa: E402
 from selfspec.reporting.layouts import TASK_TITLE  # noqa: E402
 from selfspec.reporting.records import Record  # noqa: E402
-from selfspec.reporting.tables import method_rank, method_title, method_variant_title  # noqa: E402
+from selfspec.reporting.tables import method_rank, method_title, setting_title  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,10 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
     if not recs:
         return None
     tasks = sorted({r.task for r in recs}, key=lambda t: list(TASK_TITLE).index(t) if t in TASK_TITLE else 99)
-    methods = sorted({method_variant_title(r) for r in recs},
-                     key=lambda lab: method_rank(next(r for r in recs if method_variant_title(r) == lab)) + (lab,))
-    value = {(r.task, method_variant_title(r)): r.metric("speedup") for r in recs}
+    # a sampling record is its own bar (``AdaDecode, T=0.2``), beside the same method's greedy one
+    methods = sorted({setting_title(r) for r in recs},
+                     key=lambda lab: method_rank(next(r for r in recs if setting_title(r) == lab)) + (lab,))
+    value = {(r.task, setting_title(r)): r.metric("speedup") for r in recs}
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(tasks) + 0.3 * len(methods)), 3.6))
     for j, m in enumerate(methods):
@@ -137,7 +138,7 @@ def exit_layers_plot(records: list[Record], path: Path) -> Plot | None:
     for r in records:
         counts = exit_layer_counts(r.stats)
         if counts and sum(counts.values()) > 0:
-            hists[(method_variant_title(r), r.task, r.model)] = counts
+            hists[(setting_title(r), r.task, r.model)] = counts
     if not hists:
         return None
     layers = sorted({layer for c in hists.values() for layer in c})

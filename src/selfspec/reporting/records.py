@@ -67,6 +67,21 @@ class Record:
     def metric(self, name: str) -> Any:
         return self.metrics.get(name)
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the record's decoding samples (any temperature but greedy's 0)."""
+        return self.field("temperature") != "greedy"
+
+    @property
+    def losslessness(self) -> str:
+        """What the method keeps of vanilla's output (docs/design.md §2.4): ``tokens`` (greedy: the
+        same tokens, measured by consistency), ``distribution`` (sampling: speculative sampling keeps
+        vanilla's output distribution; token-level consistency does not apply) or ``lossy`` (PPD's
+        typical acceptance under sampling)."""
+        if self.metrics.get("lossless") is False:
+            return "lossy"
+        return "distribution" if self.sampling else "tokens"
+
 
 def _temperature(t: Any) -> str:
     if isinstance(t, (int, float)):

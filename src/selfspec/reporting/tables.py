@@ -26,6 +26,12 @@ METHOD_TITLE = {
     "hf_prompt_lookup": "HF prompt lookup", "hf_early_exit": "HF early exit", "hf_assisted": "HF assisted",
 }
 MISSING = "–"
+#: the consistency cell of a sampling row: token-level consistency does not apply there
+NOT_APPLICABLE = "n/a"
+#: the label of a lossless method's sampling row (speculative sampling keeps the distribution)
+DISTRIBUTION = "lossless (distribution)"
+#: figures that compare tokens with vanilla's, meaningful under greedy decoding only
+TOKEN_FIGURES = ("consistency", "prefix_agreement")
 
 
 def method_rank(record: Record) -> tuple[int, str, str]:
@@ -47,6 +53,30 @@ def method_variant_title(record: Record) -> str:
     return f"{title}, {record.variant}" if record.variant else title
 
 
+def setting_title(record: Record) -> str:
+    """:func:`method_variant_title` with the temperature of a sampling record: ``AdaDecode, T=0.2``."""
+    title = method_variant_title(record)
+    return f"{title}, {record.field('temperature')}" if record.sampling else title
+
+
+def is_baseline(record: Record) -> bool:
+    return record.method == "vanilla" or record.family == "vanilla"
+
+
+def losslessness_mark(record: Record) -> str:
+    """What a row's label says about losslessness: `` †`` (lossy: PPD's typical acceptance),
+    `` · lossless (distribution)`` (a lossless method's sampling row; not the baseline's own), else
+    nothing (greedy rows: their consistency column measures it; the papers' rows: not measured here)."""
+    if record.origin == "paper":
+        return ""
+    kind = record.losslessness
+    if kind == "lossy":
+        return " †"
+    if kind == "distribution" and not is_baseline(record):
+        return f" · {DISTRIBUTION}"
+    return ""
+
+
 def _num(value: Any, fmt: str) -> str:
     if value is None or isinstance(value, bool):
         return MISSING
@@ -66,6 +96,8 @@ def format_cell(cell: str, record: Record | None) -> str:
     if record is None:
         return MISSING
     m = record.metrics
+    if cell in TOKEN_FIGURES and record.sampling and record.origin != "paper":
+        return NOT_APPLICABLE
     if cell == "tps_speedup":
         tps, speedup = m.get("tokens_per_s"), m.get("speedup")
         if tps is None and speedup is None:
@@ -134,9 +166,7 @@ def row_label(record: Record, layout: Layout) -> str:
             if value not in (None, ""):
                 parts.append(str(value))
     label = ", ".join(parts) or method_title(record)
-    if record.metrics.get("lossless") is False:
-        label += " †"
-    return label
+    return label + losslessness_mark(record)
 
 
 def _row_key(record: Record, layout: Layout) -> tuple:
@@ -222,6 +252,9 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
 
     if matching:
         table.notes.append("paper: " + "; ".join(sorted({p.provenance['source'] for p in matching})))
+    if any(losslessness_mark(r).endswith(DISTRIBUTION) for r in measured):
+        table.notes.append(f"{DISTRIBUTION}: a sampling row; speculative (rejection) sampling keeps vanilla's "
+                           "output distribution, so token-level consistency does not apply (n/a)")
     if any(r.metrics.get("lossless") is False for r in measured):
         table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
     table.notes += list(layout.notes)

@@ -131,8 +131,9 @@ def task_prompts(data: DataTask, tokenizer, n: int, max_prompt_tokens: int | Non
     return out, overlap
 
 
-def greedy_continuations(loaded, prompts: list[list[int]], gen_tokens: int, batch: int) -> list[Sequence]:
-    """The model's own greedy continuations (batched ``generate``, left padding), cut after EOS."""
+def greedy_continuations(loaded, prompts: list[list[int]], gen_tokens: int, batch: int, bar=None) -> list[Sequence]:
+    """The model's own greedy continuations (batched ``generate``, left padding), cut after EOS;
+    ``bar``: a progress bar advanced by each batch's prompts."""
     hf, device = loaded.model.hf, loaded.model.device
     eos = set(loaded.eos_token_ids)
     pad = loaded.tokenizer.pad_token_id
@@ -157,13 +158,16 @@ def greedy_continuations(loaded, prompts: list[list[int]], gen_tokens: int, batc
                     break
             seqs.append(Sequence(p + cont, len(p) - 1))
         log.info("generated continuations %d/%d", min(b + batch, len(prompts)), len(prompts))
+        if bar is not None:
+            bar.update(len(group))
     return seqs
 
 
-def build_data(opts: dict, loaded) -> tuple[list[Sequence], list[Sequence], str, dict]:
+def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequence], list[Sequence], str, dict]:
     """Train / held-out sequences for :func:`prepare`'s options (cached on disk), the data tag,
-    and data info."""
+    and data info; ``progress``: a bar over the prompts whose continuations are generated."""
     from selfspec.artefacts import default_artefact_dir
+    from selfspec.training import bar
 
     tasks = opts["tasks"]
     tag = tasks[0].task.name if opts["data"] == "task" else "mixed"
@@ -180,6 +184,7 @@ def build_data(opts: dict, loaded) -> tuple[list[Sequence], list[Sequence], str,
         t0 = time.perf_counter()
         train, held = [], []
         k = len(tasks)
+        prompts_bar = bar(total=n_train + n_held, enabled=progress, desc="heads data", unit="prompt")
         for j, data in enumerate(tasks):
             nt = n_train // k + (j < n_train % k)
             nh = n_held // k + (j < n_held % k)
@@ -188,9 +193,10 @@ def build_data(opts: dict, loaded) -> tuple[list[Sequence], list[Sequence], str,
                 log.warning("heads data: %d of task %s's prompts are also among its evaluated examples "
                             "(the pool is too small to keep them apart when all n_examples are evaluated)",
                             overlap, data.task.name)
-            seqs = greedy_continuations(loaded, prompts, opts["gen_tokens"], opts["gen_batch"])
+            seqs = greedy_continuations(loaded, prompts, opts["gen_tokens"], opts["gen_batch"], prompts_bar)
             held += seqs[:nh]  # the pool's last-but-nt prompts: held out
             train += seqs[nh:]
+        prompts_bar.close()
         raw = {"train": [vars(s) for s in train], "heldout": [vars(s) for s in held],
                "seconds": time.perf_counter() - t0}
         cache.mkdir(parents=True, exist_ok=True)
@@ -323,17 +329,18 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
 
 
 # --- the job ---------------------------------------------------------------------------------
-def run(cfg) -> dict:
+def run(cfg, loaded=None) -> dict:
     from selfspec.heads import heads_artefact_dir
-    from selfspec.models.loading import load_model
+    from selfspec.models.loading import model_for
     from selfspec.tracking import start_run
+    from selfspec.training import progress
     from selfspec.training.loop import clear_checkpoint, train
 
     opts = prepare(cfg)  # config and data checked before the model loads
-    loaded = load_model(cfg.model)
+    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     heads = make_heads(loaded.model, opts)
     t0 = time.perf_counter()
-    train_seqs, held_seqs, tag, info = build_data(opts, loaded)
+    train_seqs, held_seqs, tag, info = build_data(opts, loaded, progress(cfg))
     data_seconds = time.perf_counter() - t0
     out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else heads_artefact_dir(loaded.name, tag, heads.kind)
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
@@ -341,7 +348,7 @@ def run(cfg) -> dict:
     tracker = start_run(cfg, job_type="train-heads")
     settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(cfg.job, resolve=True)}
     result = train(heads, loss_fn, batch_fn, opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
-                   settings=settings)
+                   settings=settings, progress=progress(cfg))
     strip = lambda d: {k.removeprefix("eval/"): v for k, v in d.items() if k != "step"}  # noqa: E731
     final, initial = strip(result["eval"][-1]), strip(result["eval"][0])
     n_params = sum(p.numel() for p in heads.parameters())

@@ -161,6 +161,7 @@ def train(
     tracker=None,
     eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
     settings: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Train ``module``'s trainable parameters; return ``{"step", "history", "eval", "seconds"}``.
 
@@ -168,7 +169,9 @@ def train(
     ``eval_fn(module)`` returns held-out metrics (run every ``eval_every`` steps and at the end).
     ``settings``: what else shapes the result (model, data, the job's own keys), plain values;
     recorded in the checkpoint with ``cfg`` and checked on resume (:func:`check_resume`).
+    ``progress``: a tqdm bar over the steps (stderr: steps done, ETA, the last loss).
     """
+    from selfspec.training import bar
     settings = {**(settings or {}), **asdict(cfg)}
     acc = _accelerator(cfg)
     world, rank = acc.num_processes, acc.process_index
@@ -218,7 +221,9 @@ def train(
     t0 = time.perf_counter()
     if start == 0:
         evaluate(0)
-    for step in range(start, cfg.steps):
+    steps = bar(range(start, cfg.steps), enabled=progress and acc.is_main_process, total=cfg.steps,
+                initial=start, desc="train", unit="step")
+    for step in steps:
         totals: dict[str, float] = {}
         for a in range(cfg.grad_accum):
             batch = batch_fn((step * cfg.grad_accum + a) * world + rank)
@@ -240,6 +245,7 @@ def train(
         totals["lr"] = sched.get_last_lr()[0]
         done = step + 1
         history.append({"step": done, **totals})
+        steps.set_postfix(loss=f"{totals['loss']:.4g}", refresh=False)
         if tracker is not None and (done % cfg.log_every == 0 or done == cfg.steps):
             tracker.log({f"train/{k}": v for k, v in totals.items()}, step=done)
         if done % cfg.log_every == 0:
@@ -248,6 +254,7 @@ def train(
             evaluate(done)
         if cfg.ckpt_every and done % cfg.ckpt_every == 0:
             checkpoint(done)
+    steps.close()
     if not evals or evals[-1]["step"] != cfg.steps:
         evaluate(cfg.steps)
     checkpoint(cfg.steps)

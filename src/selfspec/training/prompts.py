@@ -186,16 +186,17 @@ def topk_accuracy(student: torch.Tensor, teacher: torch.Tensor, ks=(1, 5)) -> di
 
 
 # --- the job -------------------------------------------------------------------------------------
-def run(cfg) -> dict:
+def run(cfg, loaded=None) -> dict:
     from selfspec.artefacts import default_artefact_dir
-    from selfspec.models.loading import load_model
+    from selfspec.models.loading import model_for
     from selfspec.runinfo import run_info  # noqa: F401  (recorded by save_artefact)
     from selfspec.tracking import start_run
+    from selfspec.training import progress
     from selfspec.training.loop import clear_checkpoint, train
 
     opts = prepare(cfg)  # config and data checked before the model loads
     m, n_ept, alpha = opts["m"], opts["n_ept"], opts["alpha"]
-    loaded = load_model(cfg.model)
+    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model = loaded.model
     L, inserts, held_out = opts["context_length"], opts["inserts"], opts["held_out"]
     t0 = time.perf_counter()
@@ -234,7 +235,8 @@ def run(cfg) -> dict:
     tracker = start_run(cfg, job_type="train-prompts")
     result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, int(cfg.seed), L, inserts, m),
                    opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
-                   settings={"model": loaded.name, **OmegaConf.to_container(cfg.job, resolve=True)})
+                   settings={"model": loaded.name, **OmegaConf.to_container(cfg.job, resolve=True)},
+                   progress=progress(cfg))
     final = result["eval"][-1] if result["eval"] else {}
     metrics = {**{k.removeprefix("eval/"): v for k, v in final.items() if k != "step"},
                "train_seconds": result["seconds"], "steps": result["step"],

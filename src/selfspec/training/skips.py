@@ -388,6 +388,13 @@ class Trace:
         self.cursor = 0
         self.memo = {r["key"]: r for r in self.rows}
         self.on_row: Callable[[dict], None] = lambda row: None
+        #: a tqdm bar advanced once per evaluation, replayed ones included (None: no bar)
+        self.bar = None
+
+    def _advance(self, row: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(speedup=f"{row['speedup']:.3f}", refresh=False)
 
     def evaluate(self, skip: SkipSet, objective, stage: str, extra: dict | None = None) -> dict[str, Any]:
         key = _key(skip)
@@ -399,6 +406,7 @@ class Trace:
                     f"search now proposes {key}; the settings changed — delete the trace to start over"
                 )
             self.cursor += 1
+            self._advance(row)
             return row
         t0 = time.perf_counter()
         cached = key in self.memo
@@ -417,6 +425,7 @@ class Trace:
         self.memo.setdefault(key, row)
         self.cursor += 1
         self.on_row(row)
+        self._advance(row)
         return row
 
 
@@ -557,16 +566,17 @@ def plot_trace(rows: list[dict], path: Path, title: str):
 
 
 # --- the job --------------------------------------------------------------------------------
-def run(cfg) -> dict:
+def run(cfg, loaded=None) -> dict:
     from selfspec.artefacts import default_artefact_dir, save_artefact
-    from selfspec.models.loading import load_model
+    from selfspec.models.loading import model_for
     from selfspec.tracking import start_run
+    from selfspec.training import bar, progress
 
     jc = cfg.job
     opts = prepare(cfg)  # config and data checked before the model loads
     search, decoding, n_new = opts["search"], opts["decoding"], opts["max_new_tokens"]
     torch.manual_seed(int(cfg.seed))
-    loaded = load_model(cfg.model)
+    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model, L = loaded.model, loaded.model.num_layers
     task_label = "+".join(opts["tasks"]) if opts["tasks"] else str(cfg.task.name)
     out = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(
@@ -614,11 +624,15 @@ def run(cfg) -> dict:
                     step=row["iteration"])
 
     trace.on_row = on_row
+    # BO's length is known (probes + random points + iterations); greedy's depends on the ranking
+    total = None if search == "greedy" else len(probe_sets(L, opts)) + opts["init_points"] + opts["iterations"]
+    trace.bar = bar(total=total, enabled=progress(cfg), desc=f"skip search ({search})", unit="eval")
     with torch.inference_mode():
         if search == "greedy":
             search_greedy(objective, trace, L, opts)
         else:
             search_bo(objective, trace, L, opts, int(cfg.seed))
+    trace.bar.close()
     rows = trace.rows
     search_seconds = sum(r["seconds"] for r in rows) + t_setup
     best = min(rows, key=lambda r: r["objective"])

@@ -270,16 +270,16 @@ def prepare(cfg) -> dict:
     return opts
 
 
-def run(cfg) -> dict:
+def run(cfg, loaded=None) -> dict:
     from selfspec.artefacts import default_artefact_dir, save_artefact
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.models.loading import load_model
+    from selfspec.models.loading import model_for
     from selfspec.prompts import load_prompts
     from selfspec.tracking import start_run
 
     job = cfg.job
     opts = prepare(cfg)  # config and data checked before the model loads
-    loaded = load_model(cfg.model)
+    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model = loaded.model
     prompts_path = opts["prompts"]
     prompts = load_prompts(prompts_path, loaded)
