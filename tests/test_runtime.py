@@ -114,8 +114,8 @@ def test_bench_runtime_script(tmp_path):
 
 
 def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
-    """Inside the runtime a masked grouped-query attention runs with ``enable_gqa`` (no K/V copy);
-    its output equals transformers' own SDPA path bit for bit."""
+    """Inside the runtime a masked grouped-query attention longer than ``MAX_ROWS`` (prefill) runs
+    with ``enable_gqa`` (no K/V copy); its output equals transformers' own SDPA path bit for bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = tiny.model
@@ -123,12 +123,65 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
     attn = model.layers[0].self_attn
     assert attn.num_key_value_groups > 1
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 5, model.head_dim, generator=g)
-    k = torch.randn(1, 2, 12, model.head_dim, generator=g)
-    v = torch.randn(1, 2, 12, model.head_dim, generator=g)
-    mask = model.causal_mask(5, 7)
+    n = kernels.MAX_ROWS + 3
+    q = torch.randn(1, 4, n, model.head_dim, generator=g)
+    k = torch.randn(1, 2, n + 7, model.head_dim, generator=g)
+    v = torch.randn(1, 2, n + 7, model.head_dim, generator=g)
+    mask = model.causal_mask(n, 7)
     stock, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
     with kernels.active():
         fast, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
     outside, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
     assert torch.equal(fast, stock) and torch.equal(outside, stock)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_rows_equal_one_token_steps(tiny, dtype):
+    """Inside the runtime each row of a masked attention of up to ``MAX_ROWS`` queries equals, bit
+    for bit, the one-token decoding call (no mask, the keys it may see): causal rows over a prefix
+    of the cache, tree rows over their ancestors gathered in order (SDPA's own masked call on the
+    same rows need not: it blocks the queries together)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = tiny.model
+    attn = model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    past, n = 40, 12
+    q = torch.randn(1, 4, n, model.head_dim, generator=g).to(dtype)
+    k = torch.randn(1, 2, past + n, model.head_dim, generator=g).to(dtype)
+    v = torch.randn(1, 2, past + n, model.head_dim, generator=g).to(dtype)
+    tree = torch.ones(n, past + n, dtype=torch.bool)
+    tree[:, past:] = torch.eye(n, dtype=torch.bool)
+    tree[1:, past] = True  # a root, children of it, and a chain 0 -> 3 -> 5
+    tree[5, past + 3] = True
+    for mask in (model.causal_mask(n, past), model.prepare_mask(tree)):
+        with kernels.active():
+            rows, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
+        for i in range(n):
+            idx = mask[0, 0, i].nonzero().squeeze(-1)
+            one, _ = sdpa_attention_forward(attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
+                                            None, scaling=attn.scaling)
+            assert torch.equal(rows[:, i], one[:, 0]), i
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_k_token_pass_equals_k_one_token_steps(dtype):
+    """The whole runtime is batch-invariant: the logits of a k-token verification pass equal those
+    of k one-token decoding steps bit for bit (linears, norms, rotary and attention), in float32
+    and in bfloat16, where a last-bit difference flips argmaxes at near-ties (docs/design.md §4)."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    cfg = model_config("tiny-random")
+    cfg.dtype = dtype
+    model = load_model(cfg).model
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.vocab_size, (1, 40), generator=g)
+    prompt, new = ids[:, :24], ids[0, 24:]
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model.forward(prompt, cache, start=0)
+        steps = torch.cat([model.logits(model.forward(new[j].view(1, 1), cache)[:, -1]) for j in range(len(new))])
+        for k in (2, 5, 16):
+            cache.truncate(24)
+            assert torch.equal(model.logits(model.forward(new[:k].view(1, -1), cache))[0], steps[:k]), k

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "skinny", "torch")
 #: rows (tokens) up to which the skinny kernel runs; longer inputs (prefill) use torch's GEMM
 MAX_ROWS = 32
+#: masked attention of up to MAX_ROWS query rows runs row by row (:func:`rowwise_attention`); a
+#: benchmark switches it off to measure what it costs (scripts/bf16_consistency.py)
+ROWWISE_ATTENTION = True
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 
 _state = threading.local()
@@ -108,14 +111,53 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 ATTENTION = "selfspec_sdpa"
 
 
+def rowwise_attention(query, key, value, allowed, scaling=None) -> torch.Tensor:
+    """Attention of ``query`` (``[1, H, q, D]``) computed one query row at a time, each exactly as
+    a one-token decoding step computes it: row ``i`` attends over the keys its boolean mask row
+    allows (``allowed``: ``[..., q, kv]``, shared by all heads), passed to SDPA without a mask (a
+    view of the cache when they are a prefix of it, as in a decoding step, else gathered in
+    order), with ``enable_gqa``, as transformers' SDPA attention calls it for one token.
+
+    SDPA's CPU kernels block the queries of a call together, so row ``i`` of a ``q``-row call
+    differs in the last bits from a one-row call (in float32 too); in bfloat16 those bits flip
+    argmaxes at near-ties (docs/design.md §4). Here every row of a verification pass sees the
+    attention output one-token decoding would, by construction. Returns ``[1, H, q, D]``."""
+    allowed = allowed.reshape(allowed.shape[-2], allowed.shape[-1])
+    kv = allowed.shape[-1]
+    blocked = ~allowed
+    lead = torch.where(blocked.any(-1), blocked.int().argmax(-1), kv)  # allowed keys before the first blocked one
+    counts, lead = allowed.sum(-1).tolist(), lead.tolist()
+    rows = []
+    for i, (n, first) in enumerate(zip(counts, lead)):
+        if n == first:  # a prefix of the cache: the view a decoding step attends over
+            k, v = key[:, :, :n], value[:, :, :n]
+        else:
+            idx = allowed[i].nonzero().squeeze(-1)
+            k, v = key.index_select(2, idx), value.index_select(2, idx)
+        rows.append(F.scaled_dot_product_attention(query[:, :, i:i + 1], k, v, scale=scaling, enable_gqa=True))
+    return torch.cat(rows, dim=2)
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, except that inside the layered runtime on CPU a masked
-    grouped-query attention (every verification pass and prefill: they carry an explicit mask)
-    lets the kernel share K/V heads (``enable_gqa``) instead of copying them once per query
-    head, as transformers does whenever a mask is given. The outputs are the same; outside
-    :class:`active` (transformers' own ``generate``) this is the stock function."""
+    """transformers' SDPA attention, except inside the layered runtime on CPU with an explicit
+    boolean mask (verification passes, trees, prefill):
+
+    * up to :data:`MAX_ROWS` query rows run through :func:`rowwise_attention`, so a k-token pass
+      attends exactly as k one-token steps (one-token steps carry no mask and take the stock
+      path, which makes the same SDPA call);
+    * longer ones (prefill) with grouped-query attention let the kernel share K/V heads
+      (``enable_gqa``) instead of copying them once per query head, as transformers does whenever
+      a mask is given; the outputs are the same.
+
+    Outside :class:`active` (transformers' own ``generate``) this is the stock function."""
     if (attention_mask is None or not is_active() or query.device.type != "cpu"
-            or getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None):
+            or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if (ROWWISE_ATTENTION and query.shape[2] <= MAX_ROWS and query.shape[0] == 1 and attention_mask.dtype == torch.bool
+            and attention_mask.shape[:-2].numel() == 1 and dropout == 0.0):
+        return rowwise_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    if getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
