@@ -33,24 +33,39 @@ def test_skinny_linear_matches_torch(shape):
 
 
 @needs_kernel
-def test_skinny_rows_are_bit_identical_to_one_row_calls():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_rows_are_bit_identical_to_one_row_calls(dtype):
     """Row i of a k-row product equals the 1-row product of row i exactly, for every k: a
-    verification pass sees the linear outputs one-token decoding would."""
+    verification pass sees the linear outputs one-token decoding would (bfloat16: also a prefill
+    longer than MAX_ROWS, which takes the kernel too)."""
     kernels.load()
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(1000, 576, generator=g)
-    x = torch.randn(32, 576, generator=g)
-    singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(32)])
-    for k in (2, 3, 4, 7, 8, 16, 32):
+    w = torch.randn(1000, 576, generator=g).to(dtype)
+    x = torch.randn(40, 576, generator=g).to(dtype)
+    singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(40)])
+    for k in (2, 3, 4, 7, 8, 16, 32, 40):
         assert torch.equal(kernels.skinny_linear(x[:k], w), singles[:k]), k
+
+
+@needs_kernel
+def test_skinny_bfloat16_accumulates_in_float32():
+    """bfloat16 weights and activations widen exactly, accumulate in float32, round once: within
+    one bfloat16 rounding of the float32 product of the same values."""
+    kernels.load()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(192, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 5, 64, generator=g).to(torch.bfloat16)
+    y = kernels.skinny_linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-5)
 
 
 def test_kernel_choice_is_refused_or_explained():
     with pytest.raises(ValueError, match=r"model.linear_kernel='fast' is not one of auto, skinny, torch"):
         kernels.resolve("fast", torch.device("cpu"), torch.float32)
-    with pytest.raises(kernels.KernelUnavailable, match=r"linear_kernel=skinny: .*float32.*bfloat16"):
-        kernels.resolve("skinny", torch.device("cpu"), torch.bfloat16)
-    assert kernels.resolve("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    with pytest.raises(kernels.KernelUnavailable, match=r"linear_kernel=skinny: .*float32 or bfloat16.*float16"):
+        kernels.resolve("skinny", torch.device("cpu"), torch.float16)
+    assert kernels.resolve("auto", torch.device("cpu"), torch.float16) == "torch"
     assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
 
 

@@ -10,14 +10,17 @@ verification pass expensive (the break-even τ of a speculative method rises wit
 ``csrc/skinny_linear.cpp`` is a small AVX2 kernel for 1..``MAX_ROWS`` rows: each block of weight
 rows is read once for all rows of the input, and each output element is computed by the same
 instruction sequence whatever the number of rows, so a k-token verification pass produces
-bit-identical linear outputs to k one-token steps. It is compiled once per machine with
+bit-identical linear outputs to k one-token steps. bfloat16 weights and activations take the same
+kernel (widened exactly to float32, accumulated in float32, rounded to bfloat16 once) for every
+row count, prefill included: torch's bfloat16 GEMM on an AVX2 CPU is 4x slower. Attention is made
+batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine with
 ``torch.utils.cpp_extension`` into the selfspec cache and registered as
 ``torch.ops.selfspec.skinny_linear``.
 
 :func:`install` routes a model's ``nn.Linear`` modules through it, but only while the layered
 runtime is computing (:func:`active`); the same modules called by transformers' own ``generate``
 (the HF peers, the tests' reference) run the stock kernel. Model config key ``linear_kernel``:
-``auto`` (this kernel on a CPU with AVX2 in float32, else torch's), ``skinny`` (this kernel, or
+``auto`` (this kernel on a CPU with AVX2 in float32 or bfloat16, else torch's), ``skinny`` (this kernel, or
 an error saying why it cannot run), ``torch`` (always torch's).
 """
 
@@ -94,15 +97,18 @@ def load() -> None:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` with the skinny kernel (float32, CPU, contiguous weight)."""
+    """``x @ weight.T (+ bias)`` with the skinny kernel (float32, or bfloat16 with float32
+    accumulation; CPU, contiguous weight)."""
     y = torch.ops.selfspec.skinny_linear(x, weight)
     return y if bias is None else y + bias
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = module.weight
-    if (_state.__dict__.get("depth", 0) and x.numel() <= MAX_ROWS * x.shape[-1]
-            and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())):
+    if (_state.__dict__.get("depth", 0) and x.dtype == weight.dtype
+            and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1])
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
         return skinny_linear(x, weight, module.bias)
     return F.linear(x, weight, module.bias)
 
@@ -184,7 +190,7 @@ def install_attention(config) -> None:
 def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     """The kernel ``linear_kernel=kernel`` means here: ``skinny`` or ``torch``.
 
-    ``auto`` takes ``skinny`` on a CPU in float32 when it builds, and says so in the log when it
+    ``auto`` takes ``skinny`` on a CPU in float32 or bfloat16 when it builds, and says so in the log when it
     does not; an explicit ``skinny`` that cannot run raises :class:`KernelUnavailable`.
     """
     if kernel not in KERNELS:
@@ -192,8 +198,9 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     if kernel == "torch":
         return "torch"
     why = None
-    if device.type != "cpu" or dtype != torch.float32:
-        why = f"it runs on CPU in float32, this model is on {device.type} in {str(dtype).replace('torch.', '')}"
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        why = (f"it runs on CPU in float32 or bfloat16, this model is on {device.type} in "
+               f"{str(dtype).replace('torch.', '')}")
     else:
         try:
             load()
@@ -203,7 +210,7 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
         return "skinny"
     if kernel == "skinny":
         raise KernelUnavailable(f"model.linear_kernel=skinny: {why}; use model.linear_kernel=auto or torch")
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         log.warning("linear kernel: torch's (the skinny kernel is unavailable: %s)", why)
     return "torch"
 
