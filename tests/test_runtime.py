@@ -151,13 +151,14 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masked_attention_rows_equal_one_token_steps(tiny, dtype):
+def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     """Inside the runtime each row of a masked attention of up to ``MAX_ROWS`` queries equals, bit
     for bit, the one-token decoding call (no mask, the keys it may see): causal rows over a prefix
     of the cache, tree rows over their ancestors gathered in order (SDPA's own masked call on the
     same rows need not: it blocks the queries together)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    monkeypatch.setattr(kernels, "ROWWISE_DTYPES", frozenset({torch.float32, torch.bfloat16}))
     model = tiny.model
     attn = model.layers[0].self_attn
     g = torch.Generator().manual_seed(1)
@@ -180,13 +181,14 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_k_token_pass_equals_k_one_token_steps(dtype):
+def test_k_token_pass_equals_k_one_token_steps(dtype, monkeypatch):
     """The whole runtime is batch-invariant: the logits of a k-token verification pass equal those
-    of k one-token decoding steps bit for bit (linears, norms, rotary and attention), in float32
-    and in bfloat16, where a last-bit difference flips argmaxes at near-ties (docs/design.md §4)."""
+    of k one-token decoding steps bit for bit (linears, norms, rotary and attention), in bfloat16
+    and, with row-wise attention switched on for it, in float32, where a last-bit difference flips argmaxes at near-ties (docs/design.md §4)."""
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
 
+    monkeypatch.setattr(kernels, "ROWWISE_DTYPES", frozenset({torch.float32, torch.bfloat16}))  # default: bfloat16
     cfg = model_config("tiny-random")
     cfg.dtype = dtype
     model = load_model(cfg).model

@@ -41,9 +41,12 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "skinny", "torch")
 #: rows (tokens) up to which the skinny kernel runs; longer inputs (prefill) use torch's GEMM
 MAX_ROWS = 32
-#: masked attention of up to MAX_ROWS query rows runs row by row (:func:`rowwise_attention`); a
-#: benchmark switches it off to measure what it costs (scripts/bf16_consistency.py)
-ROWWISE_ATTENTION = True
+#: dtypes in which masked attention of up to MAX_ROWS query rows runs row by row
+#: (:func:`rowwise_attention`, exact; one SDPA call per row costs ~3x a verification pass of 8 rows
+#: on 2 cores, docs/design.md §4). float32 is left out: there the last-bit differences of SDPA's
+#: blocked call (~2e-5 in the logits) measured consistency 1.000; a benchmark empties the set to
+#: measure the cost (scripts/bf16_consistency.py)
+ROWWISE_DTYPES = frozenset({torch.bfloat16, torch.float16})
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 
 _state = threading.local()
@@ -160,7 +163,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
             or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if (ROWWISE_ATTENTION and query.shape[2] <= MAX_ROWS and query.shape[0] == 1 and attention_mask.dtype == torch.bool
+    if (query.dtype in ROWWISE_DTYPES and query.shape[2] <= MAX_ROWS and query.shape[0] == 1
+            and attention_mask.dtype == torch.bool
             and attention_mask.shape[:-2].numel() == 1 and dropout == 0.0):
         return rowwise_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     if getattr(module, "num_key_value_groups", 1) == 1:
