@@ -184,7 +184,8 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
 def test_k_token_pass_equals_k_one_token_steps(dtype, monkeypatch):
     """The whole runtime is batch-invariant: the logits of a k-token verification pass equal those
     of k one-token decoding steps bit for bit (linears, norms, rotary and attention), in bfloat16
-    and, with row-wise attention switched on for it, in float32, where a last-bit difference flips argmaxes at near-ties (docs/design.md §4)."""
+    and, with row-wise attention switched on for it, in float32; in bfloat16 a last-bit difference
+    flips argmaxes at near-ties (docs/design.md §4)."""
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
 
