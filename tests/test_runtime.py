@@ -153,10 +153,9 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     """Inside the runtime each row of a masked attention of up to ``MAX_ROWS`` queries equals, bit
-    for bit, the one-token decoding call (no mask, the keys it may see): causal rows over a prefix
+    for bit, the one-token decoding step's attention (no mask, the keys it may see): causal rows over a prefix
     of the cache, tree rows over their ancestors gathered in order (SDPA's own masked call on the
     same rows need not: it blocks the queries together)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     monkeypatch.setattr(kernels, "ROWWISE_DTYPES", frozenset({torch.float32, torch.bfloat16}))
     model = tiny.model
@@ -175,7 +174,8 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
             rows, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
         for i in range(n):
             idx = mask[0, 0, i].nonzero().squeeze(-1)
-            one, _ = sdpa_attention_forward(attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
+            with kernels.active():  # the one-token decoding step over exactly those keys
+                one, _ = kernels._attention(attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
                                             None, scaling=attn.scaling)
             assert torch.equal(rows[:, i], one[:, 0]), i
 

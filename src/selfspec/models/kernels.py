@@ -48,6 +48,7 @@ MAX_ROWS = 32
 #: measure the cost (scripts/bf16_consistency.py)
 ROWWISE_DTYPES = frozenset({torch.bfloat16, torch.float16})
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
+ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
 
 _state = threading.local()
 
@@ -75,13 +76,15 @@ def is_active() -> bool:
 def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()
+                            + torch.__version__.encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> None:
-    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear``.
+    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear`` and
+    ``torch.ops.selfspec.rowwise_attention``.
 
     Raises :class:`KernelUnavailable` with the reason when the CPU lacks AVX2/FMA or the build fails.
     """
@@ -93,7 +96,7 @@ def load() -> None:
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        build("selfspec_skinny", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
+        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
               build_directory=str(folder), is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
         raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
@@ -120,17 +123,35 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 ATTENTION = "selfspec_sdpa"
 
 
-def rowwise_attention(query, key, value, allowed, scaling=None) -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def _attention_kernel() -> bool:
+    """Whether ``torch.ops.selfspec.rowwise_attention`` is built here (else row-wise SDPA calls)."""
+    try:
+        load()
+    except KernelUnavailable as err:
+        log.warning("row-wise attention: one SDPA call per row (the kernel is unavailable: %s)", err)
+        return False
+    return True
+
+
+def rowwise_attention(query, key, value, allowed=None, scaling=None) -> torch.Tensor:
     """Attention of ``query`` (``[1, H, q, D]``) computed one query row at a time, each exactly as
     a one-token decoding step computes it: row ``i`` attends over the keys its boolean mask row
-    allows (``allowed``: ``[..., q, kv]``, shared by all heads), passed to SDPA without a mask (a
-    view of the cache when they are a prefix of it, as in a decoding step, else gathered in
-    order), with ``enable_gqa``, as transformers' SDPA attention calls it for one token.
+    allows (``allowed``: ``[..., q, kv]``, shared by all heads; None = every key), in key order.
 
     SDPA's CPU kernels block the queries of a call together, so row ``i`` of a ``q``-row call
     differs in the last bits from a one-row call (in float32 too); in bfloat16 those bits flip
-    argmaxes at near-ties (docs/design.md §4). Here every row of a verification pass sees the
-    attention output one-token decoding would, by construction. Returns ``[1, H, q, D]``."""
+    argmaxes at near-ties (docs/design.md §4). With the kernel (``csrc/rowwise_attention.cpp``,
+    float32 / bfloat16, one call for all rows) the row-invariance is by construction; without it,
+    each row makes the SDPA call a one-token step makes (a view of the cache when its keys are a
+    prefix, else gathered in order; no mask; ``enable_gqa``), which is exact too but costs one
+    SDPA call per row. Returns ``[1, H, q, D]``."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.dtype in (torch.float32, torch.bfloat16) and query.shape[-1] % 8 == 0 and _attention_kernel():
+        mask = allowed if allowed is not None else torch.empty(0, dtype=torch.bool)
+        return torch.ops.selfspec.rowwise_attention(query, key, value, mask, float(scale))
+    if allowed is None:
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
     allowed = allowed.reshape(allowed.shape[-2], allowed.shape[-1])
     kv = allowed.shape[-1]
     blocked = ~allowed
@@ -151,14 +172,18 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     """transformers' SDPA attention, except inside the layered runtime on CPU with an explicit
     boolean mask (verification passes, trees, prefill):
 
-    * up to :data:`MAX_ROWS` query rows run through :func:`rowwise_attention`, so a k-token pass
-      attends exactly as k one-token steps (one-token steps carry no mask and take the stock
-      path, which makes the same SDPA call);
+    * in :data:`ROWWISE_DTYPES`, up to :data:`MAX_ROWS` query rows (and one-token steps, which
+      carry no mask) run through :func:`rowwise_attention`, so a k-token pass attends exactly as
+      k one-token steps;
     * longer ones (prefill) with grouped-query attention let the kernel share K/V heads
       (``enable_gqa``) instead of copying them once per query head, as transformers does whenever
       a mask is given; the outputs are the same.
 
     Outside :class:`active` (transformers' own ``generate``) this is the stock function."""
+    if (query.dtype in ROWWISE_DTYPES and attention_mask is None and query.shape[2] == 1 and is_active()
+            and query.device.type == "cpu" and query.shape[0] == 1 and dropout == 0.0
+            and kwargs.get("position_bias") is None):  # a one-token decoding step
+        return rowwise_attention(query, key, value, None, scaling).transpose(1, 2).contiguous(), None
     if (attention_mask is None or not is_active() or query.device.type != "cpu"
             or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
