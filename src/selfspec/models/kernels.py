@@ -49,6 +49,7 @@ MAX_ROWS = 32
 ROWWISE_DTYPES = frozenset({torch.bfloat16, torch.float16})
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
+HEADER = Path(__file__).with_name("csrc") / "avx2.h"
 
 _state = threading.local()
 
@@ -76,7 +77,7 @@ def is_active() -> bool:
 def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()
+    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + HEADER.read_bytes()
                             + torch.__version__.encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"skinny-{digest}"
 

@@ -16,21 +16,12 @@
 #include <cmath>
 #include <vector>
 
+#include "avx2.h"
+
 namespace {
 
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  s = _mm_add_ss(s, _mm_movehl_ps(sh, s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 ld(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 ld(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using selfspec_avx2::hsum;
+using selfspec_avx2::load8;
 
 template <typename T>
 void run(const float* q, const T* k, const T* v, const bool* allowed, float* out, int64_t H, int64_t M,
@@ -48,8 +39,8 @@ void run(const float* q, const T* k, const T* v, const bool* allowed, float* out
       for (int64_t j = 0; j < L; ++j) {
         if (row && !row[j]) continue;
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(ld(qi + d), ld(kh + j * ks_l + d), a);
-        s[j] = hsum8(a) * scale;
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(load8(qi + d), load8(kh + j * ks_l + d), a);
+        s[j] = hsum(a) * scale;
         mx = std::max(mx, s[j]);
       }
       for (auto& x : acc) x = _mm256_setzero_ps();
@@ -59,7 +50,7 @@ void run(const float* q, const T* k, const T* v, const bool* allowed, float* out
         const float p = std::exp(s[j] - mx);
         sum += p;
         const __m256 pv = _mm256_set1_ps(p);
-        for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_fmadd_ps(pv, ld(vh + j * vs_l + d), acc[d / 8]);
+        for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_fmadd_ps(pv, load8(vh + j * vs_l + d), acc[d / 8]);
       }
       const __m256 inv = _mm256_set1_ps(1.f / sum);
       float* o = out + (h * M + i) * D;

@@ -17,25 +17,16 @@
 #include <immintrin.h>
 #include <algorithm>
 
+#include "avx2.h"
+
 #ifndef SKINNY_NB
 #define SKINNY_NB 48
 #endif
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  s = _mm_add_ss(s, _mm_movehl_ps(sh, s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 -> 8 fp32, exact
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using selfspec_avx2::hsum;
+using selfspec_avx2::load8;
 
 // MB rows of x times NR rows of W: MB*NR accumulators of 8 lanes, kept in registers (every loop
 // over m and r is unrolled; K is a multiple of 8, checked by the caller).
