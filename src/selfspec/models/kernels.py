@@ -112,7 +112,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = module.weight
-    if (_state.__dict__.get("depth", 0) and x.dtype == weight.dtype
+    if (_state.__dict__.get("depth", 0) and x.dtype == weight.dtype and x.shape[-1] % 8 == 0
             and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1])
             and not (x.requires_grad and torch.is_grad_enabled())):
         # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
