@@ -33,24 +33,39 @@ def test_skinny_linear_matches_torch(shape):
 
 
 @needs_kernel
-def test_skinny_rows_are_bit_identical_to_one_row_calls():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_rows_are_bit_identical_to_one_row_calls(dtype):
     """Row i of a k-row product equals the 1-row product of row i exactly, for every k: a
-    verification pass sees the linear outputs one-token decoding would."""
+    verification pass sees the linear outputs one-token decoding would (bfloat16: also a prefill
+    longer than MAX_ROWS, which takes the kernel too)."""
     kernels.load()
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(1000, 576, generator=g)
-    x = torch.randn(32, 576, generator=g)
-    singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(32)])
-    for k in (2, 3, 4, 7, 8, 16, 32):
+    w = torch.randn(1000, 576, generator=g).to(dtype)
+    x = torch.randn(40, 576, generator=g).to(dtype)
+    singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(40)])
+    for k in (2, 3, 4, 7, 8, 16, 32, 40):
         assert torch.equal(kernels.skinny_linear(x[:k], w), singles[:k]), k
+
+
+@needs_kernel
+def test_skinny_bfloat16_accumulates_in_float32():
+    """bfloat16 weights and activations widen exactly, accumulate in float32, round once: within
+    one bfloat16 rounding of the float32 product of the same values."""
+    kernels.load()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(192, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 5, 64, generator=g).to(torch.bfloat16)
+    y = kernels.skinny_linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-5)
 
 
 def test_kernel_choice_is_refused_or_explained():
     with pytest.raises(ValueError, match=r"model.linear_kernel='fast' is not one of auto, skinny, torch"):
         kernels.resolve("fast", torch.device("cpu"), torch.float32)
-    with pytest.raises(kernels.KernelUnavailable, match=r"linear_kernel=skinny: .*float32.*bfloat16"):
-        kernels.resolve("skinny", torch.device("cpu"), torch.bfloat16)
-    assert kernels.resolve("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    with pytest.raises(kernels.KernelUnavailable, match=r"linear_kernel=skinny: .*float32 or bfloat16.*float16"):
+        kernels.resolve("skinny", torch.device("cpu"), torch.float16)
+    assert kernels.resolve("auto", torch.device("cpu"), torch.float16) == "torch"
     assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
 
 
@@ -114,8 +129,8 @@ def test_bench_runtime_script(tmp_path):
 
 
 def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
-    """Inside the runtime a masked grouped-query attention runs with ``enable_gqa`` (no K/V copy);
-    its output equals transformers' own SDPA path bit for bit."""
+    """Inside the runtime a masked grouped-query attention longer than ``MAX_ROWS`` (prefill) runs
+    with ``enable_gqa`` (no K/V copy); its output equals transformers' own SDPA path bit for bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = tiny.model
@@ -123,12 +138,68 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
     attn = model.layers[0].self_attn
     assert attn.num_key_value_groups > 1
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 5, model.head_dim, generator=g)
-    k = torch.randn(1, 2, 12, model.head_dim, generator=g)
-    v = torch.randn(1, 2, 12, model.head_dim, generator=g)
-    mask = model.causal_mask(5, 7)
+    n = kernels.MAX_ROWS + 3
+    q = torch.randn(1, 4, n, model.head_dim, generator=g)
+    k = torch.randn(1, 2, n + 7, model.head_dim, generator=g)
+    v = torch.randn(1, 2, n + 7, model.head_dim, generator=g)
+    mask = model.causal_mask(n, 7)
     stock, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
     with kernels.active():
         fast, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
     outside, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
     assert torch.equal(fast, stock) and torch.equal(outside, stock)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
+    """Inside the runtime each row of a masked attention of up to ``MAX_ROWS`` queries equals, bit
+    for bit, the one-token decoding step's attention (no mask, the keys it may see): causal rows over a prefix
+    of the cache, tree rows over their ancestors gathered in order (SDPA's own masked call on the
+    same rows need not: it blocks the queries together)."""
+
+    monkeypatch.setattr(kernels, "ROWWISE_DTYPES", frozenset({torch.float32, torch.bfloat16}))
+    model = tiny.model
+    attn = model.layers[0].self_attn
+    g = torch.Generator().manual_seed(1)
+    past, n = 40, 12
+    q = torch.randn(1, 4, n, model.head_dim, generator=g).to(dtype)
+    k = torch.randn(1, 2, past + n, model.head_dim, generator=g).to(dtype)
+    v = torch.randn(1, 2, past + n, model.head_dim, generator=g).to(dtype)
+    tree = torch.ones(n, past + n, dtype=torch.bool)
+    tree[:, past:] = torch.eye(n, dtype=torch.bool)
+    tree[1:, past] = True  # a root, children of it, and a chain 0 -> 3 -> 5
+    tree[5, past + 3] = True
+    for mask in (model.causal_mask(n, past), model.prepare_mask(tree)):
+        with kernels.active():
+            rows, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
+        for i in range(n):
+            idx = mask[0, 0, i].nonzero().squeeze(-1)
+            with kernels.active():  # the one-token decoding step over exactly those keys
+                one, _ = kernels._attention(attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
+                                            None, scaling=attn.scaling)
+            assert torch.equal(rows[:, i], one[:, 0]), i
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_k_token_pass_equals_k_one_token_steps(dtype, monkeypatch):
+    """The whole runtime is batch-invariant: the logits of a k-token verification pass equal those
+    of k one-token decoding steps bit for bit (linears, norms, rotary and attention), in bfloat16
+    and, with row-wise attention switched on for it, in float32; in bfloat16 a last-bit difference
+    flips argmaxes at near-ties (docs/design.md §4)."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    monkeypatch.setattr(kernels, "ROWWISE_DTYPES", frozenset({torch.float32, torch.bfloat16}))  # default: bfloat16
+    cfg = model_config("tiny-random")
+    cfg.dtype = dtype
+    model = load_model(cfg).model
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.vocab_size, (1, 40), generator=g)
+    prompt, new = ids[:, :24], ids[0, 24:]
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model.forward(prompt, cache, start=0)
+        steps = torch.cat([model.logits(model.forward(new[j].view(1, 1), cache)[:, -1]) for j in range(len(new))])
+        for k in (2, 5, 16):
+            cache.truncate(24)
+            assert torch.equal(model.logits(model.forward(new[:k].view(1, -1), cache))[0], steps[:k]), k

@@ -133,18 +133,19 @@ class PPD(Decoder):
         state.stats["acceptance"] = "exact" if state.sampling.greedy else "typical"
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
-        """Prompt + all ``m`` prompt tokens attached to its last token (state ``m`` next)."""
+        """Prompt, then all ``m`` prompt tokens attached to its last token (state ``m`` next).
+
+        The prompt runs alone, exactly as vanilla's prefill (the same pass, hence the same cached
+        K/V and first token, bit for bit, in bfloat16 too); the prompt tokens follow in a second,
+        short pass over it."""
         m = self.model
         n = prompt.shape[1]
         tree = SparseTree((), (self.prompts.m,))
         lay = layout(tree, self.prompts.n_ept, m.device)
-        h = torch.cat([m.embed(prompt), self.prompts.chain().unsqueeze(0)], dim=1)
-        causal = torch.ones(n, n, dtype=torch.bool, device=m.device).tril()
-        top = torch.cat([causal, causal.new_zeros(n, lay.size - 1)], dim=1)
-        bottom = full_mask(lay, n - 1)[1:]
-        positions = torch.cat([torch.arange(n, device=m.device), n - 1 + lay.offsets[1:]]).unsqueeze(0)
-        h = m.forward(None, state.cache, start=0, mask=m.prepare_mask(torch.cat([top, bottom])),
-                      positions=positions, h=h)
+        h = m.forward(prompt, state.cache, start=0)
+        extra = m.forward(None, state.cache, start=n, mask=m.prepare_mask(full_mask(lay, n - 1)[1:]),
+                          positions=(n - 1 + lay.offsets[1:]).unsqueeze(0), h=self.prompts.chain().unsqueeze(0))
+        h = torch.cat([h, extra], dim=1)
         state.cache.truncate(n)
         first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator)[0])
         self._next_candidates(h[0], lay.prompt_rows[0] + (n - 1))

@@ -10,14 +10,17 @@ verification pass expensive (the break-even τ of a speculative method rises wit
 ``csrc/skinny_linear.cpp`` is a small AVX2 kernel for 1..``MAX_ROWS`` rows: each block of weight
 rows is read once for all rows of the input, and each output element is computed by the same
 instruction sequence whatever the number of rows, so a k-token verification pass produces
-bit-identical linear outputs to k one-token steps. It is compiled once per machine with
+bit-identical linear outputs to k one-token steps. bfloat16 weights and activations take the same
+kernel (widened exactly to float32, accumulated in float32, rounded to bfloat16 once) for every
+row count, prefill included: torch's bfloat16 GEMM on an AVX2 CPU is 4x slower. Attention is made
+batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine with
 ``torch.utils.cpp_extension`` into the selfspec cache and registered as
 ``torch.ops.selfspec.skinny_linear``.
 
 :func:`install` routes a model's ``nn.Linear`` modules through it, but only while the layered
 runtime is computing (:func:`active`); the same modules called by transformers' own ``generate``
 (the HF peers, the tests' reference) run the stock kernel. Model config key ``linear_kernel``:
-``auto`` (this kernel on a CPU with AVX2 in float32, else torch's), ``skinny`` (this kernel, or
+``auto`` (this kernel on a CPU with AVX2 in float32 or bfloat16, else torch's), ``skinny`` (this kernel, or
 an error saying why it cannot run), ``torch`` (always torch's).
 """
 
@@ -38,7 +41,15 @@ log = logging.getLogger(__name__)
 KERNELS = ("auto", "skinny", "torch")
 #: rows (tokens) up to which the skinny kernel runs; longer inputs (prefill) use torch's GEMM
 MAX_ROWS = 32
+#: dtypes in which masked attention of up to MAX_ROWS query rows runs row by row
+#: (:func:`rowwise_attention`, exact; one SDPA call per row costs ~3x a verification pass of 8 rows
+#: on 2 cores, docs/design.md §4). float32 is left out: there the last-bit differences of SDPA's
+#: blocked call (~2e-5 in the logits) measured consistency 1.000; a benchmark empties the set to
+#: measure the cost (scripts/bf16_consistency.py)
+ROWWISE_DTYPES = frozenset({torch.bfloat16, torch.float16})
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
+ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
+HEADER = Path(__file__).with_name("csrc") / "avx2.h"
 
 _state = threading.local()
 
@@ -66,13 +77,15 @@ def is_active() -> bool:
 def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + HEADER.read_bytes()
+                            + torch.__version__.encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
 
 @functools.lru_cache(maxsize=1)
 def load() -> None:
-    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear``.
+    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear`` and
+    ``torch.ops.selfspec.rowwise_attention``.
 
     Raises :class:`KernelUnavailable` with the reason when the CPU lacks AVX2/FMA or the build fails.
     """
@@ -84,22 +97,25 @@ def load() -> None:
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        build("selfspec_skinny", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
+        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
               build_directory=str(folder), is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
         raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` with the skinny kernel (float32, CPU, contiguous weight)."""
+    """``x @ weight.T (+ bias)`` with the skinny kernel (float32, or bfloat16 with float32
+    accumulation; CPU, contiguous weight)."""
     y = torch.ops.selfspec.skinny_linear(x, weight)
     return y if bias is None else y + bias
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = module.weight
-    if (_state.__dict__.get("depth", 0) and x.numel() <= MAX_ROWS * x.shape[-1]
-            and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())):
+    if (_state.__dict__.get("depth", 0) and x.dtype == weight.dtype and x.shape[-1] % 8 == 0
+            and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1])
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
         return skinny_linear(x, weight, module.bias)
     return F.linear(x, weight, module.bias)
 
@@ -108,14 +124,76 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 ATTENTION = "selfspec_sdpa"
 
 
+@functools.lru_cache(maxsize=1)
+def _attention_kernel() -> bool:
+    """Whether ``torch.ops.selfspec.rowwise_attention`` is built here (else row-wise SDPA calls)."""
+    try:
+        load()
+    except KernelUnavailable as err:
+        log.warning("row-wise attention: one SDPA call per row (the kernel is unavailable: %s)", err)
+        return False
+    return True
+
+
+def rowwise_attention(query, key, value, allowed=None, scaling=None) -> torch.Tensor:
+    """Attention of ``query`` (``[1, H, q, D]``) computed one query row at a time, each exactly as
+    a one-token decoding step computes it: row ``i`` attends over the keys its boolean mask row
+    allows (``allowed``: ``[..., q, kv]``, shared by all heads; None = every key), in key order.
+
+    SDPA's CPU kernels block the queries of a call together, so row ``i`` of a ``q``-row call
+    differs in the last bits from a one-row call (in float32 too); in bfloat16 those bits flip
+    argmaxes at near-ties (docs/design.md §4). With the kernel (``csrc/rowwise_attention.cpp``,
+    float32 / bfloat16, one call for all rows) the row-invariance is by construction; without it,
+    each row makes the SDPA call a one-token step makes (a view of the cache when its keys are a
+    prefix, else gathered in order; no mask; ``enable_gqa``), which is exact too but costs one
+    SDPA call per row. Returns ``[1, H, q, D]``."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.dtype in (torch.float32, torch.bfloat16) and query.shape[-1] % 8 == 0 and _attention_kernel():
+        mask = allowed if allowed is not None else torch.empty(0, dtype=torch.bool)
+        return torch.ops.selfspec.rowwise_attention(query, key, value, mask, float(scale))
+    if allowed is None:
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    allowed = allowed.reshape(allowed.shape[-2], allowed.shape[-1])
+    kv = allowed.shape[-1]
+    blocked = ~allowed
+    lead = torch.where(blocked.any(-1), blocked.int().argmax(-1), kv)  # allowed keys before the first blocked one
+    counts, lead = allowed.sum(-1).tolist(), lead.tolist()
+    rows = []
+    for i, (n, first) in enumerate(zip(counts, lead)):
+        if n == first:  # a prefix of the cache: the view a decoding step attends over
+            k, v = key[:, :, :n], value[:, :, :n]
+        else:
+            idx = allowed[i].nonzero().squeeze(-1)
+            k, v = key.index_select(2, idx), value.index_select(2, idx)
+        rows.append(F.scaled_dot_product_attention(query[:, :, i:i + 1], k, v, scale=scaling, enable_gqa=True))
+    return torch.cat(rows, dim=2)
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, except that inside the layered runtime on CPU a masked
-    grouped-query attention (every verification pass and prefill: they carry an explicit mask)
-    lets the kernel share K/V heads (``enable_gqa``) instead of copying them once per query
-    head, as transformers does whenever a mask is given. The outputs are the same; outside
-    :class:`active` (transformers' own ``generate``) this is the stock function."""
+    """transformers' SDPA attention, except inside the layered runtime on CPU with an explicit
+    boolean mask (verification passes, trees, prefill):
+
+    * in :data:`ROWWISE_DTYPES`, up to :data:`MAX_ROWS` query rows (and one-token steps, which
+      carry no mask) run through :func:`rowwise_attention`, so a k-token pass attends exactly as
+      k one-token steps;
+    * longer ones (prefill) with grouped-query attention let the kernel share K/V heads
+      (``enable_gqa``) instead of copying them once per query head, as transformers does whenever
+      a mask is given; the outputs are the same.
+
+    Outside :class:`active` (transformers' own ``generate``) this is the stock function."""
+    if (query.dtype in ROWWISE_DTYPES and attention_mask is None and query.shape[2] == 1 and is_active()
+            and query.device.type == "cpu" and query.shape[0] == 1 and dropout == 0.0
+            and kwargs.get("position_bias") is None):  # a one-token decoding step
+        return rowwise_attention(query, key, value, None, scaling).transpose(1, 2).contiguous(), None
     if (attention_mask is None or not is_active() or query.device.type != "cpu"
-            or getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None):
+            or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if (query.dtype in ROWWISE_DTYPES and query.shape[2] <= MAX_ROWS and query.shape[0] == 1
+            and attention_mask.dtype == torch.bool
+            and attention_mask.shape[:-2].numel() == 1 and dropout == 0.0):
+        return rowwise_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    if getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -142,7 +220,7 @@ def install_attention(config) -> None:
 def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     """The kernel ``linear_kernel=kernel`` means here: ``skinny`` or ``torch``.
 
-    ``auto`` takes ``skinny`` on a CPU in float32 when it builds, and says so in the log when it
+    ``auto`` takes ``skinny`` on a CPU in float32 or bfloat16 when it builds, and says so in the log when it
     does not; an explicit ``skinny`` that cannot run raises :class:`KernelUnavailable`.
     """
     if kernel not in KERNELS:
@@ -150,8 +228,9 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     if kernel == "torch":
         return "torch"
     why = None
-    if device.type != "cpu" or dtype != torch.float32:
-        why = f"it runs on CPU in float32, this model is on {device.type} in {str(dtype).replace('torch.', '')}"
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        why = (f"it runs on CPU in float32 or bfloat16, this model is on {device.type} in "
+               f"{str(dtype).replace('torch.', '')}")
     else:
         try:
             load()
@@ -161,7 +240,7 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
         return "skinny"
     if kernel == "skinny":
         raise KernelUnavailable(f"model.linear_kernel=skinny: {why}; use model.linear_kernel=auto or torch")
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         log.warning("linear kernel: torch's (the skinny kernel is unavailable: %s)", why)
     return "torch"
 

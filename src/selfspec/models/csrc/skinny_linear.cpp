@@ -1,4 +1,5 @@
-// y = x @ W^T for a few rows of x (the k new tokens of a decoding or verification step), fp32, AVX2.
+// y = x @ W^T for a few rows of x (the k new tokens of a decoding or verification step), AVX2:
+// fp32 weights, or bfloat16 weights and activations with fp32 accumulation (rounded to bfloat16 once).
 //
 // Why a kernel of our own: on the CPUs selfspec is developed on (AMD, AVX2) the BLAS behind
 // torch.nn.functional.linear takes 2-3x as long for 8 rows as for 1, so verifying a draft of k
@@ -8,12 +9,15 @@
 // Every output element is computed by the same instruction sequence whatever the number of rows
 // (8-lane FMA accumulation over K in order, then a fixed horizontal sum), so row i of a k-row call
 // is bit-identical to a 1-row call on row i alone: a verification pass sees exactly the linear
-// outputs that one-token decoding would.
+// outputs that one-token decoding would. With bfloat16 weights each weight element is widened to
+// fp32 exactly (a 16-bit shift) and the same fp32 sequence runs, then y is rounded to bfloat16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+
+#include "avx2.h"
 
 #ifndef SKINNY_NB
 #define SKINNY_NB 48
@@ -21,18 +25,13 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  s = _mm_add_ss(s, _mm_movehl_ps(sh, s));
-  return _mm_cvtss_f32(s);
-}
+using selfspec_avx2::hsum;
+using selfspec_avx2::load8;
 
 // MB rows of x times NR rows of W: MB*NR accumulators of 8 lanes, kept in registers (every loop
 // over m and r is unrolled; K is a multiple of 8, checked by the caller).
-template <int MB, int NR>
-inline void tile(const float* x, const float* w, int64_t K, float* y, int64_t ldy) {
+template <int MB, int NR, typename W>
+inline void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy) {
   __m256 acc[MB][NR];
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m)
@@ -46,7 +45,7 @@ inline void tile(const float* x, const float* w, int64_t K, float* y, int64_t ld
     }
     __m256 wv[NR];
 #pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
+    for (int r = 0; r < NR; ++r) wv[r] = load8(w + r * K + k);
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
@@ -60,31 +59,18 @@ inline void tile(const float* x, const float* w, int64_t K, float* y, int64_t ld
     for (int r = 0; r < NR; ++r) y[m * ldy + r] = hsum(acc[m][r]);
 }
 
-template <int NR>
-inline void tile_rows(int mb, const float* x, const float* w, int64_t K, float* y, int64_t ldy) {
+template <int NR, typename W>
+inline void tile_rows(int mb, const float* x, const W* w, int64_t K, float* y, int64_t ldy) {
   switch (mb) {
-    case 4: tile<4, NR>(x, w, K, y, ldy); break;
-    case 3: tile<3, NR>(x, w, K, y, ldy); break;
-    case 2: tile<2, NR>(x, w, K, y, ldy); break;
-    default: tile<1, NR>(x, w, K, y, ldy); break;
+    case 4: tile<4, NR, W>(x, w, K, y, ldy); break;
+    case 3: tile<3, NR, W>(x, w, K, y, ldy); break;
+    case 2: tile<2, NR, W>(x, w, K, y, ldy); break;
+    default: tile<1, NR, W>(x, w, K, y, ldy); break;
   }
 }
 
-at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "skinny_linear: float32 only");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "skinny_linear: contiguous 2-D weight");
-  const int64_t K = weight.size(1), N = weight.size(0);
-  TORCH_CHECK(x_in.size(-1) == K, "skinny_linear: x has ", x_in.size(-1), " features, weight ", K);
-  TORCH_CHECK(K % 8 == 0, "skinny_linear: in_features must be a multiple of 8, got ", K);
-  auto out_shape = x_in.sizes().vec();
-  out_shape.back() = N;
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename W>
+void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t NB = SKINNY_NB;  // weight rows per parallel task
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n_end = std::min(N, b1 * NB);
@@ -92,12 +78,32 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
     // a tile of 3 weight rows is read from memory once and reused from L1 for every block of x rows
     for (; n + 3 <= n_end; n += 3)
       for (int64_t m0 = 0; m0 < M; m0 += 4)
-        tile_rows<3>(static_cast<int>(std::min<int64_t>(4, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
+        tile_rows<3, W>(static_cast<int>(std::min<int64_t>(4, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
     for (; n < n_end; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += 4)
-        tile_rows<1>(static_cast<int>(std::min<int64_t>(4, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
+        tile_rows<1, W>(static_cast<int>(std::min<int64_t>(4, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n, N);
   });
-  return y.view(out_shape);
+}
+
+at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((weight.scalar_type() == at::kFloat || bf16) && x_in.scalar_type() == weight.scalar_type(),
+              "skinny_linear: float32 or bfloat16 x and weight, of one dtype");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "skinny_linear: contiguous 2-D weight");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  TORCH_CHECK(x_in.size(-1) == K, "skinny_linear: x has ", x_in.size(-1), " features, weight ", K);
+  TORCH_CHECK(K % 8 == 0, "skinny_linear: in_features must be a multiple of 8, got ", K);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  // bfloat16 activations widen to fp32 exactly; the product accumulates in fp32
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (bf16)
+    run(x.data_ptr<float>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, N, K);
+  else
+    run(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+  return (bf16 ? y.to(at::kBFloat16) : y).view(out_shape);
 }
 
 }  // namespace
