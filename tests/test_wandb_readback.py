@@ -114,18 +114,21 @@ def read_offline_run(job_dir: Path) -> OfflineRun:
 
 @pytest.fixture(scope="module")
 def wandb_runs(demo_run):
-    """``{"eval": {task: (run dir, OfflineRun)}, "train": {job: OfflineRun}}`` of the demo."""
+    """``{"eval": {(task, temperature): (run dir, OfflineRun)}, "train": {job: OfflineRun}}`` of the
+    demo (greedy runs of every task and the sampling runs of the tasks it samples)."""
     evals = {}
     for job_dir in sorted((demo_run.run_dir / "eval").iterdir()):
         summary = json.loads((job_dir / "summary.json").read_text())
-        evals[summary["task"]] = (job_dir, read_offline_run(job_dir))
+        key = (summary["task"], summary["config"]["sampling"]["temperature"])
+        assert key not in evals, f"two evaluation runs of {key}"
+        evals[key] = (job_dir, read_offline_run(job_dir))
     train = {job: read_offline_run(demo_run.run_dir / "train" / job) for job in TRAINING}
     return {"eval": evals, "train": train}
 
 
 def test_evaluation_runs_hold_config_summary_and_examples(wandb_runs):
-    assert set(wandb_runs["eval"]) == set(TASKS)
-    for task, (job_dir, run) in wandb_runs["eval"].items():
+    assert {task for task, _ in wandb_runs["eval"]} == set(TASKS)
+    for (task, _), (job_dir, run) in wandb_runs["eval"].items():
         summary = json.loads((job_dir / "summary.json").read_text())
         assert run.run.job_type == "evaluate" and run.run.run_group.startswith("demo-")
         assert {"model:tiny-random", "method:adadecode", f"task:{task}", "job:evaluate"} <= set(run.run.tags)
