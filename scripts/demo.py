@@ -15,10 +15,10 @@ handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
                                                 job.search=bo_model: BO on the cost model, nothing timed
                                                 per candidate; --skip-search bo for the paper's timed BO)
 4. PPD prompt tokens, then the sparse tree      selfspec.train.run_job         (job=prompts ; job=ppd_tree)
-5. vanilla, AdaDecode, Draft & Verify, PPD and the transformers peers on a few examples of each
-   task, interleaved in one job per task        selfspec.evaluation.evaluate   (python -m selfspec.evaluate)
+5. vanilla, AdaDecode, Draft & Verify, PPD, DEL, n-gram drafts and the transformers peers on a few
+   examples of each task, interleaved in one job per task        selfspec.evaluation.evaluate   (python -m selfspec.evaluate)
    then sampling runs (XSum, HumanEval: the Draft & Verify paper's temperature and top-p; vanilla,
-   AdaDecode, Draft & Verify, PPD): rows labelled "lossless (distribution)", PPD's lossy (†)
+   AdaDecode, Draft & Verify, PPD, DEL, n-gram): rows labelled "lossless (distribution)", PPD's lossy (†)
 6. the runtime benchmark: v(k), prefill, vanilla vs generate, bandwidth  (make bench-runtime)
 7. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
 
@@ -52,8 +52,12 @@ PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
 #: reports greedy decoding only and PPD's non-greedy rows use the model's default temperature, so
 #: every method's sampling row here uses the Draft & Verify setting of the task
 SAMPLING = {"xsum": (0.2, 0.85), "cnndm": (0.2, 0.85), "humaneval": (0.6, 0.95)}
-#: methods of the sampling runs (besides vanilla): the lossless ones and PPD (typical acceptance, lossy)
-SAMPLING_METHODS = ("draft_verify", "ppd")
+#: the methods compared with AdaDecode (the method under test) and vanilla in every task's job: the
+#: other three papers' methods (DEL with the mixed-domain heads trained in step 2) and n-gram drafts
+METHODS = ("draft_verify", "ppd", "del_heads", "ngram")
+#: methods of the sampling runs (besides vanilla and AdaDecode): the lossless ones and PPD (typical
+#: acceptance, lossy)
+SAMPLING_METHODS = METHODS
 
 #: budgets per step: "full" is the demo on the embedded default, "small" exercises the pipeline
 BUDGETS = {
@@ -72,7 +76,10 @@ BUDGETS = {
                     "job.eval_every=20", "job.ckpt_every=20"],
         "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24",
                      "job.latency_repeats=3"],
-        "evaluate": {"n": 3, "max_new_tokens": 48, "warmup": 1},
+        # 32 tokens: nine methods and peers (hf_early_exit alone ~4x vanilla's time here) on five
+        # tasks, greedy, then six methods sampled on two tasks, fit the 20-minute budget; warm-up
+        # generations only need to touch every code path once (8 tokens)
+        "evaluate": {"n": 3, "max_new_tokens": 32, "warmup": 1, "warmup_max_new_tokens": 8},
     },
     "small": {
         "heads": ["job.n_prompts=4", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4", "job.steps=4",
@@ -85,7 +92,7 @@ BUDGETS = {
                     "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
         "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6", "job.latency_repeats=1",
                      "job.latency_context=32", "job.plot=false"],
-        "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0},
+        "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0, "warmup_max_new_tokens": 8},
     },
 }
 
@@ -219,11 +226,12 @@ class Demo:
 
         ev = self.budget["evaluate"]
         sweep = self.run_dir / "eval"
-        compare = ",".join(["draft_verify", "ppd", *self.peers()])
+        compare = ",".join([*METHODS, *self.peers()])
         shared = ["method=adadecode", "method.heads_task=mixed", f"compare=[{compare}]", *self.common(),
                   f"n_examples={self.args.n or ev['n']}",
                   f"max_new_tokens={self.args.max_new_tokens or ev['max_new_tokens']}",
-                  f"warmup={ev['warmup']}", f"progress={self.progress}", "+report.table=main"]
+                  f"warmup={ev['warmup']}", f"warmup_max_new_tokens={ev['warmup_max_new_tokens']}",
+                  f"progress={self.progress}", "+report.table=main"]
         tasks = self.args.tasks or list(TASKS)
         jobs = [(task, f"{i}_{task}_{self.args.model}_adadecode", [f"task={task}", *shared])
                 for i, task in enumerate(tasks)]

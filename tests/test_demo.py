@@ -20,8 +20,10 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
         "5_xsum_tiny-random_adadecode_T0.2", "6_humaneval_tiny-random_adadecode_T0.6"]
     eval_dir = evals[0]
     summary = json.loads((eval_dir / "summary.json").read_text())
-    assert set(summary["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd", "hf_generate",
-                                       "hf_prompt_lookup"}
+    # every method of the four papers (DEL on the demo's heads), n-gram drafts and the peers that run
+    # on tiny-random (hf_early_exit needs more than 8 layers)
+    assert set(summary["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd", "del_heads", "ngram",
+                                       "hf_generate", "hf_prompt_lookup"}
     assert summary["config"]["report"]["table"] == "main"
     assert all(list(d.glob("wandb/offline-run-*")) for d in evals), "W&B offline run missing"
 
@@ -39,8 +41,9 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
     # "lossless (distribution)" and show no consistency figure; PPD's typical acceptance is lossy (†)
     sampled = json.loads((evals[6] / "summary.json").read_text())
     assert sampled["config"]["sampling"] | {"seed": 0} == {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "seed": 0}
-    assert set(sampled["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd"}
-    for label, title in (("adadecode", "AdaDecode"), ("draft_verify", "Draft & Verify")):
+    assert set(sampled["methods"]) == {"vanilla", "adadecode", "draft_verify", "ppd", "del_heads", "ngram"}
+    for label, title in (("adadecode", "AdaDecode"), ("draft_verify", "Draft & Verify"), ("del_heads", "DEL (del_heads)"),
+                         ("ngram", "N-gram lookup (beyond the papers)")):
         m = sampled["methods"][label]
         assert m["consistency"] is None and m["lossless"] is True
         assert f"| {title}, T=0.6 · lossless (distribution) | " in table
