@@ -120,3 +120,40 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
     cfg.tree = str(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"method\.tree=.*missing is not allowed: no artefact there.*job=ppd_tree"):
         build_decoder(cfg, m)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_context_drafts_join_the_tree_and_keep_vanilla_output(tiny, seed):
+    """``ngram``: a context draft (the n-gram lookup's) joins the tree as a chain off the root; a
+    repetitive prompt makes the chain match, and the output stays vanilla's token for token."""
+    m = tiny.model
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(3, m.vocab_size, (7,), generator=g).tolist()
+    prompt = [1, *(motif * 4)]
+    ref = Vanilla(m).generate(prompt, N_NEW)
+    trees = random_trees(3, 6, 3, random.Random(seed))
+    plain = PPD(m, _prompts(m, 3, 2, seed), trees).generate(prompt, N_NEW)
+    dec = PPD(m, _prompts(m, 3, 2, seed), trees, ngram={"min_ngram": 1, "max_ngram": 3, "max_draft": 5})
+    out = dec.generate(prompt, N_NEW)
+    assert out.tokens == ref.tokens == plain.tokens
+    assert out.stats["ngram_steps"] > 0
+    # the chain is what lifts τ: with the lookup off the same random prompts accept less
+    assert out.stats["ngram_accepted"] > 0 and out.tau > plain.tau
+    # one layout per (state, chain length), built once
+    assert all(lay.n_nodes == 1 + trees[k].num_candidates + c for (k, c), lay in dec._with_chain.items())
+    sampled = dec.generate(prompt, N_NEW, Sampling(temperature=0.7, seed=seed))  # typical acceptance
+    assert len(sampled.tokens) == N_NEW and sampled.stats["lossless"] is False
+
+
+def test_ngram_sub_config_is_checked_before_loading():
+    from selfspec.checks import ConfigError
+
+    ok = PPD.options(OmegaConf.create({"ngram": {"max_draft": 4}}))
+    assert ok["ngram"] == {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}
+    assert PPD.options(OmegaConf.create({}))["ngram"] is None
+    with pytest.raises(ConfigError, match=r"method\.ngram\.max_draf is not a key"):
+        PPD.options(OmegaConf.create({"ngram": {"max_draf": 4}}))
+    with pytest.raises(ConfigError, match=r"method\.ngram\.min_ngram=5 is not allowed"):
+        PPD.options(OmegaConf.create({"ngram": {"min_ngram": 5}}))
+    with pytest.raises(ConfigError, match=r"method\.ngram=4 is not allowed"):
+        PPD.options(OmegaConf.create({"ngram": 4}))

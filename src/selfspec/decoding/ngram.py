@@ -103,6 +103,36 @@ class NgramIndex:
         return drafts, n
 
 
+def lookup_options(cfg, prefix: str) -> dict:
+    """The n-gram lookup's keys, read from ``cfg`` (a method config, or the ``ngram`` sub-config of
+    a method that drafts from the context first) and checked as ``<prefix>.<key>``:
+    ``max_ngram`` >= 1 (longest suffix matched), ``min_ngram`` in [1, max_ngram] (shortest),
+    ``max_draft`` >= 1 (most draft tokens per step); null takes the default."""
+    value = {k: (cfg.get(k) if cfg.get(k) is not None else DEFAULTS[k]) for k in ("max_ngram", "min_ngram", "max_draft")}
+    key = f"{prefix}.{{}}".format
+    max_n = checks.integer(key("max_ngram"), value["max_ngram"], 1, why="longest n-gram matched")
+    return {
+        "max_ngram": max_n,
+        "min_ngram": checks.integer(key("min_ngram"), value["min_ngram"], 1, max_n,
+                                    why=f"shortest n-gram matched, at most {key('max_ngram')}"),
+        "max_draft": checks.integer(key("max_draft"), value["max_draft"], 1, why="most draft tokens per step"),
+    }
+
+
+def context_drafts_option(cfg, prefix: str) -> dict | None:
+    """A method's ``ngram`` sub-config (drafts from the context first, beyond the papers): null =
+    off, else a mapping of :func:`lookup_options`' keys (unknown keys are refused by name)."""
+    value = cfg.get("ngram")
+    if value is None:
+        return None
+    key = f"{prefix}.ngram"
+    if not hasattr(value, "get") or not hasattr(value, "keys"):
+        raise checks.refuse(key, value, "give null (off) or a mapping of max_ngram, min_ngram, max_draft",
+                            why="n-gram drafts from the prompt and the generated text")
+    checks.known_keys(key, value, ("max_ngram", "min_ngram", "max_draft"), "an ngram sub-config")
+    return lookup_options(value, key)
+
+
 @register
 class NgramLookup(Decoder):
     """Self-speculative decoding with model-free n-gram drafts (module docstring)."""
@@ -126,19 +156,13 @@ class NgramLookup(Decoder):
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/ngram.yaml): ``max_ngram`` >= 1 (longest suffix matched),
-        ``min_ngram`` in [1, max_ngram] (shortest), ``max_draft`` >= 1 (most draft tokens per
-        step), ``draft_schedule`` (``adaptive`` | ``constant``); null takes the default."""
-        value = {k: (cfg.get(k) if cfg.get(k) is not None else d) for k, d in DEFAULTS.items()}
+        """Keys (conf/method/ngram.yaml): the lookup's (:func:`lookup_options`) and
+        ``draft_schedule`` (``adaptive`` | ``constant``); null takes the default."""
         key = f"{prefix}.{{}}".format
-        max_n = checks.integer(key("max_ngram"), value["max_ngram"], 1, why="longest n-gram matched")
-        min_n = checks.integer(key("min_ngram"), value["min_ngram"], 1, max_n,
-                               why=f"shortest n-gram matched, at most {key('max_ngram')}")
+        schedule = cfg.get("draft_schedule") if cfg.get("draft_schedule") is not None else DEFAULTS["draft_schedule"]
         return {
-            "max_ngram": max_n,
-            "min_ngram": min_n,
-            "max_draft": checks.integer(key("max_draft"), value["max_draft"], 1, why="most draft tokens per step"),
-            "draft_schedule": checks.choice(key("draft_schedule"), value["draft_schedule"], SCHEDULES,
+            **lookup_options(cfg, prefix),
+            "draft_schedule": checks.choice(key("draft_schedule"), schedule, SCHEDULES,
                                             why="adaptive: draft length follows acceptance; constant: max_draft"),
         }
 

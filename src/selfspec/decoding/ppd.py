@@ -23,6 +23,14 @@ with the tree attention mask and tree position ids of :mod:`selfspec.decoding.tr
   number of prompt tokens it carried is the next **state** (PPD §4, dynamic sparse tree).
 
 Under greedy decoding the output equals vanilla token for token.
+
+**Drafts from the context** (``ngram``, beyond the papers; null = off, the paper's PPD). When the
+n-gram lookup of :mod:`selfspec.decoding.ngram` matches the prompt and the generated text, its
+draft joins the step's tree as one more branch from the root: a chain of up to ``max_draft``
+nodes whose last node carries the ``m`` prompt tokens (a fully accepted chain continues in state
+``m``; a partly accepted one in state 0). The chain is verified with the tree's other candidates
+in the same forward pass and by the same rule, so greedy output is still vanilla's. The tree of
+each (state, chain length) is laid out once and kept.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import SparseTree, TreeLayout, candidate_tokens, check_trees, full_mask, layout
 from selfspec.prompts import PromptTokens
@@ -62,6 +71,7 @@ class PPD(Decoder):
         trees: dict[int, SparseTree],
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
+        ngram: dict | None = None,
         **common,
     ) -> None:
         super().__init__(model, **common)
@@ -77,7 +87,12 @@ class PPD(Decoder):
             k: layout(t, prompts.n_ept, model.device) for k, t in self.trees.items()
         }
         self.top_k = 1 + max(t.max_rank for t in self.trees.values())
-        self.lookahead = max(max(l.size for l in self.layouts.values()), prompts.m * prompts.n_ept)
+        #: the n-gram lookup's settings (``min_ngram``, ``max_ngram``, ``max_draft``); None = off
+        self.ngram = dict(ngram) if ngram else None
+        chain = self.ngram["max_draft"] if self.ngram else 0
+        self.lookahead = max(max(l.size for l in self.layouts.values()) + chain + prompts.m * prompts.n_ept,
+                             prompts.m * prompts.n_ept)
+        self._with_chain: dict[tuple[int, int], TreeLayout] = {}
         self._cands: torch.Tensor | None = None  # [m, top_k] guesses of the accepted node
         self._state = 0
 
@@ -85,7 +100,8 @@ class PPD(Decoder):
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/ppd.yaml): the ``prompts`` and ``tree`` artefacts (null = the default
         ones for the model), typical acceptance's ``posterior_threshold`` in (0, 1] and
-        ``posterior_alpha`` > 0, and ``tree_size`` (>= 1, or null = the size the ppd_tree job chose)."""
+        ``posterior_alpha`` > 0, ``tree_size`` (>= 1, or null = the size the ppd_tree job chose) and
+        ``ngram`` (null, or the n-gram lookup's keys: :func:`~selfspec.decoding.ngram.context_drafts_option`)."""
         from selfspec.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
@@ -98,6 +114,7 @@ class PPD(Decoder):
                                              low_open=True, why="typical acceptance's α"),
             "tree_size": checks.optional(checks.integer, key("tree_size"), cfg.get("tree_size"), 1,
                                          why="tokens per forward; null = the size the ppd_tree job chose"),
+            "ngram": context_drafts_option(cfg, prefix),
         }
 
     @classmethod
@@ -122,13 +139,17 @@ class PPD(Decoder):
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
             trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept)
-        dec = cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"], **common)
+        dec = cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"],
+                  options["ngram"], **common)
         dec.artefacts = {"prompts": prompts_path, "tree": tree_path}  # lineage for the evaluation runner
         return dec
 
     # --- hooks ----------------------------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:
         self._cands, self._state = None, 0
+        self.index = NgramIndex(self.ngram["min_ngram"], self.ngram["max_ngram"]) if self.ngram else None
+        if self.index is not None:
+            state.stats.update(ngram_steps=0, ngram_accepted=0)
         state.stats["lossless"] = bool(state.sampling.greedy)
         state.stats["acceptance"] = "exact" if state.sampling.greedy else "typical"
 
@@ -162,10 +183,11 @@ class PPD(Decoder):
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
         m = self.model
-        lay = self.layouts[self._state]
+        drafts = self.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if self.index else []
+        lay = self._layout(self._state, len(drafts))
         n_cached = state.n_cached
         root = state.pending_ids(m.device)[0]
-        tokens = torch.cat([root, candidate_tokens(lay, self._cands)]) if lay.n_nodes > 1 else root
+        tokens = torch.cat([root, candidate_tokens(lay, self._guesses(drafts))]) if lay.n_nodes > 1 else root
         h = m.embed(tokens.unsqueeze(0))
         if lay.size > lay.n_nodes:
             h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
@@ -178,7 +200,41 @@ class PPD(Decoder):
         self._next_candidates(h, lay.prompt_rows[best])
         state.drafted = lay.n_nodes - 1
         state.count("tree_tokens", lay.size)
+        if drafts:
+            state.count("ngram_steps")
+            if best and lay.tree.paths[best][0] == self.top_k:  # a chain node: its path is context drafts
+                state.count("ngram_accepted", len(path))
         return tokens[path].tolist() + [bonus]
+
+    def _layout(self, tree_state: int, chain: int) -> TreeLayout:
+        """The layout of state ``tree_state``'s tree, with a chain of ``chain`` context drafts off
+        the root (module docstring). The chain's nodes are rank paths ``(R,) … (R,)*chain`` with
+        ``R = top_k``: a column of the guess table past the prompt tokens' top-k
+        (:meth:`_guesses`), so no chain node is a node of the tree."""
+        if not chain:
+            return self.layouts[tree_state]
+        key = (tree_state, chain)
+        if key not in self._with_chain:
+            tree = self.trees[tree_state]
+            marker = (self.top_k,)
+            prompts_of = dict(zip(tree.paths, tree.prompts))
+            prompts_of[marker * chain] = self.prompts.m
+            nodes = [*tree.nodes, *(marker * d for d in range(1, chain + 1))]
+            self._with_chain[key] = layout(SparseTree.with_prompts(nodes, prompts_of), self.prompts.n_ept,
+                                           self.model.device)
+        return self._with_chain[key]
+
+    def _guesses(self, drafts: list[int]) -> torch.Tensor | None:
+        """The ``[depth, rank]`` guess table of this step: the prompt tokens' top-k, plus the context
+        drafts as column ``top_k`` (``drafts[d]`` is the guess at depth ``d + 1``)."""
+        if not drafts:
+            return self._cands
+        rows = max(len(drafts), self.prompts.m)
+        table = torch.zeros(rows, self.top_k + 1, dtype=torch.long, device=self.model.device)
+        if self._cands is not None:
+            table[: self._cands.shape[0], : self.top_k] = self._cands
+        table[: len(drafts), self.top_k] = torch.tensor(drafts, device=self.model.device)
+        return table
 
     def _verify(self, lay: TreeLayout, tokens: torch.Tensor, logits: torch.Tensor, state: DecodeState):
         """-> (accepted node with the longest path, bonus token after it). One host sync for greedy."""
@@ -197,7 +253,8 @@ class PPD(Decoder):
         accepted = ~(lay.ancestors & ~ok.unsqueeze(0)).any(-1)  # every node on the path matched
         score = torch.where(accepted, lay.depths, lay.depths.new_full((), -1))
         if s.greedy:
-            # first deepest (ties cannot happen: siblings carry different tokens); one host sync
+            # first deepest (siblings carry different tokens, except a context draft that repeats a
+            # guess: both paths then hold the same verified tokens); one host sync
             best = score.argmax()
             best, bonus = torch.stack([best, target[best]]).tolist()
             return best, bonus
