@@ -4,6 +4,8 @@
     python scripts/bench.py --methods vanilla,draft_verify,hf_prompt_lookup --task xsum --n 5
     python scripts/bench.py --methods ngram,hf_prompt_lookup --task cnndm --n 5  # model-free drafts vs transformers'
     python scripts/bench.py --model tiny-random --n 2 -- sampling.temperature=0.7   # extra Hydra overrides
+    python scripts/bench.py --task xsum,cnndm,humaneval,gsm8k,mtbench --methods ... -- model.linear_kernel=torch
+                                                              # one run per task, the model loaded once
 
 Same examples, warm-up first, methods interleaved per example (selfspec.evaluation.runner: no
 second timing loop). Prints tokens/s, speedup against vanilla, tau (mean accepted tokens per step,
@@ -28,7 +30,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="vanilla,hf_generate",
                    help="comma-separated conf/method names; the baseline (vanilla) always runs")
     p.add_argument("--model", default="smollm2-135m", help="conf/model name")
-    p.add_argument("--task", default="xsum", help="conf/task name")
+    p.add_argument("--task", default="xsum", help="conf/task name, or several comma-separated: one run per "
+                   "task (in <out>/<task>), the model loaded once")
     p.add_argument("--n", type=int, default=5, help="examples")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per example (0 = the task's)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up generations per method")
@@ -47,16 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     baseline = "vanilla"
     others = [m for m in methods if m != baseline]
     label = others[0] if others else baseline
-    overrides = [
-        f"model={args.model}", f"task={args.task}", f"method={label}", f"baseline={baseline}",
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    cfgs = {task: compose([
+        f"model={args.model}", f"task={task}", f"method={label}", f"baseline={baseline}",
         "compare=[" + ",".join(others[1:]) + "]", f"n_examples={args.n}", f"warmup={args.warmup}",
         *([f"max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []), *args.overrides,
-    ]
-    cfg = compose(overrides)
+    ]) for task in tasks}
     out = args.out or ROOT / "outputs" / "bench" / args.model / time.strftime("%Y-%m-%d_%H-%M-%S")
-    summary = evaluate(cfg, out, label=label)
-    print(report(summary))
-    print(f"\nresults: {out}")
+    loaded = None
+    if len(tasks) > 1:  # every task's run is checked before the one model load
+        from selfspec.evaluation.runner import prepare
+        from selfspec.models.loading import load_model
+
+        for cfg in cfgs.values():
+            prepare(cfg, label)
+        loaded = load_model(cfgs[tasks[0]].model)
+    for task, cfg in cfgs.items():
+        run_dir = out / task if len(tasks) > 1 else out
+        summary = evaluate(cfg, run_dir, loaded, label=label)
+        print(report(summary))
+        print(f"\nresults: {run_dir}\n")
     return 0
 
 
