@@ -1,0 +1,79 @@
+"""Never slower than vanilla by design: a gate that stops speculating where it does not pay.
+
+Beyond the papers. Whether a speculative step pays depends on the machine as much as on the
+method: it commits τ tokens for the cost of drafting plus a verification pass of ``k + 1`` tokens,
+and on a CPU where that pass costs 1.5–2 plain steps (docs/design.md §4) a method with τ ≈ 1.5 is
+slower than plain decoding, while the same method on a GPU is faster. The papers' controllers
+(Draft & Verify's threshold, DEL's TPL) steer the draft *length* from acceptance alone or from a
+cost model; this gate checks the outcome itself, per decoder, on the wall clock:
+
+* two arms — **speculate** (the method's step) and **plain** (a step with no drafts: one
+  one-token forward pass, vanilla's cost). A step that drafted nothing (e.g. the n-gram lookup
+  found no match) counts as plain;
+* each arm's cost per committed token is an exponential moving average of measured
+  ``seconds / tokens`` over the steps it took (``smoothing``: weight of the newest step);
+* the gate speculates while speculation's cost is at most plain's (or while plain has not been
+  measured yet), else it takes plain steps;
+* the arm not chosen is tried again once every ``interval`` steps, so a change (another task,
+  a loaded machine, a drafter that learned) is noticed. The interval starts at
+  ``min_interval``, doubles each time the probe confirms the choice, up to ``max_interval``, and
+  falls back to ``min_interval`` when the choice flips.
+
+The gate's state is policy state: it lives on the decoder and carries over between examples (the
+cost of a step is the machine's, not the example's). Outputs are unaffected: a plain step is the
+shared chain step with no drafts, so greedy output stays vanilla's and sampling stays exact.
+The evidence lands in the statistics (``plain_steps_gated``: steps the gate made plain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculationGate:
+    """The gate of the module docstring; :meth:`speculate` before a step, :meth:`record` after."""
+
+    min_interval: int = 8
+    max_interval: int = 128
+    smoothing: float = 0.3
+    #: cost per committed token of each arm (seconds; None = not measured yet)
+    cost: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    interval: int = field(init=False)
+    _since_probe: int = field(init=False, default=0)
+    _probing: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_interval <= self.max_interval:
+            raise ValueError(f"need 1 <= min_interval <= max_interval, got {self.min_interval}, {self.max_interval}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        self.interval = self.min_interval
+
+    @property
+    def preferred(self) -> bool:
+        """The arm the measurements favour (True = speculate; also while plain is unmeasured)."""
+        spec, plain = self.cost[True], self.cost[False]
+        return spec is None or plain is None or spec <= plain
+
+    def speculate(self) -> bool:
+        """Whether the next step speculates: the preferred arm, or the other one as a probe."""
+        self._since_probe += 1
+        self._probing = self._since_probe >= self.interval
+        if self._probing:
+            self._since_probe = 0
+            return not self.preferred
+        return self.preferred
+
+    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
+        """One step's outcome: ``speculated`` = it verified at least one draft."""
+        if tokens < 1 or seconds <= 0:
+            return
+        before = self.preferred
+        per_token = seconds / tokens
+        old = self.cost[speculated]
+        self.cost[speculated] = per_token if old is None else (1 - self.smoothing) * old + self.smoothing * per_token
+        if self._probing:
+            self._probing = False
+            self.interval = (min(self.interval * 2, self.max_interval) if self.preferred == before
+                             else self.min_interval)
