@@ -50,7 +50,7 @@ def main() -> None:
         print("trained heads at layers", heads_layers)
     for pair in args.fixed:
         ell, gamma = (int(x) for x in pair.split(":"))
-        methods[f"fixed({ell},{gamma})"] = OmegaConf.merge(base, {"exit_layer": ell, "gamma": gamma,
+        methods[f"fixed({ell},{gamma})"] = OmegaConf.merge(base, {"exit_layer": ell, "max_draft": gamma,
                                                                   "exit_head": args.exit_head, "heads": args.heads})
     del_cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), {"exit_head": args.exit_head, "heads": args.heads},
                               OmegaConf.from_dotlist(args.del_over))
@@ -79,7 +79,7 @@ def main() -> None:
                 a["accepted"] += sum(max(x - 1, 0) for x, dd in zip(g.accepted_per_step, g.drafted_per_step) if dd)
                 a["parity"] &= g.tokens == ref
                 a["exit"] += g.stats.get("exit_layer_mean", 0) / len(prompts)
-                a["gamma"] += g.stats.get("gamma_mean", 0) / len(prompts)
+                a["gamma"] += g.stats.get("draft_len_mean", 0) / len(prompts)
         van = agg["vanilla"]["seconds"] / agg["vanilla"]["tokens"]
         for name, a in agg.items():
             a["tok_per_s"] = a["tokens"] / a["seconds"]

@@ -1,4 +1,4 @@
-"""AdaDecode: output equals vanilla for every gamma, the deferred layer caches equal a full
+"""AdaDecode: output equals vanilla for every threshold, the deferred layer caches equal a full
 recomputation after any sequence of deferrals and rollbacks, and rejection sampling keeps the
 target distribution."""
 
@@ -52,17 +52,17 @@ def reference(peaked, ids):
     return build_decoder(OmegaConf.create({"name": "vanilla"}), peaked.model).generate(ids, 40).tokens
 
 
-@pytest.mark.parametrize("gamma", [0.0, 0.3, 0.6, 0.9, 1.1])
-def test_greedy_equals_vanilla_for_every_gamma(peaked, ids, reference, gamma):
-    g = AdaDecode(peaked.model, random_heads(peaked.model), gamma=gamma).generate(ids, 40)
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.6, 0.9, 1.1])
+def test_greedy_equals_vanilla_for_every_threshold(peaked, ids, reference, threshold):
+    g = AdaDecode(peaked.model, random_heads(peaked.model), threshold=threshold).generate(ids, 40)
     assert g.tokens == reference
     s = g.stats
-    if gamma == 0.0:  # every token exits at the first head until max_early / the budget stops it
+    if threshold == 0.0:  # every token exits at the first head until max_early / the budget stops it
         assert s["early_predictions"] >= len(reference) - s["full_passes"]
         assert set(k for k in s if k.startswith("exit_layer_")) == {"exit_layer_1"}
-    if gamma == 0.3:  # accepted and rejected early predictions both occur
+    if threshold == 0.3:  # accepted and rejected early predictions both occur
         assert s["accepted_early"] > 0 and s["rejected"] > 0 and g.tau > 1
-    if gamma == 1.1:  # no head is ever that confident: plain full passes
+    if threshold == 1.1:  # no head is ever that confident: plain full passes
         assert s["early_predictions"] == 0 and g.tau == 1.0
     assert s["tokens_per_full_pass"] == pytest.approx(g.tau)
     assert sum(s[k] for k in s if k.startswith("exit_layer_")) == s["early_predictions"]
@@ -70,7 +70,7 @@ def test_greedy_equals_vanilla_for_every_gamma(peaked, ids, reference, gamma):
 
 @pytest.mark.parametrize("kw", [{"max_early": 1}, {"max_early": 0}, {"exit_layers": [2]}, {"exit_layers": [4]}])
 def test_ablations_equal_vanilla(peaked, ids, reference, kw):
-    g = AdaDecode(peaked.model, random_heads(peaked.model), gamma=0.3, **kw).generate(ids, 40)
+    g = AdaDecode(peaked.model, random_heads(peaked.model), threshold=0.3, **kw).generate(ids, 40)
     assert g.tokens == reference
     if kw.get("max_early") == 0:
         assert g.stats["early_predictions"] == 0
@@ -79,20 +79,20 @@ def test_ablations_equal_vanilla(peaked, ids, reference, kw):
 
 
 def test_original_lm_head_and_eos(peaked, ids, reference):
-    cfg = OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "layers": HEAD_LAYERS, "gamma": 0.3})
+    cfg = OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "layers": HEAD_LAYERS, "threshold": 0.3})
     g = build_decoder(cfg, peaked.model, tokenizer=peaked.tokenizer).generate(ids, 40)
     assert g.tokens == reference and g.stats["early_predictions"] > 0
     eos = reference[12]
-    dec = AdaDecode(peaked.model, random_heads(peaked.model), gamma=0.0, eos_token_ids=[eos])
+    dec = AdaDecode(peaked.model, random_heads(peaked.model), threshold=0.0, eos_token_ids=[eos])
     g = dec.generate(ids, 40)
     assert g.tokens == reference[: reference.index(eos) + 1] and g.stop_reason == "eos"
 
 
 def test_no_verify_ablation_is_lossy_and_flagged(peaked, ids, reference):
     assert AdaDecodeNoVerify.lossless is False and AdaDecode.lossless is True
-    same = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), gamma=1.1).generate(ids, 40)
+    same = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), threshold=1.1).generate(ids, 40)
     assert same.tokens == reference
-    lossy = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), gamma=0.0).generate(ids, 40)
+    lossy = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), threshold=0.0).generate(ids, 40)
     assert len(lossy.tokens) == 40 and lossy.tokens != reference and lossy.stats["rejected"] == 0
 
 
@@ -102,13 +102,13 @@ def _recomputed_kv(model, tokens, n):
     return cache
 
 
-@pytest.mark.parametrize("gamma", [0.0, 0.3])
-def test_layer_caches_equal_full_recomputation(peaked, ids, gamma):
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_layer_caches_equal_full_recomputation(peaked, ids, threshold):
     """Drive the step pass by pass: after every deferral, every layer's cache holds exactly the
     keys/values a full recomputation gives for its own length (deeper layers lag); after each
     verification / rollback every layer holds all committed tokens but the pending one."""
     m = peaked.model
-    dec = AdaDecode(m, random_heads(m), gamma=gamma, max_early=6)
+    dec = AdaDecode(m, random_heads(m), threshold=threshold, max_early=6)
     state = DecodeState(list(ids), len(ids), m.new_cache(len(ids) + 64), Sampling(), None)
     with torch.inference_mode():
         state.tokens.append(dec.prefill(state, torch.tensor([ids])))
@@ -117,18 +117,18 @@ def test_layer_caches_equal_full_recomputation(peaked, ids, gamma):
             ss = dec.new_step(state, budget=16)
             token = state.pending
             while (logits := dec.advance(state, ss, token)) is None:
-                token = ss.drafts[-1]
+                token = ss.draft.tokens[-1]
                 deferrals += 1
                 lengths = state.cache.lengths
                 assert all(a >= b for a, b in zip(lengths, lengths[1:])), lengths
-                assert lengths[0] == ss.base + len(ss.drafts) and lengths[-1] == ss.base
-                _check_cache(m, state.cache, state.tokens + ss.drafts)
+                assert lengths[0] == ss.base + len(ss.draft.tokens) and lengths[-1] == ss.base
+                _check_cache(m, state.cache, state.tokens + ss.draft.tokens)
             new = dec.verify_step(state, ss, logits)
-            rollbacks += len(new) - 1 < len(ss.drafts)
+            rollbacks += len(new) - 1 < len(ss.draft.tokens)
             state.tokens.extend(new)
             assert state.cache.lengths == [state.n_cached] * m.num_layers
             _check_cache(m, state.cache, state.tokens)
-    assert deferrals > 0 and (gamma != 0.0 or rollbacks > 0)
+    assert deferrals > 0 and (threshold != 0.0 or rollbacks > 0)
 
 
 def _check_cache(m, cache, tokens):
@@ -148,7 +148,7 @@ def test_rejection_sampling_preserves_target_distribution(peaked, ids):
     unbiased sampler has TV ~ 0.02, std ~ 0.015); emitting the head's q instead is off by TV(p*, q) > 0.3."""
     m = peaked.model
     heads = random_heads(m, noise=0.3, seed=1)
-    dec = AdaDecode(m, heads, gamma=0.0)
+    dec = AdaDecode(m, heads, threshold=0.0)
     s = Sampling(temperature=1.0, top_k=3)
     gen = torch.Generator().manual_seed(0)
     state = DecodeState(list(ids), len(ids), m.new_cache(len(ids) + 8), s, gen)
@@ -175,8 +175,8 @@ def test_config_errors(peaked, tmp_path):
     m = peaked.model
     with pytest.raises(ValueError, match="exit_layers"):
         AdaDecode(m, random_heads(m), exit_layers=[3])
-    with pytest.raises(ValueError, match=r"method\.gamma=-0\.5 is not allowed"):
-        build_decoder(OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "gamma": -0.5}), m)
+    with pytest.raises(ValueError, match=r"method\.threshold=-0\.5 is not allowed"):
+        build_decoder(OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "threshold": -0.5}), m)
     cfg = OmegaConf.create({"name": "adadecode", "heads_dir": None, "heads_task": "nonexistent-task"})
     with pytest.raises(FileNotFoundError, match="make train-heads"):
         build_decoder(cfg, m, tokenizer=peaked.tokenizer)

@@ -21,7 +21,8 @@ def del_decoder(loaded, **over):
     return build_decoder(OmegaConf.merge(cfg, over), loaded.model)
 
 
-@pytest.mark.parametrize("over", [{}, {"dynamic_threshold": False}, {"min_gamma": 0, "max_gamma": 6},
+@pytest.mark.parametrize("over", [{}, {"draft_stop": None}, {"min_draft": 0, "max_draft": 6},
+                                  {"draft_stop": {"rule": "static", "threshold": 0.5}},
                                   {"candidate_layers": [0, 2], "shadow_rows": 1, "head_cost": 0.0}])
 def test_greedy_equals_vanilla_under_controller(agree, tiny, prompt_ids, over):
     for loaded in (agree, tiny):
@@ -36,7 +37,7 @@ def test_controller_moves_exit_and_gamma(agree, prompt_ids):
     d = del_decoder(agree, head_cost=0.0)
     seen = set()
     plan = d.plan
-    d.plan = lambda state: seen.add(plan(state)) or plan(state)
+    d.plan = lambda state: seen.add((plan(state).exit_layer, plan(state).max_draft)) or plan(state)
     g = d.generate(prompt_ids, 48)
     assert g.tokens == vanilla(agree, prompt_ids, 48)
     assert g.acceptance_rate > 0.3 and len(seen) > 1, seen
@@ -55,7 +56,7 @@ def test_shadow_hidden_states_equal_recomputation(agree, prompt_ids):
     d = del_decoder(agree, head_cost=0.0)
     checked = []
 
-    def observe(state, rnd, committed):
+    def observe(state, committed):
         n = len(committed)
         start = state.n_cached  # position of x_0 (the pending token of this round)
         seq = state.tokens + committed[:-1]  # x_0 … x_{n-1}: the verified positions that were committed
@@ -64,9 +65,10 @@ def test_shadow_hidden_states_equal_recomputation(agree, prompt_ids):
         mask = m.causal_mask(len(seq), 0)
         for i in range(m.num_layers - 1):
             h = m.mlp(i, m.attention(i, h, rope, None, mask))
-            torch.testing.assert_close(d._hs[d._slot[i], :n], h[0, start : start + n], rtol=1e-4, atol=1e-4)
-        checked.append((rnd.exit_layer, n))
-        DEL.observe(d, state, rnd, committed)
+            torch.testing.assert_close(state.example.hs[d.slot[i], :n], h[0, start : start + n], rtol=1e-4,
+                                       atol=1e-4)
+        checked.append((state.example.plan.exit_layer, n))
+        DEL.observe(d, state, committed)
 
     d.observe = observe
     d.generate(prompt_ids, 24)
@@ -131,15 +133,16 @@ def test_measured_costs_come_from_the_models_cost_curve(tiny, prompt_ids):
     steep = {1: 1.0, 2: 3.0, 4: 6.0, 8: 12.0, 16: 24.0, 32: 48.0}  # v(k) = 3k/2 for k >= 2
     m.cost_curve = CostCurve("tiny", "cpu", "float32", "torch", {512: steep}, layer=0.25, head=0.5)
     try:
-        d = del_decoder(tiny, min_gamma=0, max_gamma=8)
+        d = del_decoder(tiny, min_draft=0, max_draft=8)
         assert d.head_cost == pytest.approx(2.0)
         assert d.verify.tolist() == pytest.approx([1.0, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 13.5])
-        d.stats = ShadowStats(len(d.candidates), d.omega)
-        d.stats.update(torch.ones(len(d.candidates), 1, dtype=torch.bool), torch.ones(len(d.candidates), 1))
-        assert d.plan(None)[1] == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
+        state = DecodeState([], 0, None, Sampling(), None, example=d.new_example(None))
+        state.example.shadow.update(torch.ones(len(d.candidates), 1, dtype=torch.bool),
+                                    torch.ones(len(d.candidates), 1))
+        assert d.plan(state).max_draft == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
         g = d.generate(prompt_ids, 16)
         assert g.tokens == vanilla(tiny, prompt_ids, 16)
-        p = del_decoder(tiny, min_gamma=0, max_gamma=8, cost_model="parameters")
+        p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
         assert p.verify is None and p.head_cost == pytest.approx(m.lm_head.weight.numel() /
                                                                  sum(x.numel() for x in m.layers[0].parameters()))
     finally:
@@ -152,8 +155,8 @@ def test_config_composes_and_bad_values_stop(tiny):
     assert isinstance(d, DEL) and d.candidates == [0, 1, 2] and d.head_cost > 0
     with pytest.raises(ValueError, match="omega"):
         del_decoder(tiny, omega=1.0)
-    with pytest.raises(ValueError, match="min_gamma"):
-        del_decoder(tiny, min_gamma=30)
+    with pytest.raises(ValueError, match="min_draft"):
+        del_decoder(tiny, min_draft=30)
     with pytest.raises(ValueError, match="candidate_layers"):
         del_decoder(tiny, exit_head="heads", candidate_layers=[1])
 

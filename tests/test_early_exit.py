@@ -28,8 +28,9 @@ def agree():
     return agreeing_model()
 
 
-def ee(loaded, exit_layer, gamma, draft_stop=None, **kw):
-    cfg = {"name": "early_exit", "exit_layer": exit_layer, "gamma": gamma, "exit_head": kw.pop("exit_head", "lm_head"),
+def ee(loaded, exit_layer, max_draft, draft_stop=None, **kw):
+    cfg = {"name": "early_exit", "exit_layer": exit_layer, "max_draft": max_draft,
+           "exit_head": kw.pop("exit_head", "lm_head"),
            "heads": kw.pop("heads", None), "draft_stop": draft_stop}
     return build_decoder(OmegaConf.create(cfg), loaded.model, **kw)
 
@@ -60,6 +61,14 @@ def test_draft_stop_rules_keep_vanilla_output(agree, prompt_ids, stop):
     g = d.generate(prompt_ids, 40)
     assert g.tokens == ref
     assert max(g.drafted_per_step) < 12 or stop["rule"] == "adaptive"
+
+
+def test_the_draft_below_the_threshold_is_still_verified(tiny, prompt_ids):
+    """The draft-stop rule every chain method shares (Draft & Verify §3.4): on the random model no
+    draft reaches confidence 0.99, so every round drafts exactly one token, which is verified."""
+    g = ee(tiny, 1, 4, {"rule": "static", "threshold": 0.99}).generate(prompt_ids, 16)
+    assert g.tokens == vanilla(tiny, prompt_ids, 16)
+    assert max(g.drafted_per_step) == 1 and g.stats["draft_stops"] == sum(g.drafted_per_step) > 0
 
 
 def test_budget_eos_and_stop_strings(agree, prompt_ids):
@@ -181,7 +190,7 @@ def test_trained_heads_as_exit_heads(agree, tiny, prompt_ids, tmp_path):
 def test_bad_config_stops_early(tiny):
     with pytest.raises(ValueError, match="exit_layer"):
         ee(tiny, 3, 4)  # the last layer is the final head itself
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ValueError, match="max_draft"):
         ee(tiny, 1, 0)
     with pytest.raises(ValueError, match="exit_head"):
         ee(tiny, 1, 2, exit_head="nope")
@@ -200,5 +209,5 @@ def test_method_configs_build(tiny, name):
     cfg = compose_method(name)
     cfg.exit_layer = 1
     d = build_decoder(cfg, tiny.model)
-    assert isinstance(d, EarlyExit) and d.max_gamma == cfg.gamma
+    assert isinstance(d, EarlyExit) and d.max_draft == cfg.max_draft
     assert (name == "early_exit_dv_threshold") == isinstance(d.draft_stop, AdaptiveThreshold)

@@ -122,7 +122,7 @@ def test_job_end_to_end(tiny, tmp_path, monkeypatch):
     assert summary["artefact"] == str(path) and (path / "meta.json").exists()
     assert not (path.parent / ".tiny-random-gsm8k.ckpt").exists()  # checkpoint cleared
     assert summary["train_sequences"] == 3 and "top1/1" in summary
-    method = OmegaConf.merge(compose(["method=adadecode", "task=gsm8k"]).method, {"gamma": 0.0})
+    method = OmegaConf.merge(compose(["method=adadecode", "task=gsm8k"]).method, {"threshold": 0.0})
     dec = build_decoder(method, tiny.model, tokenizer=tiny.tokenizer)
     assert dec.heads.layers == [1, 2]
     ids = tiny.tokenizer("Question: 2+2?\nAnswer:")["input_ids"]

@@ -127,20 +127,22 @@ def test_cache_after_rollback_equals_recomputation(tiny):
 
 def test_adaptive_draft_length_follows_acceptance(tiny):
     dec = NgramLookup(tiny.model, max_draft=6)
-    assert dec.draft_len == 6
-    dec.adapt(accepted=1, drafted=6)
-    dec.adapt(accepted=0, drafted=5)
-    assert dec.draft_len == 4
-    dec.adapt(accepted=4, drafted=4)
-    assert dec.draft_len == 6
-    dec.adapt(accepted=6, drafted=6)
-    assert dec.draft_len == 6  # capped at max_draft
+    ex = dec.new_example(None)
+    assert ex.draft_len == 6
+    dec.adapt(ex, accepted=1, drafted=6)
+    dec.adapt(ex, accepted=0, drafted=5)
+    assert ex.draft_len == 4
+    dec.adapt(ex, accepted=4, drafted=4)
+    assert ex.draft_len == 6
+    dec.adapt(ex, accepted=6, drafted=6)
+    assert ex.draft_len == 6  # capped at max_draft
     for _ in range(10):
-        dec.adapt(accepted=0, drafted=1)
-    assert dec.draft_len == 1  # never below one draft
+        dec.adapt(ex, accepted=0, drafted=1)
+    assert ex.draft_len == 1  # never below one draft
     const = NgramLookup(tiny.model, max_draft=6, draft_schedule="constant")
-    const.adapt(accepted=0, drafted=6)
-    assert const.draft_len == 6
+    ex = const.new_example(None)
+    const.adapt(ex, accepted=0, drafted=6)
+    assert ex.draft_len == 6
 
 
 # --- sampling --------------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def test_sampling_with_point_mass_drafts_matches_target_distribution():
         model.forward(torch.tensor([ids[:-1]]), state.cache, start=0)
         base_len = state.n_cached
         dec.begin(state)
-        assert dec.index.lookup(ids, 2)[0][0] == d
+        assert state.example.index.lookup(ids, 2)[0][0] == d
         counts = torch.zeros_like(p)
         accepted = 0
         n = 1600

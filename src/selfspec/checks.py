@@ -3,7 +3,7 @@
 Each reader checks the keys it reads, where it reads them (a decoder's ``options``, a job's
 ``check``, a task's options, ``Sampling``), with these helpers; nothing here knows the configs.
 A bad value stops with one :class:`ConfigError` naming the key as a Hydra override, the value
-and what is allowed, e.g. ``method.gamma=1.5 is not allowed: must be in [0, 1) (...)``. Values
+and what is allowed, e.g. ``method.threshold=1.5 is not allowed: must be in [0, 1) (...)``. Values
 are never clamped or replaced: ``null`` means "the documented default" only where a config says
 so, and an integral float (``2.0``) is read as the integer it is, but ``1.5`` is not an integer.
 """
@@ -129,3 +129,13 @@ def known_keys(prefix: str, cfg: Mapping[str, Any], keys: Iterable[str], what: s
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {what}; its keys are "
                           f"{', '.join(sorted(keys))}")
+
+
+def renamed(prefix: str, cfg: Mapping[str, Any], renames: Mapping[str, str]) -> None:
+    """Refuse a key a config reader no longer reads under that name, naming its new key
+    (``renames``: old key -> new key, or a sentence saying what replaced it)."""
+    for old, new in renames.items():
+        if old in cfg:
+            new = new if " " in new else f"{prefix}.{new}"
+            raise ConfigError(f"{prefix}.{old} was renamed: set {new} instead "
+                              f"(found {prefix}.{old}={show(cfg[old])})")

@@ -5,19 +5,32 @@ Follows AdaDecode (ICML 2025, arXiv 2506.03700):
 * §3.1 — lightweight heads ``E_l = E* · T_l`` at intermediate layers
   (:class:`selfspec.heads.IntermediateHeads`).
 * §3.2 **adaptive layer parallelism** — a token runs layer by layer; at a layer with a head,
-  if the head's top probability exceeds ``gamma`` the next token is *predicted early* and its
-  pass starts at once. The skipped deeper layers of the early token are **deferred**: when a
+  if the head's top probability exceeds ``threshold`` (the paper's γ) the next token is
+  *predicted early* and its pass starts at once. The skipped deeper layers of the early token are **deferred**: when a
   later pass reaches a layer, every position still owed that layer joins it, so each layer is
   one batched call over all owed positions (the layer cache of each layer grows at its own
   length; positions owed a layer are always a contiguous tail, so the queue ``P`` of the paper
   is a stack of hidden-state segments, one per depth).
 * §3.3 **verification and rollback** — when a pass reaches the final layer, the final
   distributions of all owed positions exist at once; the early predictions are verified with
-  the shared rules (:func:`~selfspec.decoding.sampling.greedy_verify`, or the modified
-  rejection sampling :func:`~selfspec.decoding.sampling.speculative_verify`: accept with
-  ``min(1, p*/p_l)``, else resample from ``normalize(max(0, p* − p_l))``). On a rejection every
-  layer's cache is cut back to the rejected position (O(1)) and decoding continues from the
-  corrected token.
+  the shared chain step's :func:`~selfspec.decoding.chain.settle` (greedy: exact match; sampling:
+  the modified rejection sampling :func:`~selfspec.decoding.sampling.speculative_verify`: accept
+  with ``min(1, p*/p_l)``, else resample from ``normalize(max(0, p* − p_l))``). On a rejection
+  every layer's cache is cut back to the rejected position (O(1)) and decoding continues from
+  the corrected token.
+
+**Why AdaDecode is no plain chain** (:class:`~selfspec.decoding.chain.ChainDecoder`): a chain
+drafter proposes all drafts, then the target scores them in one pass. AdaDecode's drafts come out
+*of* the target's own passes — a token's pass stops at the first confident head, the next token's
+pass starts, and the deferred deep layers of earlier tokens run batched inside later passes — so
+proposing and scoring interleave and cannot be split into ``propose`` / ``score``. What it shares
+with every chain method: the early prediction and its confidence
+(:func:`~selfspec.decoding.chain.pick`: the head's unwarped top probability, a sample of the
+warped distribution under sampling), the :class:`~selfspec.decoding.chain.Draft` it collects,
+and verification, rollback and the step statistics (:func:`~selfspec.decoding.chain.settle`,
+which calls :meth:`AdaDecode.update` for AdaDecode's own counts). Its threshold is no draft-stop
+rule either: a prediction at or below it is not drafted at all (the pass goes deeper), so the
+``draft_stop`` sub-config does not apply.
 
 Mapping onto the shared loop: one :meth:`AdaDecode.step` = the early-exit passes up to and
 including one full pass; it returns only *verified* tokens (accepted early predictions and the
@@ -45,7 +58,7 @@ import torch
 
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.decoding.chain import Draft, pick, settle
 from selfspec.heads import KINDS as HEAD_KINDS
 from selfspec.heads import IntermediateHeads, default_layers, find_heads, load_heads
 
@@ -65,18 +78,17 @@ class _StepState:
     base: int  # position of the pending token (= committed tokens in every layer's cache)
     cap: int  # most early tokens this step may predict
     rope: tuple  # rotary (cos, sin) for positions base .. base + max_early
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: list[torch.Tensor] = field(default_factory=list)
+    draft: Draft = field(default_factory=Draft)
     exit_layers: list[int] = field(default_factory=list)
     stack: list[_Segment] = field(default_factory=list)
 
 
 @register
 class AdaDecode(Decoder):
-    """AdaDecode decoding (see module docstring). ``heads``: the intermediate heads; ``gamma``:
-    exit threshold on the head's top probability; ``max_early``: most unverified early tokens
-    per step (bounds the work a rejection can waste); ``exit_layers``: heads used for exits
-    (default all)."""
+    """AdaDecode decoding (see module docstring). ``heads``: the intermediate heads; ``threshold``:
+    exit threshold on the head's top probability (the paper's γ); ``max_early``: most unverified
+    early tokens per step (bounds the work a rejection can waste); ``exit_layers``: heads used for
+    exits (default all)."""
 
     name = "adadecode"
     lossless = True
@@ -86,7 +98,7 @@ class AdaDecode(Decoder):
         self,
         model,
         heads: IntermediateHeads,
-        gamma: float = 0.85,
+        threshold: float = 0.85,
         max_early: int = 16,
         exit_layers=None,
         **common,
@@ -101,16 +113,17 @@ class AdaDecode(Decoder):
                 "choose from those or retrain the heads"
             )
         self.heads = heads
-        self.gamma = float(gamma)
+        self.threshold = float(threshold)
         self.max_early = int(max_early)
         self.exit_layers = frozenset(layers)
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/adadecode*.yaml): ``gamma`` (exit when a head's top probability
-        exceeds it, so in [0, 1)), ``max_early`` (>= 1), ``exit_layers`` (null = every head, a
-        list of head layers, or ``middle``), ``head_kind`` (``linear`` / ``full``: load the trained
+        """Keys (conf/method/adadecode*.yaml): ``threshold`` (the paper's γ: exit when a head's top
+        probability exceeds it, so in [0, 1); the old key ``gamma`` is refused, naming it),
+        ``max_early`` (>= 1), ``exit_layers`` (null = every head, a list of head layers, or
+        ``middle``), ``head_kind`` (``linear`` / ``full``: load the trained
         artefact of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head"
         ablation), ``heads_dir`` (null = the default artefact directory, see
         :func:`selfspec.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
@@ -118,6 +131,7 @@ class AdaDecode(Decoder):
         from selfspec.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
+        checks.renamed(prefix, cfg, {"gamma": "threshold"})
         kind = checks.choice(key("head_kind"), cfg.get("head_kind", "linear"), HEAD_KINDS)
         exit_layers = cfg.get("exit_layers")
         if exit_layers != "middle":
@@ -128,9 +142,9 @@ class AdaDecode(Decoder):
             raise checks.refuse(key("layers"), layers, f"set only with head_kind=lm_head; {kind} heads sit at "
                                 "the layers of their artefact (choose among them with exit_layers)")
         return {
-            "gamma": checks.probability(key("gamma"), cfg.get("gamma", 0.85), high_open=True,
-                                        why="exit threshold on a head's top probability: at 1 or more "
-                                            "no token ever exits"),
+            "threshold": checks.probability(key("threshold"), cfg.get("threshold", 0.85), high_open=True,
+                                            why="exit threshold on a head's top probability: at 1 or more "
+                                                "no token ever exits"),
             "max_early": checks.integer(key("max_early"), cfg.get("max_early", 16), 1,
                                         why="unverified early tokens per full pass; 0 would never exit"),
             "exit_layers": exit_layers,
@@ -155,7 +169,7 @@ class AdaDecode(Decoder):
         exit_layers = options["exit_layers"]
         if exit_layers == "middle":
             exit_layers = [heads.layers[len(heads.layers) // 2]]
-        return cls(model, heads, gamma=options["gamma"], max_early=options["max_early"],
+        return cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
                    exit_layers=exit_layers, **common)
 
     # --- decoding --------------------------------------------------------------------------
@@ -171,20 +185,27 @@ class AdaDecode(Decoder):
         while True:
             logits = self.advance(state, ss, token)
             if logits is None:  # early prediction: start the next token's pass
-                token = ss.drafts[-1]
+                token = ss.draft.tokens[-1]
                 continue
             return self.verify_step(state, ss, logits)
+
+    def verify_step(self, state: DecodeState, ss: _StepState, logits: torch.Tensor) -> list[int]:
+        """§3.3: verify the early tokens against the final logits ``[k + 1, V]`` and roll back
+        (the shared :func:`~selfspec.decoding.chain.settle`); returns the verified tokens."""
+        assert logits.shape[0] == len(ss.draft) + 1, "every owed position must reach the final layer"
+        state.example = ss  # the step's state, read by update()
+        return settle(state, ss.draft, logits, self, verify=self.verify)
 
     def advance(self, state: DecodeState, ss: _StepState, token: int) -> torch.Tensor | None:
         """One pass of ``token`` (at position ``base + len(drafts)``) through the layers.
 
         Deferred positions join at the layer they owe. Returns the final logits of every owed
         position ``[k + 1, V]`` if the pass reaches the end, or None after an early prediction
-        (appended to ``ss.drafts``).
+        (appended to ``ss.draft``).
         """
         m, cache = self.model, state.cache
-        pos = ss.base + len(ss.drafts)
-        allow_exit = len(ss.drafts) < ss.cap
+        pos = ss.base + len(ss.draft)
+        allow_exit = len(ss.draft) < ss.cap
         h = m.embed(torch.tensor([[token]], device=m.device))
         masks: dict[int, torch.Tensor | None] = {}
         cos, sin = ss.rope
@@ -201,53 +222,36 @@ class AdaDecode(Decoder):
             rope = (cos[:, start - ss.base : pos + 1 - ss.base], sin[:, start - ss.base : pos + 1 - ss.base])
             h = m.mlp(j, m.attention(j, h, rope, cache, masks[n]))
             if allow_exit and j in self.exit_layers:
-                u = self._early(state, ss, j, h[:, -1])
-                if u is not None:
+                if self._early(state, ss, j, h[:, -1]):
                     ss.stack.append(_Segment(j + 1, h))
-                    ss.drafts.append(u)
                     ss.exit_layers.append(j)
                     return None
         return m.logits(h[0])
 
-    def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> int | None:
-        """The head's prediction if its top probability exceeds gamma (and is not EOS), else None."""
-        logits = self.heads.logits(layer, h_last)[0]
-        probs = logits.softmax(-1)
-        if state.sampling.greedy:
-            p_max, arg = probs.max(-1)
-            conf, tok = torch.stack([p_max, arg.to(p_max.dtype)]).tolist()  # one host sync
-            q = None
-        else:
-            q = warp(logits, state.sampling)
-            tok_t = torch.multinomial(q, 1, generator=state.generator)[0]
-            conf, tok = float(probs.max()), int(tok_t)
-        if conf <= self.gamma or tok in self.eos_token_ids:
-            return None
-        if q is not None:
-            ss.draft_probs.append(q)
-        return int(tok)
+    def draft_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The head's logits at ``layer`` for the last position's state ``h``."""
+        return self.heads.logits(layer, h)[0]
 
-    def verify_step(self, state: DecodeState, ss: _StepState, logits: torch.Tensor) -> list[int]:
-        """Verify the early tokens against the final logits; roll back; return verified tokens."""
-        k = len(ss.drafts)
-        assert logits.shape[0] == k + 1, "every owed position must reach the final layer"
-        draft = torch.tensor(ss.drafts, dtype=torch.long, device=logits.device)
-        if not self.verify:
-            n, nxt = k, int(select(logits[-1], state.sampling, state.generator))
-        else:
-            q = torch.stack(ss.draft_probs) if ss.draft_probs else None
-            n, nxt = verify_chain(draft, q, logits, state.sampling, state.generator)
-        state.cache.truncate(ss.base + n + 1)
-        state.drafted = k
-        for layer in ss.exit_layers:
+    def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> bool:
+        """§3.2: predict early (append to ``ss.draft``) if the head's top probability exceeds the
+        threshold and the token is not EOS."""
+        token, conf, q = pick(self.draft_logits(layer, h_last), state)
+        if conf <= self.threshold or token in self.eos_token_ids:
+            return False
+        ss.draft.append(token, conf, q)
+        return True
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        """AdaDecode's counts after :func:`~selfspec.decoding.chain.settle` verified the step."""
+        k = len(draft)
+        for layer in state.example.exit_layers:
             state.count(f"exit_layer_{layer}")
         state.count("full_passes")
         state.count("early_predictions", k)
-        state.count("accepted_early", n)
-        if n < k:
+        state.count("accepted_early", accepted)
+        if accepted < k:
             state.count("rejected")
-            state.count("discarded", k - n - 1)
-        return ss.drafts[:n] + [nxt]
+            state.count("discarded", k - accepted - 1)
 
     def begin(self, state: DecodeState) -> None:
         for key in ("full_passes", "early_predictions", "accepted_early", "rejected", "discarded"):

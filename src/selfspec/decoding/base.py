@@ -83,6 +83,8 @@ class DecodeState:
     accepted_per_step: list[int] = field(default_factory=list)
     drafted_per_step: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    #: per-example method state (what :meth:`Decoder.begin` creates; e.g. a drafter's buffers)
+    example: Any = None
     #: draft tokens proposed in the current step (a method sets it; the loop records it)
     drafted: int = 0
 
@@ -148,7 +150,8 @@ class Decoder:
         return cls(model, **common)
 
     def begin(self, state: DecodeState) -> None:
-        """Per-example set-up before prefill (default: nothing)."""
+        """Per-example set-up before prefill: per-example state goes on ``state.example``, not on
+        the decoder (default: nothing)."""
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Run the prompt through the model; return the first new token."""
@@ -161,27 +164,6 @@ class Decoder:
 
     def finish(self, state: DecodeState) -> None:
         """Per-example statistics after the loop (default: nothing)."""
-
-    def verify_drafts(
-        self, state: DecodeState, drafts: Sequence[int], draft_probs: torch.Tensor | None = None
-    ) -> tuple[int, int]:
-        """Verify a drafted chain with one full forward pass and roll the cache back.
-
-        Every layer is first truncated to the committed tokens (drafting may have written scratch
-        K/V past them), then ``[pending, d1..dk]`` runs through the full model and
-        :func:`~selfspec.decoding.sampling.verify_chain` decides under ``state.sampling``
-        (``draft_probs``: the ``[k, V]`` distributions the drafts came from; unused when greedy).
-        Afterwards the cache holds ``n_cached + n + 1`` positions (gpt-fast's scheme): the pending
-        token and the ``n`` accepted drafts. Returns ``(n, next_token)``; ``[*drafts[:n], next_token]``
-        are the tokens to commit. With no drafts this is one plain decoding step.
-        """
-        model = self.model
-        state.cache.truncate(state.n_cached)
-        ids = torch.tensor([[state.pending, *drafts]], device=model.device)
-        logits = model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
-        n, nxt = verify_chain(ids[0, 1:], draft_probs, logits, state.sampling, state.generator)
-        state.cache.truncate(state.n_cached + n + 1)
-        return n, nxt
 
     # --- the loop --------------------------------------------------------------------------
     def generate(

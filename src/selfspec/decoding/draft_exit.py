@@ -1,15 +1,19 @@
 """Draft-exit rules: when a self-speculative drafter stops drafting (Draft & Verify §3.4).
 
-Shared by Draft & Verify (``method=draft_verify``: skip-set drafts) and early exit / DEL
-(``method=early_exit``: exit-layer drafts), so both use one implementation of each rule:
+Shared by Draft & Verify (``method=draft_verify``: skip-set drafts), early exit and DEL
+(``method=early_exit`` / ``del``: exit-layer drafts), so all use one implementation of each rule
+and one ``draft_stop`` sub-config (:func:`draft_stop_from_config`; Draft & Verify names the same
+parameters with its paper's keys):
 
 * :class:`DraftStop` — never stop early: always draft the maximum (fixed K / fixed ``(ℓ, γ)``);
 * :class:`StaticThreshold` — stop when the draft's top probability is below a fixed value
   (Draft & Verify Table 4, "static");
 * :class:`AdaptiveThreshold` — Draft & Verify's adaptive threshold, Eq. 2-4, updated after every
-  verification from the acceptance-rate EMA.
+  verification from the acceptance-rate EMA;
+* :class:`DynamicThreshold` — DEL's per-layer threshold from shadow-token confidences (DEL §4.2).
 
-The drafted token whose confidence is below the threshold is still verified.
+One rule for every method (:mod:`selfspec.decoding.chain`): the drafted token whose confidence
+(the drafter's unwarped top probability) is below the threshold is still verified.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from selfspec import checks
 
 
 class DraftStop:
-    """No early stop: always draft ``γ`` tokens (fixed ``(ℓ, γ)``, LayerSkip)."""
+    """No early stop: always draft the maximum (fixed ``(ℓ, γ)``, LayerSkip; fixed K)."""
 
     def threshold(self, exit_layer: int | None = None) -> float:
         return 0.0
@@ -75,6 +79,13 @@ class AdaptiveThreshold(DraftStop):
         self.value = self.beta2 * self.value + (1 - self.beta2) * proposal
 
 
+class DynamicThreshold(DraftStop):
+    """DEL §4.2 (``method=del`` only): the threshold at exit layer ``ℓ`` is (mean confidence of the
+    layer's matched shadow tokens + mean of its mismatched ones) / 2, read from the example's
+    shadow statistics by :meth:`selfspec.decoding.early_exit.DEL.plan` (0, no stop, until both
+    kinds were seen)."""
+
+
 #: allowed range and meaning of each :class:`AdaptiveThreshold` parameter (Draft & Verify §3.3)
 ADAPTIVE_RANGES: dict[str, tuple[dict[str, Any], str]] = {
     "initial": ({"low": 0, "high": 1}, "initial threshold on a draft's top probability"),
@@ -93,14 +104,19 @@ def adaptive_parameters(named: dict[str, tuple[str, Any]]) -> dict[str, float]:
             for param, (key, value) in named.items()}
 
 
-def draft_stop_from_config(cfg, prefix: str = "method.draft_stop") -> DraftStop:
+def draft_stop_from_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> DraftStop:
     """The rule a ``draft_stop`` config names, every value checked: null (never stop early),
-    ``{rule: static, threshold}`` or ``{rule: adaptive, initial, target, epsilon, beta1, beta2}``."""
+    ``{rule: static, threshold}``, ``{rule: adaptive, initial, target, epsilon, beta1, beta2}`` or,
+    where ``dynamic`` (DEL), ``{rule: dynamic}`` (:class:`DynamicThreshold`)."""
     if cfg is None:
         return DraftStop()
+    rules = ("static", "adaptive", "dynamic") if dynamic else ("static", "adaptive")
     if not isinstance(cfg, Mapping):
-        raise checks.refuse(prefix, cfg, "must be null, {rule: static, threshold: p} or {rule: adaptive, ...}")
-    rule = checks.choice(f"{prefix}.rule", cfg.get("rule"), ("static", "adaptive"), why="or draft_stop: null")
+        raise checks.refuse(prefix, cfg, f"must be null or {{rule: ...}} with rule one of {', '.join(rules)}")
+    rule = checks.choice(f"{prefix}.rule", cfg.get("rule"), rules, why="or draft_stop: null")
+    if rule == "dynamic":
+        checks.known_keys(prefix, cfg, ("rule",), "draft_stop with rule: dynamic")
+        return DynamicThreshold()
     if rule == "static":
         checks.known_keys(prefix, cfg, ("rule", "threshold"), "draft_stop with rule: static")
         return StaticThreshold(checks.probability(f"{prefix}.threshold", cfg.get("threshold"),

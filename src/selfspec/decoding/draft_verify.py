@@ -1,25 +1,27 @@
 """Draft & Verify: self-speculative decoding with skipped sublayers (Zhang et al., arXiv 2309.08168).
 
-One step (Draft & Verify §3.2, Algorithm 2 / Appendix K Algorithms 3-4):
+One step (Draft & Verify §3.2, Algorithm 2 / Appendix K Algorithms 3-4), a drafter of the shared
+chain step (:mod:`selfspec.decoding.chain`):
 
-1. **Draft** up to ``K`` tokens with the model itself, skipping the attention and MLP
-   sublayers of the *skip set* (§3.3). Drafting shares the layer cache: the drafted tokens'
-   keys/values are written past the committed tokens (scratch) at every layer whose attention
-   runs.
+1. **Draft** (:meth:`DraftVerify.propose`) up to ``K`` tokens with the model itself, skipping
+   the attention and MLP sublayers of the *skip set* (§3.3). Drafting shares the layer cache: the
+   drafted tokens' keys/values are written past the committed tokens (scratch) at every layer
+   whose attention runs.
 2. **Draft exit** (§3.4): stop as soon as the draft distribution's top probability falls below
-   the threshold ``gamma`` (that token is still verified). ``gamma`` is *adaptive* (Eq. 2-4,
-   updated after every verification from the EMA of the acceptance rate), *static*, or absent
+   the threshold ``gamma`` (that token is still verified — the rule every method shares,
+   :class:`~selfspec.decoding.chain.Draft`). ``gamma`` is *adaptive* (Eq. 2-4, updated after
+   every verification from the EMA of the acceptance rate), *static*, or absent
    (``draft_exit: none`` = fixed K, the Table 3-4 ablations).
 3. **Verify** ``[pending, d1..dk]`` in one full forward pass, after truncating every layer back
    to the committed tokens (the scratch K/V came from approximate hidden states), then keep
-   ``n_cached + accepted + 1`` positions (gpt-fast's scheme). Greedy: exact match
-   (:func:`~selfspec.decoding.sampling.greedy_verify`), so the output equals vanilla token for
-   token. Sampling: speculative sampling (Appendix K; :func:`speculative_verify`), which
-   preserves the target distribution.
+   ``n_cached + accepted + 1`` positions (gpt-fast's scheme): the chain step's default
+   :meth:`~selfspec.decoding.chain.Drafter.score` and :func:`~selfspec.decoding.chain.settle`.
+   Greedy: exact match, so the output equals vanilla token for token. Sampling: speculative
+   sampling (Appendix K), which preserves the target distribution.
 
 Statistics follow :mod:`selfspec.decoding.base`: ``tau`` counts the bonus token; the
 acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``gamma`` (the threshold
-after the example), ``verifications`` and ``draft_exits`` (steps ended by the threshold).
+after the example), ``verifications`` and ``draft_stops`` (steps ended by the threshold).
 
 The threshold state (``gamma`` and the acceptance-rate EMA) lives on the decoder and carries
 over between examples as in the authors' code (docs/design.md §6); :meth:`DraftVerify.reset_gamma`
@@ -33,10 +35,10 @@ from pathlib import Path
 import torch
 
 from selfspec import checks
-from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import (ADAPTIVE_DEFAULTS, AdaptiveThreshold, DraftStop, StaticThreshold,
                                           adaptive_parameters)
-from selfspec.decoding.sampling import warp
 from selfspec.models.layered import LayeredModel, SkipSet
 
 DRAFT_EXITS = ("adaptive", "static", "none")
@@ -126,7 +128,7 @@ def skip_set_path(cfg, model: LayeredModel) -> Path | None:
 
 
 @register
-class DraftVerify(Decoder):
+class DraftVerify(ChainDecoder):
     """Self-speculative decoding with a skip set and an adaptive draft-exit threshold."""
 
     name = "draft_verify"
@@ -212,47 +214,29 @@ class DraftVerify(Decoder):
         """Eq. 2-4 (:class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`); no-op for the others."""
         self.draft_stop.update(drafted, accepted, hit_max)
 
-    # --- one step --------------------------------------------------------------------------
-    def draft(self, state: DecodeState, k_max: int) -> tuple[list[int], torch.Tensor | None, bool]:
-        """Draft up to ``k_max`` tokens with the skip set; returns (drafts, their q rows, exited)."""
-        model, s = self.model, state.sampling
-        start = state.n_cached
-        token = state.pending
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
+    # --- the drafter (chain step: selfspec.decoding.chain) -------------------------------------
+    def draft_length(self, state: DecodeState) -> int:
+        return self.max_draft
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The draft distribution's logits: the model's own head on the skip-set pass."""
+        return self.model.logits(h[:, -1])[0]
+
+    def propose(self, state: DecodeState, k_max: int) -> Draft:
+        """§3.2-3.4: draft with the skip set until K, the threshold or EOS (the skip-set pass writes
+        scratch K/V past the committed tokens; :meth:`score` drops them)."""
+        model = self.model
+        draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
+        token = state.pending
         for j in range(k_max):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, start=start + j, skip=self.skip_set)
-            logits = model.logits(h[:, -1])[0]
-            if s.greedy:
-                p_max, tok = logits.softmax(-1).max(-1)
-            else:
-                q = warp(logits, s)
-                tok = torch.multinomial(q, 1, generator=state.generator)[0]
-                p_max = q.max()
-                qs.append(q)
-            conf, tok = torch.stack([p_max, tok.to(p_max.dtype)]).tolist()  # one host sync
-            token = int(tok)
-            drafts.append(token)
-            if token in self.eos_token_ids:
-                return drafts, (torch.stack(qs) if qs else None), False
-            if conf < self.gamma:
-                return drafts, (torch.stack(qs) if qs else None), True
-        return drafts, (torch.stack(qs) if qs else None), False
-
-    def step(self, state: DecodeState, budget: int) -> list[int]:
-        k_max = min(self.max_draft, budget - 1)  # n accepted + 1 bonus <= budget
-        drafts, q, exited = self.draft(state, k_max) if k_max > 0 else ([], None, False)
-        k = len(drafts)
-        # verification: drop the scratch K/V, recompute [pending, d1..dk] with the full model
-        n, nxt = self.verify_drafts(state, drafts, q)
-        state.drafted = k
-        if k:
-            state.count("verifications")
-            state.count("draft_exits", int(exited))
-            self.update_gamma(n, k, hit_max=(k == self.max_draft))
-        return [*drafts[:n], nxt]
+            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=self.skip_set)
+            if not draft.add(self.draft_logits(h), state, self.gamma, self.eos_token_ids):
+                break
+            token = draft.tokens[-1]
+        return draft
 
     def finish(self, state: DecodeState) -> None:
+        state.stats.setdefault("draft_stops", 0)
         state.stats["gamma"] = self.gamma

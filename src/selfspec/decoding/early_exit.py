@@ -1,20 +1,24 @@
 """Early-exit self-speculative decoding (LayerSkip) and its DEL controller (COLM 2025).
 
+Both are drafters of the shared chain step (:mod:`selfspec.decoding.chain`): this module writes
+how they draft and score, the chain step verifies, rolls back and updates.
+
 **Early exit** (``method=early_exit``; LayerSkip self-speculation, DEL §2-3). Exit layer ``ℓ``
 (0-based, the convention of :mod:`selfspec.heads`: the head at ``ℓ`` reads the hidden state
 *after* layer ``ℓ``; LayerSkip's ``E`` is ``ℓ + 1``). One round:
 
-1. **draft** — the pending token ``x_0`` and then each draft ``d_i`` runs layers ``0..ℓ``
-   alone (their K/V go into the shared layer cache) and the exit head turns the layer-``ℓ``
-   state into the next draft; at most ``γ`` drafts, fewer when a draft-stop rule fires;
-2. **exit-query cache** — the layer-``ℓ`` states of ``x_0 … x_k`` are kept, so verification runs
-   only layers ``ℓ+1..L-1`` for them; layers ``0..ℓ`` keep the draft K/V, which are exact (they
-   *are* the full model's first layers). The last draft ``d_k`` has not been through layers
-   ``0..ℓ`` when it is drafted: verification runs them for it first — unless drafting stopped
-   on a low-confidence draft, whose (discarded) lower pass already did;
-3. **verify** — ``[x_0, d_1 … d_k]`` through the upper layers in one pass, then
-   :func:`~selfspec.decoding.sampling.greedy_verify` (greedy: identical to vanilla) or
-   :func:`~selfspec.decoding.sampling.speculative_verify` (sampling: the target distribution);
+1. **draft** (:meth:`EarlyExit.propose`) — the pending token ``x_0`` and then each draft ``d_i``
+   runs layers ``0..ℓ`` alone (their K/V go into the shared layer cache) and the exit head turns
+   the layer-``ℓ`` state into the next draft; at most ``max_draft`` drafts (the papers' speculation
+   length γ), fewer when the draft-stop rule fires (the draft below the threshold is still
+   verified, Draft & Verify §3.4) or a draft is EOS;
+2. **exit-query cache** (:meth:`EarlyExit.score`) — the layer-``ℓ`` states of ``x_0 … x_k`` are
+   kept, so verification runs only layers ``ℓ+1..L-1`` for them; layers ``0..ℓ`` keep the draft
+   K/V, which are exact (they *are* the full model's first layers). The last draft ``d_k`` has
+   not been through layers ``0..ℓ`` when it is drafted: scoring runs them for it first;
+3. **verify** — ``[x_0, d_1 … d_k]`` through the upper layers in one pass, then the shared
+   :func:`~selfspec.decoding.chain.settle` (greedy: identical to vanilla; sampling: speculative
+   sampling, the target distribution);
 4. **rollback** — every layer is truncated after the accepted tokens (O(1)).
 
 Exit heads (``exit_head``): ``lm_head`` — the model's own final norm + LM head, as LayerSkip
@@ -29,9 +33,13 @@ exit layer's head is applied to the hidden states of the verified positions (lay
 come from drafting, layers ``> ℓ`` from verification, so nothing is recomputed) and compared
 with the committed tokens. Exponentially decayed (``ω``) statistics per layer give the
 acceptance rate ``α_ℓ`` and the mean confidence of matched / mismatched shadow tokens.
-Before each round the controller picks ``(ℓ, γ) = argmax TPL`` (DEL §4.1, tokens per layer)
-and stops drafting when a draft's confidence falls below the per-layer dynamic threshold
-``τ_ℓ = (mean conf matched + mean conf mismatched) / 2`` (DEL §4.2).
+Before each round the controller picks ``(ℓ, γ) = argmax TPL`` (DEL §4.1, tokens per layer;
+``γ`` ranges over ``min_draft..max_draft``) and, under ``draft_stop: {rule: dynamic}``, stops
+drafting when a draft's confidence falls below the per-layer dynamic threshold
+``(mean conf matched + mean conf mismatched) / 2`` (DEL §4.2; the paper's ``τ_ℓ``). The
+statistics are per example (:class:`EarlyExitExample`, created by ``begin``).
+
+Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``draft_stops``.
 """
 
 from __future__ import annotations
@@ -41,9 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from selfspec import checks
-from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.draft_exit import DraftStop, StaticThreshold, draft_stop_from_config
-from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.chain import ChainDecoder, Draft
+from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
+from selfspec.decoding.sampling import select
 from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
@@ -96,32 +105,45 @@ def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None
 
 
 # --- the decoder -------------------------------------------------------------------------------
-@dataclass
-class _Round:
-    """What one round leaves for the controller (DEL's shadow tokens)."""
+@dataclass(frozen=True)
+class Plan:
+    """One round's settings: exit layer ``ℓ``, most drafts, draft-stop threshold (0: never stop)."""
 
     exit_layer: int
-    n_rows: int  # verified positions whose hidden states are in the shadow buffer (k + 1)
+    max_draft: int
+    threshold: float
+
+
+@dataclass
+class EarlyExitExample:
+    """Per-example state (:meth:`EarlyExit.new_example`): the exit-query cache ``hq`` (layer-``ℓ``
+    states of ``x_0 … x_k``), the kept candidate-layer states ``hs`` of the verified positions
+    (DEL's shadow tokens), the current round's :class:`Plan` and DEL's :class:`ShadowStats`."""
+
+    hq: torch.Tensor
+    hs: torch.Tensor
+    plan: Plan | None = None
+    shadow: "ShadowStats | None" = None
 
 
 @register
-class EarlyExit(Decoder):
-    """Early-exit self-speculation with a fixed ``(ℓ, γ)`` and an optional draft-stop rule."""
+class EarlyExit(ChainDecoder):
+    """Early-exit self-speculation with a fixed ``(ℓ, max_draft)`` and an optional draft-stop rule."""
 
     name = "early_exit"
     lossless = True
 
-    def __init__(self, model: LayeredModel, heads, exit_layer: int, gamma: int,
-                 draft_stop: DraftStop | None = None, **common) -> None:
+    def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int,
+                 draft_stop: DraftStop | None = None, keep_layers: list[int] = (), **common) -> None:
         super().__init__(model, **common)
         self.artefacts = {"heads": heads.path} if heads.path else {}
         self.heads = heads
-        self.max_gamma = int(gamma)
-        self.lookahead = self.max_gamma + 1
+        self.max_draft = int(max_draft)
+        self.lookahead = self.max_draft + 1
         self.draft_stop = draft_stop or DraftStop()
         self.exit_layer = self._check_exit(exit_layer)
-        #: layers whose hidden states are kept for shadow tokens (DEL); none for fixed early exit
-        self.keep_layers: list[int] = []
+        #: layers whose hidden states are kept for shadow tokens (DEL; none for fixed early exit)
+        self.slot = {layer: j for j, layer in enumerate(keep_layers)}
 
     def _check_exit(self, layer: int) -> int:
         layer = int(layer)
@@ -135,12 +157,15 @@ class EarlyExit(Decoder):
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
-        with the model), ``gamma`` (drafts per round, >= 1), the exit head
-        (:func:`exit_head_options`) and ``draft_stop`` (:func:`draft_stop_from_config`)."""
+        with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length
+        γ), the exit head (:func:`exit_head_options`) and ``draft_stop``
+        (:func:`draft_stop_from_config`). The old key ``gamma`` is refused, naming ``max_draft``."""
         key = f"{prefix}.{{}}".format
+        checks.renamed(prefix, cfg, {"gamma": "max_draft"})
         return {
             "exit_layer": checks.integer(key("exit_layer"), cfg.get("exit_layer"), 0, why="0-based exit layer ℓ"),
-            "gamma": checks.integer(key("gamma"), cfg.get("gamma"), 1, why="speculation length: drafts per round"),
+            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1,
+                                        why="speculation length γ: most drafts per round"),
             **exit_head_options(cfg, prefix),
             "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
         }
@@ -152,94 +177,91 @@ class EarlyExit(Decoder):
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = build_exit_heads(model, options["exit_head"], options["heads"], [exit_layer], options["heads_task"])
-        return cls(model, heads, exit_layer, options["gamma"], options["draft_stop"], **common)
+        return cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], **common)
 
-    # --- per-example buffers ---------------------------------------------------------------
-    def begin(self, state: DecodeState) -> None:
+    # --- per-example state -----------------------------------------------------------------
+    def new_example(self, state: DecodeState | None) -> EarlyExitExample:
         m = self.model
-        # exit-query cache: layer-ℓ states of x_0 … x_k
-        self._hq = torch.empty(1, self.max_gamma + 1, m.hidden_size, dtype=m.dtype, device=m.device)
-        # hidden states of the kept (candidate) layers for the verified positions
-        self._slot = {layer: j for j, layer in enumerate(self.keep_layers)}
-        self._hs = torch.empty(len(self.keep_layers), self.max_gamma + 1, m.hidden_size, dtype=m.dtype,
-                               device=m.device)
+        new = lambda rows: torch.empty(rows, self.max_draft + 1, m.hidden_size, dtype=m.dtype,  # noqa: E731
+                                       device=m.device)
+        return EarlyExitExample(hq=new(1), hs=new(len(self.slot)))
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
         state.stats.setdefault("exit_layer_sum", 0)
-        state.stats.setdefault("gamma_sum", 0)
+        state.stats.setdefault("draft_len_sum", 0)
 
     def finish(self, state: DecodeState) -> None:
         rounds = max(len(state.accepted_per_step) - 1, 1)
         state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
-        state.stats["gamma_mean"] = state.stats.pop("gamma_sum") / rounds
+        state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
+        state.stats.setdefault("draft_stops", 0)
 
     # --- the controller's hooks (fixed here; DEL overrides) ---------------------------------
-    def plan(self, state: DecodeState) -> tuple[int, int]:
-        """``(exit layer ℓ, max drafts γ)`` for the next round."""
-        return self.exit_layer, self.max_gamma
+    def plan(self, state: DecodeState) -> Plan:
+        """The next round's :class:`Plan`."""
+        return Plan(self.exit_layer, self.max_draft, self.draft_stop.threshold(self.exit_layer))
 
-    def observe(self, state: DecodeState, rnd: _Round, committed: list[int]) -> None:
+    def observe(self, state: DecodeState, committed: list[int]) -> None:
         """After verification: ``committed`` are the tokens the verified rows produced."""
 
-    # --- one round ------------------------------------------------------------------------
-    def _layers(self, h, layers: range, cache, start: int, row: int) -> torch.Tensor:
+    # --- one round: the drafter of the shared chain step (selfspec.decoding.chain) ---------
+    def _layers(self, h, layers: range, state: DecodeState, start: int, row: int) -> torch.Tensor:
         """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
-        m = self.model
+        m, hs = self.model, state.example.hs
         n = h.shape[1]
         rope = m.rope(m.positions(start, n), h)
         mask = m.causal_mask(n, start)
         for i in layers:
-            h = m.mlp(i, m.attention(i, h, rope, cache, mask))
-            j = self._slot.get(i)
+            h = m.mlp(i, m.attention(i, h, rope, state.cache, mask))
+            j = self.slot.get(i)
             if j is not None:
-                self._hs[j, row : row + n] = h[0]
+                hs[j, row : row + n] = h[0]
         return h
 
-    def step(self, state: DecodeState, budget: int) -> list[int]:
-        m, cache, s = self.model, state.cache, state.sampling
-        ell, gamma = self.plan(state)
-        gamma = min(gamma, budget - 1)  # accepted drafts + 1 token at most fill the budget
-        lower, upper = range(0, ell + 1), range(ell + 1, m.num_layers)
-        start = state.n_cached
-        tau = self.draft_stop.threshold(ell)
-        x = state.pending_ids(m.device)
-        drafts: list[torch.Tensor] = []
-        q_rows: list[torch.Tensor] = []
-        lowered = 0  # x_0 … x_{lowered-1} have been through layers 0..ℓ
-        hit_max = True
-        for i in range(gamma):
-            h = self._layers(m.embed(x), lower, cache, start + i, i)
-            self._hq[:, i] = h[:, 0]
-            lowered += 1
-            logits = self.heads.logits(ell, h[0, -1])
-            if tau > 0:
-                conf = float(logits.softmax(-1).max())
-                if conf < tau:  # draft-exit: discard this draft; x_i is fully lowered
-                    hit_max = False
-                    break
-            if s.greedy:
-                tok = logits.argmax(-1).view(1)
-            else:
-                q = warp(logits, s)
-                tok = torch.multinomial(q.unsqueeze(0), 1, generator=state.generator).view(1)
-                q_rows.append(q)
-            drafts.append(tok)
-            x = tok.view(1, 1)
-        k = len(drafts)
-        if lowered == k:  # the last draft (or x_0 when γ = 0) still needs layers 0..ℓ
-            h = self._layers(m.embed(x), lower, cache, start + k, k)
-            self._hq[:, k] = h[:, 0]
-        # verification: layers ℓ+1..L-1 on the exit-query states of x_0, d_1 … d_k
-        h = self._layers(self._hq[:, : k + 1], upper, cache, start, 0)
-        target = m.logits(h[0])
-        draft = torch.cat(drafts) if k else torch.empty(0, dtype=torch.long, device=m.device)
-        n, nxt = verify_chain(draft, torch.stack(q_rows) if q_rows else None, target, s, state.generator)
-        new = draft[:n].tolist() + [nxt]
-        cache.truncate(start + n + 1)
-        state.drafted = k
-        state.count("exit_layer_sum", ell)
-        state.count("gamma_sum", k)
-        self.draft_stop.update(k, n, hit_max and k == gamma)
-        self.observe(state, _Round(ell, k + 1), new)
-        return new
+    def _lower(self, state: DecodeState, token: int, i: int) -> torch.Tensor:
+        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query cache."""
+        m, ex = self.model, state.example
+        ids = torch.tensor([[token]], device=m.device)
+        h = self._layers(m.embed(ids), range(0, ex.plan.exit_layer + 1), state, state.n_cached + i, i)
+        ex.hq[:, i] = h[:, 0]
+        return h
+
+    def draft_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The exit head's logits for the layer-``ℓ`` state ``h``."""
+        return self.heads.logits(layer, h)
+
+    def draft_length(self, state: DecodeState) -> int:
+        state.example.plan = self.plan(state)
+        return state.example.plan.max_draft
+
+    def propose(self, state: DecodeState, k_max: int) -> Draft:
+        """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
+        plan = state.example.plan
+        draft = Draft()
+        token = state.pending
+        for i in range(k_max):
+            h = self._lower(state, token, i)
+            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1]), state, plan.threshold,
+                             self.eos_token_ids):
+                break
+            token = draft.tokens[-1]
+        return draft
+
+    def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """Steps 2-3: the last draft (``x_0`` when nothing was drafted) through layers ``0..ℓ``,
+        then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass."""
+        m, k = self.model, len(draft)
+        self._lower(state, draft.tokens[-1] if k else state.pending, k)
+        upper = range(state.example.plan.exit_layer + 1, m.num_layers)
+        h = self._layers(state.example.hq[:, : k + 1], upper, state, state.n_cached, 0)
+        return m.logits(h[0])
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        state.count("exit_layer_sum", state.example.plan.exit_layer)
+        state.count("draft_len_sum", len(draft))
+        super().update(state, draft, accepted, committed)
+        self.observe(state, committed)
 
 
 # --- DEL -----------------------------------------------------------------------------------------
@@ -277,11 +299,12 @@ class ShadowStats:
         return self.match / self.weight.clamp_min(1e-12)
 
     def threshold(self) -> torch.Tensor:
-        """``τ_ℓ = (mean conf matched + mean conf mismatched) / 2``; 0 (no stop) until both are seen."""
+        """Per-layer stop threshold ``(mean conf matched + mean conf mismatched) / 2`` (DEL §4.2's
+        τ_ℓ; not called tau here, where τ is tokens per step); 0 (no stop) until both are seen."""
         miss = self.weight - self.match  # decayed mismatches
         both = (self.match > 1e-12) & (miss > 1e-12)
-        tau = (self.conf_match / self.match.clamp_min(1e-12) + self.conf_miss / miss.clamp_min(1e-12)) / 2
-        return torch.where(both, tau, torch.zeros_like(tau))
+        cut = (self.conf_match / self.match.clamp_min(1e-12) + self.conf_miss / miss.clamp_min(1e-12)) / 2
+        return torch.where(both, cut, torch.zeros_like(cut))
 
 
 def expected_tokens(alpha: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
@@ -330,15 +353,14 @@ class DEL(EarlyExit):
 
     name = "del"
 
-    def __init__(self, model: LayeredModel, heads, max_gamma: int, min_gamma: int = 1, omega: float = 0.95,
-                 dynamic_threshold: bool = True, prefill_shadow: int = 8, shadow_rows: int | None = None,
+    def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int = 1, omega: float = 0.95,
+                 draft_stop: DraftStop | None = None, prefill_shadow: int = 8, shadow_rows: int | None = None,
                  head_cost: float | None = None, cost_model: str = "measured", **common) -> None:
-        self.gammas = torch.arange(int(min_gamma), int(max_gamma) + 1)
+        self.gammas = torch.arange(int(min_draft), int(max_draft) + 1)  # the speculation lengths γ
         self.candidates = list(heads.layers)
-        super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_gamma, None, **common)
-        self.keep_layers = self.candidates
+        super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_draft,
+                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates, **common)
         self.omega = float(omega)
-        self.dynamic_threshold = bool(dynamic_threshold)
         self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
         #: ``measured``: TPL's costs from the runtime's cost curve on this machine; ``parameters``:
@@ -346,7 +368,7 @@ class DEL(EarlyExit):
         self.cost_model = cost_model
         self.verify = None
         if cost_model == "measured":
-            curve = model_curve(model, max_k=int(max_gamma) + 1)
+            curve = model_curve(model, max_k=int(max_draft) + 1)
             self.verify = torch.tensor([curve.v(int(g) + 1) for g in self.gammas], dtype=torch.float64)
             measured = head_cost_in_layers(model, heads, lm_head=curve.head_in_layers)
             self.head_cost = measured if head_cost is None else float(head_cost)
@@ -357,26 +379,31 @@ class DEL(EarlyExit):
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/del*.yaml): the exit head (:func:`exit_head_options`),
-        ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_gamma``
-        >= 1 and ``min_gamma`` in [0, max_gamma], ``omega`` in (0, 1), ``dynamic_threshold``,
-        ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null), ``head_cost`` (>= 0 or null) and
-        ``cost_model`` (``measured`` or ``parameters``)."""
+        ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_draft``
+        >= 1 and ``min_draft`` in [0, max_draft] (the speculation lengths γ TPL chooses from),
+        ``omega`` in (0, 1), ``draft_stop`` (:func:`draft_stop_from_config` with DEL's own rule
+        ``{rule: dynamic}``, §4.2), ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null),
+        ``head_cost`` (>= 0 or null) and ``cost_model`` (``measured`` or ``parameters``). The old
+        keys ``max_gamma``, ``min_gamma`` and ``dynamic_threshold`` are refused, naming the new."""
         key = f"{prefix}.{{}}".format
+        checks.renamed(prefix, cfg, {"max_gamma": "max_draft", "min_gamma": "min_draft", "dynamic_threshold":
+                                     f"{key('draft_stop')}={{rule: dynamic}} (or null: never stop)"})
         heads = exit_head_options(cfg, prefix)
         layers = checks.optional(checks.integers, key("candidate_layers"), cfg.get("candidate_layers"), distinct=True)
         if layers is not None and heads["exit_head"] == "heads":
             raise checks.refuse(key("candidate_layers"), layers, "set only with exit_head=lm_head; with trained "
                                 "heads the candidates are the layers that have a head (set candidate_layers: null)")
-        max_gamma = checks.integer(key("max_gamma"), cfg.get("max_gamma"), 1, why="largest speculation length")
+        max_draft = checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="largest speculation length")
         return {
             **heads,
             "candidate_layers": layers,
-            "max_gamma": max_gamma,
-            "min_gamma": checks.integer(key("min_gamma"), cfg.get("min_gamma", 1), 0, max_gamma,
-                                        why=f"smallest speculation length, at most max_gamma={max_gamma}"),
+            "max_draft": max_draft,
+            "min_draft": checks.integer(key("min_draft"), cfg.get("min_draft", 1), 0, max_draft,
+                                        why=f"smallest speculation length, at most max_draft={max_draft}"),
             "omega": checks.number(key("omega"), cfg.get("omega", 0.95), 0, 1, low_open=True, high_open=True,
                                    why="decay of the shadow-token statistics"),
-            "dynamic_threshold": checks.flag(key("dynamic_threshold"), cfg.get("dynamic_threshold", True)),
+            "draft_stop": draft_stop_from_config(cfg.get("draft_stop", {"rule": "dynamic"}), key("draft_stop"),
+                                                 dynamic=True),
             "prefill_shadow": checks.integer(key("prefill_shadow"), cfg.get("prefill_shadow", 8), 1,
                                              why="prompt positions seeding the statistics"),
             "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
@@ -393,13 +420,14 @@ class DEL(EarlyExit):
         if layers is None:
             layers = range(model.num_layers - 1)
         heads = build_exit_heads(model, options["exit_head"], options["heads"], list(layers), options["heads_task"])
-        return cls(model, heads, options["max_gamma"], options["min_gamma"], options["omega"],
-                   options["dynamic_threshold"], options["prefill_shadow"], options["shadow_rows"],
+        return cls(model, heads, options["max_draft"], options["min_draft"], options["omega"],
+                   options["draft_stop"], options["prefill_shadow"], options["shadow_rows"],
                    options["head_cost"], options["cost_model"], **common)
 
-    def begin(self, state: DecodeState) -> None:
-        super().begin(state)
-        self.stats = ShadowStats(len(self.candidates), self.omega)
+    def new_example(self, state: DecodeState | None) -> EarlyExitExample:
+        ex = super().new_example(state)
+        ex.shadow = ShadowStats(len(self.candidates), self.omega)
+        return ex
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Full pass over the prompt; shadow tokens of its last positions seed the statistics.
@@ -416,32 +444,35 @@ class DEL(EarlyExit):
         kept = []
         for i in range(m.num_layers):
             h = m.mlp(i, m.attention(i, h, rope, state.cache, mask))
-            if i in self._slot:
+            if i in self.slot:
                 kept.append(h[0, n - rows :])
         final = m.logits(h[0, n - rows :])
-        self._shadow(torch.stack(kept), final.argmax(-1))
+        self._shadow(state, torch.stack(kept), final.argmax(-1))
         return int(select(final[-1], state.sampling, state.generator))
 
-    def _shadow(self, hs: torch.Tensor, committed: torch.Tensor) -> None:
+    def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
         if self.heads.kind == "lm_head":  # one batched head for all layers
             logits = self.heads.logits(self.candidates[0], hs)
         else:
             logits = torch.stack([self.heads.logits(layer, hs[j]) for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
-        self.stats.update(tok == committed.view(1, -1), conf)
+        state.example.shadow.update(tok == committed.view(1, -1), conf)
 
-    def observe(self, state: DecodeState, rnd: _Round, committed: list[int]) -> None:
+    def observe(self, state: DecodeState, committed: list[int]) -> None:
         n = len(committed)  # verified rows 0..n-1 produced the committed tokens
         rows = n if self.shadow_rows is None else min(n, self.shadow_rows)
         target = torch.tensor(committed[:rows], device=self.model.device)
-        self._shadow(self._hs[:, :rows], target)
+        self._shadow(state, state.example.hs[:, :rows], target)
 
-    def plan(self, state: DecodeState) -> tuple[int, int]:
-        alpha = self.stats.alpha()
-        ell, gamma, _ = tpl_argmax(alpha, self._layer_ids, self.gammas, self.model.num_layers, self.head_cost,
-                                   self.verify)
-        if self.dynamic_threshold:
-            tau = float(self.stats.threshold()[self.candidates.index(ell)])
-            self.draft_stop = StaticThreshold(tau) if tau > 0 else DraftStop()
-        return ell, gamma
+    def plan(self, state: DecodeState) -> Plan:
+        """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
+        of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
+        shadow = state.example.shadow
+        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.model.num_layers,
+                                   self.head_cost, self.verify)
+        if isinstance(self.draft_stop, DynamicThreshold):
+            threshold = float(shadow.threshold()[self.candidates.index(ell)])
+        else:
+            threshold = self.draft_stop.threshold(ell)
+        return Plan(ell, gamma, threshold)

@@ -18,8 +18,8 @@ One step:
    (``a b a b``) drafts ``k`` tokens, not ``p``. The index holds the most recent end position of
    every n-gram and grows with the committed tokens: a lookup costs ``O(max_ngram)`` dictionary
    probes plus indexing the tokens committed since the last one.
-2. **Verify** the chain ``[pending, d1..dk]`` in one full forward pass with the shared rule
-   (:meth:`~selfspec.decoding.base.Decoder.verify_drafts`, i.e.
+2. **Verify** the chain ``[pending, d1..dk]`` in one full forward pass with the shared chain
+   step (:func:`selfspec.decoding.chain.settle`, i.e.
    :func:`~selfspec.decoding.sampling.verify_chain`). Greedy: exact match, so the output is
    vanilla's token for token. Sampling: the drafts are deterministic given the context, so the
    draft distribution is a point mass ``q = one_hot(d_i)``; speculative sampling then accepts
@@ -43,12 +43,14 @@ Statistics (``stats``): ``verifications`` (steps that drafted), ``plain_steps`` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from selfspec import checks
-from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.chain import ChainDecoder, Draft
 
 SCHEDULES = ("adaptive", "constant")
 #: config key -> default (conf/method/ngram.yaml)
@@ -133,8 +135,18 @@ def context_drafts_option(cfg, prefix: str) -> dict | None:
     return lookup_options(value, key)
 
 
+@dataclass
+class NgramExample:
+    """Per-example state: the index of the sequence, the controller's draft length ``k`` and the
+    summed match lengths (for ``match_len``)."""
+
+    index: NgramIndex
+    draft_len: int
+    match_lens: int = 0
+
+
 @register
-class NgramLookup(Decoder):
+class NgramLookup(ChainDecoder):
     """Self-speculative decoding with model-free n-gram drafts (module docstring)."""
 
     name = "ngram"
@@ -152,7 +164,6 @@ class NgramLookup(Decoder):
         self.max_draft = int(max_draft)
         self.draft_schedule = draft_schedule
         self.lookahead = self.max_draft  # verification writes k + 1 positions past the committed ones
-        self.draft_len = self.max_draft
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
@@ -170,39 +181,41 @@ class NgramLookup(Decoder):
     def from_config(cls, model, options: dict, **common) -> "NgramLookup":
         return cls(model, **options, **common)
 
-    def begin(self, state: DecodeState) -> None:
-        self.index = NgramIndex(self.min_ngram, self.max_ngram)
-        self.draft_len = self.max_draft
-        self._match_lens = 0
+    # --- the drafter (chain step: selfspec.decoding.chain) -----------------------------------
+    def new_example(self, state: DecodeState) -> NgramExample:
+        return NgramExample(NgramIndex(self.min_ngram, self.max_ngram), self.max_draft)
 
-    def step(self, state: DecodeState, budget: int) -> list[int]:
-        k_max = min(self.draft_len, budget - 1)  # n accepted + 1 bonus <= budget
-        drafts, n_gram = self.index.lookup(state.tokens, k_max)
-        q = None
-        if drafts and not state.sampling.greedy:  # deterministic drafts: point-mass q
-            q = torch.nn.functional.one_hot(torch.tensor(drafts, device=self.model.device),
-                                            self.model.vocab_size).float()
-        n, nxt = self.verify_drafts(state, drafts, q)
-        k = state.drafted = len(drafts)
-        if k:
-            state.count("verifications")
-            self._match_lens += n_gram
-            self.adapt(n, k)
+    def draft_length(self, state: DecodeState) -> int:
+        return state.example.draft_len
+
+    def propose(self, state: DecodeState, k_max: int) -> Draft:
+        """Step 1 (lookup); under sampling the draft distribution is a point mass on each draft."""
+        ex = state.example
+        tokens, n_gram = ex.index.lookup(state.tokens, k_max)
+        ex.match_lens += n_gram if tokens else 0
+        probs = []
+        if tokens and not state.sampling.greedy:
+            probs = list(torch.nn.functional.one_hot(torch.tensor(tokens, device=self.model.device),
+                                                     self.model.vocab_size).float())
+        return Draft(tokens, probs, [None] * len(tokens))
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        if len(draft):
+            self.adapt(state.example, accepted, len(draft))
         else:
             state.count("plain_steps")
-        return [*drafts[:n], nxt]
 
-    def adapt(self, accepted: int, drafted: int) -> None:
+    def adapt(self, ex: NgramExample, accepted: int, drafted: int) -> None:
         """The draft-length controller (module docstring): +2 after a fully accepted draft, -1
         after a rejection, within [1, max_draft]; ``constant`` keeps ``max_draft``."""
         if self.draft_schedule == "constant":
             return
         step = 2 if accepted == drafted else -1
-        self.draft_len = max(1, min(self.max_draft, self.draft_len + step))
+        ex.draft_len = max(1, min(self.max_draft, ex.draft_len + step))
 
     def finish(self, state: DecodeState) -> None:
         verifications = state.stats.get("verifications", 0)
         state.stats.setdefault("plain_steps", 0)
         state.stats.setdefault("verifications", 0)
-        state.stats["match_len"] = self._match_lens / verifications if verifications else 0.0
-        state.stats["draft_len"] = self.draft_len
+        state.stats["match_len"] = state.example.match_lens / verifications if verifications else 0.0
+        state.stats["draft_len"] = state.example.draft_len

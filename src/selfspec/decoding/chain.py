@@ -1,0 +1,179 @@
+"""The drafter interface and the one chain step every chain method shares (issue 12).
+
+A *chain method* drafts ``d1..dk`` after the pending token, scores ``[pending, d1..dk]`` with the
+full model, commits the longest accepted prefix and the target's own next token, rolls the cache
+back and lets the drafter learn from what was accepted. Draft & Verify, n-gram lookup, early
+exit and DEL differ only in how they draft and, for early exit / DEL, in how the target scores
+the chain (the upper layers over kept exit-layer states). The split follows the idea of
+``transformers``' ``CandidateGenerator`` (propose candidates; update the strategy from the number
+of matches):
+
+* :class:`Drafter` — what a method implements: :meth:`~Drafter.new_example` (per-example state,
+  held on ``DecodeState.example``), :meth:`~Drafter.propose` (a :class:`Draft`),
+  :meth:`~Drafter.score` (target logits of the chain; default one full forward pass) and
+  :meth:`~Drafter.update` (the policy update, e.g. Draft & Verify's adaptive threshold, DEL's
+  shadow-token statistics, the n-gram draft-length controller);
+* :func:`settle` — verify, roll back, update, count: written once, used by :class:`ChainDecoder`
+  and by AdaDecode (whose passes interleave drafting and scoring, so it is no plain chain);
+* :class:`ChainDecoder` — a :class:`~selfspec.decoding.base.Decoder` whose step is
+  ``propose → score → settle``.
+
+**Draft-stop rule** (one for every method; Draft & Verify §3.4): :meth:`Draft.add` takes the
+drafter's logits for the next position, picks the draft token (argmax, or a sample of the warped
+distribution under sampling, whose row is kept as ``q`` for speculative sampling) and its
+*confidence*, the top probability of the drafter's unwarped distribution (the same under greedy
+decoding and sampling). Drafting stops after a token whose confidence is below the threshold —
+that token **is still verified** — and after an EOS draft (nothing after it can be committed).
+
+Policy state (a draft-stop rule such as :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`)
+lives on the decoder and carries over between examples, as Draft & Verify's code does
+(docs/design.md §6); everything that belongs to one example lives in the object
+:meth:`Drafter.new_example` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from selfspec.decoding.base import DecodeState, Decoder
+from selfspec.decoding.draft_exit import DraftStop
+from selfspec.decoding.sampling import select, verify_chain, warp
+
+
+@dataclass
+class Draft:
+    """Draft tokens of one step and what verification and the drafter's update read."""
+
+    tokens: list[int] = field(default_factory=list)
+    #: ``q`` rows (``[V]`` each) the drafts were sampled from; empty under greedy decoding
+    probs: list[torch.Tensor] = field(default_factory=list)
+    #: top probability of the drafter's distribution at each draft (None where not computed)
+    confidences: list[float | None] = field(default_factory=list)
+    #: drafting ended on a draft below the draft-stop threshold (that draft is verified)
+    stopped: bool = False
+    #: most drafts the drafter meant to propose (:meth:`Drafter.draft_length`, before the budget)
+    limit: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, logits: torch.Tensor, state: DecodeState, threshold: float = 0.0,
+            eos: frozenset[int] = frozenset()) -> bool:
+        """Append the draft the drafter's ``logits`` ``[V]`` give (module docstring); return
+        whether drafting goes on (False after a draft below ``threshold`` or an EOS draft)."""
+        token, conf, q = pick(logits, state)
+        self.append(token, conf, q)
+        if conf < threshold:
+            self.stopped = True
+            return False
+        return token not in eos
+
+    def append(self, token: int, conf: float | None = None, q: torch.Tensor | None = None) -> None:
+        self.tokens.append(token)
+        self.confidences.append(conf)
+        if q is not None:
+            self.probs.append(q)
+
+    def q(self) -> torch.Tensor | None:
+        """``[k, V]`` draft distributions for speculative sampling (None under greedy decoding)."""
+        return torch.stack(self.probs) if self.probs else None
+
+    def tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.tokens, dtype=torch.long, device=device)
+
+
+def pick(logits: torch.Tensor, state: DecodeState) -> tuple[int, float, torch.Tensor | None]:
+    """``(token, confidence, q)`` for drafter logits ``[V]``: the argmax (greedy) or a sample of
+    the warped distribution ``q``; the confidence is the unwarped top probability. One host sync."""
+    probs = logits.float().softmax(-1)
+    if state.sampling.greedy:
+        p_max, tok = probs.max(-1)
+        q = None
+    else:
+        q = warp(logits, state.sampling)
+        tok = torch.multinomial(q, 1, generator=state.generator)[0]
+        p_max = probs.max()
+    conf, tok = torch.stack([p_max, tok.to(p_max.dtype)]).tolist()
+    return int(tok), conf, q
+
+
+class Drafter:
+    """A draft source for :class:`ChainDecoder` (module docstring). ``draft_stop`` is the
+    method's draft-stop rule (decoder-level policy state; never stopping by default)."""
+
+    draft_stop: DraftStop = DraftStop()
+
+    def new_example(self, state: DecodeState) -> Any:
+        """Per-example drafter state, created before prefill (``state.example``); default None."""
+        return None
+
+    def draft_length(self, state: DecodeState) -> int:
+        """Most drafts the next step may propose (before the token budget cuts it); called once
+        at the start of every step, so a controller may plan the step here (DEL)."""
+        raise NotImplementedError
+
+    def propose(self, state: DecodeState, k_max: int) -> Draft:
+        """Draft up to ``k_max`` (>= 1) tokens after the pending one."""
+        raise NotImplementedError
+
+    def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """Target logits ``[k + 1, V]`` of ``[pending, d1..dk]`` (row ``j`` predicts the token after
+        position ``j``), with every layer's cache holding at least ``n_cached + k + 1`` exact
+        positions. Default: truncate every layer to the committed tokens (drafting may have
+        written scratch K/V past them) and run the chain through the full model in one pass."""
+        model = self.model
+        state.cache.truncate(state.n_cached)
+        ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
+        return model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        """Learn from a verification: ``accepted`` of ``len(draft)`` drafts, ``committed`` the
+        tokens the step commits. Default: the draft-stop rule's update (drafting "hit the
+        maximum" when it drafted ``draft.limit`` tokens, Draft & Verify's code)."""
+        if len(draft):
+            self.draft_stop.update(len(draft), accepted, len(draft) == draft.limit)
+
+
+def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Drafter,
+           verify: bool = True) -> list[int]:
+    """Verify ``draft`` against the target ``logits`` ``[k + 1, V]``, roll the cache back, let the
+    drafter learn and count; returns the tokens to commit ``[*d[:n], next]``.
+
+    Verification is :func:`~selfspec.decoding.sampling.verify_chain` (greedy: exact match, so the
+    output is vanilla's; sampling: speculative sampling with the drafts' ``q``); ``verify=False``
+    (AdaDecode's lossy ablation) accepts every draft. The cache then keeps ``n_cached + n + 1``
+    positions (the pending token and the accepted drafts; gpt-fast's scheme). Statistics:
+    ``state.drafted``, ``verifications`` (steps that drafted) and ``draft_stops`` (steps whose
+    drafting the draft-stop rule ended; the key appears at the first such step).
+    """
+    k = len(draft)
+    if verify:
+        n, nxt = verify_chain(draft.tensor(logits.device), draft.q(), logits, state.sampling, state.generator)
+    else:
+        n, nxt = k, int(select(logits[-1], state.sampling, state.generator))
+    state.cache.truncate(state.n_cached + n + 1)
+    state.drafted = k
+    if k:
+        state.count("verifications")
+    if draft.stopped:
+        state.count("draft_stops")
+    committed = [*draft.tokens[:n], nxt]
+    drafter.update(state, draft, n, committed)
+    return committed
+
+
+class ChainDecoder(Drafter, Decoder):
+    """A decoder whose step is the shared chain step: ``propose → score → settle``."""
+
+    def begin(self, state: DecodeState) -> None:
+        state.example = self.new_example(state)
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        limit = self.draft_length(state)
+        k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
+        draft = self.propose(state, k_max) if k_max > 0 else Draft()
+        draft.limit = limit
+        return settle(state, draft, self.score(state, draft), self)
