@@ -54,3 +54,92 @@ def test_unmeasured_plain_arm_means_speculate_and_bad_settings_are_refused():
         SpeculationGate(min_interval=0)
     with pytest.raises(ValueError, match="smoothing"):
         SpeculationGate(smoothing=0)
+
+
+def test_a_probe_lasts_probe_steps():
+    gate = SpeculationGate(min_interval=4, max_interval=4, probe_steps=3)
+    arms = []
+    for _ in range(20):
+        spec = gate.speculate()
+        arms.append(spec)
+        gate.record(spec, 1, 1.0 if spec else 0.5)  # plain is cheaper
+    # 3 speculative steps, a 3-step plain probe that flips the choice, then 3 plain steps and a
+    # 3-step speculative probe, and so on
+    assert arms[:9] == [True] * 3 + [False] * 6
+    assert arms[9:12] == [True] * 3
+
+
+# --- the gate inside the decoders: outputs stay vanilla's whichever arm it takes ----------------
+import random  # noqa: E402
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from selfspec.checks import ConfigError  # noqa: E402
+from selfspec.decoding import build_decoder, check_method  # noqa: E402
+from selfspec.decoding.sampling import Sampling  # noqa: E402
+
+GATED = {
+    "ngram": {"name": "ngram"},
+    "draft_verify": {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [0]},
+    "early_exit": {"name": "early_exit", "exit_layer": 0, "max_draft": 3},
+    "del": None,  # its conf/method/del.yaml as composed
+}
+
+
+def _ppd(model):
+    from selfspec.decoding.ppd import PPD
+    from selfspec.decoding.tree import random_trees
+    from selfspec.prompts import PromptTokens
+
+    g = torch.Generator().manual_seed(0)
+    dec = PPD(model, PromptTokens(torch.randn(3, 1, model.hidden_size, generator=g) * 0.5),
+              random_trees(3, 6, 3, random.Random(0)))
+    dec.gate = PPD.new_gate()
+    return dec
+
+
+@pytest.mark.parametrize("method", [*GATED, "ppd"])
+@pytest.mark.parametrize("prefer_plain", [True, False])
+def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, method, prefer_plain):
+    model = tiny.model
+    if method == "ppd":
+        dec = _ppd(model)
+    else:
+        from selfspec.config import compose
+
+        cfg = GATED[method] and OmegaConf.create(GATED[method])
+        dec = build_decoder(cfg or compose(["model=tiny-random", f"method={method}"]).method, model)
+    assert isinstance(dec.gate, SpeculationGate), "never_slower is on by default"
+    # the arm the gate prefers, set by hand: plain decoding "measured" far cheaper, or far dearer
+    dec.gate.cost = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}
+    ref = build_decoder(OmegaConf.create({"name": "vanilla"}), model).generate(prompt_ids, 24)
+    out = dec.generate(prompt_ids, 24)
+    assert out.tokens == ref.tokens
+    gated = out.stats.get("plain_steps_gated", 0)
+    if prefer_plain:  # all but the probes (every 8+ steps) are plain
+        assert gated >= out.steps - 1 - 24 // 8 * dec.gate.probe_steps - dec.gate.probe_steps
+    else:  # plain only during probes
+        assert gated <= 24 // 8 * dec.gate.probe_steps
+    sampled = dec.generate(prompt_ids, 16, Sampling(temperature=0.8, seed=3))
+    assert len(sampled.tokens) == 16
+
+
+def test_never_slower_key_is_checked():
+    assert check_method(OmegaConf.create({"name": "ngram", "never_slower": False}))["never_slower"] is False
+    with pytest.raises(ConfigError, match=r"method\.never_slower=yes is not allowed: must be true or false"):
+        check_method(OmegaConf.create({"name": "ngram", "never_slower": "yes"}))
+    # a method with no plain-step fallback does not take the key
+    with pytest.raises(ConfigError, match=r"method\.never_slower is not a key of method adadecode"):
+        check_method(OmegaConf.create({"name": "adadecode", "never_slower": True}))
+
+
+def test_paper_configs_turn_the_gate_off(tiny):
+    from selfspec.config import compose
+
+    for label in ("draft_verify_paper", "early_exit_paper", "del_paper", "ppd_paper"):
+        options = check_method(compose(["model=tiny-random", f"method={label}"]).method)
+        assert options["never_slower"] is False, label
+    assert check_method(compose(["model=tiny-random", "method=del_paper"]).method)["cost_model"] == "parameters"
+    dec = build_decoder(OmegaConf.create({**GATED["ngram"], "never_slower": False}), tiny.model)
+    assert dec.gate is None

@@ -28,22 +28,22 @@ class Oracle(PPD):
     def setup(self, ref, prompt_len, seed):
         self.ref, self.prompt_len, self.rng = ref, prompt_len, random.Random(seed)
 
-    def _plant(self, n_tokens):
-        if self._cands is None:
+    def _plant(self, cands, n_tokens):
+        if cands is None:
             return
         done = n_tokens - self.prompt_len  # generated so far; the next guess is ref[done]
-        for d in range(self._cands.shape[0]):
+        for d in range(cands.shape[0]):
             if done + d < len(self.ref) and self.rng.random() < 0.8:
-                self._cands[d, self.rng.randrange(self.top_k)] = self.ref[done + d]
+                cands[d, self.rng.randrange(self.top_k)] = self.ref[done + d]
 
     def prefill(self, state, prompt):
         first = super().prefill(state, prompt)
-        self._plant(len(state.tokens) + 1)
+        self._plant(state.example.cands, len(state.tokens) + 1)
         return first
 
     def step(self, state, budget):
         out = super().step(state, budget)
-        self._plant(len(state.tokens) + len(out))
+        self._plant(state.example.cands, len(state.tokens) + len(out))
         return out
 
     def finish(self, state):

@@ -46,13 +46,23 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     A key the decoder does not read is refused too (:class:`~selfspec.checks.ConfigError`)."""
     cls = decoder_class(str(method_cfg.name))
     options = cls.options(method_cfg, prefix)
+    if cls.gated:  # every method whose step can give way to a plain step (selfspec.decoding.gate)
+        options["never_slower"] = checks.flag(f"{prefix}.never_slower", method_cfg.get("never_slower", True),
+                                              why="plain steps where speculation does not pay on this machine")
     checks.known_keys(prefix, [k for k in method_cfg if k != "name"], [*options, "name"], f"method {cls.name}")
     return options
 
 
 def build_decoder(method_cfg, model, **common) -> Decoder:
-    """Build the decoder a ``method`` config group names (``method.name``)."""
-    return decoder_class(str(method_cfg.name)).from_config(model, check_method(method_cfg), **common)
+    """Build the decoder a ``method`` config group names (``method.name``), with a speculation
+    gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when its ``never_slower`` is on."""
+    cls = decoder_class(str(method_cfg.name))
+    options = check_method(method_cfg)
+    never_slower = options.pop("never_slower", False)
+    decoder = cls.from_config(model, options, **common)
+    if never_slower:
+        decoder.gate = cls.new_gate()
+    return decoder
 
 
 __all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "check_method", "decoder_class",

@@ -120,6 +120,12 @@ class Decoder:
     lookahead: int = 0
     #: trained artefacts the decoder reads (name -> directory): run records and W&B lineage
     artefacts: dict = {}
+    #: whether the method config takes ``never_slower`` (:mod:`selfspec.decoding.gate`): methods
+    #: whose step can give way to a plain step
+    gated: ClassVar[bool] = False
+    #: the speculation gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when
+    #: ``never_slower`` is on; decoders built directly (tests, the skip search) have none
+    gate = None
 
     def __init__(
         self,
@@ -149,6 +155,13 @@ class Decoder:
         ``common`` holds eos/stop/tokenizer."""
         return cls(model, **common)
 
+    @classmethod
+    def new_gate(cls):
+        """The speculation gate ``never_slower`` gives this method (default settings)."""
+        from selfspec.decoding.gate import SpeculationGate
+
+        return SpeculationGate()
+
     def begin(self, state: DecodeState) -> None:
         """Per-example set-up before prefill: per-example state goes on ``state.example``, not on
         the decoder (default: nothing)."""
@@ -164,6 +177,14 @@ class Decoder:
 
     def finish(self, state: DecodeState) -> None:
         """Per-example statistics after the loop (default: nothing)."""
+
+    def plain_step(self, state: DecodeState) -> list[int]:
+        """One autoregressive step: the pending token through the full model, the next token
+        selected from its logits (vanilla's step; a gated method's step when speculation does not
+        pay). Scratch K/V past the committed tokens (drafts, trees) is dropped first."""
+        state.cache.truncate(state.n_cached)
+        h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached)
+        return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])]
 
     # --- the loop --------------------------------------------------------------------------
     def generate(

@@ -33,6 +33,7 @@ lives on the decoder and carries over between examples, as Draft & Verify's code
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,9 +172,22 @@ class ChainDecoder(Drafter, Decoder):
     def begin(self, state: DecodeState) -> None:
         state.example = self.new_example(state)
 
+    #: ``never_slower``: the step may give way to a plain one (:mod:`selfspec.decoding.gate`)
+    gated = True
+
     def step(self, state: DecodeState, budget: int) -> list[int]:
+        """One chain step; with a speculation gate, a step the gate makes plain drafts nothing (the
+        same propose → score → settle with an empty draft, so the drafter's state stays in step)."""
+        gate = self.gate
+        speculate = gate is None or gate.speculate()
+        t0 = time.perf_counter()
         limit = self.draft_length(state)
-        k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
+        k_max = min(limit, budget - 1) if speculate else 0  # n accepted + 1 bonus <= budget
         draft = self.propose(state, k_max) if k_max > 0 else Draft()
         draft.limit = limit
-        return settle(state, draft, self.score(state, draft), self)
+        committed = settle(state, draft, self.score(state, draft), self)
+        if gate is not None:
+            gate.record(len(draft) > 0, len(committed), time.perf_counter() - t0)
+            if not speculate:
+                state.count("plain_steps_gated")
+        return committed

@@ -17,7 +17,8 @@ cost model; this gate checks the outcome itself, per decoder, on the wall clock:
 * the arm not chosen is tried again once every ``interval`` steps, so a change (another task,
   a loaded machine, a drafter that learned) is noticed. The interval starts at
   ``min_interval``, doubles each time the probe confirms the choice, up to ``max_interval``, and
-  falls back to ``min_interval`` when the choice flips.
+  falls back to ``min_interval`` when the choice flips. A probe lasts ``probe_steps`` steps
+  (PPD's first step after plain steps only computes its guesses, so its probes last longer).
 
 The gate's state is policy state: it lives on the decoder and carries over between examples (the
 cost of a step is the machine's, not the example's). Outputs are unaffected: a plain step is the
@@ -37,17 +38,22 @@ class SpeculationGate:
     min_interval: int = 8
     max_interval: int = 128
     smoothing: float = 0.3
+    probe_steps: int = 1
     #: cost per committed token of each arm (seconds; None = not measured yet)
     cost: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     interval: int = field(init=False)
     _since_probe: int = field(init=False, default=0)
-    _probing: bool = field(init=False, default=False)
+    _probe_left: int = field(init=False, default=0)
+    _probe_arm: bool = field(init=False, default=False)
+    _before: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_interval <= self.max_interval:
             raise ValueError(f"need 1 <= min_interval <= max_interval, got {self.min_interval}, {self.max_interval}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.probe_steps < 1:
+            raise ValueError(f"probe_steps must be >= 1, got {self.probe_steps}")
         self.interval = self.min_interval
 
     @property
@@ -57,23 +63,26 @@ class SpeculationGate:
         return spec is None or plain is None or spec <= plain
 
     def speculate(self) -> bool:
-        """Whether the next step speculates: the preferred arm, or the other one as a probe."""
+        """Whether the next step speculates: the preferred arm, or the other one during a probe."""
+        if self._probe_left:
+            return self._probe_arm
         self._since_probe += 1
-        self._probing = self._since_probe >= self.interval
-        if self._probing:
+        if self._since_probe >= self.interval:
             self._since_probe = 0
-            return not self.preferred
+            self._probe_left, self._before = self.probe_steps, self.preferred
+            self._probe_arm = not self._before
+            return self._probe_arm
         return self.preferred
 
     def record(self, speculated: bool, tokens: int, seconds: float) -> None:
         """One step's outcome: ``speculated`` = it verified at least one draft."""
-        if tokens < 1 or seconds <= 0:
-            return
-        before = self.preferred
-        per_token = seconds / tokens
-        old = self.cost[speculated]
-        self.cost[speculated] = per_token if old is None else (1 - self.smoothing) * old + self.smoothing * per_token
-        if self._probing:
-            self._probing = False
-            self.interval = (min(self.interval * 2, self.max_interval) if self.preferred == before
-                             else self.min_interval)
+        if tokens >= 1 and seconds > 0:
+            per_token = seconds / tokens
+            old = self.cost[speculated]
+            self.cost[speculated] = (per_token if old is None
+                                     else (1 - self.smoothing) * old + self.smoothing * per_token)
+        if self._probe_left:
+            self._probe_left -= 1
+            if not self._probe_left:  # the probe's verdict
+                self.interval = (min(self.interval * 2, self.max_interval) if self.preferred == self._before
+                                 else self.min_interval)

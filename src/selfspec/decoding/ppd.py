@@ -36,6 +36,9 @@ each (state, chain length) is laid out once and kept.
 from __future__ import annotations
 
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from selfspec import checks
@@ -54,6 +57,17 @@ def typical_accept(probs: torch.Tensor, tokens: torch.Tensor, threshold: float, 
     return p > torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
 
 
+@dataclass
+class PPDExample:
+    """Per-example state (``DecodeState.example``): the accepted node's guesses ``[m, top_k]``
+    (None in state 0), the dynamic sparse tree's state (prompt tokens the node carried) and the
+    context drafts' n-gram index (None when ``ngram`` is off)."""
+
+    cands: torch.Tensor | None = None
+    tree_state: int = 0
+    index: NgramIndex | None = None
+
+
 @register
 class PPD(Decoder):
     """PPD decoder over a dynamic sparse tree (one :class:`SparseTree` per state ``0…m``)."""
@@ -63,6 +77,8 @@ class PPD(Decoder):
     #: :meth:`finish` records ``lossless: False`` in the statistics of such generations.
     lossless = True
     lossless_sampling = False
+    #: ``never_slower``: a step may give way to a plain one (:mod:`selfspec.decoding.gate`)
+    gated = True
 
     def __init__(
         self,
@@ -93,8 +109,6 @@ class PPD(Decoder):
         self.lookahead = max(max(l.size for l in self.layouts.values()) + chain + prompts.m * prompts.n_ept,
                              prompts.m * prompts.n_ept)
         self._with_chain: dict[tuple[int, int], TreeLayout] = {}
-        self._cands: torch.Tensor | None = None  # [m, top_k] guesses of the accepted node
-        self._state = 0
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
@@ -146,9 +160,9 @@ class PPD(Decoder):
 
     # --- hooks ----------------------------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:
-        self._cands, self._state = None, 0
-        self.index = NgramIndex(self.ngram["min_ngram"], self.ngram["max_ngram"]) if self.ngram else None
-        if self.index is not None:
+        index = NgramIndex(self.ngram["min_ngram"], self.ngram["max_ngram"]) if self.ngram else None
+        state.example = PPDExample(index=index)
+        if index is not None:
             state.stats.update(ngram_steps=0, ngram_accepted=0)
         state.stats["lossless"] = bool(state.sampling.greedy)
         state.stats["acceptance"] = "exact" if state.sampling.greedy else "typical"
@@ -169,25 +183,50 @@ class PPD(Decoder):
         h = torch.cat([h, extra], dim=1)
         state.cache.truncate(n)
         first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator)[0])
-        self._next_candidates(h[0], lay.prompt_rows[0] + (n - 1))
+        self._next_candidates(state.example, h[0], lay.prompt_rows[0] + (n - 1))
         return first
 
-    def _next_candidates(self, hidden: torch.Tensor, rows: torch.Tensor) -> None:
+    def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor) -> None:
         """Top-k guesses of the accepted node's prompt tokens (EPT logits averaged, PPD §3.2)."""
-        self._state = int(rows.shape[0])
-        if self._state == 0:
-            self._cands = None
+        ex.tree_state = int(rows.shape[0])
+        if ex.tree_state == 0:
+            ex.cands = None
             return
         logits = PromptTokens.ensemble(self.model.logits(hidden[rows.reshape(-1)]).view(*rows.shape, -1))
-        self._cands = logits.topk(self.top_k, dim=-1).indices
+        ex.cands = logits.topk(self.top_k, dim=-1).indices
+
+    @classmethod
+    def new_gate(cls):
+        """PPD's gate: a probe lasts 4 steps (the first PPD step after plain steps starts from
+        state 0, where it only computes guesses)."""
+        from selfspec.decoding.gate import SpeculationGate
+
+        return SpeculationGate(probe_steps=4)
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        m = self.model
-        drafts = self.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if self.index else []
-        lay = self._layout(self._state, len(drafts))
+        """One PPD step, or with a speculation gate that finds PPD does not pay here, a plain step
+        (the next PPD step then starts from state 0)."""
+        gate = self.gate
+        if gate is None:
+            return self._step(state, budget)
+        t0 = time.perf_counter()
+        speculate = gate.speculate()
+        if speculate:  # a PPD step costs its tree's width even when the tree has no candidates
+            out = self._step(state, budget)
+        else:
+            out = self.plain_step(state)
+            state.example.cands, state.example.tree_state = None, 0
+            state.count("plain_steps_gated")
+        gate.record(speculate, len(out), time.perf_counter() - t0)
+        return out
+
+    def _step(self, state: DecodeState, budget: int) -> list[int]:
+        m, ex = self.model, state.example
+        drafts = ex.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if ex.index else []
+        lay = self._layout(ex.tree_state, len(drafts))
         n_cached = state.n_cached
         root = state.pending_ids(m.device)[0]
-        tokens = torch.cat([root, candidate_tokens(lay, self._guesses(drafts))]) if lay.n_nodes > 1 else root
+        tokens = torch.cat([root, candidate_tokens(lay, self._guesses(ex.cands, drafts))]) if lay.n_nodes > 1 else root
         h = m.embed(tokens.unsqueeze(0))
         if lay.size > lay.n_nodes:
             h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
@@ -197,7 +236,7 @@ class PPD(Decoder):
         best, bonus = self._verify(lay, tokens, node_logits, state)
         path = lay.path_rows[best]
         state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
-        self._next_candidates(h, lay.prompt_rows[best])
+        self._next_candidates(ex, h, lay.prompt_rows[best])
         state.drafted = lay.n_nodes - 1
         state.count("tree_tokens", lay.size)
         if drafts:
@@ -224,15 +263,15 @@ class PPD(Decoder):
                                            self.model.device)
         return self._with_chain[key]
 
-    def _guesses(self, drafts: list[int]) -> torch.Tensor | None:
-        """The ``[depth, rank]`` guess table of this step: the prompt tokens' top-k, plus the context
-        drafts as column ``top_k`` (``drafts[d]`` is the guess at depth ``d + 1``)."""
+    def _guesses(self, cands: torch.Tensor | None, drafts: list[int]) -> torch.Tensor | None:
+        """The ``[depth, rank]`` guess table of this step: the prompt tokens' top-k ``cands``, plus
+        the context drafts as column ``top_k`` (``drafts[d]`` is the guess at depth ``d + 1``)."""
         if not drafts:
-            return self._cands
+            return cands
         rows = max(len(drafts), self.prompts.m)
         table = torch.zeros(rows, self.top_k + 1, dtype=torch.long, device=self.model.device)
-        if self._cands is not None:
-            table[: self._cands.shape[0], : self.top_k] = self._cands
+        if cands is not None:
+            table[: cands.shape[0], : self.top_k] = cands
         table[: len(drafts), self.top_k] = torch.tensor(drafts, device=self.model.device)
         return table
 

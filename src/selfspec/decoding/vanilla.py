@@ -7,7 +7,6 @@ so speedups compare methods, not runtimes (docs/design.md §3: Spec-Bench's base
 from __future__ import annotations
 
 from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.sampling import select
 
 
 @register
@@ -16,5 +15,4 @@ class Vanilla(Decoder):
     lossless = True
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        h = self.model.forward(state.pending_ids(self.model.device), state.cache)
-        return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])]
+        return self.plain_step(state)
