@@ -118,6 +118,8 @@ class Decoder:
     lookahead: int = 0
     #: trained artefacts the decoder reads (name -> directory): run records and W&B lineage
     artefacts: dict = {}
+    #: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`, ``method.draft_vocab``); None = full head
+    draft_vocab = None
 
     def __init__(
         self,
@@ -210,6 +212,8 @@ class Decoder:
         sync()
         seconds = time.perf_counter() - t0
         self.finish(state)
+        if self.draft_vocab is not None:
+            state.stats.update(self.draft_vocab.stats())
         return Generation(
             tokens=state.tokens[n_prompt:],
             prompt_len=n_prompt,

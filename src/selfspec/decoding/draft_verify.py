@@ -37,6 +37,7 @@ from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import (ADAPTIVE_DEFAULTS, AdaptiveThreshold, DraftStop, StaticThreshold,
                                           adaptive_parameters)
 from selfspec.decoding.sampling import warp
+from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_logits, draft_vocab_options
 from selfspec.models.layered import LayeredModel, SkipSet
 
 DRAFT_EXITS = ("adaptive", "static", "none")
@@ -174,6 +175,7 @@ class DraftVerify(Decoder):
                                         why="K, the most draft tokens per step"),
             "draft_exit": checks.choice(key("draft_exit"), _get(cfg, "draft_exit", "adaptive"), DRAFT_EXITS),
             **{k: rule[param] for k, param in RULE_KEYS.items()},
+            **draft_vocab_options(cfg, prefix),
         }
 
     @classmethod
@@ -182,7 +184,7 @@ class DraftVerify(Decoder):
         dec = cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, **common)
         path = skip_set_path(options, model)
         dec.artefacts = {"skip_set": path} if path else {}
-        return dec
+        return attach_draft_vocab(dec, build_draft_vocab(model, options))
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:
@@ -224,7 +226,7 @@ class DraftVerify(Decoder):
         for j in range(k_max):
             ids.fill_(token)
             h = model.forward(ids, state.cache, start=start + j, skip=self.skip_set)
-            logits = model.logits(h[:, -1])[0]
+            logits = draft_logits(model, h[:, -1], self.draft_vocab)[0]
             if s.greedy:
                 p_max, tok = logits.softmax(-1).max(-1)
             else:
