@@ -72,7 +72,6 @@ BUDGETS = {
                     "job.eval_every=20", "job.ckpt_every=20"],
         "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24",
                      "job.latency_repeats=3"],
-        "draft_vocab": ["job.n_prompts=16", "job.n_heldout=4", "job.gen_tokens=48", "job.max_prompt_tokens=256"],
         "evaluate": {"n": 3, "max_new_tokens": 48, "warmup": 1},
     },
     "small": {
@@ -86,6 +85,7 @@ BUDGETS = {
                     "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
         "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6", "job.latency_repeats=1",
                      "job.latency_context=32", "job.plot=false"],
+        # not a demo step: the README test's budget for `make draft-vocab`
         "draft_vocab": ["job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4",
                         "job.max_prompt_tokens=64", "job.sizes=[64,1024]", "job.cost_repeats=1"],
         "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0},
