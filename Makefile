@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install assets browser test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree evaluate sweep tables clean
+.PHONY: help install assets browser test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -70,6 +70,9 @@ build-tree: assets ## PPD: build the hardware-aware dynamic sparse tree for MODE
 
 search-skips: assets ## Draft & Verify: search a skip set for MODEL on TASK
 	$(PY) -m selfspec.train job=skips model=$(MODEL) task=$(TASK) $(ARGS)
+
+draft-vocab: assets ## truncated draft vocabulary for MODEL on TASK (all self-drafting methods: method.draft_vocab=auto)
+	$(PY) -m selfspec.train job=draft_vocab model=$(MODEL) task=$(TASK) $(ARGS)
 
 evaluate: assets ## evaluate METHOD against vanilla on TASK with MODEL
 	$(PY) -m selfspec.evaluate model=$(MODEL) method=$(METHOD) task=$(TASK) $(ARGS)

@@ -92,6 +92,9 @@ BUDGETS = {
                     "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
         "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6", "job.latency_repeats=1",
                      "job.latency_context=32", "job.plot=false"],
+        # not a demo step: the README test's budget for `make draft-vocab`
+        "draft_vocab": ["job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4",
+                        "job.max_prompt_tokens=64", "job.sizes=[64,1024]", "job.cost_repeats=1"],
         "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0, "warmup_max_new_tokens": 8},
     },
 }

@@ -84,6 +84,38 @@ def test_cache_after_rollback_equals_recomputation(tiny8, prompt_ids):
     assert rejected > 0  # the rollback path was exercised
 
 
+def first_step(s: Sampling):
+    """A 512-token random model (cheap steps), a one-draft Draft & Verify, the state after the prompt
+    and its greedy first token, the target p of the next token and the draft's hidden state for it
+    (both conditional on prompt + first, computed independently of the decoder)."""
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
+    model = load_model(cfg).model
+    prompt_ids = list(range(40, 70))
+    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_exit="none")
+    prompt = torch.tensor([prompt_ids])
+    state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(64), s, torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        h = model.forward(prompt, state.cache, start=0)
+        first = int(model.logits(h[:, -1])[0].argmax())
+        state.tokens.append(first)
+        p = warp(model.logits(model.forward(torch.tensor([prompt_ids + [first]]), model.new_cache(64), start=0)[:, -1])[0], s)
+        q_cache = model.new_cache(64)
+        model.forward(prompt, q_cache, start=0)
+        h_draft = model.forward(torch.tensor([[first]]), q_cache, start=state.n_cached, skip=dec.skip_set)[:, -1]
+    return dec, state, p, h_draft
+
+
+def first_token_counts(dec, state, n: int) -> torch.Tensor:
+    """How often each token is the first one ``n`` independent steps from ``state`` emit."""
+    base = state.n_cached
+    counts = torch.zeros(dec.model.vocab_size)
+    for _ in range(n):
+        new = dec.step(state, budget=2)
+        counts[new[0]] += 1
+        state.cache.truncate(base)
+    return counts
+
+
 def test_speculative_sampling_matches_target_distribution():
     """First token emitted by a step (a verified draft or a residual resample) ~ p.
 
@@ -92,30 +124,12 @@ def test_speculative_sampling_matches_target_distribution():
     (sd ~0.009); the bound 0.055 (mean + 3.5 sd) fails a sampler returning the draft distribution q (TV(p, q) is
     checked to be > 0.15 here, so the test can tell them apart).
     """
-    cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
-    model = load_model(cfg).model
-    prompt_ids = list(range(40, 70))
     s = Sampling(temperature=0.3, top_k=6, seed=0)
-    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_exit="none")
-    prompt = torch.tensor([prompt_ids])
-    gen = torch.Generator().manual_seed(0)
-    state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(64), s, gen)
+    dec, state, p, h_draft = first_step(s)
     with torch.inference_mode():
-        h = model.forward(prompt, state.cache, start=0)
-        first = int(model.logits(h[:, -1])[0].argmax())
-        state.tokens.append(first)
-        base = state.n_cached
-        # target p and draft q conditional on prompt + first, computed independently
-        p = warp(model.logits(model.forward(torch.tensor([prompt_ids + [first]]), model.new_cache(64), start=0)[:, -1])[0], s)
-        q_cache = model.new_cache(64)
-        model.forward(prompt, q_cache, start=0)
-        q = warp(model.logits(model.forward(torch.tensor([[first]]), q_cache, start=base, skip=dec.skip_set)[:, -1])[0], s)
-        counts = torch.zeros_like(p)
-        n = 1600
-        for _ in range(n):
-            new = dec.step(state, budget=2)
-            counts[new[0]] += 1
-            state.cache.truncate(base)
+        q = warp(dec.model.logits(h_draft)[0], s)
+        counts = first_token_counts(dec, state, 1600)
+    n = 1600
     tv_pq = 0.5 * (p - q).abs().sum()
     tv = 0.5 * (counts / n - p).abs().sum()
     assert tv_pq > 0.15, f"draft too close to target for a meaningful test (TV {tv_pq:.3f})"

@@ -32,7 +32,7 @@ SMALL_BENCH = ["--max-new-tokens", "4", "--warmup", "0"]
 JOB_BUDGET = runpy.run_path(str(ROOT / "scripts" / "demo.py"))["BUDGETS"]["small"]
 #: make targets that train, and their job
 TRAIN_TARGETS = {"train-heads": "heads", "train-prompts": "prompts", "build-tree": "ppd_tree",
-                 "search-skips": "skips"}
+                 "search-skips": "skips", "draft-vocab": "draft_vocab"}
 #: the README's training examples train for TASK=xsum; its evaluation examples run other tasks too,
 #: which find heads trained on mixed data and a skip set searched for the model (job.data=mixed,
 #: job.tasks=[...]): the session's demo trained both for tiny-random (conftest.py demo_run)

@@ -113,7 +113,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 #: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``)
-JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips"}
+JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips", "draft_vocab": "draft_vocab"}
 
 
 def artefact_option(key: str, value: Any, kind: str) -> Path | None:

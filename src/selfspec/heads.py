@@ -63,6 +63,8 @@ class IntermediateHeads(torch.nn.Module):
     def __init__(self, model, layers: Iterable[int], kind: str = "linear") -> None:
         super().__init__()
         self.path = None  # the artefact directory, when loaded by load_heads
+        #: a truncated draft vocabulary (:class:`DraftVocab`); None = every head scores the full vocabulary
+        self.vocab: DraftVocab | None = None
         if kind not in KINDS:
             raise ValueError(f"head kind must be one of {', '.join(KINDS)}, got {kind!r}")
         layers = [int(i) for i in layers]
@@ -100,15 +102,18 @@ class IntermediateHeads(torch.nn.Module):
         return layer in self.heads or (self.kind == "lm_head" and layer in self.layers)
 
     def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``."""
-        m = self.model
+        """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``; with a
+        draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``."""
+        m, vocab = self.model, self.vocab
         x = m.final_norm(h)
         if self.kind == "lm_head":
-            return m.lm_head(x).float()
+            return m.lm_head(x).float() if vocab is None else vocab.logits(x)
         lin = self.heads[str(layer)]
         if self.kind == "full":
-            return lin(x.to(lin.weight.dtype)).float()
-        return m.lm_head(lin(x.to(lin.weight.dtype)).to(m.dtype)).float()
+            x = x.to(lin.weight.dtype)
+            return lin(x).float() if vocab is None else vocab.logits(x, lin.weight)
+        x = lin(x.to(lin.weight.dtype)).to(m.dtype)
+        return m.lm_head(x).float() if vocab is None else vocab.logits(x)
 
     def forward(self, hiddens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{layer: hidden}`` -> ``{layer: logits}`` for all heads (training)."""
@@ -162,20 +167,196 @@ def heads_artefact_dir(model_name: str, data: str | None, kind: str = "linear") 
     return default_artefact_dir("heads", model_name, tag or None)
 
 
+def first_artefact(directory, data: str | None) -> tuple[Path | None, list[str]]:
+    """The first of ``directory(data)``, ``directory("mixed")``, ``directory(None)`` that holds an
+    artefact, and the directories tried."""
+    tried = []
+    for d in dict.fromkeys([data, "mixed", None]):
+        candidate = directory(d)
+        if (candidate / "meta.json").exists():
+            return candidate, tried
+        tried.append(str(candidate))
+    return None, tried
+
+
 def find_heads(model_name: str, path=None, data: str | None = None, kind: str = "linear") -> Path:
     """The heads artefact a method reads: ``path`` if given, else the first that exists of
     ``<model>-<data>``, ``<model>-mixed``, ``<model>`` (AdaDecode, early exit and DEL alike)."""
     if path:
         return Path(str(path))
-    tried = []
-    for d in dict.fromkeys([data, "mixed", None]):
-        candidate = heads_artefact_dir(model_name, d, kind)
-        if (candidate / "meta.json").exists():
-            return candidate
-        tried.append(str(candidate))
+    found, tried = first_artefact(lambda d: heads_artefact_dir(model_name, d, kind), data)
+    if found is not None:
+        return found
     task = f" TASK={data}" if data and data != "mixed" else ""
     full = ' ARGS="job.kind=full"' if kind == "full" else ""
     raise FileNotFoundError(
         f"no {kind} heads for model {model_name!r} (looked in {', '.join(tried)}): train them with "
         f"`make train-heads MODEL={model_name}{task}{full}`, or point the method at an artefact directory"
     )
+
+
+# --- truncated draft vocabularies (FR-Spec, arXiv 2502.14856; VocabTrim, arXiv 2506.22694) ------
+VOCAB_KIND = "draft_vocab"
+
+
+class DraftVocab:
+    """A truncated-vocabulary draft head: the LM head's rows of the kept tokens ``ids`` only.
+
+    Drafting scores ``|S|`` rows instead of ``|V|`` (SmolLM2: 49,152 rows, several decoder
+    layers' worth per draft token). :meth:`logits` still returns float32 logits over the **full**
+    vocabulary, ``-inf`` outside ``S``: the argmax is the subset's, the softmax is the truncated
+    softmax (a draft-stop rule's confidence is the top probability *within* ``S``), and a sampled
+    draft's ``q`` is a proper distribution over ``V`` with zeros outside ``S``, so speculative
+    sampling against the full-head target stays lossless. Verification never uses this head.
+
+    The kept rows are a plain ``nn.Linear`` routed through the model's linear kernel
+    (:func:`selfspec.models.kernels.install`), like the LM head itself.
+    """
+
+    def __init__(self, model, ids, path=None, meta: dict | None = None) -> None:
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        v = int(model.vocab_size)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
+            raise ValueError(f"draft vocabulary needs distinct token ids in [0, {v - 1}] for {model.name}, "
+                             f"got {ids.numel()} ids; rebuild it with `make draft-vocab MODEL={model.name}`")
+        from selfspec.models import kernels
+
+        self.model = model
+        self.ids = ids.sort().values.to(model.device)
+        self.size = int(ids.numel())
+        self.vocab_size = v
+        self.path = Path(path) if path is not None else None
+        self.meta = meta or {}
+        self.head = self._rows(model.lm_head.weight)
+        self._other: dict[int, torch.nn.Linear] = {}
+        self._kernel = model.linear_kernel
+        kernels.install([self.head], self._kernel)
+
+    def _rows(self, weight: torch.Tensor) -> torch.nn.Linear:
+        lin = torch.nn.Linear(weight.shape[1], self.size, bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(weight.detach()[self.ids.to(weight.device)])
+        lin.requires_grad_(False)
+        return lin
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[..., V]`` of normalised states ``x [..., d]`` (``weight``: another
+        ``|V|×d`` head to truncate, e.g. a full-parameter AdaDecode head; default the LM head):
+        the kept rows' scores, ``-inf`` elsewhere."""
+        head = self.head
+        if weight is not None and weight is not self.model.lm_head.weight:
+            head = self._other.get(id(weight))
+            if head is None:
+                from selfspec.models import kernels
+
+                head = self._other[id(weight)] = self._rows(weight)
+                kernels.install([head], self._kernel)
+        sub = head(x.to(head.weight.dtype)).float()
+        out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.ids, sub)
+
+    def model_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's final norm and the truncated LM head on hidden states ``h`` (a full-depth
+        or skip-set draft: Draft & Verify)."""
+        from selfspec.models import kernels
+
+        with kernels.active():
+            return self.logits(self.model.final_norm(h))
+
+    def head_layers(self) -> float:
+        """This head's measured cost in decoder layers (:func:`selfspec.models.costs.time_head` over
+        the layer of :func:`~selfspec.models.costs.model_curve`), measured once."""
+        if getattr(self, "_head_layers", None) is None:
+            from selfspec.models.costs import model_curve, time_head
+
+            layer = model_curve(self.model, max_k=2).layer
+            self._head_layers = time_head(self.model, self.model_logits) / layer if layer > 0 else float("inf")
+        return self._head_layers
+
+    def stats(self) -> dict:
+        """What a run records per generation: the size and the artefact's held-out coverage."""
+        return {"draft_vocab_size": self.size, "draft_vocab_coverage": self.meta.get("coverage")}
+
+
+def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
+    """Final norm + LM head on ``h``, truncated to ``vocab`` when one is given (the one place a
+    final-head draft is scored: Draft & Verify's drafts)."""
+    return model.logits(h) if vocab is None else vocab.model_logits(h)
+
+
+def save_draft_vocab(path, ids: torch.Tensor, counts: torch.Tensor, loaded_model, **meta) -> Path:
+    """Save a draft vocabulary artefact (``kind="draft_vocab"``): ``ids`` in rank order (most
+    frequent first) and their ``counts``; ``meta`` holds task, train_config, metrics and extras."""
+    task = meta.pop("task", None)
+    train_config = meta.pop("train_config", None)
+    metrics = meta.pop("metrics", None)
+    return save_artefact(path, VOCAB_KIND, {"ids": ids.long(), "counts": counts.long()}, loaded_model, task=task,
+                         train_config=train_config, metrics=metrics, extra=meta)
+
+
+def load_draft_vocab(path, model, key: str = "method.draft_vocab") -> DraftVocab:
+    """Load a draft vocabulary, checked against ``model`` (LoadedModel or LayeredModel) before its
+    tensors are read; a mismatch names the config ``key`` that chose the artefact."""
+    from selfspec.artefacts import ArtefactError
+
+    layered = getattr(model, "model", model)
+    try:
+        art = load_artefact(path, VOCAB_KIND, model, device="cpu")
+    except ArtefactError as err:
+        raise ArtefactError(f"{key}={path}: {err}") from None
+    if art.meta.get("vocab_size") != layered.vocab_size:
+        raise ArtefactError(f"{key}={path}: the draft vocabulary was counted for a {art.meta.get('vocab_size')}-token "
+                            f"vocabulary but {layered.name} has {layered.vocab_size}; rebuild it for this model")
+    if "ids" not in art.tensors:
+        raise ArtefactError(f"{key}={path}: draft_vocab artefact lacks tensor 'ids'; rebuild it")
+    return DraftVocab(layered, art.tensors["ids"], art.path, art.meta)
+
+
+def find_draft_vocab(model_name: str, data: str | None = None) -> Path:
+    """The artefact ``draft_vocab: auto`` reads: the first that exists of
+    ``draft_vocab/<model>-<data>``, ``<model>-mixed``, ``<model>``."""
+    from selfspec.artefacts import default_artefact_dir
+
+    found, tried = first_artefact(lambda d: default_artefact_dir(VOCAB_KIND, model_name, d), data)
+    if found is not None:
+        return found
+    task = f" TASK={data}" if data and data != "mixed" else ""
+    raise FileNotFoundError(
+        f"method.draft_vocab=auto: no draft vocabulary for model {model_name!r} (looked in {', '.join(tried)}); "
+        f"build one with `make draft-vocab MODEL={model_name}{task}`, or set method.draft_vocab=<artefact dir> or null"
+    )
+
+
+def draft_vocab_options(cfg, prefix: str = "method") -> dict:
+    """The keys every self-drafting method shares: ``draft_vocab`` (null = the full LM head;
+    ``auto`` = the artefact ``job=draft_vocab`` wrote for this model and ``draft_vocab_task``;
+    else an artefact directory, checked here without the model) and ``draft_vocab_task``."""
+    from selfspec import checks
+    from selfspec.artefacts import artefact_option
+
+    key = f"{prefix}.{{}}".format
+    value = cfg.get("draft_vocab")
+    task = checks.optional(checks.text, key("draft_vocab_task"), cfg.get("draft_vocab_task"),
+                           why="the data `draft_vocab: auto` looks for: a task name or mixed")
+    if value == "auto":
+        return {"draft_vocab": "auto", "draft_vocab_task": task}
+    return {"draft_vocab": artefact_option(key("draft_vocab"), value, VOCAB_KIND), "draft_vocab_task": task}
+
+
+def attach_draft_vocab(decoder, vocab: DraftVocab | None):
+    """Give ``decoder`` its draft vocabulary (``decoder.draft_vocab``; its artefact joins
+    ``decoder.artefacts`` for run records and lineage); returns the decoder."""
+    if vocab is not None:
+        decoder.draft_vocab = vocab
+        decoder.artefacts = {**(decoder.artefacts or {}), "draft_vocab": vocab.path}
+    return decoder
+
+
+def build_draft_vocab(model, options: dict, prefix: str = "method") -> DraftVocab | None:
+    """The :class:`DraftVocab` :func:`draft_vocab_options` name, checked against ``model``."""
+    value = options.get("draft_vocab")
+    if value is None:
+        return None
+    layered = getattr(model, "model", model)
+    path = find_draft_vocab(layered.name, options.get("draft_vocab_task")) if value == "auto" else value
+    return load_draft_vocab(path, model, f"{prefix}.draft_vocab")

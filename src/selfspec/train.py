@@ -1,4 +1,4 @@
-"""``python -m selfspec.train job=<name>``: train one artefact (heads, prompts, skips, ppd_tree).
+"""``python -m selfspec.train job=<name>``: train one artefact (heads, prompts, skips, ppd_tree, draft_vocab).
 
 Each job is a module in :mod:`selfspec.training` with ``prepare(cfg)`` (every config value
 checked and the job's data read, without the model) and ``run(cfg) -> dict`` (its summary),
@@ -24,6 +24,7 @@ JOBS = {
     "prompts": "selfspec.training.prompts",
     "skips": "selfspec.training.skips",
     "ppd_tree": "selfspec.training.tree",
+    "draft_vocab": "selfspec.training.draft_vocab",
 }
 
 

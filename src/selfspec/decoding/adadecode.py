@@ -60,7 +60,8 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.chain import Draft, pick, settle
 from selfspec.heads import KINDS as HEAD_KINDS
-from selfspec.heads import IntermediateHeads, default_layers, find_heads, load_heads
+from selfspec.heads import (IntermediateHeads, attach_draft_vocab, build_draft_vocab, default_layers,
+                            draft_vocab_options, find_heads, load_heads)
 
 
 @dataclass
@@ -152,6 +153,7 @@ class AdaDecode(Decoder):
             "heads_dir": artefact_option(key("heads_dir"), cfg.get("heads_dir"), "heads"),
             "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task")),
             "layers": checks.optional(checks.integers, key("layers"), layers, distinct=True),
+            **draft_vocab_options(cfg, prefix),
         }
 
     @classmethod
@@ -169,8 +171,9 @@ class AdaDecode(Decoder):
         exit_layers = options["exit_layers"]
         if exit_layers == "middle":
             exit_layers = [heads.layers[len(heads.layers) // 2]]
-        return cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
-                   exit_layers=exit_layers, **common)
+        heads.vocab = build_draft_vocab(model, options)
+        return attach_draft_vocab(cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
+                                      exit_layers=exit_layers, **common), heads.vocab)
 
     # --- decoding --------------------------------------------------------------------------
     def new_step(self, state: DecodeState, budget: int) -> _StepState:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from selfspec.decoding.sampling import Sampling, select, verify_chain
+from selfspec.decoding.sampling import Sampling, select
 from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
 from selfspec.models.costs import synchronizer
@@ -126,6 +126,8 @@ class Decoder:
     #: the speculation gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when
     #: ``never_slower`` is on; decoders built directly (tests, the skip search) have none
     gate = None
+    #: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`, ``method.draft_vocab``); None = full head
+    draft_vocab = None
 
     def __init__(
         self,
@@ -213,6 +215,8 @@ class Decoder:
         sync()
         seconds = time.perf_counter() - t0
         self.finish(state)
+        if self.draft_vocab is not None:
+            state.stats.update(self.draft_vocab.stats())
         return Generation(
             tokens=state.tokens[n_prompt:],
             prompt_len=n_prompt,

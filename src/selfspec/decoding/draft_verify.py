@@ -39,6 +39,7 @@ from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import (ADAPTIVE_DEFAULTS, AdaptiveThreshold, DraftStop, StaticThreshold,
                                           adaptive_parameters)
+from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_logits, draft_vocab_options
 from selfspec.models.layered import LayeredModel, SkipSet
 
 DRAFT_EXITS = ("adaptive", "static", "none")
@@ -176,6 +177,7 @@ class DraftVerify(ChainDecoder):
                                         why="K, the most draft tokens per step"),
             "draft_exit": checks.choice(key("draft_exit"), _get(cfg, "draft_exit", "adaptive"), DRAFT_EXITS),
             **{k: rule[param] for k, param in RULE_KEYS.items()},
+            **draft_vocab_options(cfg, prefix),
         }
 
     @classmethod
@@ -184,7 +186,7 @@ class DraftVerify(ChainDecoder):
         dec = cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, **common)
         path = skip_set_path(options, model)
         dec.artefacts = {"skip_set": path} if path else {}
-        return dec
+        return attach_draft_vocab(dec, build_draft_vocab(model, options))
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:
@@ -219,8 +221,9 @@ class DraftVerify(ChainDecoder):
         return self.max_draft
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The draft distribution's logits: the model's own head on the skip-set pass."""
-        return self.model.logits(h[:, -1])[0]
+        """The draft distribution's logits: the model's own head on the skip-set pass, truncated to
+        the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.heads.draft_logits`)."""
+        return draft_logits(self.model, h[:, -1], self.draft_vocab)[0]
 
     def propose(self, state: DecodeState, k_max: int) -> Draft:
         """§3.2-3.4: draft with the skip set until K, the threshold or EOS (the skip-set pass writes

@@ -53,6 +53,7 @@ from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select
+from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_vocab_options
 from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
@@ -75,6 +76,13 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, da
     return load_heads(find_heads(model.name, heads_path, data), model)
 
 
+def exit_heads(model: LayeredModel, options: dict, layers):
+    """:func:`build_exit_heads` for a method's options, with its draft vocabulary (``method.draft_vocab``)."""
+    heads = build_exit_heads(model, options["exit_head"], options["heads"], layers, options["heads_task"])
+    heads.vocab = build_draft_vocab(model, options)
+    return heads
+
+
 def exit_head_options(cfg, prefix: str) -> dict:
     """The exit-head keys early exit and DEL share: ``exit_head``, ``heads`` (a heads artefact,
     ``exit_head=heads`` only) and ``heads_task``."""
@@ -86,7 +94,8 @@ def exit_head_options(cfg, prefix: str) -> dict:
     if heads is not None and exit_head != "heads":
         raise checks.refuse(key("heads"), cfg.get("heads"), "set only with exit_head=heads")
     return {"exit_head": exit_head, "heads": heads,
-            "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task"))}
+            "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task")),
+            **draft_vocab_options(cfg, prefix)}
 
 
 def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None) -> float:
@@ -98,6 +107,9 @@ def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None
     trained linear head adds its ``d×d`` weight.
     """
     layer = sum(p.numel() for p in model.layers[0].parameters())
+    vocab = getattr(heads, "vocab", None)  # a truncated draft head: its rows (parameters) or its measured cost
+    if vocab is not None:
+        lm_head = vocab.size * model.hidden_size / layer if lm_head is None else vocab.head_layers()
     cost = model.lm_head.weight.numel() / layer if lm_head is None else float(lm_head)
     if heads.kind == "linear":
         cost += model.hidden_size**2 / layer
@@ -176,8 +188,9 @@ class EarlyExit(ChainDecoder):
         if not exit_layer < model.num_layers - 1:
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
-        heads = build_exit_heads(model, options["exit_head"], options["heads"], [exit_layer], options["heads_task"])
-        return cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], **common)
+        heads = exit_heads(model, options, [exit_layer])
+        return attach_draft_vocab(cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], **common),
+                                  heads.vocab)
 
     # --- per-example state -----------------------------------------------------------------
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
@@ -419,10 +432,10 @@ class DEL(EarlyExit):
         layers = options["candidate_layers"]
         if layers is None:
             layers = range(model.num_layers - 1)
-        heads = build_exit_heads(model, options["exit_head"], options["heads"], list(layers), options["heads_task"])
-        return cls(model, heads, options["max_draft"], options["min_draft"], options["omega"],
-                   options["draft_stop"], options["prefill_shadow"], options["shadow_rows"],
-                   options["head_cost"], options["cost_model"], **common)
+        heads = exit_heads(model, options, list(layers))
+        return attach_draft_vocab(cls(model, heads, options["max_draft"], options["min_draft"], options["omega"],
+                                      options["draft_stop"], options["prefill_shadow"], options["shadow_rows"],
+                                      options["head_cost"], options["cost_model"], **common), heads.vocab)
 
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
         ex = super().new_example(state)

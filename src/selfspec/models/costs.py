@@ -24,7 +24,7 @@ import torch
 from selfspec.models.layered import LayeredModel, SkipSet
 
 __all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_forward",
-           "weight_bytes"]
+           "time_head", "weight_bytes"]
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -48,12 +48,15 @@ def context_cache(model: LayeredModel, context: int, extra: int, seed: int = 0):
 def time_forward(model: LayeredModel, cache, context: int, n: int | None = None, *, repeats: int = 5,
                  reduce: str = "median", skip: SkipSet | None = None, h: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                 logits_rows: int | None = None, layers: range | None = None) -> float:
+                 logits_rows: int | None = None, layers: range | None = None,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Seconds of one forward of ``n`` new tokens after ``context`` cached positions.
 
     The pass runs ``layers`` (default all; ``skip`` sublayers left out) and the final norm + LM
     head on ``logits_rows`` rows (default all ``n``: a verification pass scores every token;
-    0 = no head), then one host sync on the result, as a decoding step has. ``h`` / ``mask`` /
+    0 = no head; ``head``: another head on the final states, e.g. a truncated draft vocabulary's
+    :meth:`~selfspec.heads.DraftVocab.model_logits`), then one host sync on the result, as a
+    decoding step has. ``h`` / ``mask`` /
     ``positions`` are given for tree passes (PPD). The cache is rolled back to ``context``
     before every run. ``reduce``: ``median`` (default) or ``min`` of ``repeats`` timed runs.
     """
@@ -72,7 +75,7 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
             out = model.forward(ids, cache, start=context, mask=mask, positions=positions, skip=skip,
                                 layers=layers, h=h)
             if rows:
-                model.logits(out[:, :rows]).argmax(-1).tolist()
+                (head or model.logits)(out[:, :rows]).argmax(-1).tolist()
             else:
                 out.sum().item()
             sync()
@@ -183,6 +186,15 @@ def measure_curve(model: LayeredModel, ks=(1, 2, 4, 8, 16, 32), contexts=(512,),
             layer = max(seconds[context][1] - head, 0.0) / model.num_layers
     return CostCurve(model.name, str(model.device), str(model.dtype).replace("torch.", ""), model.linear_kernel,
                      seconds, layer, head)
+
+
+def time_head(model: LayeredModel, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              context: int = 64, repeats: int = 7) -> float:
+    """Seconds of embedding one token + ``head`` (default the final norm + LM head) on it, no
+    decoder layer: :class:`CostCurve`'s ``head`` for any head (median of ``repeats``)."""
+    context = max(1, min(context, model.max_context - 2))
+    cache = context_cache(model, context, 1)
+    return time_forward(model, cache, context, 1, repeats=repeats, logits_rows=1, layers=range(0), head=head)
 
 
 def model_curve(model: LayeredModel, max_k: int = 32, context: int = 512, repeats: int = 3) -> CostCurve:

@@ -122,6 +122,15 @@ def tree_curves(artefacts: list[ArtefactInfo]) -> dict[str, list[dict[str, Any]]
     return {k: v for k, v in out.items() if v}
 
 
+def draft_vocab_figures(path: str | Path) -> dict[str, float]:
+    """``draft_vocab_size`` / ``draft_vocab_coverage`` of a draft vocabulary artefact (empty for
+    other kinds): the truncated-head rows' size and held-out coverage."""
+    meta = read_meta(Path(path)) or {}
+    if meta.get("kind") != "draft_vocab":
+        return {}
+    return {"draft_vocab_size": meta.get("size"), "draft_vocab_coverage": meta.get("coverage")}
+
+
 def prompt_accuracy(path: str | Path) -> dict[str, float]:
     """``top1@d`` / ``top5@d`` of a prompts artefact (empty when it has none)."""
     meta = read_meta(Path(path)) or {}

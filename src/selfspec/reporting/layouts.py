@@ -74,6 +74,18 @@ def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
             return f"m={tc.get('m')}, EPT={tc.get('n_ept')}, {tc.get('steps')} steps"
     return None
 
+def draft_vocab_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
+    """The draft head of a self-drafting method (beyond the papers): the full LM head, or the
+    truncated vocabulary ``method.draft_vocab`` names (its size, as the run recorded it)."""
+    from selfspec.reporting.records import label_under_test
+
+    if _cfg(cfg, "method.draft_vocab") in (None, ""):
+        return "full head"
+    entry = ((summary.get("methods") or {}).get(label_under_test(summary, cfg)) or {})
+    size = (entry.get("stats") or {}).get("draft_vocab_size")
+    return f"truncated head ({size:.0f} tokens)" if isinstance(size, (int, float)) else "truncated head"
+
+
 #: quality metric per task, as the papers report it
 TASK_SCORE = {
     "xsum": ("rouge2", "ROUGE-2"),
@@ -95,6 +107,8 @@ CELL_TITLE = {
     "acceptance_rate": "AR",
     "consistency": "Consistency",
     "tokens_per_s": "tok/s",
+    "draft_vocab_coverage": "Coverage",
+    "draft_vocab_size": "|V| draft",
 }
 
 
@@ -203,6 +217,15 @@ LAYOUTS: dict[str, Layout] = {
             paper="DEL (COLM 2025) Tables 1–2 / OpenReview rebuttal",
             column_order=("cnndm", "xsum", "humaneval", "gsm8k"),
             cells=("tps_speedup", "tau", "acceptance_rate", "score"),
+        ),
+        Layout(
+            id="draft_vocab",
+            title="Truncated-vocabulary draft heads (beyond the papers): coverage, acceptance, speedup",
+            paper="beyond the papers (after FR-Spec arXiv 2502.14856, VocabTrim arXiv 2506.22694)",
+            rows=("method", "variant"),
+            variant=draft_vocab_variant,
+            column_order=("xsum", "humaneval", "gsm8k"),
+            cells=("draft_vocab_coverage", "acceptance_rate", "speedup", "tau", "consistency"),
         ),
     )
 }

@@ -254,9 +254,11 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
         metrics = entry_metrics(entry)
         for path in artefacts.get(method) or []:
             # PPD Table 2: the prompt tokens' accuracy by distance, measured when they were trained
-            from selfspec.reporting.artefacts import prompt_accuracy
+            # and a truncated draft head's size and coverage, counted when it was built
+            from selfspec.reporting.artefacts import draft_vocab_figures, prompt_accuracy
 
-            metrics.update({k: v for k, v in prompt_accuracy(path).items() if k not in metrics})
+            figures = {**prompt_accuracy(path), **draft_vocab_figures(path)}
+            metrics.update({k: v for k, v in figures.items() if k not in metrics})
         method_cfg = configs.get(method) or {}
         out.append(Record(
             table=_get(cfg, "report.table"),

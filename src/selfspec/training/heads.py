@@ -64,7 +64,7 @@ class DataTask:
 def prepare(cfg) -> dict:
     """Every key of conf/job/heads.yaml checked and the prompt tasks' data read — all that can fail
     without the model (:func:`run` calls it first)."""
-    from selfspec.training import check_run, job_keys, task_names
+    from selfspec.training import check_run, job_keys
     from selfspec.training.loop import TrainConfig
 
     check_run(cfg)
@@ -73,22 +73,12 @@ def prepare(cfg) -> dict:
                              why="0-based layers; null = n_heads evenly spaced")
     if layers == []:
         raise checks.refuse(key("layers"), layers, "must name at least one layer (null = n_heads evenly spaced)")
-    data = checks.choice(key("data"), job.data, ("task", "mixed"))
-    mixed = task_names(key("mixed_tasks"), job.mixed_tasks)
-    if data == "mixed" and not mixed:
-        raise checks.refuse(key("mixed_tasks"), mixed, "job.data=mixed needs at least one task")
     opts = {
         "kind": checks.choice(key("kind"), job.kind, ("linear", "full"),
                               why="lm_head heads need no training: use method.head_kind=lm_head"),
         "layers": layers,
         "n_heads": checks.integer(key("n_heads"), job.n_heads, 1),
-        "data": data,
-        "mixed_tasks": mixed,
-        "n_prompts": checks.integer(key("n_prompts"), job.n_prompts, 1),
-        "n_heldout": checks.integer(key("n_heldout"), job.n_heldout, 1),
-        "gen_tokens": checks.integer(key("gen_tokens"), job.gen_tokens, 1),
-        "gen_batch": checks.integer(key("gen_batch"), job.gen_batch, 1),
-        "max_prompt_tokens": checks.optional(checks.integer, key("max_prompt_tokens"), job.max_prompt_tokens, 1),
+        **generation_options(job),
         "batch_size": checks.integer(key("batch_size"), job.batch_size, 1),
         "max_positions": checks.optional(checks.integer, key("max_positions"), job.get("max_positions"), 1,
                                          why="null = every position"),
@@ -98,8 +88,30 @@ def prepare(cfg) -> dict:
     }
     job_keys(job, opts)
     opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
-    opts["tasks"] = data_tasks(cfg, data, mixed)
+    opts["tasks"] = data_tasks(cfg, opts["data"], opts["mixed_tasks"])
     return opts
+
+
+def generation_options(job) -> dict:
+    """The keys of a job whose data are the model's own greedy continuations (:func:`build_data`):
+    ``data`` (task | mixed), ``mixed_tasks``, ``n_prompts``, ``n_heldout``, ``gen_tokens``,
+    ``gen_batch``, ``max_prompt_tokens``."""
+    from selfspec.training import task_names
+
+    key = "job.{}".format
+    data = checks.choice(key("data"), job.data, ("task", "mixed"))
+    mixed = task_names(key("mixed_tasks"), job.mixed_tasks)
+    if data == "mixed" and not mixed:
+        raise checks.refuse(key("mixed_tasks"), mixed, "job.data=mixed needs at least one task")
+    return {
+        "data": data,
+        "mixed_tasks": mixed,
+        "n_prompts": checks.integer(key("n_prompts"), job.n_prompts, 1),
+        "n_heldout": checks.integer(key("n_heldout"), job.n_heldout, 1),
+        "gen_tokens": checks.integer(key("gen_tokens"), job.gen_tokens, 1),
+        "gen_batch": checks.integer(key("gen_batch"), job.gen_batch, 1),
+        "max_prompt_tokens": checks.optional(checks.integer, key("max_prompt_tokens"), job.max_prompt_tokens, 1),
+    }
 
 
 def data_tasks(cfg, data: str, mixed: list[str]) -> list[DataTask]:

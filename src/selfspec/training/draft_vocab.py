@@ -1,0 +1,180 @@
+"""``job=draft_vocab``: a truncated draft vocabulary (beyond the papers).
+
+After FR-Spec (arXiv 2502.14856) and VocabTrim (arXiv 2506.22694): a draft token pays the whole
+LM head (SmolLM2-135M: 49,152 rows, several decoder layers' worth) although the model produces a
+small part of its vocabulary. The job
+
+* generates the model's own **greedy continuations** of task prompts (``job.data=task``) or of
+  several tasks' prompts (``mixed``) — the same data and cache as ``job=heads``
+  (:func:`selfspec.training.heads.build_data`), from the end of each task's pool;
+* **counts** the generated tokens of the training continuations and ranks the vocabulary by count
+  (ties: lower token id first; tokens never seen follow in id order);
+* measures the **head cost** at each candidate size with the runtime's cost functions
+  (:func:`selfspec.models.costs.time_head`, in units of one decoder layer from
+  :func:`~selfspec.models.costs.model_curve`) and the held-out **coverage** (share of the held-out
+  continuations' tokens inside the kept set);
+* keeps ``job.size`` tokens when given (exactly), else the candidate maximising
+  ``coverage(s) / (draft_layers + head_layers(s))``: a draft token outside the kept set is always
+  rejected, so coverage bounds the acceptance a draft can keep, and one draft pass costs its layers
+  plus the head.
+
+Output: a ``draft_vocab`` artefact (``ids`` in rank order and their ``counts``) whose ``meta.json``
+records the size and how it was chosen (every candidate's coverage and cost), the data it was
+counted on, the tokens counted and the held-out coverage. Methods read it through
+``method.draft_vocab`` (:mod:`selfspec.heads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from selfspec import checks
+
+log = logging.getLogger(__name__)
+
+OBJECTIVE = "coverage / (draft_layers + head_layers)"
+
+
+# --- counting and selection (no model) ------------------------------------------------------------
+def generated(seqs) -> list[list[int]]:
+    """The generated tokens of each sequence (after its prompt)."""
+    return [list(s.ids[s.start + 1 :]) for s in seqs]
+
+
+def count_tokens(token_lists, vocab_size: int) -> torch.Tensor:
+    """``[V]`` int64 counts of the tokens in ``token_lists``."""
+    flat = [t for toks in token_lists for t in toks]
+    return torch.bincount(torch.tensor(flat, dtype=torch.long), minlength=vocab_size)[:vocab_size] if flat else \
+        torch.zeros(vocab_size, dtype=torch.long)
+
+
+def rank(counts: torch.Tensor) -> torch.Tensor:
+    """Token ids by count, most frequent first; equal counts in id order."""
+    return torch.sort(-counts, stable=True).indices
+
+
+def coverage(kept, token_lists) -> float | None:
+    """Share of the tokens of ``token_lists`` that lie in ``kept`` (None when there are none)."""
+    keep = set(int(t) for t in kept)
+    flat = [t for toks in token_lists for t in toks]
+    return sum(t in keep for t in flat) / len(flat) if flat else None
+
+
+def choose_size(candidates: list[dict], draft_layers: float) -> dict:
+    """The candidate (``{"size", "coverage", "head_layers"}``) maximising :data:`OBJECTIVE`; equal
+    objectives: the smaller size. Each candidate gets its ``objective``."""
+    for c in candidates:
+        c["objective"] = (c["coverage"] or 0.0) / (draft_layers + c["head_layers"])
+    return max(candidates, key=lambda c: (c["objective"], -c["size"]))
+
+
+# --- the job -----------------------------------------------------------------------------------------
+def prepare(cfg) -> dict:
+    """Every key of conf/job/draft_vocab.yaml checked and the prompt tasks read, without the model."""
+    from selfspec.training import check_run, job_keys
+    from selfspec.training.heads import data_tasks, generation_options
+
+    check_run(cfg)
+    job, key = cfg.job, "job.{}".format
+    sizes = checks.integers(key("sizes"), job.sizes, 1, distinct=True)
+    opts = {
+        "size": checks.optional(checks.integer, key("size"), job.get("size"), 1,
+                                why="tokens kept; null = chosen from the measured head costs"),
+        "sizes": sizes,
+        "draft_layers": checks.optional(checks.number, key("draft_layers"), job.get("draft_layers"), 0,
+                                        low_open=True, why="null = a quarter of the model's layers"),
+        **generation_options(job),
+        "cost_repeats": checks.integer(key("cost_repeats"), job.cost_repeats, 1),
+    }
+    if opts["size"] is None and not sizes:
+        raise checks.refuse(key("sizes"), job.sizes, "needs at least one candidate size when job.size is null")
+    job_keys(job, opts)
+    opts["tasks"] = data_tasks(cfg, opts["data"], opts["mixed_tasks"])
+    return opts
+
+
+def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list[list[int]], repeats: int) -> tuple:
+    """Held-out coverage and measured head cost (seconds, decoder layers) of each size, the full
+    vocabulary included; returns ``(candidates, layer_seconds, full_head_seconds)``."""
+    from selfspec.heads import DraftVocab
+    from selfspec.models.costs import model_curve, time_head
+
+    layer = model_curve(model, max_k=2).layer
+    full = time_head(model, repeats=repeats)
+    out = []
+    for s in sorted(set(sizes)):
+        seconds = full if s == model.vocab_size else time_head(model, DraftVocab(model, ranked[:s]).model_logits,
+                                                               repeats=repeats)
+        out.append({"size": s, "coverage": coverage(ranked[:s].tolist(), held), "head_seconds": seconds,
+                    "head_layers": seconds / layer if layer > 0 else float("inf")})
+    return out, layer, full
+
+
+def run(cfg, loaded=None) -> dict:
+    from selfspec.artefacts import default_artefact_dir
+    from selfspec.heads import save_draft_vocab
+    from selfspec.models.loading import model_for
+    from selfspec.tracking import start_run
+    from selfspec.training import progress
+    from selfspec.training.heads import build_data
+
+    opts = prepare(cfg)  # config and data checked before the model loads
+    loaded = model_for(cfg.model, loaded)
+    model = loaded.model
+    v = model.vocab_size
+    if opts["size"] is not None and opts["size"] > v:
+        raise checks.refuse("job.size", opts["size"], f"must be in [1, {v}] ({loaded.name}'s vocabulary)")
+    t0 = time.perf_counter()
+    train_seqs, held_seqs, tag, info = build_data(opts, loaded, progress(cfg))
+    data_seconds = time.perf_counter() - t0
+    train_tokens, held_tokens = generated(train_seqs), generated(held_seqs)
+    counts = count_tokens(train_tokens, v)
+    ranked = rank(counts)
+    draft_layers = opts["draft_layers"] or max(1.0, model.num_layers / 4)
+    if opts["size"] is not None:
+        sizes, choice = [opts["size"], v], "given"
+    else:
+        dropped = [s for s in opts["sizes"] if s >= v]
+        if dropped:
+            log.info("draft vocab: candidate sizes %s are not below the vocabulary (%d): the full head stands for them",
+                     dropped, v)
+        sizes, choice = [s for s in opts["sizes"] if s < v] + [v], "auto"
+    candidates, layer_s, full_s = measure_candidates(model, ranked, sizes, held_tokens, opts["cost_repeats"])
+    best = choose_size(candidates, draft_layers)
+    chosen = next(c for c in candidates if c["size"] == opts["size"]) if choice == "given" else best
+    size = chosen["size"]
+    kept = ranked[:size]
+    selection = {"choice": choice, "objective": OBJECTIVE, "draft_layers": draft_layers, "layer_seconds": layer_s,
+                 "full_head_seconds": full_s, "full_head_layers": full_s / layer_s if layer_s > 0 else None,
+                 "candidates": candidates, "best_by_objective": best["size"],
+                 "reason": (f"size {size} given (job.size); the objective would pick {best['size']}"
+                            if choice == "given" else
+                            f"size {size} maximises {OBJECTIVE} = {chosen['objective']:.4f} over {[c['size'] for c in candidates]}")}
+    figures = {
+        "size": size,
+        "coverage": chosen["coverage"],
+        "train_coverage": coverage(kept.tolist(), train_tokens),
+        "tokens_counted": int(counts.sum()),
+        "heldout_tokens": sum(len(t) for t in held_tokens),
+        "distinct_tokens": int((counts > 0).sum()),
+        "head_layers": chosen["head_layers"],
+    }
+    metrics = {**figures, "data_seconds": data_seconds, "train_sequences": len(train_seqs),
+               "heldout_sequences": len(held_seqs)}
+    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("draft_vocab", loaded.name, tag)
+    path = save_draft_vocab(out_dir, kept, counts[kept], loaded, task=tag, train_config=cfg.job, metrics=metrics,
+                            data=info, selection=selection, **figures)
+    tracker = start_run(cfg, job_type="draft-vocab")
+    summary = {"artefact": str(path), **figures, "choice": choice}
+    tracker.table("draft_vocab_candidates", candidates)
+    tracker.summary(summary)
+    tracker.log_artifact(path, kind="draft_vocab")
+    tracker.finish()
+    log.info("draft vocab: %d of %d tokens kept (%s), held-out coverage %s, head %.2f layers (full %.2f); %s",
+             size, v, choice, chosen["coverage"], chosen["head_layers"], selection["full_head_layers"] or 0.0,
+             selection["reason"])
+    return summary
