@@ -178,7 +178,7 @@ class ChainDecoder(Drafter, Decoder):
     def step(self, state: DecodeState, budget: int) -> list[int]:
         """One chain step; with a speculation gate, a step the gate makes plain drafts nothing (the
         same propose → score → settle with an empty draft, so the drafter's state stays in step)."""
-        gate = self.gate
+        gate = self.gate if state.sampling.greedy else None  # seeded sampling stays reproducible
         speculate = gate is None or gate.speculate()
         t0 = time.perf_counter()
         limit = self.draft_length(state)

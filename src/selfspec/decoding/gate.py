@@ -22,7 +22,10 @@ cost model; this gate checks the outcome itself, per decoder, on the wall clock:
 
 The gate's state is policy state: it lives on the decoder and carries over between examples (the
 cost of a step is the machine's, not the example's). Outputs are unaffected: a plain step is the
-shared chain step with no drafts, so greedy output stays vanilla's and sampling stays exact.
+shared chain step with no drafts, so greedy output stays vanilla's. The gate acts under greedy
+decoding only: under sampling, a choice made from the wall clock would make a seeded run's tokens
+depend on the machine's load (still the target distribution, but no longer reproducible), so there
+every step speculates, as the papers do.
 The evidence lands in the statistics (``plain_steps_gated``: steps the gate made plain).
 """
 

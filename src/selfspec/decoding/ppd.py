@@ -206,7 +206,7 @@ class PPD(Decoder):
     def step(self, state: DecodeState, budget: int) -> list[int]:
         """One PPD step, or with a speculation gate that finds PPD does not pay here, a plain step
         (the next PPD step then starts from state 0)."""
-        gate = self.gate
+        gate = self.gate if state.sampling.greedy else None  # seeded sampling stays reproducible
         if gate is None:
             return self._step(state, budget)
         t0 = time.perf_counter()
