@@ -176,18 +176,27 @@ class ChainDecoder(Drafter, Decoder):
     gated = True
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        """One chain step; with a speculation gate, a step the gate makes plain drafts nothing (the
-        same propose → score → settle with an empty draft, so the drafter's state stays in step)."""
+        """One chain step; with a speculation gate, a step the gate makes plain is vanilla's step
+        (:meth:`~selfspec.decoding.base.Decoder.plain_step`): no drafting, no controller planning,
+        no learning (DEL's shadow statistics cost several LM heads per step), so it costs what a
+        vanilla step costs. The drafter's per-example state holds nothing across rounds that a
+        plain step would leave stale: each round drafts from the pending token."""
         gate = self.gate if state.sampling.greedy else None  # seeded sampling stays reproducible
-        speculate = gate is None or gate.speculate()
+        if gate is None:
+            return self._chain_step(state, budget)
         t0 = time.perf_counter()
+        if gate.speculate():
+            committed = self._chain_step(state, budget)
+            gate.record(state.drafted > 0, len(committed), time.perf_counter() - t0)
+        else:
+            committed = self.plain_step(state)
+            gate.record(False, len(committed), time.perf_counter() - t0)
+            state.count("plain_steps_gated")
+        return committed
+
+    def _chain_step(self, state: DecodeState, budget: int) -> list[int]:
         limit = self.draft_length(state)
-        k_max = min(limit, budget - 1) if speculate else 0  # n accepted + 1 bonus <= budget
+        k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
         draft = self.propose(state, k_max) if k_max > 0 else Draft()
         draft.limit = limit
-        committed = settle(state, draft, self.score(state, draft), self)
-        if gate is not None:
-            gate.record(len(draft) > 0, len(committed), time.perf_counter() - t0)
-            if not speculate:
-                state.count("plain_steps_gated")
-        return committed
+        return settle(state, draft, self.score(state, draft), self)
