@@ -180,6 +180,34 @@ class Decoder:
     def finish(self, state: DecodeState) -> None:
         """Per-example statistics after the loop (default: nothing)."""
 
+    def after_plain_step(self, state: DecodeState) -> None:
+        """After a step the speculation gate made plain: bring per-example state in line
+        (default: nothing; PPD restarts from state 0)."""
+
+    def speculated(self, state: DecodeState) -> bool:
+        """Whether the step just taken counts as speculative for the gate (default: it drafted; a
+        step that drafted nothing cost a plain step)."""
+        return state.drafted > 0
+
+    def _gated_step(self, state: DecodeState, budget: int) -> list[int]:
+        """:meth:`step`, or with a speculation gate (:mod:`selfspec.decoding.gate`, greedy decoding
+        only, so seeded sampling stays reproducible) that finds speculation does not pay here,
+        :meth:`plain_step`: no drafting, planning or learning, so it costs what a vanilla step
+        costs. Both outcomes are timed for the gate."""
+        gate = self.gate if state.sampling.greedy else None
+        if gate is None:
+            return self.step(state, budget)
+        t0 = time.perf_counter()
+        if gate.speculate():
+            new = self.step(state, budget)
+            gate.record(self.speculated(state), len(new), time.perf_counter() - t0)
+        else:
+            new = self.plain_step(state)
+            self.after_plain_step(state)
+            gate.record(False, len(new), time.perf_counter() - t0)
+            state.count("plain_steps_gated")
+        return new
+
     def plain_step(self, state: DecodeState) -> list[int]:
         """One autoregressive step: the pending token through the full model, the next token
         selected from its logits (vanilla's step; a gated method's step when speculation does not
@@ -210,7 +238,7 @@ class Decoder:
             reason = self._commit(state, [self.prefill(state, prompt)], max_new_tokens)
             while reason is None:
                 state.drafted = 0
-                new = self.step(state, max_new_tokens - (len(state.tokens) - n_prompt))
+                new = self._gated_step(state, max_new_tokens - (len(state.tokens) - n_prompt))
                 reason = self._commit(state, new, max_new_tokens)
         sync()
         seconds = time.perf_counter() - t0

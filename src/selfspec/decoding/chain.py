@@ -33,7 +33,6 @@ lives on the decoder and carries over between examples, as Draft & Verify's code
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,25 +175,9 @@ class ChainDecoder(Drafter, Decoder):
     gated = True
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        """One chain step; with a speculation gate, a step the gate makes plain is vanilla's step
-        (:meth:`~selfspec.decoding.base.Decoder.plain_step`): no drafting, no controller planning,
-        no learning (DEL's shadow statistics cost several LM heads per step), so it costs what a
-        vanilla step costs. The drafter's per-example state holds nothing across rounds that a
-        plain step would leave stale: each round drafts from the pending token."""
-        gate = self.gate if state.sampling.greedy else None  # seeded sampling stays reproducible
-        if gate is None:
-            return self._chain_step(state, budget)
-        t0 = time.perf_counter()
-        if gate.speculate():
-            committed = self._chain_step(state, budget)
-            gate.record(state.drafted > 0, len(committed), time.perf_counter() - t0)
-        else:
-            committed = self.plain_step(state)
-            gate.record(False, len(committed), time.perf_counter() - t0)
-            state.count("plain_steps_gated")
-        return committed
-
-    def _chain_step(self, state: DecodeState, budget: int) -> list[int]:
+        """One chain step: propose → score → settle. (With a speculation gate the loop may take a
+        plain step instead; the drafter's per-example state holds nothing across rounds that a
+        plain step would leave stale: each round drafts from the pending token.)"""
         limit = self.draft_length(state)
         k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
         draft = self.propose(state, k_max) if k_max > 0 else Draft()

@@ -36,7 +36,6 @@ each (state, chain length) is laid out once and kept.
 from __future__ import annotations
 
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -203,24 +202,15 @@ class PPD(Decoder):
 
         return SpeculationGate(probe_steps=4)
 
-    def step(self, state: DecodeState, budget: int) -> list[int]:
-        """One PPD step, or with a speculation gate that finds PPD does not pay here, a plain step
-        (the next PPD step then starts from state 0)."""
-        gate = self.gate if state.sampling.greedy else None  # seeded sampling stays reproducible
-        if gate is None:
-            return self._step(state, budget)
-        t0 = time.perf_counter()
-        speculate = gate.speculate()
-        if speculate:  # a PPD step costs its tree's width even when the tree has no candidates
-            out = self._step(state, budget)
-        else:
-            out = self.plain_step(state)
-            state.example.cands, state.example.tree_state = None, 0
-            state.count("plain_steps_gated")
-        gate.record(speculate, len(out), time.perf_counter() - t0)
-        return out
+    def speculated(self, state: DecodeState) -> bool:
+        """A PPD step costs its tree's width even when the tree has no candidates."""
+        return True
 
-    def _step(self, state: DecodeState, budget: int) -> list[int]:
+    def after_plain_step(self, state: DecodeState) -> None:
+        """The next PPD step after a gated plain one starts from state 0."""
+        state.example.cands, state.example.tree_state = None, 0
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
         m, ex = self.model, state.example
         drafts = ex.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if ex.index else []
         lay = self._layout(ex.tree_state, len(drafts))
