@@ -43,6 +43,20 @@ def test_gate_notices_a_change_and_resets_its_interval():
     assert gate.preferred
 
 
+def test_cost_per_token_is_total_time_over_total_tokens():
+    """Speculative steps of 1.3 s committing 1, 1, 3 tokens (0.78 s per token) against plain steps
+    of 1.0 s: speculation pays, though the mean of the per-step ratios (1.01) says it does not."""
+    gate = SpeculationGate()
+    pattern, spec_steps = [1, 1, 3], 0
+    for _ in range(600):
+        spec = gate.speculate()
+        tokens = pattern[spec_steps % 3] if spec else 1
+        spec_steps += spec
+        gate.record(spec, tokens, 1.3 if spec else 1.0)
+    assert gate.cost[True] < gate.cost[False] and gate.preferred
+    assert spec_steps > 0.9 * 600
+
+
 def test_unmeasured_plain_arm_means_speculate_and_bad_settings_are_refused():
     gate = SpeculationGate()
     assert gate.speculate() is True
@@ -112,7 +126,8 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
         dec = build_decoder(cfg or compose(["model=tiny-random", f"method={method}"]).method, model)
     assert isinstance(dec.gate, SpeculationGate), "never_slower is on by default"
     # the arm the gate prefers, set by hand: plain decoding "measured" far cheaper, or far dearer
-    dec.gate.cost = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}
+    dec.gate.seconds = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}
+    dec.gate.tokens = {True: 1.0, False: 1.0}
     ref = build_decoder(OmegaConf.create({"name": "vanilla"}), model).generate(prompt_ids, 24)
     out = dec.generate(prompt_ids, 24)
     assert out.tokens == ref.tokens

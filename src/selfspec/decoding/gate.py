@@ -10,8 +10,12 @@ cost model; this gate checks the outcome itself, per decoder, on the wall clock:
 * two arms — **speculate** (the method's step) and **plain** (a step with no drafts: one
   one-token forward pass, vanilla's cost). A step that drafted nothing (e.g. the n-gram lookup
   found no match) counts as plain;
-* each arm's cost per committed token is an exponential moving average of measured
-  ``seconds / tokens`` over the steps it took (``smoothing``: weight of the newest step);
+* each arm's cost per committed token is the ratio of two exponential moving averages over the
+  steps it took, of a step's seconds and of its committed tokens (``smoothing``: weight of the
+  newest step): total time over total tokens. The mean of per-step ``seconds / tokens`` would be
+  biased against speculation: its steps commit 1 token or several for about the same cost, and
+  the mean of the ratios over-weights the 1-token steps (steps of cost 1.3 committing 1, 1 and 3
+  tokens cost 0.78 per token, while their ratios average 1.01);
 * the gate speculates while speculation's cost is at most plain's (or while plain has not been
   measured yet), else it takes plain steps;
 * the arm not chosen is tried again once every ``interval`` steps, so a change (another task,
@@ -42,8 +46,9 @@ class SpeculationGate:
     max_interval: int = 128
     smoothing: float = 0.3
     probe_steps: int = 1
-    #: cost per committed token of each arm (seconds; None = not measured yet)
-    cost: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    #: moving averages per arm of a step's seconds and of its committed tokens (None = not measured yet)
+    seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    tokens: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     interval: int = field(init=False)
     _since_probe: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -58,6 +63,13 @@ class SpeculationGate:
         if self.probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {self.probe_steps}")
         self.interval = self.min_interval
+
+    @property
+    def cost(self) -> dict[bool, float | None]:
+        """Cost per committed token of each arm (seconds; None = not measured yet): the ratio of
+        the moving averages (module docstring)."""
+        return {arm: None if self.seconds[arm] is None else self.seconds[arm] / self.tokens[arm]
+                for arm in (True, False)}
 
     @property
     def preferred(self) -> bool:
@@ -80,10 +92,9 @@ class SpeculationGate:
     def record(self, speculated: bool, tokens: int, seconds: float) -> None:
         """One step's outcome: ``speculated`` = it verified at least one draft."""
         if tokens >= 1 and seconds > 0:
-            per_token = seconds / tokens
-            old = self.cost[speculated]
-            self.cost[speculated] = (per_token if old is None
-                                     else (1 - self.smoothing) * old + self.smoothing * per_token)
+            for average, value in ((self.seconds, float(seconds)), (self.tokens, float(tokens))):
+                old = average[speculated]
+                average[speculated] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
         if self._probe_left:
             self._probe_left -= 1
             if not self._probe_left:  # the probe's verdict
