@@ -44,11 +44,11 @@ def random_skip_sets(n_layers, count, seed=0):
 
 def test_greedy_equals_vanilla_for_random_skip_sets(tiny8, prompt_ids):
     ref = vanilla_tokens(tiny8, prompt_ids, 40)
-    for exit_mode, k in (("adaptive", 12), ("static", 5), ("none", 3)):
+    for stop, k in (({"rule": "adaptive", "threshold": 0.05}, 12), ({"rule": "static", "threshold": 0.05}, 5), (None, 3)):
         for attn, mlp in random_skip_sets(8, 3, seed=k):
-            dec = dv(tiny8, attn, mlp, draft_exit=exit_mode, max_draft=k, gamma0=0.05)
+            dec = dv(tiny8, attn, mlp, draft_stop=stop, max_draft=k)
             g = dec.generate(prompt_ids, 40)
-            assert g.tokens == ref, (exit_mode, attn, mlp)
+            assert g.tokens == ref, (stop, attn, mlp)
             assert sum(g.drafted_per_step) > 0
 
 
@@ -59,7 +59,7 @@ def test_greedy_equals_vanilla_for_random_skip_sets(tiny8, prompt_ids):
 )
 def test_greedy_equals_vanilla_extreme_skip_sets(tiny8, prompt_ids, attn, mlp):
     ref = vanilla_tokens(tiny8, prompt_ids, 30)
-    g = dv(tiny8, attn, mlp, draft_exit="none", max_draft=4).generate(prompt_ids, 30)
+    g = dv(tiny8, attn, mlp, draft_stop=None, max_draft=4).generate(prompt_ids, 30)
     assert g.tokens == ref
     if not attn and not mlp:  # the draft model is the model: every draft accepted
         assert g.acceptance_rate == 1.0 and g.tau > 4
@@ -69,7 +69,7 @@ def test_eos_and_budget_cut_like_vanilla(tiny8, prompt_ids):
     free = vanilla_tokens(tiny8, prompt_ids, 25)
     eos = free[9]
     ref = vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos])
-    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6], "draft_exit": "none"})
+    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6], "draft_stop": None})
     g = build_decoder(cfg, tiny8.model, eos_token_ids=[eos]).generate(prompt_ids, 25)
     assert g.tokens == ref and g.stop_reason == "eos"
     for n in (1, 2, 7):
@@ -79,7 +79,7 @@ def test_eos_and_budget_cut_like_vanilla(tiny8, prompt_ids):
 def test_cache_after_rollback_equals_recomputation(tiny8, prompt_ids):
     """Drive steps by hand; after each, every layer holds exactly the full model's K/V of the
     committed tokens but the pending one (scratch drafts and rejected positions rolled back)."""
-    dec = dv(tiny8, [1, 4, 6], [0, 5], draft_exit="none", max_draft=5)
+    dec = dv(tiny8, [1, 4, 6], [0, 5], draft_stop=None, max_draft=5)
     rejected = rolled_back_steps(dec, prompt_ids)
     assert rejected > 0  # the rollback path was exercised
 
@@ -91,7 +91,7 @@ def first_step(s: Sampling):
     cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
     model = load_model(cfg).model
     prompt_ids = list(range(40, 70))
-    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_exit="none")
+    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_stop=None)
     prompt = torch.tensor([prompt_ids])
     state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(64), s, torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -144,7 +144,7 @@ def test_sampling_is_seeded_and_lossless_path_runs(tiny8, prompt_ids):
 
 
 def test_adaptive_gamma_update_rule_and_carry_over(tiny8, prompt_ids):
-    dec = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], alpha=0.9, gamma0=0.6)
+    dec = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop={"rule": "adaptive", "threshold": 0.6, "target": 0.9})
     # Eq. 2-4 by hand: first stage AR = AR_1 (beta1 = 0)
     dec.update_gamma(accepted=1, drafted=4, hit_max=False)  # AR 0.25 <= 0.9 -> raise
     assert dec.ar == 0.25 and dec.gamma == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
@@ -165,7 +165,7 @@ def test_adaptive_gamma_update_rule_and_carry_over(tiny8, prompt_ids):
     assert dec.gamma != before
     dec.reset_gamma()
     assert dec.gamma == 0.6 and dec.ar is None
-    static = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_exit="static")
+    static = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop={"rule": "static", "threshold": 0.6})
     static.generate(prompt_ids, 30)
     assert static.gamma == 0.6
 
@@ -181,8 +181,12 @@ def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
     assert isinstance(dec, DraftVerify) and dec.skip_set == skip
     with pytest.raises(ValueError, match="layers"):
         dv(tiny8, [8], [])
-    with pytest.raises(ValueError, match="draft_exit"):
-        dv(tiny8, [1], [], draft_exit="sometimes")
+    with pytest.raises(ValueError, match=r"method\.draft_stop\.rule=sometimes"):
+        dv(tiny8, [1], [], draft_stop={"rule": "sometimes"})
+    with pytest.raises(ValueError, match=r"method\.draft_exit was renamed: set method\.draft_stop"):
+        dv(tiny8, [1], [], draft_exit="none")
+    with pytest.raises(ValueError, match=r"method\.alpha was renamed: set method\.draft_stop\.target instead"):
+        dv(tiny8, [1], [], alpha=0.8)
     missing = OmegaConf.create({"name": "draft_verify", "task": "no-such-task"})
     import os
     os.environ["SELFSPEC_OUTPUTS"] = str(tmp_path / "out")
@@ -198,4 +202,7 @@ def test_method_configs_compose(method):
     cfg = compose([f"+method={method}", "job=skips"], config_name="train")
     m = cfg.method
     assert m.name == "draft_verify" and m.task == cfg.task.name
-    assert m.draft_exit == {"draft_verify": "adaptive", "draft_verify_static": "static", "draft_verify_fixed_k": "none"}[method]
+    rule = None if m.draft_stop is None else m.draft_stop.rule
+    assert rule == {"draft_verify": "adaptive", "draft_verify_static": "static", "draft_verify_fixed_k": None}[method]
+    options = DraftVerify.options(m)
+    assert options["draft_stop"] == (None if rule is None else {"rule": rule, "threshold": 0.6})

@@ -182,7 +182,7 @@ def prompt_ids_module(tiny):
 
 
 @pytest.mark.parametrize("method", [
-    {"name": "draft_verify", "skip_attn": [2, 3], "skip_mlp": [4], "draft_exit": "none", "max_draft": 4},
+    {"name": "draft_verify", "skip_attn": [2, 3], "skip_mlp": [4], "draft_stop": None, "max_draft": 4},
     {"name": "draft_verify", "skip_attn": [2], "skip_mlp": [3]},  # adaptive threshold: truncated-softmax confidence
     {"name": "early_exit", "exit_layer": 1, "max_draft": 4},
     {"name": "early_exit", "exit_layer": 0, "max_draft": 6, "draft_stop": {"rule": "static", "threshold": 0.01}},

@@ -53,7 +53,7 @@ def test_greedy_equals_vanilla_every_exit_and_gamma(agree, tiny, prompt_ids):
 
 
 @pytest.mark.parametrize("stop", [{"rule": "static", "threshold": 0.3},
-                                  {"rule": "adaptive", "initial": 0.6, "target": 0.9, "epsilon": 0.01,
+                                  {"rule": "adaptive", "threshold": 0.6, "target": 0.9, "epsilon": 0.01,
                                    "beta1": 0.5, "beta2": 0.9}])
 def test_draft_stop_rules_keep_vanilla_output(agree, prompt_ids, stop):
     ref = vanilla(agree, prompt_ids, 40)

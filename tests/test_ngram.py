@@ -127,21 +127,21 @@ def test_cache_after_rollback_equals_recomputation(tiny):
 
 def test_adaptive_draft_length_follows_acceptance(tiny):
     dec = NgramLookup(tiny.model, max_draft=6)
-    ex = dec.new_example(None)
+    ex = dec.context.new_example(None)
     assert ex.draft_len == 6
-    dec.adapt(ex, accepted=1, drafted=6)
-    dec.adapt(ex, accepted=0, drafted=5)
+    dec.context.adapt(ex, accepted=1, drafted=6)
+    dec.context.adapt(ex, accepted=0, drafted=5)
     assert ex.draft_len == 4
-    dec.adapt(ex, accepted=4, drafted=4)
+    dec.context.adapt(ex, accepted=4, drafted=4)
     assert ex.draft_len == 6
-    dec.adapt(ex, accepted=6, drafted=6)
+    dec.context.adapt(ex, accepted=6, drafted=6)
     assert ex.draft_len == 6  # capped at max_draft
     for _ in range(10):
-        dec.adapt(ex, accepted=0, drafted=1)
+        dec.context.adapt(ex, accepted=0, drafted=1)
     assert ex.draft_len == 1  # never below one draft
     const = NgramLookup(tiny.model, max_draft=6, draft_schedule="constant")
-    ex = const.new_example(None)
-    const.adapt(ex, accepted=0, drafted=6)
+    ex = const.context.new_example(None)
+    const.context.adapt(ex, accepted=0, drafted=6)
     assert ex.draft_len == 6
 
 
@@ -175,7 +175,7 @@ def test_sampling_with_point_mass_drafts_matches_target_distribution():
         model.forward(torch.tensor([ids[:-1]]), state.cache, start=0)
         base_len = state.n_cached
         dec.begin(state)
-        assert state.example.index.lookup(ids, 2)[0][0] == d
+        assert state.context.index.lookup(ids, 2)[0][0] == d
         counts = torch.zeros_like(p)
         accepted = 0
         n = 1600

@@ -132,7 +132,7 @@ def real_runs(tiny, tmp_path_factory):
     for k in (2, 4):
         real_run(tiny, runs / f"k{k}", "dv_fixed_k", "draft_verify_fixed_k", f"method.max_draft={k}", *SKIPS)
     for g in (0.2, 0.6):
-        real_run(tiny, runs / f"static_{g}", "dv_static", "draft_verify_static", f"method.gamma0={g}", *SKIPS)
+        real_run(tiny, runs / f"static_{g}", "dv_static", "draft_verify_static", f"method.draft_stop.threshold={g}", *SKIPS)
     real_run(tiny, runs / "adaptive", "dv_static", "draft_verify", *SKIPS)
     for label in ("adadecode", "adadecode_fixed"):
         real_run(tiny, runs / label, "adadecode_ablation", label, "task=xsum", f"method.heads_dir={heads}")
@@ -184,7 +184,7 @@ def test_method_variants_keep_their_label_and_variant(real_runs, tmp_path):
     records = collect([real_runs])
     static = [r for r in records if r.method == "draft_verify_static"]
     assert sorted(r.variant for r in static) == ["γ=0.2", "γ=0.6"]
-    assert {r.decoder for r in static} == {"draft_verify"} and {r.method_config["gamma0"] for r in static} == {0.2, 0.6}
+    assert {r.decoder for r in static} == {"draft_verify"} and {r.method_config["draft_stop"]["threshold"] for r in static} == {0.2, 0.6}
     out = tmp_path / "report"
     result = build_report([real_runs], out, artefacts_dir=None)
     assert set(result.tables) == {"dv_fixed_k", "dv_static", "adadecode_ablation"}

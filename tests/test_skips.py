@@ -10,8 +10,8 @@ from selfspec.decoding.draft_verify import resolve_skip_set
 from selfspec.models.layered import SkipSet
 from selfspec.training import skips
 
-OPTS = {"max_draft": 4, "draft_exit": "adaptive", "gamma0": 0.6, "alpha": 0.9, "epsilon": 0.01,
-        "beta1": 0.5, "beta2": 0.9}
+OPTS = {"max_draft": 4, "draft_stop": {"rule": "adaptive", "threshold": 0.6, "target": 0.9, "epsilon": 0.01,
+                                        "beta1": 0.5, "beta2": 0.9}}
 
 
 @pytest.fixture(autouse=True)

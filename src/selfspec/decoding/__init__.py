@@ -49,19 +49,30 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     if cls.gated:  # every method whose step can give way to a plain step (selfspec.decoding.gate)
         options["never_slower"] = checks.flag(f"{prefix}.never_slower", method_cfg.get("never_slower", True),
                                               why="plain steps where speculation does not pay on this machine")
+    if cls.context_first:  # every self-drafting method may draft from the context first
+        from selfspec.decoding.ngram import context_drafts_option
+
+        options["ngram"] = context_drafts_option(method_cfg, prefix, schedule=True)
     checks.known_keys(prefix, [k for k in method_cfg if k != "name"], [*options, "name"], f"method {cls.name}")
     return options
 
 
 def build_decoder(method_cfg, model, **common) -> Decoder:
     """Build the decoder a ``method`` config group names (``method.name``), with a speculation
-    gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when its ``never_slower`` is on."""
+    gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when its ``never_slower`` is on and a
+    context drafter (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its ``ngram`` is set."""
     cls = decoder_class(str(method_cfg.name))
     options = check_method(method_cfg)
     never_slower = options.pop("never_slower", False)
+    context = options.pop("ngram") if cls.context_first else None
     decoder = cls.from_config(model, options, **common)
     if never_slower:
         decoder.gate = cls.new_gate()
+    if context is not None:
+        from selfspec.decoding.ngram import ContextDrafter
+
+        decoder.context = ContextDrafter(model, **context)
+        decoder.lookahead = max(decoder.lookahead, decoder.context.max_draft + 1)
     return decoder
 
 

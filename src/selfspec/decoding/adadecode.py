@@ -58,7 +58,7 @@ import torch
 
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
-from selfspec.decoding.chain import Draft, pick, settle
+from selfspec.decoding.chain import Draft, context_step, pick, settle
 from selfspec.heads import KINDS as HEAD_KINDS
 from selfspec.heads import (IntermediateHeads, attach_draft_vocab, build_draft_vocab, default_layers,
                             draft_vocab_options, find_heads, load_heads)
@@ -94,6 +94,7 @@ class AdaDecode(Decoder):
     name = "adadecode"
     lossless = True
     verify = True
+    context_first = True
 
     def __init__(
         self,
@@ -183,6 +184,9 @@ class AdaDecode(Decoder):
         return _StepState(base, cap, rope)
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
+        new = context_step(self, state, budget)  # drafts from the context first (``ngram``)
+        if new is not None:
+            return new
         ss = self.new_step(state, budget)
         token = state.pending
         while True:
@@ -257,6 +261,7 @@ class AdaDecode(Decoder):
             state.count("discarded", k - accepted - 1)
 
     def begin(self, state: DecodeState) -> None:
+        super().begin(state)
         for key in ("full_passes", "early_predictions", "accepted_early", "rejected", "discarded"):
             state.stats[key] = 0
         state.stats["full_passes"] = 1  # prefill
@@ -264,6 +269,7 @@ class AdaDecode(Decoder):
     def finish(self, state: DecodeState) -> None:
         s = state.stats
         generated = len(state.tokens) - state.prompt_len
+        s["full_passes"] += s.get("ngram_steps", 0)  # a context draft's verification is a full pass too
         verified = s["accepted_early"] + s["rejected"]
         s["early_prediction_rate"] = s["accepted_early"] / generated if generated else 0.0
         s["rejection_rate"] = s["rejected"] / verified if verified else 0.0

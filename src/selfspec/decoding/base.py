@@ -85,6 +85,8 @@ class DecodeState:
     stats: dict[str, Any] = field(default_factory=dict)
     #: per-example method state (what :meth:`Decoder.begin` creates; e.g. a drafter's buffers)
     example: Any = None
+    #: per-example state of the decoder's context drafter (``Decoder.context``; None without one)
+    context: Any = None
     #: draft tokens proposed in the current step (a method sets it; the loop records it)
     drafted: int = 0
 
@@ -128,6 +130,11 @@ class Decoder:
     gate = None
     #: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`, ``method.draft_vocab``); None = full head
     draft_vocab = None
+    #: whether the method config takes the ``ngram`` sub-config (drafts from the context first,
+    #: :func:`selfspec.decoding.chain.context_step`): the self-drafting methods
+    context_first: ClassVar[bool] = False
+    #: the context drafter (:class:`selfspec.decoding.ngram.ContextDrafter`) when ``ngram`` is set
+    context = None
 
     def __init__(
         self,
@@ -166,7 +173,10 @@ class Decoder:
 
     def begin(self, state: DecodeState) -> None:
         """Per-example set-up before prefill: per-example state goes on ``state.example``, not on
-        the decoder (default: nothing)."""
+        the decoder (default: the context drafter's state, ``state.context``, when there is one;
+        an override calls this)."""
+        if self.context is not None:
+            state.context = self.context.new_example(state)
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Run the prompt through the model; return the first new token."""

@@ -16,7 +16,11 @@ of matches):
 * :func:`settle` — verify, roll back, update, count: written once, used by :class:`ChainDecoder`
   and by AdaDecode (whose passes interleave drafting and scoring, so it is no plain chain);
 * :class:`ChainDecoder` — a :class:`~selfspec.decoding.base.Decoder` whose step is
-  ``propose → score → settle``.
+  ``propose → score → settle``;
+* :func:`context_step` — drafts from the context first (beyond the papers): a decoder with a
+  context drafter (the n-gram lookup, a method's ``ngram`` sub-config) verifies the tokens that
+  followed the longest matching n-gram of the prompt and the generated text when there is a
+  match, and self-drafts only when there is none. Every chain method and AdaDecode take it.
 
 **Draft-stop rule** (one for every method; Draft & Verify §3.4): :meth:`Draft.add` takes the
 drafter's logits for the next position, picks the draft token (argmax, or a sample of the warped
@@ -165,10 +169,30 @@ def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Draf
     return committed
 
 
+def context_step(decoder: Decoder, state: DecodeState, budget: int) -> list[int] | None:
+    """One step with drafts from the context (module docstring), or None when the decoder has no
+    context drafter, the budget leaves no room for a draft or nothing matches (the method then
+    self-drafts). The context drafter scores with one full pass and learns from the outcome
+    itself; the method's own policy (threshold, statistics) sees only its own drafts."""
+    drafter = decoder.context
+    if drafter is None or budget < 2:
+        return None
+    limit = drafter.draft_length(state)
+    draft = drafter.propose(state, min(limit, budget - 1))
+    if not len(draft):
+        return None
+    draft.limit = limit
+    return settle(state, draft, drafter.score(state, draft), drafter)
+
+
 class ChainDecoder(Drafter, Decoder):
-    """A decoder whose step is the shared chain step: ``propose → score → settle``."""
+    """A decoder whose step is the shared chain step: ``propose → score → settle``, after drafts
+    from the context when the method has a context drafter (:func:`context_step`)."""
+
+    context_first = True
 
     def begin(self, state: DecodeState) -> None:
+        super().begin(state)
         state.example = self.new_example(state)
 
     #: ``never_slower``: the step may give way to a plain one (:mod:`selfspec.decoding.gate`)
@@ -178,6 +202,9 @@ class ChainDecoder(Drafter, Decoder):
         """One chain step: propose → score → settle. (With a speculation gate the loop may take a
         plain step instead; the drafter's per-example state holds nothing across rounds that a
         plain step would leave stale: each round drafts from the pending token.)"""
+        new = context_step(self, state, budget)
+        if new is not None:
+            return new
         limit = self.draft_length(state)
         k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
         draft = self.propose(state, k_max) if k_max > 0 else Draft()

@@ -2,8 +2,7 @@
 
 Shared by Draft & Verify (``method=draft_verify``: skip-set drafts), early exit and DEL
 (``method=early_exit`` / ``del``: exit-layer drafts), so all use one implementation of each rule
-and one ``draft_stop`` sub-config (:func:`draft_stop_from_config`; Draft & Verify names the same
-parameters with its paper's keys):
+and one ``draft_stop`` sub-config (:func:`draft_stop_from_config`):
 
 * :class:`DraftStop` — never stop early: always draft the maximum (fixed K / fixed ``(ℓ, γ)``);
 * :class:`StaticThreshold` — stop when the draft's top probability is below a fixed value
@@ -86,6 +85,9 @@ class DynamicThreshold(DraftStop):
     kinds were seen)."""
 
 
+#: ``draft_stop`` key of the adaptive rule -> :class:`AdaptiveThreshold` parameter: ``threshold`` is the
+#: threshold, as under ``rule: static``; the adaptive rule starts there (Draft & Verify's γ0)
+ADAPTIVE_KEYS = {"threshold": "initial", "target": "target", "epsilon": "epsilon", "beta1": "beta1", "beta2": "beta2"}
 #: allowed range and meaning of each :class:`AdaptiveThreshold` parameter (Draft & Verify §3.3)
 ADAPTIVE_RANGES: dict[str, tuple[dict[str, Any], str]] = {
     "initial": ({"low": 0, "high": 1}, "initial threshold on a draft's top probability"),
@@ -98,16 +100,17 @@ ADAPTIVE_DEFAULTS = {f.name: f.default for f in fields(AdaptiveThreshold) if f.i
 
 
 def adaptive_parameters(named: dict[str, tuple[str, Any]]) -> dict[str, float]:
-    """``{parameter: (config key, value)}`` -> checked :class:`AdaptiveThreshold` keyword arguments
-    (Draft & Verify and early exit name the parameters differently in their configs)."""
+    """``{parameter: (config key, value)}`` -> checked :class:`AdaptiveThreshold` keyword arguments."""
     return {param: checks.number(key, value, **ADAPTIVE_RANGES[param][0], why=ADAPTIVE_RANGES[param][1])
             for param, (key, value) in named.items()}
 
 
 def draft_stop_from_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> DraftStop:
     """The rule a ``draft_stop`` config names, every value checked: null (never stop early),
-    ``{rule: static, threshold}``, ``{rule: adaptive, initial, target, epsilon, beta1, beta2}`` or,
-    where ``dynamic`` (DEL), ``{rule: dynamic}`` (:class:`DynamicThreshold`)."""
+    ``{rule: static, threshold}``, ``{rule: adaptive, threshold, target, epsilon, beta1, beta2}``
+    (``threshold`` is where the adaptive rule starts; the others default to Draft & Verify's
+    values, :data:`ADAPTIVE_DEFAULTS`) or, where ``dynamic`` (DEL), ``{rule: dynamic}``
+    (:class:`DynamicThreshold`)."""
     if cfg is None:
         return DraftStop()
     rules = ("static", "adaptive", "dynamic") if dynamic else ("static", "adaptive")
@@ -121,6 +124,21 @@ def draft_stop_from_config(cfg, prefix: str = "method.draft_stop", dynamic: bool
         checks.known_keys(prefix, cfg, ("rule", "threshold"), "draft_stop with rule: static")
         return StaticThreshold(checks.probability(f"{prefix}.threshold", cfg.get("threshold"),
                                                   why="stop drafting below this top probability"))
-    checks.known_keys(prefix, cfg, ("rule", *ADAPTIVE_DEFAULTS), "draft_stop with rule: adaptive")
+    checks.renamed(prefix, cfg, {"initial": "threshold"})
+    checks.known_keys(prefix, cfg, ("rule", *ADAPTIVE_KEYS), "draft_stop with rule: adaptive")
     return AdaptiveThreshold(**adaptive_parameters(
-        {p: (f"{prefix}.{p}", cfg.get(p, d)) for p, d in ADAPTIVE_DEFAULTS.items()}))
+        {param: (f"{prefix}.{k}", _value(cfg.get(k), ADAPTIVE_DEFAULTS[param])) for k, param in ADAPTIVE_KEYS.items()}))
+
+
+def draft_stop_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> dict | None:
+    """A ``draft_stop`` config checked (:func:`draft_stop_from_config`) and returned as plain data
+    (JSON-able: run records, artefact metadata); build the rule from it with
+    :func:`draft_stop_from_config`."""
+    draft_stop_from_config(cfg, prefix, dynamic)
+    if cfg is None:
+        return None
+    return {str(k): v for k, v in (cfg.items() if hasattr(cfg, "items") else ())}
+
+
+def _value(value, default):
+    return default if value is None else value

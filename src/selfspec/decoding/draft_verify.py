@@ -9,9 +9,11 @@ chain step (:mod:`selfspec.decoding.chain`):
    whose attention runs.
 2. **Draft exit** (§3.4): stop as soon as the draft distribution's top probability falls below
    the threshold ``gamma`` (that token is still verified — the rule every method shares,
-   :class:`~selfspec.decoding.chain.Draft`). ``gamma`` is *adaptive* (Eq. 2-4, updated after
-   every verification from the EMA of the acceptance rate), *static*, or absent
-   (``draft_exit: none`` = fixed K, the Table 3-4 ablations).
+   :class:`~selfspec.decoding.chain.Draft`). The ``draft_stop`` sub-config every method shares
+   (:mod:`selfspec.decoding.draft_exit`) names the rule: ``{rule: adaptive, threshold: γ0, target:
+   α, epsilon, beta1, beta2}`` (Eq. 2-4, updated after every verification from the EMA of the
+   acceptance rate; the default), ``{rule: static, threshold}`` (Table 4) or null (always K
+   drafts, Table 3).
 3. **Verify** ``[pending, d1..dk]`` in one full forward pass, after truncating every layer back
    to the committed tokens (the scratch K/V came from approximate hidden states), then keep
    ``n_cached + accepted + 1`` positions (gpt-fast's scheme): the chain step's default
@@ -37,16 +39,17 @@ import torch
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
-from selfspec.decoding.draft_exit import (ADAPTIVE_DEFAULTS, AdaptiveThreshold, DraftStop, StaticThreshold,
-                                          adaptive_parameters)
+from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
 from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_logits, draft_vocab_options
 from selfspec.models.layered import LayeredModel, SkipSet
 
-DRAFT_EXITS = ("adaptive", "static", "none")
-#: config key -> :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold` parameter (Eq. 2-4)
-RULE_KEYS = {"gamma0": "initial", "alpha": "target", "epsilon": "epsilon", "beta1": "beta1", "beta2": "beta2"}
 #: the decoding settings of a config (what the constructor takes besides the skip set)
-DECODING_KEYS = ("max_draft", "draft_exit", *RULE_KEYS)
+DECODING_KEYS = ("max_draft", "draft_stop")
+#: the paper's draft exit (§3.4): the adaptive threshold from γ0 = 0.6, Table 6's other values
+ADAPTIVE = {"rule": "adaptive"}
+#: keys of the paper's names, refused with the ``draft_stop`` key that replaced each
+RENAMED = {"gamma0": "draft_stop.threshold", "alpha": "draft_stop.target", "epsilon": "draft_stop.epsilon",
+           "beta1": "draft_stop.beta1", "beta2": "draft_stop.beta2"}
 
 
 def _get(cfg, key, default=None):
@@ -140,20 +143,14 @@ class DraftVerify(ChainDecoder):
         model: LayeredModel,
         skip_set: SkipSet,
         max_draft: int = 12,
-        draft_exit: str = "adaptive",
-        gamma0: float = 0.6,
-        alpha: float = 0.9,
-        epsilon: float = 0.01,
-        beta1: float = 0.5,
-        beta2: float = 0.9,
+        draft_stop: dict | None = ADAPTIVE,
         **common,
     ) -> None:
         super().__init__(model, **common)
         self.skip_set = check_skip_set(skip_set, model.num_layers)
         self.max_draft = int(max_draft)
-        self.draft_exit = draft_exit
-        self.gamma0 = float(gamma0)
-        self._rule = dict(target=float(alpha), epsilon=float(epsilon), beta1=float(beta1), beta2=float(beta2))
+        #: the ``draft_stop`` sub-config (checked plain data); :meth:`reset_gamma` builds the rule from it
+        self.draft_stop_config = draft_stop_config(draft_stop)
         self.lookahead = self.max_draft  # drafted K/V are written past the committed tokens
         self.reset_gamma()
 
@@ -161,13 +158,14 @@ class DraftVerify(ChainDecoder):
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
         lists, else the ``skip_set`` artefact, else the default one for ``task``) and the decoding
-        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1, ``draft_exit``, and the threshold
-        rule's ``gamma0``, ``alpha``, ``epsilon``, ``beta1``, ``beta2``)."""
+        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1, and ``draft_stop``, the shared
+        sub-config of :mod:`selfspec.decoding.draft_exit`). The paper's key names (``draft_exit``,
+        ``gamma0``, ``alpha``, ...) are refused, naming their ``draft_stop`` keys."""
         from selfspec.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
-        rule = adaptive_parameters({param: (key(k), _get(cfg, k, ADAPTIVE_DEFAULTS[param]))
-                                    for k, param in RULE_KEYS.items()})
+        checks.renamed(prefix, cfg, {**RENAMED, "draft_exit": f"{key('draft_stop')} ({{rule: adaptive}}, "
+                                     "{rule: static, threshold: p}, or null: always max_draft drafts)"})
         return {
             "skip_set": artefact_option(key("skip_set"), cfg.get("skip_set"), "skip_set"),
             "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
@@ -175,8 +173,7 @@ class DraftVerify(ChainDecoder):
             "task": checks.optional(checks.text, key("task"), cfg.get("task")),
             "max_draft": checks.integer(key("max_draft"), _get(cfg, "max_draft", 12), 1,
                                         why="K, the most draft tokens per step"),
-            "draft_exit": checks.choice(key("draft_exit"), _get(cfg, "draft_exit", "adaptive"), DRAFT_EXITS),
-            **{k: rule[param] for k, param in RULE_KEYS.items()},
+            "draft_stop": draft_stop_config(cfg.get("draft_stop", ADAPTIVE), key("draft_stop")),
             **draft_vocab_options(cfg, prefix),
         }
 
@@ -190,13 +187,13 @@ class DraftVerify(ChainDecoder):
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:
-        """Restore ``gamma = gamma_0`` and forget the acceptance-rate EMA."""
-        if self.draft_exit == "adaptive":
-            self.draft_stop: DraftStop = AdaptiveThreshold(initial=self.gamma0, **self._rule)
-        elif self.draft_exit == "static":
-            self.draft_stop = StaticThreshold(self.gamma0)
-        else:
-            self.draft_stop = DraftStop()
+        """Restore ``gamma = gamma_0`` and forget the acceptance-rate EMA: a fresh rule."""
+        self.draft_stop: DraftStop = draft_stop_from_config(self.draft_stop_config)
+
+    @property
+    def gamma0(self) -> float:
+        """The threshold the rule starts from (0 when drafting always runs to K)."""
+        return draft_stop_from_config(self.draft_stop_config).threshold()
 
     @property
     def gamma(self) -> float:

@@ -205,7 +205,9 @@ class EarlyExit(ChainDecoder):
         state.stats.setdefault("draft_len_sum", 0)
 
     def finish(self, state: DecodeState) -> None:
-        rounds = max(len(state.accepted_per_step) - 1, 1)
+        # rounds that drafted from the exit head (not prefill, context drafts or gated plain steps)
+        rounds = len(state.accepted_per_step) - 1 - state.stats.get("ngram_steps", 0)
+        rounds = max(rounds - state.stats.get("plain_steps_gated", 0), 1)
         state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
         state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
         state.stats.setdefault("draft_stops", 0)

@@ -38,7 +38,14 @@ over a few tokens costs about as much as over one, so ``k`` matters little there
 wasted width when the machine is loaded or on accelerators where width is not free.
 
 Statistics (``stats``): ``verifications`` (steps that drafted), ``plain_steps`` (no match),
-``match_len`` (mean n of the matches) and ``draft_len`` (the controller's ``k`` at the end).
+``match_len`` (mean n of the matches) and ``draft_len`` (the controller's ``k`` at the end), and
+the context drafter's ``ngram_steps`` / ``ngram_accepted``.
+
+**As a first choice inside other methods.** The lookup, the verification and the controller are
+one drafter, :class:`ContextDrafter`. ``method=ngram`` is a chain method with that drafter and no
+other; Draft & Verify, early exit, DEL and AdaDecode take it through their ``ngram`` sub-config
+(:func:`context_drafts_option`) and try it before self-drafting
+(:func:`selfspec.decoding.chain.context_step`); PPD adds its drafts to the tree instead.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import torch
 
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, register
-from selfspec.decoding.chain import ChainDecoder, Draft
+from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 
 SCHEDULES = ("adaptive", "constant")
 #: config key -> default (conf/method/ngram.yaml)
@@ -105,12 +112,15 @@ class NgramIndex:
         return drafts, n
 
 
+LOOKUP_KEYS = ("max_ngram", "min_ngram", "max_draft")
+
+
 def lookup_options(cfg, prefix: str) -> dict:
     """The n-gram lookup's keys, read from ``cfg`` (a method config, or the ``ngram`` sub-config of
     a method that drafts from the context first) and checked as ``<prefix>.<key>``:
     ``max_ngram`` >= 1 (longest suffix matched), ``min_ngram`` in [1, max_ngram] (shortest),
     ``max_draft`` >= 1 (most draft tokens per step); null takes the default."""
-    value = {k: (cfg.get(k) if cfg.get(k) is not None else DEFAULTS[k]) for k in ("max_ngram", "min_ngram", "max_draft")}
+    value = {k: (cfg.get(k) if cfg.get(k) is not None else DEFAULTS[k]) for k in LOOKUP_KEYS}
     key = f"{prefix}.{{}}".format
     max_n = checks.integer(key("max_ngram"), value["max_ngram"], 1, why="longest n-gram matched")
     return {
@@ -121,76 +131,76 @@ def lookup_options(cfg, prefix: str) -> dict:
     }
 
 
-def context_drafts_option(cfg, prefix: str) -> dict | None:
+def schedule_option(cfg, prefix: str) -> str:
+    """``<prefix>.draft_schedule``: ``adaptive`` (default) | ``constant`` (module docstring)."""
+    value = cfg.get("draft_schedule") if cfg.get("draft_schedule") is not None else DEFAULTS["draft_schedule"]
+    return checks.choice(f"{prefix}.draft_schedule", value, SCHEDULES,
+                         why="adaptive: draft length follows acceptance; constant: max_draft")
+
+
+def context_drafts_option(cfg, prefix: str, schedule: bool = False) -> dict | None:
     """A method's ``ngram`` sub-config (drafts from the context first, beyond the papers): null =
-    off, else a mapping of :func:`lookup_options`' keys (unknown keys are refused by name)."""
+    off, else a mapping of :func:`lookup_options`' keys, and ``draft_schedule`` where the method
+    drafts a chain (``schedule``; PPD's context chain has a fixed length). Unknown keys are refused
+    by name."""
     value = cfg.get("ngram")
     if value is None:
         return None
     key = f"{prefix}.ngram"
+    keys = (*LOOKUP_KEYS, "draft_schedule") if schedule else LOOKUP_KEYS
     if not hasattr(value, "get") or not hasattr(value, "keys"):
-        raise checks.refuse(key, value, "give null (off) or a mapping of max_ngram, min_ngram, max_draft",
+        raise checks.refuse(key, value, f"give null (off) or a mapping of {', '.join(keys)}",
                             why="n-gram drafts from the prompt and the generated text")
-    checks.known_keys(key, value, ("max_ngram", "min_ngram", "max_draft"), "an ngram sub-config")
-    return lookup_options(value, key)
+    checks.known_keys(key, value, keys, "an ngram sub-config")
+    options = lookup_options(value, key)
+    if schedule:
+        options["draft_schedule"] = schedule_option(value, key)
+    return options
 
 
 @dataclass
 class NgramExample:
-    """Per-example state: the index of the sequence, the controller's draft length ``k`` and the
-    summed match lengths (for ``match_len``)."""
+    """Per-example state (``DecodeState.context``): the index of the sequence, the controller's
+    draft length ``k`` and the summed match lengths (for ``match_len``)."""
 
     index: NgramIndex
     draft_len: int
     match_lens: int = 0
 
 
-@register
-class NgramLookup(ChainDecoder):
-    """Self-speculative decoding with model-free n-gram drafts (module docstring)."""
+class ContextDrafter(Drafter):
+    """Drafts from the context: steps 1 and 3 of the module docstring and the draft-length
+    controller, as a :class:`~selfspec.decoding.chain.Drafter` whose per-example state
+    (:class:`NgramExample`) lives on ``DecodeState.context``.
 
-    name = "ngram"
-    lossless = True
+    It is the whole of ``method=ngram`` and, through a method's ``ngram`` sub-config, the first
+    choice of every self-drafting method (:func:`~selfspec.decoding.chain.context_step`): a step
+    whose context matches verifies the copied tokens with one full pass (the default
+    :meth:`~selfspec.decoding.chain.Drafter.score`) instead of self-drafting. Statistics:
+    ``ngram_steps`` (steps that drafted from the context) and ``ngram_accepted`` (their accepted
+    drafts), the names PPD's context drafts use."""
 
     def __init__(self, model, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8,
-                 draft_schedule: str = "adaptive", **common) -> None:
-        super().__init__(model, **common)
+                 draft_schedule: str = "adaptive") -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"method.min_ngram={min_ngram} must be in [1, method.max_ngram={max_ngram}]")
         if max_draft < 1 or draft_schedule not in SCHEDULES:
             raise ValueError(f"method.max_draft={max_draft} must be >= 1 and method.draft_schedule="
                              f"{draft_schedule} one of {', '.join(SCHEDULES)}")
+        self.model = model
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
         self.max_draft = int(max_draft)
         self.draft_schedule = draft_schedule
-        self.lookahead = self.max_draft  # verification writes k + 1 positions past the committed ones
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/ngram.yaml): the lookup's (:func:`lookup_options`) and
-        ``draft_schedule`` (``adaptive`` | ``constant``); null takes the default."""
-        key = f"{prefix}.{{}}".format
-        schedule = cfg.get("draft_schedule") if cfg.get("draft_schedule") is not None else DEFAULTS["draft_schedule"]
-        return {
-            **lookup_options(cfg, prefix),
-            "draft_schedule": checks.choice(key("draft_schedule"), schedule, SCHEDULES,
-                                            why="adaptive: draft length follows acceptance; constant: max_draft"),
-        }
-
-    @classmethod
-    def from_config(cls, model, options: dict, **common) -> "NgramLookup":
-        return cls(model, **options, **common)
-
-    # --- the drafter (chain step: selfspec.decoding.chain) -----------------------------------
-    def new_example(self, state: DecodeState) -> NgramExample:
+    def new_example(self, state: DecodeState | None) -> NgramExample:
         return NgramExample(NgramIndex(self.min_ngram, self.max_ngram), self.max_draft)
 
     def draft_length(self, state: DecodeState) -> int:
-        return state.example.draft_len
+        return state.context.draft_len
 
     def propose(self, state: DecodeState, k_max: int) -> Draft:
         """Step 1 (lookup); under sampling the draft distribution is a point mass on each draft."""
-        ex = state.example
+        ex = state.context
         tokens, n_gram = ex.index.lookup(state.tokens, k_max)
         ex.match_lens += n_gram if tokens else 0
         probs = []
@@ -200,10 +210,9 @@ class NgramLookup(ChainDecoder):
         return Draft(tokens, probs, [None] * len(tokens))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
-        if len(draft):
-            self.adapt(state.example, accepted, len(draft))
-        else:
-            state.count("plain_steps")
+        self.adapt(state.context, accepted, len(draft))
+        state.count("ngram_steps")
+        state.count("ngram_accepted", accepted)
 
     def adapt(self, ex: NgramExample, accepted: int, drafted: int) -> None:
         """The draft-length controller (module docstring): +2 after a fully accepted draft, -1
@@ -213,9 +222,44 @@ class NgramLookup(ChainDecoder):
         step = 2 if accepted == drafted else -1
         ex.draft_len = max(1, min(self.max_draft, ex.draft_len + step))
 
+
+@register
+class NgramLookup(ChainDecoder):
+    """Self-speculative decoding with model-free n-gram drafts (module docstring): a chain method
+    whose only draft source is the context (:class:`ContextDrafter`); a step without a match
+    drafts nothing and is one plain step."""
+
+    name = "ngram"
+    lossless = True
+    context_first = False  # its keys are the lookup's own; there is no self-drafter to go after
+
+    def __init__(self, model, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8,
+                 draft_schedule: str = "adaptive", **common) -> None:
+        super().__init__(model, **common)
+        self.context = ContextDrafter(model, max_ngram, min_ngram, max_draft, draft_schedule)
+        self.lookahead = self.context.max_draft  # verification writes k + 1 positions past the committed ones
+
+    @classmethod
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/ngram.yaml): the lookup's (:func:`lookup_options`) and
+        ``draft_schedule`` (:func:`schedule_option`); null takes the default."""
+        return {**lookup_options(cfg, prefix), "draft_schedule": schedule_option(cfg, prefix)}
+
+    @classmethod
+    def from_config(cls, model, options: dict, **common) -> "NgramLookup":
+        return cls(model, **options, **common)
+
+    # --- the chain step's own drafter: nothing (the context drafter goes first) --------------
+    def draft_length(self, state: DecodeState) -> int:
+        return 0
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        state.count("plain_steps")  # step 3: no match
+
     def finish(self, state: DecodeState) -> None:
+        ex = state.context
         verifications = state.stats.get("verifications", 0)
         state.stats.setdefault("plain_steps", 0)
         state.stats.setdefault("verifications", 0)
-        state.stats["match_len"] = state.example.match_lens / verifications if verifications else 0.0
-        state.stats["draft_len"] = state.example.draft_len
+        state.stats["match_len"] = ex.match_lens / verifications if verifications else 0.0
+        state.stats["draft_len"] = ex.draft_len

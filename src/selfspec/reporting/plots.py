@@ -2,8 +2,8 @@
 
 ``speedup``        speedup per method, grouped by task (one figure per table and model)
 ``gamma``          acceptance rate (and speedup) against the confidence threshold γ: AdaDecode's
-                   ``method.threshold``, Draft & Verify's static ``method.gamma0``, early exit's
-                   static draft-stop threshold (AdaDecode §4 robustness to γ; D&V Table 4)
+                   ``method.threshold``, the static ``method.draft_stop.threshold`` of Draft & Verify,
+                   early exit and DEL (AdaDecode §4 robustness to γ; D&V Table 4)
 ``exit_layers``    how often each exit layer emitted a token (decoder stats ``exit_layer_<l>``)
 ``bo_trace``       the skip-set search: objective per iteration and best so far (D&V Figure 4)
 ``heads_training`` intermediate-head training loss per step (AdaDecode heads artefact)
@@ -79,8 +79,9 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
 
 def threshold_of(r: Record) -> float | None:
     """The confidence threshold γ the record's method config fixes, if it fixes one: AdaDecode's
-    ``threshold`` (``gamma`` in records written before it was renamed), Draft & Verify's ``gamma0`` under ``draft_exit: static``, early exit's static
-    ``draft_stop`` threshold."""
+    ``threshold`` (``gamma`` in records written before it was renamed), the static ``draft_stop``
+    threshold of Draft & Verify, early exit and DEL (Draft & Verify's ``gamma0`` under ``draft_exit:
+    static`` in records written before its keys became ``draft_stop``)."""
     cfg = r.method_config
     if r.family == "adadecode":
         return cfg.get("threshold", cfg.get("gamma"))

@@ -348,7 +348,7 @@ class CostModel:
                     drafted += 1
                     ok = ok and m[q]
                     accepted += ok
-                    if sim.draft_exit != "none" and cf[q] < sim.gamma:
+                    if cf[q] < sim.gamma:  # the draft-stop rule (0 when drafting always runs to K)
                         break
                 cost += drafted * c_draft + self.verify_cost(drafted + 1)
                 if drafted:
