@@ -69,6 +69,21 @@ def test_kernel_choice_is_refused_or_explained():
     assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
 
 
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch's extension builder waits for its lock file without limit: an old one (a killed build)
+    is removed before building, a fresh one (a build in progress elsewhere) is left alone."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert not kernels.clear_stale_lock(tmp_path)
+    lock.touch()
+    assert not kernels.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    assert kernels.clear_stale_lock(tmp_path) and not lock.exists()
+
+
 @needs_kernel
 def test_kernel_runs_inside_the_runtime_only(tiny, prompt_ids, monkeypatch):
     """transformers' own generate (the HF peers, the tests' reference) keeps the stock kernel;

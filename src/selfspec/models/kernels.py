@@ -30,6 +30,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -82,6 +83,26 @@ def _build_dir() -> Path:
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
 
+#: a build takes ~15 s; a build lock older than this was left by a build that was killed
+STALE_LOCK_SECONDS = 600
+
+
+def clear_stale_lock(folder: Path) -> bool:
+    """Remove ``folder/lock`` when it is older than :data:`STALE_LOCK_SECONDS`: torch's extension
+    builder waits for that file without limit, so a build killed midway (Ctrl-C, a timeout) would
+    leave every later process hanging silently. Returns whether a lock was removed."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    log.warning("removing the stale kernel build lock %s (%.0f s old: a build was interrupted)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> None:
     """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear`` and
@@ -96,6 +117,7 @@ def load() -> None:
 
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(folder)
     try:
         build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
               build_directory=str(folder), is_python_module=False, verbose=False)
