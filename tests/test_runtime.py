@@ -60,6 +60,20 @@ def test_skinny_bfloat16_accumulates_in_float32():
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-5)
 
 
+@needs_kernel
+def test_kernels_run_on_torchs_openmp_threads():
+    """The kernels are compiled with OpenMP, so ``at::parallel_for`` runs on torch's threads (built
+    without it, they ran on one thread whatever ``torch.set_num_threads`` said), and the library
+    shares the OpenMP runtime torch loaded instead of starting a second thread pool."""
+    kernels.load()
+    libs = list(kernels._build_dir().glob("*.so"))
+    assert libs and all(b"GOMP_parallel" in lib.read_bytes() for lib in libs)
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        gomps = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+        assert len(gomps) <= 1, gomps
+
+
 def test_kernel_choice_is_refused_or_explained():
     with pytest.raises(ValueError, match=r"model.linear_kernel='fast' is not one of auto, skinny, torch"):
         kernels.resolve("fast", torch.device("cpu"), torch.float32)
@@ -141,6 +155,28 @@ def test_bench_runtime_script(tmp_path):
     assert set(r["v"]) == {"32", "64"} and r["v"]["64"]["1"] == 1.0
     assert r["same_tokens_as_generate"] is True and r["vanilla_over_generate"] > 0
     assert 0 < r["bandwidth_fraction"] and r["linear_kernel"] in ("skinny", "torch")
+
+
+def test_decode_rates_leave_the_prefill_out(tiny, monkeypatch):
+    """A decoder whose call costs a prefill plus a fixed time per token decodes at exactly
+    1 / (time per token), however long the prefill."""
+    from selfspec.decoding import base, peers, vanilla
+    from selfspec.evaluation import runtime
+
+    def fake(step):
+        def generate(self, prompt, max_new_tokens, sampling=None):
+            return base.Generation(tokens=[0] * max_new_tokens, prompt_len=len(prompt),
+                                   seconds=3.0 + step * max_new_tokens, steps=max_new_tokens,
+                                   accepted_per_step=[1] * max_new_tokens,
+                                   drafted_per_step=[0] * max_new_tokens, stop_reason="length")
+        return generate
+
+    monkeypatch.setattr(vanilla.Vanilla, "generate", fake(0.05))
+    monkeypatch.setattr(peers.HFPeer, "generate", fake(0.08))
+    rates = runtime.decode_rates(tiny, 16, 9, 2)
+    assert rates["vanilla"] == pytest.approx(20.0) and rates["hf_generate"] == pytest.approx(12.5)
+    with pytest.raises(ValueError, match="at least 2 new tokens"):
+        runtime.decode_rates(tiny, 16, 1, 1)
 
 
 def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):

@@ -52,6 +52,13 @@ SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
 HEADER = Path(__file__).with_name("csrc") / "avx2.h"
 
+#: compiler flags. ``-fopenmp`` makes ``at::parallel_for`` (inlined into the kernels) run on torch's
+#: OpenMP threads: without it the kernels ran on one thread whatever ``torch.set_num_threads`` said
+#: (a 2-core machine ran the linears at half speed). The extension links ``libgomp.so.1`` by
+#: soname, so it shares the runtime torch has already loaded instead of starting a second pool.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
 _state = threading.local()
 
 
@@ -79,7 +86,7 @@ def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + HEADER.read_bytes()
-                            + torch.__version__.encode()).hexdigest()[:12]
+                            + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
 
@@ -119,8 +126,8 @@ def load() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(folder)
     try:
-        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
-              build_directory=str(folder), is_python_module=False, verbose=False)
+        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE)], extra_cflags=list(CFLAGS),
+              extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
         raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
 
