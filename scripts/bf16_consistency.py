@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
               "warmup=1", "warmup_max_new_tokens=8", "progress=false"]
     loaded = None
     table = []
+    rowwise = kernels.ROWWISE_DTYPES  # the default set
     for task in args.tasks:
         cfg = compose([f"task={task}", *common], config_name="evaluate")
         loaded = loaded or load_model(cfg.model)
         for mode in args.modes.split(","):
-            kernels.ROWWISE_DTYPES = frozenset({torch.bfloat16, torch.float16}) if mode == "on" else frozenset()
+            kernels.ROWWISE_DTYPES = rowwise if mode == "on" else frozenset()
             summary = evaluate(cfg, args.out / mode / task, loaded=loaded, label="draft_verify")
             for name, m in summary["methods"].items():
                 row = {"task": task, "mode": mode, "method": name, "n": m.get("n_examples"),
