@@ -128,6 +128,10 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
     # the arm the gate prefers, set by hand: plain decoding "measured" far cheaper, or far dearer
     dec.gate.seconds = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}
     dec.gate.tokens = {True: 1.0, False: 1.0}
+    # ... and kept so: every step "measures" that arm's cost, so the machine's timing cannot flip it
+    record, cheap = dec.gate.record, not prefer_plain
+    dec.gate.record = lambda speculated, tokens, seconds: record(speculated, tokens,
+                                                                 1e-9 * tokens if speculated == cheap else 1.0)
     ref = build_decoder(OmegaConf.create({"name": "vanilla"}), model).generate(prompt_ids, 24)
     out = dec.generate(prompt_ids, 24)
     assert out.tokens == ref.tokens

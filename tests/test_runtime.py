@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -257,3 +258,43 @@ def test_k_token_pass_equals_k_one_token_steps(dtype, monkeypatch):
         for k in (2, 5, 16):
             cache.truncate(24)
             assert torch.equal(model.logits(model.forward(new[:k].view(1, -1), cache))[0], steps[:k]), k
+
+
+def test_fused_projections_are_the_librarys_sublayers(tiny):
+    """Each layer's q/k/v and gate/up weights are views of one matrix, and the runtime's
+    sublayers (one product each) equal the library's own attention and MLP forward on the same
+    input: within float32 rounding with torch's GEMM, bit for bit under the skinny kernel (whose
+    every output element is the same instruction sequence whatever the matrix)."""
+    m = tiny.model
+    layer = m.layers[1]
+    weight, _, sizes = m._qkv[1]
+    rows = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    offsets = [0, sizes[0], sizes[0] + sizes[1]]
+    for mod, off in zip(rows, offsets):
+        assert mod.weight.data_ptr() == weight[off].data_ptr() and mod.weight.is_contiguous()
+    assert layer.mlp.up_proj.weight.data_ptr() == m._gate_up[1][0][m._gate_up[1][2][0]].data_ptr()
+    g = torch.Generator().manual_seed(4)
+    past, n = 6, 5
+    h = torch.randn(1, n, m.hidden_size, generator=g)
+    rope = m.rope(m.positions(past, n), h)
+    mask = m.causal_mask(n, past)
+    for inside in (False, True):
+        caches = []
+        for _ in range(2):
+            cache = m.new_cache(past + n)
+            with torch.inference_mode():
+                m.forward(torch.arange(past).unsqueeze(0), cache, start=0)
+            caches.append(cache)
+        with torch.inference_mode(), (kernels.active() if inside else contextlib.nullcontext()):
+            ref_attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
+                                          attention_mask=mask, past_key_values=caches[0])
+            ref_attn = h + ref_attn
+            ref_mlp = h + layer.mlp(layer.post_attention_layernorm(h))
+            out_attn = m.attention(1, h, rope, caches[1], mask)
+            out_mlp = m.mlp(1, h)
+        if inside and m.linear_kernel == "skinny":
+            assert torch.equal(out_attn, ref_attn) and torch.equal(out_mlp, ref_mlp)
+            assert torch.equal(caches[0].keys[1], caches[1].keys[1])
+        torch.testing.assert_close(out_attn, ref_attn, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out_mlp, ref_mlp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(caches[0].values[1], caches[1].values[1], rtol=1e-5, atol=1e-6)

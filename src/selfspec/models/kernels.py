@@ -140,14 +140,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
-def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight = module.weight
-    if (_state.__dict__.get("depth", 0) and x.dtype == weight.dtype and x.shape[-1] % 8 == 0
-            and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1])
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: the skinny kernel inside :class:`active` when ``skinny`` (the
+    model's kernel is ``skinny``) and the input suits it, else ``F.linear``."""
+    if (skinny and _state.__dict__.get("depth", 0) and x.dtype == weight.dtype and x.device.type == "cpu"
+            and x.shape[-1] % 8 == 0 and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1])
             and not (x.requires_grad and torch.is_grad_enabled())):
         # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
-        return skinny_linear(x, weight, module.bias)
-    return F.linear(x, weight, module.bias)
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, module.weight, module.bias)
 
 
 #: the attention implementation :func:`install_attention` registers with transformers
@@ -291,5 +296,5 @@ def install(modules, kernel: str) -> None:
 
 
 __all__ = ["ATTENTION", "KERNELS", "MAX_ROWS", "KernelUnavailable", "active", "install", "install_attention",
-           "is_active", "load", "resolve", "skinny_linear"]
+           "is_active", "linear", "load", "resolve", "skinny_linear"]
 

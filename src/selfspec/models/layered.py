@@ -5,20 +5,29 @@ internals (module names, the decoder layer's pieces, rotary embeddings). Every m
 the model through this adapter, so baseline and methods share one runtime (docs/design.md §3,
 Spec-Bench: a baseline on a different cache is a fairness confound).
 
-The library's own modules do the work — embedding, RMSNorm, attention (with its rotary
-embedding and attention kernel), MLP, LM head — so no model family is re-implemented. A
-decoder layer is split into its two residual sublayers (Draft & Verify §3.1 skips them
-independently)::
+The library's own modules and functions do the work — embedding, RMSNorm, the family's rotary
+embedding and attention kernel, the MLP's activation, LM head — so no model family's numerics are
+re-implemented. A decoder layer is split into its two residual sublayers (Draft & Verify §3.1
+skips them independently)::
 
     h = h + attn(input_layernorm(h))          # attention sublayer
     h = h + mlp(post_attention_layernorm(h))  # MLP sublayer
+
+Only the projections are arranged differently: each layer's q/k/v weights are rows of one
+matrix, and so are gate/up (:func:`fuse_rows`; the modules keep views of it, so transformers'
+own forward and the state dict are unchanged), and the sublayers above run them as one product
+each. A decoding step then makes 4 linear calls per layer instead of 7 (on 2 CPU cores: 3 ms of a
+52 ms step); the products are the same, element for element, under the skinny kernel.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from selfspec.models import capture, kernels
 from selfspec.models.cache import LayerCache
@@ -56,6 +65,24 @@ class SkipSet:
 
     def __len__(self) -> int:
         return len(self.attn) + len(self.mlp)
+
+
+def fuse_rows(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """Stack the weights (and biases) of linears that read the same input into one matrix and
+    rebind each module's parameters to its rows (contiguous views), so one product computes all
+    of them. Returns the fused weight, the fused bias (None when none has one) and the row counts."""
+    sizes = [int(m.weight.shape[0]) for m in modules]
+    weight = torch.cat([m.weight.detach() for m in modules])
+    has_bias = [m.bias is not None for m in modules]
+    if any(has_bias) and not all(has_bias):
+        raise UnsupportedModelError("projections reading one input must all have a bias or none")
+    bias = torch.cat([m.bias.detach() for m in modules]) if all(has_bias) else None
+    for m, w in zip(modules, weight.split(sizes)):
+        m.weight.data = w
+    if bias is not None:
+        for m, b in zip(modules, bias.split(sizes)):
+            m.bias.data = b
+    return weight, bias, sizes
 
 
 class LayeredModel:
@@ -103,6 +130,12 @@ class LayeredModel:
         #: (:mod:`selfspec.models.kernels`; the model config's ``linear_kernel`` resolved)
         self.linear_kernel = kernels.resolve(linear_kernel, self.device, self.dtype)
         kernels.install(self.linears(), self.linear_kernel)
+        #: per layer: (q|k|v weight, bias, row counts) and (gate|up weight, bias, row counts)
+        self._qkv = [fuse_rows([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self._gate_up = [fuse_rows([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        family = sys.modules[type(self.layers[0].self_attn).__module__]
+        self._apply_rotary = family.apply_rotary_pos_emb
+        self._eager_attention = family.eager_attention_forward
         kernels.install_attention(self.config)
         impl = getattr(self.config, "_attn_implementation", "sdpa")
         # SDPA takes a boolean mask as is; eager attention adds the mask to the scores.
@@ -189,20 +222,35 @@ class LayeredModel:
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
     def attention(self, i, h, rope, cache: LayerCache | None, mask=None) -> torch.Tensor:
-        """Attention sublayer of layer ``i`` with its residual; writes layer ``i``'s K/V."""
+        """Attention sublayer of layer ``i`` with its residual; writes layer ``i``'s K/V.
+
+        The family's attention forward with the q/k/v projections as one product: the family's
+        rotary function, ``cache.update`` and the configured attention implementation."""
         layer = self.layers[i]
-        out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(h),
-            position_embeddings=rope,
-            attention_mask=mask,
-            past_key_values=cache,
-        )
-        return h + out
+        attn = layer.self_attn
+        weight, bias, sizes = self._qkv[i]
+        x = layer.input_layernorm(h)
+        q, k, v = kernels.linear(x, weight, bias, self.linear_kernel == "skinny").split(sizes, dim=-1)
+        shape = (*h.shape[:-1], -1, self.head_dim)
+        q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+        q, k = self._apply_rotary(q, k, *rope)
+        if cache is not None:
+            k, v = cache.update(k, v, i)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager_attention)
+        # what the family passes: Qwen2 per layer, Mistral from the config (inert within max_context)
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        out, _ = interface(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
+                           **({"sliding_window": window} if window else {}))
+        return h + attn.o_proj(out.reshape(*h.shape[:-1], -1).contiguous())
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """MLP sublayer of layer ``i`` with its residual."""
+        """MLP sublayer of layer ``i`` with its residual: ``down(act(gate(x)) * up(x))``, gate and up
+        as one product."""
         layer = self.layers[i]
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        weight, bias, sizes = self._gate_up[i]
+        gate, up = kernels.linear(layer.post_attention_layernorm(h), weight, bias,
+                                  self.linear_kernel == "skinny").split(sizes, dim=-1)
+        return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def run_layer(
         self,
