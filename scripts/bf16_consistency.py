@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", nargs="+", default=["gsm8k", "humaneval", "mtbench", "xsum", "cnndm"])
     p.add_argument("--n", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--compare", default="adadecode_mixed,del,early_exit", help="methods run beside draft_verify")
+    p.add_argument("--method", default="draft_verify", help="the first method (Draft & Verify, with the skip set below)")
+    p.add_argument("--compare", default="adadecode_mixed,del,early_exit", help="methods run beside it")
     p.add_argument("--modes", default="off,on", help="row-wise attention off/on, in this order")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bf16")
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    common = [f"model={args.model}", "model.dtype=bfloat16", "method=draft_verify", *SKIPS,
+    common = [f"model={args.model}", "model.dtype=bfloat16", f"method={args.method}", *SKIPS,
               f"compare=[{args.compare}]", f"n_examples={args.n}", f"max_new_tokens={args.max_new_tokens}",
               "warmup=1", "warmup_max_new_tokens=8", "progress=false"]
     loaded = None
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = loaded or load_model(cfg.model)
         for mode in args.modes.split(","):
             kernels.ROWWISE_DTYPES = rowwise if mode == "on" else frozenset()
-            summary = evaluate(cfg, args.out / mode / task, loaded=loaded, label="draft_verify")
+            summary = evaluate(cfg, args.out / mode / task, loaded=loaded, label=args.method)
             for name, m in summary["methods"].items():
                 row = {"task": task, "mode": mode, "method": name, "n": m.get("n_examples"),
                        "consistency": m.get("consistency"), "s_per_token": m.get("seconds_per_token"),

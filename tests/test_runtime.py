@@ -262,9 +262,8 @@ def test_k_token_pass_equals_k_one_token_steps(dtype, monkeypatch):
 
 def test_fused_projections_are_the_librarys_sublayers(tiny):
     """Each layer's q/k/v and gate/up weights are views of one matrix, and the runtime's
-    sublayers (one product each) equal the library's own attention and MLP forward on the same
-    input: within float32 rounding with torch's GEMM, bit for bit under the skinny kernel (whose
-    every output element is the same instruction sequence whatever the matrix)."""
+    sublayers (one product each, the fused norm and rotary operators inside the runtime) equal the
+    library's own attention and MLP forward on the same input within float32 rounding."""
     m = tiny.model
     layer = m.layers[1]
     weight, _, sizes = m._qkv[1]
@@ -292,9 +291,39 @@ def test_fused_projections_are_the_librarys_sublayers(tiny):
             ref_mlp = h + layer.mlp(layer.post_attention_layernorm(h))
             out_attn = m.attention(1, h, rope, caches[1], mask)
             out_mlp = m.mlp(1, h)
-        if inside and m.linear_kernel == "skinny":
-            assert torch.equal(out_attn, ref_attn) and torch.equal(out_mlp, ref_mlp)
-            assert torch.equal(caches[0].keys[1], caches[1].keys[1])
         torch.testing.assert_close(out_attn, ref_attn, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out_mlp, ref_mlp, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(caches[0].values[1], caches[1].values[1], rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
+    """The fused rotary operator equals transformers' ``apply_rotary_pos_emb`` bit for bit (strided
+    q and k as the projections leave them); the fused RMSNorm equals ``LlamaRMSNorm`` bit for bit
+    in bfloat16 and within the last bit in float32 (the mean of squares is summed in another order),
+    and each of its rows is the same whatever the other rows."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    kernels.load()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 5, 9, 64, generator=g).transpose(1, 2).to(dtype)
+    k = torch.randn(1, 5, 3, 64, generator=g).transpose(1, 2).to(dtype)
+    angle = torch.randn(1, 5, 32, generator=g)
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+    with kernels.active():
+        out_q, out_k = kernels.rotary(apply_rotary_pos_emb, q, k, cos, sin)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    norm = norm.to(dtype)
+    x = torch.randn(1, 7, 576, generator=g).to(dtype)
+    with torch.inference_mode(), kernels.active():
+        fused = kernels.rms_norm(norm, x)
+        rows = torch.cat([kernels.rms_norm(norm, x[:, i:i + 1]) for i in range(7)], dim=1)
+    assert torch.equal(fused, rows)
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused, norm(x))
+    else:
+        torch.testing.assert_close(fused, norm(x), rtol=4e-7, atol=1e-6)

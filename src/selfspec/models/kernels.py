@@ -52,12 +52,15 @@ ROWWISE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
 HEADER = Path(__file__).with_name("csrc") / "avx2.h"
+LAYER_OPS_SOURCE = Path(__file__).with_name("csrc") / "layer_ops.cpp"
 
 #: compiler flags. ``-fopenmp`` makes ``at::parallel_for`` (inlined into the kernels) run on torch's
 #: OpenMP threads: without it the kernels ran on one thread whatever ``torch.set_num_threads`` said
 #: (a 2-core machine ran the linears at half speed). The extension links ``libgomp.so.1`` by
 #: soname, so it shares the runtime torch has already loaded instead of starting a second pool.
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+#: ``-ffp-contract=off``: a product and a sum stay two roundings, as in torch's elementwise ops
+#: (``csrc/layer_ops.cpp``); the kernels that fuse do so with explicit FMA instructions.
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 _state = threading.local()
@@ -86,7 +89,8 @@ def is_active() -> bool:
 def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + HEADER.read_bytes()
+    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + LAYER_OPS_SOURCE.read_bytes()
+                            + HEADER.read_bytes()
                             + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
@@ -113,8 +117,9 @@ def clear_stale_lock(folder: Path) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def load() -> None:
-    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear`` and
-    ``torch.ops.selfspec.rowwise_attention``.
+    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear``,
+    ``torch.ops.selfspec.rowwise_attention``, ``torch.ops.selfspec.rms_norm`` and
+    ``torch.ops.selfspec.rotary``.
 
     Raises :class:`KernelUnavailable` with the reason when the CPU lacks AVX2/FMA or the build fails.
     """
@@ -127,7 +132,7 @@ def load() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(folder)
     try:
-        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE)], extra_cflags=list(CFLAGS),
+        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE), str(LAYER_OPS_SOURCE)], extra_cflags=list(CFLAGS),
               extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
         raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
@@ -149,6 +154,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _layer_ops_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the fused layer operators take these inputs: inside the runtime, on CPU, float32
+    or bfloat16, no gradient wanted."""
+    t = tensors[0]
+    return (_state.__dict__.get("depth", 0) > 0 and t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
+
+
+def rms_norm(module: torch.nn.Module, x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
+    """The family's RMSNorm ``module`` on ``x``: one operator (``csrc/layer_ops.cpp``, the same
+    arithmetic) inside the runtime on CPU when ``enabled`` (the kernels are built), else the module."""
+    weight = module.weight
+    if enabled and _layer_ops_apply(x, weight) and x.dtype == weight.dtype:
+        return torch.ops.selfspec.rms_norm(x, weight, float(module.variance_epsilon))
+    return module(x)
+
+
+def rotary(apply, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, enabled: bool = True):
+    """The family's ``apply_rotary_pos_emb`` (``apply``) on q and k: one operator inside the
+    runtime on CPU when ``enabled`` (the same products and sum, each rounded as torch rounds them),
+    else ``apply``."""
+    if (enabled and _layer_ops_apply(q, k, cos) and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and q.dim() == 4 and q.shape[0] == k.shape[0] == 1 and cos.shape[0] == 1 and q.shape[-1] % 2 == 0):
+        return torch.ops.selfspec.rotary(q, k, cos, sin)
+    return apply(q, k, cos, sin)
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -296,5 +328,5 @@ def install(modules, kernel: str) -> None:
 
 
 __all__ = ["ATTENTION", "KERNELS", "MAX_ROWS", "KernelUnavailable", "active", "install", "install_attention",
-           "is_active", "linear", "load", "resolve", "skinny_linear"]
+           "is_active", "linear", "load", "resolve", "rms_norm", "rotary", "skinny_linear"]
 

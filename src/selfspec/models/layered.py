@@ -17,7 +17,10 @@ Only the projections are arranged differently: each layer's q/k/v weights are ro
 matrix, and so are gate/up (:func:`fuse_rows`; the modules keep views of it, so transformers'
 own forward and the state dict are unchanged), and the sublayers above run them as one product
 each. A decoding step then makes 4 linear calls per layer instead of 7 (on 2 CPU cores: 3 ms of a
-52 ms step); the products are the same, element for element, under the skinny kernel.
+52 ms step); the products are the same, element for element, under the skinny kernel. On CPU the
+norms and the rotary embedding run as one operator each (:func:`~selfspec.models.kernels.rms_norm`,
+:func:`~selfspec.models.kernels.rotary`, the library's arithmetic), since a step spent more time
+launching their small tensor operations than computing them.
 """
 
 from __future__ import annotations
@@ -229,11 +232,12 @@ class LayeredModel:
         layer = self.layers[i]
         attn = layer.self_attn
         weight, bias, sizes = self._qkv[i]
-        x = layer.input_layernorm(h)
-        q, k, v = kernels.linear(x, weight, bias, self.linear_kernel == "skinny").split(sizes, dim=-1)
+        cpu_ops = self.linear_kernel == "skinny"
+        x = kernels.rms_norm(layer.input_layernorm, h, cpu_ops)
+        q, k, v = kernels.linear(x, weight, bias, cpu_ops).split(sizes, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
         q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-        q, k = self._apply_rotary(q, k, *rope)
+        q, k = kernels.rotary(self._apply_rotary, q, k, *rope, enabled=cpu_ops)
         if cache is not None:
             k, v = cache.update(k, v, i)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager_attention)
@@ -248,8 +252,9 @@ class LayeredModel:
         as one product."""
         layer = self.layers[i]
         weight, bias, sizes = self._gate_up[i]
-        gate, up = kernels.linear(layer.post_attention_layernorm(h), weight, bias,
-                                  self.linear_kernel == "skinny").split(sizes, dim=-1)
+        cpu_ops = self.linear_kernel == "skinny"
+        gate, up = kernels.linear(kernels.rms_norm(layer.post_attention_layernorm, h, cpu_ops), weight, bias,
+                                  cpu_ops).split(sizes, dim=-1)
         return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def run_layer(
@@ -270,12 +275,12 @@ class LayeredModel:
         return h
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
+        return kernels.rms_norm(self.norm, h, self.linear_kernel == "skinny")
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (float32 logits)."""
         with kernels.active():
-            return self.lm_head(self.norm(h)).float()
+            return self.lm_head(self.final_norm(h)).float()
 
     # --- whole passes ----------------------------------------------------------------------
     def forward(

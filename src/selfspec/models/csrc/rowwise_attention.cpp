@@ -97,85 +97,104 @@ constexpr int64_t VALUE_BLOCK = 32;
 template <typename T>
 void run(const float* q, const T* k, const T* v, const bool* allowed, float* out, int64_t H, int64_t M,
          int64_t D, int64_t L, int64_t group, int64_t ks_h, int64_t ks_l, int64_t vs_h, int64_t vs_l, float scale) {
-  // A task is row i of `hb` query heads that share one key/value head: each key and value is read
-  // from memory once for all of them. With few rows (a decoding step) a task is one head, so that
-  // both threads have work. A head's arithmetic is the same either way.
+  // A task is a block of `rb` rows of `hb` query heads that share one key/value head: a key or
+  // value fetched into L1 serves every (row, head) of the task that attends to it. With few rows
+  // (a decoding step) a task is one head of one row, so that both threads have work. What a
+  // (row, head) computes is the same whatever the task holds.
   const int64_t Hkv = H / group;
   const int64_t hb = Hkv * M >= 4 ? group : 1;
   const int64_t per_kv = group / hb;
-  at::parallel_for(0, Hkv * M * per_kv, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t rb = M >= 8 ? 4 : (M >= 4 ? 2 : 1);
+  const int64_t row_blocks = (M + rb - 1) / rb;
+  at::parallel_for(0, Hkv * row_blocks * per_kv, 1, [&](int64_t t0, int64_t t1) {
     const int64_t padded = (L + 7) / 8 * 8;
-    std::vector<int64_t> idx(padded);
-    std::vector<float> s(hb * padded);
-    std::vector<float> acc(hb * D);
+    std::vector<int64_t> idx(rb * padded), count(rb);
+    std::vector<float> s(rb * hb * padded), acc(rb * hb * D), inv(rb * hb);
     const __m256 vscale = _mm256_set1_ps(scale);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t t = t0; t < t1; ++t) {
-      // t = (g * M + i) * per_kv + part: consecutive tasks share a key/value head, which stays in cache
-      const int64_t part = t % per_kv, gi = t / per_kv, g = gi / M, i = gi % M;
-      const int64_t h0 = g * group + part * hb;
+      // t = (g * row_blocks + block) * per_kv + part: consecutive tasks share a key/value head
+      const int64_t part = t % per_kv, gb = t / per_kv, g = gb / row_blocks, i0 = (gb % row_blocks) * rb;
+      const int64_t rows = std::min(rb, M - i0), h0 = g * group + part * hb;
       const T* kh = k + g * ks_h;
       const T* vh = v + g * vs_h;
-      const bool* row = allowed ? allowed + i * L : nullptr;
-      int64_t n = 0;
-      for (int64_t j = 0; j < L; ++j)
-        if (!row || row[j]) idx[n++] = j;
-      if (n == 0) {  // no key allowed: zeros, as a fully masked row
-        for (int64_t e = 0; e < hb; ++e)
-          for (int64_t d = 0; d < D; ++d) out[((h0 + e) * M + i) * D + d] = 0.f;
-        continue;
+      int64_t longest = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool* row = allowed ? allowed + (i0 + r) * L : nullptr;
+        int64_t* ir = idx.data() + r * padded;
+        int64_t n = 0;
+        for (int64_t j = 0; j < L; ++j)
+          if (!row || row[j]) ir[n++] = j;
+        for (int64_t j = n; n && j < padded; ++j) ir[j] = ir[n - 1];  // the last block's spare lanes (masked below)
+        count[r] = n;
+        longest = std::max(longest, n);
       }
-      for (int64_t j = n; j < padded; ++j) idx[j] = idx[n - 1];  // the last block's spare lanes (masked below)
       // scores, 8 keys at a time: 8 independent FMA chains over the head dimension, then reduce8
-      for (int64_t b = 0; b < n; b += 8) {
-        const T* kj[8];
+      for (int64_t b = 0; b < longest; b += 8) {
+        for (int64_t r = 0; r < rows; ++r) {
+          if (b >= count[r]) continue;
+          const int64_t* ir = idx.data() + r * padded;
+          const T* kj[8];
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) kj[u] = kh + idx[b + u] * ks_l;
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - b)), lane));
-        for (int64_t e = 0; e < hb; ++e) {
-          const float* qi = q + ((h0 + e) * M + i) * D;
-          __m256 a[8];
+          for (int u = 0; u < 8; ++u) kj[u] = kh + ir[b + u] * ks_l;
+          const __m256 valid =
+              _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count[r] - b)), lane));
+          for (int64_t e = 0; e < hb; ++e) {
+            const float* qi = q + ((h0 + e) * M + i0 + r) * D;
+            __m256 a[8];
 #pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(qi + d);
+            for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+              const __m256 qd = _mm256_loadu_ps(qi + d);
 #pragma GCC unroll 8
-            for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, load8(kj[u] + d), a[u]);
+              for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, load8(kj[u] + d), a[u]);
+            }
+            _mm256_storeu_ps(s.data() + (r * hb + e) * padded + b,
+                             _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(reduce8(a), vscale), valid));
           }
-          _mm256_storeu_ps(s.data() + e * padded + b,
-                           _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(reduce8(a), vscale), valid));
         }
       }
-      // per head: weights exp(s - max) (the masked spare lanes, -inf, give 0) and their sum
-      float inv[64];
-      for (int64_t e = 0; e < hb; ++e) {
-        float* se = s.data() + e * padded;
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        for (int64_t b = 0; b < n; b += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(se + b));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, vmax);
-        float mx = lanes[0];
-        for (float x : lanes) mx = std::max(mx, x);
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        for (int64_t b = 0; b < n; b += 8) {
-          const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(se + b), vmx));
-          _mm256_storeu_ps(se + b, p);
-          vsum = _mm256_add_ps(vsum, p);
+      // per (row, head): weights exp(s - max) (the masked spare lanes, -inf, give 0) and their sum
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = count[r];
+        for (int64_t e = 0; e < hb && n; ++e) {
+          float* se = s.data() + (r * hb + e) * padded;
+          __m256 vmax = _mm256_set1_ps(-INFINITY);
+          for (int64_t b = 0; b < n; b += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(se + b));
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, vmax);
+          float mx = lanes[0];
+          for (float x : lanes) mx = std::max(mx, x);
+          const __m256 vmx = _mm256_set1_ps(mx);
+          __m256 vsum = _mm256_setzero_ps();
+          for (int64_t b = 0; b < n; b += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(se + b), vmx));
+            _mm256_storeu_ps(se + b, p);
+            vsum = _mm256_add_ps(vsum, p);
+          }
+          inv[r * hb + e] = 1.f / hsum(vsum);
         }
-        inv[e] = 1.f / hsum(vsum);
       }
-      // the values, a block of keys at a time for every head of the task
+      // the values, a block of keys at a time for every (row, head) of the task
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; j0 < n; j0 += VALUE_BLOCK)
-        for (int64_t e = 0; e < hb; ++e)
-          weighted_values_chunks(s.data() + e * padded, idx.data(), j0, std::min(n, j0 + VALUE_BLOCK), vh, vs_l, D,
-                                 acc.data() + e * D);
-      for (int64_t e = 0; e < hb; ++e) {
-        const __m256 vinv = _mm256_set1_ps(inv[e]);
-        float* o = out + ((h0 + e) * M + i) * D;
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + e * D + d), vinv));
-      }
+      for (int64_t j0 = 0; j0 < longest; j0 += VALUE_BLOCK)
+        for (int64_t r = 0; r < rows; ++r) {
+          if (j0 >= count[r]) continue;
+          for (int64_t e = 0; e < hb; ++e)
+            weighted_values_chunks(s.data() + (r * hb + e) * padded, idx.data() + r * padded, j0,
+                                   std::min(count[r], j0 + VALUE_BLOCK), vh, vs_l, D, acc.data() + (r * hb + e) * D);
+        }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t e = 0; e < hb; ++e) {
+          float* o = out + ((h0 + e) * M + i0 + r) * D;
+          if (!count[r]) {  // no key allowed: zeros, as a fully masked row
+            for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+            continue;
+          }
+          const __m256 vinv = _mm256_set1_ps(inv[r * hb + e]);
+          const float* a = acc.data() + (r * hb + e) * D;
+          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vinv));
+        }
     }
   });
 }
@@ -193,7 +212,6 @@ at::Tensor rowwise_attention(const at::Tensor& q_in, const at::Tensor& k, const 
   TORCH_CHECK(D % 8 == 0 && k.size(3) == D && v.size(3) == D && v.size(2) == L && v.size(1) == Hkv && H % Hkv == 0,
               "rowwise_attention: shapes");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "rowwise_attention: contiguous head dim");
-  TORCH_CHECK(H / Hkv <= 64, "rowwise_attention: at most 64 query heads per key/value head");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
   at::Tensor allowed;
   if (allowed_in.numel()) {
