@@ -133,6 +133,8 @@ class LayeredModel:
         #: (:mod:`selfspec.models.kernels`; the model config's ``linear_kernel`` resolved)
         self.linear_kernel = kernels.resolve(linear_kernel, self.device, self.dtype)
         kernels.install(self.linears(), self.linear_kernel)
+        #: whether the CPU operators (skinny linear, fused norm and rotary) are built and chosen
+        self._cpu_ops = self.linear_kernel == "skinny"
         #: per layer: (q|k|v weight, bias, row counts) and (gate|up weight, bias, row counts)
         self._qkv = [fuse_rows([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
         self._gate_up = [fuse_rows([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
@@ -232,7 +234,7 @@ class LayeredModel:
         layer = self.layers[i]
         attn = layer.self_attn
         weight, bias, sizes = self._qkv[i]
-        cpu_ops = self.linear_kernel == "skinny"
+        cpu_ops = self._cpu_ops
         x = kernels.rms_norm(layer.input_layernorm, h, cpu_ops)
         q, k, v = kernels.linear(x, weight, bias, cpu_ops).split(sizes, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
@@ -252,7 +254,7 @@ class LayeredModel:
         as one product."""
         layer = self.layers[i]
         weight, bias, sizes = self._gate_up[i]
-        cpu_ops = self.linear_kernel == "skinny"
+        cpu_ops = self._cpu_ops
         gate, up = kernels.linear(kernels.rms_norm(layer.post_attention_layernorm, h, cpu_ops), weight, bias,
                                   cpu_ops).split(sizes, dim=-1)
         return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
@@ -275,7 +277,7 @@ class LayeredModel:
         return h
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(self.norm, h, self.linear_kernel == "skinny")
+        return kernels.rms_norm(self.norm, h, self._cpu_ops)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (float32 logits)."""
