@@ -8,6 +8,7 @@ them together. See :mod:`selfspec.reporting` and ``conf/report.yaml``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -23,7 +24,13 @@ def run_report(cfg: DictConfig):
     from selfspec.reporting.build import build_report
     from selfspec.reporting.wandb_source import enabled, wandb_records
 
+    from selfspec.tracking import check_writable, open_run_log
+
     flags = {key: checks.flag(key, cfg[key]) for key in ("paper", "plots", "newest_only")}
+    out = Path(str(cfg.output_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "the report (output_dir=...)")
+    open_run_log(out)
     extra = []
     if enabled(cfg.wandb.enabled):
         filters = OmegaConf.to_container(cfg.wandb.filters, resolve=True) if cfg.wandb.filters else {}

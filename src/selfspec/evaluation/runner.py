@@ -36,13 +36,17 @@ from selfspec import checks
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
 from selfspec.evaluation.aggregate import common_rows, generation_key, summarize
-from selfspec.tracking import ResultsFile, Tracker, save_hydra_files, start_run, to_jsonable, write_json
+from selfspec.locks import hold
+from selfspec.tracking import (ResultsFile, Tracker, check_writable, open_run_log, save_hydra_files, start_run,
+                               to_jsonable, write_json)
 
 log = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 RUN_CONFIG = "run_config.json"
+#: what every line of results.jsonl holds (:class:`~selfspec.tracking.ResultsFile` refuses other lines)
+ROW_KEYS = ("id", "method", "tokens", "seconds")
 #: config keys whose change makes earlier rows of a run directory incomparable
 _RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples")
 #: the value of a resume key in a run directory recorded before the key existed
@@ -186,26 +190,50 @@ def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
-    """Refuse a run directory that holds results of a different configuration. Reads only: a
-    refused rerun leaves the directory exactly as it was."""
-    path = out_dir / RUN_CONFIG
-    if (out_dir / RESULTS).exists() and path.exists():
-        import json
+    """Refuse a run directory this run may not write to. Reads only: a refused rerun leaves the
+    directory exactly as it was.
 
-        before = json.loads(path.read_text())
-        changed = [k for k in _RESUME_KEYS if before.get(k, _RESUME_DEFAULTS.get(k)) != identity.get(k)]
-        if changed:
-            raise ResumeMismatch(
-                f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
-                "evaluate into a new run directory (hydra.run.dir=...)")
+    The files the runner writes must be plain files (a symlink is refused: appending through it
+    would change a file the framework did not write). A non-empty ``results.jsonl`` is resumed only
+    with the framework's own record of the run that wrote it (``run_config.json``), and only when
+    that record matches ``identity`` on :data:`_RESUME_KEYS`."""
+    import json
+
+    for name in (RESULTS, RUN_CONFIG, SUMMARY):
+        if (out_dir / name).is_symlink():
+            raise ResumeMismatch(f"{out_dir / name} is a symlink; selfspec writes only files it created there: "
+                                 "evaluate into a new run directory (hydra.run.dir=...)")
+    results, record = out_dir / RESULTS, out_dir / RUN_CONFIG
+    if not results.exists() or results.stat().st_size == 0:
+        return
+    if not record.exists():
+        raise ResumeMismatch(
+            f"{results} was not written by a selfspec run (no {RUN_CONFIG} records one); selfspec resumes only "
+            "its own results: evaluate into a new run directory (hydra.run.dir=...)")
+    try:
+        before = json.loads(record.read_text())
+    except (OSError, ValueError) as err:
+        raise ResumeMismatch(f"{record} is unreadable ({err}); evaluate into a new run directory "
+                             "(hydra.run.dir=...)") from None
+    if not isinstance(before, dict):
+        raise ResumeMismatch(f"{record} is not a selfspec run record; evaluate into a new run directory "
+                             "(hydra.run.dir=...)")
+    changed = [k for k in _RESUME_KEYS if before.get(k, _RESUME_DEFAULTS.get(k)) != identity.get(k)]
+    if changed:
+        raise ResumeMismatch(
+            f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
+            "evaluate into a new run directory (hydra.run.dir=...)")
+    ResultsFile(results, ROW_KEYS).check()
 
 
 def _begin(out_dir: Path, identity: dict[str, Any], cfg: DictConfig) -> None:
     """Record the run in its directory once it really starts (model loaded, decoders built):
     ``run_config.json``, what a rerun must match, and inside ``@hydra.main`` Hydra's ``.hydra/``
-    (conf/evaluate.yaml leaves it to this). A run that fails or is refused before leaves neither."""
+    (conf/evaluate.yaml leaves it to this) and the job's log file (:func:`~selfspec.tracking.open_run_log`).
+    A run that fails or is refused before leaves none of them."""
     write_json(out_dir / RUN_CONFIG, identity)
     save_hydra_files(out_dir, cfg)
+    open_run_log(out_dir)
 
 
 def _artefact_paths(run: MethodRun) -> list[Path]:
@@ -261,12 +289,25 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     ``label``: the method under test's config name when ``cfg`` was composed outside ``@hydra.main``
     (default: :func:`method_label`).
     """
+    plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
+    out_dir = Path(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with hold(out_dir, f"run directory {out_dir}"):  # one owner at a time (selfspec.locks)
+            return _run(cfg, plan, out_dir, loaded, tracker)
+    except BaseException:
+        if created and not any(out_dir.iterdir()):  # refused or failed before it wrote anything
+            out_dir.rmdir()
+        raise
+
+
+def _run(cfg: DictConfig, plan: Plan, out_dir: Path, loaded, tracker: Tracker | None) -> dict[str, Any]:
+    """:func:`evaluate` once the run owns ``out_dir``."""
     from selfspec.runinfo import run_info
 
-    plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
     sampling, task, examples, budget = plan.sampling, plan.task, plan.examples, plan.budget
     under_test, method_cfgs, n_samples = plan.under_test, plan.method_cfgs, plan.n_samples
-    out_dir = Path(out_dir)
     torch.manual_seed(int(cfg.seed))
     names = list(method_cfgs)
     baseline = names[0]
@@ -274,6 +315,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
                             | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": budget,
                             "baseline": baseline, "methods": method_cfgs, "n_samples": n_samples})
     _check_resume(out_dir, identity)
+    check_writable(out_dir, "the run directory (hydra.run.dir=...)")
 
     from selfspec.models.loading import model_for
 
@@ -285,8 +327,11 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _begin(out_dir, identity, cfg)
-    results = ResultsFile(out_dir / RESULTS)
-    done = {(*generation_key(r), r["method"]) for r in results}
+    results = ResultsFile(out_dir / RESULTS, ROW_KEYS)
+    ids = set(prompts)
+    # rows of examples outside this run's selection (a rerun with a smaller n_examples) stay in the
+    # file but take no part in this summary
+    done = {(*generation_key(r), r["method"]) for r in results if str(r["id"]) in ids}
     todo = [ex for ex in examples if any((ex.id, i, r.name) not in done for i in range(n_samples) for r in runs)]
     if done:
         log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
@@ -308,7 +353,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     finally:
         results.close()
 
-    rows = results.rows()
+    rows = [r for r in results.rows() if str(r["id"]) in ids]
     refs = {ex.id: ex.reference for ex in examples}
     per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs, greedy=sampling.greedy)
     samples_files = _write_samples(out_dir, task, common_rows(rows, names, baseline))

@@ -8,6 +8,7 @@ them. Summaries are written atomically (temporary file + rename).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -41,18 +42,30 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-class ResultsFile:
-    """An append-only JSON-lines file; each :meth:`append` is on disk when it returns."""
+class ResultsFileError(ValueError):
+    """A results file that cannot be read as the framework wrote it (the message names the lines)."""
 
-    def __init__(self, path: str | Path) -> None:
+
+class ResultsFile:
+    """An append-only JSON-lines file; each :meth:`append` is on disk when it returns.
+
+    Only a file the framework wrote is appended to (the caller checks its record first, see
+    :func:`selfspec.evaluation.runner.evaluate`): a symlink is refused, and the only repair is
+    dropping a torn last line (a crash mid-write). Any other invalid line is an error that names
+    it, never skipped silently."""
+
+    def __init__(self, path: str | Path, keys: tuple[str, ...] = ()) -> None:
+        """``keys``: what every row must hold (a line without them is invalid)."""
         self.path = Path(path)
+        self.keys = keys
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = None
 
     def append(self, row: dict[str, Any]) -> None:
         if self._fh is None:
             self._repair_tail()
-            self._fh = open(self.path, "a", encoding="utf-8")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self._fh = os.fdopen(fd, "a", encoding="utf-8")
         self._fh.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
@@ -60,22 +73,47 @@ class ResultsFile:
     def rows(self) -> list[dict[str, Any]]:
         return list(self)
 
+    def check(self) -> None:
+        """Raise :class:`ResultsFileError` unless every complete line is a JSON object (a torn last
+        line, with no newline, is a crash mid-write and is allowed)."""
+        for _ in self:
+            pass
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Complete rows; a torn last line (a crash mid-write) is ignored."""
+        """Complete rows; a torn last line (a crash mid-write) is ignored, any other invalid line
+        raises :class:`ResultsFileError`."""
         if not self.path.exists():
             return
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
+        if self.path.is_symlink():
+            raise ResultsFileError(f"{self.path} is a symlink; selfspec reads and appends only files it wrote")
+        bad: list[int] = []
+        rows: list[dict[str, Any]] = []
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
                 if not line.endswith("\n"):
                     break
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    row = None
+                if isinstance(row, dict) and all(k in row for k in self.keys):
+                    rows.append(row)
+                else:
+                    bad.append(number)
+        if bad:
+            shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+            raise ResultsFileError(
+                f"{self.path}: line(s) {shown} are not rows selfspec wrote (a JSON object with "
+                f"{', '.join(self.keys) or 'fields'}); the file was changed outside selfspec. Delete those lines "
+                "to redo what they held, or write into a new directory")
+        yield from rows
 
     def _repair_tail(self) -> None:
         """Drop a torn last line so appends start on a fresh line."""
+        if self.path.is_symlink():
+            raise ResultsFileError(f"{self.path} is a symlink; selfspec appends only to files it wrote")
         if not self.path.exists() or self.path.stat().st_size == 0:
             return
         with open(self.path, "rb+") as f:
@@ -94,6 +132,66 @@ class ResultsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_writable(directory: str | Path, what: str) -> None:
+    """Raise :class:`PermissionError` naming ``what`` unless a file can be created in ``directory``
+    (an unnamed temporary file: nothing is left behind)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise PermissionError(f"cannot write to {directory} ({err.strerror or err}): choose a writable "
+                              f"directory for {what}") from None
+
+
+class RunLogHandler(logging.Handler):
+    """Hydra's job log file (``conf/hydra/job_logging/selfspec.yaml``), opened only when the job
+    owns its directory (:func:`open_run_log`): until then records are held in memory, so a run that
+    is refused writes nothing into a directory (an earlier run's or a read-only one)."""
+
+    #: records held before the file opens (a job that logs more before it starts keeps the last ones)
+    HELD = 10_000
+
+    def __init__(self, filename: str, mode: str = "a", encoding: str = "utf-8") -> None:
+        super().__init__()
+        self.filename, self.mode, self.encoding = str(filename), mode, encoding
+        self.stream = None
+        self.held: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.stream is None:
+            self.held = self.held[-self.HELD + 1:] + [record]
+            return
+        try:
+            self.stream.write(self.format(record) + "\n")
+            self.stream.flush()
+        except Exception:  # noqa: BLE001 — logging must not break the job
+            self.handleError(record)
+
+    def open(self) -> None:
+        """Open the file and write the records held so far."""
+        if self.stream is not None:
+            return
+        self.stream = open(self.filename, self.mode, encoding=self.encoding)
+        held, self.held = self.held, []
+        for record in held:
+            self.emit(record)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        super().close()
+
+
+def open_run_log(directory: str | Path) -> None:
+    """Open the job log files of :class:`RunLogHandler` s that write into ``directory`` (no-op
+    outside a Hydra job)."""
+    directory = Path(directory).resolve()
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, RunLogHandler) and Path(handler.filename).resolve().parent == directory:
+            handler.open()
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -1,8 +1,8 @@
 """Training jobs (``python -m selfspec.train job=<name>``): heads, prompts, skips, ppd_tree.
 
 Each job module has ``prepare(cfg)`` — every config value checked and the job's data read, all
-that can fail without a model — and ``run(cfg)``, which calls it before loading the model, so a
-typo never costs a model load.
+that can fail without a model — ``artefact_dir(cfg, opts)`` and ``run(cfg, opts, loaded)``;
+:func:`selfspec.train.run_job` prepares before anything loads, so a typo never costs a model load.
 """
 
 from __future__ import annotations

@@ -114,15 +114,23 @@ def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list
     return out, layer, full
 
 
-def run(cfg, loaded=None) -> dict:
+def artefact_dir(cfg, opts: dict) -> Path:
+    """Where the job saves: ``artefact_dir``, else ``draft_vocab/<model>-<task|mixed>``."""
     from selfspec.artefacts import default_artefact_dir
+
+    tag = opts["tasks"][0].task.name if opts["data"] == "task" else "mixed"
+    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("draft_vocab",
+                                                                                        str(cfg.model.name), tag)
+
+
+def run(cfg, opts: dict, loaded=None) -> dict:
+    """Count and keep the draft vocabulary :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
     from selfspec.heads import save_draft_vocab
     from selfspec.models.loading import model_for
     from selfspec.tracking import start_run
     from selfspec.training import progress
     from selfspec.training.heads import build_data
 
-    opts = prepare(cfg)  # config and data checked before the model loads
     loaded = model_for(cfg.model, loaded)
     model = loaded.model
     v = model.vocab_size
@@ -165,7 +173,7 @@ def run(cfg, loaded=None) -> dict:
     }
     metrics = {**figures, "data_seconds": data_seconds, "train_sequences": len(train_seqs),
                "heldout_sequences": len(held_seqs)}
-    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("draft_vocab", loaded.name, tag)
+    out_dir = artefact_dir(cfg, opts)
     path = save_draft_vocab(out_dir, kept, counts[kept], loaded, task=tag, train_config=cfg.job, metrics=metrics,
                             data=info, selection=selection, **figures)
     tracker = start_run(cfg, job_type="draft-vocab")

@@ -341,20 +341,28 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
 
 
 # --- the job ---------------------------------------------------------------------------------
-def run(cfg, loaded=None) -> dict:
+def artefact_dir(cfg, opts: dict) -> Path:
+    """Where the job saves: ``artefact_dir``, else ``heads/<model>-<task|mixed>[-full]``."""
     from selfspec.heads import heads_artefact_dir
+
+    tag = opts["tasks"][0].task.name if opts["data"] == "task" else "mixed"
+    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else heads_artefact_dir(str(cfg.model.name), tag,
+                                                                                      opts["kind"])
+
+
+def run(cfg, opts: dict, loaded=None) -> dict:
+    """Train the heads :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
     from selfspec.models.loading import model_for
     from selfspec.tracking import start_run
     from selfspec.training import progress
     from selfspec.training.loop import clear_checkpoint, train
 
-    opts = prepare(cfg)  # config and data checked before the model loads
     loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     heads = make_heads(loaded.model, opts)
     t0 = time.perf_counter()
     train_seqs, held_seqs, tag, info = build_data(opts, loaded, progress(cfg))
     data_seconds = time.perf_counter() - t0
-    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else heads_artefact_dir(loaded.name, tag, heads.kind)
+    out_dir = artefact_dir(cfg, opts)
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
     loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, opts, int(cfg.seed))
     tracker = start_run(cfg, job_type="train-heads")

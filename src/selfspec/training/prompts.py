@@ -186,15 +186,20 @@ def topk_accuracy(student: torch.Tensor, teacher: torch.Tensor, ks=(1, 5)) -> di
 
 
 # --- the job -------------------------------------------------------------------------------------
-def run(cfg, loaded=None) -> dict:
+def artefact_dir(cfg, opts: dict) -> Path:
+    """Where the job saves: ``artefact_dir``, else ``prompts/<model>``."""
     from selfspec.artefacts import default_artefact_dir
+
+    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("prompts", str(cfg.model.name))
+
+
+def run(cfg, opts: dict, loaded=None) -> dict:
+    """Train the prompt tokens :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
     from selfspec.models.loading import model_for
-    from selfspec.runinfo import run_info  # noqa: F401  (recorded by save_artefact)
     from selfspec.tracking import start_run
     from selfspec.training import progress
     from selfspec.training.loop import clear_checkpoint, train
 
-    opts = prepare(cfg)  # config and data checked before the model loads
     m, n_ept, alpha = opts["m"], opts["n_ept"], opts["alpha"]
     loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model = loaded.model
@@ -230,7 +235,7 @@ def run(cfg, loaded=None) -> dict:
         out.update({f"kl@{d + 1}": float(kls[d] / total) for d in range(m)})
         return out
 
-    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("prompts", loaded.name)
+    out_dir = artefact_dir(cfg, opts)
     ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
     tracker = start_run(cfg, job_type="train-prompts")
     result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, int(cfg.seed), L, inserts, m),

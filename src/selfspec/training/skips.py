@@ -566,26 +566,40 @@ def plot_trace(rows: list[dict], path: Path, title: str):
 
 
 # --- the job --------------------------------------------------------------------------------
-def run(cfg, loaded=None) -> dict:
-    from selfspec.artefacts import default_artefact_dir, save_artefact
+def task_label(cfg, opts: dict) -> str:
+    """The tasks the skip set is searched on: ``job.tasks`` joined with ``+``, else the task's name."""
+    return "+".join(opts["tasks"]) if opts["tasks"] else str(cfg.task.name)
+
+
+def artefact_dir(cfg, opts: dict) -> Path:
+    """Where the job saves: ``artefact_dir``, else ``skip_set/<model>`` (``job.tasks``) or
+    ``skip_set/<model>-<task>``."""
+    from selfspec.artefacts import default_artefact_dir
+
+    if cfg.get("artefact_dir"):
+        return Path(cfg.artefact_dir)
+    return default_artefact_dir("skip_set", str(cfg.model.name), None if opts["tasks"] else task_label(cfg, opts))
+
+
+def run(cfg, opts: dict, loaded=None) -> dict:
+    """Search the skip set :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
+    from selfspec.artefacts import save_artefact
     from selfspec.models.loading import model_for
     from selfspec.tracking import start_run
     from selfspec.training import bar, progress
 
     jc = cfg.job
-    opts = prepare(cfg)  # config and data checked before the model loads
     search, decoding, n_new = opts["search"], opts["decoding"], opts["max_new_tokens"]
     torch.manual_seed(int(cfg.seed))
     loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model, L = loaded.model, loaded.model.num_layers
-    task_label = "+".join(opts["tasks"]) if opts["tasks"] else str(cfg.task.name)
-    out = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(
-        "skip_set", loaded.name, None if opts["tasks"] else task_label)
+    tasks = task_label(cfg, opts)
+    out = artefact_dir(cfg, opts)
     work = out.with_name(f"{out.name}.search-{search}")
     prompts, sources = dev_prompts(opts["dev_tasks"], loaded.tokenizer)
     settings = {
         "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint,
-        "weights": loaded.weights_digest, "tasks": task_label,
+        "weights": loaded.weights_digest, "tasks": tasks,
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16], "max_new_tokens": n_new,
         "decoding": decoding, "seed": int(cfg.seed), "gp_alpha": opts["gp_alpha"],
         "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
@@ -656,7 +670,7 @@ def run(cfg, loaded=None) -> dict:
     }
     if opts["plot"]:
         plot_trace(rows, work / "plot.png", f"{loaded.name} skip-set search ({search}, {objective.kind})")
-    save_artefact(out, "skip_set", skip_set_tensors(skip, L), loaded, task=task_label,
+    save_artefact(out, "skip_set", skip_set_tensors(skip, L), loaded, task=tasks,
                   train_config=cfg.job, metrics=metrics, extra={"attn": sorted(skip.attn), "mlp": sorted(skip.mlp)})
     for name in ("trace.jsonl", "plot.png"):
         if (work / name).exists():

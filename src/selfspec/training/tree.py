@@ -270,15 +270,22 @@ def prepare(cfg) -> dict:
     return opts
 
 
-def run(cfg, loaded=None) -> dict:
-    from selfspec.artefacts import default_artefact_dir, save_artefact
+def artefact_dir(cfg, opts: dict) -> Path:
+    """Where the job saves: ``artefact_dir``, else ``ppd_tree/<model>``."""
+    from selfspec.artefacts import default_artefact_dir
+
+    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(TREE_KIND, str(cfg.model.name))
+
+
+def run(cfg, opts: dict, loaded=None) -> dict:
+    """Build the tree :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
+    from selfspec.artefacts import save_artefact
     from selfspec.decoding.vanilla import Vanilla
     from selfspec.models.loading import model_for
     from selfspec.prompts import load_prompts
     from selfspec.tracking import start_run
 
     job = cfg.job
-    opts = prepare(cfg)  # config and data checked before the model loads
     loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model = loaded.model
     prompts_path = opts["prompts"]
@@ -324,7 +331,7 @@ def run(cfg, loaded=None) -> dict:
                     "speedup %.3f); the chosen tree is the root alone. method.tree_size=<n> forces a size.",
                     best_ppd["size"], best_ppd["speedup"])
     trees = candidates[chosen["size"]]
-    out_dir = Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(TREE_KIND, loaded.name)
+    out_dir = artefact_dir(cfg, opts)
     metrics = {"chosen_size": chosen["size"], "expected_tau": chosen["tau"], "latency_s": chosen["latency_s"],
                "theoretical_speedup": chosen["speedup"], "vanilla_latency_s": base,
                "best_ppd_size": best_ppd["size"], "best_ppd_speedup": best_ppd["speedup"],
