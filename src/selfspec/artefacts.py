@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from selfspec.tracking.local import to_jsonable
+
 META = "meta.json"
 TENSORS = "tensors.safetensors"
 
@@ -89,7 +91,8 @@ def save_artefact(
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
-        (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
+        # strict JSON for every reader: NaN and infinities become null
+        (tmp / META).write_text(json.dumps(to_jsonable(meta), indent=2, allow_nan=False))
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -102,14 +105,29 @@ def save_artefact(
     return path
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
+    """An artefact's ``meta.json``: a strict JSON object (``NaN`` or ``Infinity`` are refused)."""
     path = Path(path)
     if not (path / META).exists():
         raise ArtefactError(f"{path} is not a selfspec artefact (no {META}); train one first or fix the path")
     try:
-        return json.loads((path / META).read_text())
-    except json.JSONDecodeError as err:
-        raise ArtefactError(f"{path / META} is not valid JSON: {err}") from err
+        meta = json.loads((path / META).read_text(), parse_constant=_no_constant)
+    except (OSError, ValueError) as err:
+        raise ArtefactError(f"{path / META} is not valid JSON ({err}); {rebuild_hint(path)}") from None
+    if not isinstance(meta, dict):
+        raise ArtefactError(f"{path / META} is not a JSON object; {rebuild_hint(path)}")
+    return meta
+
+
+def rebuild_hint(path: Path, kind: str | None = None) -> str:
+    """How to write the artefact at ``path`` afresh: the training job of its kind."""
+    job = JOBS.get(kind or "", kind or "<job>")
+    return (f"rebuild it with `python -m selfspec.train job={job} model=<model> artefact_dir={path}` "
+            "or point the method at another artefact")
 
 
 #: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``)
@@ -143,7 +161,12 @@ def load_artefact(path: str | Path, kind: str, model=None, device=None) -> Artef
         raise ArtefactError(f"{path} holds a {meta.get('kind')!r} artefact, expected {kind!r}")
     if model is not None:
         check_model(meta, path, model)
-    tensors = load_file(str(path / TENSORS), device=str(device or "cpu"))
+    try:
+        tensors = load_file(str(path / TENSORS), device=str(device or "cpu"))
+    except Exception as err:  # noqa: BLE001 — safetensors raises its own error type for a damaged file
+        raise ArtefactError(f"{kind} artefact {path}: {TENSORS} cannot be read ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else 'truncated or damaged'}); "
+                            f"{rebuild_hint(path, kind)}") from None
     return Artefact(tensors, meta, path)
 
 

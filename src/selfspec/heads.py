@@ -138,20 +138,33 @@ def save_heads(path, heads: IntermediateHeads, loaded_model, **meta) -> Path:
 
 def load_heads(path, model) -> IntermediateHeads:
     """Load a head set saved by :func:`save_heads`; ``model`` (LoadedModel or LayeredModel) is
-    checked against the artefact's fingerprint."""
+    checked against the artefact's fingerprint. The tensors are named by their layer (``T.<layer>``,
+    ``W.<layer>``): ``meta.json``'s ``layers`` must be increasing and name exactly the tensors
+    the file holds, so no tensor is ever read as another layer's."""
+    from selfspec.artefacts import ArtefactError, rebuild_hint
+
     layered = getattr(model, "model", model)
     art = load_artefact(path, ARTEFACT_KIND, model, device=layered.device)
     layers, kind = art.meta.get("layers"), art.meta.get("head_kind")
-    if layers is None or kind not in KINDS:
-        raise ValueError(f"heads artefact {path} has no valid 'layers'/'head_kind' in meta.json; retrain it")
-    heads = IntermediateHeads(layered, layers, kind)
+    fix = rebuild_hint(art.path, ARTEFACT_KIND)
+    if kind not in KINDS or not isinstance(layers, list) or not all(type(i) is int for i in layers):
+        raise ArtefactError(f"heads artefact {path} has no valid 'layers'/'head_kind' in meta.json; {fix}")
+    if layers != sorted(set(layers)):
+        raise ArtefactError(f"heads artefact {path}: meta.json layers {layers} are not distinct and increasing, "
+                            f"as save_heads writes them; {fix}")
     prefix = "T" if kind == "linear" else "W"
+    want = {f"{prefix}.{i}" for i in layers} if kind != "lm_head" else set()
+    if set(art.tensors) != want:
+        raise ArtefactError(f"heads artefact {path}: its tensors {sorted(art.tensors)} are not the layers of meta.json "
+                            f"({sorted(want)}); {fix}")
+    heads = IntermediateHeads(layered, layers, kind)
     with torch.no_grad():
         for i in heads.layers if kind != "lm_head" else []:
-            key = f"{prefix}.{i}"
-            if key not in art.tensors:
-                raise ValueError(f"heads artefact {path} lacks tensor {key!r}; retrain it")
-            heads.heads[str(i)].weight.copy_(art.tensors[key])
+            weight, saved = heads.heads[str(i)].weight, art.tensors[f"{prefix}.{i}"]
+            if saved.shape != weight.shape:
+                raise ArtefactError(f"heads artefact {path}: tensor {prefix}.{i} has shape {tuple(saved.shape)}, the "
+                                    f"model needs {tuple(weight.shape)}; {fix}")
+            weight.copy_(saved)
     heads.meta = art.meta
     heads.path = art.path
     heads.requires_grad_(False)

@@ -106,6 +106,10 @@ def build_report(
         get_layout(t)  # an unknown id stops here, naming the known ones
     runs = find_runs(inputs)
     records = collect(runs) + list(extra_records)
+    if not records:
+        log.warning("nothing to report: no readable evaluation summary (summary.json) under %s%s; run "
+                    "`python -m selfspec.evaluate ...` first, or point inputs=[...] at its run directories",
+                    ", ".join(map(str, inputs)), f" ({len(runs)} found, none usable)" if runs else "")
     if newest_only:
         records = latest_only(records)
     by_table = group_by_table(records)

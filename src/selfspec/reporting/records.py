@@ -289,16 +289,53 @@ def label_configs(summary: dict[str, Any], cfg: dict[str, Any], under_test: str 
     return configs
 
 
+class MalformedSummary(ValueError):
+    """A summary.json whose shape or figures are not what an evaluation writes (names the field)."""
+
+
+#: figures of a method entry that are numbers (or null), and those that are true/false (or null)
+_NUMBERS = ("n_examples", "new_tokens", "seconds", "tokens_per_s", "seconds_per_token", "speedup", "tau",
+            "acceptance_rate", "consistency", "prefix_agreement")
+_FLAGS = ("lossless",)
+
+
+def check_summary(summary: Any) -> None:
+    """Raise :class:`MalformedSummary` naming the first field that an evaluation's summary.json
+    would not hold: the top level must be an object with a ``methods`` object of method entries,
+    each of whose figures is a number (or null) and ``lossless`` true, false or null."""
+    if not isinstance(summary, dict):
+        raise MalformedSummary(f"the top level is {type(summary).__name__}, not an object")
+    methods = summary.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise MalformedSummary("field 'methods' is missing or not an object of method entries")
+    for name, entry in methods.items():
+        if not isinstance(entry, dict):
+            raise MalformedSummary(f"field 'methods.{name}' is not an object")
+        for key in _NUMBERS:
+            v = entry.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise MalformedSummary(f"field 'methods.{name}.{key}' is {v!r}, not a number")
+        for key in _FLAGS:
+            v = entry.get(key)
+            if v is not None and not isinstance(v, bool):
+                raise MalformedSummary(f"field 'methods.{name}.{key}' is {v!r}, not true or false")
+        for key in ("metrics", "stats"):
+            if entry.get(key) is not None and not isinstance(entry[key], dict):
+                raise MalformedSummary(f"field 'methods.{name}.{key}' is not an object")
+
+
 def read_run(run_dir: str | Path) -> list[Record]:
-    """The records of one evaluation run directory (empty when it has no summary yet)."""
+    """The records of one evaluation run directory (empty when it has no summary yet, or one that
+    cannot be read or is malformed: a warning line names the file and the field)."""
     run_dir = Path(run_dir)
     path = run_dir / SUMMARY
     if not path.exists():
         return []
     try:
         summary = json.loads(path.read_text())
+        check_summary(summary)
     except (OSError, ValueError) as err:
-        log.warning("skipping %s: unreadable summary (%s)", path, err)
+        log.warning("skipping %s: %s", path, err)
         return []
     cfg, overrides, choices = run_config(run_dir, summary)
     return records_from_summary(summary, cfg, source=str(run_dir), origin="run",
