@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import json
 import subprocess
 import sys
@@ -86,19 +87,46 @@ def test_kernel_choice_is_refused_or_explained():
     assert kernels.resolve("torch", torch.device("cpu"), torch.float32) == "torch"
 
 
-def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
-    """torch's extension builder waits for its lock file without limit: an old one (a killed build)
-    is removed before building, a fresh one (a build in progress elsewhere) is left alone."""
-    import os
+@pytest.mark.slow
+def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_build(tmp_path):
+    """Issue 20. Reproduction (before): two checkouts sharing one ``SELFSPEC_CACHE`` rebuilt the
+    kernels on every switch (torch's build file records the sources' absolute paths), and a build
+    killed midway left torch's ``lock`` file, on which every later process slept silently until it
+    was 10 minutes old. Now: one build serves both checkouts, a leftover ``lock`` is no obstacle,
+    and a process that finds a build in progress says what it waits for."""
+    import shutil
     import time
 
-    lock = tmp_path / "lock"
-    assert not kernels.clear_stale_lock(tmp_path)
-    lock.touch()
-    assert not kernels.clear_stale_lock(tmp_path) and lock.exists()
-    old = time.time() - kernels.STALE_LOCK_SECONDS - 5
-    os.utime(lock, (old, old))
-    assert kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    cache = tmp_path / "cache"
+    checkouts = []
+    for name in ("a", "b"):
+        shutil.copytree(Path(kernels.__file__).parents[1], tmp_path / name / "selfspec",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        checkouts.append(tmp_path / name)
+    env = {**os.environ, "SELFSPEC_CACHE": str(cache)}
+    load = "import logging; logging.basicConfig(); from selfspec.models import kernels; kernels.load()"
+
+    def build(checkout, timeout=600):
+        return subprocess.run([sys.executable, "-c", load], env={**env, "PYTHONPATH": str(checkout)},
+                              capture_output=True, text=True, timeout=timeout, check=True)
+
+    build(checkouts[0])
+    (library,) = cache.glob("kernels/skinny-*/selfspec_skinny.so")
+    built = library.stat().st_mtime_ns
+    build(checkouts[1], timeout=120)  # the other checkout: no rebuild
+    assert library.stat().st_mtime_ns == built
+    (library.parent / "lock").touch()  # what a build killed midway leaves
+    build(checkouts[0], timeout=120)
+    assert library.stat().st_mtime_ns == built and not (library.parent / "lock").exists()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from selfspec.locks import hold\n"
+                               f"with hold({str(library.parent / 'selfspec-build.lock')!r}, 'x'):\n"
+                               "    print('held', flush=True); time.sleep(12)"],
+                              env={**env, "PYTHONPATH": str(checkouts[1])}, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    t0 = time.perf_counter()
+    waited = build(checkouts[0], timeout=120)
+    holder.wait()
+    assert f"waiting for pid {holder.pid}" in waited.stderr and time.perf_counter() - t0 >= 1
 
 
 @needs_kernel

@@ -30,7 +30,6 @@ import functools
 import hashlib
 import logging
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -95,24 +94,23 @@ def _build_dir() -> Path:
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
 
-#: a build takes ~15 s; a build lock older than this was left by a build that was killed
-STALE_LOCK_SECONDS = 600
+#: the sources, compiled together into one library
+SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE)
 
 
-def clear_stale_lock(folder: Path) -> bool:
-    """Remove ``folder/lock`` when it is older than :data:`STALE_LOCK_SECONDS`: torch's extension
-    builder waits for that file without limit, so a build killed midway (Ctrl-C, a timeout) would
-    leave every later process hanging silently. Returns whether a lock was removed."""
-    lock = folder / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_SECONDS:
-        return False
-    log.warning("removing the stale kernel build lock %s (%.0f s old: a build was interrupted)", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
+def _stage_sources(folder: Path) -> list[str]:
+    """Copies of the sources (and the header they include) inside the build folder, rewritten
+    only when their content differs. torch's build file records the sources' absolute paths, so
+    building from these copies lets checkouts that share one cache (``SELFSPEC_CACHE``) share
+    one build instead of rebuilding on every switch."""
+    staged = folder / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for source in (*SOURCES, HEADER):
+        copy = staged / source.name
+        data = source.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return [str(staged / source.name) for source in SOURCES]
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,6 +119,11 @@ def load() -> None:
     ``torch.ops.selfspec.rowwise_attention``, ``torch.ops.selfspec.rms_norm`` and
     ``torch.ops.selfspec.rotary``.
 
+    One process builds at a time: an OS-level lock on the build folder (:mod:`selfspec.locks`),
+    which dies with its holder; a process that finds it held says in a line what it waits for.
+    Holding it, a ``lock`` file of torch's builder can only be a leftover of an interrupted build
+    (torch's builder would wait for it forever), so it is removed.
+
     Raises :class:`KernelUnavailable` with the reason when the CPU lacks AVX2/FMA or the build fails.
     """
     capability = torch.backends.cpu.get_cpu_capability()
@@ -128,14 +131,18 @@ def load() -> None:
         raise KernelUnavailable(f"the skinny linear kernel needs AVX2; this CPU reports {capability}")
     from torch.utils.cpp_extension import load as build
 
+    from selfspec.locks import hold
+
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(folder)
-    try:
-        build("selfspec_skinny", [str(SOURCE), str(ATTENTION_SOURCE), str(LAYER_OPS_SOURCE)], extra_cflags=list(CFLAGS),
-              extra_ldflags=list(LDFLAGS), build_directory=str(folder), is_python_module=False, verbose=False)
-    except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
-        raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
+    with hold(folder / "selfspec-build.lock", f"kernel build folder {folder}",
+              wait=f"the CPU kernels (built once per machine, ~15 s) are being built in {folder}"):
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            build("selfspec_skinny", _stage_sources(folder), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                  build_directory=str(folder), is_python_module=False, verbose=False)
+        except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
+            raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,7 +254,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
       (``enable_gqa``) instead of copying them once per query head, as transformers does whenever
       a mask is given; the outputs are the same.
 
-    Outside :class:`active` (transformers' own ``generate``) this is the stock function."""
+    Outside :class:`active` (transformers' own ``generate``), and wherever a gradient is wanted
+    (PPD's prompt training back-propagates through attention; the row-wise kernel has no backward),
+    this is the stock function."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     if (query.dtype in ROWWISE_DTYPES and attention_mask is None and query.shape[2] == 1 and is_active()
             and query.device.type == "cpu" and query.shape[0] == 1 and dropout == 0.0
             and kwargs.get("position_bias") is None):  # a one-token decoding step
