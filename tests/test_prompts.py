@@ -28,6 +28,28 @@ def test_student_and_teacher_equal_brute_force_passes(tiny):
         torch.testing.assert_close(student[g], out.view(3, 2, -1).mean(1), atol=1e-4, rtol=1e-4)
 
 
+def test_prompt_gradients_flow_through_attention(tiny, monkeypatch):
+    """The runtime's row-wise attention kernel has no backward: a training pass of up to 32 prompt
+    rows took it, and torch warned that it back-propagated through an operator without an autograd
+    kernel (the prompt embeddings' gradient lost its attention part). With a gradient wanted,
+    attention takes the library's path: the gradient equals the one of a pass too wide for the
+    kernel (rows beyond ``MAX_ROWS``)."""
+    from selfspec.models import kernels
+
+    m = tiny.model
+    ids, inserts = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(1)), torch.tensor([3, 11])
+
+    def grad() -> torch.Tensor:
+        prompts = PromptTokens(torch.randn(3, 1, m.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.5)
+        student, teacher = student_teacher(m, prompts, ids, inserts)
+        distillation_loss(student, teacher, 0.8)[0].backward()
+        return prompts.embeddings.grad
+
+    narrow = grad()
+    monkeypatch.setattr(kernels, "MAX_ROWS", 0)
+    torch.testing.assert_close(narrow, grad())
+
+
 def test_distillation_loss_is_weighted_kl():
     torch.manual_seed(0)
     s, t = torch.randn(4, 3, 11), torch.randn(4, 3, 11)

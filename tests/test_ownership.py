@@ -1,0 +1,256 @@
+"""Issue 20: nothing lost, nothing forged. Run and artefact directories have one owner at a time,
+a run resumes only its own records, nothing the framework did not write is changed, and damaged
+artefacts and summaries are refused by name. Each test keeps the probe's reproduction in its
+docstring and fails on the code before the issue."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfspec.artefacts import ArtefactError, read_meta
+from selfspec.config import compose
+from selfspec.evaluation import RESULTS, ResumeMismatch, evaluate
+from selfspec.locks import DirectoryBusy
+from selfspec.tracking import ResultsFileError, check_writable
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model=tiny-random", "n_examples=2", "max_new_tokens=8", "warmup=0", "progress=false"]
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another process holding a directory's lock (selfspec.locks.hold) until the test ends."""
+    procs = []
+
+    def start(target: Path) -> subprocess.Popen:
+        code = (f"import sys, time\nfrom selfspec.locks import hold\nwith hold({str(target)!r}, 'x'):\n"
+                "    print('held', flush=True)\n    time.sleep(600)\n")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_evaluation_into_a_busy_run_directory_is_refused_at_once(tiny, tmp_path, holder):
+    """Reproduction: the same ``python -m selfspec.evaluate ... hydra.run.dir=D`` started twice
+    concurrently; both finished with rc 0 and results.jsonl held every (example, method) row twice.
+    Now the second is refused before anything is read or written, naming the holder's pid and
+    command; after the holder is gone the directory is free again."""
+    run = tmp_path / "run"
+    evaluate(compose(SMALL), run, loaded=tiny)
+    before = _snapshot(run)
+    proc = holder(run)
+    with pytest.raises(DirectoryBusy, match=rf"run directory {run} is in use by pid {proc.pid} \(.*python.*\)"):
+        evaluate(compose(SMALL), run, loaded=tiny)
+    assert _snapshot(run) == before
+    proc.kill()
+    proc.wait()
+    evaluate(compose(SMALL), run, loaded=tiny)  # resumes: every row is there, none twice
+    rows = [json.loads(line) for line in (run / RESULTS).read_text().splitlines()]
+    assert len(rows) == len({(r["id"], r["method"]) for r in rows}) == 2
+
+
+def test_a_second_training_job_into_a_busy_artefact_directory_is_refused_before_the_model_loads(tmp_path, holder,
+                                                                                               monkeypatch):
+    """Reproduction: two training runs with different ``job.lr`` into one artefact directory both
+    reported success and one result was silently lost. Now the second is refused at once (before
+    its model loads), naming the holder."""
+    from selfspec.locks import artefact_lock
+    from selfspec.models import loading
+    from selfspec.train import run_job
+
+    out = tmp_path / "heads"
+    proc = holder(artefact_lock(out))
+    monkeypatch.setattr(loading, "load_model", lambda cfg: pytest.fail("the model loaded"))
+    cfg = compose(["job=heads", "model=tiny-random", "job.lr=0.5", f"artefact_dir={out}"], "train")
+    with pytest.raises(DirectoryBusy, match=rf"artefact directory {out} is in use by pid {proc.pid}"):
+        run_job(cfg)
+    assert not out.exists()
+
+
+def _foreign_rows(path: Path, n_new: int, ids=("xsum-0", "xsum-1")) -> None:
+    rows = [{"id": i, "method": m, "sample": 0, "tokens": [1] * n_new, "new_tokens": n_new, "seconds": 0.01,
+             "steps": n_new, "prediction": "x", "lossless": True} for i in ids for m in ("vanilla",)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("ids", [("xsum-0", "xsum-1"), ("other-7", "other-8")])
+def test_a_results_file_the_framework_did_not_record_is_refused_and_left_as_it_is(tiny, tmp_path, ids):
+    """Reproduction: a results.jsonl with rows of another configuration (16 new tokens each) and no
+    run_config.json was "resumed": summary.json recorded max_new_tokens=8 with another run's
+    rows and tokens/s, rc 0; with rows of other example ids the run failed with a raw KeyError
+    after writing run_config.json. Now both are refused and nothing in the directory changes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _foreign_rows(run / RESULTS, 16, ids)
+    before = _snapshot(run)
+    with pytest.raises(ResumeMismatch, match=r"results.jsonl was not written by a selfspec run \(no run_config.json"):
+        evaluate(compose(SMALL), run, loaded=tiny)
+    assert _snapshot(run) == before
+
+
+def test_invalid_lines_of_an_own_results_file_are_reported_not_skipped(tiny, tmp_path):
+    """Reproduction: invalid lines of results.jsonl were skipped silently (their examples silently
+    rerun, the file keeping the damage). Now the run is refused naming the lines; a torn last line
+    (a crash mid-write) is still repaired."""
+    run = tmp_path / "run"
+    evaluate(compose(SMALL), run, loaded=tiny)
+    lines = (run / RESULTS).read_text().splitlines(keepends=True)
+    (run / RESULTS).write_text(lines[0] + "not json\n" + '{"id": "x"}\n' + lines[1][:10])
+    before = _snapshot(run)
+    with pytest.raises(ResultsFileError, match=r"line\(s\) 2, 3 are not rows selfspec wrote"):
+        evaluate(compose(SMALL), run, loaded=tiny)
+    assert _snapshot(run) == before
+    (run / RESULTS).write_text(lines[0] + lines[1][:10])  # only a torn tail: repaired, resumed
+    evaluate(compose(SMALL), run, loaded=tiny)
+    again = [json.loads(line) for line in (run / RESULTS).read_text().splitlines()]
+    assert [(r["id"], r["tokens"]) for r in again] == [(r["id"], r["tokens"]) for r in map(json.loads, lines)]
+
+
+def test_nothing_outside_the_run_is_truncated_or_appended_through_a_symlink(tiny, tmp_path):
+    """Reproduction: the tail repair removed a foreign file's last line when it had no newline;
+    with results.jsonl a symlink, it truncated and appended to the symlink's target. Now a foreign
+    file is refused (above) and a symlink is refused; neither file changes."""
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text('{"a": 1}\n{"half": ')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RESULTS).symlink_to(target)
+    with pytest.raises(ResumeMismatch, match="is a symlink"):
+        evaluate(compose(SMALL), run, loaded=tiny)
+    assert target.read_text() == '{"a": 1}\n{"half": '
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / RESULTS).write_text('{"a": 1}\n{"half": ')
+    with pytest.raises(ResumeMismatch, match="not written by a selfspec run"):
+        evaluate(compose(SMALL), foreign, loaded=tiny)
+    assert (foreign / RESULTS).read_text() == '{"a": 1}\n{"half": '
+
+
+def test_rows_of_examples_outside_the_selection_stay_out_of_the_summary(tiny, tmp_path):
+    """A rerun of the framework's own run with fewer examples (n_examples is not part of a run's
+    identity) resumes; the rows of the examples it no longer selects stay in the file but not in
+    its summary (before: a raw KeyError from the task's references)."""
+    run = tmp_path / "run"
+    evaluate(compose(SMALL + ["n_examples=3"]), run, loaded=tiny)
+    s = evaluate(compose(SMALL), run, loaded=tiny)
+    assert s["methods"]["vanilla"]["n_examples"] == 2 == s["n_examples"]
+    assert len((run / RESULTS).read_text().splitlines()) == 3
+
+
+def test_a_read_only_run_directory_is_refused_with_its_name(tmp_path):
+    """Reproduction: a read-only run directory reported ``Unable to configure handler 'file'``
+    (Hydra's log file). Now the log file opens only once the run owns its directory
+    (conf/hydra/job_logging/selfspec.yaml), and the directory is checked by name before the model
+    loads. Root may write anywhere, so the check runs as nobody."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    tmp_path.chmod(0o755)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'src')!r})\nfrom selfspec.tracking import check_writable\n"
+            f"check_writable({str(ro)!r}, 'the run directory (hydra.run.dir=...)')\n")
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code]
+    else:
+        cmd = [sys.executable, "-c", code]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert (f"PermissionError: cannot write to {ro} (Permission denied): choose a writable directory for the run "
+            "directory (hydra.run.dir=...)") in out.stderr
+    check_writable(tmp_path, "x")  # a writable one passes, leaving nothing behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
+def test_a_refused_rerun_through_the_entry_point_leaves_the_directory_untouched(tmp_path):
+    """The refusal through ``python -m selfspec.evaluate``: Hydra's job log (evaluate.log) is not
+    written into a directory the run does not own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _foreign_rows(run / RESULTS, 16)
+    before = _snapshot(run)
+    out = subprocess.run([sys.executable, "-m", "selfspec.evaluate", *SMALL, f"hydra.run.dir={run}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "not written by a selfspec run" in out.stderr + out.stdout
+    assert _snapshot(run) == before
+
+
+# --- artefacts --------------------------------------------------------------------------------
+@pytest.fixture
+def heads_artefact(tiny, tmp_path):
+    from selfspec.heads import IntermediateHeads, save_heads
+
+    heads = IntermediateHeads(tiny.model, [0, 1, 2])
+    return save_heads(tmp_path / "heads", heads, tiny, metrics={"kl": float("nan")})
+
+
+def test_a_truncated_artefact_is_refused_naming_it_and_how_to_rebuild(tiny, heads_artefact):
+    """Reproduction: a heads artefact with truncated safetensors gave a raw ``SafetensorError``
+    that did not name the artefact."""
+    from selfspec.heads import load_heads
+
+    tensors = heads_artefact / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:200])
+    with pytest.raises(ArtefactError, match=rf"heads artefact {heads_artefact}: tensors.safetensors cannot be read "
+                                            r".*rebuild it with `python -m selfspec.train job=heads"):
+        load_heads(heads_artefact, tiny)
+
+
+def test_head_tensors_are_tied_to_their_layers(tiny, heads_artefact):
+    """Reproduction: a heads artefact whose meta.json layers were permuted (``[2, 1, 0]``) was
+    accepted. Tensors are named by layer; meta.json must list exactly those layers, increasing."""
+    from selfspec.heads import load_heads
+
+    meta = json.loads((heads_artefact / "meta.json").read_text())
+    for layers, why in (([2, 1, 0], "not distinct and increasing"), ([0, 1, 3], r"tensors .* are not the layers")):
+        (heads_artefact / "meta.json").write_text(json.dumps({**meta, "layers": layers}))
+        with pytest.raises(ArtefactError, match=why):
+            load_heads(heads_artefact, tiny)
+
+
+def test_artefact_metadata_is_strict_json(tiny, heads_artefact):
+    """Reproduction: a metric of NaN was written to meta.json as ``NaN``, which is not JSON for other
+    readers. Now it is written as null, and a meta.json holding NaN is refused by name."""
+    text = (heads_artefact / "meta.json").read_text()
+    assert "NaN" not in text and json.loads(text)["metrics"]["kl"] is None
+    (heads_artefact / "meta.json").write_text(text.replace('"kl": null', '"kl": NaN'))
+    with pytest.raises(ArtefactError, match=r"meta.json is not valid JSON \(NaN is not valid JSON\)"):
+        read_meta(heads_artefact)
+
+
+# --- the report -------------------------------------------------------------------------------
+@pytest.mark.parametrize("summary, field", [
+    ([], "the top level is list, not an object"),
+    ({"methods": {"vanilla": {"tokens_per_s": "fast", "speedup": 1.0}}},
+     "field 'methods.vanilla.tokens_per_s' is 'fast', not a number"),
+    ({"methods": {"vanilla": {"lossless": "yes"}}}, "field 'methods.vanilla.lossless' is 'yes', not true or false"),
+])
+def test_malformed_summaries_are_skipped_with_one_line_naming_file_and_field(tmp_path, caplog, summary, field):
+    """Reproduction: a summary.json holding ``[]`` raised a raw AttributeError; ``tokens_per_s:
+    "fast"`` was shown as ``fast (1.00×)``; a directory with no usable summary gave "0 tables"
+    silently. Now each is skipped with a line naming the file and the field, and an empty report
+    says it found nothing."""
+    from selfspec.reporting.build import build_report
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(summary))
+    with caplog.at_level("WARNING"):
+        result = build_report([tmp_path / "runs"], tmp_path / "report", None, make_plots=False)
+    assert not result.records and not result.tables
+    assert f"skipping {run / 'summary.json'}: {field}" in caplog.text
+    assert "nothing to report: no readable evaluation summary (summary.json) under" in caplog.text
