@@ -251,6 +251,7 @@ class AdaDecode(Decoder):
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         """AdaDecode's counts after :func:`~selfspec.decoding.chain.settle` verified the step."""
         k = len(draft)
+        state.trace_step.exits = tuple(state.example.exit_layers)
         for layer in state.example.exit_layers:
             state.count(f"exit_layer_{layer}")
         state.count("full_passes")
@@ -259,6 +260,10 @@ class AdaDecode(Decoder):
         if accepted < k:
             state.count("rejected")
             state.count("discarded", k - accepted - 1)
+
+    def controller(self, state: DecodeState) -> None:
+        """AdaDecode's threshold is fixed: no controller state for the step trace."""
+        return None
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)

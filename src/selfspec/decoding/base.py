@@ -11,6 +11,11 @@ tokens (prefill counts as one step, which commits the first token). ``tau`` — 
 tokens per step* — **includes the bonus token**, as Spec-Bench's τ does: vanilla has
 ``tau == 1.0``. The acceptance rate is accepted draft tokens / drafted tokens (LayerSkip's
 definition; the bonus token is not a draft token).
+
+Every step also leaves a :class:`StepTrace` (``Generation.trace``): its shape, independent of the
+machine under greedy decoding — where its drafts came from, how many, from which exit layer,
+how wide the verification was, how many were accepted and committed, the controller's state after
+it, and whether the speculation gate made it plain.
 """
 
 from __future__ import annotations
@@ -29,6 +34,44 @@ from selfspec.models.layered import LayeredModel
 
 
 @dataclass
+class StepTrace:
+    """The shape of one step (module docstring). A method fills in what its step did on
+    ``DecodeState.trace_step``; the loop records what was committed."""
+
+    #: ``prefill``, ``plain`` (no drafts), ``self`` (the model drafted), ``context`` (n-gram
+    #: drafts), ``tree`` (PPD's candidate tree)
+    source: str = "plain"
+    #: draft tokens verified this step (a tree: its candidate nodes)
+    drafted: int = 0
+    #: draft tokens accepted (the bonus token excluded)
+    accepted: int = 0
+    #: tokens the step committed (after the loop cut at EOS, a stop string or the budget)
+    committed: int = 0
+    #: most drafts the drafter meant to propose this step (Draft & Verify's K, DEL's γ)
+    draft_limit: int | None = None
+    #: layer the drafts came from (early exit, DEL: the exit layer ℓ)
+    exit_layer: int | None = None
+    #: per draft, the layer of the head that predicted it (AdaDecode's early exits)
+    exits: tuple[int, ...] | None = None
+    #: rows of the verification pass (k + 1 for a chain, the tree's size for PPD, the prompt for prefill)
+    width: int = 1
+    #: PPD: nodes of the verified tree (root included)
+    tree_size: int | None = None
+    #: the speculation gate made this step a plain one
+    gated: bool = False
+    #: the method's controller after the step (Draft & Verify's threshold and acceptance EMA, DEL's
+    #: plan), None for methods without one
+    controller: dict[str, Any] | None = None
+
+    def row(self) -> dict[str, Any]:
+        """The trace as a plain dict without the fields left at their defaults."""
+        return {k: v for k, v in vars(self).items() if k == "source" or v != _TRACE_DEFAULTS[k]}
+
+
+_TRACE_DEFAULTS = vars(StepTrace())
+
+
+@dataclass
 class Generation:
     """What :meth:`Decoder.generate` returns for one prompt."""
 
@@ -40,6 +83,8 @@ class Generation:
     drafted_per_step: list[int]
     stop_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    #: one :class:`StepTrace` per step, prefill first
+    trace: list[StepTrace] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -89,6 +134,9 @@ class DecodeState:
     context: Any = None
     #: draft tokens proposed in the current step (a method sets it; the loop records it)
     drafted: int = 0
+    #: the current step's trace (the method fills it in) and the finished steps' traces
+    trace_step: StepTrace = field(default_factory=StepTrace)
+    trace: list[StepTrace] = field(default_factory=list)
 
     @property
     def pending(self) -> int:
@@ -216,6 +264,7 @@ class Decoder:
             self.after_plain_step(state)
             gate.record(False, len(new), time.perf_counter() - t0)
             state.count("plain_steps_gated")
+            state.trace_step = StepTrace(gated=True)
         return new
 
     def plain_step(self, state: DecodeState) -> list[int]:
@@ -245,9 +294,11 @@ class Decoder:
         t0 = time.perf_counter()
         self.begin(state)
         with torch.inference_mode(), kernels.active():
+            state.trace_step = StepTrace("prefill", width=n_prompt)
             reason = self._commit(state, [self.prefill(state, prompt)], max_new_tokens)
             while reason is None:
                 state.drafted = 0
+                state.trace_step = StepTrace()
                 new = self._gated_step(state, max_new_tokens - (len(state.tokens) - n_prompt))
                 reason = self._commit(state, new, max_new_tokens)
         sync()
@@ -264,6 +315,7 @@ class Decoder:
             drafted_per_step=state.drafted_per_step,
             stop_reason=reason,
             stats=state.stats,
+            trace=state.trace,
         )
 
     def prompt_tensor(self, prompt_ids, max_new_tokens: int) -> torch.Tensor:
@@ -295,6 +347,9 @@ class Decoder:
                 reason = "stop"
         state.accepted_per_step.append(len(state.tokens) - start)
         state.drafted_per_step.append(state.drafted)
+        step = state.trace_step
+        step.drafted, step.committed = state.drafted, len(state.tokens) - start
+        state.trace.append(step)
         return reason
 
     def _stop_string_end(self, state: DecodeState, start: int) -> int | None:

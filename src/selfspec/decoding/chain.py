@@ -140,9 +140,14 @@ class Drafter:
         if len(draft):
             self.draft_stop.update(len(draft), accepted, len(draft) == draft.limit)
 
+    def controller(self, state: DecodeState) -> dict[str, Any] | None:
+        """The drafter's policy state after an update, for the step trace (default: the draft-stop
+        rule's, :meth:`~selfspec.decoding.draft_exit.DraftStop.state`)."""
+        return self.draft_stop.state()
+
 
 def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Drafter,
-           verify: bool = True) -> list[int]:
+           verify: bool = True, source: str = "self") -> list[int]:
     """Verify ``draft`` against the target ``logits`` ``[k + 1, V]``, roll the cache back, let the
     drafter learn and count; returns the tokens to commit ``[*d[:n], next]``.
 
@@ -151,7 +156,9 @@ def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Draf
     (AdaDecode's lossy ablation) accepts every draft. The cache then keeps ``n_cached + n + 1``
     positions (the pending token and the accepted drafts; gpt-fast's scheme). Statistics:
     ``state.drafted``, ``verifications`` (steps that drafted) and ``draft_stops`` (steps whose
-    drafting the draft-stop rule ended; the key appears at the first such step).
+    drafting the draft-stop rule ended; the key appears at the first such step); the step's trace
+    (``source`` of the drafts, accepted, verification width, draft limit, the drafter's
+    :meth:`~Drafter.controller` after its update).
     """
     k = len(draft)
     if verify:
@@ -166,6 +173,10 @@ def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Draf
         state.count("draft_stops")
     committed = [*draft.tokens[:n], nxt]
     drafter.update(state, draft, n, committed)
+    step = state.trace_step
+    step.source = source if k else "plain"
+    step.accepted, step.width, step.draft_limit = n, k + 1, draft.limit or None
+    step.controller = drafter.controller(state)
     return committed
 
 
@@ -182,7 +193,7 @@ def context_step(decoder: Decoder, state: DecodeState, budget: int) -> list[int]
     if not len(draft):
         return None
     draft.limit = limit
-    return settle(state, draft, drafter.score(state, draft), drafter)
+    return settle(state, draft, drafter.score(state, draft), drafter, source="context")
 
 
 class ChainDecoder(Drafter, Decoder):

@@ -33,6 +33,10 @@ class DraftStop:
     def update(self, drafted: int, accepted: int, hit_max: bool) -> None:
         pass
 
+    def state(self) -> dict[str, Any] | None:
+        """The rule's state for a step trace (None: nothing that changes)."""
+        return None
+
 
 @dataclass
 class StaticThreshold(DraftStop):
@@ -76,6 +80,9 @@ class AdaptiveThreshold(DraftStop):
         if hit_max and proposal < self.value:
             return
         self.value = self.beta2 * self.value + (1 - self.beta2) * proposal
+
+    def state(self) -> dict[str, Any]:
+        return {"threshold": self.value, "ar": self.ar}
 
 
 class DynamicThreshold(DraftStop):

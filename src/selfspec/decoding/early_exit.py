@@ -273,6 +273,7 @@ class EarlyExit(ChainDecoder):
         return m.logits(h[0])
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        state.trace_step.exit_layer = state.example.plan.exit_layer
         state.count("exit_layer_sum", state.example.plan.exit_layer)
         state.count("draft_len_sum", len(draft))
         super().update(state, draft, accepted, committed)
@@ -479,6 +480,11 @@ class DEL(EarlyExit):
         rows = n if self.shadow_rows is None else min(n, self.shadow_rows)
         target = torch.tensor(committed[:rows], device=self.model.device)
         self._shadow(state, state.example.hs[:, :rows], target)
+
+    def controller(self, state: DecodeState) -> dict:
+        """The step's plan (DEL §4.1-4.2): exit layer ℓ, speculation length γ, stop threshold."""
+        plan = state.example.plan
+        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold}
 
     def plan(self, state: DecodeState) -> Plan:
         """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold

@@ -228,6 +228,8 @@ class PPD(Decoder):
         state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
         self._next_candidates(ex, h, lay.prompt_rows[best])
         state.drafted = lay.n_nodes - 1
+        step = state.trace_step
+        step.source, step.tree_size, step.width, step.accepted = "tree", lay.n_nodes, lay.size, len(path)
         state.count("tree_tokens", lay.size)
         if drafts:
             state.count("ngram_steps")
