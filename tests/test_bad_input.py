@@ -216,7 +216,7 @@ EVAL_BAD = [
                                                       r"allowed: must be one of sdpa, eager"),
     (["+model.random.num_hidden_layer=2"], r"model\.random\.num_hidden_layer is not a key of LlamaConfig"),
     (["model.name_or_path=gpt2"], r"model\.random and model\.name_or_path both name where the model comes from"),
-    (["+model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
+    (["model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
                                   r"model\.name_or_path"),
     (["logger=wandb", "logger.mode=sometimes"], r"logger\.mode=sometimes is not allowed"),
 ]
