@@ -157,7 +157,9 @@ def _make(words: list[str]) -> list[str]:
 
 def adapt(command: str) -> list[str]:
     """The README command as run here (see the module docstring)."""
-    words = [w.replace(GGUF_PLACEHOLDER, str(gguf_file())) for w in _words(command)]
+    words = _words(command)
+    if GGUF_PLACEHOLDER in command:
+        words = [w.replace(GGUF_PLACEHOLDER, str(gguf_file())) for w in words]
     if words[0] == "make":
         return _make(words[1:])
     if "-m" in words and words[words.index("-m") + 1].startswith("selfspec."):
