@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.list:
         for name, asset in assets.ASSETS.items():
-            state = "fetched" if assets.is_fetched(name, cache) else "missing"
+            problem = assets.check(name, cache)
+            state = "fetched" if problem is None else "missing" if problem == assets.NOT_FETCHED else "damaged"
             print(f"{name:14s} {state:8s} {asset.requirement:32s} {asset.description}")
         return 0
 

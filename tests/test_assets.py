@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import logging
+import os
+import re
 import shutil
 import tarfile
 import zipfile
@@ -12,9 +16,13 @@ from pathlib import Path
 import pytest
 
 from selfspec import assets
-from selfspec.assets import Asset, AssetError, AssetMissingError
+from selfspec.assets import Asset, AssetDamagedError, AssetError, AssetMissingError
 
 pytestmark = pytest.mark.filterwarnings("error")
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _zip(path: Path, files: dict[str, bytes]) -> Path:
@@ -40,7 +48,8 @@ def fake(tmp_path, monkeypatch):
                    {"fake/data/file.txt": b"hello", "fake/other.py": b"x = 1"})
     monkeypatch.setitem(assets.ASSETS, "fake", Asset(
         name="fake", requirement="fake==1.0", filename=archive.name,
-        sha256=assets.sha256_of(archive), members=("fake/data/file.txt",), description="test"))
+        sha256=assets.sha256_of(archive), members=("fake/data/file.txt",), description="test",
+        files={"file.txt": _sha(b"hello")}))
     calls = []
 
     def download(asset, dest):
@@ -59,6 +68,8 @@ def test_fetch_extracts_only_the_member_and_writes_marker(fake):
     assert sorted(p.name for p in (cache / "fake").iterdir()) == [".asset.json", "file.txt"]
     marker = json.loads((cache / "fake" / ".asset.json").read_text())
     assert marker["sha256"] == assets.ASSETS["fake"].sha256 and marker["files"] == {"file.txt": 5}
+    assert marker["verified"] == {"file.txt": {"sha256": _sha(b"hello"), "size": 5,
+                                               "mtime_ns": path.stat().st_mtime_ns}}
     assert assets.asset_path("fake", cache) == path
 
 
@@ -73,6 +84,90 @@ def test_refetch_when_the_file_was_damaged(fake):
     cache, calls = fake
     assets.fetch("fake", cache).write_bytes(b"truncated!")
     assert assets.fetch("fake", cache).read_bytes() == b"hello" and calls == ["fake", "fake"]
+
+
+def _flip_last_byte(path: Path) -> None:
+    """Change one byte of ``path`` in place, keeping its size and restoring its modification time."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_flipped_byte_of_a_cached_asset_is_refused_naming_file_and_command(tmp_path):
+    """Finding: a cached asset was only size-checked. Reproduction: copy the fetched SmolLM2 GGUF
+    asset into a fresh cache, flip its last byte in place (size kept, mtime restored): before,
+    ``asset_path`` returned the file (it was then dequantised, evaluated and its conversion cached
+    under the genuine name); now it refuses, naming the asset, the file and the command."""
+    source = assets.asset_path("smollm2-gguf")
+    cache = tmp_path / "cache"
+    shutil.copytree(source.parent, cache / "smollm2-gguf")  # a copy: the shared cache stays intact
+    copy = cache / "smollm2-gguf" / source.name
+    _flip_last_byte(copy)
+    message = (r"offline asset 'smollm2-gguf' .* is damaged and was not used: .*smollm2-gguf/"
+               r"SmolLM2-135M-Instruct\.Q4_1\.gguf has sha256 \w+, not its pinned \w+.*; run `make assets` or "
+               r"`python scripts/fetch_assets.py --only smollm2-gguf` to fetch it again")
+    with pytest.raises(AssetDamagedError, match=message):
+        assets.asset_path("smollm2-gguf", cache)
+    assert not assets.is_fetched("smollm2-gguf", cache)
+    assert assets.is_fetched("smollm2-gguf")  # the original is untouched
+
+
+def test_flipped_byte_is_refetched_naming_the_file(fake, caplog):
+    """Finding: a cached asset was only size-checked. Reproduction: fetch, flip one byte of the
+    extracted file in place (size kept, mtime restored), fetch again: before, the second fetch was
+    a no-op that kept the damaged file; now it fetches again, with a warning naming the file."""
+    cache, calls = fake
+    path = assets.fetch("fake", cache)
+    _flip_last_byte(path)
+    with pytest.raises(AssetDamagedError, match=r"fake/file\.txt has sha256 .*--only fake"):
+        assets.asset_path("fake", cache)
+    with caplog.at_level(logging.WARNING, logger="selfspec.assets"):
+        assert assets.fetch("fake", cache).read_bytes() == b"hello"
+    assert calls == ["fake", "fake"]
+    assert re.search(r"offline asset 'fake' is damaged: .*fake/file\.txt has sha256 \w+, not its pinned \w+ \(its "
+                     r"size and modification time are those it had at extraction\); fetching it again", caplog.text)
+
+
+def test_file_changed_after_its_first_check_is_hashed_again(fake):
+    """A file verified earlier in the process is hashed again once it changes, even with its size
+    and modification time restored (its ctime moved)."""
+    cache, _ = fake
+    path = assets.fetch("fake", cache)
+    assert assets.is_fetched("fake", cache)
+    _flip_last_byte(path)
+    assert not assets.is_fetched("fake", cache)
+    path.write_bytes(b"hello")
+    assert assets.is_fetched("fake", cache)
+
+
+def test_marker_of_an_earlier_version_is_verified_by_the_pins(fake):
+    """A marker without per-file hashes (written before them) is accepted when the files match their
+    pins, and refused when they do not: the pins, not the marker, decide."""
+    cache, calls = fake
+    path = assets.fetch("fake", cache)
+    marker = cache / "fake" / assets.MARKER
+    old = json.loads(marker.read_text())
+    del old["verified"]
+    marker.write_text(json.dumps(old))
+    assert assets.asset_path("fake", cache) == path
+    path.write_bytes(b"jello")
+    with pytest.raises(AssetDamagedError, match=r"file\.txt has sha256"):
+        assets.asset_path("fake", cache)
+
+
+def test_extracted_file_must_match_its_pin(fake, monkeypatch):
+    """An archive that passes its own sha256 but whose extracted file is not the pinned one (a wrong
+    pin) is refused by name and leaves nothing."""
+    cache, _ = fake
+    monkeypatch.setitem(assets.ASSETS, "fake", Asset(**{**assets.ASSETS["fake"].__dict__,
+                                                        "files": {"file.txt": "0" * 64}}))
+    with pytest.raises(AssetError, match=r"asset 'fake': file\.txt extracted from .* has sha256 \w+, not its "
+                                         r"pinned 0{64}"):
+        assets.fetch("fake", cache)
+    assert list(cache.iterdir()) == []
 
 
 def test_sha_mismatch_is_named_and_leaves_nothing(fake, monkeypatch):
@@ -106,7 +201,8 @@ def test_tar_folder_member(tmp_path, monkeypatch):
                                                  b"bb", "pkg-1.0/pkg/other.py": b"c"})
     monkeypatch.setitem(assets.ASSETS, "tarred", Asset(
         name="tarred", requirement="pkg==1.0", filename=archive.name,
-        sha256=assets.sha256_of(archive), members=("pkg-1.0/pkg/gen/",), description="test"))
+        sha256=assets.sha256_of(archive), members=("pkg-1.0/pkg/gen/",), description="test",
+        files={"gen/a.py": _sha(b"a"), "gen/b.py": _sha(b"bb")}))
     monkeypatch.setattr(assets, "download", lambda a, d: archive)
     path = assets.fetch("tarred", tmp_path / "cache")
     assert path.name == "gen" and sorted(p.name for p in path.iterdir()) == ["a.py", "b.py"]
@@ -197,7 +293,8 @@ def served(tmp_path, monkeypatch):
     archive = _tar(tmp_path / "served_pkg-1.0.tar.gz", {"served_pkg-1.0/data/x.json": b"{}"})
     monkeypatch.setitem(assets.ASSETS, "served", Asset(
         name="served", requirement="Served_Pkg==1.0", filename=archive.name,
-        sha256=assets.sha256_of(archive), members=("served_pkg-1.0/data/x.json",), description="test"))
+        sha256=assets.sha256_of(archive), members=("served_pkg-1.0/data/x.json",), description="test",
+        files={"x.json": _sha(b"{}")}))
     monkeypatch.setattr(assets, "_pip_download", lambda a, d: (None, "ERROR: direct URL dependency"))
     for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
         monkeypatch.delenv(var, raising=False)

@@ -2,7 +2,9 @@
 data files, impossible config values, model sources (GGUF files) and artefacts of other weights."""
 
 import json
+import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from selfspec.decoding import build_decoder, check_method
 from selfspec.evaluation import evaluate, method_configs, prepare
 from selfspec.heads import IntermediateHeads, load_heads, save_heads
 from selfspec.models.layered import UnsupportedModelError
-from selfspec.models.loading import load_model
+from selfspec.models.loading import ModelLoadError, load_model
 from selfspec.tasks import TaskDataError, build_task
 from selfspec.train import prepare_job, run_job
 
@@ -214,7 +216,7 @@ EVAL_BAD = [
                                                       r"allowed: must be one of sdpa, eager"),
     (["+model.random.num_hidden_layer=2"], r"model\.random\.num_hidden_layer is not a key of LlamaConfig"),
     (["model.name_or_path=gpt2"], r"model\.random and model\.name_or_path both name where the model comes from"),
-    (["+model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
+    (["model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
                                   r"model\.name_or_path"),
     (["logger=wandb", "logger.mode=sometimes"], r"logger\.mode=sometimes is not allowed"),
 ]
@@ -304,30 +306,25 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def write_gguf(path: Path, arch: str = "llama", d: int = 16, layers: int = 2, seed: int = 0) -> Path:
-    """A tiny GGUF file as llama.cpp names its tensors: random F32 weights, a byte-level tokenizer."""
+def write_gguf(path: Path, arch: str = "llama", d: int = 16, layers: int = 2, seed: int = 0,
+               meta: dict | None = None) -> Path:
+    """A tiny GGUF file as llama.cpp names its tensors: random F32 weights, a byte-level tokenizer.
+
+    ``meta`` replaces metadata values by the name of their ``GGUFWriter.add_*`` method
+    (``{"head_count": 3}``), or leaves one out (``{"block_count": None}``); the tensors stay."""
     import gguf
 
     rng = np.random.default_rng(seed)
     tokens = _bytes_to_unicode() + ["he"]
     vocab, heads, ff = len(tokens), 2, 32
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(128)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * vocab)
-    w.add_token_merges(["h e"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    values = {"block_count": layers, "context_length": 128, "embedding_length": d, "feed_forward_length": ff,
+              "head_count": heads, "head_count_kv": 1, "layer_norm_rms_eps": 1e-5, "rope_freq_base": 10000.0,
+              "vocab_size": vocab, "tokenizer_model": "gpt2", "tokenizer_pre": "default", "token_list": tokens,
+              "token_types": [1] * vocab, "token_merges": ["h e"], "bos_token_id": 0, "eos_token_id": 1}
+    for key, value in {**values, **(meta or {})}.items():
+        if value is not None:
+            getattr(w, f"add_{key}")(value)
 
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.3).astype(np.float32)
@@ -419,6 +416,88 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path = _file(tmp_path, "notes.gguf", "plain text")
     with pytest.raises(ConfigError, match=r"notes\.gguf is not allowed: not a GGUF file"):
         load_model(_model(gguf_path=str(path)))
+
+
+def _flip_last_byte(path: Path) -> None:
+    """Change the last byte of ``path`` in place, keeping its size and restoring its modification time."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_gguf_file_with_one_byte_changed_is_converted_again(tmp_path, conversions):
+    """Finding: a GGUF file's conversion was cached under its path, size and modification time, so
+    other bytes could be read as the earlier file's model. Reproduction: load a tiny GGUF file, flip
+    the last byte of its last tensor in place (size kept, mtime restored) and load it again: before,
+    the second load read the first conversion; now the cache entry is named by the file's sha256, so
+    the changed file gets its own. The same bytes under another path share the conversion."""
+    from selfspec.assets import sha256_of
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+    first = sha256_of(path)
+    load_model(_model(gguf_path=str(path)))
+    _flip_last_byte(path)
+    load_model(_model(gguf_path=str(path)))
+    assert conversions == ["tiny.gguf", "tiny.gguf"]
+    entries = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir())
+    assert entries == sorted([f"tiny-{first[:16]}", f"tiny-{sha256_of(path)[:16]}"])
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    load_model(_model(gguf_path=str(copy)))
+    assert len(conversions) == 2
+
+
+def test_damaged_asset_gguf_is_refused_before_dequantising(tmp_path, request):
+    """Finding: the package's GGUF asset was only size-checked, so a copy with one byte flipped was
+    dequantised and its conversion cached under the genuine asset's name. Reproduction: copy the
+    asset into a fresh cache, flip its last byte (size kept, mtime restored), load the embedded
+    default: before, it was dequantised; now it is refused by name before anything is read, and the
+    genuine file's conversion is named by its pinned sha256."""
+    from selfspec.assets import ASSETS, AssetDamagedError, asset_path
+    from selfspec.models.loading import Source, _cache_name
+
+    source = asset_path("smollm2-gguf")  # the shared cache's, before the test's cache replaces it
+    conversions = request.getfixturevalue("conversions")
+    pinned = ASSETS["smollm2-gguf"].files[source.name]
+    assert _cache_name(Source("asset", "smollm2-gguf", "model.gguf_asset"), source) == \
+        f"SmolLM2-135M-Instruct.Q4_1-{pinned[:16]}"
+    shutil.copytree(source.parent, tmp_path / "cache" / "smollm2-gguf")  # a copy: the shared cache stays intact
+    _flip_last_byte(tmp_path / "cache" / "smollm2-gguf" / source.name)
+    with pytest.raises(AssetDamagedError, match=r"offline asset 'smollm2-gguf' .* damaged .*SmolLM2-135M-Instruct"
+                                                r"\.Q4_1\.gguf has sha256 .*--only smollm2-gguf"):
+        load_model(model_config("smollm2-135m"))
+    assert conversions == [] and not (tmp_path / "cache" / "models").exists()
+
+
+@pytest.mark.parametrize("meta,problem", [
+    ({"head_count": 3}, r"has inconsistent metadata: llama\.embedding_length=16 is not a multiple of "
+                        r"llama\.attention\.head_count=3"),
+    ({"head_count_kv": 3}, r"llama\.attention\.head_count=2 is not a multiple of llama\.attention\.head_count_kv=3"),
+    ({"block_count": None}, r"has inconsistent metadata: missing key llama\.block_count"),
+    ({"layer_norm_rms_eps": None}, r"missing key llama\.attention\.layer_norm_rms_epsilon"),
+    ({"token_list": None}, r"missing key tokenizer\.ggml\.tokens"),
+    ({"block_count": 3}, r"llama\.block_count=3 but the file holds tensors of 2 blocks \(blk\.0 to blk\.1\)"),
+    ({"feed_forward_length": 48}, r"tensor model\.layers\.0\.mlp\.down_proj\.weight has shape \(16, 32\) in the "
+                                  r"file, \(16, 48\) by its metadata"),
+    ({"tokenizer_model": "nonsense"}, r"transformers cannot build a model from it .*: ValueError: Cannot build a "
+                                      r"tokenizer from a GGUF file stating tokenizer 'nonsense'"),
+])
+def test_inconsistent_gguf_metadata_is_one_error_naming_the_file(tmp_path, conversions, meta, problem):
+    """Finding: a GGUF file whose metadata is inconsistent gave a raw transformers validation error
+    without the file's name (or, for a missing block count or norm epsilon, silently a model of
+    transformers' defaults with random layers). Reproduction: write a tiny GGUF file with one
+    metadata value changed or left out and load it: before, e.g. ``StrictDataclassClassValidationError:
+    Class validation error for validator 'validate_architecture'`` or no error; now one line naming
+    the model config, the file and the problem, and nothing is cached."""
+    path = write_gguf(tmp_path / "bad.gguf", meta=meta)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(_model(gguf_path=str(path)))
+    message = str(caught.value)
+    assert "\n" not in message and re.search(rf"^model config 'g': GGUF file {re.escape(str(path))}.*{problem}", message)
+    assert not (tmp_path / "cache" / "models").exists()
 
 
 @pytest.mark.slow

@@ -47,3 +47,17 @@ def test_hydra_launchers_compose(launcher):
     assert cfg.hydra.launcher._target_.endswith("Launcher")
     dirs = OmegaConf.to_container(cfg.hydra, resolve=False)  # ${hydra:...} resolves in a run only
     assert dirs["sweep"]["dir"].startswith("outputs/multirun/eval") and dirs["run"]["dir"].startswith("outputs/eval/")
+
+
+#: model keys the README and the refusal messages tell users to set on any model config
+SETTABLE_MODEL_KEYS = ("name_or_path", "gguf_file", "gguf_path")
+
+
+@pytest.mark.parametrize("model", group_options("model"))
+def test_model_source_keys_are_settable_as_written(model):
+    """Finding: ``model.gguf_path=/path/to/file.gguf`` (README) failed with "Key 'gguf_path' is not in
+    struct" (only ``+model.gguf_path=`` worked). Every model config holds every source key, null or
+    set, so ``model.<key>=...`` composes on any of them."""
+    for key in SETTABLE_MODEL_KEYS:
+        cfg = _compose("evaluate", [f"model={model}", f"model.{key}=/path/to/file.gguf"])
+        assert cfg.model[key] == "/path/to/file.gguf", (model, key)

@@ -5,7 +5,12 @@ as far as it can be (the make target exists, the flags parse, the Hydra override
 
 Substitutions, and nothing else: ``MODEL=``/``model=`` become tiny-random, ``N=`` 1; Hydra commands
 get small budgets (the demo's ``--small`` ones for training jobs, :data:`SMALL_EVAL` for
-evaluations), replacing a budget the README sets (``n_examples=50``).
+evaluations), replacing a budget the README sets (``n_examples=50``). A command that names a GGUF
+file of your own (``model.gguf_path=/path/to/file.gguf``) keeps its model, and the placeholder
+becomes the SmolLM2 asset's GGUF file (:func:`gguf_file`).
+
+The model sources the README's prose sets (``model.gguf_path=...``, ``model.name_or_path=...
+model.gguf_file=...``) are composed as written and checked (:func:`prose_model_sources`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,24 @@ def bash_commands(text: str) -> list[str]:
 
 def _words(command: str) -> list[str]:
     return shlex.split(command, comments=True)
+
+
+#: the README's placeholder for a GGUF file of your own
+GGUF_PLACEHOLDER = "/path/to/file.gguf"
+
+
+def gguf_file() -> Path:
+    """The GGUF file that stands in for :data:`GGUF_PLACEHOLDER`: the SmolLM2 asset's (the same bytes
+    as the embedded default, so its conversion is the default's)."""
+    from selfspec.assets import asset_path
+
+    return asset_path("smollm2-gguf")
+
+
+def prose_model_sources(text: str) -> list[str]:
+    """The README's inline code that sets a model source (``model.gguf_path=...``, ...), as written."""
+    spans = re.findall(r"`(model\.(?:gguf_path|name_or_path|gguf_file)=[^`]*)`", text)
+    return [" ".join(span.split()) for span in spans]
 
 
 # --- what cannot run here, and what is checked instead ----------------------------------------------
@@ -104,12 +127,14 @@ def _merge(overrides: list[str], extra: list[str]) -> list[str]:
 
 
 def _hydra_budget(overrides: list[str], module: str) -> list[str]:
-    """Small budgets for a ``selfspec.train`` / ``selfspec.evaluate`` command line, model tiny-random."""
+    """Small budgets for a ``selfspec.train`` / ``selfspec.evaluate`` command line, model tiny-random
+    unless the command names a GGUF file of its own."""
     if module == "selfspec.train":
         extra = JOB_BUDGET[next((o.split("=", 1)[1] for o in overrides if o.startswith("job=")), "heads")]
     else:
         extra = SMALL_EVAL
-    return _merge(overrides, [f"model={MODEL}", *extra])
+    own_file = any(o.startswith("model.gguf_path=") for o in overrides)
+    return _merge(overrides, [*([] if own_file else [f"model={MODEL}"]), *extra])
 
 
 def _make(words: list[str]) -> list[str]:
@@ -133,6 +158,8 @@ def _make(words: list[str]) -> list[str]:
 def adapt(command: str) -> list[str]:
     """The README command as run here (see the module docstring)."""
     words = _words(command)
+    if GGUF_PLACEHOLDER in command:
+        words = [w.replace(GGUF_PLACEHOLDER, str(gguf_file())) for w in words]
     if words[0] == "make":
         return _make(words[1:])
     if "-m" in words and words[words.index("-m") + 1].startswith("selfspec."):
@@ -167,6 +194,37 @@ def test_every_readme_command_is_run_or_excluded_with_a_reason():
     assert len(commands) >= 15, commands
     stale = [c for c in NOT_RUN if c not in commands]
     assert not stale, f"NOT_RUN names commands README.md no longer has: {stale}"
+
+
+def test_readme_model_sources_compose_as_written():
+    """Finding: the README's ``model.gguf_path=/path/to/file.gguf`` failed with "Key 'gguf_path' is not
+    in struct" (and ``model.gguf_file=<file>.gguf`` likewise); only ``+model.gguf_path=`` worked, and
+    no test ran the line. Reproduction: compose each model source the README's prose sets, as
+    written, on the default model config; now each composes and names that GGUF file."""
+    from selfspec.config import compose
+    from selfspec.models.loading import check_model_config
+
+    gguf = gguf_file()
+    fill = {GGUF_PLACEHOLDER: str(gguf), "<hub repo or directory>": str(gguf.parent), "<file>.gguf": gguf.name}
+    spans = prose_model_sources(README.read_text())
+    assert any(s.startswith("model.gguf_path=") for s in spans) and any("model.gguf_file=" in s for s in spans), spans
+    for span in spans:
+        for placeholder, value in fill.items():
+            span = span.replace(placeholder, value)
+        source = check_model_config(compose(shlex.split(span)).model)
+        assert (source.kind, Path(source.where)) == ("gguf", gguf), span
+
+
+@pytest.mark.slow
+def test_readme_gguf_path_command_works_as_written(scratch):
+    """The README's command that sets ``model.gguf_path`` runs as written, on the SmolLM2 asset's GGUF
+    file (test_readme_commands_work_as_written runs it too, among all the others)."""
+    root, run = scratch
+    commands = [c for c in bash_commands(README.read_text()) if "model.gguf_path=" + GGUF_PLACEHOLDER in c]
+    assert commands, "README.md has no command that sets model.gguf_path"
+    for command in commands:
+        run(adapt(command))
+    assert list((root / "outputs").rglob("summary.json"))
 
 
 @pytest.mark.slow

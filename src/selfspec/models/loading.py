@@ -24,10 +24,14 @@ Config keys (``conf/model/*.yaml``; any other key is refused):
 :func:`check_model_config` checks every key without loading anything (the entry points call it
 first). A GGUF file's architecture (its ``general.architecture`` metadata) and a directory's or hub
 repo's ``config.json`` are checked against the families :class:`LayeredModel` drives before any
-weights are read. A GGUF file is dequantised by transformers on first load (~20 s for SmolLM2)
-and the result is kept as a plain safetensors directory in the cache, so later loads take about
-a second; a local file's cache entry is keyed by its path, size and modification time, so an
-edited file is converted again.
+weights are read; so are a GGUF file's shape keys (present, and consistent with each other and with
+its tensors), and whatever transformers still refuses in it is one :class:`ModelLoadError` naming
+the file. A GGUF file is dequantised by transformers on first load (~20 s for SmolLM2) and the
+result is kept as a plain safetensors directory in the cache, so later loads take about a second.
+The cache entry is named by the sha256 of the file's bytes: an offline asset's pinned hash (the
+file was verified against it), another file's hash, computed once and remembered by its path,
+size, times and inode (:func:`source_sha256`). A file with other bytes is converted again; the
+same bytes under another name share the conversion.
 
 A loaded model carries two identities that artefacts record and check: :func:`fingerprint`
 (architecture config + tokenizer) and :func:`weights_digest` (the weights themselves).
@@ -370,43 +374,156 @@ def _gguf_path(source: Source) -> Path:
     return Path(source.where)
 
 
+def source_sha256(gguf: Path) -> str:
+    """The sha256 of a local GGUF file's bytes, read once per content: remembered in
+    ``<cache>/sha256/`` with the file's resolved path, size, mtime_ns, ctime_ns and inode,
+    and hashed again when any of them changes (a write moves the ctime even when the mtime is
+    restored), so an unchanged multi-GB file is not read at every load."""
+    path = gguf.resolve()
+    st = path.stat()
+    stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+             "inode": st.st_ino}
+    entry = assets.cache_dir() / "sha256" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.json"
+    try:
+        known = json.loads(entry.read_text())
+        if {k: known.get(k) for k in stamp} == stamp and re.fullmatch(r"[0-9a-f]{64}", str(known.get("sha256"))):
+            return known["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    digest = assets.sha256_of(path)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**stamp, "sha256": digest}))
+    os.replace(tmp, entry)
+    return digest
+
+
 def _cache_name(source: Source, gguf: Path) -> str:
-    """The conversion cache entry of a GGUF file: an asset (pinned by sha256) is keyed by its name
-    and size, a user's file by its absolute path, size and modification time (an edited file is
-    converted again)."""
-    st = gguf.stat()
-    if source.kind == "asset":
-        tag, identity = source.where, f"{gguf.name}:{st.st_size}"
-    else:
-        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", gguf.stem)
-        identity = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return f"{tag}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
+    """The conversion cache entry of a GGUF file: its name and the sha256 of its bytes, the pinned
+    one for an offline asset (:func:`~selfspec.assets.asset_path` verified the file against it), the
+    file's own (:func:`source_sha256`) otherwise. A file with one byte changed gets another entry."""
+    digest = assets.ASSETS[source.where].files[gguf.name] if source.kind == "asset" else source_sha256(gguf)
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gguf.stem)}-{digest[:16]}"
+
+
+def _gguf_value(reader, key: str):
+    """A scalar or string metadata value of a GGUF file (None when absent or an array)."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None or not field.data or field.types[0] == GGUFValueType.ARRAY:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode("utf-8") if field.types[0] == GGUFValueType.STRING else value[0].item()
 
 
 def gguf_architecture(path: Path) -> str | None:
     """A GGUF file's ``general.architecture`` (metadata only: no tensor is read)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(path).fields.get("general.architecture")
-    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+    return _gguf_value(GGUFReader(path), "general.architecture")
+
+
+def _read_gguf(gguf: Path, name: str):
+    """A GGUF file's reader (metadata and tensor index; no tensor is read), or a
+    :class:`ModelLoadError` naming the file."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf)
+    except MemoryError:
+        raise
+    except Exception as err:
+        raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} cannot be read: {_one_line(err)}") from err
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: its last non-empty line, with its type when that line has none."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if re.match(r"^\w+(Error|Exception): ", line) else f"{type(err).__name__}: {line}"
+
+
+def gguf_metadata_problem(reader, arch: str) -> str | None:
+    """What in a GGUF file's metadata transformers cannot build the model from (None: nothing found):
+    a missing key llama.cpp requires of these families (transformers would take a default, such as
+    32 blocks or another norm epsilon, and build another model), a head count that does not divide
+    the hidden size (or a KV head count the head count), a block count other than the number of
+    ``blk.N`` tensor blocks."""
+    keys = {k: f"{arch}.{k}" for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                                       "attention.head_count", "attention.head_count_kv",
+                                       "attention.layer_norm_rms_epsilon")}
+    missing = [key for k, key in keys.items() if k != "attention.head_count_kv" and _gguf_value(reader, key) is None]
+    missing += [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if k not in reader.fields]
+    if missing:
+        return f"missing key{'s' * (len(missing) > 1)} {', '.join(missing)}"
+    blocks, hidden, heads = (int(_gguf_value(reader, keys[k])) for k in ("block_count", "embedding_length",
+                                                                         "attention.head_count"))
+    kv = _gguf_value(reader, keys["attention.head_count_kv"])
+    if heads <= 0 or hidden % heads:
+        return f"{keys['embedding_length']}={hidden} is not a multiple of {keys['attention.head_count']}={heads}"
+    if kv is not None and (int(kv) <= 0 or heads % int(kv)):
+        return f"{keys['attention.head_count']}={heads} is not a multiple of {keys['attention.head_count_kv']}={kv}"
+    found = {int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    if found != set(range(blocks)):
+        return (f"{keys['block_count']}={blocks} but the file holds tensors of {len(found)} blocks"
+                + (f" (blk.{min(found)} to blk.{max(found)})" if found else ""))
+    return None
+
+
+def _check_gguf(gguf: Path, name: str) -> None:
+    """Before anything is dequantised: the file's model family is one :class:`LayeredModel` drives, and
+    its metadata describes a model its tensors hold (:func:`gguf_metadata_problem`)."""
+    reader = _read_gguf(gguf, name)
+    arch = _gguf_value(reader, "general.architecture")
+    check_model_type(arch, name, f"GGUF file {gguf}")
+    problem = gguf_metadata_problem(reader, arch)
+    if problem:
+        raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} has inconsistent metadata: {problem}")
+
+
+def _dequantise(gguf: Path, name: str):
+    """transformers' tokenizer and float32 model of a GGUF file. Anything transformers refuses, a
+    weight the model its metadata describes needs and the file does not hold, or one of another
+    shape (transformers would initialise either at random) is one :class:`ModelLoadError` naming
+    the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = f"model config {name!r}: GGUF file {gguf}"
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                        ignore_mismatched_sizes=True, output_loading_info=True)
+    except MemoryError:
+        raise
+    except Exception as err:
+        raise ModelLoadError(f"{where}: transformers cannot build a model from it (its metadata or tensors are "
+                             f"inconsistent): {_one_line(err)}") from err
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        key, in_file, wanted = mismatched[0]
+        raise ModelLoadError(f"{where} has inconsistent metadata: tensor {key} has shape {tuple(in_file)} in the "
+                             f"file, {tuple(wanted)} by its metadata ({len(mismatched)} such tensor(s))")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelLoadError(f"{where} lacks {len(missing)} weight(s) its metadata calls for (e.g. {missing[0]}); "
+                             "transformers would initialise them at random")
+    return hf, tok
 
 
 def _converted(source: Source, name: str) -> Path:
     """The safetensors directory a GGUF source is dequantised into, once (:func:`_cache_name`).
 
-    The file's model family is read from its metadata first, so an unsupported one is refused
-    before anything is dequantised.
+    The file's metadata is checked first (:func:`_check_gguf`), so an unsupported family or an
+    inconsistent file is refused before anything is dequantised.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = _gguf_path(source)
     converted = assets.cache_dir() / "models" / _cache_name(source, gguf)
     if (converted / "config.json").exists():
         return converted
-    check_model_type(gguf_architecture(gguf), name, f"GGUF file {gguf}")
+    _check_gguf(gguf, name)
     log.info("converting %s to safetensors in %s (once)", gguf.name, converted)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    hf, tok = _dequantise(gguf, name)
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
