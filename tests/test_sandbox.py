@@ -1,7 +1,8 @@
 """Attacks on HumanEval scoring: each test runs a hostile program in the real sandbox.
 
 The kernel-level tests need bubblewrap (`make test` installs it): they skip where it is missing,
-except in CI (CI=true), where a missing bubblewrap fails them.
+except in CI (CI=true), where a missing bubblewrap fails them. The tests of what holds in both
+modes run under bubblewrap where it starts, else with the explicit ``isolation="rlimits-only"``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from selfspec import metrics
+from selfspec.checks import ConfigError
+from selfspec.config import compose
+from selfspec.evaluation import prepare
 from selfspec.evaluation.aggregate import summarize
 from selfspec.metrics import sandbox
 from selfspec.tasks import build_task
@@ -27,9 +31,15 @@ CORRECT = "    return 2 * x\n"
 WRONG = "    return x\n"
 
 
-def score(completion: str, timeout: float = 2.0, **kwargs) -> dict:
+def here() -> str:
+    """The isolation of the tests that hold in both modes: bubblewrap where it starts, else the
+    explicit opt-in to resource limits only."""
+    return sandbox.BUBBLEWRAP if sandbox.bubblewrap_problem() is None else sandbox.RLIMITS_ONLY
+
+
+def score(completion: str, timeout: float = 2.0, isolation: str | None = None, **kwargs) -> dict:
     return metrics.humaneval_pass_at_k([[completion]], [PROBLEM], timeout=timeout, n_workers=1,
-                                       **kwargs)
+                                       isolation=isolation or here(), **kwargs)
 
 
 def passed(completion: str, **kwargs) -> bool:
@@ -38,11 +48,33 @@ def passed(completion: str, **kwargs) -> bool:
 
 @pytest.fixture(scope="module")
 def bubblewrap():
-    if sandbox.isolation() != sandbox.BUBBLEWRAP:
+    if sandbox.bubblewrap_problem() is not None:
         why = "bubblewrap cannot run here (`make test` installs it: apt-get install bubblewrap)"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(why)
         pytest.skip(why)
+
+
+@pytest.fixture
+def no_bubblewrap(monkeypatch, tmp_path):
+    """This machine as one without bwrap (nothing on PATH), detected afresh."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sandbox._bubblewrap.cache_clear()
+    sandbox._rlimits_only.cache_clear()
+    yield
+    sandbox._bubblewrap.cache_clear()
+    sandbox._rlimits_only.cache_clear()
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything loads a model: the refusal must come before."""
+    import selfspec.models.loading as loading
+
+    def refuse(cfg):
+        raise AssertionError("a model was loaded before scoring was refused")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
 
 
 @pytest.fixture
@@ -54,7 +86,7 @@ def host_dir():
 
 
 def test_correct_solution_passes_and_the_working_directory_is_writable():
-    assert score(CORRECT) == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert score(CORRECT) == {"pass@1": 1.0, "isolation": here()}
     scratch = CORRECT + "open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n"
     assert passed(scratch)
     assert not passed(WRONG)
@@ -186,25 +218,46 @@ def test_network_is_unreachable():
     assert not passed(reach)
 
 
-def test_rlimits_only_fallback_warns_and_records_it(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
-    sandbox._detect.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="selfspec.metrics.sandbox"):
-            assert score(CORRECT) == {"pass@1": 1.0, "isolation": sandbox.RLIMITS_ONLY}
-            assert not passed(WRONG + "import os\nos._exit(0)\n")
-    finally:
-        sandbox._detect.cache_clear()
-    assert "bwrap" in caplog.text and "apt-get install bubblewrap" in caplog.text
+def test_scoring_without_bubblewrap_is_refused_before_the_model_loads(no_bubblewrap, no_model_load):
+    """Finding: with no bwrap here, scoring ran the model-written programs with resource limits
+    only, on this machine, after a log warning. Reproduction (old code): ``PATH`` without bwrap,
+    ``humaneval_pass_at_k([[CORRECT]], [PROBLEM])`` scored them, ``isolation: rlimits-only``.
+    Now the default ``task.isolation=bubblewrap`` stops the run when it is prepared, before a
+    model loads, with one message naming the key and how to install bubblewrap; a direct call is
+    refused the same way, naming its ``isolation`` argument."""
+    cfg = compose(["task=humaneval", "model=tiny-random", "n_examples=1"])
+    with pytest.raises(ConfigError) as refused:
+        prepare(cfg)
+    message = str(refused.value)
+    assert message.startswith("task.isolation=bubblewrap: bubblewrap (bwrap) is not installed")
+    assert "apt-get install bubblewrap" in message and "make system-deps" in message
+    assert "set task.isolation=rlimits-only" in message and "NOT prevented then:" in message
+    with pytest.raises(ConfigError, match=r"^isolation=bubblewrap: .*apt-get install bubblewrap.*isolation=rlimits-only"):
+        score(CORRECT, isolation=sandbox.BUBBLEWRAP)
+
+
+def test_rlimits_only_is_an_explicit_opt_in_that_warns_and_records_it(no_bubblewrap, caplog):
+    """``task.isolation=rlimits-only`` (the metric's ``isolation="rlimits-only"``) runs the
+    programs without bubblewrap, warns what that leaves open, and the score records it."""
+    with caplog.at_level(logging.WARNING, logger="selfspec.metrics.sandbox"):
+        task = build_task({"name": "humaneval", "n_examples": 1, "isolation": "rlimits-only"})
+        prepare(compose(["task=humaneval", "task.isolation=rlimits-only", "model=tiny-random", "n_examples=1"]))
+        ex = task.examples()[0]
+        assert task.score(["    pass\n"], [ex.reference]) == {
+            "pass@1": 0.0, "isolation": sandbox.RLIMITS_ONLY}
+        assert score(CORRECT, isolation=sandbox.RLIMITS_ONLY) == {"pass@1": 1.0, "isolation": sandbox.RLIMITS_ONLY}
+        assert not passed(WRONG + "import os\nos._exit(0)\n", isolation=sandbox.RLIMITS_ONLY)
+    assert "NOT isolated" in caplog.text and "NOT prevented" in caplog.text
+    assert "apt-get install bubblewrap" in caplog.text
 
 
 def test_isolation_reaches_the_evaluation_summary():
-    task = build_task({"name": "humaneval", "n_examples": 1})
+    task = build_task({"name": "humaneval", "n_examples": 1, "isolation": here()})
     ex = task.examples()[0]
     rows = [{"method": "vanilla", "id": ex.id, "new_tokens": 1, "seconds": 1.0, "steps": 1,
              "tokens": [1], "prediction": "    pass\n"}]
     entry = summarize(rows, ["vanilla"], "vanilla", score=task.score, references={ex.id: ex.reference})
-    assert entry["vanilla"]["metrics"] == {"pass@1": 0.0, "isolation": sandbox.isolation()}
+    assert entry["vanilla"]["metrics"] == {"pass@1": 0.0, "isolation": here()}
 
 
 def test_an_interpreter_under_tmp_stays_visible(monkeypatch):
