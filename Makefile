@@ -84,14 +84,16 @@ tables: install ## regenerate tables, plots and outputs/report/index.html from r
 	$(PY) -m selfspec.report $(ARGS)
 
 # bubblewrap isolates the model-written programs HumanEval scoring runs (selfspec.metrics.sandbox);
-# installed with apt-get when root, else a warning: scoring then falls back to resource limits only
+# installed with apt-get when root, else a warning: HumanEval runs are then refused unless
+# task.isolation=rlimits-only opts in to running the programs NOT isolated
 .PHONY: system-deps
 test test-fast demo evaluate sweep: system-deps
 system-deps: ## install bubblewrap (bwrap), the sandbox for HumanEval programs, if missing
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap; } || true; }
 	@command -v bwrap >/dev/null || echo "WARNING: bubblewrap (bwrap) is not installed and could not be installed here;" \
-	  "HumanEval programs will run with resource limits only. Install it: sudo apt-get install bubblewrap" >&2
+	  "HumanEval scoring is refused without it. Install it: sudo apt-get install bubblewrap. Or opt in to running" \
+	  "the model-written programs NOT isolated (they can read, change and delete your files): task.isolation=rlimits-only" >&2
 
 clean: ## remove run outputs (keeps trained artefacts under outputs/artefacts)
 	find outputs -mindepth 1 -maxdepth 1 ! -name artefacts ! -name .gitkeep -exec rm -rf {} +

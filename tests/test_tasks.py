@@ -61,7 +61,7 @@ def test_humaneval_canonical_solution_passes():
                  for r in read_jsonl(asset_path("humaneval"), {"task_id": str})}
     examples = task.examples()
     got = task.score([solutions[e.id] for e in examples], [e.reference for e in examples])
-    assert got == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert got == {"pass@1": 1.0, "isolation": sandbox.BUBBLEWRAP}
 
 
 def test_gsm8k_offline_is_gsm_symbolic():
@@ -321,5 +321,5 @@ def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
         ast.parse(ex.prompt + completion)
         completions.append(completion)
     got = task.score(completions, [e.reference for e in task.examples()])
-    assert got == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert got == {"pass@1": 1.0, "isolation": sandbox.BUBBLEWRAP}
     assert task.postprocess("No code here, sorry.") != "" and task.postprocess("") == ""
