@@ -19,7 +19,7 @@ from selfspec.config import compose, group_options, model_config
 from selfspec.decoding import build_decoder, check_method
 from selfspec.evaluation import evaluate, method_configs, prepare
 from selfspec.heads import IntermediateHeads, load_heads, save_heads
-from selfspec.models.layered import UnsupportedModelError
+from selfspec.models.families import UnsupportedModelError
 from selfspec.models.loading import ModelLoadError, load_model
 from selfspec.tasks import TaskDataError, build_task
 from selfspec.train import prepare_job, run_job

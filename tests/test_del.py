@@ -143,8 +143,7 @@ def test_measured_costs_come_from_the_models_cost_curve(tiny, prompt_ids):
         g = d.generate(prompt_ids, 16)
         assert g.tokens == vanilla(tiny, prompt_ids, 16)
         p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
-        assert p.verify is None and p.head_cost == pytest.approx(m.lm_head.weight.numel() /
-                                                                 sum(x.numel() for x in m.layers[0].parameters()))
+        assert p.verify is None and p.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
     finally:
         m.cost_curve = saved
 

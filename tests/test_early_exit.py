@@ -17,7 +17,7 @@ def agreeing_model(layers=6, damp=0.05):
     exits often agree with the final layer (drafts get accepted and every path is exercised)."""
     loaded = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"num_hidden_layers": layers}}))
     with torch.no_grad():
-        for layer in loaded.model.layers[1:]:
+        for layer in loaded.model.hf.model.layers[1:]:
             layer.self_attn.o_proj.weight.mul_(damp)
             layer.mlp.down_proj.weight.mul_(damp)
     return loaded
@@ -109,7 +109,7 @@ def test_exit_query_reuse_gives_the_recomputed_cache(agree, prompt_ids):
 @pytest.fixture
 def disagreeing(agree):
     """The agreeing model with its upper layers 6× stronger (damping 0.3): drafts differ from the target."""
-    scale = lambda f: [w.mul_(f) for layer in agree.model.layers[1:]  # noqa: E731
+    scale = lambda f: [w.mul_(f) for layer in agree.model.hf.model.layers[1:]  # noqa: E731
                        for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
     with torch.no_grad():
         scale(6.0)

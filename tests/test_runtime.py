@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import json
 import subprocess
@@ -131,20 +130,23 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
 
 @needs_kernel
 def test_kernel_runs_inside_the_runtime_only(tiny, prompt_ids, monkeypatch):
-    """transformers' own generate (the HF peers, the tests' reference) keeps the stock kernel;
-    selfspec's decoders take the skinny one, and both give the same tokens."""
+    """transformers' own generate (the HF peers, the tests' reference) runs the library's code:
+    no module's forward is replaced and the config's attention implementation is the user's;
+    selfspec's runtime calls the skinny kernel explicitly, and both give the same tokens."""
     from selfspec.decoding.vanilla import Vanilla
 
     from conftest import hf_greedy
 
     assert tiny.model.linear_kernel == "skinny"
+    assert not [m for m in tiny.model.hf.modules() if "forward" in vars(m)]
+    assert tiny.model.config._attn_implementation == "sdpa"
     calls = []
     real = kernels.skinny_linear
     monkeypatch.setattr(kernels, "skinny_linear", lambda *a: calls.append(1) or real(*a))
     ref = hf_greedy(tiny, prompt_ids, 12)
-    assert calls == [] and not kernels.is_active()
+    assert calls == []
     out = Vanilla(tiny.model).generate(prompt_ids, 12).tokens
-    assert calls and out == ref and not kernels.is_active()
+    assert calls and out == ref
 
 
 def test_cost_curve_interpolates_and_reports_ratios():
@@ -171,7 +173,7 @@ def test_time_forward_leaves_the_cache_as_it_was(tiny):
 def test_weight_bytes_counts_a_tied_head_once(tiny):
     model = tiny.model
     params = sum(p.numel() * 4 for p in model.hf.parameters())
-    untied = params - model.embed_tokens.weight.numel() * 4  # embedding rows are looked up, not read
+    untied = params - model.embedding_bytes  # embedding rows are looked up, not read
     assert weight_bytes(model) == untied
 
 
@@ -216,8 +218,7 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = tiny.model
-    assert model.config._attn_implementation == kernels.ATTENTION
-    attn = model.layers[0].self_attn
+    attn = model.hf.model.layers[0].self_attn
     assert attn.num_key_value_groups > 1
     g = torch.Generator().manual_seed(0)
     n = kernels.MAX_ROWS + 3
@@ -226,10 +227,8 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
     v = torch.randn(1, 2, n + 7, model.head_dim, generator=g)
     mask = model.causal_mask(n, 7)
     stock, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
-    with kernels.active():
-        fast, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
-    outside, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
-    assert torch.equal(fast, stock) and torch.equal(outside, stock)
+    fast = kernels.attention(sdpa_attention_forward, attn, q, k, v, mask, attn.scaling)
+    assert torch.equal(fast, stock)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,9 +239,11 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     same rows need not: it blocks the queries together). A one-row call takes one query head per
     task, a 12-row call all heads of a key/value group per task: a head's arithmetic is the same."""
 
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+
     assert {torch.float32, torch.bfloat16} <= kernels.ROWWISE_DTYPES  # the default
     model = tiny.model
-    attn = model.layers[0].self_attn
+    attn = model.hf.model.layers[0].self_attn
     g = torch.Generator().manual_seed(1)
     past, n = 40, 12
     q = torch.randn(1, 4, n, model.head_dim, generator=g).to(dtype)
@@ -253,13 +254,12 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     tree[1:, past] = True  # a root, children of it, and a chain 0 -> 3 -> 5
     tree[5, past + 3] = True
     for mask in (model.causal_mask(n, past), model.prepare_mask(tree)):
-        with kernels.active():
-            rows, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
+        rows = kernels.attention(sdpa, attn, q, k, v, mask, attn.scaling)
         for i in range(n):
             idx = mask[0, 0, i].nonzero().squeeze(-1)
-            with kernels.active():  # the one-token decoding step over exactly those keys
-                one, _ = kernels._attention(attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
-                                            None, scaling=attn.scaling)
+            # the one-token decoding step over exactly those keys
+            one = kernels.attention(sdpa, attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
+                                    None, attn.scaling)
             assert torch.equal(rows[:, i], one[:, 0]), i
 
 
@@ -292,8 +292,10 @@ def test_fused_projections_are_the_librarys_sublayers(tiny):
     """Each layer's q/k/v and gate/up weights are views of one matrix, and the runtime's
     sublayers (one product each, the fused norm and rotary operators inside the runtime) equal the
     library's own attention and MLP forward on the same input within float32 rounding."""
+    from transformers import DynamicCache
+
     m = tiny.model
-    layer = m.layers[1]
+    layer = m.hf.model.layers[1]
     weight, _, sizes = m._qkv[1]
     rows = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
     offsets = [0, sizes[0], sizes[0] + sizes[1]]
@@ -305,23 +307,20 @@ def test_fused_projections_are_the_librarys_sublayers(tiny):
     h = torch.randn(1, n, m.hidden_size, generator=g)
     rope = m.rope(m.positions(past, n), h)
     mask = m.causal_mask(n, past)
-    for inside in (False, True):
-        caches = []
-        for _ in range(2):
-            cache = m.new_cache(past + n)
-            with torch.inference_mode():
-                m.forward(torch.arange(past).unsqueeze(0), cache, start=0)
-            caches.append(cache)
-        with torch.inference_mode(), (kernels.active() if inside else contextlib.nullcontext()):
-            ref_attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
-                                          attention_mask=mask, past_key_values=caches[0])
-            ref_attn = h + ref_attn
-            ref_mlp = h + layer.mlp(layer.post_attention_layernorm(h))
-            out_attn = m.attention(1, h, rope, caches[1], mask)
-            out_mlp = m.mlp(1, h)
-        torch.testing.assert_close(out_attn, ref_attn, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out_mlp, ref_mlp, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(caches[0].values[1], caches[1].values[1], rtol=1e-5, atol=1e-6)
+    cache = m.new_cache(past + n)
+    with torch.inference_mode():
+        m.forward(torch.arange(past).unsqueeze(0), cache, start=0)
+        ref_cache = DynamicCache()  # the library's own cache, holding the same past of layer 1
+        ref_cache.update(*(t[:, :, :past].clone() for t in cache.layer_kv(1)), 1)
+        ref_attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
+                                      attention_mask=mask, past_key_values=ref_cache)
+        ref_attn = h + ref_attn
+        ref_mlp = h + layer.mlp(layer.post_attention_layernorm(h))
+        out_attn = m.attention(1, h, rope, cache, mask)
+        out_mlp = m.mlp(1, h)
+    torch.testing.assert_close(out_attn, ref_attn, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_mlp, ref_mlp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref_cache.layers[1].values, cache.layer_kv(1)[1], rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
@@ -340,14 +339,13 @@ def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
     angle = torch.randn(1, 5, 32, generator=g)
     cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
-    with kernels.active():
-        out_q, out_k = kernels.rotary(apply_rotary_pos_emb, q, k, cos, sin)
+    out_q, out_k = kernels.rotary(apply_rotary_pos_emb, q, k, cos, sin)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     norm = LlamaRMSNorm(576, eps=1e-5)
     norm.weight.data = torch.randn(576, generator=g)
     norm = norm.to(dtype)
     x = torch.randn(1, 7, 576, generator=g).to(dtype)
-    with torch.inference_mode(), kernels.active():
+    with torch.inference_mode():
         fused = kernels.rms_norm(norm, x)
         rows = torch.cat([kernels.rms_norm(norm, x[:, i:i + 1]) for i in range(7)], dim=1)
     assert torch.equal(fused, rows)

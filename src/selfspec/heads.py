@@ -90,7 +90,7 @@ class IntermediateHeads(torch.nn.Module):
             elif kind == "full":
                 lin = torch.nn.Linear(d, v, bias=False, device=model.device, dtype=torch.float32)
                 with torch.no_grad():
-                    lin.weight.copy_(model.lm_head.weight.float())
+                    lin.weight.copy_(model.lm_head_weight.float())
                 self.heads[str(i)] = lin
 
     @classmethod
@@ -107,13 +107,13 @@ class IntermediateHeads(torch.nn.Module):
         m, vocab = self.model, self.vocab
         x = m.final_norm(h)
         if self.kind == "lm_head":
-            return m.lm_head(x).float() if vocab is None else vocab.logits(x)
+            return m.head(x).float() if vocab is None else vocab.logits(x)
         lin = self.heads[str(layer)]
         if self.kind == "full":
             x = x.to(lin.weight.dtype)
             return lin(x).float() if vocab is None else vocab.logits(x, lin.weight)
         x = lin(x.to(lin.weight.dtype)).to(m.dtype)
-        return m.lm_head(x).float() if vocab is None else vocab.logits(x)
+        return m.head(x).float() if vocab is None else vocab.logits(x)
 
     def forward(self, hiddens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{layer: hidden}`` -> ``{layer: logits}`` for all heads (training)."""
@@ -222,8 +222,8 @@ class DraftVocab:
     draft's ``q`` is a proper distribution over ``V`` with zeros outside ``S``, so speculative
     sampling against the full-head target stays lossless. Verification never uses this head.
 
-    The kept rows are a plain ``nn.Linear`` routed through the model's linear kernel
-    (:func:`selfspec.models.kernels.install`), like the LM head itself.
+    The kept rows are a weight of their own, multiplied with the model's linear kernel
+    (:meth:`~selfspec.models.layered.LayeredModel.head`), like the LM head itself.
     """
 
     def __init__(self, model, ids, path=None, meta: dict | None = None) -> None:
@@ -232,49 +232,36 @@ class DraftVocab:
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
             raise ValueError(f"draft vocabulary needs distinct token ids in [0, {v - 1}] for {model.name}, "
                              f"got {ids.numel()} ids; rebuild it with `make draft-vocab MODEL={model.name}`")
-        from selfspec.models import kernels
-
         self.model = model
         self.ids = ids.sort().values.to(model.device)
         self.size = int(ids.numel())
         self.vocab_size = v
         self.path = Path(path) if path is not None else None
         self.meta = meta or {}
-        self.head = self._rows(model.lm_head.weight)
-        self._other: dict[int, torch.nn.Linear] = {}
-        self._kernel = model.linear_kernel
-        kernels.install([self.head], self._kernel)
+        self.weight = self._rows(model.lm_head_weight)
+        self._other: dict[int, torch.Tensor] = {}
 
-    def _rows(self, weight: torch.Tensor) -> torch.nn.Linear:
-        lin = torch.nn.Linear(weight.shape[1], self.size, bias=False, device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            lin.weight.copy_(weight.detach()[self.ids.to(weight.device)])
-        lin.requires_grad_(False)
-        return lin
+    def _rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The kept rows of a ``|V|×d`` head, contiguous (the skinny kernel reads them in order)."""
+        return weight.detach()[self.ids.to(weight.device)].contiguous()
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of normalised states ``x [..., d]`` (``weight``: another
         ``|V|×d`` head to truncate, e.g. a full-parameter AdaDecode head; default the LM head):
         the kept rows' scores, ``-inf`` elsewhere."""
-        head = self.head
-        if weight is not None and weight is not self.model.lm_head.weight:
-            head = self._other.get(id(weight))
-            if head is None:
-                from selfspec.models import kernels
-
-                head = self._other[id(weight)] = self._rows(weight)
-                kernels.install([head], self._kernel)
-        sub = head(x.to(head.weight.dtype)).float()
+        rows = self.weight
+        if weight is not None and weight is not self.model.lm_head_weight:
+            rows = self._other.get(id(weight))
+            if rows is None:
+                rows = self._other[id(weight)] = self._rows(weight)
+        sub = self.model.head(x.to(rows.dtype), rows).float()
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
 
     def model_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's final norm and the truncated LM head on hidden states ``h`` (a full-depth
         or skip-set draft: Draft & Verify)."""
-        from selfspec.models import kernels
-
-        with kernels.active():
-            return self.logits(self.model.final_norm(h))
+        return self.logits(self.model.final_norm(h))
 
     def head_layers(self) -> float:
         """This head's measured cost in decoder layers (:func:`selfspec.models.costs.time_head` over

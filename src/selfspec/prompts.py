@@ -47,7 +47,7 @@ class PromptTokens(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, model.vocab_size, (m * n_ept,), generator=g).to(model.device)
         with torch.no_grad():
-            emb = model.embed_tokens(ids).detach().clone().view(m, n_ept, -1)
+            emb = model.embed(ids).detach().clone().view(m, n_ept, -1)
         return cls(emb.to(dtype=model.dtype))
 
     def gather(self, p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from selfspec.decoding.sampling import Sampling, select
-from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
 from selfspec.models.costs import synchronizer
 from selfspec.models.layered import LayeredModel
@@ -293,7 +292,7 @@ class Decoder:
         sync()
         t0 = time.perf_counter()
         self.begin(state)
-        with torch.inference_mode(), kernels.active():
+        with torch.inference_mode():
             state.trace_step = StepTrace("prefill", width=n_prompt)
             reason = self._commit(state, [self.prefill(state, prompt)], max_new_tokens)
             while reason is None:

@@ -106,11 +106,11 @@ def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None
     ``lm_head``: the LM head's measured cost in layers (default: from parameters read); a
     trained linear head adds its ``d×d`` weight.
     """
-    layer = sum(p.numel() for p in model.layers[0].parameters())
+    layer = model.layer_numel()
     vocab = getattr(heads, "vocab", None)  # a truncated draft head: its rows (parameters) or its measured cost
     if vocab is not None:
         lm_head = vocab.size * model.hidden_size / layer if lm_head is None else vocab.head_layers()
-    cost = model.lm_head.weight.numel() / layer if lm_head is None else float(lm_head)
+    cost = model.lm_head_weight.numel() / layer if lm_head is None else float(lm_head)
     if heads.kind == "linear":
         cost += model.hidden_size**2 / layer
     return cost

@@ -83,7 +83,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
     rates = decode_rates(loaded, main_ctx, new_tokens, max(1, repeats // 2))
     bandwidth = measure_bandwidth(model.device)
     weights = weight_bytes(model)
-    kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim * main_ctx * model.lm_head.weight.element_size()
+    kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim * main_ctx * model.lm_head_weight.element_size()
     per_token = 1.0 / rates["vanilla"]
     return {
         "model": loaded.name,
