@@ -54,7 +54,7 @@ def test_humaneval_keeps_the_first_function():
 def test_humaneval_canonical_solution_passes():
     from selfspec.assets import asset_path
     from selfspec.metrics import sandbox
-    from selfspec.tasks.base import read_jsonl
+    from selfspec.tasks.task import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2})
     solutions = {r["task_id"]: r["canonical_solution"]
@@ -306,7 +306,7 @@ def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
     """The canonical solution inside a chat reply, extracted, passes the tests after the prompt."""
     from selfspec.assets import asset_path
     from selfspec.metrics import sandbox
-    from selfspec.tasks.base import read_jsonl
+    from selfspec.tasks.task import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2}, model_chat=True)
     records = {r["task_id"]: r for r in read_jsonl(asset_path("humaneval"), {"task_id": str})}

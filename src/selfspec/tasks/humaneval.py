@@ -35,7 +35,7 @@ from typing import Any
 from selfspec import checks
 from selfspec.assets import asset_path
 from selfspec.metrics import sandbox
-from selfspec.tasks.base import Example, Task, TaskConfig, read_jsonl, register
+from selfspec.tasks.task import Example, Task, TaskConfig, read_jsonl, register
 
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 PASS_AT = (1, 10, 100)
