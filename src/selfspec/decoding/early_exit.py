@@ -21,6 +21,13 @@ how they draft and score, the chain step verifies, rolls back and updates.
    sampling, the target distribution);
 4. **rollback** — every layer is truncated after the accepted tokens (O(1)).
 
+The first step (``prefill``): ``full`` — the prompt runs every layer and commits one token, as
+every method's prefill does; ``draft`` — LayerSkip's code: the prompt runs layers ``0..ℓ`` only
+and the first round drafts from its last state (the prompt is that round's ``x_0``, its
+layer-``ℓ`` states join the exit-query cache, verification runs the upper layers over the prompt
+and the drafts in one pass), so the first generated token is a draft too and one step fewer is
+taken (``early_exit_paper``; docs/design.md, "Fidelity to the authors' code").
+
 Exit heads (``exit_head``): ``lm_head`` — the model's own final norm + LM head, as LayerSkip
 checkpoints (``model=layerskip-llama3-8b``) expect; ``heads`` — the AdaDecode heads trained by
 ``job=heads`` (:func:`selfspec.heads.load_heads`), so models without LayerSkip training draft
@@ -58,6 +65,8 @@ from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
 EXIT_HEADS = ("lm_head", "heads")
+#: the first step: ``full`` (selfspec's prefill) or ``draft`` (LayerSkip's code: drafts from the prompt)
+PREFILLS = ("full", "draft")
 
 
 # --- exit heads ------------------------------------------------------------------------------
@@ -136,6 +145,10 @@ class EarlyExitExample:
     hs: torch.Tensor
     plan: Plan | None = None
     shadow: "ShadowStats | None" = None
+    #: ``prefill: draft``, first round only: the prompt, the input of its lower pass (``x_0`` is its last token)
+    opening: list[int] | None = None
+    #: ``prefill: draft``, first round only: layer-``ℓ`` states of the prompt before ``x_0``
+    prefix: torch.Tensor | None = None
 
 
 @register
@@ -146,8 +159,13 @@ class EarlyExit(ChainDecoder):
     lossless = True
 
     def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int,
-                 draft_stop: DraftStop | None = None, keep_layers: list[int] = (), **common) -> None:
+                 draft_stop: DraftStop | None = None, keep_layers: list[int] = (), prefill: str = "full",
+                 **common) -> None:
         super().__init__(model, **common)
+        if prefill not in PREFILLS or (prefill == "draft" and keep_layers):
+            raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL only full")
+        #: ``full`` or ``draft`` (module docstring)
+        self.prefill_kind = prefill
         self.artefacts = {"heads": heads.path} if heads.path else {}
         self.heads = heads
         self.max_draft = int(max_draft)
@@ -170,8 +188,9 @@ class EarlyExit(ChainDecoder):
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
         with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length
-        γ), the exit head (:func:`exit_head_options`) and ``draft_stop``
-        (:func:`draft_stop_from_config`). The old key ``gamma`` is refused, naming ``max_draft``."""
+        γ), the exit head (:func:`exit_head_options`), ``draft_stop``
+        (:func:`draft_stop_from_config`) and ``prefill`` (``full`` or ``draft``, module docstring).
+        The old key ``gamma`` is refused, naming ``max_draft``."""
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {"gamma": "max_draft"})
         return {
@@ -180,6 +199,9 @@ class EarlyExit(ChainDecoder):
                                         why="speculation length γ: most drafts per round"),
             **exit_head_options(cfg, prefix),
             "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
+            "prefill": checks.choice(key("prefill"), cfg.get("prefill", "full"), PREFILLS,
+                                     why="full: a full pass commits the first token; draft: the first round "
+                                         "drafts from the prompt (LayerSkip's code)"),
         }
 
     @classmethod
@@ -189,8 +211,8 @@ class EarlyExit(ChainDecoder):
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = exit_heads(model, options, [exit_layer])
-        return attach_draft_vocab(cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], **common),
-                                  heads.vocab)
+        return attach_draft_vocab(cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"],
+                                      prefill=options["prefill"], **common), heads.vocab)
 
     # --- per-example state -----------------------------------------------------------------
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
@@ -205,8 +227,8 @@ class EarlyExit(ChainDecoder):
         state.stats.setdefault("draft_len_sum", 0)
 
     def finish(self, state: DecodeState) -> None:
-        # rounds that drafted from the exit head (not prefill, context drafts or gated plain steps)
-        rounds = len(state.accepted_per_step) - 1 - state.stats.get("ngram_steps", 0)
+        # rounds that drafted from the exit head (not a full prefill, context drafts or gated plain steps)
+        rounds = len(state.accepted_per_step) - (self.prefill_kind == "full") - state.stats.get("ngram_steps", 0)
         rounds = max(rounds - state.stats.get("plain_steps_gated", 0), 1)
         state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
         state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
@@ -234,13 +256,23 @@ class EarlyExit(ChainDecoder):
                 hs[j, row : row + n] = h[0]
         return h
 
-    def _lower(self, state: DecodeState, token: int, i: int) -> torch.Tensor:
-        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query cache."""
+    def _lower(self, state: DecodeState, tokens: list[int], i: int) -> torch.Tensor:
+        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query
+        cache. ``tokens`` is ``[x_i]``, or for ``x_0`` of ``prefill: draft``'s first round the
+        prompt (one pass; the states before ``x_0`` are kept as the round's prefix)."""
         m, ex = self.model, state.example
-        ids = torch.tensor([[token]], device=m.device)
-        h = self._layers(m.embed(ids), range(0, ex.plan.exit_layer + 1), state, state.n_cached + i, i)
-        ex.hq[:, i] = h[:, 0]
+        n = len(tokens)
+        ids = torch.tensor([tokens], device=m.device)
+        h = self._layers(m.embed(ids), range(0, ex.plan.exit_layer + 1), state, state.n_cached + i - n + 1, i)
+        ex.hq[:, i] = h[:, -1]
+        if n > 1:
+            ex.prefix = h[:, :-1]
         return h
+
+    def _x0(self, state: DecodeState) -> list[int]:
+        """The input of the round's first lower pass: the pending token ``[x_0]`` (the prompt in
+        ``prefill: draft``'s first round)."""
+        return state.example.opening or [state.pending]
 
     def draft_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The exit head's logits for the layer-``ℓ`` state ``h``."""
@@ -254,23 +286,40 @@ class EarlyExit(ChainDecoder):
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
         plan = state.example.plan
         draft = Draft()
-        token = state.pending
+        tokens = self._x0(state)
         for i in range(k_max):
-            h = self._lower(state, token, i)
+            h = self._lower(state, tokens, i)
             if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1]), state, plan.threshold,
                              self.eos_token_ids):
                 break
-            token = draft.tokens[-1]
+            tokens = draft.tokens[-1:]
         return draft
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """Steps 2-3: the last draft (``x_0`` when nothing was drafted) through layers ``0..ℓ``,
-        then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass."""
-        m, k = self.model, len(draft)
-        self._lower(state, draft.tokens[-1] if k else state.pending, k)
-        upper = range(state.example.plan.exit_layer + 1, m.num_layers)
-        h = self._layers(state.example.hq[:, : k + 1], upper, state, state.n_cached, 0)
-        return m.logits(h[0])
+        then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass (after
+        the prompt's, in ``prefill: draft``'s first round)."""
+        m, k, ex = self.model, len(draft), state.example
+        self._lower(state, draft.tokens[-1:] if k else self._x0(state), k)
+        upper = range(ex.plan.exit_layer + 1, m.num_layers)
+        h, start = ex.hq[:, : k + 1], state.n_cached
+        if ex.prefix is not None:
+            h, start = torch.cat([ex.prefix, h], dim=1), start - ex.prefix.shape[1]
+            ex.opening = ex.prefix = None
+        h = self._layers(h, upper, state, start, 0)
+        return m.logits(h[0, -(k + 1):])
+
+    def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
+        """``prefill: draft`` (LayerSkip's code): the first round drafts from the prompt, which is
+        its ``x_0`` (module docstring); traced as ``prefill`` over the prompt and the drafts.
+        ``full``: the shared prefill."""
+        if self.prefill_kind == "full":
+            return super().first_step(state, prompt, budget)
+        state.example.opening = prompt[0].tolist()
+        committed = self.self_step(state, budget)
+        step = state.trace_step
+        step.source, step.width = "prefill", prompt.shape[1] + state.drafted
+        return committed
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         state.trace_step.exit_layer = state.example.plan.exit_layer
