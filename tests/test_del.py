@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.decoding import DecodeState, Sampling, build_decoder
-from selfspec.decoding.early_exit import DEL, ShadowStats, tpl_argmax
+from selfspec.decoding.early_exit import DEL, ShadowStats, round_cost, tpl_argmax
 from test_early_exit import agreeing_model, compose_method, vanilla
 
 
@@ -119,7 +119,8 @@ def test_tpl_argmax_matches_brute_force(head_cost, measured):
                     best = (ell, g, tokens / cost)
             gammas = torch.arange(gmin, gmax + 1)
             verify = torch.tensor([v(int(g) + 1) for g in gammas]) if measured else None
-            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, L, head_cost, verify)
+            cost = round_cost(torch.tensor(layers), gammas, L, head_cost, verify)
+            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, cost)
             assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
 
 

@@ -71,7 +71,10 @@ def test_every_step_leaves_a_trace_that_adds_up(tiny, prompt_ids, name):
     if name in ("early_exit", "early_exit_draft", "del"):
         assert all(t.exit_layer is not None for t in trace if t.source == "self")
     if name == "del":
-        assert all({"exit_layer", "max_draft", "threshold"} == set(t.controller) for t in trace if t.source == "self")
+        plan, stats = {"exit_layer", "max_draft", "threshold"}, {"alpha", "conf_match", "conf_miss"}
+        assert all(plan | stats == set(t.controller) for t in trace if t.source == "self")
+        assert set(trace[0].controller) == stats  # the prefill seeds the shadow statistics
+        assert all(len(t.controller["alpha"]) == tiny.model.num_layers - 1 for t in trace if t.controller)
     if name == "ngram":
         assert {t.source for t in trace} <= {"prefill", "plain", "context"}
     if name == "adadecode":

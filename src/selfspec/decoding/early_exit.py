@@ -44,7 +44,12 @@ Before each round the controller picks ``(ℓ, γ) = argmax TPL`` (DEL §4.1, to
 ``γ`` ranges over ``min_draft..max_draft``) and, under ``draft_stop: {rule: dynamic}``, stops
 drafting when a draft's confidence falls below the per-layer dynamic threshold
 ``(mean conf matched + mean conf mismatched) / 2`` (DEL §4.2; the paper's ``τ_ℓ``). The
-statistics are per example (:class:`EarlyExitExample`, created by ``begin``).
+statistics are per example (:class:`EarlyExitExample`, created by ``begin``). TPL's denominator
+(``cost_model``): ``layers`` — DEL's count, ``γ·(ℓ+1) + L - ℓ - 1`` (:func:`layer_count`,
+``del_paper``); ``parameters`` — also the last draft's lower pass and the heads
+(:func:`round_cost`); ``measured`` — that, with this machine's cost curve (``del``; a controller
+that reads the clock cannot be reproduced step for step). The step trace's ``controller`` holds
+the round's plan and the per-layer statistics after it (:meth:`DEL.controller`).
 
 Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``draft_stops``.
 """
@@ -65,6 +70,8 @@ from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
 EXIT_HEADS = ("lm_head", "heads")
+#: where DEL's TPL takes its costs (:class:`DEL`)
+COST_MODELS = ("layers", "measured", "parameters")
 #: the first step: ``full`` (selfspec's prefill) or ``draft`` (LayerSkip's code: drafts from the prompt)
 PREFILLS = ("full", "draft")
 
@@ -363,13 +370,28 @@ class ShadowStats:
     def alpha(self) -> torch.Tensor:
         return self.match / self.weight.clamp_min(1e-12)
 
+    def mean_conf(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per layer: mean confidence of matched and of mismatched shadow tokens, and whether
+        each kind was seen (decayed count above 1e-12)."""
+        miss = self.weight - self.match  # decayed mismatches
+        seen_match, seen_miss = self.match > 1e-12, miss > 1e-12
+        return (self.conf_match / self.match.clamp_min(1e-12), self.conf_miss / miss.clamp_min(1e-12),
+                seen_match, seen_miss)
+
+    def state(self) -> dict[str, list]:
+        """The statistics for a step trace: per candidate layer ``alpha`` and the mean confidences
+        ``conf_match`` / ``conf_miss`` (None where that kind was not seen)."""
+        matched, missed, seen_match, seen_miss = self.mean_conf()
+        pick = lambda v, seen: [float(x) if ok else None for x, ok in zip(v, seen.tolist())]  # noqa: E731
+        return {"alpha": self.alpha().tolist(), "conf_match": pick(matched, seen_match),
+                "conf_miss": pick(missed, seen_miss)}
+
     def threshold(self) -> torch.Tensor:
         """Per-layer stop threshold ``(mean conf matched + mean conf mismatched) / 2`` (DEL §4.2's
         τ_ℓ; not called tau here, where τ is tokens per step); 0 (no stop) until both are seen."""
-        miss = self.weight - self.match  # decayed mismatches
-        both = (self.match > 1e-12) & (miss > 1e-12)
-        cut = (self.conf_match / self.match.clamp_min(1e-12) + self.conf_miss / miss.clamp_min(1e-12)) / 2
-        return torch.where(both, cut, torch.zeros_like(cut))
+        matched, missed, seen_match, seen_miss = self.mean_conf()
+        cut = (matched + missed) / 2
+        return torch.where(seen_match & seen_miss, cut, torch.zeros_like(cut))
 
 
 def expected_tokens(alpha: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
@@ -401,12 +423,22 @@ def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head
     return (g + 1) * (ell + 1) + g * head_cost + (num_layers - ell - 1 + head_cost) * v
 
 
-def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor, num_layers: int,
-               head_cost: float, verify: torch.Tensor | None = None) -> tuple[int, int, float]:
+def layer_count(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """``[C, G]``: DEL §4.1's denominator as the authors' code counts it, ``γ·(ℓ+1) + L - ℓ - 1``
+    layers loaded (``γ`` draft passes through layers ``0..ℓ``, one verification pass through the
+    rest; ``cost_model: layers``). :func:`round_cost` adds what it leaves out."""
+    g = gammas.double().unsqueeze(0)
+    ell = layers.double().unsqueeze(1)
+    return g * (ell + 1) + (num_layers - ell - 1)
+
+
+def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor,
+               cost: torch.Tensor) -> tuple[int, int, float]:
     """DEL §4.1: ``(ℓ, γ)`` maximising tokens per layer ``TPL = E[tokens] / cost`` over the
-    candidate layers and speculation lengths (costs as :func:`round_cost`); returns
+    candidate layers and speculation lengths (``cost`` ``[C, G]``: :func:`layer_count` or
+    :func:`round_cost`); the first maximum (layers, then lengths, increasing) on ties. Returns
     ``(layer, gamma, tpl)``."""
-    tpl = expected_tokens(alpha, gammas) / round_cost(layers, gammas, num_layers, head_cost, verify)
+    tpl = expected_tokens(alpha, gammas) / cost
     flat = int(tpl.argmax())
     c, g = divmod(flat, int(gammas.numel()))
     return int(layers[c]), int(gammas[g]), float(tpl.view(-1)[flat])
@@ -428,18 +460,26 @@ class DEL(EarlyExit):
         self.omega = float(omega)
         self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
-        #: ``measured``: TPL's costs from the runtime's cost curve on this machine; ``parameters``:
-        #: DEL's layer count with heads from parameter counts and v(k) = 1
+        #: ``layers``: DEL's count as the authors' code has it (:func:`layer_count`); ``measured``:
+        #: TPL's costs from the runtime's cost curve on this machine; ``parameters``: the full count
+        #: of :func:`round_cost` with heads from parameter counts and v(k) = 1
         self.cost_model = cost_model
         self.verify = None
+        self._layer_ids = torch.tensor(self.candidates)
+        if cost_model == "layers" and head_cost is not None:
+            raise ValueError("head_cost is not part of DEL's layer count (cost_model=layers): set it null")
         if cost_model == "measured":
             curve = model_curve(model, max_k=int(max_draft) + 1)
             self.verify = torch.tensor([curve.v(int(g) + 1) for g in self.gammas], dtype=torch.float64)
             measured = head_cost_in_layers(model, heads, lm_head=curve.head_in_layers)
             self.head_cost = measured if head_cost is None else float(head_cost)
-        else:
+        elif cost_model == "parameters":
             self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
-        self._layer_ids = torch.tensor(self.candidates)
+        else:
+            self.head_cost = 0.0
+        #: ``[C, G]``: TPL's denominator per candidate layer and speculation length
+        self.cost = (layer_count(self._layer_ids, self.gammas, model.num_layers) if cost_model == "layers" else
+                     round_cost(self._layer_ids, self.gammas, model.num_layers, self.head_cost, self.verify))
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
@@ -448,7 +488,8 @@ class DEL(EarlyExit):
         >= 1 and ``min_draft`` in [0, max_draft] (the speculation lengths γ TPL chooses from),
         ``omega`` in (0, 1), ``draft_stop`` (:func:`draft_stop_from_config` with DEL's own rule
         ``{rule: dynamic}``, §4.2), ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null),
-        ``head_cost`` (>= 0 or null) and ``cost_model`` (``measured`` or ``parameters``). The old
+        ``cost_model`` (``layers``: DEL's count, :func:`layer_count`; ``measured`` or ``parameters``:
+        :func:`round_cost`) and ``head_cost`` (>= 0 or null; null under ``layers``). The old
         keys ``max_gamma``, ``min_gamma`` and ``dynamic_threshold`` are refused, naming the new."""
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {"max_gamma": "max_draft", "min_gamma": "min_draft", "dynamic_threshold":
@@ -459,6 +500,13 @@ class DEL(EarlyExit):
             raise checks.refuse(key("candidate_layers"), layers, "set only with exit_head=lm_head; with trained "
                                 "heads the candidates are the layers that have a head (set candidate_layers: null)")
         max_draft = checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="largest speculation length")
+        cost_model = checks.choice(key("cost_model"), cfg.get("cost_model", "measured"), COST_MODELS,
+                                   why="where TPL's costs come from")
+        head_cost = checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
+                                    why="null = from the cost model")
+        if head_cost is not None and cost_model == "layers":
+            raise checks.refuse(key("head_cost"), head_cost, "set only with cost_model=measured or parameters; "
+                                "DEL's layer count (cost_model=layers) has no head term (set head_cost: null)")
         return {
             **heads,
             "candidate_layers": layers,
@@ -473,10 +521,8 @@ class DEL(EarlyExit):
                                              why="prompt positions seeding the statistics"),
             "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
                                            why="null = every verified position"),
-            "head_cost": checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
-                                         why="null = from the cost model"),
-            "cost_model": checks.choice(key("cost_model"), cfg.get("cost_model", "measured"),
-                                        ("measured", "parameters"), why="where TPL's costs come from"),
+            "head_cost": head_cost,
+            "cost_model": cost_model,
         }
 
     @classmethod
@@ -513,6 +559,7 @@ class DEL(EarlyExit):
                 kept.append(h[0, n - rows :])
         final = m.logits(h[0, n - rows :])
         self._shadow(state, torch.stack(kept), final.argmax(-1))
+        state.trace_step.controller = state.example.shadow.state()
         return int(select(final[-1], state.sampling, state.generator))
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
@@ -531,16 +578,18 @@ class DEL(EarlyExit):
         self._shadow(state, state.example.hs[:, :rows], target)
 
     def controller(self, state: DecodeState) -> dict:
-        """The step's plan (DEL §4.1-4.2): exit layer ℓ, speculation length γ, stop threshold."""
+        """The step's plan (DEL §4.1-4.2: exit layer ℓ, speculation length γ, stop threshold) and
+        the shadow statistics after its update (:meth:`ShadowStats.state`, per candidate layer);
+        the prefill's trace carries the seeded statistics alone."""
         plan = state.example.plan
-        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold}
+        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
+                **state.example.shadow.state()}
 
     def plan(self, state: DecodeState) -> Plan:
         """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
         of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
         shadow = state.example.shadow
-        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.model.num_layers,
-                                   self.head_cost, self.verify)
+        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.cost)
         if isinstance(self.draft_stop, DynamicThreshold):
             threshold = float(shadow.threshold()[self.candidates.index(ell)])
         else:
