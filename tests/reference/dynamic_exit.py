@@ -11,8 +11,8 @@ and listed in docs/design.md, "Fidelity to the authors' code"). What it does:
   layer's token and confidence (top probability), compared with the token the final layer
   produced there;
 * **decayed statistics** (ω recorded; their form assumed): per layer, sums decayed by ``ω``
-  per observation, in row order, of observations, matches and the confidences of matched and
-  of mismatched shadow tokens; ``α_ℓ`` = matches / observations;
+  per observation, in row order, of observations, matches, mismatches and the confidences of
+  matched and of mismatched shadow tokens; ``α_ℓ`` = matches / observations;
 * **plan** (recorded): ``(ℓ, γ) = argmax TPL``, ``TPL = Σ_{i=0}^{γ} α_ℓ^i / (γ·(ℓ+1) + L - ℓ - 1)``
   over the candidate layers and ``γ`` in ``min_draft..max_draft`` (``max_draft`` 18 recorded;
   ``min_draft`` 1 and the first maximum on ties assumed);
@@ -40,6 +40,7 @@ class ShadowEMA:
         self.omega = omega
         self.weight = [0.0] * n_layers
         self.match = [0.0] * n_layers
+        self.miss = [0.0] * n_layers
         self.conf_match = [0.0] * n_layers
         self.conf_miss = [0.0] * n_layers
         self.seen_match = [0] * n_layers
@@ -49,6 +50,7 @@ class ShadowEMA:
         w = self.omega
         self.weight[layer] = w * self.weight[layer] + 1.0
         self.match[layer] = w * self.match[layer] + float(matched)
+        self.miss[layer] = w * self.miss[layer] + float(not matched)
         self.conf_match[layer] = w * self.conf_match[layer] + (conf if matched else 0.0)
         self.conf_miss[layer] = w * self.conf_miss[layer] + (0.0 if matched else conf)
         self.seen_match[layer] += matched
@@ -60,7 +62,7 @@ class ShadowEMA:
     def mean_conf(self, layer: int) -> tuple[float | None, float | None]:
         """Mean confidence of the layer's matched and of its mismatched shadow tokens (None: none yet)."""
         matched = self.conf_match[layer] / self.match[layer] if self.seen_match[layer] else None
-        missed = self.conf_miss[layer] / (self.weight[layer] - self.match[layer]) if self.seen_miss[layer] else None
+        missed = self.conf_miss[layer] / self.miss[layer] if self.seen_miss[layer] else None
         return matched, missed
 
     def tau(self, layer: int) -> float:
