@@ -94,6 +94,8 @@ def test_draft_prefill_equals_vanilla(agree, prompt_ids):
         assert g.stats["exit_layer_mean"] == ell and g.stats["draft_len_mean"] == sum(g.drafted_per_step) / rounds
     for n in (1, 2, 3):
         assert ee(agree, 1, 4, prefill="draft").generate(prompt_ids, n).tokens == ref[:n]
+    one = prompt_ids[:1]  # a one-token prompt is x_0 itself
+    assert ee(agree, 1, 4, prefill="draft").generate(one, 12).tokens == vanilla(agree, one, 12)
     ngram = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4, "draft_schedule": "constant"}
     assert ee(agree, 1, 4, prefill="draft", ngram=ngram).generate(prompt_ids + prompt_ids, 20).tokens == \
         vanilla(agree, prompt_ids + prompt_ids, 20)

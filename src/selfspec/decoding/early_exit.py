@@ -312,7 +312,7 @@ class EarlyExit(ChainDecoder):
         h, start = ex.hq[:, : k + 1], state.n_cached
         if ex.prefix is not None:
             h, start = torch.cat([ex.prefix, h], dim=1), start - ex.prefix.shape[1]
-            ex.opening = ex.prefix = None
+        ex.opening = ex.prefix = None  # later rounds start from the pending token
         h = self._layers(h, upper, state, start, 0)
         return m.logits(h[0, -(k + 1):])
 
