@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.decoding import DecodeState, Sampling, build_decoder
-from selfspec.decoding.early_exit import DEL, ShadowStats, tpl_argmax
+from selfspec.decoding.early_exit import DEL, ShadowStats, round_cost, tpl_argmax
 from test_early_exit import agreeing_model, compose_method, vanilla
 
 
@@ -98,6 +98,13 @@ def test_shadow_stats_equal_brute_force_decayed_ratios():
     fresh = ShadowStats(2, omega)
     fresh.update(torch.tensor([[True], [False]]), torch.tensor([[0.9], [0.2]]))
     assert fresh.threshold().tolist() == [0.0, 0.0]  # no stop until both kinds are seen
+    # a mismatch long ago still counts: 600 matches later (ω^600 ≈ 4e-14) the mean stays exact
+    old = ShadowStats(1, 0.95)
+    old.update(torch.tensor([[False]]), torch.tensor([[0.25]]))
+    for _ in range(100):
+        old.update(torch.ones(1, 6, dtype=torch.bool), torch.full((1, 6), 0.75))
+    assert float(old.threshold()[0]) == pytest.approx(0.5, rel=1e-12)
+    assert old.state()["conf_miss"] == [pytest.approx(0.25, rel=1e-12)]
 
 
 @pytest.mark.parametrize("head_cost", [0.0, 2.5])
@@ -119,7 +126,8 @@ def test_tpl_argmax_matches_brute_force(head_cost, measured):
                     best = (ell, g, tokens / cost)
             gammas = torch.arange(gmin, gmax + 1)
             verify = torch.tensor([v(int(g) + 1) for g in gammas]) if measured else None
-            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, L, head_cost, verify)
+            cost = round_cost(torch.tensor(layers), gammas, L, head_cost, verify)
+            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, cost)
             assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
 
 
