@@ -33,8 +33,10 @@ def test_greedy_equals_vanilla_under_controller(agree, tiny, prompt_ids, over):
 
 
 def test_controller_moves_exit_and_gamma(agree, prompt_ids):
-    """On the agreeing model the controller drafts (accepted drafts) at changing (ℓ, γ)."""
-    d = del_decoder(agree, head_cost=0.0)
+    """On the agreeing model the controller drafts (accepted drafts) at changing (ℓ, γ). Costs from
+    parameters and no speculation gate: what the controller decides must not depend on the
+    machine's timings (a loaded machine measured other v(k) and the gate took plain steps)."""
+    d = del_decoder(agree, head_cost=0.0, cost_model="parameters", never_slower=False)
     seen = set()
     plan = d.plan
     d.plan = lambda state: seen.add((plan(state).exit_layer, plan(state).max_draft)) or plan(state)
