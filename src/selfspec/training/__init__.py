@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from selfspec import checks
+from selfspec.training.bars import bar  # noqa: F401 (the job modules' import, until they import it from bars)
 
 
 def check_run(cfg) -> None:
@@ -28,15 +29,6 @@ def check_run(cfg) -> None:
 def progress(cfg) -> bool:
     """``progress`` (conf/train.yaml): whether the job shows tqdm bars (stderr, with an ETA)."""
     return checks.flag("progress", cfg.get("progress", True))
-
-
-def bar(iterable=None, *, enabled: bool, **kwargs):
-    """A tqdm bar on stderr (``desc``, ``total``, ``unit`` ...); a no-op one when not ``enabled``.
-    Log lines printed while it runs go above it when :func:`tqdm.contrib.logging.logging_redirect_tqdm`
-    is active (the demo does that)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, disable=not enabled, dynamic_ncols=True, mininterval=1.0, **kwargs)
 
 
 def job_keys(job, options: dict[str, Any]) -> None:
