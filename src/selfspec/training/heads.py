@@ -190,7 +190,7 @@ def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequenc
         log.info("heads data: cached sequences from %s", file)
     else:
         t0 = time.perf_counter()
-        train, held = [], []
+        train_seqs, held_seqs = [], []
         k = len(tasks)
         prompts_bar = bar(total=n_train + n_held, enabled=progress, desc="heads data", unit="prompt")
         for j, data in enumerate(tasks):
@@ -202,16 +202,17 @@ def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequenc
                             "(the pool is too small to keep them apart when all n_examples are evaluated)",
                             overlap, data.task.name)
             seqs = greedy_continuations(loaded, prompts, opts["gen_tokens"], opts["gen_batch"], prompts_bar)
-            held += seqs[:nh]  # the pool's last-but-nt prompts: held out
-            train += seqs[nh:]
+            held_seqs += seqs[:nh]  # the pool's last-but-nt prompts: held out
+            train_seqs += seqs[nh:]
         prompts_bar.close()
-        raw = {"train": [vars(s) for s in train], "heldout": [vars(s) for s in held],
+        raw = {"train": [vars(s) for s in train_seqs], "heldout": [vars(s) for s in held_seqs],
                "seconds": time.perf_counter() - t0}
         cache.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".tmp")
         tmp.write_text(json.dumps(raw))
         tmp.replace(file)
-        log.info("heads data: %d + %d sequences generated in %.1fs -> %s", len(train), len(held), raw["seconds"], file)
+        log.info("heads data: %d + %d sequences generated in %.1fs -> %s", len(train_seqs), len(held_seqs), raw["seconds"],
+                 file)
     info["generation_seconds"] = raw.get("seconds")
     return [Sequence(**s) for s in raw["train"]], [Sequence(**s) for s in raw["heldout"]], tag, info
 
