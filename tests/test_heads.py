@@ -68,8 +68,8 @@ def _synthetic(n, length=24, seed=0):
 def _train(tiny, ckpt, steps, job):
     heads = job_heads.make_heads(tiny.model, job)
     loss_fn, batch_fn, eval_fn = job_heads.trainer(heads, _synthetic(6), _synthetic(2, seed=1), job, 0)
-    cfg = TrainConfig(steps=steps, lr=float(job.lr), schedule=str(job.schedule), ckpt_every=int(job.ckpt_every),
-                      eval_every=0, log_every=100)
+    cfg = TrainConfig.from_config(OmegaConf.merge(job, {"steps": steps, "warmup_steps": 0, "eval_every": 0,
+                                                        "log_every": 100}), seed=0)
     return heads, train(heads, loss_fn, batch_fn, cfg, ckpt, eval_fn=eval_fn)
 
 

@@ -125,15 +125,20 @@ class IntermediateHeads(torch.nn.Module):
         return {f"{prefix}.{i}": self.heads[str(i)].weight.detach() for i in self.layers if str(i) in self.heads}
 
 
+def heads_contents(heads: IntermediateHeads) -> tuple[dict[str, torch.Tensor], dict]:
+    """A head set's artefact: its tensors and the ``meta.json`` fields :func:`load_heads` reads."""
+    return heads.tensors(), {"layers": heads.layers, "head_kind": heads.kind}
+
+
 def save_heads(path, heads: IntermediateHeads, loaded_model, **meta) -> Path:
     """Save a head set as an artefact (``kind="heads"``); ``meta`` may hold task, train_config,
     metrics and any extra fields for ``meta.json``."""
     task = meta.pop("task", None)
     train_config = meta.pop("train_config", None)
     metrics = meta.pop("metrics", None)
-    extra = {"layers": heads.layers, "head_kind": heads.kind, **meta}
-    return save_artefact(path, ARTEFACT_KIND, heads.tensors(), loaded_model, task=task,
-                         train_config=train_config, metrics=metrics, extra=extra)
+    tensors, fields = heads_contents(heads)
+    return save_artefact(path, ARTEFACT_KIND, tensors, loaded_model, task=task,
+                         train_config=train_config, metrics=metrics, extra={**fields, **meta})
 
 
 def load_heads(path, model) -> IntermediateHeads:
@@ -284,13 +289,18 @@ def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None) -> tor
     return model.logits(h) if vocab is None else vocab.model_logits(h)
 
 
+def draft_vocab_tensors(ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A draft vocabulary's artefact tensors: ``ids`` in rank order (most frequent first), their ``counts``."""
+    return {"ids": ids.long(), "counts": counts.long()}
+
+
 def save_draft_vocab(path, ids: torch.Tensor, counts: torch.Tensor, loaded_model, **meta) -> Path:
-    """Save a draft vocabulary artefact (``kind="draft_vocab"``): ``ids`` in rank order (most
-    frequent first) and their ``counts``; ``meta`` holds task, train_config, metrics and extras."""
+    """Save a draft vocabulary artefact (``kind="draft_vocab"``, :func:`draft_vocab_tensors`);
+    ``meta`` holds task, train_config, metrics and extras."""
     task = meta.pop("task", None)
     train_config = meta.pop("train_config", None)
     metrics = meta.pop("metrics", None)
-    return save_artefact(path, VOCAB_KIND, {"ids": ids.long(), "counts": counts.long()}, loaded_model, task=task,
+    return save_artefact(path, VOCAB_KIND, draft_vocab_tensors(ids, counts), loaded_model, task=task,
                          train_config=train_config, metrics=metrics, extra=meta)
 
 

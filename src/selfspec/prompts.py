@@ -68,15 +68,18 @@ class PromptTokens(torch.nn.Module):
         return self.embeddings.numel() * self.embeddings.element_size()
 
 
+def prompts_contents(prompts: PromptTokens) -> tuple[dict[str, torch.Tensor], dict]:
+    """A ``prompts`` artefact: its tensors and the ``meta.json`` fields of its shape."""
+    return {"embeddings": prompts.embeddings.detach()}, {"m": prompts.m, "n_ept": prompts.n_ept}
+
+
 def save_prompts(path: str | Path, prompts: PromptTokens, loaded_model, *, train_config=None,
                  metrics=None, task: str | None = None) -> Path:
     from selfspec.artefacts import save_artefact
 
-    return save_artefact(
-        path, KIND, {"embeddings": prompts.embeddings.detach()}, loaded_model, task=task,
-        train_config=train_config, metrics=metrics,
-        extra={"m": prompts.m, "n_ept": prompts.n_ept},
-    )
+    tensors, fields = prompts_contents(prompts)
+    return save_artefact(path, KIND, tensors, loaded_model, task=task, train_config=train_config,
+                         metrics=metrics, extra=fields)
 
 
 def load_prompts(path: str | Path, loaded_model=None, model=None) -> PromptTokens:

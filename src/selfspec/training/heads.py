@@ -38,7 +38,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec import checks
-from selfspec.heads import IntermediateHeads, default_layers, save_heads
+from selfspec.heads import IntermediateHeads, default_layers, heads_artefact_dir, heads_contents
+from selfspec.training.bars import bar
+from selfspec.training.driver import Job, Result, job_keys, task_names
+from selfspec.training.loop import TrainConfig, final_metrics, train
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +66,9 @@ class DataTask:
 
 def prepare(cfg) -> dict:
     """Every key of conf/job/heads.yaml checked and the prompt tasks' data read — all that can fail
-    without the model (:func:`run` calls it first)."""
-    from selfspec.training import check_run, job_keys
-    from selfspec.training.loop import TrainConfig
-
-    check_run(cfg)
+    without the model (the driver calls it first)."""
     job, key = cfg.job, "job.{}".format
-    layers = checks.optional(checks.integers, key("layers"), job.get("layers"), distinct=True,
+    layers = checks.optional(checks.integers, key("layers"), job.layers, distinct=True,
                              why="0-based layers; null = n_heads evenly spaced")
     if layers == []:
         raise checks.refuse(key("layers"), layers, "must name at least one layer (null = n_heads evenly spaced)")
@@ -80,13 +79,13 @@ def prepare(cfg) -> dict:
         "n_heads": checks.integer(key("n_heads"), job.n_heads, 1),
         **generation_options(job),
         "batch_size": checks.integer(key("batch_size"), job.batch_size, 1),
-        "max_positions": checks.optional(checks.integer, key("max_positions"), job.get("max_positions"), 1,
+        "max_positions": checks.optional(checks.integer, key("max_positions"), job.max_positions, 1,
                                          why="null = every position"),
         "cache_features": checks.flag(key("cache_features"), job.cache_features),
         "eval_gammas": checks.listed(checks.probability, key("eval_gammas"), job.eval_gammas, high_open=True,
                                      why="exit thresholds on a head's top probability"),
     }
-    job_keys(job, opts)
+    job_keys(job, [*opts, *TrainConfig.keys()])
     opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
     opts["tasks"] = data_tasks(cfg, opts["data"], opts["mixed_tasks"])
     return opts
@@ -96,8 +95,6 @@ def generation_options(job) -> dict:
     """The keys of a job whose data are the model's own greedy continuations (:func:`build_data`):
     ``data`` (task | mixed), ``mixed_tasks``, ``n_prompts``, ``n_heldout``, ``gen_tokens``,
     ``gen_batch``, ``max_prompt_tokens``."""
-    from selfspec.training import task_names
-
     key = "job.{}".format
     data = checks.choice(key("data"), job.data, ("task", "mixed"))
     mixed = task_names(key("mixed_tasks"), job.mixed_tasks)
@@ -179,7 +176,6 @@ def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequenc
     """Train / held-out sequences for :func:`prepare`'s options (cached on disk), the data tag,
     and data info; ``progress``: a bar over the prompts whose continuations are generated."""
     from selfspec.artefacts import default_artefact_dir
-    from selfspec.training import bar
 
     tasks = opts["tasks"]
     tag = tasks[0].task.name if opts["data"] == "task" else "mixed"
@@ -194,7 +190,7 @@ def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequenc
         log.info("heads data: cached sequences from %s", file)
     else:
         t0 = time.perf_counter()
-        train, held = [], []
+        train_seqs, held_seqs = [], []
         k = len(tasks)
         prompts_bar = bar(total=n_train + n_held, enabled=progress, desc="heads data", unit="prompt")
         for j, data in enumerate(tasks):
@@ -206,16 +202,17 @@ def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequenc
                             "(the pool is too small to keep them apart when all n_examples are evaluated)",
                             overlap, data.task.name)
             seqs = greedy_continuations(loaded, prompts, opts["gen_tokens"], opts["gen_batch"], prompts_bar)
-            held += seqs[:nh]  # the pool's last-but-nt prompts: held out
-            train += seqs[nh:]
+            held_seqs += seqs[:nh]  # the pool's last-but-nt prompts: held out
+            train_seqs += seqs[nh:]
         prompts_bar.close()
-        raw = {"train": [vars(s) for s in train], "heldout": [vars(s) for s in held],
+        raw = {"train": [vars(s) for s in train_seqs], "heldout": [vars(s) for s in held_seqs],
                "seconds": time.perf_counter() - t0}
         cache.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(".tmp")
         tmp.write_text(json.dumps(raw))
         tmp.replace(file)
-        log.info("heads data: %d + %d sequences generated in %.1fs -> %s", len(train), len(held), raw["seconds"], file)
+        log.info("heads data: %d + %d sequences generated in %.1fs -> %s", len(train_seqs), len(held_seqs), raw["seconds"],
+                 file)
     info["generation_seconds"] = raw.get("seconds")
     return [Sequence(**s) for s in raw["train"]], [Sequence(**s) for s in raw["heldout"]], tag, info
 
@@ -313,7 +310,7 @@ def batch_sampler(n: int, batch_size: int, seed: int):
 def make_heads(model, job) -> IntermediateHeads:
     """Untrained heads of ``job["kind"]`` at ``job["layers"]`` (null: ``n_heads`` evenly spaced);
     ``job`` is :func:`prepare`'s options or a heads job config."""
-    layers = job.get("layers")
+    layers = job["layers"]
     layers = default_layers(model.num_layers, int(job["n_heads"])) if layers is None else list(layers)
     return IntermediateHeads(model, layers, str(job["kind"]))
 
@@ -324,7 +321,7 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
     feats = Features(heads.model, heads.layers, train_seqs, bool(job["cache_features"]))
     held = Features(heads.model, heads.layers, held_seqs, True)
     gammas = [float(g) for g in job["eval_gammas"]]
-    max_positions = job.get("max_positions")
+    max_positions = job["max_positions"]
 
     def loss_fn(module, batch):
         idx, pos_seed = batch
@@ -341,52 +338,43 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
 
 
 # --- the job ---------------------------------------------------------------------------------
-def artefact_dir(cfg, opts: dict) -> Path:
-    """Where the job saves: ``artefact_dir``, else ``heads/<model>-<task|mixed>[-full]``."""
-    from selfspec.heads import heads_artefact_dir
-
-    tag = opts["tasks"][0].task.name if opts["data"] == "task" else "mixed"
-    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else heads_artefact_dir(str(cfg.model.name), tag,
-                                                                                      opts["kind"])
+def data_tag(opts: dict) -> str:
+    """The data the heads learn from: the task's name (``job.data=task``) or ``mixed``."""
+    return opts["tasks"][0].task.name if opts["data"] == "task" else "mixed"
 
 
-def run(cfg, opts: dict, loaded=None) -> dict:
-    """Train the heads :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
-    from selfspec.models.loading import model_for
-    from selfspec.tracking import start_run
-    from selfspec.training import progress
-    from selfspec.training.loop import clear_checkpoint, train
+def default_dir(cfg, opts: dict) -> Path:
+    """``heads/<model>-<task|mixed>[-full]``."""
+    return heads_artefact_dir(str(cfg.model.name), data_tag(opts), opts["kind"])
 
-    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
+
+def objective(ctx) -> Result:
+    """Train the heads :func:`prepare` checked on the model's own continuations."""
+    opts, loaded = ctx.opts, ctx.loaded
     heads = make_heads(loaded.model, opts)
     t0 = time.perf_counter()
-    train_seqs, held_seqs, tag, info = build_data(opts, loaded, progress(cfg))
+    train_seqs, held_seqs, tag, info = build_data(opts, loaded, ctx.progress)
     data_seconds = time.perf_counter() - t0
-    out_dir = artefact_dir(cfg, opts)
-    ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
-    loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, opts, int(cfg.seed))
-    tracker = start_run(cfg, job_type="train-heads")
-    settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(cfg.job, resolve=True)}
-    result = train(heads, loss_fn, batch_fn, opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
-                   settings=settings, progress=progress(cfg))
-    strip = lambda d: {k.removeprefix("eval/"): v for k, v in d.items() if k != "step"}  # noqa: E731
-    final, initial = strip(result["eval"][-1]), strip(result["eval"][0])
-    n_params = sum(p.numel() for p in heads.parameters())
+    loss_fn, batch_fn, eval_fn = trainer(heads, train_seqs, held_seqs, opts, ctx.seed)
+    settings = {"model": loaded.name, "data": info["tasks"], **OmegaConf.to_container(ctx.cfg.job, resolve=True)}
+    result = train(heads, loss_fn, batch_fn, opts["train"], ctx.ckpt_dir, tracker=ctx.tracker, eval_fn=eval_fn,
+                   settings=settings, progress=ctx.progress)
+    final, initial = final_metrics(result["eval"][-1]), final_metrics(result["eval"][0])
     metrics = {**final, "initial": initial, "train_seconds": result["seconds"], "data_seconds": data_seconds,
-               "steps": result["step"], "params": n_params, "train_sequences": len(train_seqs),
-               "heldout_sequences": len(held_seqs),
+               "steps": result["step"], "params": sum(p.numel() for p in heads.parameters()),
+               "train_sequences": len(train_seqs), "heldout_sequences": len(held_seqs),
                "train_positions": sum(len(s.ids) - s.start for s in train_seqs)}
-    path = save_heads(out_dir, heads, loaded, task=tag, train_config=cfg.job, metrics=metrics, data=info)
-    clear_checkpoint(ckpt_dir)
-    summary = {"artefact": str(path), "layers": heads.layers, "kind": heads.kind,
-               **{k: v for k, v in metrics.items() if k != "initial"}}
-    tracker.table("heldout_agreement", [
-        {"layer": l, "top1_initial": initial[f"top1/{l}"], "top1": final[f"top1/{l}"],
-         "kl_initial": initial[f"kl/{l}"], "kl": final[f"kl/{l}"]} for l in heads.layers])
-    tracker.summary(summary)
-    tracker.log_artifact(path, kind="heads")
-    tracker.finish()
     for l in heads.layers:
         log.info("head %d: held-out top-1 agreement %.3f -> %.3f, KL %.3f -> %.3f", l, initial[f"top1/{l}"],
                  final[f"top1/{l}"], initial[f"kl/{l}"], final[f"kl/{l}"])
-    return summary
+    tensors, fields = heads_contents(heads)
+    return Result(
+        tensors=tensors, meta={**fields, "data": info}, task=tag, metrics=metrics,
+        summary={"layers": heads.layers, "kind": heads.kind, **{k: v for k, v in metrics.items() if k != "initial"}},
+        tables={"heldout_agreement": [
+            {"layer": l, "top1_initial": initial[f"top1/{l}"], "top1": final[f"top1/{l}"],
+             "kl_initial": initial[f"kl/{l}"], "kl": final[f"kl/{l}"]} for l in heads.layers]},
+        checkpoint=ctx.ckpt_dir)
+
+
+JOB = Job(kind="heads", tracker_job="train-heads", prepare=prepare, default_dir=default_dir, objective=objective)
