@@ -3,7 +3,7 @@
 AdaDecode §3.1 ("lightweight LM heads"): the head at layer ``l`` is ``E_l = E* · T_l`` with
 ``E*`` the frozen final LM head and ``T_l ∈ R^{d×d}`` trainable, so a head costs ``d²``
 parameters instead of ``d·|V|``. It is trained by KL(p* ‖ p_l) against the final layer
-(:mod:`selfspec.training.heads`). DEL (and any early-exit method) uses the untrained variant:
+(:mod:`selfspec.training.head_distillation`). DEL (and any early-exit method) uses the untrained variant:
 the model's own final norm and head applied to an intermediate layer.
 
 Placement of ``T_l``: ``logits = E* · T_l · norm(h)`` (``norm`` = the model's final RMSNorm,

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 #: job name (conf/job/<name>.yaml) -> the module whose ``JOB`` it runs
 JOBS = {
-    "heads": "selfspec.training.heads",
-    "prompts": "selfspec.training.prompts",
+    "heads": "selfspec.training.head_distillation",
+    "prompts": "selfspec.training.prompt_tuning",
     "skips": "selfspec.training.skips",
     "ppd_tree": "selfspec.training.tree",
     "draft_vocab": "selfspec.training.draft_vocab",

@@ -6,7 +6,7 @@ small part of its vocabulary. The job
 
 * generates the model's own **greedy continuations** of task prompts (``job.data=task``) or of
   several tasks' prompts (``mixed``) — the same data and cache as ``job=heads``
-  (:func:`selfspec.training.heads.build_data`), from the end of each task's pool;
+  (:func:`selfspec.training.continuations.build_data`), from the end of each task's pool;
 * **counts** the generated tokens of the training continuations and ranks the vocabulary by count
   (ties: lower token id first; tokens never seen follow in id order);
 * measures the **head cost** at each candidate size with the runtime's cost functions
@@ -35,7 +35,7 @@ import torch
 from selfspec import checks
 from selfspec.heads import draft_vocab_tensors
 from selfspec.training.driver import Job, Result, job_keys
-from selfspec.training.heads import build_data, data_tag, data_tasks, generation_options
+from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
 
 log = logging.getLogger(__name__)
 

@@ -143,7 +143,7 @@ def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_
     """``p[d][r]`` over greedy sequences ``(tokens, prompt_len)``: how often the model's token at
     distance ``d+1`` is the rank-``r`` guess of prompt token ``d+1`` (insertion after each
     generated position)."""
-    from selfspec.training.prompts import student_teacher
+    from selfspec.training.prompt_tuning import student_teacher
 
     m = prompts.m
     counts = torch.zeros(m, top_k + 1, dtype=torch.float64)
