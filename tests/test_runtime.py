@@ -355,3 +355,101 @@ def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
         assert torch.equal(fused, norm(x))
     else:
         torch.testing.assert_close(fused, norm(x), rtol=4e-7, atol=1e-6)
+
+
+# --- the GGUF file of the llama.cpp peer -----------------------------------------------------------
+def _rope_halves(x, angles):
+    """transformers' rotary embedding of one head: dimension j turns with j + d/2."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1)
+
+
+def _rope_adjacent(x, angles):
+    """llama.cpp's ``llama`` rotary embedding of one head: dimension 2j turns with 2j + 1."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1).flatten(-2)
+
+
+def test_gguf_rows_turn_in_llama_cpps_rotary_pairs():
+    """A projection's rows reordered for llama.cpp, then turned by llama.cpp's rotary embedding, give
+    transformers' rotated query reordered alike: the same attention scores (q . k) either way."""
+    from selfspec.models.gguf_export import rope_pairs_adjacent
+
+    g = torch.Generator().manual_seed(6)
+    heads, d, hidden = 3, 8, 16
+    w_q, w_k = torch.randn(heads * d, hidden, generator=g), torch.randn(heads * d, hidden, generator=g)
+    h_q, h_k = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+    angles = torch.rand(d // 2, generator=g) * 6
+    hf_q = _rope_halves((w_q @ h_q).view(heads, d), angles)
+    hf_k = _rope_halves((w_k @ h_k).view(heads, d), angles * 0.3)
+    cpp_q = _rope_adjacent((rope_pairs_adjacent(w_q, heads) @ h_q).view(heads, d), angles)
+    cpp_k = _rope_adjacent((rope_pairs_adjacent(w_k, heads) @ h_k).view(heads, d), angles * 0.3)
+    torch.testing.assert_close(cpp_q, rope_pairs_adjacent(hf_q.reshape(-1), heads).view(heads, d))
+    torch.testing.assert_close((cpp_q * cpp_k).sum(-1), (hf_q * hf_k).sum(-1))
+
+
+def test_pre_tokenizer_names():
+    from selfspec.models.gguf_export import pre_tokenizer_name
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert pre_tokenizer_name(byte_level) == "gpt-2"
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
+    assert pre_tokenizer_name({"type": "Metaspace"}) == "default" and pre_tokenizer_name(None) == "default"
+
+
+def test_gguf_is_written_from_the_loaded_weights_and_cached(tiny, tmp_path, monkeypatch):
+    """The file holds the loaded model's own values (the query/key rows reordered), the Llama
+    hyperparameters and the tokenizer; it is written once per weights digest, dtype and fingerprint."""
+    from gguf import GGUFReader
+
+    from selfspec.models import gguf_export
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    path = gguf_export.cached_gguf(tiny)
+    assert path.parent == tmp_path / "gguf" and tiny.weights_digest in path.name and "float32" in path.name
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    hf = tiny.model.hf
+    layer = hf.model.layers[1]
+    cfg = hf.config
+
+    def values(name):
+        t = tensors[name]
+        return torch.from_numpy(t.data.copy()).reshape(list(reversed(t.shape.tolist())))
+
+    assert torch.equal(values("token_embd.weight"), hf.model.embed_tokens.weight.detach())
+    assert torch.equal(values("output.weight"), hf.lm_head.weight.detach())  # tiny-random's head is untied
+    assert torch.equal(values("blk.1.attn_v.weight"), layer.self_attn.v_proj.weight.detach())
+    assert torch.equal(values("blk.1.attn_k.weight"), gguf_export.rope_pairs_adjacent(
+        layer.self_attn.k_proj.weight.detach(), cfg.num_key_value_heads))
+    assert len(tensors) == 3 + 9 * cfg.num_hidden_layers and all(t.tensor_type.name == "F32" for t in tensors.values())
+
+    def field(key):
+        f = reader.fields[key]
+        value = f.parts[f.data[0]]
+        return bytes(value).decode() if f.types[0].name == "STRING" else value[0].item()
+
+    assert field("general.architecture") == "llama" and field("llama.block_count") == cfg.num_hidden_layers
+    assert field("llama.attention.head_count_kv") == cfg.num_key_value_heads
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.eos_token_id") == tiny.tokenizer.eos_token_id
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == tiny.model.vocab_size
+    written = path.stat().st_mtime_ns
+    assert gguf_export.cached_gguf(tiny) == path and path.stat().st_mtime_ns == written
+    monkeypatch.setattr(tiny, "weights_digest", "0123456789abcdef")
+    assert gguf_export.gguf_path(tiny) != path
+
+
+def test_gguf_writer_names_what_it_does_not_cover(tiny):
+    from selfspec.models import gguf_export
+
+    cfg = tiny.model.hf.config
+    saved = cfg.rope_parameters
+    try:
+        cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+        assert "yarn" in gguf_export.export_problem(tiny.model.hf)
+    finally:
+        cfg.rope_parameters = saved
+    assert gguf_export.export_problem(tiny.model.hf) is None
