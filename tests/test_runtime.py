@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import json
 import subprocess
@@ -357,7 +358,11 @@ def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
         torch.testing.assert_close(fused, norm(x), rtol=4e-7, atol=1e-6)
 
 
-# --- the GGUF file of the llama.cpp peer -----------------------------------------------------------
+# --- llama.cpp as a peer (the optional extra) ----------------------------------------------------
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed (the optional extra: make llamacpp)")
+
+
 def _rope_halves(x, angles):
     """transformers' rotary embedding of one head: dimension j turns with j + d/2."""
     half = x.shape[-1] // 2
@@ -453,3 +458,62 @@ def test_gguf_writer_names_what_it_does_not_cover(tiny):
     finally:
         cfg.rope_parameters = saved
     assert gguf_export.export_problem(tiny.model.hf) is None
+
+
+def test_llama_cpp_is_skipped_in_one_line_when_not_installed(tiny, monkeypatch):
+    from selfspec.evaluation import llamacpp, runtime
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    assert llamacpp.import_llama_cpp() is None
+    r = runtime.runtime_report(tiny, ks=(1, 2), contexts=(16,), new_tokens=3, repeats=1)
+    assert r["llama_cpp"] == {"skipped": llamacpp.NOT_INSTALLED} and set(r["peers"]) == {"vanilla", "hf_generate"}
+    text = runtime.format_report(r)
+    assert text.count("llama.cpp") == 1
+    assert "llama.cpp: skipped (llama-cpp-python not installed; `make llamacpp`)" in text.splitlines()
+
+
+@needs_llama_cpp
+def test_llama_cpp_decodes_the_same_tokens_as_vanilla(tiny, tmp_path, monkeypatch):
+    """The GGUF file written from tiny-random loads in llama.cpp, which then decodes, from the same
+    prompt ids (no BOS added), the tokens vanilla decodes, and tokenizes text as the tokenizer does."""
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.evaluation.llamacpp import LlamaCppPeer
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, tiny.model.vocab_size, (40,), generator=g).tolist()
+    peer = LlamaCppPeer(tiny, 40 + 16 + 1, threads=1)
+    try:
+        out = peer.generate(prompt, 16)
+        assert out.prompt_len == 40 and out.new_tokens == 16 and out.seconds > 0
+        assert out.tokens == Vanilla(tiny.model).generate(prompt, 16).tokens
+        assert peer.generate(prompt, 4).tokens == out.tokens[:4]  # a second call starts afresh
+        text = "The year 2024 had 366 days; naïve café. <|im_start|>user\n  x = 1"
+        assert peer.llm.tokenize(text.encode(), add_bos=False, special=True) == \
+            tiny.tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        peer.close()
+
+
+def test_decode_rates_time_other_peers_alike(tiny, monkeypatch):
+    """A peer given to decode_rates is timed by the same differencing, its prefill is the time to
+    its first token, and its agreement with vanilla is counted token by token."""
+    from selfspec.decoding import base, peers, vanilla
+    from selfspec.evaluation import runtime
+
+    def fake(step, tokens):
+        def generate(self, prompt, max_new_tokens, sampling=None):
+            return base.Generation(tokens=tokens[:max_new_tokens], prompt_len=len(prompt),
+                                   seconds=2.0 + step * max_new_tokens, steps=max_new_tokens,
+                                   accepted_per_step=[1] * max_new_tokens,
+                                   drafted_per_step=[0] * max_new_tokens, stop_reason="length")
+        return generate
+
+    monkeypatch.setattr(vanilla.Vanilla, "generate", fake(0.05, [1, 2, 3, 4, 5]))
+    monkeypatch.setattr(peers.HFPeer, "generate", fake(0.08, [1, 2, 3, 4, 5]))
+    other = type("Other", (), {"generate": fake(0.04, [1, 2, 9, 4, 5])})()
+    rates = runtime.decode_rates(tiny, 16, 5, 2, {"other": other})
+    assert rates["other"] == pytest.approx(25.0) and rates["prefill"]["other"] == pytest.approx(16 / 2.04)
+    assert rates["agreement"] == {"vanilla": 5, "hf_generate": 5, "other": 2} and rates["same_tokens"]
+    figures = runtime.peer_figures(rates, "other", 1000, 1e5)
+    assert figures["bandwidth_fraction"] == pytest.approx(0.25) and not figures["same_tokens"]
