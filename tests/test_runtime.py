@@ -517,3 +517,16 @@ def test_decode_rates_time_other_peers_alike(tiny, monkeypatch):
     assert rates["agreement"] == {"vanilla": 5, "hf_generate": 5, "other": 2} and rates["same_tokens"]
     figures = runtime.peer_figures(rates, "other", 1000, 1e5)
     assert figures["bandwidth_fraction"] == pytest.approx(0.25) and not figures["same_tokens"]
+
+
+def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
+    from selfspec.evaluation import llamacpp, runtime
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Failed to load model from file: x.gguf")
+
+    monkeypatch.setattr(llamacpp, "import_llama_cpp", lambda: object())
+    monkeypatch.setattr(llamacpp, "LlamaCppPeer", refuse)
+    peer, line = runtime.llama_cpp_peer(tiny, 64)
+    assert peer is None and line == ("llama.cpp: FAILED to load the GGUF file of tiny-random "
+                                     "(ValueError: Failed to load model from file: x.gguf)")

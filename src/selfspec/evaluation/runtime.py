@@ -97,7 +97,8 @@ def agreement(reference: list[int], tokens: list[int]) -> int:
 
 def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
     """The llama.cpp peer for ``loaded`` at ``n_ctx`` tokens on torch's threads, or None and the
-    one line the report prints instead (not installed, or a model the GGUF writer does not cover)."""
+    one line the report prints instead (not installed, a model the GGUF writer does not cover, or
+    llama.cpp refusing the file, with its message: the other peers are still measured)."""
     from selfspec.evaluation.llamacpp import NOT_INSTALLED, LlamaCppPeer, import_llama_cpp
     from selfspec.models.gguf_export import ExportUnsupported
 
@@ -107,6 +108,8 @@ def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
         return LlamaCppPeer(loaded, n_ctx, torch.get_num_threads()), None
     except ExportUnsupported as err:
         return None, f"llama.cpp: skipped ({err})"
+    except (ValueError, RuntimeError) as err:
+        return None, f"llama.cpp: FAILED to load the GGUF file of {loaded.name} ({type(err).__name__}: {err})"
 
 
 def peer_figures(rates: dict[str, Any], name: str, moved_bytes: int, bandwidth: float) -> dict[str, Any]:
