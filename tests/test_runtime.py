@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import json
 import subprocess
@@ -353,3 +354,177 @@ def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
         assert torch.equal(fused, norm(x))
     else:
         torch.testing.assert_close(fused, norm(x), rtol=4e-7, atol=1e-6)
+
+
+# --- llama.cpp as a peer (the optional extra) ----------------------------------------------------
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed (the optional extra: make llamacpp)")
+
+
+def _rope_halves(x, angles):
+    """transformers' rotary embedding of one head: dimension j turns with j + d/2."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1)
+
+
+def _rope_adjacent(x, angles):
+    """llama.cpp's ``llama`` rotary embedding of one head: dimension 2j turns with 2j + 1."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1).flatten(-2)
+
+
+def test_gguf_rows_turn_in_llama_cpps_rotary_pairs():
+    """A projection's rows reordered for llama.cpp, then turned by llama.cpp's rotary embedding, give
+    transformers' rotated query reordered alike: the same attention scores (q . k) either way."""
+    from selfspec.models.gguf_export import rope_pairs_adjacent
+
+    g = torch.Generator().manual_seed(6)
+    heads, d, hidden = 3, 8, 16
+    w_q, w_k = torch.randn(heads * d, hidden, generator=g), torch.randn(heads * d, hidden, generator=g)
+    h_q, h_k = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+    angles = torch.rand(d // 2, generator=g) * 6
+    hf_q = _rope_halves((w_q @ h_q).view(heads, d), angles)
+    hf_k = _rope_halves((w_k @ h_k).view(heads, d), angles * 0.3)
+    cpp_q = _rope_adjacent((rope_pairs_adjacent(w_q, heads) @ h_q).view(heads, d), angles)
+    cpp_k = _rope_adjacent((rope_pairs_adjacent(w_k, heads) @ h_k).view(heads, d), angles * 0.3)
+    torch.testing.assert_close(cpp_q, rope_pairs_adjacent(hf_q.reshape(-1), heads).view(heads, d))
+    torch.testing.assert_close((cpp_q * cpp_k).sum(-1), (hf_q * hf_k).sum(-1))
+
+
+def test_pre_tokenizer_names():
+    from selfspec.models.gguf_export import pre_tokenizer_name
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert pre_tokenizer_name(byte_level) == "gpt-2"
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
+    assert pre_tokenizer_name({"type": "Metaspace"}) == "default" and pre_tokenizer_name(None) == "default"
+
+
+def test_gguf_is_written_from_the_loaded_weights_and_cached(tiny, tmp_path, monkeypatch):
+    """The file holds the loaded model's own values (the query/key rows reordered), the Llama
+    hyperparameters and the tokenizer; it is written once per weights digest, dtype and fingerprint."""
+    from gguf import GGUFReader
+
+    from selfspec.models import gguf_export
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    path = gguf_export.cached_gguf(tiny)
+    assert path.parent == tmp_path / "gguf" and tiny.weights_digest in path.name and "float32" in path.name
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    hf = tiny.model.hf
+    layer = hf.model.layers[1]
+    cfg = hf.config
+
+    def values(name):
+        t = tensors[name]
+        return torch.from_numpy(t.data.copy()).reshape(list(reversed(t.shape.tolist())))
+
+    assert torch.equal(values("token_embd.weight"), hf.model.embed_tokens.weight.detach())
+    assert torch.equal(values("output.weight"), hf.lm_head.weight.detach())  # tiny-random's head is untied
+    assert torch.equal(values("blk.1.attn_v.weight"), layer.self_attn.v_proj.weight.detach())
+    assert torch.equal(values("blk.1.attn_k.weight"), gguf_export.rope_pairs_adjacent(
+        layer.self_attn.k_proj.weight.detach(), cfg.num_key_value_heads))
+    assert len(tensors) == 3 + 9 * cfg.num_hidden_layers and all(t.tensor_type.name == "F32" for t in tensors.values())
+
+    def field(key):
+        f = reader.fields[key]
+        value = f.parts[f.data[0]]
+        return bytes(value).decode() if f.types[0].name == "STRING" else value[0].item()
+
+    assert field("general.architecture") == "llama" and field("llama.block_count") == cfg.num_hidden_layers
+    assert field("llama.attention.head_count_kv") == cfg.num_key_value_heads
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.eos_token_id") == tiny.tokenizer.eos_token_id
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == tiny.model.vocab_size
+    written = path.stat().st_mtime_ns
+    assert gguf_export.cached_gguf(tiny) == path and path.stat().st_mtime_ns == written
+    monkeypatch.setattr(tiny, "weights_digest", "0123456789abcdef")
+    assert gguf_export.gguf_path(tiny) != path
+
+
+def test_gguf_writer_names_what_it_does_not_cover(tiny):
+    from selfspec.models import gguf_export
+
+    cfg = tiny.model.hf.config
+    saved = cfg.rope_parameters
+    try:
+        cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+        assert "yarn" in gguf_export.export_problem(tiny.model.hf)
+    finally:
+        cfg.rope_parameters = saved
+    assert gguf_export.export_problem(tiny.model.hf) is None
+
+
+def test_llama_cpp_is_skipped_in_one_line_when_not_installed(tiny, monkeypatch):
+    from selfspec.evaluation import llamacpp, runtime
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    assert llamacpp.import_llama_cpp() is None
+    r = runtime.runtime_report(tiny, ks=(1, 2), contexts=(16,), new_tokens=3, repeats=1)
+    assert r["llama_cpp"] == {"skipped": llamacpp.NOT_INSTALLED} and set(r["peers"]) == {"vanilla", "hf_generate"}
+    text = runtime.format_report(r)
+    assert text.count("llama.cpp") == 1
+    assert "llama.cpp: skipped (llama-cpp-python not installed; `make llamacpp`)" in text.splitlines()
+
+
+@needs_llama_cpp
+def test_llama_cpp_decodes_the_same_tokens_as_vanilla(tiny, tmp_path, monkeypatch):
+    """The GGUF file written from tiny-random loads in llama.cpp, which then decodes, from the same
+    prompt ids (no BOS added), the tokens vanilla decodes, and tokenizes text as the tokenizer does."""
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.evaluation.llamacpp import LlamaCppPeer
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, tiny.model.vocab_size, (40,), generator=g).tolist()
+    peer = LlamaCppPeer(tiny, 40 + 16 + 1, threads=1)
+    try:
+        out = peer.generate(prompt, 16)
+        assert out.prompt_len == 40 and out.new_tokens == 16 and out.seconds > 0
+        assert out.tokens == Vanilla(tiny.model).generate(prompt, 16).tokens
+        assert peer.generate(prompt, 4).tokens == out.tokens[:4]  # a second call starts afresh
+        text = "The year 2024 had 366 days; naïve café. <|im_start|>user\n  x = 1"
+        assert peer.llm.tokenize(text.encode(), add_bos=False, special=True) == \
+            tiny.tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        peer.close()
+
+
+def test_decode_rates_time_other_peers_alike(tiny, monkeypatch):
+    """A peer given to decode_rates is timed by the same differencing, its prefill is the time to
+    its first token, and its agreement with vanilla is counted token by token."""
+    from selfspec.decoding import base, peers, vanilla
+    from selfspec.evaluation import runtime
+
+    def fake(step, tokens):
+        def generate(self, prompt, max_new_tokens, sampling=None):
+            return base.Generation(tokens=tokens[:max_new_tokens], prompt_len=len(prompt),
+                                   seconds=2.0 + step * max_new_tokens, steps=max_new_tokens,
+                                   accepted_per_step=[1] * max_new_tokens,
+                                   drafted_per_step=[0] * max_new_tokens, stop_reason="length")
+        return generate
+
+    monkeypatch.setattr(vanilla.Vanilla, "generate", fake(0.05, [1, 2, 3, 4, 5]))
+    monkeypatch.setattr(peers.HFPeer, "generate", fake(0.08, [1, 2, 3, 4, 5]))
+    other = type("Other", (), {"generate": fake(0.04, [1, 2, 9, 4, 5])})()
+    rates = runtime.decode_rates(tiny, 16, 5, 2, {"other": other})
+    assert rates["other"] == pytest.approx(25.0) and rates["prefill"]["other"] == pytest.approx(16 / 2.04)
+    assert rates["agreement"] == {"vanilla": 5, "hf_generate": 5, "other": 2} and rates["same_tokens"]
+    figures = runtime.peer_figures(rates, "other", 1000, 1e5)
+    assert figures["bandwidth_fraction"] == pytest.approx(0.25) and not figures["same_tokens"]
+
+
+def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
+    from selfspec.evaluation import llamacpp, runtime
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Failed to load model from file: x.gguf")
+
+    monkeypatch.setattr(llamacpp, "import_llama_cpp", lambda: object())
+    monkeypatch.setattr(llamacpp, "LlamaCppPeer", refuse)
+    peer, line = runtime.llama_cpp_peer(tiny, 64)
+    assert peer is None and line == ("llama.cpp: FAILED to load the GGUF file of tiny-random "
+                                     "(ValueError: Failed to load model from file: x.gguf)")
