@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import rolled_back_steps
+from conftest import method, rolled_back_steps
 
 from selfspec.checks import ConfigError
 from selfspec.config import compose, load_method_config, model_config
@@ -18,7 +18,7 @@ REPEAT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat
 
 
 def ngram(loaded, eos=(), **kw):
-    return build_decoder(OmegaConf.create({**OmegaConf.to_container(load_method_config("ngram")), **kw}), loaded.model, eos_token_ids=eos)
+    return build_decoder(method("ngram", **kw), loaded.model, eos_token_ids=eos)
 
 
 def vanilla_tokens(loaded, ids, n, eos=()):
@@ -218,7 +218,7 @@ def test_method_config_composes_and_is_checked():
 ])
 def test_bad_config_is_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
-        check_method(OmegaConf.create({**OmegaConf.to_container(load_method_config("ngram")), **kw}))
+        check_method(method("ngram", **kw))
 
 
 def test_config_lacking_a_key_is_refused_by_name():
