@@ -266,3 +266,31 @@ def test_authors_budget_and_eos_drafting_stay_lossless(tiny8, prompt_ids):
     assert g.tokens == vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos]) and g.stop_reason == "eos"
     assert g.trace[-1].drafted > g.trace[-1].committed  # drafted past the EOS it committed
 
+def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
+    """The evaluation's warm-up (docs/design.md §2.3): each decoder's carried policy state — the
+    threshold, its acceptance average and the speculation gate — is put back afterwards, so the
+    measured examples decode as a fresh decoder would (greedy: the same steps)."""
+    from types import SimpleNamespace
+
+    from selfspec.evaluation.runner import _warmup
+
+    def build(label):
+        cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6],
+                                "draft_stop": {"rule": "adaptive", "threshold": 0.05}, "never_slower": label == "gated"})
+        if label == "paper":
+            cfg.merge_with({"draft_stop": {"ar_start": "zero", "ar_per_example": True}})
+        return build_decoder(cfg, tiny8.model)
+
+    for label in ("paper", "default", "gated"):
+        dec, fresh = build(label), build(label)
+        before = dec.carried_state()
+        assert set(before) == {"gate", "draft_stop"} and (before["gate"] is None) == (label != "gated")
+        _warmup([SimpleNamespace(decoder=dec)], [prompt_ids], 2, 16, Sampling())
+        assert dec.gamma == 0.05 and dec.draft_stop == before["draft_stop"] and dec.gate == before["gate"]
+        if label != "gated":  # the gate's choices follow the wall clock
+            assert dec.generate(prompt_ids, 24).trace == fresh.generate(prompt_ids, 24).trace, label
+    with_warmup = build("paper")
+    with with_warmup.kept_state():
+        with_warmup.generate(prompt_ids, 16)
+        assert with_warmup.gamma != 0.05
+    assert with_warmup.gamma == 0.05

@@ -31,7 +31,7 @@ that token **is still verified** — and after an EOS draft (nothing after it ca
 Draft & Verify's ``eos_draft: continue`` drafts past it, as its authors' code does).
 
 Policy state (a draft-stop rule such as :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`)
-lives on the decoder and carries over between examples (Draft & Verify's
+lives on the decoder and carries over between examples (``Decoder.carried``; Draft & Verify's
 evaluation carries its threshold from one example to the next, docs/design.md §6); the rule is told
 when an example starts (:meth:`~selfspec.decoding.draft_exit.DraftStop.start_example`), so what
 it keeps per example starts again. Everything else that belongs to one example lives in the object
@@ -204,6 +204,8 @@ class ChainDecoder(Drafter, Decoder):
     from the context when the method has a context drafter (:func:`context_step`)."""
 
     context_first = True
+    #: the draft-stop rule carries over between examples too (module docstring)
+    carried = (*Decoder.carried, "draft_stop")
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
