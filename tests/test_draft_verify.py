@@ -266,6 +266,30 @@ def test_authors_budget_and_eos_drafting_stay_lossless(tiny8, prompt_ids):
     assert g.tokens == vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos]) and g.stop_reason == "eos"
     assert g.trace[-1].drafted > g.trace[-1].committed  # drafted past the EOS it committed
 
+
+def test_paper_config_and_presets_run_the_authors_loop():
+    """``draft_verify_paper`` and every Draft & Verify preset (each swept method) set the authors'
+    loop: no gate, a draft with one token left, drafts past EOS, AR from 0 per example (adaptive)."""
+    from selfspec.config import compose
+
+    def options(overrides):
+        return DraftVerify.options(compose(["model=tiny-random", *overrides]).method)
+
+    runs = [["method=draft_verify_paper"], ["experiment=dv_text"], ["experiment=dv_code"],
+            ["experiment=dv_fixed_k"], ["experiment=dv_static", "method=draft_verify_static"],
+            ["experiment=dv_static", "method=draft_verify_paper"]]
+    for overrides in runs:
+        cfg = compose(["model=tiny-random", *overrides]).method
+        o = options(overrides)
+        assert cfg.never_slower is False and (o["last_token"], o["eos_draft"]) == ("draft", "continue"), overrides
+        stop = o["draft_stop"]
+        if stop is not None and stop["rule"] == "adaptive":
+            assert (stop["ar_start"], stop["ar_per_example"], stop["threshold"]) == ("zero", True, 0.6), overrides
+            assert o["max_draft"] == 12
+    default = options(["method=draft_verify"])
+    assert (default["last_token"], default["eos_draft"]) == ("plain", "stop") and "ar_start" not in default["draft_stop"]
+
+
 def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
     """The evaluation's warm-up (docs/design.md §2.3): each decoder's carried policy state — the
     threshold, its acceptance average and the speculation gate — is put back afterwards, so the
