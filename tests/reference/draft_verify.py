@@ -18,8 +18,13 @@ One call decodes one prompt (:func:`generate`), as one call of theirs does:
 * after every verification ``AR ← β1·AR + (1−β1)·accepted/drafted`` from ``AR = 0`` at the start of
   the call (β1 applies from the first round), ``θ̃ = θ + ε`` while ``AR < α``, else ``θ − ε``, or ``θ``
   when drafting reached K, and ``θ ← β2·θ + (1−β2)·θ̃``;
-* with ``early_stop`` the loop ends after a round whose committed tokens hold EOS, and the result
-  keeps that round's tokens after the EOS (the output is cut to the budget only).
+* with ``early_stop`` the loop ends after a round whose committed tokens hold EOS, and their output
+  keeps that round's tokens after the EOS, cut to the budget only (:attr:`Result.authors_tokens`;
+  :attr:`Result.tokens` ends at the EOS, as greedy decoding and selfspec do).
+
+Each round is recorded as selfspec's step trace records a step (:class:`Round`, compared by
+:func:`reference.traces.first_difference`): the prefill, then per round the drafts, accepted,
+committed (what selfspec's loop keeps: cut to the budget and after EOS), K and θ, AR after it.
 
 Only θ leaves the call: their notebooks pass the returned threshold to the next example, and do
 no warm-up for this method.
@@ -41,34 +46,33 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from reference import traces
+
 #: selfspec's documented deviations from the authors' loop (module docstring)
 DEVIATIONS = frozenset({"ar_first_rate", "ar_carried", "plain_last_token", "stop_at_eos_draft"})
 
 
 @dataclass
-class Round:
-    """One verification: its drafts, how many were accepted, θ and AR after the update, and the
-    tokens of budget that were left before it."""
+class Round(traces.Round):
+    """A round as :class:`reference.traces.Round` records it (``controller``: θ and AR after the
+    round's update), and what it was about: ``left``, the tokens of budget before it, and its
+    ``drafts``."""
 
-    drafts: list[int]
-    accepted: int
-    threshold: float
-    ar: float | None
-    left: int
-
-    @property
-    def drafted(self) -> int:
-        return len(self.drafts)
+    left: int = 0
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Result:
-    """What one call returns: the tokens (cut to the budget), its rounds, θ and AR after it."""
+    """One call: the output cut after its first EOS (as selfspec and transformers report it), the
+    authors' own output (``authors_tokens``: that round's tokens after EOS kept, cut to the budget),
+    the rounds with the prefill first, and θ and AR after the call."""
 
     tokens: list[int]
-    rounds: list[Round] = field(default_factory=list)
-    threshold: float = 0.0
-    ar: float | None = None
+    authors_tokens: list[int]
+    rounds: list[Round]
+    threshold: float
+    ar: float | None
 
 
 def _draft_layer(layer, skip_attn: bool, skip_mlp: bool, hidden_states, attention_mask=None,
@@ -107,6 +111,13 @@ def _logits(hf, ids: list[int], cache: DynamicCache, start: int) -> torch.Tensor
     return hf(input_ids=x, past_key_values=cache, position_ids=positions, use_cache=True).logits[0]
 
 
+def _kept(tokens: list[int], left: int, eos: int | None) -> int:
+    """How many of a round's ``tokens`` selfspec's loop commits: cut to the ``left`` tokens of
+    budget, and after an EOS token."""
+    tokens = tokens[:left]
+    return tokens.index(eos) + 1 if eos in tokens else len(tokens)
+
+
 def generate(hf, prompt: list[int], max_new_tokens: int, skip_attn=(), skip_mlp=(), max_step_draft: int = 8,
              th_stop_draft: float = 0.8, auto_parameters=(1, 0.5, 0.9, 1e-2, 0.9), eos_token_id: int | None = None,
              early_stop: bool = False, deviations=frozenset(), ar: float | None = None) -> Result:
@@ -121,14 +132,19 @@ def generate(hf, prompt: list[int], max_new_tokens: int, skip_attn=(), skip_mlp=
         ar = None if "ar_first_rate" in deviations else 0.0
     skip_attn, skip_mlp = set(skip_attn), set(skip_mlp)
     cache = DynamicCache(config=hf.config)
-    rounds: list[Round] = []
+    verified = 0
     with torch.no_grad():
         out = [int(_logits(hf, list(prompt), cache, 0)[-1].argmax())]
         tokens = list(out)
+        rounds = [Round("prefill", committed=1, left=max_new_tokens)]
         while len(tokens) < max_new_tokens and not (early_stop and eos_token_id in out):
             step, n_cached = len(tokens), len(prompt) + len(tokens) - 1
-            if "plain_last_token" in deviations and step + 1 == max_new_tokens:
-                tokens.append(int(_logits(hf, tokens[-1:], cache, n_cached)[-1].argmax()))
+            left, state = max_new_tokens - step, {"threshold": th, "ar": ar}
+            if "plain_last_token" in deviations and left == 1:
+                out = [int(_logits(hf, tokens[-1:], cache, n_cached)[-1].argmax())]
+                tokens += out
+                rounds.append(Round("plain", committed=_kept(out, left, eos_token_id),
+                                    draft_limit=max_step_draft, controller=state, left=left))
                 continue
             drafts: list[int] = []
             draft_cache = copy.deepcopy(cache)
@@ -148,13 +164,17 @@ def generate(hf, prompt: list[int], max_new_tokens: int, skip_attn=(), skip_mlp=
             out = target[: accepted + 1]
             cache.crop(-(len(drafts) - accepted))
             tokens += out
-            if len(rounds) % every == every - 1:
-                rate = accepted / len(drafts)
-                ar = rate if ar is None else beta1 * ar + (1 - beta1) * rate
+            verified += 1
+            if verified % every == 0:
+                ar = (accepted / len(drafts) if ar is None
+                      else beta1 * ar + (1 - beta1) * accepted / len(drafts))
                 if ar < alpha:
                     proposal = th + eps
                 else:
                     proposal = th if len(drafts) == max_step_draft else th - eps
                 th = beta2 * th + (1 - beta2) * proposal
-            rounds.append(Round(drafts, accepted, th, ar, max_new_tokens - step))
-    return Result(tokens[:max_new_tokens], rounds, th, ar)
+            rounds.append(Round("self", len(drafts), accepted, _kept(out, left, eos_token_id), None, max_step_draft,
+                                {"threshold": th, "ar": ar}, left, drafts))
+    tokens = tokens[:max_new_tokens]
+    ours = tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+    return Result(ours, tokens, rounds, th, ar)
