@@ -206,3 +206,115 @@ def test_method_configs_compose(method):
     assert rule == {"draft_verify": "adaptive", "draft_verify_static": "static", "draft_verify_fixed_k": None}[method]
     options = DraftVerify.options(m)
     assert options["draft_stop"] == (None if rule is None else {"rule": rule, "threshold": 0.6})
+
+
+def test_acceptance_average_start_and_scope():
+    """``draft_stop.ar_start`` / ``ar_per_example`` (docs/design.md §8): the paper's text starts AR at
+    the first round's rate; the authors' code starts it at 0 (β1 from the first round) in every
+    call, so its first update raises θ even after a fully accepted draft. θ always carries over."""
+    from selfspec.decoding.draft_exit import AdaptiveThreshold
+
+    text = AdaptiveThreshold(initial=0.6, target=0.9)
+    text.update(drafted=4, accepted=4, hit_max=False)  # AR = 1 > α: lowered
+    assert text.ar == 1.0 and text.value == 0.9 * 0.6 + (1 - 0.9) * (0.6 - 0.01)
+    code = AdaptiveThreshold(initial=0.6, target=0.9, ar_start="zero", ar_per_example=True)
+    assert code.ar == 0.0
+    code.update(drafted=4, accepted=4, hit_max=False)  # AR = 0.5·0 + 0.5·1 < α: raised
+    assert code.ar == 0.5 and code.value == 0.9 * 0.6 + (1 - 0.9) * (0.6 + 0.01)
+    theta = code.value
+    code.start_example()  # a new example: AR from 0 again, θ kept
+    assert code.ar == 0.0 and code.value == theta
+    text.start_example()  # carried: nothing changes
+    assert text.ar == 1.0
+    per_example = AdaptiveThreshold(ar_per_example=True)
+    per_example.update(drafted=2, accepted=1, hit_max=False)
+    per_example.start_example()
+    assert per_example.ar is None
+    held = AdaptiveThreshold(initial=0.7, target=0.9)
+    held.update(drafted=12, accepted=12, hit_max=True)  # AR above α but K drafts: θ̃ = θ (the code's arithmetic)
+    assert held.value == 0.9 * 0.7 + (1 - 0.9) * 0.7
+
+
+def test_authors_loop_keys_are_checked(tiny8):
+    with pytest.raises(ValueError, match=r"method\.draft_stop\.ar_start=sometimes is not allowed: must be one of "
+                                         r"first_rate, zero"):
+        dv(tiny8, [1], [], draft_stop={"rule": "adaptive", "ar_start": "sometimes"})
+    with pytest.raises(ValueError, match=r"method\.draft_stop\.ar_per_example=yes is not allowed: must be true or false"):
+        dv(tiny8, [1], [], draft_stop={"rule": "adaptive", "ar_per_example": "yes"})
+    with pytest.raises(ValueError, match=r"method\.draft_stop\.ar_start is not a key"):
+        dv(tiny8, [1], [], draft_stop={"rule": "static", "threshold": 0.5, "ar_start": "zero"})
+    with pytest.raises(ValueError, match=r"method\.last_token=always is not allowed: must be one of plain, draft"):
+        dv(tiny8, [1], [], last_token="always")
+    with pytest.raises(ValueError, match=r"method\.eos_draft=never is not allowed: must be one of stop, continue"):
+        dv(tiny8, [1], [], eos_draft="never")
+
+
+def test_authors_budget_and_eos_drafting_stay_lossless(tiny8, prompt_ids):
+    """``last_token: draft`` drafts and verifies with one token of budget left and ``eos_draft:
+    continue`` drafts past EOS; the loop still cuts the output to the budget and at EOS."""
+    free = vanilla_tokens(tiny8, prompt_ids, 25)
+    paper = dv(tiny8, [1, 2], [6], draft_stop={"rule": "adaptive", "threshold": 0.0}, max_draft=3,
+               last_token="draft", eos_draft="continue", never_slower=False)
+    assert paper.draft_room(3, 1) == 1 and dv(tiny8, [1, 2], [6]).draft_room(3, 1) == 0
+    for n in (1, 2, 7, 25):
+        g = paper.generate(prompt_ids, n)
+        assert g.tokens == free[:n] and all(s.drafted for s in g.trace[1:])
+    eos = free[9]
+    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6], "max_draft": 12,
+                            "draft_stop": None, "last_token": "draft", "eos_draft": "continue", "never_slower": False})
+    g = build_decoder(cfg, tiny8.model, eos_token_ids=[eos]).generate(prompt_ids, 25)
+    assert g.tokens == vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos]) and g.stop_reason == "eos"
+    assert g.trace[-1].drafted > g.trace[-1].committed  # drafted past the EOS it committed
+
+
+def test_paper_config_and_presets_run_the_authors_loop():
+    """``draft_verify_paper`` and every Draft & Verify preset (each swept method) set the authors'
+    loop: no gate, a draft with one token left, drafts past EOS, AR from 0 per example (adaptive)."""
+    from selfspec.config import compose
+
+    def options(overrides):
+        return DraftVerify.options(compose(["model=tiny-random", *overrides]).method)
+
+    runs = [["method=draft_verify_paper"], ["experiment=dv_text"], ["experiment=dv_code"],
+            ["experiment=dv_fixed_k"], ["experiment=dv_static", "method=draft_verify_static"],
+            ["experiment=dv_static", "method=draft_verify_paper"]]
+    for overrides in runs:
+        cfg = compose(["model=tiny-random", *overrides]).method
+        o = options(overrides)
+        assert cfg.never_slower is False and (o["last_token"], o["eos_draft"]) == ("draft", "continue"), overrides
+        stop = o["draft_stop"]
+        if stop is not None and stop["rule"] == "adaptive":
+            assert (stop["ar_start"], stop["ar_per_example"], stop["threshold"]) == ("zero", True, 0.6), overrides
+            assert o["max_draft"] == 12
+    default = options(["method=draft_verify"])
+    assert (default["last_token"], default["eos_draft"]) == ("plain", "stop") and "ar_start" not in default["draft_stop"]
+
+
+def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
+    """The evaluation's warm-up (docs/design.md §2.3): each decoder's carried policy state — the
+    threshold, its acceptance average and the speculation gate — is put back afterwards, so the
+    measured examples decode as a fresh decoder would (greedy: the same steps)."""
+    from types import SimpleNamespace
+
+    from selfspec.evaluation.runner import _warmup
+
+    def build(label):
+        cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6],
+                                "draft_stop": {"rule": "adaptive", "threshold": 0.05}, "never_slower": label == "gated"})
+        if label == "paper":
+            cfg.merge_with({"draft_stop": {"ar_start": "zero", "ar_per_example": True}})
+        return build_decoder(cfg, tiny8.model)
+
+    for label in ("paper", "default", "gated"):
+        dec, fresh = build(label), build(label)
+        before = dec.carried_state()
+        assert set(before) == {"gate", "draft_stop"} and (before["gate"] is None) == (label != "gated")
+        _warmup([SimpleNamespace(decoder=dec)], [prompt_ids], 2, 16, Sampling())
+        assert dec.gamma == 0.05 and dec.draft_stop == before["draft_stop"] and dec.gate == before["gate"]
+        if label != "gated":  # the gate's choices follow the wall clock
+            assert dec.generate(prompt_ids, 24).trace == fresh.generate(prompt_ids, 24).trace, label
+    with_warmup = build("paper")
+    with with_warmup.kept_state():
+        with_warmup.generate(prompt_ids, 16)
+        assert with_warmup.gamma != 0.05
+    assert with_warmup.gamma == 0.05

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from reference.traces import Round
+
 
 @dataclass
 class Plan:
@@ -44,19 +46,6 @@ class Plan:
     exit_layer: int
     gamma: int
     threshold: float = 0.0
-
-
-@dataclass
-class Round:
-    """What one round (or the prefill) did: the fields selfspec's step trace carries."""
-
-    source: str
-    drafted: int = 0
-    accepted: int = 0
-    committed: int = 0
-    exit_layer: int | None = None
-    draft_limit: int | None = None
-    controller: dict[str, Any] | None = None
 
 
 @dataclass

@@ -13,11 +13,28 @@ in the integers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 #: relative / absolute tolerance for float32 confidences and what is derived from them
 CONF_REL, CONF_ABS = 1e-4, 1e-7
 #: absolute tolerance for agreement rates (ratios of float64 decayed counts of the same matches)
 ALPHA_ABS = 1e-12
+
+
+
+@dataclass
+class Round:
+    """What one round (or the prefill) of a reference loop did: the fields selfspec's step trace
+    (``StepTrace``) carries and :func:`first_difference` compares."""
+
+    source: str
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    exit_layer: int | None = None
+    draft_limit: int | None = None
+    controller: dict[str, Any] | None = None
 
 
 def rows(trace) -> list[tuple]:

@@ -21,9 +21,11 @@ it, and whether the speculation gate made it plain.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -183,6 +185,11 @@ class Decoder:
     context_first: ClassVar[bool] = False
     #: the context drafter (:class:`selfspec.decoding.ngram.ContextDrafter`) when ``ngram`` is set
     context = None
+    #: attributes holding the policy state that carries over from one example to the next: the
+    #: speculation gate's measurements; chain methods add their draft-stop rule (Draft & Verify's
+    #: adaptive threshold). Everything else on a decoder is fixed by its config, and what belongs
+    #: to one example lives on ``DecodeState``. :meth:`kept_state` restores it (the warm-up).
+    carried: ClassVar[tuple[str, ...]] = ("gate",)
 
     def __init__(
         self,
@@ -280,6 +287,26 @@ class Decoder:
         state.cache.truncate(state.n_cached)
         h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached)
         return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])]
+
+    # --- state carried across examples -------------------------------------------------------
+    def carried_state(self) -> dict[str, Any]:
+        """A copy of the policy state that carries over between examples (:attr:`carried`)."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in self.carried}
+
+    def restore_carried_state(self, saved: dict[str, Any]) -> None:
+        """Put back a :meth:`carried_state` (a copy of it, so it can be restored again)."""
+        for name, value in saved.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    @contextlib.contextmanager
+    def kept_state(self) -> Iterator[None]:
+        """Generations inside leave the carried policy state as they found it: the evaluation's
+        warm-up, after which the measured examples start where a fresh decoder starts."""
+        saved = self.carried_state()
+        try:
+            yield
+        finally:
+            self.restore_carried_state(saved)
 
     # --- the loop --------------------------------------------------------------------------
     def generate(

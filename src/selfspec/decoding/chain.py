@@ -27,11 +27,14 @@ drafter's logits for the next position, picks the draft token (argmax, or a samp
 distribution under sampling, whose row is kept as ``q`` for speculative sampling) and its
 *confidence*, the top probability of the drafter's unwarped distribution (the same under greedy
 decoding and sampling). Drafting stops after a token whose confidence is below the threshold —
-that token **is still verified** — and after an EOS draft (nothing after it can be committed).
+that token **is still verified** — and after an EOS draft (nothing after it can be committed;
+Draft & Verify's ``eos_draft: continue`` drafts past it, as its authors' code does).
 
 Policy state (a draft-stop rule such as :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`)
-lives on the decoder and carries over between examples, as Draft & Verify's code does
-(docs/design.md §6); everything that belongs to one example lives in the object
+lives on the decoder and carries over between examples (``Decoder.carried``; Draft & Verify's
+evaluation carries its threshold from one example to the next, docs/design.md §6); the rule is told
+when an example starts (:meth:`~selfspec.decoding.draft_exit.DraftStop.start_example`), so what
+it keeps per example starts again. Everything else that belongs to one example lives in the object
 :meth:`Drafter.new_example` returns.
 """
 
@@ -201,9 +204,12 @@ class ChainDecoder(Drafter, Decoder):
     from the context when the method has a context drafter (:func:`context_step`)."""
 
     context_first = True
+    #: the draft-stop rule carries over between examples too (module docstring)
+    carried = (*Decoder.carried, "draft_stop")
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
+        self.draft_stop.start_example()
         state.example = self.new_example(state)
 
     #: ``never_slower``: the step may give way to a plain one (:mod:`selfspec.decoding.gate`)
@@ -221,7 +227,13 @@ class ChainDecoder(Drafter, Decoder):
     def self_step(self, state: DecodeState, budget: int) -> list[int]:
         """The chain step with the method's own drafts (no context drafts first)."""
         limit = self.draft_length(state)
-        k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
+        k_max = self.draft_room(limit, budget)
         draft = self.propose(state, k_max) if k_max > 0 else Draft()
         draft.limit = limit
         return settle(state, draft, self.score(state, draft), self)
+
+    def draft_room(self, limit: int, budget: int) -> int:
+        """Most drafts a step may propose with ``budget`` tokens left: ``limit``, cut so that the
+        accepted drafts and the bonus token fit the budget (0 with one token left: a plain step).
+        The loop cuts what a step commits to the budget, so a method may draft beyond it."""
+        return min(limit, budget - 1)

@@ -8,7 +8,7 @@ and one ``draft_stop`` sub-config (:func:`draft_stop_from_config`):
 * :class:`StaticThreshold` — stop when the draft's top probability is below a fixed value
   (Draft & Verify Table 4, "static");
 * :class:`AdaptiveThreshold` — Draft & Verify's adaptive threshold, Eq. 2-4, updated after every
-  verification from the acceptance-rate EMA;
+  verification from the acceptance-rate EMA (how the EMA starts: ``ar_start``, ``ar_per_example``);
 * :class:`DynamicThreshold` — DEL's per-layer threshold from shadow-token confidences (DEL §4.2).
 
 One rule for every method (:mod:`selfspec.decoding.chain`): the drafted token whose confidence
@@ -30,6 +30,9 @@ class DraftStop:
     def threshold(self, exit_layer: int | None = None) -> float:
         return 0.0
 
+    def start_example(self) -> None:
+        """Called before every example: forget what is per example (default: nothing)."""
+
     def update(self, drafted: int, accepted: int, hit_max: bool) -> None:
         pass
 
@@ -48,13 +51,26 @@ class StaticThreshold(DraftStop):
         return self.value
 
 
+#: ``draft_stop.ar_start`` values: how the acceptance-rate average AR starts (:class:`AdaptiveThreshold`)
+AR_STARTS = ("first_rate", "zero")
+
+
 @dataclass
 class AdaptiveThreshold(DraftStop):
-    """Draft & Verify §3.3, eqs. (2)-(4): steer the threshold so the acceptance rate nears ``target``.
+    """Draft & Verify §3.3, eqs. (2)-(4): steer the threshold θ so the acceptance rate nears ``target`` α.
 
-    ``AR ← β1·AR + (1-β1)·AR_e`` (``β1 = 0`` at the first round), ``γ̃ = γ ± ε`` (up when
-    ``AR ≤ target``), ``γ ← β2·γ + (1-β2)·γ̃``; not lowered when drafting hit the maximum
-    (the authors' code). The state carries over between examples, as in their code.
+    After every verification of ``drafted`` tokens, ``accepted`` of them:
+    ``AR ← β1·AR + (1-β1)·accepted/drafted``; ``θ̃ = θ + ε`` while ``AR < α``, else ``θ − ε``, or ``θ``
+    when drafting hit the maximum (not lowered then); ``θ ← β2·θ + (1-β2)·θ̃``. The comparison and
+    the arithmetic are the authors' code's (the paper's Eq. 3 reads ``AR ≤ α``: they differ only
+    when AR equals α exactly).
+
+    How AR starts (``ar_start``): ``first_rate`` — the first round's rate (the paper's text:
+    "when e is 1, β1 = 0"); ``zero`` — AR = 0 and β1 applies from the first round (the authors'
+    code, where the first update therefore raises θ whenever α > 1 − β1). ``ar_per_example``: AR
+    starts again at every example (:meth:`start_example`; the authors' code, where AR is local to
+    one call), or it carries over with θ. θ always carries over between examples (the authors'
+    evaluation passes each call's final θ to the next one).
     """
 
     initial: float = 0.6
@@ -62,23 +78,35 @@ class AdaptiveThreshold(DraftStop):
     epsilon: float = 0.01
     beta1: float = 0.5
     beta2: float = 0.9
+    ar_start: str = "first_rate"
+    ar_per_example: bool = False
     value: float = field(init=False)
     ar: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.value = self.initial
+        self.ar = self._ar_start()
+
+    def _ar_start(self) -> float | None:
+        """AR before the first round: 0, or None (the first round's rate will be taken as is)."""
+        return 0.0 if self.ar_start == "zero" else None
 
     def threshold(self, exit_layer: int | None = None) -> float:
         return self.value
+
+    def start_example(self) -> None:
+        if self.ar_per_example:
+            self.ar = self._ar_start()
 
     def update(self, drafted: int, accepted: int, hit_max: bool) -> None:
         if drafted == 0:
             return
         ar_e = accepted / drafted
         self.ar = ar_e if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_e
-        proposal = self.value + self.epsilon if self.ar <= self.target else self.value - self.epsilon
-        if hit_max and proposal < self.value:
-            return
+        if self.ar < self.target:
+            proposal = self.value + self.epsilon
+        else:
+            proposal = self.value if hit_max else self.value - self.epsilon
         self.value = self.beta2 * self.value + (1 - self.beta2) * proposal
 
     def state(self) -> dict[str, Any]:
@@ -104,6 +132,8 @@ ADAPTIVE_RANGES: dict[str, tuple[dict[str, Any], str]] = {
     "beta2": ({"low": 0, "high": 1, "high_open": True}, "EMA factor of the threshold; 1 freezes it"),
 }
 ADAPTIVE_DEFAULTS = {f.name: f.default for f in fields(AdaptiveThreshold) if f.init}
+#: ``draft_stop`` keys of the adaptive rule that say how its acceptance-rate average starts (:class:`AdaptiveThreshold`)
+AR_KEYS = ("ar_start", "ar_per_example")
 
 
 def adaptive_parameters(named: dict[str, tuple[str, Any]]) -> dict[str, float]:
@@ -114,9 +144,10 @@ def adaptive_parameters(named: dict[str, tuple[str, Any]]) -> dict[str, float]:
 
 def draft_stop_from_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> DraftStop:
     """The rule a ``draft_stop`` config names, every value checked: null (never stop early),
-    ``{rule: static, threshold}``, ``{rule: adaptive, threshold, target, epsilon, beta1, beta2}``
-    (``threshold`` is where the adaptive rule starts; the others default to Draft & Verify's
-    values, :data:`ADAPTIVE_DEFAULTS`) or, where ``dynamic`` (DEL), ``{rule: dynamic}``
+    ``{rule: static, threshold}``, ``{rule: adaptive, threshold, target, epsilon, beta1, beta2,
+    ar_start, ar_per_example}`` (``threshold`` is where the adaptive rule starts; the others
+    default to :data:`ADAPTIVE_DEFAULTS`: Draft & Verify's values, and the average of the paper's
+    text carried over between examples) or, where ``dynamic`` (DEL), ``{rule: dynamic}``
     (:class:`DynamicThreshold`)."""
     if cfg is None:
         return DraftStop()
@@ -132,9 +163,22 @@ def draft_stop_from_config(cfg, prefix: str = "method.draft_stop", dynamic: bool
         return StaticThreshold(checks.probability(f"{prefix}.threshold", cfg.get("threshold"),
                                                   why="stop drafting below this top probability"))
     checks.renamed(prefix, cfg, {"initial": "threshold"})
-    checks.known_keys(prefix, cfg, ("rule", *ADAPTIVE_KEYS), "draft_stop with rule: adaptive")
+    checks.known_keys(prefix, cfg, ("rule", *ADAPTIVE_KEYS, *AR_KEYS), "draft_stop with rule: adaptive")
     return AdaptiveThreshold(**adaptive_parameters(
-        {param: (f"{prefix}.{k}", _value(cfg.get(k), ADAPTIVE_DEFAULTS[param])) for k, param in ADAPTIVE_KEYS.items()}))
+        {param: (f"{prefix}.{k}", _value(cfg.get(k), ADAPTIVE_DEFAULTS[param])) for k, param in ADAPTIVE_KEYS.items()}),
+        **ar_options(cfg, prefix))
+
+
+def ar_options(cfg, prefix: str) -> dict[str, Any]:
+    """The adaptive rule's :data:`AR_KEYS`, checked (unset: :data:`ADAPTIVE_DEFAULTS`)."""
+    return {
+        "ar_start": checks.choice(f"{prefix}.ar_start", _value(cfg.get("ar_start"), ADAPTIVE_DEFAULTS["ar_start"]),
+                                  AR_STARTS, why="the acceptance-rate average starts at the first round's rate "
+                                  "(the paper's text) or at 0 (the authors' code)"),
+        "ar_per_example": checks.flag(f"{prefix}.ar_per_example",
+                                      _value(cfg.get("ar_per_example"), ADAPTIVE_DEFAULTS["ar_per_example"]),
+                                      why="true: the average starts again at every example (the authors' code)"),
+    }
 
 
 def draft_stop_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> dict | None:

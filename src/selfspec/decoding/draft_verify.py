@@ -11,9 +11,11 @@ chain step (:mod:`selfspec.decoding.chain`):
    the threshold ``gamma`` (that token is still verified — the rule every method shares,
    :class:`~selfspec.decoding.chain.Draft`). The ``draft_stop`` sub-config every method shares
    (:mod:`selfspec.decoding.draft_exit`) names the rule: ``{rule: adaptive, threshold: γ0, target:
-   α, epsilon, beta1, beta2}`` (Eq. 2-4, updated after every verification from the EMA of the
-   acceptance rate; the default), ``{rule: static, threshold}`` (Table 4) or null (always K
-   drafts, Table 3).
+   α, epsilon, beta1, beta2, ar_start, ar_per_example}`` (Eq. 2-4, updated after every
+   verification from the EMA of the acceptance rate; the default), ``{rule: static, threshold}``
+   (Table 4) or null (always K drafts, Table 3). ``eos_draft``: drafting also stops after an EOS
+   draft (``stop``: nothing after it could be committed) or goes on past it (``continue``: the
+   authors' code).
 3. **Verify** ``[pending, d1..dk]`` in one full forward pass, after truncating every layer back
    to the committed tokens (the scratch K/V came from approximate hidden states), then keep
    ``n_cached + accepted + 1`` positions (gpt-fast's scheme): the chain step's default
@@ -21,13 +23,19 @@ chain step (:mod:`selfspec.decoding.chain`):
    Greedy: exact match, so the output equals vanilla token for token. Sampling: speculative
    sampling (Appendix K), which preserves the target distribution.
 
+``last_token``: with one token of budget left a step is a plain one (``plain``), or it still
+drafts one token and verifies it, which feeds the threshold's update (``draft``: the authors' code,
+where the loop drafts before it looks at the budget); the loop commits one token either way.
+
 Statistics follow :mod:`selfspec.decoding.base`: ``tau`` counts the bonus token; the
 acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``gamma`` (the threshold
 after the example), ``verifications`` and ``draft_stops`` (steps ended by the threshold).
 
-The threshold state (``gamma`` and the acceptance-rate EMA) lives on the decoder and carries
-over between examples as in the authors' code (docs/design.md §6); :meth:`DraftVerify.reset_gamma`
-restores ``gamma_0``.
+Carried across examples (``Decoder.carried``): the draft-stop rule. Its threshold θ always carries
+over, as the authors' evaluation passes each example's final threshold to the next one; the
+acceptance-rate average carries over with it unless ``draft_stop.ar_per_example`` (the authors'
+code keeps it for one call). :meth:`DraftVerify.reset_gamma` restores ``gamma_0`` and a fresh
+average. ``method=draft_verify_paper`` is the authors' loop step for step (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -44,7 +52,11 @@ from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_logits, 
 from selfspec.models.layered import LayeredModel, SkipSet
 
 #: the decoding settings of a config (what the constructor takes besides the skip set)
-DECODING_KEYS = ("max_draft", "draft_stop")
+DECODING_KEYS = ("max_draft", "draft_stop", "last_token", "eos_draft")
+#: ``last_token`` values: with one token of budget left, a plain step or one draft verified anyway
+LAST_TOKEN = ("plain", "draft")
+#: ``eos_draft`` values: drafting stops after an EOS draft, or goes on past it
+EOS_DRAFT = ("stop", "continue")
 #: the paper's draft exit (§3.4): the adaptive threshold from γ0 = 0.6, Table 6's other values
 ADAPTIVE = {"rule": "adaptive"}
 #: keys of the paper's names, refused with the ``draft_stop`` key that replaced each
@@ -144,11 +156,15 @@ class DraftVerify(ChainDecoder):
         skip_set: SkipSet,
         max_draft: int = 12,
         draft_stop: dict | None = ADAPTIVE,
+        last_token: str = "plain",
+        eos_draft: str = "stop",
         **common,
     ) -> None:
         super().__init__(model, **common)
         self.skip_set = check_skip_set(skip_set, model.num_layers)
         self.max_draft = int(max_draft)
+        self.last_token = checks.choice("method.last_token", last_token, LAST_TOKEN)
+        self.eos_draft = checks.choice("method.eos_draft", eos_draft, EOS_DRAFT)
         #: the ``draft_stop`` sub-config (checked plain data); :meth:`reset_gamma` builds the rule from it
         self.draft_stop_config = draft_stop_config(draft_stop)
         self.lookahead = self.max_draft  # drafted K/V are written past the committed tokens
@@ -158,9 +174,10 @@ class DraftVerify(ChainDecoder):
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
         lists, else the ``skip_set`` artefact, else the default one for ``task``) and the decoding
-        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1, and ``draft_stop``, the shared
-        sub-config of :mod:`selfspec.decoding.draft_exit`). The paper's key names (``draft_exit``,
-        ``gamma0``, ``alpha``, ...) are refused, naming their ``draft_stop`` keys."""
+        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1; ``draft_stop``, the shared
+        sub-config of :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft``, module
+        docstring). The paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused,
+        naming their ``draft_stop`` keys."""
         from selfspec.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
@@ -174,6 +191,11 @@ class DraftVerify(ChainDecoder):
             "max_draft": checks.integer(key("max_draft"), _get(cfg, "max_draft", 12), 1,
                                         why="K, the most draft tokens per step"),
             "draft_stop": draft_stop_config(cfg.get("draft_stop", ADAPTIVE), key("draft_stop")),
+            "last_token": checks.choice(key("last_token"), _get(cfg, "last_token", "plain"), LAST_TOKEN,
+                                        why="one token of budget left: a plain step, or draft and verify one "
+                                        "token anyway (the authors' code)"),
+            "eos_draft": checks.choice(key("eos_draft"), _get(cfg, "eos_draft", "stop"), EOS_DRAFT,
+                                       why="after an EOS draft: stop drafting, or go on (the authors' code)"),
             **draft_vocab_options(cfg, prefix),
         }
 
@@ -187,7 +209,7 @@ class DraftVerify(ChainDecoder):
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:
-        """Restore ``gamma = gamma_0`` and forget the acceptance-rate EMA: a fresh rule."""
+        """Restore ``gamma = gamma_0`` and the acceptance-rate EMA's start: a fresh rule."""
         self.draft_stop: DraftStop = draft_stop_from_config(self.draft_stop_config)
 
     @property
@@ -202,7 +224,8 @@ class DraftVerify(ChainDecoder):
 
     @property
     def ar(self) -> float | None:
-        """The acceptance-rate EMA of the adaptive rule (None before the first verification)."""
+        """The acceptance-rate EMA of the adaptive rule (None until the first verification when it
+        starts at the first round's rate)."""
         return getattr(self.draft_stop, "ar", None)
 
     @ar.setter
@@ -217,22 +240,30 @@ class DraftVerify(ChainDecoder):
     def draft_length(self, state: DecodeState) -> int:
         return self.max_draft
 
+    def draft_room(self, limit: int, budget: int) -> int:
+        """The chain step's room for drafts; with ``last_token: draft`` at least one draft, even
+        with one token of budget left (the authors' loop tests the budget after each draft)."""
+        room = super().draft_room(limit, budget)
+        return max(room, 1) if self.last_token == "draft" else room
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The draft distribution's logits: the model's own head on the skip-set pass, truncated to
         the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.heads.draft_logits`)."""
         return draft_logits(self.model, h[:, -1], self.draft_vocab)[0]
 
     def propose(self, state: DecodeState, k_max: int) -> Draft:
-        """§3.2-3.4: draft with the skip set until K, the threshold or EOS (the skip-set pass writes
-        scratch K/V past the committed tokens; :meth:`score` drops them)."""
+        """§3.2-3.4: draft with the skip set until K, the threshold or, with ``eos_draft: stop``, an
+        EOS draft (the skip-set pass writes scratch K/V past the committed tokens; :meth:`score`
+        drops them)."""
         model = self.model
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
+        eos = self.eos_token_ids if self.eos_draft == "stop" else frozenset()
         token = state.pending
         for j in range(k_max):
             ids.fill_(token)
             h = model.forward(ids, state.cache, start=state.n_cached + j, skip=self.skip_set)
-            if not draft.add(self.draft_logits(h), state, self.gamma, self.eos_token_ids):
+            if not draft.add(self.draft_logits(h), state, self.gamma, eos):
                 break
             token = draft.tokens[-1]
         return draft

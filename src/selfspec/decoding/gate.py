@@ -25,7 +25,8 @@ cost model; this gate checks the outcome itself, per decoder, on the wall clock:
   (PPD's first step after plain steps only computes its guesses, so its probes last longer).
 
 The gate's state is policy state: it lives on the decoder and carries over between examples (the
-cost of a step is the machine's, not the example's). Outputs are unaffected: a plain step is the
+cost of a step is the machine's, not the example's), though not from the evaluation's warm-up
+(``Decoder.kept_state``). Outputs are unaffected: a plain step is the
 shared chain step with no drafts, so greedy output stays vanilla's. The gate acts under greedy
 decoding only: under sampling, a choice made from the wall clock would make a seeded run's tokens
 depend on the machine's load (still the target distribution, but no longer reproducible), so there

@@ -25,6 +25,7 @@ speedup and τ pool all samples, the task's metric scores each example's samples
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -388,12 +389,18 @@ def _run(cfg: DictConfig, plan: Plan, out_dir: Path, loaded, tracker: Tracker | 
 
 
 def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:
-    """``n`` untimed generations per method (Spec-Bench: 3), cycling through the prompts."""
+    """``n`` untimed generations per method (Spec-Bench: 3), cycling through the prompts. They warm
+    the machine, not the methods: each decoder's policy state carried across examples (its
+    threshold, speculation gate: ``Decoder.carried``) is put back afterwards, so the first measured
+    example starts where a fresh decoder does (Draft & Verify's evaluation has no warm-up)."""
     if n <= 0 or not prompts:
         return
-    for i in range(n):
+    with contextlib.ExitStack() as kept:
         for run in runs:
-            run.decoder.generate(prompts[i % len(prompts)], budget, sampling)
+            kept.enter_context(run.decoder.kept_state())
+        for i in range(n):
+            for run in runs:
+                run.decoder.generate(prompts[i % len(prompts)], budget, sampling)
 
 
 def _write_samples(out_dir: Path, task, rows: dict[str, list[dict[str, Any]]]) -> dict[str, str]:

@@ -337,9 +337,10 @@ class CostModel:
         cost, drafted_all, accepted_all, steps = 0.0, 0, 0, 0
         for b in range(len(self.targets)):
             m, cf = match[b * per:(b + 1) * per], conf[b * per:(b + 1) * per]
+            sim.draft_stop.start_example()
             t = 1  # committed tokens (c_1 from prefill); query t-1 is pending c_t
             while t < T:
-                k_max = min(sim.max_draft, T - t - 1)
+                k_max = sim.draft_room(sim.max_draft, T - t)
                 drafted = accepted = 0
                 ok = True
                 for d in range(k_max):
