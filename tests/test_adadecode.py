@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.config import model_config
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.adadecode import AdaDecode, AdaDecodeNoVerify
@@ -49,7 +50,7 @@ def ids(peaked):
 
 @pytest.fixture(scope="module")
 def reference(peaked, ids):
-    return build_decoder(OmegaConf.create({"name": "vanilla"}), peaked.model).generate(ids, 40).tokens
+    return build_decoder(method_config("vanilla"), peaked.model).generate(ids, 40).tokens
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.6, 0.9, 1.1])
@@ -79,7 +80,7 @@ def test_ablations_equal_vanilla(peaked, ids, reference, kw):
 
 
 def test_original_lm_head_and_eos(peaked, ids, reference):
-    cfg = OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "layers": HEAD_LAYERS, "threshold": 0.3})
+    cfg = method_config("adadecode", **{"head_kind": "lm_head", "layers": HEAD_LAYERS, "threshold": 0.3})
     g = build_decoder(cfg, peaked.model, tokenizer=peaked.tokenizer).generate(ids, 40)
     assert g.tokens == reference and g.stats["early_predictions"] > 0
     eos = reference[12]
@@ -176,10 +177,10 @@ def test_config_errors(peaked, tmp_path):
     with pytest.raises(ValueError, match="exit_layers"):
         AdaDecode(m, random_heads(m), exit_layers=[3])
     with pytest.raises(ValueError, match=r"method\.threshold=-0\.5 is not allowed"):
-        build_decoder(OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "threshold": -0.5}), m)
-    cfg = OmegaConf.create({"name": "adadecode", "heads_dir": None, "heads_task": "nonexistent-task"})
+        build_decoder(method_config("adadecode", **{"head_kind": "lm_head", "threshold": -0.5}), m)
+    cfg = method_config("adadecode", **{"heads_dir": None, "heads_task": "nonexistent-task"})
     with pytest.raises(FileNotFoundError, match="make train-heads"):
         build_decoder(cfg, m, tokenizer=peaked.tokenizer)
-    cfg = OmegaConf.create({"name": "adadecode", "head_kind": "lm_head", "exit_layers": "middle"})
+    cfg = method_config("adadecode", **{"head_kind": "lm_head", "exit_layers": "middle"})
     dec = build_decoder(cfg, m, tokenizer=peaked.tokenizer)
     assert dec.exit_layers == {dec.heads.layers[1]}

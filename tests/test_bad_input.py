@@ -13,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.artefacts import ArtefactError, META
 from selfspec.checks import ConfigError
 from selfspec.config import compose, group_options, model_config
@@ -526,9 +527,9 @@ def test_artefact_of_other_weights_is_refused(tiny, tmp_path):
                rf"\(weights={tiny.weights_digest}\) than the loaded model 'tiny-random' \(weights={seed1.weights_digest}\)")
     with pytest.raises(ArtefactError, match=message):
         load_heads(path, seed1)
-    method = OmegaConf.create({"name": "adadecode", "heads_dir": str(path)})
+    cfg = method_config("adadecode", heads_dir=str(path))
     with pytest.raises(ArtefactError, match="other weights"):
-        build_decoder(method, seed1.model)
+        build_decoder(cfg, seed1.model)
     assert load_heads(path, tiny).layers == [1, 2]  # the same seed loads
     bf16 = load_model(OmegaConf.merge(model_config("tiny-random"), {"dtype": "bfloat16"}))
     assert bf16.weights_digest == tiny.weights_digest  # the same weights in another dtype

@@ -8,19 +8,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import rolled_back_steps
+from conftest import rolled_back_steps, method_config
 
 from selfspec.checks import ConfigError
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.ngram import ContextDrafter
 
-NGRAM = {"max_ngram": 3, "min_ngram": 2, "max_draft": 6}
+NGRAM = {"max_ngram": 3, "min_ngram": 2, "max_draft": 6, "draft_schedule": "adaptive"}
 #: one config per self-drafting method, on the tiny model without artefacts; always speculating
 METHODS = {
-    "draft_verify": {"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2]},
-    "early_exit": {"name": "early_exit", "exit_layer": 1, "max_draft": 4, "exit_head": "lm_head"},
-    "del": {"name": "del", "exit_head": "lm_head", "max_draft": 4, "draft_stop": None},
-    "adadecode": {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.0},
+    "draft_verify": method_config("draft_verify", **{"skip_attn": [1, 2], "skip_mlp": [2]}),
+    "early_exit": method_config("early_exit", **{"exit_layer": 1, "max_draft": 4, "exit_head": "lm_head"}),
+    "del": method_config("del", **{"exit_head": "lm_head", "max_draft": 4, "draft_stop": None}),
+    "adadecode": method_config("adadecode", **{"head_kind": "lm_head", "layers": [1, 2], "threshold": 0.0}),
 }
 
 
@@ -32,7 +32,7 @@ def decoder(loaded, method: str, ngram=NGRAM, **kw):
 
 
 def vanilla_tokens(loaded, ids, n, sampling=None):
-    return build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model).generate(ids, n, sampling).tokens
+    return build_decoder(method_config("vanilla"), loaded.model).generate(ids, n, sampling).tokens
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +95,9 @@ def test_ngram_sub_config_is_checked_before_loading():
         check_method(OmegaConf.merge(dv, {"ngram": {"max_ngrams": 4}}))
     # PPD's context chain has a fixed length; the n-gram method's keys are its own
     with pytest.raises(ConfigError, match=r"method\.ngram\.draft_schedule is not a key"):
-        check_method(OmegaConf.create({"name": "ppd", "ngram": {"draft_schedule": "constant"}}))
+        check_method(method_config("ppd", **{"ngram": {"draft_schedule": "constant"}}))
     with pytest.raises(ConfigError, match=r"method\.ngram"):
-        check_method(OmegaConf.create({"name": "ngram", "ngram": {"max_draft": 4}}))
+        check_method(method_config("ngram", **{"ngram": {"max_draft": 4}}))
 
 
 def test_presets_compose_and_build_a_context_drafter(tiny):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import rolled_back_steps
+from conftest import rolled_back_steps, method_config
 
 from selfspec.config import compose, model_config
 from selfspec.decoding import Sampling, build_decoder
@@ -25,12 +25,12 @@ def tiny8():
 
 
 def vanilla_tokens(loaded, ids, n, eos=()):
-    dec = build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model, eos_token_ids=eos)
+    dec = build_decoder(method_config("vanilla"), loaded.model, eos_token_ids=eos)
     return dec.generate(ids, n).tokens
 
 
 def dv(loaded, attn=(), mlp=(), **kw):
-    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": list(attn), "skip_mlp": list(mlp), **kw})
+    cfg = method_config("draft_verify", **{"skip_attn": list(attn), "skip_mlp": list(mlp), **kw})
     return build_decoder(cfg, loaded.model)
 
 
@@ -69,7 +69,7 @@ def test_eos_and_budget_cut_like_vanilla(tiny8, prompt_ids):
     free = vanilla_tokens(tiny8, prompt_ids, 25)
     eos = free[9]
     ref = vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos])
-    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6], "draft_stop": None})
+    cfg = method_config("draft_verify", **{"skip_attn": [1, 2], "skip_mlp": [6], "draft_stop": None})
     g = build_decoder(cfg, tiny8.model, eos_token_ids=[eos]).generate(prompt_ids, 25)
     assert g.tokens == ref and g.stop_reason == "eos"
     for n in (1, 2, 7):
@@ -175,7 +175,7 @@ def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
 
     skip = SkipSet.of(attn=[1, 7], mlp=[0])
     save_artefact(tmp_path / "sk", "skip_set", skip_set_tensors(skip, 8), tiny8)
-    cfg = OmegaConf.create({"name": "draft_verify", "skip_set": str(tmp_path / "sk")})
+    cfg = method_config("draft_verify", **{"skip_set": str(tmp_path / "sk")})
     assert resolve_skip_set(cfg, tiny8.model, tiny8.tokenizer) == skip
     dec = build_decoder(cfg, tiny8.model, tokenizer=tiny8.tokenizer)
     assert isinstance(dec, DraftVerify) and dec.skip_set == skip
@@ -187,7 +187,7 @@ def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
         dv(tiny8, [1], [], draft_exit="none")
     with pytest.raises(ValueError, match=r"method\.alpha was renamed: set method\.draft_stop\.target instead"):
         dv(tiny8, [1], [], alpha=0.8)
-    missing = OmegaConf.create({"name": "draft_verify", "task": "no-such-task"})
+    missing = method_config("draft_verify", **{"task": "no-such-task"})
     import os
     os.environ["SELFSPEC_OUTPUTS"] = str(tmp_path / "out")
     try:
@@ -260,7 +260,7 @@ def test_authors_budget_and_eos_drafting_stay_lossless(tiny8, prompt_ids):
         g = paper.generate(prompt_ids, n)
         assert g.tokens == free[:n] and all(s.drafted for s in g.trace[1:])
     eos = free[9]
-    cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6], "max_draft": 12,
+    cfg = method_config("draft_verify", **{"skip_attn": [1, 2], "skip_mlp": [6], "max_draft": 12,
                             "draft_stop": None, "last_token": "draft", "eos_draft": "continue", "never_slower": False})
     g = build_decoder(cfg, tiny8.model, eos_token_ids=[eos]).generate(prompt_ids, 25)
     assert g.tokens == vanilla_tokens(tiny8, prompt_ids, 25, eos=[eos]) and g.stop_reason == "eos"
@@ -299,7 +299,7 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
     from selfspec.evaluation.runner import _warmup
 
     def build(label):
-        cfg = OmegaConf.create({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [6],
+        cfg = method_config("draft_verify", **{"skip_attn": [1, 2], "skip_mlp": [6],
                                 "draft_stop": {"rule": "adaptive", "threshold": 0.05}, "never_slower": label == "gated"})
         if label == "paper":
             cfg.merge_with({"draft_stop": {"ar_start": "zero", "ar_per_example": True}})

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.artefacts import ArtefactError
 from selfspec.checks import ConfigError
 from selfspec.config import compose
@@ -130,14 +131,14 @@ def test_bad_and_mismatched_artefacts_are_refused(job_artefact, tmp_path):
     out, summary = job_artefact
     path = summary["artefact"]
     with pytest.raises(ConfigError, match=r"method\.draft_vocab=.*no artefact there"):
-        check_method(OmegaConf.create({"name": "early_exit", "exit_layer": 1, "max_draft": 2, "draft_vocab": str(tmp_path)}))
+        check_method(method_config("early_exit", **{"exit_layer": 1, "max_draft": 2, "draft_vocab": str(tmp_path)}))
     heads_dir = tmp_path / "heads"
     heads_dir.mkdir()
     (heads_dir / "meta.json").write_text(json.dumps({"kind": "heads"}))
     with pytest.raises(ConfigError, match=r"method\.draft_vocab=.*'heads' artefact"):
-        check_method(OmegaConf.create({"name": "draft_verify", "skip_attn": [1], "draft_vocab": str(heads_dir)}))
+        check_method(method_config("draft_verify", **{"skip_attn": [1], "draft_vocab": str(heads_dir)}))
     other = agreeing_model(layers=6)  # another model: its fingerprint differs
-    cfg = OmegaConf.create({"name": "del", "max_draft": 3, "draft_vocab": path})
+    cfg = method_config("del", **{"max_draft": 3, "draft_vocab": path})
     with pytest.raises(ArtefactError, match=r"method\.draft_vocab=.*fingerprint"):
         build_decoder(cfg, other.model)
     with pytest.raises(ArtefactError, match=r"method\.draft_vocab="):
@@ -182,12 +183,12 @@ def prompt_ids_module(tiny):
 
 
 @pytest.mark.parametrize("method", [
-    {"name": "draft_verify", "skip_attn": [2, 3], "skip_mlp": [4], "draft_stop": None, "max_draft": 4},
-    {"name": "draft_verify", "skip_attn": [2], "skip_mlp": [3]},  # adaptive threshold: truncated-softmax confidence
-    {"name": "early_exit", "exit_layer": 1, "max_draft": 4},
-    {"name": "early_exit", "exit_layer": 0, "max_draft": 6, "draft_stop": {"rule": "static", "threshold": 0.01}},
-    {"name": "del", "max_draft": 6},
-    {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 3], "threshold": 0.0},
+    method_config("draft_verify", **{"skip_attn": [2, 3], "skip_mlp": [4], "draft_stop": None, "max_draft": 4}),
+    method_config("draft_verify", **{"skip_attn": [2], "skip_mlp": [3]}),  # adaptive threshold: truncated-softmax confidence
+    method_config("early_exit", **{"exit_layer": 1, "max_draft": 4}),
+    method_config("early_exit", **{"exit_layer": 0, "max_draft": 6, "draft_stop": {"rule": "static", "threshold": 0.01}}),
+    method_config("del", **{"max_draft": 6}),
+    method_config("adadecode", **{"head_kind": "lm_head", "layers": [1, 3], "threshold": 0.0}),
 ])
 def test_greedy_with_truncated_head_equals_vanilla(agree, agree_vocab, prompt_ids_module, method):
     ref = vanilla(agree, prompt_ids_module, 40)

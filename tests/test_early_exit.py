@@ -4,6 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.config import model_config
 from selfspec.decoding import DecodeState, Sampling, build_decoder
 from selfspec.decoding.draft_exit import AdaptiveThreshold
@@ -29,15 +30,15 @@ def agree():
 
 
 def ee(loaded, exit_layer, max_draft, draft_stop=None, **kw):
-    cfg = {"name": "early_exit", "exit_layer": exit_layer, "max_draft": max_draft,
+    cfg = method_config("early_exit", **{"exit_layer": exit_layer, "max_draft": max_draft,
            "exit_head": kw.pop("exit_head", "lm_head"),
            "heads": kw.pop("heads", None), "draft_stop": draft_stop,
-           **{key: kw.pop(key) for key in ("prefill", "ngram") if key in kw}}
+           **{key: kw.pop(key) for key in ("prefill", "ngram") if key in kw}})
     return build_decoder(OmegaConf.create(cfg), loaded.model, **kw)
 
 
 def vanilla(loaded, ids, n, sampling=None):
-    return build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model).generate(ids, n, sampling).tokens
+    return build_decoder(method_config("vanilla"), loaded.model).generate(ids, n, sampling).tokens
 
 
 def test_greedy_equals_vanilla_every_exit_and_gamma(agree, tiny, prompt_ids):

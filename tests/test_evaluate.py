@@ -33,6 +33,9 @@ def test_runner_vanilla_vs_hf_generate(tiny, tmp_path):
         assert a["tokens"] == b["tokens"] and a["new_tokens"] == len(a["tokens"]) <= 8
         assert a["lossless"] is True and a["seconds"] > 0 and a["text"] and "prediction" in a
         assert {"steps", "tau", "acceptance_rate", "stop_reason", "stats", "prompt_tokens"} <= set(a)
+        # every step's shape is kept beside the results (a plain step: one committed token each)
+        assert [t["source"] for t in a["trace"]] == ["prefill"] + ["plain"] * (a["steps"] - 1)
+        assert sum(t["committed"] for t in a["trace"]) == a["new_tokens"] and b["trace"] is None
     on_disk = json.loads((tmp_path / SUMMARY).read_text())
     assert on_disk["methods"] == json.loads(json.dumps(s["methods"]))
     v, h = s["methods"]["vanilla"], s["methods"]["hf_generate"]

@@ -89,15 +89,15 @@ import random  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from conftest import method  # noqa: E402
+from conftest import method_config  # noqa: E402
 from selfspec.checks import ConfigError  # noqa: E402
 from selfspec.decoding import build_decoder, check_method  # noqa: E402
 from selfspec.decoding.sampling import Sampling  # noqa: E402
 
 GATED = {
-    "ngram": method("ngram"),
-    "draft_verify": {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [0]},
-    "early_exit": {"name": "early_exit", "exit_layer": 0, "max_draft": 3},
+    "ngram": method_config("ngram"),
+    "draft_verify": method_config("draft_verify", **{"skip_attn": [1], "skip_mlp": [0]}),
+    "early_exit": method_config("early_exit", **{"exit_layer": 0, "max_draft": 3}),
     "del": None,  # its conf/method/del.yaml as composed
 }
 
@@ -133,7 +133,7 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
     record, cheap = dec.gate.record, not prefer_plain
     dec.gate.record = lambda speculated, tokens, seconds: record(speculated, tokens,
                                                                  1e-9 * tokens if speculated == cheap else 1.0)
-    ref = build_decoder(OmegaConf.create({"name": "vanilla"}), model).generate(prompt_ids, 24)
+    ref = build_decoder(method_config("vanilla"), model).generate(prompt_ids, 24)
     out = dec.generate(prompt_ids, 24)
     assert out.tokens == ref.tokens
     gated = out.stats.get("plain_steps_gated", 0)
@@ -149,12 +149,12 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
 
 
 def test_never_slower_key_is_checked():
-    assert check_method(method("ngram", never_slower=False))["never_slower"] is False
+    assert check_method(method_config("ngram", never_slower=False))["never_slower"] is False
     with pytest.raises(ConfigError, match=r"method\.never_slower=yes is not allowed: must be true or false"):
-        check_method(method("ngram", never_slower="yes"))
+        check_method(method_config("ngram", never_slower="yes"))
     # a method with no plain-step fallback does not take the key
     with pytest.raises(ConfigError, match=r"method\.never_slower is not a key of method adadecode"):
-        check_method(OmegaConf.create({"name": "adadecode", "never_slower": True}))
+        check_method(method_config("adadecode", **{"never_slower": True}))
 
 
 def test_paper_configs_turn_the_gate_off(tiny):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.artefacts import ArtefactError
 from selfspec.config import compose, conf_dir, model_config
 from selfspec.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
@@ -123,11 +124,11 @@ def test_job_end_to_end(tiny, tmp_path, monkeypatch):
     assert summary["artefact"] == str(path) and (path / "meta.json").exists()
     assert not (path.parent / ".tiny-random-gsm8k.ckpt").exists()  # checkpoint cleared
     assert summary["train_sequences"] == 3 and "top1/1" in summary
-    method = OmegaConf.merge(compose(["method=adadecode", "task=gsm8k"]).method, {"threshold": 0.0})
-    dec = build_decoder(method, tiny.model, tokenizer=tiny.tokenizer)
+    ada = OmegaConf.merge(compose(["method=adadecode", "task=gsm8k"]).method, {"threshold": 0.0})
+    dec = build_decoder(ada, tiny.model, tokenizer=tiny.tokenizer)
     assert dec.heads.layers == [1, 2]
     ids = tiny.tokenizer("Question: 2+2?\nAnswer:")["input_ids"]
-    ref = build_decoder(OmegaConf.create({"name": "vanilla"}), tiny.model).generate(ids, 12).tokens
+    ref = build_decoder(method_config("vanilla"), tiny.model).generate(ids, 12).tokens
     assert dec.generate(ids, 12).tokens == ref
 
 

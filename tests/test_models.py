@@ -4,6 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.artefacts import ArtefactError, load_artefact, save_artefact
 from selfspec.checks import ConfigError
 from selfspec.config import model_config
@@ -84,7 +85,7 @@ def test_smollm2_saved_as_a_directory_decodes_and_shares_artefacts_with_the_gguf
         [{"role": "user", "content": "Write a haiku about the sea."}], tokenize=False, add_generation_prompt=True)
     ids = smol.tokenizer(text)["input_ids"]
     assert loaded.tokenizer(text)["input_ids"] == ids
-    vanilla = OmegaConf.create({"name": "vanilla"})
+    vanilla = method_config("vanilla")
     tokens = [build_decoder(vanilla, m.model).generate(ids, 24).tokens for m in (smol, loaded)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 24
     for source, target in ((smol, loaded), (loaded, smol)):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import method, rolled_back_steps
+from conftest import method_config, rolled_back_steps
 
 from selfspec.checks import ConfigError
-from selfspec.config import compose, load_method_config, model_config
+from selfspec.config import compose, model_config
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.ngram import NgramIndex, NgramLookup
@@ -18,11 +18,11 @@ REPEAT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat
 
 
 def ngram(loaded, eos=(), **kw):
-    return build_decoder(method("ngram", **kw), loaded.model, eos_token_ids=eos)
+    return build_decoder(method_config("ngram", **kw), loaded.model, eos_token_ids=eos)
 
 
 def vanilla_tokens(loaded, ids, n, eos=()):
-    return build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model, eos_token_ids=eos).generate(ids, n).tokens
+    return build_decoder(method_config("vanilla"), loaded.model, eos_token_ids=eos).generate(ids, n).tokens
 
 
 # --- the matcher -------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_method_config_composes_and_is_checked():
 ])
 def test_bad_config_is_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
-        check_method(method("ngram", **kw))
+        check_method(method_config("ngram", **kw))
 
 
 def test_config_lacking_a_key_is_refused_by_name():

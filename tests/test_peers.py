@@ -2,16 +2,16 @@
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.peers import HFAssisted, HFEarlyExit, HFGenerate
 
 REPEAT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog"
 
 
-def build(loaded, **cfg):
-    return build_decoder(OmegaConf.create(cfg), loaded.model, **_common(loaded))
+def build(loaded, name: str, **cfg):
+    return build_decoder(method_config(name, **cfg), loaded.model, **_common(loaded))
 
 
 def _common(loaded):
@@ -24,10 +24,10 @@ def repeat_ids(tiny):
 
 
 @pytest.mark.parametrize("cfg", [
-    {"name": "hf_generate"},
-    {"name": "hf_prompt_lookup", "prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 2},
-    {"name": "hf_early_exit", "assistant_early_exit": 2, "num_assistant_tokens": 3,
-     "num_assistant_tokens_schedule": "constant"},
+    method_config("hf_generate"),
+    method_config("hf_prompt_lookup", **{"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 2}),
+    method_config("hf_early_exit", **{"assistant_early_exit": 2, "num_assistant_tokens": 3,
+     "num_assistant_tokens_schedule": "constant"}),
 ])
 def test_peer_equals_vanilla_and_counts_steps(tiny, repeat_ids, cfg):
     v = build(tiny, name="vanilla").generate(repeat_ids, 24)
@@ -56,12 +56,12 @@ def test_peer_honours_eos_and_stop_strings(tiny, repeat_ids, name):
     free = build(tiny, name="vanilla").generate(repeat_ids, 20).tokens
     eos = free[5]
     common = {"eos_token_ids": [eos]}
-    g = build_decoder(OmegaConf.create({"name": name}), tiny.model, **common).generate(repeat_ids, 20)
+    g = build_decoder(method_config(name), tiny.model, **common).generate(repeat_ids, 20)
     assert g.tokens == free[:6] and g.stop_reason == "eos"
     stop = tiny.tokenizer.decode(free[7:9])
     common = {"stop_strings": [stop], "tokenizer": tiny.tokenizer}
-    g = build_decoder(OmegaConf.create({"name": name}), tiny.model, **common).generate(repeat_ids, 20)
-    ref = build_decoder(OmegaConf.create({"name": "vanilla"}), tiny.model, **common).generate(repeat_ids, 20)
+    g = build_decoder(method_config(name), tiny.model, **common).generate(repeat_ids, 20)
+    ref = build_decoder(method_config("vanilla"), tiny.model, **common).generate(repeat_ids, 20)
     assert g.tokens == ref.tokens and g.stop_reason == ref.stop_reason == "stop"
     assert sum(g.accepted_per_step) == len(g.tokens)
 

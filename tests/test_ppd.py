@@ -6,6 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.decoding import build_decoder
 from selfspec.decoding.ppd import PPD, typical_accept
 from selfspec.decoding.sampling import Sampling
@@ -113,7 +114,7 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
              2: SparseTree(((0,), (0, 0)), (0, 1, 2))}
     save_artefact(tmp_path / "t", "ppd_tree", {"tau": torch.ones(1)}, tiny,
                   extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
-    cfg = OmegaConf.create({"name": "ppd", "prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
+    cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
                             "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
     dec = build_decoder(cfg, m)
     assert dec.generate(prompt_ids, 8).tokens == Vanilla(m).generate(prompt_ids, 8).tokens

@@ -13,8 +13,8 @@ import ast
 import re
 
 import pytest
-from omegaconf import OmegaConf
 
+from conftest import method_config
 from selfspec.config import model_config
 from selfspec.decoding import build_decoder
 from selfspec.metrics import extract_number
@@ -31,7 +31,7 @@ def answers(smol, name: str, n: int, max_new_tokens: int, **options) -> tuple:
     post-processed vanilla greedy predictions."""
     task = build_task({"name": name, "n_examples": n, **options},
                       model_chat=model_chat({"model": model_config("smollm2-135m")}))
-    decoder = build_decoder(OmegaConf.create({"name": "vanilla"}), smol.model, eos_token_ids=smol.eos_token_ids,
+    decoder = build_decoder(method_config("vanilla"), smol.model, eos_token_ids=smol.eos_token_ids,
                             stop_strings=task.stop, tokenizer=smol.tokenizer)
     predictions = []
     for ex in task.examples():

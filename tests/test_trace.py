@@ -7,7 +7,7 @@ import random
 
 import pytest
 from omegaconf import OmegaConf
-from conftest import method
+from conftest import method_config
 
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.adadecode import AdaDecode
@@ -31,14 +31,14 @@ def _decoder(name, tiny):
     if name == "adadecode":
         return AdaDecode(m, IntermediateHeads(m, [1, 2], "lm_head"), threshold=0.05)
     cfgs = {
-        "vanilla": {"name": "vanilla"},
-        "draft_verify": {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "max_draft": 4,
-                         "never_slower": False},
-        "early_exit": {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False},
-        "early_exit_draft": {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False,
-                             "prefill": "draft"},
-        "del": {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
-        "ngram": method("ngram", never_slower=False),
+        "vanilla": method_config("vanilla"),
+        "draft_verify": method_config("draft_verify", **{"skip_attn": [1], "skip_mlp": [2], "max_draft": 4,
+                         "never_slower": False}),
+        "early_exit": method_config("early_exit", **{"exit_layer": 1, "max_draft": 3, "never_slower": False}),
+        "early_exit_draft": method_config("early_exit", **{"exit_layer": 1, "max_draft": 3, "never_slower": False,
+                             "prefill": "draft"}),
+        "del": method_config("del", **{"max_draft": 4, "cost_model": "parameters", "never_slower": False}),
+        "ngram": method_config("ngram", never_slower=False),
     }
     return build_decoder(OmegaConf.create(cfgs[name]), m)
 

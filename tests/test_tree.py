@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from conftest import method_config
 from selfspec.decoding.tree import (SparseTree, TreeError, check_trees, full_mask, layout,
                                     prompt_chain_mask, random_tree)
 
@@ -173,7 +174,6 @@ def test_amortized_tokens_equal_simulation_and_sizes_are_respected():
 
 
 def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
-    from omegaconf import OmegaConf
 
     from selfspec.config import compose
     from selfspec.decoding import build_decoder
@@ -187,13 +187,13 @@ def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
                    f"artefact_dir={tmp_path / 't'}"], config_name="train")
     out = run_job(cfg)
     assert out["chosen_size"] in (1, 3, 5) and out["best_ppd_size"] in (3, 5)
-    method = OmegaConf.create({"name": "ppd", "prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
-                               "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
+    cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
+                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
     ref = Vanilla(tiny.model).generate(prompt_ids, 10).tokens
-    dec = build_decoder(method, tiny.model)
+    dec = build_decoder(cfg, tiny.model)
     assert max(lay.size for lay in dec.layouts.values()) <= out["chosen_size"]
     assert dec.generate(prompt_ids, 10).tokens == ref
-    method.tree_size = 5  # rebuilt from the artefact's statistics
-    dec = build_decoder(method, tiny.model)
+    cfg.tree_size = 5  # rebuilt from the artefact's statistics
+    dec = build_decoder(cfg, tiny.model)
     assert max(lay.size for lay in dec.layouts.values()) == 5
     assert dec.generate(prompt_ids, 10).tokens == ref

@@ -2,15 +2,14 @@
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from conftest import hf_greedy
+from conftest import hf_greedy, method_config
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.sampling import speculative_verify, warp
 
 
 def vanilla(loaded, **kw):
-    return build_decoder(OmegaConf.create({"name": "vanilla"}), loaded.model, **kw)
+    return build_decoder(method_config("vanilla"), loaded.model, **kw)
 
 
 @pytest.mark.parametrize("text", ["Hello", "def add(a, b):\n", "Article: A storm hit the coast.\nSummary:"])

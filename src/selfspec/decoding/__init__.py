@@ -6,6 +6,7 @@ registers its class with :func:`~selfspec.decoding.base.register`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -40,14 +41,27 @@ def decoder_class(name: str) -> type[Decoder]:
     return registered()[name]
 
 
+@functools.lru_cache(maxsize=None)
+def _yaml_keys(conf: str, name: str) -> tuple[str, ...]:
+    from selfspec.config import load_method_config
+
+    return tuple(load_method_config(name))
+
+
 def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     """The checked options of a ``method`` config (:meth:`Decoder.options`), without a model.
 
-    A key the decoder does not read is refused too (:class:`~selfspec.checks.ConfigError`)."""
+    Every key of the decoder's own YAML (``conf/method/<name>.yaml``, where each default is
+    written, and only there) must be present, and a key the decoder does not read is refused
+    (:class:`~selfspec.checks.ConfigError`)."""
+    from selfspec.config import conf_dir
+
     cls = decoder_class(str(method_cfg.name))
+    checks.required_keys(prefix, method_cfg, _yaml_keys(str(conf_dir()), cls.name),
+                         f"conf/method/{cls.name}.yaml (or a method config whose defaults list names it)")
     options = cls.options(method_cfg, prefix)
     if cls.gated:  # every method whose step can give way to a plain step (selfspec.decoding.gate)
-        options["never_slower"] = checks.flag(f"{prefix}.never_slower", method_cfg.get("never_slower", True),
+        options["never_slower"] = checks.flag(f"{prefix}.never_slower", method_cfg.get("never_slower"),
                                               why="plain steps where speculation does not pay on this machine")
     if cls.context_first:  # every self-drafting method may draft from the context first
         from selfspec.decoding.ngram import context_drafts_option

@@ -34,13 +34,6 @@ from selfspec.models.costs import synchronizer
 from selfspec.decoding.sampling import Sampling
 
 
-def _get(cfg, key, default=None):
-    if cfg is None:
-        return default
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
-
-
 class HFPeer(Decoder):
     """``transformers.GenerationMixin.generate`` behind the Decoder interface."""
 
@@ -183,10 +176,10 @@ class HFPromptLookup(HFPeer):
     def options(cls, cfg, prefix: str = "method") -> dict:
         return {
             "prompt_lookup_num_tokens": checks.integer(f"{prefix}.prompt_lookup_num_tokens",
-                                                       _get(cfg, "prompt_lookup_num_tokens", 10), 1,
+                                                       cfg.get("prompt_lookup_num_tokens"), 1,
                                                        why="drafted tokens per step"),
             "max_matching_ngram_size": checks.integer(f"{prefix}.max_matching_ngram_size",
-                                                      _get(cfg, "max_matching_ngram_size", 2), 1),
+                                                      cfg.get("max_matching_ngram_size"), 1),
         }
 
     @classmethod
@@ -211,10 +204,10 @@ class _AssistantSchedule(HFPeer):
         default."""
         return {
             "num_assistant_tokens": checks.optional(checks.integer, f"{prefix}.num_assistant_tokens",
-                                                    _get(cfg, "num_assistant_tokens"), 1,
+                                                    cfg.get("num_assistant_tokens"), 1,
                                                     why="drafted tokens per step; null = transformers' default"),
             "num_assistant_tokens_schedule": checks.optional(
-                checks.choice, f"{prefix}.num_assistant_tokens_schedule", _get(cfg, "num_assistant_tokens_schedule"),
+                checks.choice, f"{prefix}.num_assistant_tokens_schedule", cfg.get("num_assistant_tokens_schedule"),
                 SCHEDULES, why="null = transformers' default"),
         }
 
@@ -248,7 +241,7 @@ class HFEarlyExit(_AssistantSchedule):
     def options(cls, cfg, prefix: str = "method") -> dict:
         return {**super().options(cfg, prefix),
                 "assistant_early_exit": checks.integer(f"{prefix}.assistant_early_exit",
-                                                       _get(cfg, "assistant_early_exit"), 1,
+                                                       cfg.get("assistant_early_exit"), 1,
                                                        why="layers that draft; below the model's layer count")}
 
     @classmethod
@@ -276,7 +269,7 @@ class HFAssisted(_AssistantSchedule):
         """``assistant``: the model config (conf/model/) of the draft model, checked to exist."""
         from selfspec.config import group_options
 
-        name = _get(cfg, "assistant")
+        name = cfg.get("assistant")
         if name is None:
             raise checks.refuse(f"{prefix}.assistant", name, "method=hf_assisted needs method.assistant=<model "
                                 "config name of the draft model> (conf/model/), sharing the target's tokenizer")

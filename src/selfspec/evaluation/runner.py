@@ -280,6 +280,9 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int, sample: int,
         "acceptance_rate": gen.acceptance_rate,
         "stop_reason": gen.stop_reason,
         "stats": gen.stats,
+        # the shape of every step (decoding.base.StepTrace, defaults left out): hardware-independent
+        # under greedy decoding, so a run can be re-costed later; null for the HF peers (no steps of ours)
+        "trace": [t.row() for t in gen.trace] if gen.trace else None,
     }
 
 
