@@ -114,7 +114,8 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
     save_artefact(tmp_path / "t", "ppd_tree", {"tau": torch.ones(1)}, tiny,
                   extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
     cfg = OmegaConf.create({"name": "ppd", "prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
-                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
+                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None,
+                            "state_zero": True})
     dec = build_decoder(cfg, m)
     assert dec.generate(prompt_ids, 8).tokens == Vanilla(m).generate(prompt_ids, 8).tokens
     cfg.tree = str(tmp_path / "missing")
