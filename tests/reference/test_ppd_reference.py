@@ -8,9 +8,9 @@ candidates, accepted candidates, tree size, width of the pass and the tree's sta
 (how many prompt tokens the accepted node carried).
 
 Discrete quantities are compared exactly. The one float comparison, the K/V cache after the last
-step, has a tolerance: selfspec computes with its own CPU operators (fused q/k/v products, row-wise
-attention, rows in another order) where transformers takes its stock ones, so the same arithmetic
-differs in the last bits.
+step, has a tolerance (1e-4): selfspec computes with its own CPU operators (fused q/k/v products,
+row-wise attention, rows in another order) where transformers takes its stock ones, so the same
+float32 arithmetic differs in the last bits (SmolLM2's keys by up to ~2e-5).
 
 Named deviations, each checked to be the only difference:
 
@@ -68,12 +68,12 @@ def narrow():
     return loaded
 
 
-def framework_trees(seed: int, per_depth: tuple[int, ...] = (4, 10, 8)) -> dict[int, SparseTree]:
+def framework_trees(seed: int, per_depth: tuple[int, ...] = (4, 10, 8),
+                    ranks: int = len(LIVE)) -> dict[int, SparseTree]:
     """A random dynamic sparse tree as selfspec's builder may shape it: ``per_depth[d - 1]``
-    candidates at depth ``d`` (every rank at depth 1), ranks below ``len(LIVE)``; 0…m prompt tokens
-    on the root and on each candidate."""
+    candidates at depth ``d`` with ranks below ``ranks`` (every rank at depth 1 by default);
+    0…m prompt tokens on the root and on each candidate."""
     rng = random.Random(seed)
-    ranks = len(LIVE)
     trees = {}
     for k in range(M + 1):
         nodes = []
@@ -143,8 +143,8 @@ def check_cache(dec, ref: ppd_authors.Run) -> None:
     for i, layer in enumerate(ref.cache.layers):
         assert cache.length(i) >= n
         k, v = cache.layer_kv(i)
-        torch.testing.assert_close(k[:, :, :n], layer.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v[:, :, :n], layer.values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k[:, :, :n], layer.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v[:, :, :n], layer.values, atol=1e-4, rtol=1e-4)
 
 
 def _embeddings(model, seed: int) -> torch.Tensor:
@@ -208,7 +208,7 @@ def test_ppd_paper_equals_the_authors_loop_on_smollm2(smol, tmp_path):
     m, n_new = smol.model, 24
     ids = smol.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
     prompts = PromptTokens.init_from_tokens(m, M, 1, seed=0).embeddings.detach()
-    trees = framework_trees(0, n_candidates=12)
+    trees = framework_trees(0, per_depth=(10, 8, 4), ranks=ppd_authors.TOPK)
     ref = ppd_authors.generate(m.hf, prompts[:, 0], candidate_lists(trees), ids, n_new)
     dec, out = run(method("ppd_paper", *save(smol, tmp_path, prompts, trees)), m, ids, n_new)
     assert out.tokens == ref.tokens == Vanilla(m).generate(ids, n_new).tokens
