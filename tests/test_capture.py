@@ -23,7 +23,7 @@ def pair():
 
     loaded = load_model(model_config("tiny-random"))
     static = LayeredModel(loaded.model.hf, name="tiny-static", linear_kernel=loaded.model.linear_kernel,
-                          capture_mode="static")
+                          passes=capture.StepRunner("static"))
     return loaded.model, static
 
 
@@ -113,7 +113,7 @@ def test_cuda_graphs_give_the_dynamic_tokens_and_capture_once(prompt_ids):
     cfg = model_config("tiny-random")
     cfg.device, cfg.capture = "cuda", "off"
     dyn = load_model(cfg).model
-    graphs = LayeredModel(dyn.hf, name="tiny-graphs", capture_mode="graphs")
+    graphs = LayeredModel(dyn.hf, name="tiny-graphs", passes=capture.StepRunner("graphs"))
     assert graphs.capture == "graphs"
     skip = SkipSet.of(attn=[1], mlp=[2])
     for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):

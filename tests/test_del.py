@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.decoding import DecodeState, Sampling, build_decoder
-from selfspec.decoding.early_exit import DEL, ShadowStats, tpl_argmax
+from selfspec.decoding.early_exit import DEL, ShadowStats, round_cost, tpl_argmax
 from test_early_exit import agreeing_model, compose_method, vanilla
 
 
@@ -33,8 +33,10 @@ def test_greedy_equals_vanilla_under_controller(agree, tiny, prompt_ids, over):
 
 
 def test_controller_moves_exit_and_gamma(agree, prompt_ids):
-    """On the agreeing model the controller drafts (accepted drafts) at changing (ℓ, γ)."""
-    d = del_decoder(agree, head_cost=0.0)
+    """On the agreeing model the controller drafts (accepted drafts) at changing (ℓ, γ). Costs from
+    parameters and no speculation gate: what the controller decides must not depend on the
+    machine's timings (a loaded machine measured other v(k) and the gate took plain steps)."""
+    d = del_decoder(agree, head_cost=0.0, cost_model="parameters", never_slower=False)
     seen = set()
     plan = d.plan
     d.plan = lambda state: seen.add((plan(state).exit_layer, plan(state).max_draft)) or plan(state)
@@ -98,6 +100,13 @@ def test_shadow_stats_equal_brute_force_decayed_ratios():
     fresh = ShadowStats(2, omega)
     fresh.update(torch.tensor([[True], [False]]), torch.tensor([[0.9], [0.2]]))
     assert fresh.threshold().tolist() == [0.0, 0.0]  # no stop until both kinds are seen
+    # a mismatch long ago still counts: 600 matches later (ω^600 ≈ 4e-14) the mean stays exact
+    old = ShadowStats(1, 0.95)
+    old.update(torch.tensor([[False]]), torch.tensor([[0.25]]))
+    for _ in range(100):
+        old.update(torch.ones(1, 6, dtype=torch.bool), torch.full((1, 6), 0.75))
+    assert float(old.threshold()[0]) == pytest.approx(0.5, rel=1e-12)
+    assert old.state()["conf_miss"] == [pytest.approx(0.25, rel=1e-12)]
 
 
 @pytest.mark.parametrize("head_cost", [0.0, 2.5])
@@ -119,7 +128,8 @@ def test_tpl_argmax_matches_brute_force(head_cost, measured):
                     best = (ell, g, tokens / cost)
             gammas = torch.arange(gmin, gmax + 1)
             verify = torch.tensor([v(int(g) + 1) for g in gammas]) if measured else None
-            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, L, head_cost, verify)
+            cost = round_cost(torch.tensor(layers), gammas, L, head_cost, verify)
+            got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, cost)
             assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
 
 
@@ -143,8 +153,7 @@ def test_measured_costs_come_from_the_models_cost_curve(tiny, prompt_ids):
         g = d.generate(prompt_ids, 16)
         assert g.tokens == vanilla(tiny, prompt_ids, 16)
         p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
-        assert p.verify is None and p.head_cost == pytest.approx(m.lm_head.weight.numel() /
-                                                                 sum(x.numel() for x in m.layers[0].parameters()))
+        assert p.verify is None and p.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
     finally:
         m.cost_curve = saved
 

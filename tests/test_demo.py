@@ -78,9 +78,10 @@ def test_answer_per_task_matches_the_demo_runs(demo_run):
     from selfspec.reporting.answer import answers
     from selfspec.reporting.layouts import TASK_SCORE
     from selfspec.reporting.records import collect
-    from selfspec.reporting.tables import METHOD_TITLE
+    from selfspec.reporting.tables import method_title
 
-    by_task = {(a.task, a.decoding): a for a in answers(collect([demo_run.run_dir / "eval"]))}
+    records = collect([demo_run.run_dir / "eval"])
+    by_task = {(a.task, a.decoding): a for a in answers(records)}
     assert set(by_task) == {(t, "greedy") for t in ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")} | {
         ("xsum", "T=0.2"), ("humaneval", "T=0.6")}
     for run in (demo_run.run_dir / "eval").iterdir():
@@ -90,7 +91,8 @@ def test_answer_per_task_matches_the_demo_runs(demo_run):
                     key=lambda m: methods[m]["speedup"])
         temperature = summary["config"]["sampling"]["temperature"]
         got = by_task[(summary["task"], "greedy" if summary["greedy"] else f"T={temperature:g}")]
-        assert got.method == METHOD_TITLE[label] and got.source == str(run)
+        record = next(r for r in records if r.provenance["source"] == str(run) and r.method == label)
+        assert got.method == method_title(record) and got.source == str(run)
         assert got.speedup == methods[label]["speedup"]
         assert got.consistency == methods[label]["consistency"]
         assert (got.consistency is None) is (not summary["greedy"])

@@ -16,7 +16,7 @@ from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.sampling import warp
 from selfspec.heads import DraftVocab, IntermediateHeads, load_draft_vocab, save_draft_vocab
 from selfspec.training.draft_vocab import choose_size, count_tokens, coverage, generated, rank
-from selfspec.training.heads import Sequence
+from selfspec.training.continuations import Sequence
 from test_draft_verify import first_step, first_token_counts
 from test_early_exit import agreeing_model, vanilla
 

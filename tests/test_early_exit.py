@@ -17,7 +17,7 @@ def agreeing_model(layers=6, damp=0.05):
     exits often agree with the final layer (drafts get accepted and every path is exercised)."""
     loaded = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"num_hidden_layers": layers}}))
     with torch.no_grad():
-        for layer in loaded.model.layers[1:]:
+        for layer in loaded.model.hf.model.layers[1:]:
             layer.self_attn.o_proj.weight.mul_(damp)
             layer.mlp.down_proj.weight.mul_(damp)
     return loaded
@@ -31,7 +31,8 @@ def agree():
 def ee(loaded, exit_layer, max_draft, draft_stop=None, **kw):
     cfg = {"name": "early_exit", "exit_layer": exit_layer, "max_draft": max_draft,
            "exit_head": kw.pop("exit_head", "lm_head"),
-           "heads": kw.pop("heads", None), "draft_stop": draft_stop}
+           "heads": kw.pop("heads", None), "draft_stop": draft_stop,
+           **{key: kw.pop(key) for key in ("prefill", "ngram") if key in kw}}
     return build_decoder(OmegaConf.create(cfg), loaded.model, **kw)
 
 
@@ -80,6 +81,28 @@ def test_budget_eos_and_stop_strings(agree, prompt_ids):
     assert g.tokens == ref[: ref.index(eos) + 1] and g.stop_reason == "eos"
 
 
+def test_draft_prefill_equals_vanilla(agree, prompt_ids):
+    """``prefill: draft`` (LayerSkip's code): the first round drafts from the prompt's layer-ℓ
+    state and verifies the prompt and its drafts in one pass; greedy output is vanilla's for every
+    exit layer and budget (one token: no draft, the prompt through both halves), and the rounds'
+    statistics count the first round."""
+    ref = vanilla(agree, prompt_ids, 20)
+    for ell in range(agree.model.num_layers - 1):
+        g = ee(agree, ell, 4, prefill="draft").generate(prompt_ids, 20)
+        assert g.tokens == ref and g.trace[0].drafted == 4, ell
+        rounds = g.steps - g.stats.get("plain_steps_gated", 0)
+        assert g.stats["exit_layer_mean"] == ell and g.stats["draft_len_mean"] == sum(g.drafted_per_step) / rounds
+    for n in (1, 2, 3):
+        assert ee(agree, 1, 4, prefill="draft").generate(prompt_ids, n).tokens == ref[:n]
+    one = prompt_ids[:1]  # a one-token prompt is x_0 itself
+    assert ee(agree, 1, 4, prefill="draft").generate(one, 12).tokens == vanilla(agree, one, 12)
+    ngram = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4, "draft_schedule": "constant"}
+    assert ee(agree, 1, 4, prefill="draft", ngram=ngram).generate(prompt_ids + prompt_ids, 20).tokens == \
+        vanilla(agree, prompt_ids + prompt_ids, 20)
+    with pytest.raises(ValueError, match=r"method\.prefill"):
+        ee(agree, 1, 4, prefill="half")
+
+
 def _steps(dec, loaded, ids, n_steps, sampling=Sampling()):
     prompt = torch.tensor([ids])
     cache = loaded.model.new_cache(len(ids) + 64)
@@ -109,7 +132,7 @@ def test_exit_query_reuse_gives_the_recomputed_cache(agree, prompt_ids):
 @pytest.fixture
 def disagreeing(agree):
     """The agreeing model with its upper layers 6× stronger (damping 0.3): drafts differ from the target."""
-    scale = lambda f: [w.mul_(f) for layer in agree.model.layers[1:]  # noqa: E731
+    scale = lambda f: [w.mul_(f) for layer in agree.model.hf.model.layers[1:]  # noqa: E731
                        for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
     with torch.no_grad():
         scale(6.0)

@@ -162,6 +162,7 @@ def test_paper_configs_turn_the_gate_off(tiny):
     for label in ("draft_verify_paper", "early_exit_paper", "del_paper", "ppd_paper"):
         options = check_method(compose(["model=tiny-random", f"method={label}"]).method)
         assert options["never_slower"] is False, label
-    assert check_method(compose(["model=tiny-random", "method=del_paper"]).method)["cost_model"] == "parameters"
+    assert check_method(compose(["model=tiny-random", "method=del_paper"]).method)["cost_model"] == "layers"
+    assert check_method(compose(["model=tiny-random", "method=early_exit_paper"]).method)["prefill"] == "draft"
     dec = build_decoder(OmegaConf.create({**GATED["ngram"], "never_slower": False}), tiny.model)
     assert dec.gate is None

@@ -11,7 +11,8 @@ from selfspec.artefacts import ArtefactError
 from selfspec.config import compose, conf_dir, model_config
 from selfspec.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
 from selfspec.models.loading import load_model
-from selfspec.training import heads as job_heads
+from selfspec.training import head_distillation as job_heads
+from selfspec.training.continuations import Sequence
 from selfspec.training import loop
 from selfspec.training.loop import CheckpointMismatch, TrainConfig, train
 
@@ -62,14 +63,14 @@ def _job(**kw):
 
 def _synthetic(n, length=24, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [job_heads.Sequence(torch.randint(0, 2000, (length,), generator=g).tolist(), 8) for _ in range(n)]
+    return [Sequence(torch.randint(0, 2000, (length,), generator=g).tolist(), 8) for _ in range(n)]
 
 
 def _train(tiny, ckpt, steps, job):
     heads = job_heads.make_heads(tiny.model, job)
     loss_fn, batch_fn, eval_fn = job_heads.trainer(heads, _synthetic(6), _synthetic(2, seed=1), job, 0)
-    cfg = TrainConfig(steps=steps, lr=float(job.lr), schedule=str(job.schedule), ckpt_every=int(job.ckpt_every),
-                      eval_every=0, log_every=100)
+    cfg = TrainConfig.from_config(OmegaConf.merge(job, {"steps": steps, "warmup_steps": 0, "eval_every": 0,
+                                                        "log_every": 100}), seed=0)
     return heads, train(heads, loss_fn, batch_fn, cfg, ckpt, eval_fn=eval_fn)
 
 

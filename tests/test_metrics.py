@@ -54,7 +54,7 @@ def test_humaneval_runs_programs_out_of_process():
     assert per_problem == [1.0, 0.0, 0.0, 0.0]  # correct, wrong, timeout, kills its process
     both = metrics.humaneval_pass_at_k([["    return 2 * x\n", "    return x\n"]], [PROBLEM],
                                        k=(1, 2, 5))
-    assert both == {"pass@1": 0.5, "pass@2": 1.0, "isolation": sandbox.isolation()}
+    assert both == {"pass@1": 0.5, "pass@2": 1.0, "isolation": sandbox.BUBBLEWRAP}
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -85,14 +85,18 @@ def test_evaluate_modules_load_offline(tmp_path):
         "g = metrics.load('gsm8k').compute(predictions=['#### 3'], references=['3'])\n"
         "h = metrics.load('humaneval').compute(predictions=[['    return 2 * x\\n']],\n"
         f"    references=[{PROBLEM!r}], k=[1])\n"
-        "print(json.dumps([r, g, h]))\n")
+        "u = metrics.load('humaneval').compute(predictions=[['    return 2 * x\\n']],\n"
+        f"    references=[{PROBLEM!r}], k=[1], isolation='rlimits-only')\n"
+        "print(json.dumps([r, g, h, u]))\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    rouge, gsm, humaneval = json.loads(out.stdout.strip().splitlines()[-1])
+    rouge, gsm, humaneval, unisolated = json.loads(out.stdout.strip().splitlines()[-1])
     assert rouge == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
-    assert gsm == {"accuracy": 1.0} and humaneval == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert gsm == {"accuracy": 1.0} and humaneval == {"pass@1": 1.0, "isolation": sandbox.BUBBLEWRAP}
+    assert unisolated == {"pass@1": 1.0, "isolation": sandbox.RLIMITS_ONLY}  # the explicit opt-in
+    assert "NOT isolated" in out.stderr
 
 
 def test_unknown_metric():

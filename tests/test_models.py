@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from selfspec.artefacts import ArtefactError, load_artefact, save_artefact
 from selfspec.checks import ConfigError
 from selfspec.config import model_config
-from selfspec.models.layered import LayeredModel, UnsupportedModelError
+from selfspec.models.families import UnsupportedModelError
+from selfspec.models.layered import LayeredModel
 from selfspec.models.loading import ModelLoadError, load_model
 
 

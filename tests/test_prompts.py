@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from selfspec.artefacts import ArtefactError
 from selfspec.decoding.tree import prompt_chain_mask
 from selfspec.prompts import PromptTokens, load_prompts, save_prompts
-from selfspec.training.prompts import distillation_loss, sample_batch, student_teacher, topk_accuracy
+from selfspec.training.prompt_tuning import distillation_loss, sample_batch, student_teacher, topk_accuracy
 
 
 def test_student_and_teacher_equal_brute_force_passes(tiny):

@@ -15,7 +15,7 @@ from selfspec.evaluation import evaluate
 from selfspec.heads import IntermediateHeads, save_heads
 from selfspec.reporting import build_report, collect, get_layout, read_run
 from selfspec.reporting.answer import answers
-from selfspec.reporting.artefacts import bo_traces, find_artefacts, tree_curves
+from selfspec.reporting.artefact_figures import bo_traces, find_artefacts, tree_curves
 from selfspec.reporting.layouts import LAYOUTS
 from selfspec.reporting.paper import paper_records
 from selfspec.reporting.plots import gamma_series

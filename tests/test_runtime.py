@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import json
 import subprocess
@@ -131,20 +131,23 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
 
 @needs_kernel
 def test_kernel_runs_inside_the_runtime_only(tiny, prompt_ids, monkeypatch):
-    """transformers' own generate (the HF peers, the tests' reference) keeps the stock kernel;
-    selfspec's decoders take the skinny one, and both give the same tokens."""
+    """transformers' own generate (the HF peers, the tests' reference) runs the library's code:
+    no module's forward is replaced and the config's attention implementation is the user's;
+    selfspec's runtime calls the skinny kernel explicitly, and both give the same tokens."""
     from selfspec.decoding.vanilla import Vanilla
 
     from conftest import hf_greedy
 
     assert tiny.model.linear_kernel == "skinny"
+    assert not [m for m in tiny.model.hf.modules() if "forward" in vars(m)]
+    assert tiny.model.config._attn_implementation == "sdpa"
     calls = []
     real = kernels.skinny_linear
     monkeypatch.setattr(kernels, "skinny_linear", lambda *a: calls.append(1) or real(*a))
     ref = hf_greedy(tiny, prompt_ids, 12)
-    assert calls == [] and not kernels.is_active()
+    assert calls == []
     out = Vanilla(tiny.model).generate(prompt_ids, 12).tokens
-    assert calls and out == ref and not kernels.is_active()
+    assert calls and out == ref
 
 
 def test_cost_curve_interpolates_and_reports_ratios():
@@ -171,7 +174,7 @@ def test_time_forward_leaves_the_cache_as_it_was(tiny):
 def test_weight_bytes_counts_a_tied_head_once(tiny):
     model = tiny.model
     params = sum(p.numel() * 4 for p in model.hf.parameters())
-    untied = params - model.embed_tokens.weight.numel() * 4  # embedding rows are looked up, not read
+    untied = params - model.embedding_bytes  # embedding rows are looked up, not read
     assert weight_bytes(model) == untied
 
 
@@ -216,8 +219,7 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = tiny.model
-    assert model.config._attn_implementation == kernels.ATTENTION
-    attn = model.layers[0].self_attn
+    attn = model.hf.model.layers[0].self_attn
     assert attn.num_key_value_groups > 1
     g = torch.Generator().manual_seed(0)
     n = kernels.MAX_ROWS + 3
@@ -226,10 +228,8 @@ def test_masked_gqa_attention_shares_heads_and_matches_transformers(tiny):
     v = torch.randn(1, 2, n + 7, model.head_dim, generator=g)
     mask = model.causal_mask(n, 7)
     stock, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
-    with kernels.active():
-        fast, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
-    outside, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
-    assert torch.equal(fast, stock) and torch.equal(outside, stock)
+    fast = kernels.attention(sdpa_attention_forward, attn, q, k, v, mask, attn.scaling)
+    assert torch.equal(fast, stock)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,9 +240,11 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     same rows need not: it blocks the queries together). A one-row call takes one query head per
     task, a 12-row call all heads of a key/value group per task: a head's arithmetic is the same."""
 
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+
     assert {torch.float32, torch.bfloat16} <= kernels.ROWWISE_DTYPES  # the default
     model = tiny.model
-    attn = model.layers[0].self_attn
+    attn = model.hf.model.layers[0].self_attn
     g = torch.Generator().manual_seed(1)
     past, n = 40, 12
     q = torch.randn(1, 4, n, model.head_dim, generator=g).to(dtype)
@@ -253,13 +255,12 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     tree[1:, past] = True  # a root, children of it, and a chain 0 -> 3 -> 5
     tree[5, past + 3] = True
     for mask in (model.causal_mask(n, past), model.prepare_mask(tree)):
-        with kernels.active():
-            rows, _ = kernels._attention(attn, q, k, v, mask, scaling=attn.scaling)
+        rows = kernels.attention(sdpa, attn, q, k, v, mask, attn.scaling)
         for i in range(n):
             idx = mask[0, 0, i].nonzero().squeeze(-1)
-            with kernels.active():  # the one-token decoding step over exactly those keys
-                one, _ = kernels._attention(attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
-                                            None, scaling=attn.scaling)
+            # the one-token decoding step over exactly those keys
+            one = kernels.attention(sdpa, attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
+                                    None, attn.scaling)
             assert torch.equal(rows[:, i], one[:, 0]), i
 
 
@@ -292,8 +293,10 @@ def test_fused_projections_are_the_librarys_sublayers(tiny):
     """Each layer's q/k/v and gate/up weights are views of one matrix, and the runtime's
     sublayers (one product each, the fused norm and rotary operators inside the runtime) equal the
     library's own attention and MLP forward on the same input within float32 rounding."""
+    from transformers import DynamicCache
+
     m = tiny.model
-    layer = m.layers[1]
+    layer = m.hf.model.layers[1]
     weight, _, sizes = m._qkv[1]
     rows = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
     offsets = [0, sizes[0], sizes[0] + sizes[1]]
@@ -305,23 +308,20 @@ def test_fused_projections_are_the_librarys_sublayers(tiny):
     h = torch.randn(1, n, m.hidden_size, generator=g)
     rope = m.rope(m.positions(past, n), h)
     mask = m.causal_mask(n, past)
-    for inside in (False, True):
-        caches = []
-        for _ in range(2):
-            cache = m.new_cache(past + n)
-            with torch.inference_mode():
-                m.forward(torch.arange(past).unsqueeze(0), cache, start=0)
-            caches.append(cache)
-        with torch.inference_mode(), (kernels.active() if inside else contextlib.nullcontext()):
-            ref_attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
-                                          attention_mask=mask, past_key_values=caches[0])
-            ref_attn = h + ref_attn
-            ref_mlp = h + layer.mlp(layer.post_attention_layernorm(h))
-            out_attn = m.attention(1, h, rope, caches[1], mask)
-            out_mlp = m.mlp(1, h)
-        torch.testing.assert_close(out_attn, ref_attn, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out_mlp, ref_mlp, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(caches[0].values[1], caches[1].values[1], rtol=1e-5, atol=1e-6)
+    cache = m.new_cache(past + n)
+    with torch.inference_mode():
+        m.forward(torch.arange(past).unsqueeze(0), cache, start=0)
+        ref_cache = DynamicCache()  # the library's own cache, holding the same past of layer 1
+        ref_cache.update(*(t[:, :, :past].clone() for t in cache.layer_kv(1)), 1)
+        ref_attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
+                                      attention_mask=mask, past_key_values=ref_cache)
+        ref_attn = h + ref_attn
+        ref_mlp = h + layer.mlp(layer.post_attention_layernorm(h))
+        out_attn = m.attention(1, h, rope, cache, mask)
+        out_mlp = m.mlp(1, h)
+    torch.testing.assert_close(out_attn, ref_attn, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_mlp, ref_mlp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref_cache.layers[1].values, cache.layer_kv(1)[1], rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
@@ -340,14 +340,13 @@ def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
     angle = torch.randn(1, 5, 32, generator=g)
     cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
-    with kernels.active():
-        out_q, out_k = kernels.rotary(apply_rotary_pos_emb, q, k, cos, sin)
+    out_q, out_k = kernels.rotary(apply_rotary_pos_emb, q, k, cos, sin)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     norm = LlamaRMSNorm(576, eps=1e-5)
     norm.weight.data = torch.randn(576, generator=g)
     norm = norm.to(dtype)
     x = torch.randn(1, 7, 576, generator=g).to(dtype)
-    with torch.inference_mode(), kernels.active():
+    with torch.inference_mode():
         fused = kernels.rms_norm(norm, x)
         rows = torch.cat([kernels.rms_norm(norm, x[:, i:i + 1]) for i in range(7)], dim=1)
     assert torch.equal(fused, rows)
@@ -355,3 +354,177 @@ def test_fused_layer_ops_have_the_librarys_arithmetic(dtype):
         assert torch.equal(fused, norm(x))
     else:
         torch.testing.assert_close(fused, norm(x), rtol=4e-7, atol=1e-6)
+
+
+# --- llama.cpp as a peer (the optional extra) ----------------------------------------------------
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed (the optional extra: make llamacpp)")
+
+
+def _rope_halves(x, angles):
+    """transformers' rotary embedding of one head: dimension j turns with j + d/2."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1)
+
+
+def _rope_adjacent(x, angles):
+    """llama.cpp's ``llama`` rotary embedding of one head: dimension 2j turns with 2j + 1."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()], -1).flatten(-2)
+
+
+def test_gguf_rows_turn_in_llama_cpps_rotary_pairs():
+    """A projection's rows reordered for llama.cpp, then turned by llama.cpp's rotary embedding, give
+    transformers' rotated query reordered alike: the same attention scores (q . k) either way."""
+    from selfspec.models.gguf_export import rope_pairs_adjacent
+
+    g = torch.Generator().manual_seed(6)
+    heads, d, hidden = 3, 8, 16
+    w_q, w_k = torch.randn(heads * d, hidden, generator=g), torch.randn(heads * d, hidden, generator=g)
+    h_q, h_k = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+    angles = torch.rand(d // 2, generator=g) * 6
+    hf_q = _rope_halves((w_q @ h_q).view(heads, d), angles)
+    hf_k = _rope_halves((w_k @ h_k).view(heads, d), angles * 0.3)
+    cpp_q = _rope_adjacent((rope_pairs_adjacent(w_q, heads) @ h_q).view(heads, d), angles)
+    cpp_k = _rope_adjacent((rope_pairs_adjacent(w_k, heads) @ h_k).view(heads, d), angles * 0.3)
+    torch.testing.assert_close(cpp_q, rope_pairs_adjacent(hf_q.reshape(-1), heads).view(heads, d))
+    torch.testing.assert_close((cpp_q * cpp_k).sum(-1), (hf_q * hf_k).sum(-1))
+
+
+def test_pre_tokenizer_names():
+    from selfspec.models.gguf_export import pre_tokenizer_name
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert pre_tokenizer_name(byte_level) == "gpt-2"
+    assert pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, byte_level]}) == "smollm"
+    assert pre_tokenizer_name({"type": "Metaspace"}) == "default" and pre_tokenizer_name(None) == "default"
+
+
+def test_gguf_is_written_from_the_loaded_weights_and_cached(tiny, tmp_path, monkeypatch):
+    """The file holds the loaded model's own values (the query/key rows reordered), the Llama
+    hyperparameters and the tokenizer; it is written once per weights digest, dtype and fingerprint."""
+    from gguf import GGUFReader
+
+    from selfspec.models import gguf_export
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    path = gguf_export.cached_gguf(tiny)
+    assert path.parent == tmp_path / "gguf" and tiny.weights_digest in path.name and "float32" in path.name
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    hf = tiny.model.hf
+    layer = hf.model.layers[1]
+    cfg = hf.config
+
+    def values(name):
+        t = tensors[name]
+        return torch.from_numpy(t.data.copy()).reshape(list(reversed(t.shape.tolist())))
+
+    assert torch.equal(values("token_embd.weight"), hf.model.embed_tokens.weight.detach())
+    assert torch.equal(values("output.weight"), hf.lm_head.weight.detach())  # tiny-random's head is untied
+    assert torch.equal(values("blk.1.attn_v.weight"), layer.self_attn.v_proj.weight.detach())
+    assert torch.equal(values("blk.1.attn_k.weight"), gguf_export.rope_pairs_adjacent(
+        layer.self_attn.k_proj.weight.detach(), cfg.num_key_value_heads))
+    assert len(tensors) == 3 + 9 * cfg.num_hidden_layers and all(t.tensor_type.name == "F32" for t in tensors.values())
+
+    def field(key):
+        f = reader.fields[key]
+        value = f.parts[f.data[0]]
+        return bytes(value).decode() if f.types[0].name == "STRING" else value[0].item()
+
+    assert field("general.architecture") == "llama" and field("llama.block_count") == cfg.num_hidden_layers
+    assert field("llama.attention.head_count_kv") == cfg.num_key_value_heads
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.eos_token_id") == tiny.tokenizer.eos_token_id
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == tiny.model.vocab_size
+    written = path.stat().st_mtime_ns
+    assert gguf_export.cached_gguf(tiny) == path and path.stat().st_mtime_ns == written
+    monkeypatch.setattr(tiny, "weights_digest", "0123456789abcdef")
+    assert gguf_export.gguf_path(tiny) != path
+
+
+def test_gguf_writer_names_what_it_does_not_cover(tiny):
+    from selfspec.models import gguf_export
+
+    cfg = tiny.model.hf.config
+    saved = cfg.rope_parameters
+    try:
+        cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+        assert "yarn" in gguf_export.export_problem(tiny.model.hf)
+    finally:
+        cfg.rope_parameters = saved
+    assert gguf_export.export_problem(tiny.model.hf) is None
+
+
+def test_llama_cpp_is_skipped_in_one_line_when_not_installed(tiny, monkeypatch):
+    from selfspec.evaluation import llamacpp, runtime
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    assert llamacpp.import_llama_cpp() is None
+    r = runtime.runtime_report(tiny, ks=(1, 2), contexts=(16,), new_tokens=3, repeats=1)
+    assert r["llama_cpp"] == {"skipped": llamacpp.NOT_INSTALLED} and set(r["peers"]) == {"vanilla", "hf_generate"}
+    text = runtime.format_report(r)
+    assert text.count("llama.cpp") == 1
+    assert "llama.cpp: skipped (llama-cpp-python not installed; `make llamacpp`)" in text.splitlines()
+
+
+@needs_llama_cpp
+def test_llama_cpp_decodes_the_same_tokens_as_vanilla(tiny, tmp_path, monkeypatch):
+    """The GGUF file written from tiny-random loads in llama.cpp, which then decodes, from the same
+    prompt ids (no BOS added), the tokens vanilla decodes, and tokenizes text as the tokenizer does."""
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.evaluation.llamacpp import LlamaCppPeer
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, tiny.model.vocab_size, (40,), generator=g).tolist()
+    peer = LlamaCppPeer(tiny, 40 + 16 + 1, threads=1)
+    try:
+        out = peer.generate(prompt, 16)
+        assert out.prompt_len == 40 and out.new_tokens == 16 and out.seconds > 0
+        assert out.tokens == Vanilla(tiny.model).generate(prompt, 16).tokens
+        assert peer.generate(prompt, 4).tokens == out.tokens[:4]  # a second call starts afresh
+        text = "The year 2024 had 366 days; naïve café. <|im_start|>user\n  x = 1"
+        assert peer.llm.tokenize(text.encode(), add_bos=False, special=True) == \
+            tiny.tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        peer.close()
+
+
+def test_decode_rates_time_other_peers_alike(tiny, monkeypatch):
+    """A peer given to decode_rates is timed by the same differencing, its prefill is the time to
+    its first token, and its agreement with vanilla is counted token by token."""
+    from selfspec.decoding import base, peers, vanilla
+    from selfspec.evaluation import runtime
+
+    def fake(step, tokens):
+        def generate(self, prompt, max_new_tokens, sampling=None):
+            return base.Generation(tokens=tokens[:max_new_tokens], prompt_len=len(prompt),
+                                   seconds=2.0 + step * max_new_tokens, steps=max_new_tokens,
+                                   accepted_per_step=[1] * max_new_tokens,
+                                   drafted_per_step=[0] * max_new_tokens, stop_reason="length")
+        return generate
+
+    monkeypatch.setattr(vanilla.Vanilla, "generate", fake(0.05, [1, 2, 3, 4, 5]))
+    monkeypatch.setattr(peers.HFPeer, "generate", fake(0.08, [1, 2, 3, 4, 5]))
+    other = type("Other", (), {"generate": fake(0.04, [1, 2, 9, 4, 5])})()
+    rates = runtime.decode_rates(tiny, 16, 5, 2, {"other": other})
+    assert rates["other"] == pytest.approx(25.0) and rates["prefill"]["other"] == pytest.approx(16 / 2.04)
+    assert rates["agreement"] == {"vanilla": 5, "hf_generate": 5, "other": 2} and rates["same_tokens"]
+    figures = runtime.peer_figures(rates, "other", 1000, 1e5)
+    assert figures["bandwidth_fraction"] == pytest.approx(0.25) and not figures["same_tokens"]
+
+
+def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
+    from selfspec.evaluation import llamacpp, runtime
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Failed to load model from file: x.gguf")
+
+    monkeypatch.setattr(llamacpp, "import_llama_cpp", lambda: object())
+    monkeypatch.setattr(llamacpp, "LlamaCppPeer", refuse)
+    peer, line = runtime.llama_cpp_peer(tiny, 64)
+    assert peer is None and line == ("llama.cpp: FAILED to load the GGUF file of tiny-random "
+                                     "(ValueError: Failed to load model from file: x.gguf)")

@@ -54,14 +54,14 @@ def test_humaneval_keeps_the_first_function():
 def test_humaneval_canonical_solution_passes():
     from selfspec.assets import asset_path
     from selfspec.metrics import sandbox
-    from selfspec.tasks.base import read_jsonl
+    from selfspec.tasks.task import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2})
     solutions = {r["task_id"]: r["canonical_solution"]
                  for r in read_jsonl(asset_path("humaneval"), {"task_id": str})}
     examples = task.examples()
     got = task.score([solutions[e.id] for e in examples], [e.reference for e in examples])
-    assert got == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert got == {"pass@1": 1.0, "isolation": sandbox.BUBBLEWRAP}
 
 
 def test_gsm8k_offline_is_gsm_symbolic():
@@ -306,7 +306,7 @@ def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
     """The canonical solution inside a chat reply, extracted, passes the tests after the prompt."""
     from selfspec.assets import asset_path
     from selfspec.metrics import sandbox
-    from selfspec.tasks.base import read_jsonl
+    from selfspec.tasks.task import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2}, model_chat=True)
     records = {r["task_id"]: r for r in read_jsonl(asset_path("humaneval"), {"task_id": str})}
@@ -321,5 +321,5 @@ def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
         ast.parse(ex.prompt + completion)
         completions.append(completion)
     got = task.score(completions, [e.reference for e in task.examples()])
-    assert got == {"pass@1": 1.0, "isolation": sandbox.isolation()}
+    assert got == {"pass@1": 1.0, "isolation": sandbox.BUBBLEWRAP}
     assert task.postprocess("No code here, sorry.") != "" and task.postprocess("") == ""

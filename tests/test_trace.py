@@ -34,19 +34,27 @@ def _decoder(name, tiny):
         "draft_verify": {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "max_draft": 4,
                          "never_slower": False},
         "early_exit": {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False},
+        "early_exit_draft": {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False,
+                             "prefill": "draft"},
         "del": {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
         "ngram": {"name": "ngram", "never_slower": False},
     }
     return build_decoder(OmegaConf.create(cfgs[name]), m)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "draft_verify", "early_exit", "del", "ngram", "adadecode", "ppd"])
+@pytest.mark.parametrize("name", ["vanilla", "draft_verify", "early_exit", "early_exit_draft", "del", "ngram",
+                                  "adadecode", "ppd"])
 def test_every_step_leaves_a_trace_that_adds_up(tiny, prompt_ids, name):
     ids = prompt_ids + prompt_ids  # a repeat, so the n-gram lookup finds matches
     g = _decoder(name, tiny).generate(ids, N_NEW, Sampling())
     trace = g.trace
     assert len(trace) == g.steps and all(isinstance(t, StepTrace) for t in trace)
-    assert trace[0].source == "prefill" and trace[0].width == len(ids) and trace[0].committed == 1
+    if name == "early_exit_draft":  # LayerSkip's first round: the prompt and its drafts in one verification
+        first = trace[0]
+        assert first.source == "prefill" and first.width == len(ids) + first.drafted and first.drafted == 3
+        assert first.committed == first.accepted + 1 and first.exit_layer == 1
+    else:
+        assert trace[0].source == "prefill" and trace[0].width == len(ids) and trace[0].committed == 1
     assert {t.source for t in trace} <= SOURCES
     assert [t.committed for t in trace] == g.accepted_per_step
     assert [t.drafted for t in trace] == g.drafted_per_step
@@ -60,10 +68,13 @@ def test_every_step_leaves_a_trace_that_adds_up(tiny, prompt_ids, name):
     if name == "draft_verify":
         assert all(set(t.controller) == {"threshold", "ar"} for t in trace if t.source == "self")
         assert all(t.draft_limit == 4 for t in trace if t.source == "self")
-    if name in ("early_exit", "del"):
+    if name in ("early_exit", "early_exit_draft", "del"):
         assert all(t.exit_layer is not None for t in trace if t.source == "self")
     if name == "del":
-        assert all({"exit_layer", "max_draft", "threshold"} == set(t.controller) for t in trace if t.source == "self")
+        plan, stats = {"exit_layer", "max_draft", "threshold"}, {"alpha", "conf_match", "conf_miss"}
+        assert all(plan | stats == set(t.controller) for t in trace if t.source == "self")
+        assert set(trace[0].controller) == stats  # the prefill seeds the shadow statistics
+        assert all(len(t.controller["alpha"]) == tiny.model.num_layers - 1 for t in trace if t.controller)
     if name == "ngram":
         assert {t.source for t in trace} <= {"prefill", "plain", "context"}
     if name == "adadecode":

@@ -25,7 +25,8 @@ def make():
     return torch.nn.Linear(3, 1, bias=False)
 
 
-CFG = dict(steps=12, lr=0.1, schedule="cosine", warmup_steps=2, grad_accum=2, ckpt_every=4, eval_every=6, log_every=3)
+CFG = dict(steps=12, lr=0.1, schedule="cosine", warmup_steps=2, grad_accum=2, max_grad_norm=1.0, weight_decay=0.0,
+           mixed_precision="auto", ckpt_every=4, eval_every=6, log_every=3, seed=0)
 
 
 def test_learns_and_logs_eval(tmp_path):
@@ -72,9 +73,23 @@ def test_resume_refuses_changed_settings(tmp_path):
 
 def test_bad_config_is_named():
     with pytest.raises(ValueError, match="schedule"):
-        TrainConfig(schedule="exp")
+        TrainConfig(**{**CFG, "schedule": "exp"})
     with pytest.raises(ValueError, match="steps"):
-        TrainConfig(steps=0)
+        TrainConfig(**{**CFG, "steps": 0})
+
+
+def test_settings_come_from_the_job_config_only():
+    """TrainConfig has no defaults of its own: the job yaml sets every key; one it lacks is named."""
+    from omegaconf import OmegaConf
+
+    from selfspec.config import conf_dir
+
+    for name in ("heads", "prompts"):
+        job = OmegaConf.load(conf_dir() / "job" / f"{name}.yaml")
+        assert TrainConfig.from_config(job, seed=3).seed == 3
+    job = {"name": "heads", **{k: v for k, v in CFG.items() if k not in ("seed", "lr", "warmup_steps")}}
+    with pytest.raises(ValueError, match=r"job\.lr is missing: conf/job/heads\.yaml must set lr, warmup_steps"):
+        TrainConfig.from_config(job, seed=0)
 
 
 def test_progress_bar_on_stderr_only_when_asked(tmp_path, capsys):

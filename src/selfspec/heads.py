@@ -3,7 +3,7 @@
 AdaDecode §3.1 ("lightweight LM heads"): the head at layer ``l`` is ``E_l = E* · T_l`` with
 ``E*`` the frozen final LM head and ``T_l ∈ R^{d×d}`` trainable, so a head costs ``d²``
 parameters instead of ``d·|V|``. It is trained by KL(p* ‖ p_l) against the final layer
-(:mod:`selfspec.training.heads`). DEL (and any early-exit method) uses the untrained variant:
+(:mod:`selfspec.training.head_distillation`). DEL (and any early-exit method) uses the untrained variant:
 the model's own final norm and head applied to an intermediate layer.
 
 Placement of ``T_l``: ``logits = E* · T_l · norm(h)`` (``norm`` = the model's final RMSNorm,
@@ -90,7 +90,7 @@ class IntermediateHeads(torch.nn.Module):
             elif kind == "full":
                 lin = torch.nn.Linear(d, v, bias=False, device=model.device, dtype=torch.float32)
                 with torch.no_grad():
-                    lin.weight.copy_(model.lm_head.weight.float())
+                    lin.weight.copy_(model.lm_head_weight.float())
                 self.heads[str(i)] = lin
 
     @classmethod
@@ -107,13 +107,13 @@ class IntermediateHeads(torch.nn.Module):
         m, vocab = self.model, self.vocab
         x = m.final_norm(h)
         if self.kind == "lm_head":
-            return m.lm_head(x).float() if vocab is None else vocab.logits(x)
+            return m.head(x).float() if vocab is None else vocab.logits(x)
         lin = self.heads[str(layer)]
         if self.kind == "full":
             x = x.to(lin.weight.dtype)
             return lin(x).float() if vocab is None else vocab.logits(x, lin.weight)
         x = lin(x.to(lin.weight.dtype)).to(m.dtype)
-        return m.lm_head(x).float() if vocab is None else vocab.logits(x)
+        return m.head(x).float() if vocab is None else vocab.logits(x)
 
     def forward(self, hiddens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{layer: hidden}`` -> ``{layer: logits}`` for all heads (training)."""
@@ -125,15 +125,20 @@ class IntermediateHeads(torch.nn.Module):
         return {f"{prefix}.{i}": self.heads[str(i)].weight.detach() for i in self.layers if str(i) in self.heads}
 
 
+def heads_contents(heads: IntermediateHeads) -> tuple[dict[str, torch.Tensor], dict]:
+    """A head set's artefact: its tensors and the ``meta.json`` fields :func:`load_heads` reads."""
+    return heads.tensors(), {"layers": heads.layers, "head_kind": heads.kind}
+
+
 def save_heads(path, heads: IntermediateHeads, loaded_model, **meta) -> Path:
     """Save a head set as an artefact (``kind="heads"``); ``meta`` may hold task, train_config,
     metrics and any extra fields for ``meta.json``."""
     task = meta.pop("task", None)
     train_config = meta.pop("train_config", None)
     metrics = meta.pop("metrics", None)
-    extra = {"layers": heads.layers, "head_kind": heads.kind, **meta}
-    return save_artefact(path, ARTEFACT_KIND, heads.tensors(), loaded_model, task=task,
-                         train_config=train_config, metrics=metrics, extra=extra)
+    tensors, fields = heads_contents(heads)
+    return save_artefact(path, ARTEFACT_KIND, tensors, loaded_model, task=task,
+                         train_config=train_config, metrics=metrics, extra={**fields, **meta})
 
 
 def load_heads(path, model) -> IntermediateHeads:
@@ -222,8 +227,8 @@ class DraftVocab:
     draft's ``q`` is a proper distribution over ``V`` with zeros outside ``S``, so speculative
     sampling against the full-head target stays lossless. Verification never uses this head.
 
-    The kept rows are a plain ``nn.Linear`` routed through the model's linear kernel
-    (:func:`selfspec.models.kernels.install`), like the LM head itself.
+    The kept rows are a weight of their own, multiplied with the model's linear kernel
+    (:meth:`~selfspec.models.layered.LayeredModel.head`), like the LM head itself.
     """
 
     def __init__(self, model, ids, path=None, meta: dict | None = None) -> None:
@@ -232,49 +237,36 @@ class DraftVocab:
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
             raise ValueError(f"draft vocabulary needs distinct token ids in [0, {v - 1}] for {model.name}, "
                              f"got {ids.numel()} ids; rebuild it with `make draft-vocab MODEL={model.name}`")
-        from selfspec.models import kernels
-
         self.model = model
         self.ids = ids.sort().values.to(model.device)
         self.size = int(ids.numel())
         self.vocab_size = v
         self.path = Path(path) if path is not None else None
         self.meta = meta or {}
-        self.head = self._rows(model.lm_head.weight)
-        self._other: dict[int, torch.nn.Linear] = {}
-        self._kernel = model.linear_kernel
-        kernels.install([self.head], self._kernel)
+        self.weight = self._rows(model.lm_head_weight)
+        self._other: dict[int, torch.Tensor] = {}
 
-    def _rows(self, weight: torch.Tensor) -> torch.nn.Linear:
-        lin = torch.nn.Linear(weight.shape[1], self.size, bias=False, device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            lin.weight.copy_(weight.detach()[self.ids.to(weight.device)])
-        lin.requires_grad_(False)
-        return lin
+    def _rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The kept rows of a ``|V|×d`` head, contiguous (the skinny kernel reads them in order)."""
+        return weight.detach()[self.ids.to(weight.device)].contiguous()
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of normalised states ``x [..., d]`` (``weight``: another
         ``|V|×d`` head to truncate, e.g. a full-parameter AdaDecode head; default the LM head):
         the kept rows' scores, ``-inf`` elsewhere."""
-        head = self.head
-        if weight is not None and weight is not self.model.lm_head.weight:
-            head = self._other.get(id(weight))
-            if head is None:
-                from selfspec.models import kernels
-
-                head = self._other[id(weight)] = self._rows(weight)
-                kernels.install([head], self._kernel)
-        sub = head(x.to(head.weight.dtype)).float()
+        rows = self.weight
+        if weight is not None and weight is not self.model.lm_head_weight:
+            rows = self._other.get(id(weight))
+            if rows is None:
+                rows = self._other[id(weight)] = self._rows(weight)
+        sub = self.model.head(x.to(rows.dtype), rows).float()
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
 
     def model_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's final norm and the truncated LM head on hidden states ``h`` (a full-depth
         or skip-set draft: Draft & Verify)."""
-        from selfspec.models import kernels
-
-        with kernels.active():
-            return self.logits(self.model.final_norm(h))
+        return self.logits(self.model.final_norm(h))
 
     def head_layers(self) -> float:
         """This head's measured cost in decoder layers (:func:`selfspec.models.costs.time_head` over
@@ -297,13 +289,18 @@ def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None) -> tor
     return model.logits(h) if vocab is None else vocab.model_logits(h)
 
 
+def draft_vocab_tensors(ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A draft vocabulary's artefact tensors: ``ids`` in rank order (most frequent first), their ``counts``."""
+    return {"ids": ids.long(), "counts": counts.long()}
+
+
 def save_draft_vocab(path, ids: torch.Tensor, counts: torch.Tensor, loaded_model, **meta) -> Path:
-    """Save a draft vocabulary artefact (``kind="draft_vocab"``): ``ids`` in rank order (most
-    frequent first) and their ``counts``; ``meta`` holds task, train_config, metrics and extras."""
+    """Save a draft vocabulary artefact (``kind="draft_vocab"``, :func:`draft_vocab_tensors`);
+    ``meta`` holds task, train_config, metrics and extras."""
     task = meta.pop("task", None)
     train_config = meta.pop("train_config", None)
     metrics = meta.pop("metrics", None)
-    return save_artefact(path, VOCAB_KIND, {"ids": ids.long(), "counts": counts.long()}, loaded_model, task=task,
+    return save_artefact(path, VOCAB_KIND, draft_vocab_tensors(ids, counts), loaded_model, task=task,
                          train_config=train_config, metrics=metrics, extra=meta)
 
 

@@ -47,7 +47,7 @@ class PromptTokens(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, model.vocab_size, (m * n_ept,), generator=g).to(model.device)
         with torch.no_grad():
-            emb = model.embed_tokens(ids).detach().clone().view(m, n_ept, -1)
+            emb = model.embed(ids).detach().clone().view(m, n_ept, -1)
         return cls(emb.to(dtype=model.dtype))
 
     def gather(self, p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -68,15 +68,18 @@ class PromptTokens(torch.nn.Module):
         return self.embeddings.numel() * self.embeddings.element_size()
 
 
+def prompts_contents(prompts: PromptTokens) -> tuple[dict[str, torch.Tensor], dict]:
+    """A ``prompts`` artefact: its tensors and the ``meta.json`` fields of its shape."""
+    return {"embeddings": prompts.embeddings.detach()}, {"m": prompts.m, "n_ept": prompts.n_ept}
+
+
 def save_prompts(path: str | Path, prompts: PromptTokens, loaded_model, *, train_config=None,
                  metrics=None, task: str | None = None) -> Path:
     from selfspec.artefacts import save_artefact
 
-    return save_artefact(
-        path, KIND, {"embeddings": prompts.embeddings.detach()}, loaded_model, task=task,
-        train_config=train_config, metrics=metrics,
-        extra={"m": prompts.m, "n_ept": prompts.n_ept},
-    )
+    tensors, fields = prompts_contents(prompts)
+    return save_artefact(path, KIND, tensors, loaded_model, task=task, train_config=train_config,
+                         metrics=metrics, extra=fields)
 
 
 def load_prompts(path: str | Path, loaded_model=None, model=None) -> PromptTokens:

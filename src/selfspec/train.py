@@ -1,10 +1,9 @@
 """``python -m selfspec.train job=<name>``: train one artefact (heads, prompts, skips, ppd_tree, draft_vocab).
 
-Each job is a module in :mod:`selfspec.training` with ``prepare(cfg)`` (every config value
-checked and the job's data read, without the model), ``artefact_dir(cfg, opts)`` (where it saves)
-and ``run(cfg, opts, loaded) -> dict`` (its summary; ``loaded`` is a model the caller loaded from
-``cfg.model``, else the job loads it). :func:`run_job` prepares, then owns the artefact directory
-for the whole job (:mod:`selfspec.locks`: a second job into it is refused at once), then runs.
+Each job is a module in :mod:`selfspec.training` declaring ``JOB``, a
+:class:`~selfspec.training.driver.Job` (its artefact kind, ``prepare``, default directory, inputs
+and objective); :func:`run_job` hands it to the one driver, :func:`selfspec.training.driver.run`
+(prepare → lock → load → track → objective → save → report).
 """
 
 from __future__ import annotations
@@ -16,46 +15,36 @@ import hydra
 from omegaconf import DictConfig
 
 from selfspec.config import conf_dir
+from selfspec.training import driver
 
 log = logging.getLogger(__name__)
 
-#: job name -> module with ``run(cfg)``
+#: job name (conf/job/<name>.yaml) -> the module whose ``JOB`` it runs
 JOBS = {
-    "heads": "selfspec.training.heads",
-    "prompts": "selfspec.training.prompts",
+    "heads": "selfspec.training.head_distillation",
+    "prompts": "selfspec.training.prompt_tuning",
     "skips": "selfspec.training.skips",
     "ppd_tree": "selfspec.training.tree",
     "draft_vocab": "selfspec.training.draft_vocab",
 }
 
 
-def job_module(cfg: DictConfig):
-    """The module of ``cfg.job.name``."""
+def job_of(cfg: DictConfig) -> driver.Job:
+    """The :class:`~selfspec.training.driver.Job` of ``cfg.job.name``."""
     name = str(cfg.job.name)
     if name not in JOBS:
         raise ValueError(f"unknown job {name!r}; choose one of {', '.join(sorted(JOBS))} (conf/job/)")
-    return importlib.import_module(JOBS[name])
+    return importlib.import_module(JOBS[name]).JOB
 
 
-def prepare_job(cfg: DictConfig):
+def prepare_job(cfg: DictConfig) -> dict:
     """Check the job's config and read its data, without loading the model."""
-    return job_module(cfg).prepare(cfg)
+    return driver.prepare(job_of(cfg), cfg)
 
 
 def run_job(cfg: DictConfig, loaded=None) -> dict:
     """Run the job; ``loaded``: a model already loaded from ``cfg.model`` (the demo shares one)."""
-    from selfspec.locks import artefact_lock, hold
-    from selfspec.tracking import check_writable, hydra_output_dir, open_run_log
-
-    module = job_module(cfg)
-    opts = module.prepare(cfg)  # config and data checked before anything is locked or loaded
-    out = module.artefact_dir(cfg, opts)
-    with hold(artefact_lock(out), f"artefact directory {out}"):
-        check_writable(out.parent, "the artefact (artefact_dir=...)")
-        run_dir = hydra_output_dir()
-        if run_dir is not None:
-            open_run_log(run_dir)
-        return module.run(cfg, opts, loaded)
+    return driver.run(job_of(cfg), cfg, loaded)
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")

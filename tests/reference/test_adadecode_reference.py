@@ -53,10 +53,10 @@ def peaked():
     loaded = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"num_hidden_layers": 6}}))
     m = loaded.model
     with torch.no_grad():
-        m.lm_head.weight.mul_(30)
+        m.lm_head_weight.mul_(30)
         for i in range(1, m.num_layers):
-            m.layers[i].self_attn.o_proj.weight.mul_(0.3)
-            m.layers[i].mlp.down_proj.weight.mul_(0.3)
+            m.hf.model.layers[i].self_attn.o_proj.weight.mul_(0.3)
+            m.hf.model.layers[i].mlp.down_proj.weight.mul_(0.3)
     return loaded
 
 

@@ -62,7 +62,7 @@ def narrow():
                              for t in LIVE])
         after = after / after.norm(dim=-1, keepdim=True)
         common = after.mean(0) / after.mean(0).norm()
-        w = loaded.model.lm_head.weight
+        w = loaded.model.lm_head_weight
         w.mul_(1e-3)
         w[LIVE[1:] + LIVE[:1]] = 3 * after + 10 * common
     return loaded

@@ -7,7 +7,8 @@ around it — prefill, stopping at EOS / stop strings / the token budget, timing
 lives here once, so every method stops exactly where vanilla stops.
 
 Statistics convention (used everywhere in selfspec): a **step** is one call that commits
-tokens (prefill counts as one step, which commits the first token). ``tau`` — *mean accepted
+tokens (prefill counts as one step, which commits the first token; under early exit's
+``prefill: draft``, LayerSkip's code, it drafts from the prompt and commits a round's tokens). ``tau`` — *mean accepted
 tokens per step* — **includes the bonus token**, as Spec-Bench's τ does: vanilla has
 ``tau == 1.0``. The acceptance rate is accepted draft tokens / drafted tokens (LayerSkip's
 definition; the bonus token is not a draft token).
@@ -27,7 +28,6 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from selfspec.decoding.sampling import Sampling, select
-from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
 from selfspec.models.costs import synchronizer
 from selfspec.models.layered import LayeredModel
@@ -231,6 +231,12 @@ class Decoder:
         h = self.model.forward(prompt, state.cache, start=0)
         return int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])
 
+    def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
+        """The step that reads the prompt (traced as ``prefill``): default :meth:`prefill`, which
+        commits one token; a method whose authors draft from the prompt itself overrides it
+        (early exit's ``prefill: draft``, LayerSkip's code)."""
+        return [self.prefill(state, prompt)]
+
     def step(self, state: DecodeState, budget: int) -> list[int]:
         """Commit one or more tokens (at most ``budget`` are used); see the module docstring."""
         raise NotImplementedError
@@ -293,9 +299,9 @@ class Decoder:
         sync()
         t0 = time.perf_counter()
         self.begin(state)
-        with torch.inference_mode(), kernels.active():
+        with torch.inference_mode():
             state.trace_step = StepTrace("prefill", width=n_prompt)
-            reason = self._commit(state, [self.prefill(state, prompt)], max_new_tokens)
+            reason = self._commit(state, self.first_step(state, prompt, max_new_tokens), max_new_tokens)
             while reason is None:
                 state.drafted = 0
                 state.trace_step = StepTrace()

@@ -216,6 +216,10 @@ class ChainDecoder(Drafter, Decoder):
         new = context_step(self, state, budget)
         if new is not None:
             return new
+        return self.self_step(state, budget)
+
+    def self_step(self, state: DecodeState, budget: int) -> list[int]:
+        """The chain step with the method's own drafts (no context drafts first)."""
         limit = self.draft_length(state)
         k_max = min(limit, budget - 1)  # n accepted + 1 bonus <= budget
         draft = self.propose(state, k_max) if k_max > 0 else Draft()

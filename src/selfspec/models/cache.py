@@ -10,9 +10,8 @@ Self-speculative methods need more than the library's caches offer:
   token tree (PPD §3.2);
 * **no per-token reallocation**: buffers are allocated once for ``max_length`` positions.
 
-The Llama-family attention modules of ``transformers`` write keys and values through
-``past_key_values.update(key, value, layer_idx)`` and attend over what it returns, so this
-object drives the library's attention unchanged (docs/design.md §4).
+The runtime (:mod:`selfspec.models.layered`) writes each layer's keys and values here
+(:meth:`LayerCache.write`) and attends over what it returns.
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ class LayerCache:
     ``lengths[i]`` is how many positions of layer ``i`` hold valid keys/values. A write
     appends at ``lengths[i]``; :meth:`truncate` only moves the length back.
     """
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(
         self,
@@ -55,10 +51,9 @@ class LayerCache:
     def num_layers(self) -> int:
         return len(self.keys)
 
-    # --- the interface the library's attention modules call -------------------------------
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # --- the runtime's K/V writes (selfspec.models.layered.KV) -------------------------------
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[1, kv_heads, n, head_dim]`` keys/values to layer ``layer_idx``; return all."""
         start = self.lengths[layer_idx]
         end = start + key_states.shape[-2]
@@ -71,9 +66,6 @@ class LayerCache:
         self.values[layer_idx][:, :, start:end] = value_states
         self.lengths[layer_idx] = end
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.lengths[layer_idx]
 
     # --- what the decoders use -------------------------------------------------------------
     def length(self, layer_idx: int) -> int:

@@ -31,13 +31,11 @@ same either way (docs/design.md §4), only the speed differs.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from selfspec.models.cache import LayerCache
-    from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.cache import LayerCache
 
 MODES = ("auto", "graphs", "static", "off")
 #: padded sizes of k; a pass of k new tokens runs at the smallest bucket >= k
@@ -72,30 +70,24 @@ def bucket(n: int) -> int | None:
 
 
 class _Writes:
-    """``past_key_values`` for a static pass: K/V written at ``index`` (a device tensor); attention
-    sees the whole buffer, and the mask hides what is not yet valid."""
+    """The K/V writes of a static pass (:class:`selfspec.models.layered.KV`): at ``index`` (a device
+    tensor) in the cache's buffers; attention sees the whole buffer, and the mask hides what is
+    not yet valid."""
 
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, cache: "LayerCache", index: torch.Tensor) -> None:
+    def __init__(self, cache: LayerCache, index: torch.Tensor) -> None:
         self.cache, self.index = cache, index
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+    def write(self, layer_idx: int, key_states, value_states):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         keys.index_copy_(2, self.index, key_states)
         values.index_copy_(2, self.index, value_states)
         return keys, values
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # pragma: no cover - not called by attention
-        return self.cache.lengths[layer_idx]
-
 
 class _Pass:
     """One static pass: its input buffers and, under ``graphs``, its graph and output buffer."""
 
-    def __init__(self, model: "LayeredModel", max_length: int, layers: range, skip, size: int,
-                 from_ids: bool) -> None:
+    def __init__(self, model: Any, max_length: int, layers: range, skip, size: int, from_ids: bool) -> None:
         dev = model.device
         self.model, self.layers, self.skip, self.size = model, layers, skip, size
         self.ids = torch.zeros(1, size, dtype=torch.long, device=dev) if from_ids else None
@@ -115,22 +107,15 @@ class _Pass:
             self.h[:, :n].copy_(h)
         self.start.fill_(start)
 
-    def body(self, cache: "LayerCache") -> torch.Tensor:
+    def body(self, cache: LayerCache) -> torch.Tensor:
         m = self.model
         positions = self.start + self.offsets  # [size]
         mask = m.prepare_mask(self.slots.unsqueeze(0) <= positions.unsqueeze(1))
         h = m.embed(self.ids) if self.ids is not None else self.h
-        rope = m.rope(positions.unsqueeze(0), h)
-        writes = _Writes(cache, positions)
-        skip = self.skip
-        for i in self.layers:
-            if skip is None:
-                h = m.mlp(i, m.attention(i, h, rope, writes, mask))
-            else:
-                h = m.run_layer(i, h, rope, writes, mask, i in skip.attn, i in skip.mlp)
-        return h
+        return m.run_layers(h, self.layers, _Writes(cache, positions), m.rope(positions.unsqueeze(0), h), mask,
+                            self.skip)
 
-    def capture(self, cache: "LayerCache", pool) -> None:
+    def capture(self, cache: LayerCache, pool) -> None:
         """Record :meth:`body` on ``cache`` as a CUDA graph, after two warm-up runs on a side stream
         (they run on the loaded inputs, so what they write into the cache is what the pass writes)."""
         device = self.model.device
@@ -145,7 +130,7 @@ class _Pass:
             self.out = self.body(cache)
         self.cache = cache
 
-    def __call__(self, cache: "LayerCache", n: int) -> torch.Tensor:
+    def __call__(self, cache: LayerCache, n: int) -> torch.Tensor:
         if self.graph is None:
             return self.body(cache)[:, :n]
         self.graph.replay()
@@ -161,16 +146,20 @@ class StepRunner:
     ``reuse=True`` and capture once per model rather than once per example.
     """
 
-    def __init__(self, model: "LayeredModel", mode: str) -> None:
-        self.model, self.mode = model, mode
+    #: cache positions past a pass that its padding rows may write
+    padding = BUCKETS[-1]
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
         self._passes: OrderedDict[tuple, _Pass] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         #: passes that went through here / graphs captured (run records and tests read them)
         self.routed = 0
         self.captured = 0
 
-    def run(self, ids, h, cache: "LayerCache", start: int, layers: range, skip: "SkipSet | None"):
-        """The hidden states ``[1, n, d]`` of the pass, or None when it must take the dynamic path."""
+    def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip):
+        """The hidden states ``[1, n, d]`` of ``model``'s pass (a
+        :class:`~selfspec.models.layered.LayeredModel`), or None when it must take the dynamic path."""
         if cache is None or not torch.is_inference_mode_enabled() or not len(layers):
             return None
         n = (ids if h is None else h).shape[1]
@@ -180,10 +169,10 @@ class StepRunner:
         if any(cache.lengths[i] != start for i in layers):
             return None
         owner = id(cache) if self.mode == "graphs" else cache.max_length
-        key = (owner, layers.start, layers.stop, skip, size, h is None)
+        key = (id(model), owner, layers.start, layers.stop, skip, size, h is None)
         p = self._passes.get(key)
         if p is None or (p.cache is not None and p.cache is not cache):
-            p = _Pass(self.model, cache.max_length, layers, skip, size, from_ids=h is None)
+            p = _Pass(model, cache.max_length, layers, skip, size, from_ids=h is None)
             p.load(ids, h, start, n)
             if self.mode == "graphs":
                 p.capture(cache, self._pool)
@@ -200,7 +189,7 @@ class StepRunner:
         self.routed += 1
         return out
 
-    def forget(self, cache: "LayerCache") -> None:
+    def forget(self, cache: LayerCache) -> None:
         """Drop the graphs captured on ``cache`` (it is about to be replaced)."""
         for key in [k for k, p in self._passes.items() if p.cache is cache]:
             del self._passes[key]

@@ -98,9 +98,8 @@ def weight_bytes(model: LayeredModel) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     # the embedding reads one row per token, not the table, unless it is the (tied) LM head
-    embed = model.embed_tokens.weight
-    if embed.data_ptr() != model.lm_head.weight.data_ptr():
-        total -= embed.numel() * embed.element_size()
+    if not model.tied_embeddings:
+        total -= model.embedding_bytes
     return total
 
 

@@ -1,5 +1,7 @@
-"""The layered runtime's fast paths: few-row linears that cost about one row, and masked GQA
-attention without copies. Both run only while the runtime computes (:class:`active`).
+"""The layered runtime's CPU operators: few-row linears that cost about one row, masked GQA
+attention without copies, and the norm and rotary embedding as one operator each. The runtime
+calls them explicitly (:mod:`selfspec.models.layered`); no module's ``forward`` is replaced, so
+transformers' own ``generate`` (the HF peers, the tests' reference) runs the library's code.
 
 A decoding step multiplies one token's hidden state by every weight matrix; a verification pass
 multiplies k of them. On a memory-bound machine both should cost about the same (the weights
@@ -17,11 +19,9 @@ batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine
 ``torch.utils.cpp_extension`` into the selfspec cache and registered as
 ``torch.ops.selfspec.skinny_linear``.
 
-:func:`install` routes a model's ``nn.Linear`` modules through it, but only while the layered
-runtime is computing (:func:`active`); the same modules called by transformers' own ``generate``
-(the HF peers, the tests' reference) run the stock kernel. Model config key ``linear_kernel``:
-``auto`` (this kernel on a CPU with AVX2 in float32 or bfloat16, else torch's), ``skinny`` (this kernel, or
-an error saying why it cannot run), ``torch`` (always torch's).
+Model config key ``linear_kernel``: ``auto`` (this kernel on a CPU with AVX2 in float32 or
+bfloat16, else torch's), ``skinny`` (this kernel, or an error saying why it cannot run),
+``torch`` (always torch's).
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +61,8 @@ LAYER_OPS_SOURCE = Path(__file__).with_name("csrc") / "layer_ops.cpp"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
-_state = threading.local()
-
-
 class KernelUnavailable(RuntimeError):
     """The skinny kernel cannot run here (no AVX2, no compiler, wrong device or dtype)."""
-
-
-class active:
-    """Context in which installed linears take the skinny kernel (re-entrant, per thread)."""
-
-    __slots__ = ()
-
-    def __enter__(self):
-        _state.depth = getattr(_state, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _state.depth -= 1
-
-
-def is_active() -> bool:
-    return getattr(_state, "depth", 0) > 0
 
 
 def _build_dir() -> Path:
@@ -152,28 +132,31 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y if bias is None else y + bias
 
 
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records these inputs (the CPU operators have no backward: PPD's prompt
+    training back-propagates through the runtime, and then takes the library's path)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: the skinny kernel inside :class:`active` when ``skinny`` (the
-    model's kernel is ``skinny``) and the input suits it, else ``F.linear``."""
-    if (skinny and _state.__dict__.get("depth", 0) and x.dtype == weight.dtype and x.device.type == "cpu"
-            and x.shape[-1] % 8 == 0 and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1])
-            and not (x.requires_grad and torch.is_grad_enabled())):
+    """``x @ weight.T (+ bias)``: the skinny kernel when ``skinny`` (the model's kernel is
+    ``skinny``) and the input suits it, else ``F.linear``."""
+    if (skinny and x.dtype == weight.dtype and x.device.type == "cpu" and x.shape[-1] % 8 == 0
+            and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]) and not _wants_grad(x)):
         # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _layer_ops_apply(*tensors: torch.Tensor) -> bool:
-    """Whether the fused layer operators take these inputs: inside the runtime, on CPU, float32
-    or bfloat16, no gradient wanted."""
+    """Whether the fused layer operators take these inputs: CPU, float32 or bfloat16, no gradient wanted."""
     t = tensors[0]
-    return (_state.__dict__.get("depth", 0) > 0 and t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
-            and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not _wants_grad(*tensors)
 
 
 def rms_norm(module: torch.nn.Module, x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     """The family's RMSNorm ``module`` on ``x``: one operator (``csrc/layer_ops.cpp``, the same
-    arithmetic) inside the runtime on CPU when ``enabled`` (the kernels are built), else the module."""
+    arithmetic) on CPU when ``enabled`` (the kernels are built), else the module."""
     weight = module.weight
     if enabled and _layer_ops_apply(x, weight) and x.dtype == weight.dtype:
         return torch.ops.selfspec.rms_norm(x, weight, float(module.variance_epsilon))
@@ -181,21 +164,12 @@ def rms_norm(module: torch.nn.Module, x: torch.Tensor, enabled: bool = True) -> 
 
 
 def rotary(apply, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, enabled: bool = True):
-    """The family's ``apply_rotary_pos_emb`` (``apply``) on q and k: one operator inside the
-    runtime on CPU when ``enabled`` (the same products and sum, each rounded as torch rounds them),
-    else ``apply``."""
+    """The family's ``apply_rotary_pos_emb`` (``apply``) on q and k: one operator on CPU when
+    ``enabled`` (the same products and sum, each rounded as torch rounds them), else ``apply``."""
     if (enabled and _layer_ops_apply(q, k, cos) and q.dtype == k.dtype == cos.dtype == sin.dtype
             and q.dim() == 4 and q.shape[0] == k.shape[0] == 1 and cos.shape[0] == 1 and q.shape[-1] % 2 == 0):
         return torch.ops.selfspec.rotary(q, k, cos, sin)
     return apply(q, k, cos, sin)
-
-
-def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
-
-
-#: the attention implementation :func:`install_attention` registers with transformers
-ATTENTION = "selfspec_sdpa"
 
 
 @functools.lru_cache(maxsize=1)
@@ -243,57 +217,34 @@ def rowwise_attention(query, key, value, allowed=None, scaling=None) -> torch.Te
     return torch.cat(rows, dim=2)
 
 
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, except inside the layered runtime on CPU with an explicit
-    boolean mask (verification passes, trees, prefill):
+def attention(attend: Callable, module, query, key, value, mask, scaling: float, **kwargs):
+    """Attention of ``query`` over ``key``/``value`` (``[1, H, q, D]``, ``[1, KV, kv, D]``) in the
+    runtime; returns ``[1, q, H, D]``. ``attend`` is the family's attention function (transformers'
+    SDPA wrapper or the family's eager attention), which runs wherever none of these apply:
 
-    * in :data:`ROWWISE_DTYPES`, up to :data:`MAX_ROWS` query rows (and one-token steps, which
-      carry no mask) run through :func:`rowwise_attention`, so a k-token pass attends exactly as
-      k one-token steps;
+    * on CPU in :data:`ROWWISE_DTYPES` under SDPA, a one-token step (no mask) and a pass of up to
+      :data:`MAX_ROWS` query rows with a boolean mask (verification passes, trees) run through
+      :func:`rowwise_attention`, so a k-token pass attends exactly as k one-token steps;
     * longer ones (prefill) with grouped-query attention let the kernel share K/V heads
       (``enable_gqa``) instead of copying them once per query head, as transformers does whenever
       a mask is given; the outputs are the same.
 
-    Outside :class:`active` (transformers' own ``generate``), and wherever a gradient is wanted
-    (PPD's prompt training back-propagates through attention; the row-wise kernel has no backward),
-    this is the stock function."""
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    if (query.dtype in ROWWISE_DTYPES and attention_mask is None and query.shape[2] == 1 and is_active()
-            and query.device.type == "cpu" and query.shape[0] == 1 and dropout == 0.0
-            and kwargs.get("position_bias") is None):  # a one-token decoding step
-        return rowwise_attention(query, key, value, None, scaling).transpose(1, 2).contiguous(), None
-    if (attention_mask is None or not is_active() or query.device.type != "cpu"
-            or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    if (query.dtype in ROWWISE_DTYPES and query.shape[2] <= MAX_ROWS and query.shape[0] == 1
-            and attention_mask.dtype == torch.bool
-            and attention_mask.shape[:-2].numel() == 1 and dropout == 0.0):
-        return rowwise_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
-    if getattr(module, "num_key_value_groups", 1) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=False, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    With a gradient wanted (PPD's prompt training back-propagates through attention; the row-wise
+    kernel has no backward), it is ``attend``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-
-@functools.lru_cache(maxsize=1)
-def _register_attention() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTENTION, _attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-
-def install_attention(config) -> None:
-    """Route a model's ``sdpa`` attention through :func:`_attention` (other implementations stay)."""
-    if getattr(config, "_attn_implementation", None) == "sdpa":
-        _register_attention()
-        config._attn_implementation = ATTENTION
+    if (attend is not sdpa_attention_forward or query.device.type != "cpu" or query.shape[0] != 1
+            or _wants_grad(query, key, value)):
+        return attend(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)[0]
+    rows = query.shape[2]
+    if query.dtype in ROWWISE_DTYPES and (mask is None and rows == 1 or mask is not None and rows <= MAX_ROWS
+                                          and mask.dtype == torch.bool and mask.shape[:-2].numel() == 1):
+        return rowwise_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous()
+    if mask is None or getattr(module, "num_key_value_groups", 1) == 1:
+        return attend(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)[0]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=False,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -324,21 +275,6 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     return "torch"
 
 
-def install(modules, kernel: str) -> None:
-    """Route ``modules`` (``nn.Linear``) through :func:`_forward` when ``kernel == "skinny"``.
-
-    The modules keep their class, parameters and state dict; only their instance ``forward``
-    changes, and it takes the stock path outside :class:`active`.
-    """
-    for module in modules:
-        if kernel == "skinny":
-            if not module.weight.is_contiguous():
-                module.weight.data = module.weight.data.contiguous()
-            module.forward = _forward.__get__(module)
-        else:
-            module.__dict__.pop("forward", None)
-
-
-__all__ = ["ATTENTION", "KERNELS", "MAX_ROWS", "KernelUnavailable", "active", "install", "install_attention",
-           "is_active", "linear", "load", "resolve", "rms_norm", "rotary", "skinny_linear"]
+__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "linear", "load", "resolve", "rms_norm", "rotary",
+           "rowwise_attention", "skinny_linear"]
 

@@ -54,7 +54,8 @@ from typing import Any, NamedTuple
 import torch
 
 from selfspec import assets, checks
-from selfspec.models.layered import LayeredModel, UnsupportedModelError, check_model_type
+from selfspec.models.families import UnsupportedModelError, check_model_type
+from selfspec.models.layered import LayeredModel
 
 log = logging.getLogger(__name__)
 
@@ -310,8 +311,11 @@ def load_model(cfg) -> LoadedModel:
     digest = weights_digest(hf)  # before the cast: the same for every run dtype
     hf.to(device=device, dtype=dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
+    from selfspec.models import capture
+
+    mode = capture.resolve(str(_get(cfg, "capture", "auto")), device)
     layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel", "auto")),
-                           capture_mode=str(_get(cfg, "capture", "auto")))
+                           attn_implementation=attn, passes=capture.StepRunner(mode) if mode != "off" else None)
     layered.fingerprint = fingerprint(hf.config, tok)
     layered.weights_digest = digest
     return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain, digest)
@@ -563,8 +567,7 @@ def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
     if tok_from:
         tok = _tokenizer_of(str(tok_from))
         vocab = vocab or len(tok)
-    config = LlamaConfig(vocab_size=int(vocab), **spec)
-    config._attn_implementation = attn
+    config = LlamaConfig(vocab_size=int(vocab), attn_implementation=attn, **spec)
     if tok is not None:
         config.eos_token_id = tok.eos_token_id
         config.bos_token_id = tok.bos_token_id

@@ -14,7 +14,7 @@ Modules: :mod:`~selfspec.reporting.records` (reading runs), :mod:`~selfspec.repo
 ``paper_figures.yaml``), :mod:`~selfspec.reporting.tables`, :mod:`~selfspec.reporting.plots`,
 :mod:`~selfspec.reporting.figure` (a PNG with its caption and axis labels),
 :mod:`~selfspec.reporting.answer` (per task, the fastest lossless method),
-:mod:`~selfspec.reporting.artefacts`, :mod:`~selfspec.reporting.html`,
+:mod:`~selfspec.reporting.artefact_figures`, :mod:`~selfspec.reporting.html`,
 :mod:`~selfspec.reporting.wandb_source`, :mod:`~selfspec.reporting.dashboard` (the W&B panel
 layout) and :mod:`~selfspec.reporting.build` (all of it).
 """

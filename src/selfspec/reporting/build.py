@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from selfspec.reporting import artefacts as art
+from selfspec.reporting import artefact_figures as art
 from selfspec.reporting import plots
 from selfspec.reporting.answer import Answer, answers
 from selfspec.reporting.answer import to_markdown as to_answer_markdown

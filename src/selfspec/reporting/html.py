@@ -78,8 +78,24 @@ def runtime_html(r: dict[str, Any]) -> str:
                f"<li>LM head: {100 * r['head_share_of_step']:.1f}% of a decoding step</li>"
                f"<li>memory: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved by vanilla decoding, "
                f"{100 * r['bandwidth_fraction']:.1f}% of the {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s a large copy "
-               f"reaches in the same process</li></ul>")
+               f"reaches in the same process</li>{_peer_items(r)}</ul>")
     return "\n".join(out)
+
+
+def _peer_items(r: dict) -> str:
+    """The runtime report's decoding peers (vanilla, generate, llama.cpp when installed) as list items."""
+    e = html.escape
+    items = []
+    for name, p in (r.get("peers") or {}).items():
+        agree = "" if name == "vanilla" else (f", {p['agreement']}/{r.get('new_tokens')} tokens equal to vanilla's"
+                                              + ("" if p["same_tokens"] else " (they differ)"))
+        items.append(f"<li>{e(name)}: {p['decode_tokens_per_s']:.2f} tokens/s decoding, "
+                     f"{p['prefill_tokens_per_s']:.0f} tokens/s prefill (to the first token), "
+                     f"{100 * p['bandwidth_fraction']:.1f}% of the copy bandwidth{e(agree)}</li>")
+    skipped = (r.get("llama_cpp") or {}).get("skipped")
+    if skipped:
+        items.append(f"<li>{e(skipped)}</li>")
+    return "".join(items)
 
 
 def answer_html(items: list[ans.Answer]) -> str:

@@ -22,13 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
-def _cfg(cfg: dict[str, Any], dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(cfg, dict) or part not in cfg:
-            return default
-        cfg = cfg[part]
-    return cfg
+from selfspec.reporting.fields import dotted as _cfg
+from selfspec.reporting.fields import label_under_test
 
 
 def adadecode_ablation_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
@@ -70,8 +65,7 @@ def draft_exit_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | No
 
 def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """PPD Table 2 rows: the prompt tokens' count m, EPTs per token and training steps."""
-    from selfspec.reporting.artefacts import read_meta
-    from selfspec.reporting.records import label_under_test
+    from selfspec.reporting.artefact_figures import read_meta
 
     for path in (summary.get("artefacts") or {}).get(label_under_test(summary, cfg), []) or []:
         from pathlib import Path
@@ -85,8 +79,6 @@ def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
 def draft_vocab_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """The draft head of a self-drafting method (beyond the papers): the full LM head, or the
     truncated vocabulary ``method.draft_vocab`` names (its size, as the run recorded it)."""
-    from selfspec.reporting.records import label_under_test
-
     if _cfg(cfg, "method.draft_vocab") in (None, ""):
         return "full head"
     entry = ((summary.get("methods") or {}).get(label_under_test(summary, cfg)) or {})

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from selfspec.reporting.fields import dotted as _get
+from selfspec.reporting.fields import label_under_test
+
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
@@ -90,14 +93,6 @@ def _temperature(t: Any) -> str:
 
 
 # --- configs ------------------------------------------------------------------------------------
-def _get(d: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return default
-        d = d[part]
-    return d
-
-
 def _load_yaml(path: Path) -> Any:
     from omegaconf import OmegaConf
 
@@ -170,12 +165,6 @@ def variant_label(cfg: dict[str, Any], overrides: list[str]) -> str | None:
     if label not in (None, ""):
         return str(label)
     return ", ".join(o for o in overrides if o.startswith("method.")) or None
-
-
-def label_under_test(summary: dict[str, Any], cfg: dict[str, Any], choices: dict[str, Any] | None = None) -> str | None:
-    """The label of the run's method under test: the summary's ``method``, else the run's
-    ``method=`` choice, else (summaries written before labels) the method config's ``name``."""
-    return summary.get("method") or (choices or {}).get("method") or _get(cfg, "method.name")
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -255,7 +244,7 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
         for path in artefacts.get(method) or []:
             # PPD Table 2: the prompt tokens' accuracy by distance, measured when they were trained
             # and a truncated draft head's size and coverage, counted when it was built
-            from selfspec.reporting.artefacts import draft_vocab_figures, prompt_accuracy
+            from selfspec.reporting.artefact_figures import draft_vocab_figures, prompt_accuracy
 
             figures = {**prompt_accuracy(path), **draft_vocab_figures(path)}
             metrics.update({k: v for k, v in figures.items() if k not in metrics})

@@ -9,7 +9,7 @@
 """
 
 from selfspec.tasks import cnndm, gsm8k, humaneval, mtbench, xsum  # noqa: F401  (register)
-from selfspec.tasks.base import (TASKS, Example, Task, TaskConfig, TaskDataError, build_task,
+from selfspec.tasks.task import (TASKS, Example, Task, TaskConfig, TaskDataError, build_task,
                                  cut_at, get_task, model_chat, read_jsonl, read_records, register,
                                  render)
 from selfspec.tasks.sharegpt import iter_sharegpt

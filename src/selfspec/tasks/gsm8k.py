@@ -31,7 +31,7 @@ from typing import Any
 
 from selfspec.assets import asset_path
 from selfspec.metrics import extract_number
-from selfspec.tasks.base import Example, Task, TaskDataError, register
+from selfspec.tasks.task import Example, Task, TaskDataError, register
 
 GSM_SYMBOLIC_SEED = 42
 GSM_SYMBOLIC_SIZE = 1319  # the size of the GSM8K test split

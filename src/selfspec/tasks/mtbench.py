@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from selfspec.assets import asset_path
-from selfspec.tasks.base import Example, Task, read_jsonl, register
+from selfspec.tasks.task import Example, Task, read_jsonl, register
 
 
 @register

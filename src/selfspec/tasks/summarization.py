@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from selfspec.tasks.base import Example, Task
+from selfspec.tasks.task import Example, Task
 
 SUMMARISATION_DEFAULTS: dict[str, Any] = {"n_examples": 1000, "max_prompt_tokens": 4096}
 

@@ -6,7 +6,7 @@ small part of its vocabulary. The job
 
 * generates the model's own **greedy continuations** of task prompts (``job.data=task``) or of
   several tasks' prompts (``mixed``) — the same data and cache as ``job=heads``
-  (:func:`selfspec.training.heads.build_data`), from the end of each task's pool;
+  (:func:`selfspec.training.continuations.build_data`), from the end of each task's pool;
 * **counts** the generated tokens of the training continuations and ranks the vocabulary by count
   (ties: lower token id first; tokens never seen follow in id order);
 * measures the **head cost** at each candidate size with the runtime's cost functions
@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 
 from selfspec import checks
+from selfspec.heads import draft_vocab_tensors
+from selfspec.training.driver import Job, Result, job_keys
+from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +78,13 @@ def choose_size(candidates: list[dict], draft_layers: float) -> dict:
 # --- the job -----------------------------------------------------------------------------------------
 def prepare(cfg) -> dict:
     """Every key of conf/job/draft_vocab.yaml checked and the prompt tasks read, without the model."""
-    from selfspec.training import check_run, job_keys
-    from selfspec.training.heads import data_tasks, generation_options
-
-    check_run(cfg)
     job, key = cfg.job, "job.{}".format
     sizes = checks.integers(key("sizes"), job.sizes, 1, distinct=True)
     opts = {
-        "size": checks.optional(checks.integer, key("size"), job.get("size"), 1,
+        "size": checks.optional(checks.integer, key("size"), job.size, 1,
                                 why="tokens kept; null = chosen from the measured head costs"),
         "sizes": sizes,
-        "draft_layers": checks.optional(checks.number, key("draft_layers"), job.get("draft_layers"), 0,
+        "draft_layers": checks.optional(checks.number, key("draft_layers"), job.draft_layers, 0,
                                         low_open=True, why="null = a quarter of the model's layers"),
         **generation_options(job),
         "cost_repeats": checks.integer(key("cost_repeats"), job.cost_repeats, 1),
@@ -114,43 +113,40 @@ def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list
     return out, layer, full
 
 
-def artefact_dir(cfg, opts: dict) -> Path:
-    """Where the job saves: ``artefact_dir``, else ``draft_vocab/<model>-<task|mixed>``."""
+def default_dir(cfg, opts: dict) -> Path:
+    """``draft_vocab/<model>-<task|mixed>``."""
     from selfspec.artefacts import default_artefact_dir
 
-    tag = opts["tasks"][0].task.name if opts["data"] == "task" else "mixed"
-    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("draft_vocab",
-                                                                                        str(cfg.model.name), tag)
+    return default_artefact_dir("draft_vocab", str(cfg.model.name), data_tag(opts))
 
 
-def run(cfg, opts: dict, loaded=None) -> dict:
-    """Count and keep the draft vocabulary :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
-    from selfspec.heads import save_draft_vocab
-    from selfspec.models.loading import model_for
-    from selfspec.tracking import start_run
-    from selfspec.training import progress
-    from selfspec.training.heads import build_data
+def candidate_sizes(opts: dict, v: int) -> tuple[list[int], str]:
+    """The sizes to measure (the full vocabulary ``v`` always among them) and how the kept one is
+    chosen: ``given`` (``job.size``) or ``auto`` (the objective over ``job.sizes``)."""
+    if opts["size"] is not None:
+        return [opts["size"], v], "given"
+    dropped = [s for s in opts["sizes"] if s >= v]
+    if dropped:
+        log.info("draft vocab: candidate sizes %s are not below the vocabulary (%d): the full head stands for them",
+                 dropped, v)
+    return [s for s in opts["sizes"] if s < v] + [v], "auto"
 
-    loaded = model_for(cfg.model, loaded)
+
+def objective(ctx) -> Result:
+    """Count the model's own continuations' tokens and keep the draft vocabulary :func:`prepare` asked for."""
+    opts, loaded = ctx.opts, ctx.loaded
     model = loaded.model
     v = model.vocab_size
     if opts["size"] is not None and opts["size"] > v:
         raise checks.refuse("job.size", opts["size"], f"must be in [1, {v}] ({loaded.name}'s vocabulary)")
     t0 = time.perf_counter()
-    train_seqs, held_seqs, tag, info = build_data(opts, loaded, progress(cfg))
+    train_seqs, held_seqs, tag, info = build_data(opts, loaded, ctx.progress)
     data_seconds = time.perf_counter() - t0
     train_tokens, held_tokens = generated(train_seqs), generated(held_seqs)
     counts = count_tokens(train_tokens, v)
     ranked = rank(counts)
     draft_layers = opts["draft_layers"] or max(1.0, model.num_layers / 4)
-    if opts["size"] is not None:
-        sizes, choice = [opts["size"], v], "given"
-    else:
-        dropped = [s for s in opts["sizes"] if s >= v]
-        if dropped:
-            log.info("draft vocab: candidate sizes %s are not below the vocabulary (%d): the full head stands for them",
-                     dropped, v)
-        sizes, choice = [s for s in opts["sizes"] if s < v] + [v], "auto"
+    sizes, choice = candidate_sizes(opts, v)
     candidates, layer_s, full_s = measure_candidates(model, ranked, sizes, held_tokens, opts["cost_repeats"])
     best = choose_size(candidates, draft_layers)
     chosen = next(c for c in candidates if c["size"] == opts["size"]) if choice == "given" else best
@@ -173,16 +169,12 @@ def run(cfg, opts: dict, loaded=None) -> dict:
     }
     metrics = {**figures, "data_seconds": data_seconds, "train_sequences": len(train_seqs),
                "heldout_sequences": len(held_seqs)}
-    out_dir = artefact_dir(cfg, opts)
-    path = save_draft_vocab(out_dir, kept, counts[kept], loaded, task=tag, train_config=cfg.job, metrics=metrics,
-                            data=info, selection=selection, **figures)
-    tracker = start_run(cfg, job_type="draft-vocab")
-    summary = {"artefact": str(path), **figures, "choice": choice}
-    tracker.table("draft_vocab_candidates", candidates)
-    tracker.summary(summary)
-    tracker.log_artifact(path, kind="draft_vocab")
-    tracker.finish()
     log.info("draft vocab: %d of %d tokens kept (%s), held-out coverage %s, head %.2f layers (full %.2f); %s",
              size, v, choice, chosen["coverage"], chosen["head_layers"], selection["full_head_layers"] or 0.0,
              selection["reason"])
-    return summary
+    return Result(tensors=draft_vocab_tensors(kept, counts[kept]), task=tag, metrics=metrics,
+                  meta={"data": info, "selection": selection, **figures}, summary={**figures, "choice": choice},
+                  tables={"draft_vocab_candidates": candidates})
+
+
+JOB = Job(kind="draft_vocab", tracker_job="draft-vocab", prepare=prepare, default_dir=default_dir, objective=objective)

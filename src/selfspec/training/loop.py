@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from selfspec import checks
+from selfspec.training.bars import bar
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +56,21 @@ MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    lr: float = 1e-3
-    schedule: str = "cosine"
-    warmup_steps: int = 0
-    grad_accum: int = 1
-    max_grad_norm: float | None = 1.0
-    weight_decay: float = 0.0
-    mixed_precision: str = "auto"
-    ckpt_every: int = 50
-    eval_every: int = 50
-    log_every: int = 10
-    seed: int = 0
+    """The loop's settings: a training job's config keys of these names (conf/job/heads.yaml,
+    conf/job/prompts.yaml hold their values; there are no defaults here) and the run's seed."""
+
+    steps: int
+    lr: float
+    schedule: str
+    warmup_steps: int
+    grad_accum: int
+    max_grad_norm: float | None
+    weight_decay: float
+    mixed_precision: str
+    ckpt_every: int
+    eval_every: int
+    log_every: int
+    seed: int
 
     def __post_init__(self) -> None:
         """Check every value, named as its job config key (``job.lr=0 is not allowed: ...``)."""
@@ -86,11 +90,20 @@ class TrainConfig:
         self.seed = checks.integer("seed", self.seed)
 
     @classmethod
-    def from_config(cls, cfg, seed: int = 0) -> "TrainConfig":
-        """Take the known keys of a (job) config (other keys belong to the job) and the run's seed."""
-        names = {f.name for f in fields(cls)} - {"seed"}
-        items = cfg.items() if hasattr(cfg, "items") else vars(cfg).items()
-        return cls(**{k: v for k, v in items if k in names}, seed=seed)
+    def keys(cls) -> list[str]:
+        """The job config keys the loop reads (every field but ``seed``, which is the run's)."""
+        return [f.name for f in fields(cls) if f.name != "seed"]
+
+    @classmethod
+    def from_config(cls, job, seed: int) -> "TrainConfig":
+        """The loop's keys of a job config (its other keys belong to the job) and the run's seed;
+        a key the job config lacks is refused, naming its file (``conf/job/<name>.yaml``)."""
+        missing = [k for k in cls.keys() if k not in job]
+        if missing:
+            raise checks.ConfigError(
+                f"job.{missing[0]} is missing: conf/job/{job['name']}.yaml must set {', '.join(missing)} "
+                "(the training loop's settings, selfspec.training.loop.TrainConfig)")
+        return cls(**{k: job[k] for k in cls.keys()}, seed=seed)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -152,6 +165,110 @@ def check_resume(ckpt_dir: Path, saved: dict[str, Any], settings: dict[str, Any]
             f"another directory (artefact_dir=...) or delete {ckpt_dir} to start over.")
 
 
+class _Run:
+    """One call of :func:`train`: the module, its optimizer and schedule, what the run has
+    recorded (history, evaluations, seconds) and where it checkpoints."""
+
+    def __init__(self, module: torch.nn.Module, cfg: TrainConfig, ckpt_dir: Path, settings: dict[str, Any],
+                 tracker, eval_fn) -> None:
+        self.cfg, self.ckpt_dir, self.settings = cfg, ckpt_dir, settings
+        self.tracker, self.eval_fn = tracker, eval_fn
+        self.acc = _accelerator(cfg)
+        self.world, self.rank = self.acc.num_processes, self.acc.process_index
+        torch.manual_seed(cfg.seed)
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the module to train has no trainable parameters")
+        module.to(self.acc.device)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
+        self.start, self.history, self.evals = 0, [], []
+        self.elapsed = 0.0  # seconds of the runs before a resume
+        self.t0 = time.perf_counter()  # restarted by begin()
+
+    def resume(self) -> None:
+        """Continue from the checkpoint in ``ckpt_dir``, if there is one written with the same settings."""
+        state = load_checkpoint(self.ckpt_dir)
+        if state is None:
+            return
+        check_resume(self.ckpt_dir, state.get("config", {}), self.settings)
+        self.module.load_state_dict(state["module"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.start, self.history, self.evals = state["step"], state["history"], state.get("eval", [])
+        self.elapsed = state.get("seconds", 0.0)
+        torch.set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", self.ckpt_dir / CHECKPOINT, self.start)
+
+    def begin(self) -> None:
+        """Start the clock of this run's steps; a fresh run is evaluated before its first step."""
+        self.module.train()
+        self.t0 = time.perf_counter()
+        if self.start == 0:
+            self.evaluate(0)
+
+    def seconds(self) -> float:
+        return self.elapsed + time.perf_counter() - self.t0
+
+    def checkpoint(self, step: int) -> None:
+        """Write everything :meth:`resume` reads (the main process; the others wait)."""
+        if self.acc.is_main_process:
+            _save_checkpoint(self.ckpt_dir, {
+                "module": self.module.state_dict(), "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(), "step": step, "history": self.history, "eval": self.evals,
+                "rng": torch.get_rng_state(), "config": self.settings, "seconds": self.seconds(),
+            })
+        self.acc.wait_for_everyone()
+
+    def evaluate(self, step: int) -> None:
+        """``eval_fn``'s held-out metrics at ``step`` (main process), recorded and logged."""
+        if self.eval_fn is None or not self.acc.is_main_process:
+            return
+        self.module.eval()
+        with torch.no_grad():
+            metrics = {f"eval/{k}": float(v) for k, v in self.eval_fn(self.module).items()}
+        self.module.train()
+        self.evals.append({"step": step, **metrics})
+        if self.tracker is not None:
+            self.tracker.log(metrics, step=step)
+        log.info("step %d eval %s", step, metrics)
+
+    def step(self, step: int, loss_fn, batch_fn) -> dict[str, float]:
+        """One optimizer step over ``grad_accum`` micro-batches; its mean loss and metrics, the
+        gradient norm (when clipped) and the learning rate."""
+        cfg, acc = self.cfg, self.acc
+        totals: dict[str, float] = {}
+        for a in range(cfg.grad_accum):
+            batch = batch_fn((step * cfg.grad_accum + a) * self.world + self.rank)
+            with acc.autocast():
+                loss, metrics = loss_fn(self.module, batch)
+            (loss / cfg.grad_accum).backward()
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v) / cfg.grad_accum
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+        if cfg.max_grad_norm:
+            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        totals["lr"] = self.sched.get_last_lr()[0]
+        return totals
+
+    def record(self, done: int, totals: dict[str, float]) -> None:
+        """Step ``done``'s totals into the history, the tracker (every ``log_every``) and the log."""
+        cfg = self.cfg
+        self.history.append({"step": done, **totals})
+        if self.tracker is not None and (done % cfg.log_every == 0 or done == cfg.steps):
+            self.tracker.log({f"train/{k}": v for k, v in totals.items()}, step=done)
+        if done % cfg.log_every == 0:
+            log.info("step %d/%d %s", done, cfg.steps, {k: round(v, 5) for k, v in totals.items()})
+
+
 def train(
     module: torch.nn.Module,
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]],
@@ -171,96 +288,31 @@ def train(
     recorded in the checkpoint with ``cfg`` and checked on resume (:func:`check_resume`).
     ``progress``: a tqdm bar over the steps (stderr: steps done, ETA, the last loss).
     """
-    from selfspec.training import bar
-    settings = {**(settings or {}), **asdict(cfg)}
-    acc = _accelerator(cfg)
-    world, rank = acc.num_processes, acc.process_index
-    torch.manual_seed(cfg.seed)
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the module to train has no trainable parameters")
-    module.to(acc.device)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    ckpt_dir = Path(ckpt_dir)
-    start, history, evals, elapsed = 0, [], [], 0.0
-    state = load_checkpoint(ckpt_dir)
-    if state is not None:
-        check_resume(ckpt_dir, state.get("config", {}), settings)
-        module.load_state_dict(state["module"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        start, history, evals = state["step"], state["history"], state.get("eval", [])
-        elapsed = state.get("seconds", 0.0)
-        torch.set_rng_state(state["rng"])
-        log.info("resumed from %s at step %d", ckpt_dir / CHECKPOINT, start)
-
-    def checkpoint(step: int) -> None:
-        if acc.is_main_process:
-            _save_checkpoint(ckpt_dir, {
-                "module": module.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "step": step, "history": history, "eval": evals,
-                "rng": torch.get_rng_state(), "config": settings,
-                "seconds": elapsed + time.perf_counter() - t0,
-            })
-        acc.wait_for_everyone()
-
-    def evaluate(step: int) -> None:
-        if eval_fn is None or not acc.is_main_process:
-            return
-        module.eval()
-        with torch.no_grad():
-            metrics = {f"eval/{k}": float(v) for k, v in eval_fn(module).items()}
-        module.train()
-        evals.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step=step)
-        log.info("step %d eval %s", step, metrics)
-
-    module.train()
-    t0 = time.perf_counter()
-    if start == 0:
-        evaluate(0)
-    steps = bar(range(start, cfg.steps), enabled=progress and acc.is_main_process, total=cfg.steps,
-                initial=start, desc="train", unit="step")
+    run = _Run(module, cfg, Path(ckpt_dir), {**(settings or {}), **asdict(cfg)}, tracker, eval_fn)
+    run.resume()
+    run.begin()
+    steps = bar(range(run.start, cfg.steps), enabled=progress and run.acc.is_main_process, total=cfg.steps,
+                initial=run.start, desc="train", unit="step")
     for step in steps:
-        totals: dict[str, float] = {}
-        for a in range(cfg.grad_accum):
-            batch = batch_fn((step * cfg.grad_accum + a) * world + rank)
-            with acc.autocast():
-                loss, metrics = loss_fn(module, batch)
-            (loss / cfg.grad_accum).backward()
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) / cfg.grad_accum
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v) / cfg.grad_accum
-        if world > 1:
-            for p in params:
-                if p.grad is not None:
-                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
-        if cfg.max_grad_norm:
-            totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        totals["lr"] = sched.get_last_lr()[0]
+        totals = run.step(step, loss_fn, batch_fn)
         done = step + 1
-        history.append({"step": done, **totals})
+        run.record(done, totals)
         steps.set_postfix(loss=f"{totals['loss']:.4g}", refresh=False)
-        if tracker is not None and (done % cfg.log_every == 0 or done == cfg.steps):
-            tracker.log({f"train/{k}": v for k, v in totals.items()}, step=done)
-        if done % cfg.log_every == 0:
-            log.info("step %d/%d %s", done, cfg.steps, {k: round(v, 5) for k, v in totals.items()})
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            evaluate(done)
+            run.evaluate(done)
         if cfg.ckpt_every and done % cfg.ckpt_every == 0:
-            checkpoint(done)
+            run.checkpoint(done)
     steps.close()
-    if not evals or evals[-1]["step"] != cfg.steps:
-        evaluate(cfg.steps)
-    checkpoint(cfg.steps)
+    if not run.evals or run.evals[-1]["step"] != cfg.steps:
+        run.evaluate(cfg.steps)
+    run.checkpoint(cfg.steps)
     module.eval()
-    return {"step": cfg.steps, "history": history, "eval": evals,
-            "seconds": elapsed + time.perf_counter() - t0}
+    return {"step": cfg.steps, "history": run.history, "eval": run.evals, "seconds": run.seconds()}
+
+
+def final_metrics(entry: dict[str, Any]) -> dict[str, float]:
+    """An evaluation of :func:`train`'s ``eval`` list without its ``step`` and ``eval/`` prefixes."""
+    return {k.removeprefix("eval/"): v for k, v in entry.items() if k != "step"}
 
 
 def clear_checkpoint(ckpt_dir: str | Path) -> None:

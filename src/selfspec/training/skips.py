@@ -31,9 +31,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +46,8 @@ from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, skip_set_
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.costs import synchronizer, time_forward
 from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.training.bars import bar
+from selfspec.training.driver import Job, Result, job_keys, task_names
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +57,7 @@ SEARCHES = ("bo", "bo_model", "greedy")
 # --- config and development set (before the model loads) -------------------------------------
 def prepare(cfg) -> dict:
     """Every key of conf/job/skips.yaml checked and the development tasks' data read — all that can
-    fail without the model (:func:`run` calls it first)."""
-    from selfspec.training import check_run, job_keys, task_names
-
-    check_run(cfg)
+    fail without the model (the driver calls it first)."""
     jc, key = cfg.job, "job.{}".format
     search = checks.choice(key("search"), jc.search, SEARCHES)
     tasks = checks.optional(task_names, key("tasks"), jc.tasks)
@@ -69,10 +68,10 @@ def prepare(cfg) -> dict:
         "iterations": checks.integer(key("iterations"), jc.iterations, 0),
         "init_points": checks.integer(key("init_points"), jc.init_points, 0),
         "gp_alpha": checks.number(key("gp_alpha"), jc.gp_alpha, 0, low_open=True, why="the GP's noise term"),
-        "acq_n_random": checks.integer(key("acq_n_random"), jc.get("acq_n_random", 10_000), 1),
-        "acq_n_smart": checks.integer(key("acq_n_smart"), jc.get("acq_n_smart", 10), 0),
-        "warm_start": checks.listed(warm_start_set, key("warm_start"), jc.get("warm_start") or []),
-        "probe_fractions": checks.listed(checks.probability, key("probe_fractions"), jc.get("probe_fractions") or [],
+        "acq_n_random": checks.integer(key("acq_n_random"), jc.acq_n_random, 1),
+        "acq_n_smart": checks.integer(key("acq_n_smart"), jc.acq_n_smart, 0),
+        "warm_start": checks.listed(warm_start_set, key("warm_start"), jc.warm_start or []),
+        "probe_fractions": checks.listed(checks.probability, key("probe_fractions"), jc.probe_fractions or [],
                                          low_open=True, why="fraction of the middle sublayers to skip"),
         "tasks": tasks,
         "n_prompts": n_prompts,
@@ -369,7 +368,9 @@ class CostModel:
 class Trace:
     """``trace.jsonl``: a header row, then one row per evaluation; replayed on resume."""
 
-    def __init__(self, path: Path, header: dict[str, Any]):
+    def __init__(self, path: Path, header: dict[str, Any], on_row: Callable[[dict], None], bar):
+        """``on_row(row)``: called with each new evaluation's row; ``bar``: a tqdm bar advanced
+        once per evaluation, replayed ones included."""
         from selfspec.tracking import ResultsFile
 
         self.file = ResultsFile(path)
@@ -387,14 +388,11 @@ class Trace:
         self.replayed = len(self.rows)
         self.cursor = 0
         self.memo = {r["key"]: r for r in self.rows}
-        self.on_row: Callable[[dict], None] = lambda row: None
-        #: a tqdm bar advanced once per evaluation, replayed ones included (None: no bar)
-        self.bar = None
+        self.on_row, self.bar = on_row, bar
 
     def _advance(self, row: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(speedup=f"{row['speedup']:.3f}", refresh=False)
+        self.bar.update(1)
+        self.bar.set_postfix(speedup=f"{row['speedup']:.3f}", refresh=False)
 
     def evaluate(self, skip: SkipSet, objective, stage: str, extra: dict | None = None) -> dict[str, Any]:
         key = _key(skip)
@@ -571,95 +569,91 @@ def task_label(cfg, opts: dict) -> str:
     return "+".join(opts["tasks"]) if opts["tasks"] else str(cfg.task.name)
 
 
-def artefact_dir(cfg, opts: dict) -> Path:
-    """Where the job saves: ``artefact_dir``, else ``skip_set/<model>`` (``job.tasks``) or
-    ``skip_set/<model>-<task>``."""
+def default_dir(cfg, opts: dict) -> Path:
+    """``skip_set/<model>`` (``job.tasks``) or ``skip_set/<model>-<task>``."""
     from selfspec.artefacts import default_artefact_dir
 
-    if cfg.get("artefact_dir"):
-        return Path(cfg.artefact_dir)
     return default_artefact_dir("skip_set", str(cfg.model.name), None if opts["tasks"] else task_label(cfg, opts))
 
 
-def run(cfg, opts: dict, loaded=None) -> dict:
-    """Search the skip set :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
-    from selfspec.artefacts import save_artefact
-    from selfspec.models.loading import model_for
-    from selfspec.tracking import start_run
-    from selfspec.training import bar, progress
-
-    jc = cfg.job
-    search, decoding, n_new = opts["search"], opts["decoding"], opts["max_new_tokens"]
-    torch.manual_seed(int(cfg.seed))
-    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
-    model, L = loaded.model, loaded.model.num_layers
-    tasks = task_label(cfg, opts)
-    out = artefact_dir(cfg, opts)
-    work = out.with_name(f"{out.name}.search-{search}")
-    prompts, sources = dev_prompts(opts["dev_tasks"], loaded.tokenizer)
-    settings = {
-        "search": search, "model": loaded.name, "fingerprint": loaded.fingerprint,
-        "weights": loaded.weights_digest, "tasks": tasks,
-        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16], "max_new_tokens": n_new,
-        "decoding": decoding, "seed": int(cfg.seed), "gp_alpha": opts["gp_alpha"],
-        "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
-        "warm_start": OmegaConf.to_container(jc.warm_start) if jc.get("warm_start") else [],
+def search_settings(ctx, prompts: list[list[int]]) -> dict[str, Any]:
+    """What the search's result depends on, in the trace's header: a trace written with other
+    settings is refused (their digest is the header's ``key``)."""
+    opts, loaded, jc = ctx.opts, ctx.loaded, ctx.cfg.job
+    return {
+        "search": opts["search"], "model": loaded.name, "fingerprint": loaded.fingerprint,
+        "weights": loaded.weights_digest, "tasks": task_label(ctx.cfg, opts),
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16],
+        "max_new_tokens": opts["max_new_tokens"], "decoding": opts["decoding"], "seed": ctx.seed,
+        "gp_alpha": opts["gp_alpha"], "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
+        "warm_start": OmegaConf.to_container(jc.warm_start) if jc.warm_start else [],
     }
+
+
+def saved_calibration(trace_path: Path) -> dict | None:
+    """The cost model's calibration in an earlier run's trace header (a resumed search reuses it)."""
+    from selfspec.tracking import ResultsFile
+
+    if not trace_path.exists():
+        return None
+    first = next(iter(ResultsFile(trace_path)), None)
+    return (first or {}).get("header", {}).get("calibration")
+
+
+def report_row(kind: str, tracker, row: dict[str, Any]) -> None:
+    """Log a new evaluation of the trace and send it to the tracker."""
+    log.info("iter %d %s: %d attn + %d mlp skipped, %s %.4f ms/token, speedup %.3f, AR %s",
+             row["iteration"], row["stage"], row["n_attn"], row["n_mlp"], kind,
+             1000 * row["objective"], row["speedup"], row["acceptance_rate"])
+    tracker.log({k: row[k] for k in ("n_attn", "n_mlp", "n_skipped", "objective", "speedup",
+                                      "acceptance_rate", "tau", "seconds") if row.get(k) is not None},
+                step=row["iteration"])
+
+
+def search(ctx) -> Result:
+    """Search the skip set :func:`prepare` checked, on the development prompts; the best set
+    found, with one measured check of it, the trace and the plot."""
+    opts, loaded = ctx.opts, ctx.loaded
+    kind, decoding, n_new = opts["search"], opts["decoding"], opts["max_new_tokens"]
+    torch.manual_seed(ctx.seed)
+    model, L = loaded.model, loaded.model.num_layers
+    work = ctx.out.with_name(f"{ctx.out.name}.search-{kind}")
+    prompts, sources = dev_prompts(opts["dev_tasks"], loaded.tokenizer)
+    settings = search_settings(ctx, prompts)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     trace_path = work / "trace.jsonl"
-    previous = None
-    if trace_path.exists():
-        from selfspec.tracking import ResultsFile
-
-        first = next(iter(ResultsFile(trace_path)), None)
-        previous = (first or {}).get("header", {}).get("calibration")
-
-    tracker = start_run(cfg, job_type="skips")
+    previous = saved_calibration(trace_path)
     t_start = time.perf_counter()
     with torch.inference_mode():
-        if search == "bo":
+        if kind == "bo":
             objective = TimedObjective(model, prompts, n_new, decoding, opts["repeats"])
-            calibration = None
         else:
             objective = CostModel(model, prompts, n_new, decoding, opts["calibration_repeats"], previous)
-            calibration = objective.calibration
     t_setup = time.perf_counter() - t_start
-    trace = Trace(trace_path, {"key": key, "settings": settings, "calibration": calibration,
-                               "vanilla_seconds_per_token": objective.vanilla_spt})
-    if trace.replayed:
-        log.info("resuming %s: %d evaluations in the trace", trace_path, trace.replayed)
-
-    def on_row(row):
-        log.info("iter %d %s: %d attn + %d mlp skipped, %s %.4f ms/token, speedup %.3f, AR %s",
-                 row["iteration"], row["stage"], row["n_attn"], row["n_mlp"], objective.kind,
-                 1000 * row["objective"], row["speedup"], row["acceptance_rate"])
-        tracker.log({k: row[k] for k in ("n_attn", "n_mlp", "n_skipped", "objective", "speedup",
-                                          "acceptance_rate", "tau", "seconds") if row.get(k) is not None},
-                    step=row["iteration"])
-
-    trace.on_row = on_row
+    header = {"key": key, "settings": settings, "calibration": None if kind == "bo" else objective.calibration,
+              "vanilla_seconds_per_token": objective.vanilla_spt}
     # BO's length is known (probes + random points + iterations); greedy's depends on the ranking
-    total = None if search == "greedy" else len(probe_sets(L, opts)) + opts["init_points"] + opts["iterations"]
-    trace.bar = bar(total=total, enabled=progress(cfg), desc=f"skip search ({search})", unit="eval")
-    with torch.inference_mode():
-        if search == "greedy":
-            search_greedy(objective, trace, L, opts)
-        else:
-            search_bo(objective, trace, L, opts, int(cfg.seed))
-    trace.bar.close()
+    total = None if kind == "greedy" else len(probe_sets(L, opts)) + opts["init_points"] + opts["iterations"]
+    with bar(total=total, enabled=ctx.progress, desc=f"skip search ({kind})", unit="eval") as evals:
+        trace = Trace(trace_path, header, partial(report_row, objective.kind, ctx.tracker), evals)
+        if trace.replayed:
+            log.info("resuming %s: %d evaluations in the trace", trace_path, trace.replayed)
+        with torch.inference_mode():
+            if kind == "greedy":
+                search_greedy(objective, trace, L, opts)
+            else:
+                search_bo(objective, trace, L, opts, ctx.seed)
     rows = trace.rows
-    search_seconds = sum(r["seconds"] for r in rows) + t_setup
     best = min(rows, key=lambda r: r["objective"])
     skip = SkipSet.of(best["attn"], best["mlp"])
-
     # one measured check of the result (also for the cost-model searches), on the same dev set
     with torch.inference_mode():
-        timed = objective if search == "bo" else TimedObjective(model, prompts, n_new, decoding, 1)
+        timed = objective if kind == "bo" else TimedObjective(model, prompts, n_new, decoding, 1)
         check = timed(skip)
     metrics = {
-        "search": search,
+        "search": kind,
         "evaluations": len(rows),
-        "search_seconds": search_seconds,
+        "search_seconds": sum(r["seconds"] for r in rows) + t_setup,
         "n_attn": len(skip.attn), "n_mlp": len(skip.mlp),
         "objective_kind": objective.kind,
         f"{objective.kind}_speedup": best["speedup"],
@@ -668,16 +662,15 @@ def run(cfg, opts: dict, loaded=None) -> dict:
         "vanilla_seconds_per_token": timed.vanilla_spt,
         "dev_prompts": len(prompts), "dev_tasks": sorted(set(sources)),
     }
+    files = {"trace.jsonl": trace_path}
     if opts["plot"]:
-        plot_trace(rows, work / "plot.png", f"{loaded.name} skip-set search ({search}, {objective.kind})")
-    save_artefact(out, "skip_set", skip_set_tensors(skip, L), loaded, task=tasks,
-                  train_config=cfg.job, metrics=metrics, extra={"attn": sorted(skip.attn), "mlp": sorted(skip.mlp)})
-    for name in ("trace.jsonl", "plot.png"):
-        if (work / name).exists():
-            shutil.copy2(work / name, out / name)
-    tracker.table("skip_search_trace", [{k: v for k, v in r.items() if k not in ("attn", "mlp")} for r in rows])
-    tracker.summary(metrics)
-    tracker.log_artifact(out, kind="skip_set")
-    tracker.finish()
-    log.info("skip set -> %s: %s", out, metrics)
-    return {"artefact": str(out), **metrics}
+        files["plot.png"] = plot_trace(rows, work / "plot.png",
+                                       f"{loaded.name} skip-set search ({kind}, {objective.kind})").path
+    log.info("skip set: %s", metrics)
+    return Result(tensors=skip_set_tensors(skip, L), meta={"attn": sorted(skip.attn), "mlp": sorted(skip.mlp)},
+                  task=task_label(ctx.cfg, opts), metrics=metrics, summary=metrics,
+                  tables={"skip_search_trace": [{k: v for k, v in r.items() if k not in ("attn", "mlp")} for r in rows]},
+                  files=files)
+
+
+JOB = Job(kind="skip_set", tracker_job="skips", prepare=prepare, default_dir=default_dir, objective=search)

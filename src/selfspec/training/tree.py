@@ -33,6 +33,7 @@ import torch
 from selfspec import checks
 from selfspec.decoding.tree import TREE_KIND, SparseTree, full_mask, layout
 from selfspec.models.costs import context_cache, time_forward
+from selfspec.training.driver import Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_
     """``p[d][r]`` over greedy sequences ``(tokens, prompt_len)``: how often the model's token at
     distance ``d+1`` is the rank-``r`` guess of prompt token ``d+1`` (insertion after each
     generated position)."""
-    from selfspec.training.prompts import student_teacher
+    from selfspec.training.prompt_tuning import student_teacher
 
     m = prompts.m
     counts = torch.zeros(m, top_k + 1, dtype=torch.float64)
@@ -249,12 +250,10 @@ def trees_for_size(accept_probs, n: int, m: int, n_ept: int, state_zero: bool = 
 
 def prepare(cfg) -> dict:
     """Every key of conf/job/ppd_tree.yaml checked, the prompts artefact found and the ShareGPT asset
-    present — all that can fail without the model (:func:`run` calls it first)."""
+    present — all that can fail without the model (the driver calls it first)."""
     from selfspec.artefacts import artefact_option, default_artefact_dir
     from selfspec.assets import asset_path
-    from selfspec.training import check_run
 
-    check_run(cfg)
     job, key = cfg.job, "job.{}".format
     sizes = sorted(set(checks.listed(checks.integer, key("sizes"), job.sizes, 1, why="tokens per forward")))
     if not any(n > 1 for n in sizes):
@@ -273,7 +272,7 @@ def prepare(cfg) -> dict:
                                   why="false = the paper's states 1..m (the root keeps every prompt token, "
                                       "each candidate one)"),
     }
-    checks.known_keys("job", job, [*opts, "name"], "job ppd_tree (conf/job/ppd_tree.yaml)")
+    job_keys(job, opts)
     if opts["prompts"] is None:
         opts["prompts"] = default_artefact_dir("prompts", str(cfg.model.name))
         if not (opts["prompts"] / "meta.json").exists():
@@ -283,50 +282,49 @@ def prepare(cfg) -> dict:
     return opts
 
 
-def artefact_dir(cfg, opts: dict) -> Path:
-    """Where the job saves: ``artefact_dir``, else ``ppd_tree/<model>``."""
+def default_dir(cfg, opts: dict) -> Path:
+    """``ppd_tree/<model>``."""
     from selfspec.artefacts import default_artefact_dir
 
-    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir(TREE_KIND, str(cfg.model.name))
+    return default_artefact_dir(TREE_KIND, str(cfg.model.name))
 
 
-def run(cfg, opts: dict, loaded=None) -> dict:
-    """Build the tree :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
-    from selfspec.artefacts import save_artefact
+def inputs(opts: dict) -> list[tuple[Path, str]]:
+    """The prompts artefact the tree is built for."""
+    return [(opts["prompts"], "prompts")]
+
+
+def acceptance_statistics(loaded, prompts, opts: dict) -> torch.Tensor:
+    """``p[d][r]`` (:func:`rank_statistics`) along greedy continuations of the validation prompts."""
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.models.loading import model_for
-    from selfspec.prompts import load_prompts
-    from selfspec.tracking import start_run
 
-    job = cfg.job
-    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
-    model = loaded.model
-    prompts_path = opts["prompts"]
-    prompts = load_prompts(prompts_path, loaded)
-    m, n_ept, top_k, sizes = prompts.m, prompts.n_ept, opts["top_k"], opts["sizes"]
-    tracker = start_run(cfg, job_type="ppd-tree")
-    tracker.use_artifact(prompts_path, kind="prompts")
     t0 = time.perf_counter()
-    vanilla = Vanilla(model)
+    vanilla = Vanilla(loaded.model)
     seqs = []
     for ids in validation_prompts(loaded.tokenizer, loaded.chat, opts["n_prompts"], opts["skip_conversations"]):
         gen = vanilla.generate(ids, opts["max_new_tokens"])
         seqs.append((ids + gen.tokens, len(ids)))
-    p = rank_statistics(model, prompts, seqs, top_k)
+    p = rank_statistics(loaded.model, prompts, seqs, opts["top_k"])
     log.info("acceptance statistics from %d greedy sequences (%.1fs): top-1 by distance %s", len(seqs),
              time.perf_counter() - t0, [round(float(x), 3) for x in p[:, 0]])
+    return p
+
+
+def size_curve(model, p: torch.Tensor, m: int, n_ept: int, opts: dict, tracker) -> tuple[list[dict], dict, float]:
+    """For each feasible size of ``job.sizes``: the best trees, expected τ, the measured latency and
+    the theoretical speedup; returns ``(rows, trees by size, vanilla latency)``."""
     plist = p.tolist()
-    context = opts["latency_context"]
-    cache = context_cache(model, context, max(sizes))
-    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, opts["latency_repeats"])
+    context, repeats = opts["latency_context"], opts["latency_repeats"]
+    cache = context_cache(model, context, max(opts["sizes"]))
+    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, repeats)
     rows, candidates = [], {}
     state_zero = opts["state_zero"]
-    for n in sizes:
+    for n in opts["sizes"]:
         if n > 1 and best_trees_for_size(n, m, n_ept, plist, state_zero) is None:
             continue
         trees = trees_for_size(p, n, m, n_ept, state_zero)
         r = amortized_tokens(trees, plist, m)
-        lat = measure_latency(model, trees, n_ept, cache, context, opts["latency_repeats"]) if n > 1 else base
+        lat = measure_latency(model, trees, n_ept, cache, context, repeats) if n > 1 else base
         rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
                      "candidates": max(t.num_candidates for t in trees.values()),
                      "prompt_tokens": max(t.num_prompts for t in trees.values())})
@@ -334,6 +332,21 @@ def run(cfg, opts: dict, loaded=None) -> dict:
         tracker.log({"tree/tau": 1 + r, "tree/latency_ms": 1000 * lat, "tree/speedup": rows[-1]["speedup"]}, step=n)
         log.info("size %3d: tau %.3f latency %.1f ms theoretical speedup %.3f", n, 1 + r, 1000 * lat,
                  rows[-1]["speedup"])
+    return rows, candidates, base
+
+
+def objective(ctx) -> Result:
+    """Build the tree :func:`prepare` checked: statistics, the size curve, the fastest size."""
+    from selfspec.prompts import load_prompts
+
+    opts, loaded = ctx.opts, ctx.loaded
+    model = loaded.model
+    prompts_path, sizes = opts["prompts"], opts["sizes"]
+    prompts = load_prompts(prompts_path, loaded)
+    m, n_ept = prompts.m, prompts.n_ept
+    t0 = time.perf_counter()
+    p = acceptance_statistics(loaded, prompts, opts)
+    rows, candidates, base = size_curve(model, p, m, n_ept, opts, ctx.tracker)
     ppd_rows = [row for row in rows if row["size"] > 1]
     if not ppd_rows:
         raise ValueError(f"no feasible tree size in job.sizes={sizes}; give sizes > 1")
@@ -345,25 +358,25 @@ def run(cfg, opts: dict, loaded=None) -> dict:
                     "speedup %.3f); the chosen tree is the root alone. method.tree_size=<n> forces a size.",
                     best_ppd["size"], best_ppd["speedup"])
     trees = candidates[chosen["size"]]
-    out_dir = artefact_dir(cfg, opts)
     metrics = {"chosen_size": chosen["size"], "expected_tau": chosen["tau"], "latency_s": chosen["latency_s"],
                "theoretical_speedup": chosen["speedup"], "vanilla_latency_s": base,
                "best_ppd_size": best_ppd["size"], "best_ppd_speedup": best_ppd["speedup"],
                "top1_by_distance": [float(x) for x in p[:, 0]], "seconds": time.perf_counter() - t0}
-    save_artefact(out_dir, TREE_KIND,
-                  {"accept_probs": p.float(), "sizes": torch.tensor([r["size"] for r in rows]),
-                   "tau": torch.tensor([r["tau"] for r in rows]),
-                   "latency": torch.tensor([r["latency_s"] for r in rows])},
-                  loaded, train_config=job, metrics=metrics,
-                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}, "curve": rows,
-                         "prompts": str(prompts_path), "m": m, "n_ept": n_ept, "device": str(model.device),
-                         "state_zero": state_zero})
+    files = {}
     if opts["plot"]:
-        plot_curves(out_dir / "latency.png", [r["size"] for r in rows], [r["tau"] for r in rows],
-                    [r["latency_s"] for r in rows], [r["speedup"] for r in rows], chosen["size"])
-    tracker.summary(metrics)
-    tracker.table("latency_vs_size", rows)
-    tracker.log_artifact(out_dir, kind=TREE_KIND)
-    tracker.finish()
-    log.info("ppd_tree artefact -> %s (size %d, expected tau %.3f)", out_dir, chosen["size"], chosen["tau"])
-    return {"artefact": str(out_dir), **metrics}
+        files["latency.png"] = plot_curves(ctx.scratch / "latency.png", [r["size"] for r in rows],
+                                           [r["tau"] for r in rows], [r["latency_s"] for r in rows],
+                                           [r["speedup"] for r in rows], chosen["size"]).path
+    log.info("ppd tree: size %d, expected tau %.3f", chosen["size"], chosen["tau"])
+    return Result(
+        tensors={"accept_probs": p.float(), "sizes": torch.tensor([r["size"] for r in rows]),
+                 "tau": torch.tensor([r["tau"] for r in rows]),
+                 "latency": torch.tensor([r["latency_s"] for r in rows])},
+        meta={"trees": {str(k): t.to_dict() for k, t in trees.items()}, "curve": rows,
+              "prompts": str(prompts_path), "m": m, "n_ept": n_ept, "device": str(model.device),
+              "state_zero": opts["state_zero"]},
+        metrics=metrics, summary=metrics, tables={"latency_vs_size": rows}, files=files)
+
+
+JOB = Job(kind=TREE_KIND, tracker_job="ppd-tree", prepare=prepare, default_dir=default_dir, objective=objective,
+          inputs=inputs)

@@ -316,8 +316,10 @@ class Task:
 
     Subclasses set ``name``, ``hub_id`` / ``hub_config`` / ``hub_split``, ``required`` (the
     fields a hub or local record must have, with their types), ``hub_rename`` (hub column ->
-    field), ``defaults`` (their :class:`TaskConfig` values) and implement
-    :meth:`offline_records`, :meth:`make_example` and :meth:`score`; for the ``chat`` prompt
+    field), ``defaults`` (their :class:`TaskConfig` values), ``config_class`` where they read
+    keys of their own (a :class:`TaskConfig` subclass that checks them) and implement
+    :meth:`offline_records`, :meth:`make_example` and :meth:`score` (and :meth:`check_scoring`
+    where scoring needs something of the machine); for the ``chat`` prompt
     format they set ``chat_stop`` and may implement :meth:`chat_messages` and
     :meth:`extract_answer`. ``paper_stop`` / ``chat_stop`` are the stop strings of each format
     (``task.stop`` overrides both), ``paper_shots`` / ``chat_shots`` their exemplars (``task.shots``
@@ -331,6 +333,7 @@ class Task:
     hub_split: ClassVar[str] = "test"
     required: ClassVar[dict[str, type | tuple[type, ...]]]
     defaults: ClassVar[dict[str, Any]] = {}
+    config_class: ClassVar[type[TaskConfig]] = TaskConfig
     hub_rename: ClassVar[dict[str, str]] = {}
     paper_shots: ClassVar[int] = 0
     chat_shots: ClassVar[int] = 0
@@ -339,12 +342,13 @@ class Task:
     paper_chat_template: ClassVar[bool | str] = "auto"
 
     def __init__(self, model_chat: bool = False, **options: Any) -> None:
-        """Options are the :class:`TaskConfig` fields; unset ones take the task's ``defaults``.
-        ``model_chat``: the model config's ``chat`` key, which ``prompt_format=auto`` follows."""
+        """Options are the fields of ``config_class`` (:class:`TaskConfig`'s and the task's own);
+        unset ones take the task's ``defaults``. ``model_chat``: the model config's ``chat`` key,
+        which ``prompt_format=auto`` follows."""
         try:
-            self.cfg = TaskConfig(**{**self.defaults, **options})
+            self.cfg = self.config_class(**{**self.defaults, **options})
         except TypeError as exc:
-            known = ", ".join(TaskConfig.__dataclass_fields__)
+            known = ", ".join(self.config_class.__dataclass_fields__)
             raise ValueError(f"task {self.name}: {exc}; known options: {known}") from None
         self.cfg.check(self.name)
         self.model_chat = bool(model_chat)
@@ -411,6 +415,11 @@ class Task:
     def score(self, predictions: Sequence[Any], references: Sequence[Any]) -> dict[str, float]:
         """Metric values for post-processed ``predictions`` against example references."""
         raise NotImplementedError
+
+    def check_scoring(self) -> None:
+        """Refuse (:class:`~selfspec.checks.ConfigError`), before a model loads, a scoring this
+        machine cannot do as configured; the evaluation runner calls it when it prepares a run
+        (default: nothing to check)."""
 
     def score_samples(self, samples: Sequence[Sequence[Any]], references: Sequence[Any]) -> dict[str, Any]:
         """Metric values for one or more post-processed predictions per example (``n_samples``):

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec import checks
-from selfspec.prompts import PromptTokens, save_prompts
+from selfspec.prompts import PromptTokens, prompts_contents
+from selfspec.training.driver import Job, Result, job_keys
+from selfspec.training.loop import TrainConfig, final_metrics, train
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,9 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 def sharegpt_path(job) -> Path | None:
     """``job.data`` (a local ShareGPT JSON), else ``job.hub_id`` downloaded from the hub, else
     ``None`` = the offline asset (docs/design.md §5)."""
-    if job.get("data"):
+    if job.data:
         return Path(str(job.data)).expanduser()
-    if job.get("hub_id"):
+    if job.hub_id:
         from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(str(job.hub_id), SHAREGPT_HUB[1], repo_type="dataset"))
@@ -54,12 +56,9 @@ def sharegpt_path(job) -> Path | None:
 
 def prepare(cfg) -> dict:
     """Every key of conf/job/prompts.yaml checked and the ShareGPT file found and its first record
-    read — all that can fail without the model (:func:`run` calls it first)."""
+    read — all that can fail without the model (the driver calls it first)."""
     from selfspec.tasks.sharegpt import iter_sharegpt
-    from selfspec.training import check_run, job_keys
-    from selfspec.training.loop import TrainConfig
 
-    check_run(cfg)
     job, key = cfg.job, "job.{}".format
     m = checks.integer(key("m"), job.m, 1, why="prompt tokens")
     data = checks.optional(checks.text, key("data"), job.data, why="a local ShareGPT JSON file")
@@ -81,7 +80,7 @@ def prepare(cfg) -> dict:
         "inserts": checks.integer(key("inserts"), job.inserts, 1),
         "eval_inserts": checks.integer(key("eval_inserts"), job.eval_inserts, 1),
     }
-    job_keys(job, opts)
+    job_keys(job, [*opts, *TrainConfig.keys()])
     opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
     opts["path"] = sharegpt_path(job)
     if next(iter_sharegpt(opts["path"]), None) is None:
@@ -186,22 +185,17 @@ def topk_accuracy(student: torch.Tensor, teacher: torch.Tensor, ks=(1, 5)) -> di
 
 
 # --- the job -------------------------------------------------------------------------------------
-def artefact_dir(cfg, opts: dict) -> Path:
-    """Where the job saves: ``artefact_dir``, else ``prompts/<model>``."""
+def default_dir(cfg, opts: dict) -> Path:
+    """``prompts/<model>``."""
     from selfspec.artefacts import default_artefact_dir
 
-    return Path(cfg.artefact_dir) if cfg.get("artefact_dir") else default_artefact_dir("prompts", str(cfg.model.name))
+    return default_artefact_dir("prompts", str(cfg.model.name))
 
 
-def run(cfg, opts: dict, loaded=None) -> dict:
-    """Train the prompt tokens :func:`prepare` checked (``opts``) into :func:`artefact_dir`."""
-    from selfspec.models.loading import model_for
-    from selfspec.tracking import start_run
-    from selfspec.training import progress
-    from selfspec.training.loop import clear_checkpoint, train
-
+def objective(ctx) -> Result:
+    """Train the prompt tokens :func:`prepare` checked by distillation on ShareGPT."""
+    opts, loaded, seed = ctx.opts, ctx.loaded, ctx.seed
     m, n_ept, alpha = opts["m"], opts["n_ept"], opts["alpha"]
-    loaded = model_for(cfg.model, loaded)  # the caller's model (the demo), else loaded here
     model = loaded.model
     L, inserts, held_out = opts["context_length"], opts["inserts"], opts["held_out"]
     t0 = time.perf_counter()
@@ -212,9 +206,8 @@ def run(cfg, opts: dict, loaded=None) -> dict:
         raise ValueError(f"only {len(seqs)} conversations loaded, all held out; lower job.held_out")
     log.info("ShareGPT: %d train / %d held-out conversations (%.1fs)", len(train_seqs), len(held),
              time.perf_counter() - t0)
-    prompts = PromptTokens.init_from_tokens(model, m, n_ept, seed=int(cfg.seed))
-    eval_batches = [sample_batch(held, i, int(cfg.seed) + 1, L, opts["eval_inserts"], m)
-                    for i in range(len(held))]
+    prompts = PromptTokens.init_from_tokens(model, m, n_ept, seed=seed)
+    eval_batches = [sample_batch(held, i, seed + 1, L, opts["eval_inserts"], m) for i in range(len(held))]
 
     def loss_fn(module, batch):
         student, teacher = student_teacher(model, module, batch["ids"], batch["inserts"])
@@ -235,27 +228,23 @@ def run(cfg, opts: dict, loaded=None) -> dict:
         out.update({f"kl@{d + 1}": float(kls[d] / total) for d in range(m)})
         return out
 
-    out_dir = artefact_dir(cfg, opts)
-    ckpt_dir = out_dir.with_name(f".{out_dir.name}.ckpt")
-    tracker = start_run(cfg, job_type="train-prompts")
-    result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, int(cfg.seed), L, inserts, m),
-                   opts["train"], ckpt_dir, tracker=tracker, eval_fn=eval_fn,
-                   settings={"model": loaded.name, **OmegaConf.to_container(cfg.job, resolve=True)},
-                   progress=progress(cfg))
-    final = result["eval"][-1] if result["eval"] else {}
-    metrics = {**{k.removeprefix("eval/"): v for k, v in final.items() if k != "step"},
+    result = train(prompts, loss_fn, lambda i: sample_batch(train_seqs, i, seed, L, inserts, m),
+                   opts["train"], ctx.ckpt_dir, tracker=ctx.tracker, eval_fn=eval_fn,
+                   settings={"model": loaded.name, **OmegaConf.to_container(ctx.cfg.job, resolve=True)},
+                   progress=ctx.progress)
+    metrics = {**(final_metrics(result["eval"][-1]) if result["eval"] else {}),
                "train_seconds": result["seconds"], "steps": result["step"],
                "initial": result["eval"][0] if result["eval"] else {},
                "final_loss": result["history"][-1]["loss"] if result["history"] else None,
                "params": prompts.embeddings.numel(),
                "param_fraction": prompts.embeddings.numel() / sum(p.numel() for p in model.hf.parameters()),
                "bytes": prompts.num_bytes()}
-    save_prompts(out_dir, prompts, loaded, train_config=cfg.job, metrics=metrics)
-    clear_checkpoint(ckpt_dir)
-    tracker.summary(metrics)
-    tracker.table("accuracy", [{"distance": d + 1, "top1": metrics.get(f"top1@{d + 1}"),
-                                "top5": metrics.get(f"top5@{d + 1}")} for d in range(m)])
-    tracker.log_artifact(out_dir, kind="prompts")
-    tracker.finish()
-    log.info("prompts artefact -> %s (%s)", out_dir, {k: v for k, v in metrics.items() if "@" in k})
-    return {"artefact": str(out_dir), **metrics}
+    log.info("prompts: %s", {k: v for k, v in metrics.items() if "@" in k})
+    tensors, fields = prompts_contents(prompts)
+    return Result(tensors=tensors, meta=fields, metrics=metrics, summary=metrics,
+                  tables={"accuracy": [{"distance": d + 1, "top1": metrics.get(f"top1@{d + 1}"),
+                                        "top5": metrics.get(f"top5@{d + 1}")} for d in range(m)]},
+                  checkpoint=ctx.ckpt_dir)
+
+
+JOB = Job(kind="prompts", tracker_job="train-prompts", prepare=prepare, default_dir=default_dir, objective=objective)

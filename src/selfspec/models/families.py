@@ -1,0 +1,147 @@
+"""The transformers boundary: one adapter per model family the layered runtime drives.
+
+Everything selfspec needs to know of a family's modules sits here and nowhere else: where the
+embedding, decoder layers, final norm, rotary embedding and LM head live, which sublayer does
+what, the family's own rotary and attention functions (imported from its modeling module by
+name), and what each layer's attention needs besides q, k, v and a mask. The runtime
+(:mod:`selfspec.models.layered`) reuses the library's modules, weights and functions through an
+adapter; no family's numerics are written again (docs/design.md §2.1).
+
+An adapter is small: :class:`Llama` is the layout every supported family shares (a pre-norm
+attention sublayer and a pre-norm MLP sublayer, each added to the residual stream; q/k/v and
+gate/up projections reading one input); :class:`Mistral` and :class:`Qwen2` differ only in the
+modeling module their functions come from and in what bounds a context. A family with another
+layer structure (MoE, Gemma 2, Phi-3, ...) is refused before any weights load
+(:func:`check_model_type`): supporting it means one adapter class here.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+
+#: what an adapter needs, said when a family is refused
+ADAPTER_NEEDS = ("where the embedding, decoder layers, final norm, rotary embedding and LM head live; each "
+                 "layer's norms, q/k/v, output, gate/up and down projections; the family's rotary and attention "
+                 "functions (src/selfspec/models/families.py)")
+
+
+class UnsupportedModelError(ValueError):
+    """The model family has a layer structure the runtime has no adapter for."""
+
+
+class Llama:
+    """The Llama layout (model_type ``llama``): ``hf.model.{embed_tokens, layers, norm,
+    rotary_emb}`` and ``hf.lm_head``; each decoder layer is ``input_layernorm → self_attn
+    (q/k/v_proj, o_proj) → residual → post_attention_layernorm → mlp (gate/up_proj, act_fn,
+    down_proj) → residual``."""
+
+    model_types: tuple[str, ...] = ("llama",)
+    #: the family's modeling module: its ``apply_rotary_pos_emb`` and ``eager_attention_forward``
+    modeling: ModuleType = modeling_llama
+
+    def __init__(self, hf: torch.nn.Module, attn_implementation: str) -> None:
+        inner = hf.model
+        self.config = hf.config
+        self.embed_tokens, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary_emb, self.lm_head = inner.rotary_emb, hf.lm_head
+        self.apply_rotary: Callable = self.modeling.apply_rotary_pos_emb
+        #: the attention function of ``attn_implementation``: SDPA through transformers' wrapper
+        #: (the CPU kernels take over where they apply, :func:`selfspec.models.kernels.attention`),
+        #: or the family's eager attention
+        self.attend: Callable = sdpa_attention_forward if attn_implementation == "sdpa" \
+            else self.modeling.eager_attention_forward
+        self.additive_mask = attn_implementation != "sdpa"  # eager adds the mask to the scores
+
+    # --- per layer ----------------------------------------------------------------------------
+    def attention_module(self, i: int) -> torch.nn.Module:
+        return self.layers[i].self_attn
+
+    def attention_norm(self, i: int) -> torch.nn.Module:
+        return self.layers[i].input_layernorm
+
+    def mlp_norm(self, i: int) -> torch.nn.Module:
+        return self.layers[i].post_attention_layernorm
+
+    def qkv(self, i: int) -> list[torch.nn.Linear]:
+        a = self.layers[i].self_attn
+        return [a.q_proj, a.k_proj, a.v_proj]
+
+    def out_proj(self, i: int) -> torch.nn.Linear:
+        return self.layers[i].self_attn.o_proj
+
+    def gate_up(self, i: int) -> list[torch.nn.Linear]:
+        mlp = self.layers[i].mlp
+        return [mlp.gate_proj, mlp.up_proj]
+
+    def down_proj(self, i: int) -> torch.nn.Linear:
+        return self.layers[i].mlp.down_proj
+
+    def act(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.layers[i].mlp.act_fn
+
+    def attention_kwargs(self, i: int) -> dict:
+        """What the family passes its attention function besides q, k, v, the mask and scaling."""
+        return {}
+
+    # --- the model ----------------------------------------------------------------------------
+    def max_context(self) -> int:
+        """Positions a cache may hold before the family's attention would differ from ours."""
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+
+class Mistral(Llama):
+    """Mistral: the Llama layout with a sliding attention window. The runtime's masks are causal
+    over the whole cache, so contexts are bounded by the window (within it the two agree)."""
+
+    model_types = ("mistral",)
+    modeling = modeling_mistral
+
+    def max_context(self) -> int:
+        window = getattr(self.config, "sliding_window", None)
+        return int(window) if window else super().max_context()
+
+    def attention_kwargs(self, i: int) -> dict:
+        window = getattr(self.config, "sliding_window", None)
+        return {"sliding_window": window} if window else {}
+
+
+class Qwen2(Llama):
+    """Qwen2: the Llama layout with biases on q/k/v (carried by the fused projection) and a
+    per-layer sliding window where the config enables one."""
+
+    model_types = ("qwen2",)
+    modeling = modeling_qwen2
+
+    def attention_kwargs(self, i: int) -> dict:
+        window = getattr(self.layers[i].self_attn, "sliding_window", None)
+        return {"sliding_window": window} if window else {}
+
+
+#: every adapter, by the model types it drives
+FAMILIES: dict[str, type[Llama]] = {t: cls for cls in (Llama, Mistral, Qwen2) for t in cls.model_types}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def check_model_type(model_type: str | None, name: str, where: str = "") -> None:
+    """Refuse a model family without an adapter (read from a config.json or a GGUF file's
+    ``general.architecture`` before any weights load), naming the supported ones and what an
+    adapter needs."""
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model {name!r}{f' ({where})' if where else ''} has model_type={model_type!r}; selfspec's "
+            f"layered runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}. Choose a model of one of these "
+            f"families, or add an adapter for it: {ADAPTER_NEEDS}.")
+
+
+def adapter(hf: torch.nn.Module, name: str, attn_implementation: str) -> Llama:
+    """The adapter of ``hf``'s family (refused by :func:`check_model_type` when there is none)."""
+    model_type = getattr(hf.config, "model_type", None)
+    check_model_type(model_type, name)
+    return FAMILIES[model_type](hf, attn_implementation)

@@ -1,0 +1,69 @@
+"""Comparing selfspec's step trace (``Generation.trace``) with a reference loop's rounds.
+
+Integers (where the drafts came from, drafted, accepted, committed, exit layer, draft limit, a
+controller's chosen layer and length) must be equal. Floats a controller carries are compared
+with a tolerance, for two reasons: selfspec's runtime computes with its own CPU kernels (skinny
+linears, row-wise attention, fused norm) and the reference with transformers' stock modules, so
+confidences (top probabilities, float32) agree to ~1e-7 relative, not bit for bit; and decayed
+statistics summed per round (selfspec) or per observation (the reference) in float64 agree to
+~1e-16. A difference that changes a decision (a threshold crossed, a different argmax) shows up
+in the integers.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: relative / absolute tolerance for float32 confidences and what is derived from them
+CONF_REL, CONF_ABS = 1e-4, 1e-7
+#: absolute tolerance for agreement rates (ratios of float64 decayed counts of the same matches)
+ALPHA_ABS = 1e-12
+
+
+def rows(trace) -> list[tuple]:
+    """``(source, drafted, accepted, committed, exit_layer, draft_limit)`` per step or round."""
+    return [(t.source, t.drafted, t.accepted, t.committed, t.exit_layer, t.draft_limit) for t in trace]
+
+
+def totals(trace) -> tuple[int, int, int]:
+    """``(steps, drafted, accepted)``."""
+    return len(trace), sum(t.drafted for t in trace), sum(t.accepted for t in trace)
+
+
+def _close(a, b, key: str) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if key == "alpha":
+        return abs(a - b) <= ALPHA_ABS
+    return math.isclose(a, b, rel_tol=CONF_REL, abs_tol=CONF_ABS)
+
+
+def controller_differences(a: dict | None, b: dict | None) -> list[str]:
+    """Keys whose values differ beyond the tolerances (module docstring)."""
+    if a is None or b is None:
+        return [] if a is b else ["controller"]
+    out = sorted(set(a) ^ set(b))
+    for key in sorted(set(a) & set(b)):
+        x, y = a[key], b[key]
+        if isinstance(x, list):
+            same = len(x) == len(y) and all(_close(u, v, key) for u, v in zip(x, y))
+        else:
+            same = _close(x, y, key)
+        if not same:
+            out.append(key)
+    return out
+
+
+def first_difference(trace, rounds) -> str | None:
+    """Where selfspec's trace and the reference's rounds first differ (None: step for step equal)."""
+    if len(trace) != len(rounds):
+        return f"{len(trace)} steps against the reference's {len(rounds)}"
+    for j, (t, r) in enumerate(zip(trace, rounds)):
+        if rows([t]) != rows([r]):
+            return f"step {j}: {rows([t])[0]} against the reference's {rows([r])[0]}"
+        keys = controller_differences(t.controller, r.controller)
+        if keys:
+            return f"step {j}: controller {keys}: {t.controller} against the reference's {r.controller}"
+    return None
