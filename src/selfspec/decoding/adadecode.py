@@ -50,7 +50,7 @@ rejection rate); ``tokens_per_full_pass`` = generated tokens / full passes (equa
 unchecked; its consistency ratio against vanilla is what the ablation reports.
 
 **Beyond the paper** (``adadecode``'s defaults; ``adadecode_paper`` turns both off, and
-tests/reference/test_adadecode_reference.py checks it step for step against the paper's
+tests/test_reference_adadecode.py checks it step for step against the paper's
 Algorithm 1): ``max_early`` bounds the unverified early predictions of one step (the paper
 names no bound; a rejection then wastes at most that many passes), and without ``early_eos`` an
 end-of-sequence token is never predicted early (the pass goes deeper instead: nothing after an

@@ -142,7 +142,7 @@ class PPD(Decoder):
             "tree_size": checks.optional(checks.integer, key("tree_size"), cfg.get("tree_size"), 1,
                                          why="tokens per forward; null = the size the ppd_tree job chose"),
             "ngram": context_drafts_option(cfg, prefix),
-            "state_zero": checks.flag(key("state_zero"), cfg.get("state_zero"),
+            "state_zero": checks.flag(key("state_zero"), cfg.get("state_zero", True),
                                       why="false = the paper's states 1..m: the root carries every prompt token, "
                                           "each candidate at least one"),
         }

@@ -1,4 +1,4 @@
-"""AdaDecode step for step against the paper's Algorithm 1 (issue 21; :mod:`.adadecode_paper`).
+"""AdaDecode step for step against the paper's Algorithm 1 (issue 21; :mod:`reference.adadecode_paper`).
 
 The authors' code was not public (github.com/weizhepei/AdaDecode held a README only), so the
 reference is the paper's algorithm, re-written on transformers' own decoder layers. The
@@ -11,8 +11,7 @@ All compared quantities are discrete. An exit is a float comparison (the head's 
 against γ) that the two computations make on last-bit-different numbers (selfspec's own CPU
 operators and deferred layers batched in its own order, transformers' stock ones here); with these
 heads no probability lies that close to γ. The K/V cache after the last step is compared with a
-tolerance (1e-4) for the same reason: float32 sums in another order differ in the last bits
-(SmolLM2's keys by up to ~2e-5).
+tolerance for the same reason (tests/reference/traces.py).
 
 Named deviations, each checked to be the only difference:
 
@@ -31,33 +30,25 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.config import load_method_config, model_config
+from selfspec.config import load_method_config
 from selfspec.decoding import check_method
 from selfspec.decoding.adadecode import AdaDecode
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.heads import IntermediateHeads, save_heads
-from selfspec.models.loading import load_model
 
-from . import adadecode_paper
+from reference import adadecode_paper
+from reference.traces import check_kv, totals
+from test_adadecode import HEAD_LAYERS, peaked_model
 
-HEAD_LAYERS = [1, 2, 4]
 PROMPT = "Article: The quick brown fox jumps over the lazy dog.\nSummary:"
 N_NEW = 40
 
 
 @pytest.fixture(scope="module")
 def peaked():
-    """A 6-layer tiny-random model made predictable (tests/test_adadecode.py's): sharp logits (LM
-    head x30) and deeper layers that change the residual stream little (output projections x0.3),
-    so intermediate heads agree with the final layer often but not always."""
-    loaded = load_model(OmegaConf.merge(model_config("tiny-random"), {"random": {"num_hidden_layers": 6}}))
-    m = loaded.model
-    with torch.no_grad():
-        m.lm_head_weight.mul_(30)
-        for i in range(1, m.num_layers):
-            m.hf.model.layers[i].self_attn.o_proj.weight.mul_(0.3)
-            m.hf.model.layers[i].mlp.down_proj.weight.mul_(0.3)
-    return loaded
+    """tests/test_adadecode.py's sharpened 6-layer tiny-random (intermediate heads agree with the
+    final layer often but not always)."""
+    return peaked_model()
 
 
 def heads_artefact(loaded, path, layers, noise: float = 0.02, seed: int = 0):
@@ -98,21 +89,6 @@ def steps(gen) -> list[dict]:
     return rows
 
 
-def totals(trace: list[dict]) -> tuple[int, int, int]:
-    """(steps, drafted, accepted) of a trace, prefill included in the steps."""
-    return len(trace), sum(r.get("drafted", 0) for r in trace), sum(r.get("accepted", 0) for r in trace)
-
-
-def check_cache(dec, ref_cache) -> None:
-    """Every layer holds the same committed K/V (float: see the module docstring)."""
-    for i, layer in enumerate(ref_cache.layers):
-        n = layer.keys.shape[-2]
-        assert dec.last.cache.length(i) == n
-        k, v = dec.last.cache.layer_kv(i)
-        torch.testing.assert_close(k, layer.keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v, layer.values, atol=1e-4, rtol=1e-4)
-
-
 def reference(loaded, T, gamma, ids, eos=(), n_new: int = N_NEW, stop_at_budget: bool = False):
     """The paper's loop on the same model and heads."""
     return adadecode_paper.generate(loaded.model.hf, T, gamma, ids, n_new, frozenset(eos), stop_at_budget)
@@ -128,7 +104,7 @@ def test_adadecode_paper_equals_algorithm_1_step_for_step(peaked, tmp_path, gamm
     assert steps(out)[:-1] == ref.trace[:-1]  # the last step: the budget (module docstring)
     at_budget = reference(peaked, T, gamma, ids, stop_at_budget=True)
     assert at_budget.tokens == ref.tokens and steps(out) == at_budget.trace
-    check_cache(dec, at_budget.cache)
+    check_kv(dec.last.cache, at_budget.cache)
     trace = ref.trace
     _, drafted, accepted = totals(trace)
     if gamma < 0.9:
@@ -191,6 +167,6 @@ def test_adadecode_paper_equals_algorithm_1_on_smollm2(smol, tmp_path):
     ref = reference(smol, T, 0.7, ids, n_new=24, stop_at_budget=True)
     assert out.tokens == ref.tokens == Vanilla(smol.model).generate(ids, 24).tokens
     assert steps(out) == ref.trace
-    check_cache(dec, ref.cache)
+    check_kv(dec.last.cache, ref.cache)
     _, drafted, accepted = totals(ref.trace)
     assert 0 < accepted < drafted, "early predictions should be both accepted and rejected"

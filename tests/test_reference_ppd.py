@@ -1,4 +1,4 @@
-"""PPD step for step against the authors' decoding loop (issue 21; :mod:`.ppd_authors`).
+"""PPD step for step against the authors' decoding loop (issue 21; :mod:`reference.ppd_authors`).
 
 The ``ppd_paper`` configuration (conf/method/ppd_paper.yaml) and the re-written authors' loop
 decode the same prompt ids with the same artefacts (prompt-token embeddings and a dynamic sparse
@@ -8,9 +8,9 @@ candidates, accepted candidates, tree size, width of the pass and the tree's sta
 (how many prompt tokens the accepted node carried).
 
 Discrete quantities are compared exactly. The one float comparison, the K/V cache after the last
-step, has a tolerance (1e-4): selfspec computes with its own CPU operators (fused q/k/v products,
-row-wise attention, rows in another order) where transformers takes its stock ones, so the same
-float32 arithmetic differs in the last bits (SmolLM2's keys by up to ~2e-5).
+step, has a tolerance (tests/reference/traces.py): selfspec computes with its own CPU operators
+(fused q/k/v products, row-wise attention, rows in another order) where transformers takes its
+stock ones, so the same float32 arithmetic differs in the last bits.
 
 Named deviations, each checked to be the only difference:
 
@@ -40,7 +40,8 @@ from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.loading import load_model
 from selfspec.prompts import PromptTokens, save_prompts
 
-from . import ppd_authors
+from reference import ppd_authors
+from reference.traces import check_kv, totals
 
 M = 3
 #: the only tokens the narrowed model's LM head makes likely (token 0 excluded: see ppd_authors)
@@ -131,22 +132,6 @@ def steps(gen) -> list[dict]:
     return rows
 
 
-def totals(trace: list[dict]) -> tuple[int, int, int]:
-    """(steps, drafted, accepted) of a trace, prefill included in the steps."""
-    return len(trace), sum(r.get("drafted", 0) for r in trace), sum(r.get("accepted", 0) for r in trace)
-
-
-def check_cache(dec, ref: ppd_authors.Run) -> None:
-    """Every layer holds the same committed K/V (float: see the module docstring)."""
-    cache = dec.last.cache
-    n = ref.cache.layers[0].keys.shape[-2]
-    for i, layer in enumerate(ref.cache.layers):
-        assert cache.length(i) >= n
-        k, v = cache.layer_kv(i)
-        torch.testing.assert_close(k[:, :, :n], layer.keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v[:, :, :n], layer.values, atol=1e-4, rtol=1e-4)
-
-
 def _embeddings(model, seed: int) -> torch.Tensor:
     """Untrained prompt tokens ``[m, 1, d]``: embeddings of random ordinary tokens (PPD §5's initialisation)."""
     return PromptTokens.init_from_tokens(model, M, 1, seed=seed).embeddings.detach()
@@ -165,7 +150,7 @@ def test_ppd_paper_equals_the_authors_loop_step_for_step(narrow, tmp_path, seed,
     dec, out = run(method("ppd_paper", *save(narrow, tmp_path, prompts, trees)), m, ids, n_new)
     assert out.tokens == ref.tokens == Vanilla(m).generate(ids, n_new).tokens
     assert steps(out) == ref.trace
-    check_cache(dec, ref)
+    check_kv(dec.last.cache, ref.cache, same_length=False)
     _, drafted, accepted = totals(ref.trace)
     assert accepted >= 8 and len({r["state"] for r in ref.trace}) >= 2, "the trees should accept paths"
 
@@ -213,4 +198,4 @@ def test_ppd_paper_equals_the_authors_loop_on_smollm2(smol, tmp_path):
     dec, out = run(method("ppd_paper", *save(smol, tmp_path, prompts, trees)), m, ids, n_new)
     assert out.tokens == ref.tokens == Vanilla(m).generate(ids, n_new).tokens
     assert steps(out) == ref.trace
-    check_cache(dec, ref)
+    check_kv(dec.last.cache, ref.cache, same_length=False)
