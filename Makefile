@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install llamacpp assets browser test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: help install llamacpp assets browser slurm test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -54,7 +54,21 @@ browser: ## install chromium + chromium-driver (apt-get, when missing) for the r
 			"install them with: sudo apt-get install chromium chromium-driver" >&2; \
 	fi
 
-test: browser assets ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2)
+# Debian's Slurm (slurmctld, slurmd, the client commands), munge, and slurmdbd with MariaDB (sacct:
+# submitit asks it for the state of every job) for tests/test_slurm.py, which starts a private
+# one-node cluster on this machine; without them (and not root) those tests skip, and fail under CI=true
+SLURM_PROGRAMS := slurmctld slurmd slurmdbd sbatch sacct munged mariadbd
+slurm: ## install slurm-wlm, munge, slurmdbd, mariadb-server (apt-get, when missing) for the Slurm tests
+	@if (PATH="$$PATH:/usr/sbin:/sbin"; for p in $(SLURM_PROGRAMS); do command -v $$p >/dev/null || exit 1; done); then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			slurm-wlm munge slurmdbd mariadb-server; \
+	else \
+		echo "warning: Slurm, munge or MariaDB missing and not root: tests/test_slurm.py will skip (fail with CI=true);" \
+			"install them with: sudo apt-get install slurm-wlm munge slurmdbd mariadb-server" >&2; \
+	fi
+
+test: browser slurm assets ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2 and Slurm)
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: browser assets ## run the fast tests only (no end-to-end tests on SmolLM2)

@@ -36,6 +36,16 @@ def prompt_ids(tiny):
     return tiny.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]
 
 
+def method(name: str, **overrides):
+    """``conf/method/<name>.yaml`` as composed (every key set there, nowhere else) with ``overrides``
+    on top, as a plain (non-struct) config so that a test may also add a key the method refuses."""
+    from omegaconf import OmegaConf
+
+    from selfspec.config import load_method_config
+
+    return OmegaConf.create({**OmegaConf.to_container(load_method_config(name)), **overrides})
+
+
 def hf_greedy(loaded, ids, n):
     """Reference: transformers' own greedy generate, exactly n new tokens (no EOS stop)."""
     out = loaded.model.hf.generate(

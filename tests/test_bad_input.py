@@ -349,7 +349,9 @@ def write_gguf(path: Path, arch: str = "llama", d: int = 16, layers: int = 2, se
 
 
 def _model(**keys):
-    return OmegaConf.create({"name": "g", "dtype": "float32", "device": "cpu", **keys})
+    """smollm2-135m's config with its source replaced by ``keys``."""
+    base = {k: v for k, v in model_config("smollm2-135m").items() if k not in ("gguf_asset",)}
+    return OmegaConf.create({**base, "name": "g", "gguf_asset": None, **keys})
 
 
 @pytest.fixture

@@ -89,12 +89,13 @@ import random  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from conftest import method  # noqa: E402
 from selfspec.checks import ConfigError  # noqa: E402
 from selfspec.decoding import build_decoder, check_method  # noqa: E402
 from selfspec.decoding.sampling import Sampling  # noqa: E402
 
 GATED = {
-    "ngram": {"name": "ngram"},
+    "ngram": method("ngram"),
     "draft_verify": {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [0]},
     "early_exit": {"name": "early_exit", "exit_layer": 0, "max_draft": 3},
     "del": None,  # its conf/method/del.yaml as composed
@@ -148,9 +149,9 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
 
 
 def test_never_slower_key_is_checked():
-    assert check_method(OmegaConf.create({"name": "ngram", "never_slower": False}))["never_slower"] is False
+    assert check_method(method("ngram", never_slower=False))["never_slower"] is False
     with pytest.raises(ConfigError, match=r"method\.never_slower=yes is not allowed: must be true or false"):
-        check_method(OmegaConf.create({"name": "ngram", "never_slower": "yes"}))
+        check_method(method("ngram", never_slower="yes"))
     # a method with no plain-step fallback does not take the key
     with pytest.raises(ConfigError, match=r"method\.never_slower is not a key of method adadecode"):
         check_method(OmegaConf.create({"name": "adadecode", "never_slower": True}))

@@ -18,19 +18,31 @@ def test_unknown_model_lists_known_ones():
 
 
 def test_unloadable_path_names_the_config(tmp_path):
-    cfg = OmegaConf.create({"name": "mine", "name_or_path": str(tmp_path), "device": "cpu", "dtype": "float32"})
+    cfg = OmegaConf.merge(_runtime_keys(), {"name": "mine", "name_or_path": str(tmp_path)})
     with pytest.raises(ModelLoadError, match="'mine'.*config.json"):
         load_model(cfg)
 
 
 def test_config_without_source_is_refused():
     with pytest.raises(ConfigError, match="names no source"):
-        load_model(OmegaConf.create({"name": "empty", "device": "cpu"}))
+        load_model(OmegaConf.merge(_runtime_keys(), {"name": "empty"}))
+
+
+def _runtime_keys():
+    """tiny-random's config without a source (every runtime key set)."""
+    return OmegaConf.create({k: v for k, v in model_config("tiny-random").items()
+                             if k not in ("random", "tokenizer")})
+
+
+def test_config_lacking_a_key_is_refused_by_name():
+    cfg = OmegaConf.create({k: v for k, v in model_config("tiny-random").items() if k != "capture"})
+    with pytest.raises(ConfigError, match="lacks model.capture.*conf/model/"):
+        load_model(cfg)
 
 
 def test_bad_dtype_is_named():
     with pytest.raises(ConfigError, match="model.dtype=int3 is not allowed"):
-        load_model(OmegaConf.create({"name": "x", "random": {"vocab_size": 10}, "dtype": "int3", "device": "cpu"}))
+        load_model(OmegaConf.merge(model_config("tiny-random"), {"dtype": "int3"}))
 
 
 def test_unsupported_family_is_refused():

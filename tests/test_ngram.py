@@ -4,10 +4,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import rolled_back_steps
+from conftest import method, rolled_back_steps
 
 from selfspec.checks import ConfigError
-from selfspec.config import compose, model_config
+from selfspec.config import compose, load_method_config, model_config
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.ngram import NgramIndex, NgramLookup
@@ -18,7 +18,7 @@ REPEAT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat
 
 
 def ngram(loaded, eos=(), **kw):
-    return build_decoder(OmegaConf.create({"name": "ngram", **kw}), loaded.model, eos_token_ids=eos)
+    return build_decoder(method("ngram", **kw), loaded.model, eos_token_ids=eos)
 
 
 def vanilla_tokens(loaded, ids, n, eos=()):
@@ -126,7 +126,7 @@ def test_cache_after_rollback_equals_recomputation(tiny):
 
 
 def test_adaptive_draft_length_follows_acceptance(tiny):
-    dec = NgramLookup(tiny.model, max_draft=6)
+    dec = NgramLookup(tiny.model, max_ngram=3, min_ngram=1, max_draft=6, draft_schedule="adaptive")
     ex = dec.context.new_example(None)
     assert ex.draft_len == 6
     dec.context.adapt(ex, accepted=1, drafted=6)
@@ -139,7 +139,7 @@ def test_adaptive_draft_length_follows_acceptance(tiny):
     for _ in range(10):
         dec.context.adapt(ex, accepted=0, drafted=1)
     assert ex.draft_len == 1  # never below one draft
-    const = NgramLookup(tiny.model, max_draft=6, draft_schedule="constant")
+    const = NgramLookup(tiny.model, max_ngram=3, min_ngram=1, max_draft=6, draft_schedule="constant")
     ex = const.context.new_example(None)
     const.context.adapt(ex, accepted=0, drafted=6)
     assert ex.draft_len == 6
@@ -169,7 +169,7 @@ def test_sampling_with_point_mass_drafts_matches_target_distribution():
         ids = contexts[d].tolist()
         p = warp(model.logits(model.forward(torch.tensor([ids]), None, start=0)[:, -1])[0], s)
         assert 0.25 <= p[d] <= 0.75, f"p(d) = {p[d]:.3f}"
-        dec = NgramLookup(model, max_ngram=2, max_draft=2)
+        dec = NgramLookup(model, max_ngram=2, min_ngram=1, max_draft=2, draft_schedule="adaptive")
         gen = torch.Generator().manual_seed(0)
         state = DecodeState(list(ids), len(ids), model.new_cache(64), s, gen)
         model.forward(torch.tensor([ids[:-1]]), state.cache, start=0)
@@ -218,4 +218,11 @@ def test_method_config_composes_and_is_checked():
 ])
 def test_bad_config_is_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
-        check_method(OmegaConf.create({"name": "ngram", **kw}))
+        check_method(method("ngram", **kw))
+
+
+def test_config_lacking_a_key_is_refused_by_name():
+    """The lookup's values are written once, in the YAML: a config without one names it."""
+    with pytest.raises(ConfigError, match=r"lacks method\.max_draft.*conf/method/ngram\.yaml"):
+        check_method(OmegaConf.create({"name": "ngram", "max_ngram": 3, "min_ngram": 1, "draft_schedule": "constant"}))
+

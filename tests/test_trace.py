@@ -7,6 +7,7 @@ import random
 
 import pytest
 from omegaconf import OmegaConf
+from conftest import method
 
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.adadecode import AdaDecode
@@ -37,7 +38,7 @@ def _decoder(name, tiny):
         "early_exit_draft": {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False,
                              "prefill": "draft"},
         "del": {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
-        "ngram": {"name": "ngram", "never_slower": False},
+        "ngram": method("ngram", never_slower=False),
     }
     return build_decoder(OmegaConf.create(cfgs[name]), m)
 

@@ -131,6 +131,15 @@ def known_keys(prefix: str, cfg: Mapping[str, Any], keys: Iterable[str], what: s
                           f"{', '.join(sorted(keys))}")
 
 
+def required_keys(prefix: str, cfg: Mapping[str, Any], keys: Iterable[str], where: str) -> None:
+    """Refuse a config that lacks keys its reader reads: their defaults live in the YAML under
+    ``conf/`` (``where``), never in the Python that reads them."""
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise ConfigError(f"{prefix} config lacks {', '.join(f'{prefix}.{k}' for k in missing)}; "
+                          f"start from {where}, which sets every key")
+
+
 def renamed(prefix: str, cfg: Mapping[str, Any], renames: Mapping[str, str]) -> None:
     """Refuse a key a config reader no longer reads under that name, naming its new key
     (``renames``: old key -> new key, or a sentence saying what replaced it)."""

@@ -61,7 +61,6 @@ from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 
 SCHEDULES = ("adaptive", "constant")
 #: config key -> default (conf/method/ngram.yaml)
-DEFAULTS = {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "adaptive"}
 
 
 class NgramIndex:
@@ -119,8 +118,11 @@ def lookup_options(cfg, prefix: str) -> dict:
     """The n-gram lookup's keys, read from ``cfg`` (a method config, or the ``ngram`` sub-config of
     a method that drafts from the context first) and checked as ``<prefix>.<key>``:
     ``max_ngram`` >= 1 (longest suffix matched), ``min_ngram`` in [1, max_ngram] (shortest),
-    ``max_draft`` >= 1 (most draft tokens per step); null takes the default."""
-    value = {k: (cfg.get(k) if cfg.get(k) is not None else DEFAULTS[k]) for k in LOOKUP_KEYS}
+    ``max_draft`` >= 1 (most draft tokens per step). Their values are written in the YAML
+    (conf/method/ngram.yaml, the ``ngram`` block of conf/method/*_ngram.yaml); a config lacking one
+    is refused by name."""
+    checks.required_keys(prefix, cfg, LOOKUP_KEYS, "conf/method/ngram.yaml (or a *_ngram.yaml method's ngram block)")
+    value = {k: cfg.get(k) for k in LOOKUP_KEYS}
     key = f"{prefix}.{{}}".format
     max_n = checks.integer(key("max_ngram"), value["max_ngram"], 1, why="longest n-gram matched")
     return {
@@ -132,8 +134,9 @@ def lookup_options(cfg, prefix: str) -> dict:
 
 
 def schedule_option(cfg, prefix: str) -> str:
-    """``<prefix>.draft_schedule``: ``adaptive`` (default) | ``constant`` (module docstring)."""
-    value = cfg.get("draft_schedule") if cfg.get("draft_schedule") is not None else DEFAULTS["draft_schedule"]
+    """``<prefix>.draft_schedule``: ``adaptive`` | ``constant`` (module docstring)."""
+    checks.required_keys(prefix, cfg, ("draft_schedule",), "conf/method/ngram.yaml (or a *_ngram.yaml method's ngram block)")
+    value = cfg.get("draft_schedule")
     return checks.choice(f"{prefix}.draft_schedule", value, SCHEDULES,
                          why="adaptive: draft length follows acceptance; constant: max_draft")
 
@@ -180,8 +183,7 @@ class ContextDrafter(Drafter):
     ``ngram_steps`` (steps that drafted from the context) and ``ngram_accepted`` (their accepted
     drafts), the names PPD's context drafts use."""
 
-    def __init__(self, model, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8,
-                 draft_schedule: str = "adaptive") -> None:
+    def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"method.min_ngram={min_ngram} must be in [1, method.max_ngram={max_ngram}]")
         if max_draft < 1 or draft_schedule not in SCHEDULES:
@@ -233,8 +235,8 @@ class NgramLookup(ChainDecoder):
     lossless = True
     context_first = False  # its keys are the lookup's own; there is no self-drafter to go after
 
-    def __init__(self, model, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 8,
-                 draft_schedule: str = "adaptive", **common) -> None:
+    def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
+                 **common) -> None:
         super().__init__(model, **common)
         self.context = ContextDrafter(model, max_ngram, min_ngram, max_draft, draft_schedule)
         self.lookahead = self.context.max_draft  # verification writes k + 1 positions past the committed ones
@@ -242,7 +244,7 @@ class NgramLookup(ChainDecoder):
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/ngram.yaml): the lookup's (:func:`lookup_options`) and
-        ``draft_schedule`` (:func:`schedule_option`); null takes the default."""
+        ``draft_schedule`` (:func:`schedule_option`)."""
         return {**lookup_options(cfg, prefix), "draft_schedule": schedule_option(cfg, prefix)}
 
     @classmethod

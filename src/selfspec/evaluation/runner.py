@@ -144,7 +144,7 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.integer("seed", cfg.seed)
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
     checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
-    checks.flag("progress", cfg.get("progress", True))
+    checks.flag("progress", cfg.progress)
 
 
 def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
@@ -351,7 +351,7 @@ def _run(cfg: DictConfig, plan: Plan, out_dir: Path, loaded, tracker: Tracker | 
             _warmup(runs, [prompts[ex.id] for ex in examples], int(cfg.warmup),
                     min(int(cfg.warmup_max_new_tokens), budget), sampling)
         _loop(runs, todo, prompts, done, budget, sampling, n_samples, task, tok, results, tracker,
-              under_test, baseline, bool(cfg.get("progress", True)))
+              under_test, baseline, bool(cfg.progress))
     finally:
         results.close()
 

@@ -61,9 +61,11 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-MODEL_KEYS = ("name", "name_or_path", "gguf_file", "gguf_path", "gguf_asset", "random", "tokenizer", "dtype",
-              "device", "attn_implementation", "linear_kernel", "capture",
-              "chat")
+#: the keys every model config sets (their values are written in conf/model/*.yaml, nowhere else)
+RUNTIME_KEYS = ("name", "dtype", "device", "attn_implementation", "linear_kernel", "capture", "chat")
+#: the keys naming where the weights come from: each may be absent or null, one is given (model_source)
+SOURCE_KEYS = ("name_or_path", "gguf_file", "gguf_path", "gguf_asset", "random", "tokenizer")
+MODEL_KEYS = RUNTIME_KEYS + SOURCE_KEYS
 #: attention implementations that take the explicit 4-D masks the layered runtime builds (trees, caches)
 ATTENTION = ("sdpa", "eager")
 #: rotary keys LlamaConfig still accepts (folded into ``rope_parameters``)
@@ -112,9 +114,9 @@ class Source(NamedTuple):
     file: str | None = None
 
 
-def _get(cfg, key, default=None):
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
+def _get(cfg, key):
+    """A source key's value (None when absent: see SOURCE_KEYS) or a runtime key's (required)."""
+    return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
 
 
 # --- checking a config without loading -----------------------------------------------------
@@ -123,25 +125,26 @@ def check_model_config(cfg) -> Source:
     return the :class:`Source` it names. Raises :class:`~selfspec.checks.ConfigError`."""
     plain = dict(cfg.items()) if hasattr(cfg, "items") else dict(vars(cfg))
     checks.known_keys("model", plain, MODEL_KEYS, "a model config (conf/model/)")
-    checks.text("model.name", _get(cfg, "name", "model"))
-    checks.choice("model.dtype", _get(cfg, "dtype", "auto"), ("auto", *DTYPES))
-    device = _get(cfg, "device", "auto")
+    checks.required_keys("model", plain, RUNTIME_KEYS, "a model config of conf/model/ (e.g. smollm2-135m.yaml)")
+    checks.text("model.name", _get(cfg, "name"))
+    checks.choice("model.dtype", _get(cfg, "dtype"), ("auto", *DTYPES))
+    device = _get(cfg, "device")
     try:
         resolve_device(checks.text("model.device", device))
     except RuntimeError as err:
         if isinstance(err, ModelLoadError):
             raise
         raise checks.refuse("model.device", device, "must be auto, cpu, cuda or cuda:<index>") from None
-    checks.choice("model.attn_implementation", _get(cfg, "attn_implementation", "sdpa"), ATTENTION,
+    checks.choice("model.attn_implementation", _get(cfg, "attn_implementation"), ATTENTION,
                   why="the layered runtime passes explicit 4-D attention masks")
-    checks.flag("model.chat", _get(cfg, "chat", False))
+    checks.flag("model.chat", _get(cfg, "chat"))
     from selfspec.models.kernels import KERNELS
 
-    checks.choice("model.linear_kernel", _get(cfg, "linear_kernel", "auto"), KERNELS,
+    checks.choice("model.linear_kernel", _get(cfg, "linear_kernel"), KERNELS,
                   why="the CPU linear kernel of the layered runtime")
     from selfspec.models import capture
 
-    mode = checks.choice("model.capture", _get(cfg, "capture", "auto"), capture.MODES,
+    mode = checks.choice("model.capture", _get(cfg, "capture"), capture.MODES,
                          why="static-shape decoding steps, captured as CUDA graphs on a GPU")
     if mode == "graphs" and resolve_device(str(device)).type != "cuda":
         raise checks.refuse("model.capture", mode, "needs a CUDA device (model.device); use static to run the "
@@ -187,7 +190,7 @@ def model_source(cfg) -> Source:
         asset_path(asset)  # not fetched: names the command that fetches it
         return Source("asset", asset, "model.gguf_asset")
     raise checks.ConfigError(
-        f"model config {_get(cfg, 'name', 'model')!r} names no source: set model.name_or_path (hub id or local "
+        f"model config {_get(cfg, 'name')!r} names no source: set model.name_or_path (hub id or local "
         "directory), model.gguf_path (a GGUF file), model.gguf_asset, or model.random")
 
 
@@ -230,7 +233,7 @@ def _check_random(cfg) -> None:
         raise checks.refuse("model.random", spec, "must be a mapping of LlamaConfig fields (and seed)")
     fields = {*inspect.signature(LlamaConfig.__init__).parameters, *LlamaConfig().to_dict(), *LEGACY_ROPE_KEYS}
     checks.known_keys("model.random", spec, fields - {"self"} | {"seed"}, "LlamaConfig (and seed)")
-    checks.integer("model.random.seed", spec.get("seed", 0))
+    checks.integer("model.random.seed", spec.get("seed"), why="the seed of the random weights")
     tokenizer = _get(cfg, "tokenizer")
     if tokenizer is not None:
         checks.choice("model.tokenizer", tokenizer, group_options("model"), why="a model config of conf/model/")
@@ -293,10 +296,10 @@ def weights_digest(hf_model: torch.nn.Module) -> str:
 def load_model(cfg) -> LoadedModel:
     """Load the model a ``model`` config describes (see module docstring)."""
     source = check_model_config(cfg)
-    name = str(_get(cfg, "name", "model"))
-    device = resolve_device(str(_get(cfg, "device", "auto")))
-    dtype = resolve_dtype(str(_get(cfg, "dtype", "auto")), device)
-    attn = str(_get(cfg, "attn_implementation", "sdpa"))
+    name = str(_get(cfg, "name"))
+    device = resolve_device(str(_get(cfg, "device")))
+    dtype = resolve_dtype(str(_get(cfg, "dtype")), device)
+    attn = str(_get(cfg, "attn_implementation"))
     try:
         if source.kind == "random":
             hf, tok = _load_random(cfg, attn, device, dtype)
@@ -313,12 +316,12 @@ def load_model(cfg) -> LoadedModel:
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
     from selfspec.models import capture
 
-    mode = capture.resolve(str(_get(cfg, "capture", "auto")), device)
-    layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel", "auto")),
+    mode = capture.resolve(str(_get(cfg, "capture")), device)
+    layered = LayeredModel(hf, name=name, linear_kernel=str(_get(cfg, "linear_kernel")),
                            attn_implementation=attn, passes=capture.StepRunner(mode) if mode != "off" else None)
     layered.fingerprint = fingerprint(hf.config, tok)
     layered.weights_digest = digest
-    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat", False)), plain, digest)
+    return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat")), plain, digest)
 
 
 def _plain_config(cfg) -> dict:
@@ -560,7 +563,7 @@ def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = dict(_get(cfg, "random"))
-    seed = int(spec.pop("seed", 0))
+    seed = int(spec.pop("seed"))
     tok = None
     vocab = spec.pop("vocab_size", None)
     tok_from = _get(cfg, "tokenizer")

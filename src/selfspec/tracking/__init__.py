@@ -64,11 +64,11 @@ class Tracker:
         self.finish()
 
 
-def _get(cfg, key, default=None):
+def _get(cfg, key):
+    """``cfg[key]``, None when ``cfg`` is None or lacks it (a config without a logger has none)."""
     if cfg is None:
-        return default
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
+        return None
+    return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
 
 
 def artifact_name(path: str | Path, kind: str) -> str:
@@ -107,20 +107,27 @@ def _api_key_configured() -> bool:
 
 
 LOGGERS = ("none", "wandb")
+#: the keys of conf/logger/wandb.yaml, which sets each of them (none is read with a fallback)
+WANDB_KEYS = ("name", "project", "entity", "mode", "group", "tags", "log_artifacts")
 MODES = ("auto", "online", "offline", "disabled")
 
 
 def check_logger(logger_cfg) -> str:
     """The ``logger`` config's name, with its keys checked (before anything expensive runs)."""
-    kind = _get(logger_cfg, "name", "none")
+    if logger_cfg is None:
+        return "none"
+    kind = _get(logger_cfg, "name")
     checks.choice("logger.name", kind, LOGGERS, why="use logger=wandb or logger=none (conf/logger/)")
     if kind == "wandb":
-        wandb_mode(_get(logger_cfg, "mode", "auto"))
-        checks.flag("logger.log_artifacts", _get(logger_cfg, "log_artifacts", True))
+        checks.required_keys("logger", logger_cfg, WANDB_KEYS, "conf/logger/wandb.yaml")
+        checks.known_keys("logger", logger_cfg, WANDB_KEYS, "conf/logger/wandb.yaml")
+        wandb_mode(_get(logger_cfg, "mode"))
+        checks.flag("logger.log_artifacts", _get(logger_cfg, "log_artifacts"))
+        checks.text("logger.project", _get(logger_cfg, "project"))
     return kind
 
 
-def wandb_mode(mode: str = "auto") -> str:
+def wandb_mode(mode: str) -> str:
     """``online`` / ``offline`` / ``disabled`` for a ``logger.mode`` setting (see module docs)."""
     checks.choice("logger.mode", mode, MODES)
     if mode != "auto":
@@ -288,21 +295,21 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
     logger_cfg = _get(cfg, "logger")
     if check_logger(logger_cfg) == "none":
         return Tracker()
-    mode = wandb_mode(_get(logger_cfg, "mode", "auto"))
+    mode = wandb_mode(_get(logger_cfg, "mode"))
     if mode == "disabled":
         return Tracker()
     import wandb
 
     run_dir = Path(dir) if dir is not None else (hydra_output_dir() or Path.cwd())
     run_dir.mkdir(parents=True, exist_ok=True)
-    tags = [str(t) for t in _get(logger_cfg, "tags", [])]
+    tags = [str(t) for t in _get(logger_cfg, "tags")]
     for group in ("model", "method", "task"):
         value = method_label if group == "method" and method_label else _get(_get(cfg, group), "name")
         if value is not None:
             tags.append(f"{group}:{value}")
     tags.append(f"job:{job_type}")
     run = wandb.init(
-        project=str(_get(logger_cfg, "project", "selfspec")),
+        project=str(_get(logger_cfg, "project")),
         entity=_get(logger_cfg, "entity"),
         group=_get(logger_cfg, "group") or _sweep_group(),
         job_type=job_type,
@@ -314,4 +321,4 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
         reinit="create_new",
     )
     log.info("W&B run %s (%s) in %s", run.name or run.id, mode, run_dir)
-    return WandbTracker(run, log_artifacts=bool(_get(logger_cfg, "log_artifacts", True)))
+    return WandbTracker(run, log_artifacts=bool(_get(logger_cfg, "log_artifacts")))
