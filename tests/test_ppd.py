@@ -149,12 +149,13 @@ def test_context_drafts_join_the_tree_and_keep_vanilla_output(tiny, seed):
 def test_ngram_sub_config_is_checked_before_loading():
     from selfspec.checks import ConfigError
 
-    ok = PPD.options(OmegaConf.create({"ngram": {"max_draft": 4}}))
-    assert ok["ngram"] == {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}
+    keys = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}  # every key: the lookup has no Python defaults
+    ok = PPD.options(OmegaConf.create({"ngram": keys}))
+    assert ok["ngram"] == keys
     assert PPD.options(OmegaConf.create({}))["ngram"] is None
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_draf is not a key"):
-        PPD.options(OmegaConf.create({"ngram": {"max_draf": 4}}))
+        PPD.options(OmegaConf.create({"ngram": {**keys, "max_draf": 4}}))
     with pytest.raises(ConfigError, match=r"method\.ngram\.min_ngram=5 is not allowed"):
-        PPD.options(OmegaConf.create({"ngram": {"min_ngram": 5}}))
+        PPD.options(OmegaConf.create({"ngram": {**keys, "min_ngram": 5}}))
     with pytest.raises(ConfigError, match=r"method\.ngram=4 is not allowed"):
         PPD.options(OmegaConf.create({"ngram": 4}))
