@@ -18,8 +18,7 @@ from selfspec.models.loading import load_model
 HEAD_LAYERS = [1, 2, 4]
 
 
-@pytest.fixture(scope="module")
-def peaked():
+def peaked_model():
     """A 6-layer tiny-random model made predictable: sharp logits (LM head x30) and deeper layers
     that change the residual stream little (output projections x0.3), so intermediate heads agree
     with the final layer often but not always — both acceptance and rejection paths run."""
@@ -31,6 +30,11 @@ def peaked():
             m.hf.model.layers[i].self_attn.o_proj.weight.mul_(0.3)
             m.hf.model.layers[i].mlp.down_proj.weight.mul_(0.3)
     return loaded
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    return peaked_model()
 
 
 def random_heads(model, noise=0.02, seed=0):

@@ -114,8 +114,14 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
              2: SparseTree(((0,), (0, 0)), (0, 1, 2))}
     save_artefact(tmp_path / "t", "ppd_tree", {"tau": torch.ones(1)}, tiny,
                   extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
+<<<<<<< HEAD
     cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
                             "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
+=======
+    cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
+                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None,
+                            "state_zero": True})
+>>>>>>> fid-ppdada
     dec = build_decoder(cfg, m)
     assert dec.generate(prompt_ids, 8).tokens == Vanilla(m).generate(prompt_ids, 8).tokens
     cfg.tree = str(tmp_path / "missing")
@@ -149,12 +155,13 @@ def test_context_drafts_join_the_tree_and_keep_vanilla_output(tiny, seed):
 def test_ngram_sub_config_is_checked_before_loading():
     from selfspec.checks import ConfigError
 
-    ok = PPD.options(OmegaConf.create({"ngram": {"max_draft": 4}}))
-    assert ok["ngram"] == {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}
+    keys = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}  # every key: the lookup has no Python defaults
+    ok = PPD.options(OmegaConf.create({"ngram": keys}))
+    assert ok["ngram"] == keys
     assert PPD.options(OmegaConf.create({}))["ngram"] is None
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_draf is not a key"):
-        PPD.options(OmegaConf.create({"ngram": {"max_draf": 4}}))
+        PPD.options(OmegaConf.create({"ngram": {**keys, "max_draf": 4}}))
     with pytest.raises(ConfigError, match=r"method\.ngram\.min_ngram=5 is not allowed"):
-        PPD.options(OmegaConf.create({"ngram": {"min_ngram": 5}}))
+        PPD.options(OmegaConf.create({"ngram": {**keys, "min_ngram": 5}}))
     with pytest.raises(ConfigError, match=r"method\.ngram=4 is not allowed"):
         PPD.options(OmegaConf.create({"ngram": 4}))

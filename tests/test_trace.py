@@ -82,4 +82,5 @@ def test_every_step_leaves_a_trace_that_adds_up(tiny, prompt_ids, name):
         assert all(len(t.exits) == t.drafted for t in trace if t.source == "self")
     if name == "ppd":
         assert all(t.source == "tree" and t.tree_size == t.drafted + 1 and t.width >= t.tree_size for t in trace[1:])
+        assert trace[0].controller == {"state": 3} and all(set(t.controller) == {"state"} for t in trace)
     assert trace[-1].row()["source"] == trace[-1].source and "gated" not in trace[-1].row()

@@ -173,6 +173,27 @@ def test_amortized_tokens_equal_simulation_and_sizes_are_respected():
     assert best is not None and all(t.size() <= 8 for t in best[1].values())
 
 
+def test_paper_states_keep_the_root_full_and_every_candidate_one_prompt_token():
+    """``state_zero: false`` (PPD Definition 4.1, Prop. 4.3's i > 1; the authors' builder and buffers): the
+    root carries all m prompt tokens and each candidate at least one, so state 0 is never reached."""
+    from selfspec.decoding.tree import paper_states
+
+    tree = SparseTree(((0,), (1,), (0, 0)), (1, 0, 3, 5))
+    assert paper_states(tree, 3).prompts == (3, 1, 3, 3) and paper_states(tree, 3).nodes == tree.nodes
+    m, K = 3, 3
+    p = _rank_model(m, K, 3)
+    free = build_trees(6, 6, m, p)
+    assert any(c == 0 for t in free.values() for c in t.prompts) or any(t.prompts[0] < m for t in free.values())
+    paper = build_trees(6, 9, m, p, state_zero=False)
+    for k, t in paper.items():
+        assert t.prompts[0] == m and min(t.prompts[1:], default=1) >= 1 and t.num_prompts <= max(9, m)
+        assert paper_states(t, m) == t
+    assert all(float(x) == 0.0 for x in transitions(paper, p, m)[:, 0])
+    best = best_trees_for_size(14, m, 1, p, state_zero=False)
+    assert best is not None and all(t.size() <= 14 and paper_states(t, m) == t for t in best[1].values())
+    assert best_trees_for_size(m, m, 1, p, state_zero=False) is None  # the root's own m prompt tokens do not fit
+
+
 def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
 
     from selfspec.config import compose
@@ -188,7 +209,7 @@ def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
     out = run_job(cfg)
     assert out["chosen_size"] in (1, 3, 5) and out["best_ppd_size"] in (3, 5)
     cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
-                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
+                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None, "state_zero": True})
     ref = Vanilla(tiny.model).generate(prompt_ids, 10).tokens
     dec = build_decoder(cfg, tiny.model)
     assert max(lay.size for lay in dec.layouts.values()) <= out["chosen_size"]

@@ -7,7 +7,8 @@ linears, row-wise attention, fused norm) and the reference with transformers' st
 confidences (top probabilities, float32) agree to ~1e-7 relative, not bit for bit; and decayed
 statistics summed per round (selfspec) or per observation (the reference) in float64 agree to
 ~1e-16. A difference that changes a decision (a threshold crossed, a different argmax) shows up
-in the integers.
+in the integers. K/V caches after the last step are compared within ``KV_TOL`` for the first
+reason (float32 sums in another order: SmolLM2's keys differ by up to ~2e-5).
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 #: relative / absolute tolerance for float32 confidences and what is derived from them
 CONF_REL, CONF_ABS = 1e-4, 1e-7
 #: absolute tolerance for agreement rates (ratios of float64 decayed counts of the same matches)
 ALPHA_ABS = 1e-12
+#: absolute and relative tolerance for the K/V a cache holds after the last step
+KV_TOL = 1e-4
 
 
 
@@ -42,9 +47,26 @@ def rows(trace) -> list[tuple]:
     return [(t.source, t.drafted, t.accepted, t.committed, t.exit_layer, t.draft_limit) for t in trace]
 
 
+def _count(t, key: str) -> int:
+    return t.get(key, 0) if isinstance(t, dict) else getattr(t, key)
+
+
 def totals(trace) -> tuple[int, int, int]:
-    """``(steps, drafted, accepted)``."""
-    return len(trace), sum(t.drafted for t in trace), sum(t.accepted for t in trace)
+    """``(steps, drafted, accepted)`` of a trace: step objects, or a reference's dict rows (a missing
+    count is 0)."""
+    return len(trace), sum(_count(t, "drafted") for t in trace), sum(_count(t, "accepted") for t in trace)
+
+
+def check_kv(cache, reference_cache, same_length: bool = True) -> None:
+    """Every layer of selfspec's ``LayerCache`` holds the K/V of the reference's ``DynamicCache``
+    (within ``KV_TOL``); ``same_length=False`` lets selfspec's hold more rows after them (rows a
+    step wrote past what it committed, overwritten by the next one)."""
+    for i, layer in enumerate(reference_cache.layers):
+        n = layer.keys.shape[-2]
+        assert cache.length(i) == n if same_length else cache.length(i) >= n, (i, cache.length(i), n)
+        k, v = cache.layer_kv(i)
+        torch.testing.assert_close(k[:, :, :n], layer.keys, atol=KV_TOL, rtol=KV_TOL)
+        torch.testing.assert_close(v[:, :, :n], layer.values, atol=KV_TOL, rtol=KV_TOL)
 
 
 def _close(a, b, key: str) -> bool:

@@ -48,6 +48,15 @@ rejection rate); ``tokens_per_full_pass`` = generated tokens / full passes (equa
 
 ``adadecode_noverify`` (§4.3 ablation "w/o verification", lossy) commits early predictions
 unchecked; its consistency ratio against vanilla is what the ablation reports.
+
+**Beyond the paper** (``adadecode``'s defaults; ``adadecode_paper`` turns both off, and
+tests/test_reference_adadecode.py checks it step for step against the paper's
+Algorithm 1): ``max_early`` bounds the unverified early predictions of one step (the paper
+names no bound; a rejection then wastes at most that many passes), and without ``early_eos`` an
+end-of-sequence token is never predicted early (the pass goes deeper instead: nothing after an
+EOS can be committed, so the passes the next tokens would start are wasted). Both leave the
+output unchanged and change only how the steps are cut. Every step also stops predicting early
+at the token budget (the shared loop's budget; the paper's algorithm has none).
 """
 
 from __future__ import annotations
@@ -88,8 +97,9 @@ class _StepState:
 class AdaDecode(Decoder):
     """AdaDecode decoding (see module docstring). ``heads``: the intermediate heads; ``threshold``:
     exit threshold on the head's top probability (the paper's γ); ``max_early``: most unverified
-    early tokens per step (bounds the work a rejection can waste); ``exit_layers``: heads used for
-    exits (default all)."""
+    early tokens per step (bounds the work a rejection can waste; None = no bound, the paper);
+    ``exit_layers``: heads used for exits (default all); ``early_eos``: whether an early prediction
+    may be an end-of-sequence token (the paper)."""
 
     name = "adadecode"
     lossless = True
@@ -101,8 +111,9 @@ class AdaDecode(Decoder):
         model,
         heads: IntermediateHeads,
         threshold: float = 0.85,
-        max_early: int = 16,
+        max_early: int | None = 16,
         exit_layers=None,
+        early_eos: bool = False,
         **common,
     ) -> None:
         super().__init__(model, **common)
@@ -116,17 +127,18 @@ class AdaDecode(Decoder):
             )
         self.heads = heads
         self.threshold = float(threshold)
-        self.max_early = int(max_early)
+        self.max_early = None if max_early is None else int(max_early)
         self.exit_layers = frozenset(layers)
+        self.early_eos = bool(early_eos)
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/adadecode*.yaml): ``threshold`` (the paper's γ: exit when a head's top
         probability exceeds it, so in [0, 1); the old key ``gamma`` is refused, naming it),
-        ``max_early`` (>= 1), ``exit_layers`` (null = every head, a list of head layers, or
-        ``middle``), ``head_kind`` (``linear`` / ``full``: load the trained
-        artefact of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head"
+        ``max_early`` (>= 1, or null = no bound), ``early_eos`` (true / false), ``exit_layers``
+        (null = every head, a list of head layers, or ``middle``), ``head_kind`` (``linear`` /
+        ``full``: load the trained artefact of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head"
         ablation), ``heads_dir`` (null = the default artefact directory, see
         :func:`selfspec.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
         task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced)."""
@@ -134,7 +146,7 @@ class AdaDecode(Decoder):
 
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {"gamma": "threshold"})
-        kind = checks.choice(key("head_kind"), cfg.get("head_kind", "linear"), HEAD_KINDS)
+        kind = checks.choice(key("head_kind"), cfg.get("head_kind"), HEAD_KINDS)
         exit_layers = cfg.get("exit_layers")
         if exit_layers != "middle":
             exit_layers = checks.optional(checks.integers, key("exit_layers"), exit_layers, distinct=True,
@@ -144,11 +156,14 @@ class AdaDecode(Decoder):
             raise checks.refuse(key("layers"), layers, f"set only with head_kind=lm_head; {kind} heads sit at "
                                 "the layers of their artefact (choose among them with exit_layers)")
         return {
-            "threshold": checks.probability(key("threshold"), cfg.get("threshold", 0.85), high_open=True,
+            "threshold": checks.probability(key("threshold"), cfg.get("threshold"), high_open=True,
                                             why="exit threshold on a head's top probability: at 1 or more "
                                                 "no token ever exits"),
-            "max_early": checks.integer(key("max_early"), cfg.get("max_early", 16), 1,
-                                        why="unverified early tokens per full pass; 0 would never exit"),
+            "max_early": checks.optional(checks.integer, key("max_early"), cfg.get("max_early"), 1,
+                                         why="unverified early tokens per full pass (null = no bound, the "
+                                             "paper); 0 would never exit"),
+            "early_eos": checks.flag(key("early_eos"), cfg.get("early_eos"),
+                                     why="true = an end-of-sequence token may be predicted early (the paper)"),
             "exit_layers": exit_layers,
             "head_kind": kind,
             "heads_dir": artefact_option(key("heads_dir"), cfg.get("heads_dir"), "heads"),
@@ -174,12 +189,12 @@ class AdaDecode(Decoder):
             exit_layers = [heads.layers[len(heads.layers) // 2]]
         heads.vocab = build_draft_vocab(model, options)
         return attach_draft_vocab(cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
-                                      exit_layers=exit_layers, **common), heads.vocab)
+                                      exit_layers=exit_layers, early_eos=options["early_eos"], **common), heads.vocab)
 
     # --- decoding --------------------------------------------------------------------------
     def new_step(self, state: DecodeState, budget: int) -> _StepState:
         base = state.n_cached
-        cap = max(0, min(budget - 1, self.max_early))
+        cap = max(0, budget - 1 if self.max_early is None else min(budget - 1, self.max_early))
         rope = self.model.rope(self.model.positions(base, cap + 1))
         return _StepState(base, cap, rope)
 
@@ -241,9 +256,9 @@ class AdaDecode(Decoder):
 
     def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> bool:
         """§3.2: predict early (append to ``ss.draft``) if the head's top probability exceeds the
-        threshold and the token is not EOS."""
+        threshold and, unless ``early_eos``, the token is not EOS."""
         token, conf, q = pick(self.draft_logits(layer, h_last), state)
-        if conf <= self.threshold or token in self.eos_token_ids:
+        if conf <= self.threshold or (not self.early_eos and token in self.eos_token_ids):
             return False
         ss.draft.append(token, conf, q)
         return True

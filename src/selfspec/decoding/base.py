@@ -62,7 +62,7 @@ class StepTrace:
     #: the speculation gate made this step a plain one
     gated: bool = False
     #: the method's controller after the step (Draft & Verify's threshold and acceptance EMA, DEL's
-    #: plan), None for methods without one
+    #: plan, PPD's tree state), None for methods without one
     controller: dict[str, Any] | None = None
 
     def row(self) -> dict[str, Any]:

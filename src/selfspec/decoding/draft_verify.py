@@ -190,7 +190,7 @@ class DraftVerify(ChainDecoder):
             "task": checks.optional(checks.text, key("task"), cfg.get("task")),
             "max_draft": checks.integer(key("max_draft"), _get(cfg, "max_draft", 12), 1,
                                         why="K, the most draft tokens per step"),
-            "draft_stop": draft_stop_config(cfg.get("draft_stop", ADAPTIVE), key("draft_stop")),
+            "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
             "last_token": checks.choice(key("last_token"), _get(cfg, "last_token", "plain"), LAST_TOKEN,
                                         why="one token of budget left: a plain step, or draft and verify one "
                                         "token anyway (the authors' code)"),

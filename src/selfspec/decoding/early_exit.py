@@ -105,7 +105,7 @@ def exit_head_options(cfg, prefix: str) -> dict:
     from selfspec.artefacts import artefact_option
 
     key = f"{prefix}.{{}}".format
-    exit_head = checks.choice(key("exit_head"), cfg.get("exit_head", "lm_head"), EXIT_HEADS)
+    exit_head = checks.choice(key("exit_head"), cfg.get("exit_head"), EXIT_HEADS)
     heads = artefact_option(key("heads"), cfg.get("heads"), "heads")
     if heads is not None and exit_head != "heads":
         raise checks.refuse(key("heads"), cfg.get("heads"), "set only with exit_head=heads")
@@ -206,7 +206,7 @@ class EarlyExit(ChainDecoder):
                                         why="speculation length γ: most drafts per round"),
             **exit_head_options(cfg, prefix),
             "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
-            "prefill": checks.choice(key("prefill"), cfg.get("prefill", "full"), PREFILLS,
+            "prefill": checks.choice(key("prefill"), cfg.get("prefill"), PREFILLS,
                                      why="full: a full pass commits the first token; draft: the first round "
                                          "drafts from the prompt (LayerSkip's code)"),
         }
@@ -503,7 +503,7 @@ class DEL(EarlyExit):
             raise checks.refuse(key("candidate_layers"), layers, "set only with exit_head=lm_head; with trained "
                                 "heads the candidates are the layers that have a head (set candidate_layers: null)")
         max_draft = checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="largest speculation length")
-        cost_model = checks.choice(key("cost_model"), cfg.get("cost_model", "measured"), COST_MODELS,
+        cost_model = checks.choice(key("cost_model"), cfg.get("cost_model"), COST_MODELS,
                                    why="where TPL's costs come from")
         head_cost = checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
                                     why="null = from the cost model")
@@ -514,13 +514,13 @@ class DEL(EarlyExit):
             **heads,
             "candidate_layers": layers,
             "max_draft": max_draft,
-            "min_draft": checks.integer(key("min_draft"), cfg.get("min_draft", 1), 0, max_draft,
+            "min_draft": checks.integer(key("min_draft"), cfg.get("min_draft"), 0, max_draft,
                                         why=f"smallest speculation length, at most max_draft={max_draft}"),
-            "omega": checks.number(key("omega"), cfg.get("omega", 0.95), 0, 1, low_open=True, high_open=True,
+            "omega": checks.number(key("omega"), cfg.get("omega"), 0, 1, low_open=True, high_open=True,
                                    why="decay of the shadow-token statistics"),
-            "draft_stop": draft_stop_from_config(cfg.get("draft_stop", {"rule": "dynamic"}), key("draft_stop"),
+            "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop"),
                                                  dynamic=True),
-            "prefill_shadow": checks.integer(key("prefill_shadow"), cfg.get("prefill_shadow", 8), 1,
+            "prefill_shadow": checks.integer(key("prefill_shadow"), cfg.get("prefill_shadow"), 1,
                                              why="prompt positions seeding the statistics"),
             "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
                                            why="null = every verified position"),

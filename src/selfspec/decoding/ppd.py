@@ -20,7 +20,16 @@ with the tree attention mask and tree position ids of :mod:`selfspec.decoding.tr
 * the longest accepted path is committed, plus the bonus token from the model's logits at the
   accepted node; the cache keeps the root and that path (``LayerCache.gather``) and drops the rest;
 * the accepted node's prompt tokens (EPT logits averaged) give the next candidates, and the
-  number of prompt tokens it carried is the next **state** (PPD §4, dynamic sparse tree).
+  number of prompt tokens it carried is the next **state** (PPD §4, dynamic sparse tree); the
+  step's trace records it (``controller: {"state": k}``).
+
+**State 0** (``state_zero``, beyond the paper). The paper's dynamic sparse tree has states
+``1…m`` (Definition 4.1): the root carries all ``m`` prompt tokens and every candidate at least
+one, and the authors' code lays out any tree so. selfspec's tree builder may also trade a node's
+last prompt token (the root's too) for candidates; accepting such a node leads to state 0, whose
+tree is the root and its prompt tokens only. ``state_zero: false`` (``ppd_paper``) lays out every
+tree the paper's way (:func:`~selfspec.decoding.tree.paper_states`) and rebuilds trees for
+``tree_size`` under the paper's rule.
 
 Under greedy decoding the output equals vanilla token for token.
 
@@ -44,7 +53,8 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
-from selfspec.decoding.tree import SparseTree, TreeLayout, candidate_tokens, check_trees, full_mask, layout
+from selfspec.decoding.tree import (SparseTree, TreeLayout, candidate_tokens, check_trees, full_mask, layout,
+                                    paper_states)
 from selfspec.prompts import PromptTokens
 
 
@@ -87,6 +97,7 @@ class PPD(Decoder):
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
         ngram: dict | None = None,
+        state_zero: bool = True,
         **common,
     ) -> None:
         super().__init__(model, **common)
@@ -95,7 +106,9 @@ class PPD(Decoder):
                              f"{model.name!r} has {model.hidden_size}; use prompts trained for this model")
         check_trees(trees, prompts.m)
         self.prompts = prompts
-        self.trees = dict(trees)
+        #: whether a node may carry no prompt tokens (state 0) and the root fewer than ``m`` (module docstring)
+        self.state_zero = bool(state_zero)
+        self.trees = dict(trees) if state_zero else {k: paper_states(t, prompts.m) for k, t in trees.items()}
         self.threshold = float(posterior_threshold)
         self.alpha = float(posterior_alpha)
         self.layouts: dict[int, TreeLayout] = {
@@ -113,21 +126,25 @@ class PPD(Decoder):
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/ppd.yaml): the ``prompts`` and ``tree`` artefacts (null = the default
         ones for the model), typical acceptance's ``posterior_threshold`` in (0, 1] and
-        ``posterior_alpha`` > 0, ``tree_size`` (>= 1, or null = the size the ppd_tree job chose) and
-        ``ngram`` (null, or the n-gram lookup's keys: :func:`~selfspec.decoding.ngram.context_drafts_option`)."""
+        ``posterior_alpha`` > 0, ``tree_size`` (>= 1, or null = the size the ppd_tree job chose),
+        ``ngram`` (null, or the n-gram lookup's keys: :func:`~selfspec.decoding.ngram.context_drafts_option`)
+        and ``state_zero`` (true / false, module docstring)."""
         from selfspec.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
         return {
             "prompts": artefact_option(key("prompts"), cfg.get("prompts"), "prompts"),
             "tree": artefact_option(key("tree"), cfg.get("tree"), "ppd_tree"),
-            "posterior_threshold": checks.probability(key("posterior_threshold"), cfg.get("posterior_threshold", 0.09),
+            "posterior_threshold": checks.probability(key("posterior_threshold"), cfg.get("posterior_threshold"),
                                                       low_open=True, why="typical acceptance's ε"),
-            "posterior_alpha": checks.number(key("posterior_alpha"), cfg.get("posterior_alpha", 0.3), 0,
+            "posterior_alpha": checks.number(key("posterior_alpha"), cfg.get("posterior_alpha"), 0,
                                              low_open=True, why="typical acceptance's α"),
             "tree_size": checks.optional(checks.integer, key("tree_size"), cfg.get("tree_size"), 1,
                                          why="tokens per forward; null = the size the ppd_tree job chose"),
             "ngram": context_drafts_option(cfg, prefix),
+            "state_zero": checks.flag(key("state_zero"), cfg.get("state_zero"),
+                                      why="false = the paper's states 1..m: the root carries every prompt token, "
+                                          "each candidate at least one"),
         }
 
     @classmethod
@@ -151,9 +168,9 @@ class PPD(Decoder):
             from selfspec.training.tree import trees_for_size
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
-            trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept)
+            trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept, options["state_zero"])
         dec = cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"],
-                  options["ngram"], **common)
+                  options["ngram"], options["state_zero"], **common)
         dec.artefacts = {"prompts": prompts_path, "tree": tree_path}  # lineage for the evaluation runner
         return dec
 
@@ -183,6 +200,7 @@ class PPD(Decoder):
         state.cache.truncate(n)
         first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator)[0])
         self._next_candidates(state.example, h[0], lay.prompt_rows[0] + (n - 1))
+        state.trace_step.controller = {"state": state.example.tree_state}
         return first
 
     def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor) -> None:
@@ -230,6 +248,7 @@ class PPD(Decoder):
         state.drafted = lay.n_nodes - 1
         step = state.trace_step
         step.source, step.tree_size, step.width, step.accepted = "tree", lay.n_nodes, lay.size, len(path)
+        step.controller = {"state": ex.tree_state}
         state.count("tree_tokens", lay.size)
         if drafts:
             state.count("ngram_steps")

@@ -232,6 +232,14 @@ def trees_from_meta(meta: dict) -> dict[int, SparseTree]:
     return {int(k): SparseTree.from_dict(v) for k, v in meta["trees"].items()}
 
 
+def paper_states(tree: SparseTree, m: int) -> SparseTree:
+    """``tree`` with the prompt tokens the paper's states ``1…m`` give it (PPD Definition 4.1:
+    no state 0; Prop. 4.3 removes prompt tokens only while ``i > 1``): the root carries all ``m``,
+    every candidate at least one and at most ``m``. The authors' code lays out every tree it is
+    given this way, whatever its prompt-token counts say."""
+    return SparseTree(tree.nodes, (m,) + tuple(min(max(c, 1), m) for c in tree.prompts[1:]))
+
+
 def check_trees(trees: dict[int, SparseTree], m: int) -> None:
     """A dynamic sparse tree for prompt tokens ``1…m``: states ``0…m`` each present, the tree of
     state ``k`` no deeper than ``k`` (PPD Definition 4.1) and carrying at most ``m`` prompt

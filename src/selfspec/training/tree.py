@@ -12,7 +12,10 @@
    trees of depth ``<= k`` (best-first by path probability, as Medusa / Sequoia), every node given
    ``m`` prompt tokens, then prompt tokens removed greedily by the smallest
    ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain; for each tree size
-   ``n`` every split ``n = 1 + n_c + n_p·n_ept`` is tried and the best ``R`` kept.
+   ``n`` every split ``n = 1 + n_c + n_p·n_ept`` is tried and the best ``R`` kept. With
+   ``state_zero`` (beyond the paper) a node may lose its last prompt token and the root any of
+   its own (state 0 follows such a node); without it, as the paper (Prop. 4.3 assumes ``i > 1``)
+   and the authors' builder, a candidate keeps at least one and the root all ``m``.
 4. **Hardware awareness**: the forward latency ``L_fp(n)`` of each size is measured on this
    machine; the chosen size maximises ``τ(n) / L_fp(n)``. The trees are saved as a
    ``ppd_tree`` artefact with the curves (and a plot).
@@ -101,37 +104,44 @@ def optimal_candidates(n_c: int, depth: int, p) -> list[Path_]:
     return nodes
 
 
-def allocate_prompts(nodes: list[Path_], n_p: int, m: int, f: list[float], p) -> SparseTree:
+def allocate_prompts(nodes: list[Path_], n_p: int, m: int, f: list[float], p, state_zero: bool = True) -> SparseTree:
     """Give every node ``m`` prompt tokens, then remove them greedily by smallest
-    ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain."""
+    ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain (or none may go:
+    without ``state_zero`` a candidate keeps one and the root all ``m``, module docstring)."""
     tree = SparseTree.with_prompts(nodes, {v: m for v in [()] + list(nodes)})
     counts = list(tree.prompts)
+    floor = [0] * len(counts) if state_zero else [m] + [1] * (len(counts) - 1)
     accept = deepest_accepted(tree, p)
     while sum(counts) > n_p:
-        delta = [accept[v] * (f[c] - f[c - 1]) if c > 0 else float("inf") for v, c in enumerate(counts)]
+        delta = [accept[v] * (f[c] - f[c - 1]) if c > floor[v] else float("inf") for v, c in enumerate(counts)]
         v = min(range(len(counts)), key=lambda i: (delta[i], -i))
+        if delta[v] == float("inf"):
+            break
         counts[v] -= 1
     return SparseTree(tree.nodes, tuple(counts))
 
 
-def build_trees(n_c: int, n_p: int, m: int, p) -> dict[int, SparseTree]:
-    """One tree per state ``0…m`` with at most ``n_c`` candidates and ``n_p`` prompt tokens."""
+def build_trees(n_c: int, n_p: int, m: int, p, state_zero: bool = True) -> dict[int, SparseTree]:
+    """One tree per state ``0…m`` with at most ``n_c`` candidates and ``n_p`` prompt tokens (state 0's
+    tree, the root alone, is never reached without ``state_zero``)."""
     cands = {k: optimal_candidates(n_c if k else 0, k, p) for k in range(m + 1)}
     f = [expected_candidates(cands[k], p) for k in range(m + 1)]
-    return {k: allocate_prompts(cands[k], n_p, m, f, p) for k in range(m + 1)}
+    return {k: allocate_prompts(cands[k], n_p, m, f, p, state_zero) for k in range(m + 1)}
 
 
-def best_trees_for_size(n: int, m: int, n_ept: int, p) -> tuple[float, dict[int, SparseTree]] | None:
-    """Try every split ``n = 1 + n_c + n_p·n_ept``; keep the one with the largest ``R``."""
+def best_trees_for_size(n: int, m: int, n_ept: int, p,
+                        state_zero: bool = True) -> tuple[float, dict[int, SparseTree]] | None:
+    """Try every split ``n = 1 + n_c + n_p·n_ept``; keep the one with the largest ``R`` (without
+    ``state_zero`` only splits whose ``n_p`` covers the root's ``m`` and one per candidate)."""
     best = None
     for n_c in range(0, n):
         rest = n - 1 - n_c
         if rest % n_ept:
             continue
         n_p = rest // n_ept
-        if n_p > m * (n_c + 1):
+        if n_p > m * (n_c + 1) or (not state_zero and n_p < m + n_c):
             continue
-        trees = build_trees(n_c, n_p, m, p)
+        trees = build_trees(n_c, n_p, m, p, state_zero)
         r = amortized_tokens(trees, p, m)
         if best is None or r > best[0] + 1e-12:
             best = (r, trees)
@@ -227,12 +237,12 @@ def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int):
         "line marks the size kept (the highest ratio; size 1 = plain decoding)."))
 
 
-def trees_for_size(accept_probs, n: int, m: int, n_ept: int) -> dict[int, SparseTree]:
+def trees_for_size(accept_probs, n: int, m: int, n_ept: int, state_zero: bool = True) -> dict[int, SparseTree]:
     """Rebuild the trees of tree size ``n`` from a ``ppd_tree`` artefact's statistics (the
     construction is deterministic in them), e.g. to decode with a size other than the chosen one."""
     if n <= 1:
         return {k: SparseTree((), (0,)) for k in range(m + 1)}
-    best = best_trees_for_size(n, m, n_ept, accept_probs.double().tolist())
+    best = best_trees_for_size(n, m, n_ept, accept_probs.double().tolist(), state_zero)
     if best is None:
         raise ValueError(f"no dynamic sparse tree of size {n} for m={m}, n_ept={n_ept}; choose a larger tree_size")
     return best[1]
@@ -258,6 +268,9 @@ def prepare(cfg) -> dict:
         "latency_context": checks.integer(key("latency_context"), job.latency_context, 1),
         "latency_repeats": checks.integer(key("latency_repeats"), job.latency_repeats, 1),
         "plot": checks.flag(key("plot"), job.plot),
+        "state_zero": checks.flag(key("state_zero"), job.get("state_zero"),
+                                  why="false = the paper's states 1..m (the root keeps every prompt token, "
+                                      "each candidate one)"),
     }
     job_keys(job, opts)
     if opts["prompts"] is None:
@@ -305,10 +318,11 @@ def size_curve(model, p: torch.Tensor, m: int, n_ept: int, opts: dict, tracker) 
     cache = context_cache(model, context, max(opts["sizes"]))
     base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, repeats)
     rows, candidates = [], {}
+    state_zero = opts["state_zero"]
     for n in opts["sizes"]:
-        if n > 1 and best_trees_for_size(n, m, n_ept, plist) is None:
+        if n > 1 and best_trees_for_size(n, m, n_ept, plist, state_zero) is None:
             continue
-        trees = trees_for_size(p, n, m, n_ept)
+        trees = trees_for_size(p, n, m, n_ept, state_zero)
         r = amortized_tokens(trees, plist, m)
         lat = measure_latency(model, trees, n_ept, cache, context, repeats) if n > 1 else base
         rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
@@ -359,7 +373,8 @@ def objective(ctx) -> Result:
                  "tau": torch.tensor([r["tau"] for r in rows]),
                  "latency": torch.tensor([r["latency_s"] for r in rows])},
         meta={"trees": {str(k): t.to_dict() for k, t in trees.items()}, "curve": rows,
-              "prompts": str(prompts_path), "m": m, "n_ept": n_ept, "device": str(model.device)},
+              "prompts": str(prompts_path), "m": m, "n_ept": n_ept, "device": str(model.device),
+              "state_zero": opts["state_zero"]},
         metrics=metrics, summary=metrics, tables={"latency_vs_size": rows}, files=files)
 
 
