@@ -114,14 +114,9 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
              2: SparseTree(((0,), (0, 0)), (0, 1, 2))}
     save_artefact(tmp_path / "t", "ppd_tree", {"tau": torch.ones(1)}, tiny,
                   extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
-<<<<<<< HEAD
-    cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
-                            "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None})
-=======
     cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
                             "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None,
                             "state_zero": True})
->>>>>>> fid-ppdada
     dec = build_decoder(cfg, m)
     assert dec.generate(prompt_ids, 8).tokens == Vanilla(m).generate(prompt_ids, 8).tokens
     cfg.tree = str(tmp_path / "missing")
