@@ -48,6 +48,20 @@ def method_config(name: str, **overrides):
     return OmegaConf.create({**OmegaConf.to_container(alone, resolve=True)["method"], **overrides})
 
 
+def decoding_keys(name: str, keys) -> dict:
+    """The checked ``keys`` of ``conf/method/<name>.yaml``, for a decoder built directly."""
+    from selfspec.decoding import check_method
+
+    options = check_method(method_config(name))
+    return {k: options[k] for k in keys}
+
+
+#: PPD's decoding keys as conf/method/ppd.yaml sets them (no context drafts)
+PPD_KEYS = {**decoding_keys("ppd", ("posterior_threshold", "posterior_alpha", "state_zero")), "ngram": None}
+#: Draft & Verify's decoding keys as conf/method/draft_verify.yaml sets them
+DV_KEYS = decoding_keys("draft_verify", ("max_draft", "draft_stop", "last_token", "eos_draft"))
+
+
 def hf_greedy(loaded, ids, n):
     """Reference: transformers' own greedy generate, exactly n new tokens (no EOS stop)."""
     out = loaded.model.hf.generate(

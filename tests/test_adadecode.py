@@ -59,7 +59,7 @@ def reference(peaked, ids):
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.6, 0.9, 1.1])
 def test_greedy_equals_vanilla_for_every_threshold(peaked, ids, reference, threshold):
-    g = AdaDecode(peaked.model, random_heads(peaked.model), threshold=threshold).generate(ids, 40)
+    g = AdaDecode(peaked.model, random_heads(peaked.model), threshold=threshold, max_early=16, exit_layers=None, early_eos=False).generate(ids, 40)
     assert g.tokens == reference
     s = g.stats
     if threshold == 0.0:  # every token exits at the first head until max_early / the budget stops it
@@ -75,7 +75,7 @@ def test_greedy_equals_vanilla_for_every_threshold(peaked, ids, reference, thres
 
 @pytest.mark.parametrize("kw", [{"max_early": 1}, {"max_early": 0}, {"exit_layers": [2]}, {"exit_layers": [4]}])
 def test_ablations_equal_vanilla(peaked, ids, reference, kw):
-    g = AdaDecode(peaked.model, random_heads(peaked.model), threshold=0.3, **kw).generate(ids, 40)
+    g = AdaDecode(peaked.model, random_heads(peaked.model), **{"threshold": 0.3, "max_early": 16, "exit_layers": None, "early_eos": False, **kw}).generate(ids, 40)
     assert g.tokens == reference
     if kw.get("max_early") == 0:
         assert g.stats["early_predictions"] == 0
@@ -88,16 +88,18 @@ def test_original_lm_head_and_eos(peaked, ids, reference):
     g = build_decoder(cfg, peaked.model, tokenizer=peaked.tokenizer).generate(ids, 40)
     assert g.tokens == reference and g.stats["early_predictions"] > 0
     eos = reference[12]
-    dec = AdaDecode(peaked.model, random_heads(peaked.model), threshold=0.0, eos_token_ids=[eos])
+    dec = AdaDecode(peaked.model, random_heads(peaked.model), threshold=0.0, max_early=16, exit_layers=None, early_eos=False, eos_token_ids=[eos])
     g = dec.generate(ids, 40)
     assert g.tokens == reference[: reference.index(eos) + 1] and g.stop_reason == "eos"
 
 
 def test_no_verify_ablation_is_lossy_and_flagged(peaked, ids, reference):
     assert AdaDecodeNoVerify.lossless is False and AdaDecode.lossless is True
-    same = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), threshold=1.1).generate(ids, 40)
+    same = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), threshold=1.1, max_early=16, exit_layers=None,
+                             early_eos=False).generate(ids, 40)
     assert same.tokens == reference
-    lossy = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), threshold=0.0).generate(ids, 40)
+    lossy = AdaDecodeNoVerify(peaked.model, random_heads(peaked.model), threshold=0.0, max_early=16, exit_layers=None,
+                              early_eos=False).generate(ids, 40)
     assert len(lossy.tokens) == 40 and lossy.tokens != reference and lossy.stats["rejected"] == 0
 
 
@@ -113,7 +115,7 @@ def test_layer_caches_equal_full_recomputation(peaked, ids, threshold):
     keys/values a full recomputation gives for its own length (deeper layers lag); after each
     verification / rollback every layer holds all committed tokens but the pending one."""
     m = peaked.model
-    dec = AdaDecode(m, random_heads(m), threshold=threshold, max_early=6)
+    dec = AdaDecode(m, random_heads(m), threshold=threshold, max_early=6, exit_layers=None, early_eos=False)
     state = DecodeState(list(ids), len(ids), m.new_cache(len(ids) + 64), Sampling(), None)
     with torch.inference_mode():
         state.tokens.append(dec.prefill(state, torch.tensor([ids])))
@@ -153,7 +155,7 @@ def test_rejection_sampling_preserves_target_distribution(peaked, ids):
     unbiased sampler has TV ~ 0.02, std ~ 0.015); emitting the head's q instead is off by TV(p*, q) > 0.3."""
     m = peaked.model
     heads = random_heads(m, noise=0.3, seed=1)
-    dec = AdaDecode(m, heads, threshold=0.0)
+    dec = AdaDecode(m, heads, threshold=0.0, max_early=16, exit_layers=None, early_eos=False)
     s = Sampling(temperature=1.0, top_k=3)
     gen = torch.Generator().manual_seed(0)
     state = DecodeState(list(ids), len(ids), m.new_cache(len(ids) + 8), s, gen)
@@ -179,7 +181,7 @@ def test_rejection_sampling_preserves_target_distribution(peaked, ids):
 def test_config_errors(peaked, tmp_path):
     m = peaked.model
     with pytest.raises(ValueError, match="exit_layers"):
-        AdaDecode(m, random_heads(m), exit_layers=[3])
+        AdaDecode(m, random_heads(m), threshold=0.85, max_early=16, exit_layers=[3], early_eos=False)
     with pytest.raises(ValueError, match=r"method\.threshold=-0\.5 is not allowed"):
         build_decoder(method_config("adadecode", **{"head_kind": "lm_head", "threshold": -0.5}), m)
     cfg = method_config("adadecode", **{"heads_dir": None, "heads_task": "nonexistent-task"})

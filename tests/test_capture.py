@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DV_KEYS
 from selfspec.checks import ConfigError
 from selfspec.decoding import Sampling
 from selfspec.decoding.draft_verify import DraftVerify
@@ -98,11 +99,11 @@ def test_decoders_give_the_same_tokens_static_and_dynamic(pair, prompt_ids):
         assert Vanilla(static).generate(prompt_ids, 40, sampling).tokens == ref
         skip = SkipSet.of(attn=[1], mlp=[2])
         for m in (dyn, static):
-            out = DraftVerify(m, skip_set=skip).generate(prompt_ids, 40, sampling)
+            out = DraftVerify(m, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling)
             if sampling.greedy:
                 assert out.tokens == ref
-        assert DraftVerify(static, skip_set=skip).generate(prompt_ids, 40, sampling).tokens == \
-            DraftVerify(dyn, skip_set=skip).generate(prompt_ids, 40, sampling).tokens
+        assert DraftVerify(static, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens == \
+            DraftVerify(dyn, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -117,7 +118,7 @@ def test_cuda_graphs_give_the_dynamic_tokens_and_capture_once(prompt_ids):
     assert graphs.capture == "graphs"
     skip = SkipSet.of(attn=[1], mlp=[2])
     for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
-        for make in (Vanilla, lambda m: DraftVerify(m, skip_set=skip)):
+        for make in (Vanilla, lambda m: DraftVerify(m, skip_set=skip, **DV_KEYS)):
             ref = make(dyn).generate(prompt_ids, 40, sampling).tokens
             assert make(graphs).generate(prompt_ids, 40, sampling).tokens == ref
     captured = graphs.steps.captured

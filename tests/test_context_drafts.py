@@ -87,12 +87,14 @@ def test_sampling_is_seeded_and_drafts_from_the_context(tiny, looping, method):
 def test_ngram_sub_config_is_checked_before_loading():
     dv = OmegaConf.create(dict(METHODS["draft_verify"]))
     assert check_method(dv)["ngram"] is None
-    got = check_method(OmegaConf.merge(dv, {"ngram": {"max_draft": 4}}))["ngram"]
-    assert got == {"max_ngram": 3, "min_ngram": 1, "max_draft": 4, "draft_schedule": "adaptive"}
+    full = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4, "draft_schedule": "adaptive"}
+    assert check_method(OmegaConf.merge(dv, {"ngram": full}))["ngram"] == full
     with pytest.raises(ConfigError, match=r"method\.ngram\.draft_schedule=sometimes .*adaptive, constant"):
-        check_method(OmegaConf.merge(dv, {"ngram": {"draft_schedule": "sometimes"}}))
+        check_method(OmegaConf.merge(dv, {"ngram": {**full, "draft_schedule": "sometimes"}}))
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_ngrams is not a key"):
-        check_method(OmegaConf.merge(dv, {"ngram": {"max_ngrams": 4}}))
+        check_method(OmegaConf.merge(dv, {"ngram": {**full, "max_ngrams": 4}}))
+    with pytest.raises(ConfigError, match=r"lacks method\.ngram\.draft_schedule"):
+        check_method(OmegaConf.merge(dv, {"ngram": {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}}))
     # PPD's context chain has a fixed length; the n-gram method's keys are its own
     with pytest.raises(ConfigError, match=r"method\.ngram\.draft_schedule is not a key"):
         check_method(method_config("ppd", **{"ngram": {"draft_schedule": "constant"}}))
@@ -107,6 +109,6 @@ def test_presets_compose_and_build_a_context_drafter(tiny):
         cfg = compose([f"method={name}", "model=tiny-random", "task=xsum"]).method
         assert check_method(cfg)["ngram"]["min_ngram"] == 2, name
     dec = build_decoder(OmegaConf.create(dict(METHODS["early_exit"], ngram=NGRAM)), tiny.model)
-    assert isinstance(dec.context, ContextDrafter) and dec.lookahead >= NGRAM["max_draft"] + 1
+    assert isinstance(dec.context, ContextDrafter) and dec.room >= NGRAM["max_draft"] + 1
     with torch.inference_mode():
         assert dec.generate(tiny.tokenizer("a b a b a b")["input_ids"], 3).new_tokens == 3

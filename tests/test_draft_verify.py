@@ -91,7 +91,8 @@ def first_step(s: Sampling):
     cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
     model = load_model(cfg).model
     prompt_ids = list(range(40, 70))
-    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_stop=None)
+    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_stop=None, last_token="plain",
+                      eos_draft="stop")
     prompt = torch.tensor([prompt_ids])
     state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(64), s, torch.Generator().manual_seed(0))
     with torch.inference_mode():

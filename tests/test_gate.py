@@ -89,7 +89,7 @@ import random  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from conftest import method_config  # noqa: E402
+from conftest import PPD_KEYS, method_config  # noqa: E402
 from selfspec.checks import ConfigError  # noqa: E402
 from selfspec.decoding import build_decoder, check_method  # noqa: E402
 from selfspec.decoding.sampling import Sampling  # noqa: E402
@@ -108,10 +108,8 @@ def _ppd(model):
     from selfspec.prompts import PromptTokens
 
     g = torch.Generator().manual_seed(0)
-    dec = PPD(model, PromptTokens(torch.randn(3, 1, model.hidden_size, generator=g) * 0.5),
-              random_trees(3, 6, 3, random.Random(0)))
-    dec.gate = PPD.new_gate()
-    return dec
+    return PPD(model, PromptTokens(torch.randn(3, 1, model.hidden_size, generator=g) * 0.5),
+               random_trees(3, 6, 3, random.Random(0)), gate=PPD.new_gate(), **PPD_KEYS)
 
 
 @pytest.mark.parametrize("method", [*GATED, "ppd"])

@@ -4,10 +4,9 @@ import random
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from conftest import method_config
-from selfspec.decoding import build_decoder
+from conftest import PPD_KEYS, method_config
+from selfspec.decoding import build_decoder, check_method
 from selfspec.decoding.ppd import PPD, typical_accept
 from selfspec.decoding.sampling import Sampling
 from selfspec.decoding.tree import SparseTree, random_trees
@@ -57,7 +56,7 @@ def test_greedy_equals_vanilla_random_prompts_and_trees(tiny, prompt_ids, seed, 
     m = tiny.model
     ref = Vanilla(m).generate(prompt_ids, N_NEW)
     trees = random_trees(3, 6, 3, random.Random(seed))
-    dec = PPD(m, _prompts(m, 3, n_ept, seed), trees)
+    dec = PPD(m, _prompts(m, 3, n_ept, seed), trees, **PPD_KEYS)
     out = dec.generate(prompt_ids, N_NEW)
     assert out.tokens == ref.tokens
     assert out.stats["lossless"] is True
@@ -68,7 +67,7 @@ def test_long_accepted_paths_equal_vanilla_and_cache_holds_the_path(tiny, prompt
     m = tiny.model
     ref = Vanilla(m).generate(prompt_ids, N_NEW).tokens
     trees = random_trees(3, 8, 3, random.Random(10 + seed))
-    dec = Oracle(m, _prompts(m, 3, 2, seed), trees)
+    dec = Oracle(m, _prompts(m, 3, 2, seed), trees, **PPD_KEYS)
     dec.setup(ref, len(prompt_ids), seed)
     out = dec.generate(prompt_ids, N_NEW)
     assert out.tokens == ref
@@ -89,7 +88,7 @@ def test_long_accepted_paths_equal_vanilla_and_cache_holds_the_path(tiny, prompt
 
 def test_sampling_uses_typical_acceptance_and_says_it_is_lossy(tiny, prompt_ids):
     m = tiny.model
-    dec = PPD(m, _prompts(m, 2, 1, 0), random_trees(2, 4, 2, random.Random(0)))
+    dec = PPD(m, _prompts(m, 2, 1, 0), random_trees(2, 4, 2, random.Random(0)), **PPD_KEYS)
     out = dec.generate(prompt_ids, 16, Sampling(temperature=0.8, seed=1))
     again = dec.generate(prompt_ids, 16, Sampling(temperature=0.8, seed=1))
     assert out.tokens == again.tokens and len(out.tokens) == 16
@@ -134,8 +133,8 @@ def test_context_drafts_join_the_tree_and_keep_vanilla_output(tiny, seed):
     prompt = [1, *(motif * 4)]
     ref = Vanilla(m).generate(prompt, N_NEW)
     trees = random_trees(3, 6, 3, random.Random(seed))
-    plain = PPD(m, _prompts(m, 3, 2, seed), trees).generate(prompt, N_NEW)
-    dec = PPD(m, _prompts(m, 3, 2, seed), trees, ngram={"min_ngram": 1, "max_ngram": 3, "max_draft": 5})
+    plain = PPD(m, _prompts(m, 3, 2, seed), trees, **PPD_KEYS).generate(prompt, N_NEW)
+    dec = PPD(m, _prompts(m, 3, 2, seed), trees, **{**PPD_KEYS, "ngram": {"min_ngram": 1, "max_ngram": 3, "max_draft": 5}})
     out = dec.generate(prompt, N_NEW)
     assert out.tokens == ref.tokens == plain.tokens
     assert out.stats["ngram_steps"] > 0
@@ -151,12 +150,13 @@ def test_ngram_sub_config_is_checked_before_loading():
     from selfspec.checks import ConfigError
 
     keys = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}  # every key: the lookup has no Python defaults
-    ok = PPD.options(OmegaConf.create({"ngram": keys}))
-    assert ok["ngram"] == keys
-    assert PPD.options(OmegaConf.create({}))["ngram"] is None
+    assert check_method(method_config("ppd", ngram=keys))["ngram"] == keys
+    assert check_method(method_config("ppd"))["ngram"] is None
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_draf is not a key"):
-        PPD.options(OmegaConf.create({"ngram": {**keys, "max_draf": 4}}))
+        check_method(method_config("ppd", ngram={**keys, "max_draf": 4}))
     with pytest.raises(ConfigError, match=r"method\.ngram\.min_ngram=5 is not allowed"):
-        PPD.options(OmegaConf.create({"ngram": {**keys, "min_ngram": 5}}))
+        check_method(method_config("ppd", ngram={**keys, "min_ngram": 5}))
+    with pytest.raises(ConfigError, match=r"method\.ngram\.max_draft"):
+        check_method(method_config("ppd", ngram={"max_ngram": 3, "min_ngram": 1}))  # a missing key is named
     with pytest.raises(ConfigError, match=r"method\.ngram=4 is not allowed"):
-        PPD.options(OmegaConf.create({"ngram": 4}))
+        check_method(method_config("ppd", ngram=4))

@@ -372,7 +372,7 @@ def test_answer_leaves_out_lossy_runs_and_says_when_none_is_faster():
 def test_training_plots_label_axes_and_caption(tmp_path):
     """The skip search's Figure 4 and the PPD tree's curves: units on every axis, a caption drawn in."""
     from selfspec.training.skips import plot_trace
-    from selfspec.training.tree import plot_curves
+    from selfspec.training.ppd_tree import plot_curves
 
     rows = [{"iteration": i, "n_skipped": i + 1, "speedup": 0.8 + i / 10, "n_attn": i, "n_mlp": 1} for i in range(4)]
     plots = [plot_trace(rows, tmp_path / "skips.png", "m skip-set search"),

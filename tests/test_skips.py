@@ -11,7 +11,7 @@ from selfspec.models.layered import SkipSet
 from selfspec.training import skips
 
 OPTS = {"max_draft": 4, "draft_stop": {"rule": "adaptive", "threshold": 0.6, "target": 0.9, "epsilon": 0.01,
-                                        "beta1": 0.5, "beta2": 0.9}}
+                                        "beta1": 0.5, "beta2": 0.9}, "last_token": "plain", "eos_draft": "stop"}
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from omegaconf import OmegaConf
-from conftest import method_config
+from conftest import PPD_KEYS, method_config
 
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.adadecode import AdaDecode
@@ -27,9 +27,9 @@ def _decoder(name, tiny):
         import torch
 
         prompts = PromptTokens(torch.randn(3, 1, m.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.5)
-        return PPD(m, prompts, random_trees(3, 6, 3, random.Random(0)))
+        return PPD(m, prompts, random_trees(3, 6, 3, random.Random(0)), **PPD_KEYS)
     if name == "adadecode":
-        return AdaDecode(m, IntermediateHeads(m, [1, 2], "lm_head"), threshold=0.05)
+        return AdaDecode(m, IntermediateHeads(m, [1, 2], "lm_head"), threshold=0.05, max_early=16, exit_layers=None, early_eos=False)
     cfgs = {
         "vanilla": method_config("vanilla"),
         "draft_verify": method_config("draft_verify", **{"skip_attn": [1], "skip_mlp": [2], "max_draft": 4,

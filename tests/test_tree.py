@@ -83,8 +83,8 @@ def test_malformed_trees_fail_clearly():
 
 
 # --- the dynamic sparse tree builder (PPD §4) ------------------------------------------------------
-from selfspec.training.tree import (amortized_tokens, best_trees_for_size, build_trees,  # noqa: E402
-                                    expected_candidates, optimal_candidates, transitions)
+from selfspec.decoding.tree_builder import (amortized_tokens, best_trees_for_size, build_trees,  # noqa: E402
+                                            expected_candidates, optimal_candidates, transitions)
 
 
 def _rank_model(m, K, seed):

@@ -353,15 +353,6 @@ def draft_vocab_options(cfg, prefix: str = "method") -> dict:
     return {"draft_vocab": artefact_option(key("draft_vocab"), value, VOCAB_KIND), "draft_vocab_task": task}
 
 
-def attach_draft_vocab(decoder, vocab: DraftVocab | None):
-    """Give ``decoder`` its draft vocabulary (``decoder.draft_vocab``; its artefact joins
-    ``decoder.artefacts`` for run records and lineage); returns the decoder."""
-    if vocab is not None:
-        decoder.draft_vocab = vocab
-        decoder.artefacts = {**(decoder.artefacts or {}), "draft_vocab": vocab.path}
-    return decoder
-
-
 def build_draft_vocab(model, options: dict, prefix: str = "method") -> DraftVocab | None:
     """The :class:`DraftVocab` :func:`draft_vocab_options` name, checked against ``model``."""
     value = options.get("draft_vocab")

@@ -24,7 +24,7 @@ JOBS = {
     "heads": "selfspec.training.head_distillation",
     "prompts": "selfspec.training.prompt_tuning",
     "skips": "selfspec.training.skips",
-    "ppd_tree": "selfspec.training.tree",
+    "ppd_tree": "selfspec.training.ppd_tree",
     "draft_vocab": "selfspec.training.draft_vocab",
 }
 

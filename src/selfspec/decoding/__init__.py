@@ -72,22 +72,19 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
 
 
 def build_decoder(method_cfg, model, **common) -> Decoder:
-    """Build the decoder a ``method`` config group names (``method.name``), with a speculation
-    gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when its ``never_slower`` is on and a
-    context drafter (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its ``ngram`` is set."""
+    """Build the decoder a ``method`` config group names (``method.name``) from its parts, all at
+    construction (:class:`~selfspec.decoding.base.Decoder`): a speculation gate
+    (:meth:`Decoder.new_gate`) when its ``never_slower`` is on and a context drafter
+    (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its ``ngram`` is set."""
     cls = decoder_class(str(method_cfg.name))
     options = check_method(method_cfg)
-    never_slower = options.pop("never_slower", False)
+    gate = cls.new_gate() if options.pop("never_slower", False) else None
     context = options.pop("ngram") if cls.context_first else None
-    decoder = cls.from_config(model, options, **common)
-    if never_slower:
-        decoder.gate = cls.new_gate()
     if context is not None:
         from selfspec.decoding.ngram import ContextDrafter
 
-        decoder.context = ContextDrafter(model, **context)
-        decoder.lookahead = max(decoder.lookahead, decoder.context.max_draft + 1)
-    return decoder
+        context = ContextDrafter(model, **context)
+    return cls.from_config(model, options, gate=gate, context=context, **common)
 
 
 __all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "check_method", "decoder_class",

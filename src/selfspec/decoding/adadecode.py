@@ -69,7 +69,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.chain import Draft, context_step, pick, settle
 from selfspec.heads import KINDS as HEAD_KINDS
-from selfspec.heads import (IntermediateHeads, attach_draft_vocab, build_draft_vocab, default_layers,
+from selfspec.heads import (IntermediateHeads, build_draft_vocab, default_layers,
                             draft_vocab_options, find_heads, load_heads)
 
 
@@ -110,14 +110,13 @@ class AdaDecode(Decoder):
         self,
         model,
         heads: IntermediateHeads,
-        threshold: float = 0.85,
-        max_early: int | None = 16,
-        exit_layers=None,
-        early_eos: bool = False,
+        threshold: float,
+        max_early: int | None,
+        exit_layers,
+        early_eos: bool,
         **common,
     ) -> None:
-        super().__init__(model, **common)
-        self.artefacts = {"heads": heads.path} if heads.path else {}
+        super().__init__(model, reads={"heads": heads.path}, **common)
         layers = list(heads.layers) if exit_layers is None else [int(i) for i in exit_layers]
         missing = [i for i in layers if i not in heads.layers]
         if missing:
@@ -188,8 +187,8 @@ class AdaDecode(Decoder):
         if exit_layers == "middle":
             exit_layers = [heads.layers[len(heads.layers) // 2]]
         heads.vocab = build_draft_vocab(model, options)
-        return attach_draft_vocab(cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
-                                      exit_layers=exit_layers, early_eos=options["early_eos"], **common), heads.vocab)
+        return cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
+                   exit_layers=exit_layers, early_eos=options["early_eos"], draft_vocab=heads.vocab, **common)
 
     # --- decoding --------------------------------------------------------------------------
     def new_step(self, state: DecodeState, budget: int) -> _StepState:

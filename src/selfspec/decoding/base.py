@@ -170,21 +170,12 @@ class Decoder:
     lossless: ClassVar[bool] = True
     #: extra cache positions a step may write beyond the committed tokens (drafts, trees)
     lookahead: int = 0
-    #: trained artefacts the decoder reads (name -> directory): run records and W&B lineage
-    artefacts: dict = {}
     #: whether the method config takes ``never_slower`` (:mod:`selfspec.decoding.gate`): methods
     #: whose step can give way to a plain step
     gated: ClassVar[bool] = False
-    #: the speculation gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when
-    #: ``never_slower`` is on; decoders built directly (tests, the skip search) have none
-    gate = None
-    #: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`, ``method.draft_vocab``); None = full head
-    draft_vocab = None
     #: whether the method config takes the ``ngram`` sub-config (drafts from the context first,
     #: :func:`selfspec.decoding.chain.context_step`): the self-drafting methods
     context_first: ClassVar[bool] = False
-    #: the context drafter (:class:`selfspec.decoding.ngram.ContextDrafter`) when ``ngram`` is set
-    context = None
     #: attributes holding the policy state that carries over from one example to the next: the
     #: speculation gate's measurements; chain methods add their draft-stop rule (Draft & Verify's
     #: adaptive threshold). Everything else on a decoder is fixed by its config, and what belongs
@@ -197,13 +188,49 @@ class Decoder:
         eos_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         tokenizer=None,
+        *,
+        gate=None,
+        context=None,
+        draft_vocab=None,
+        reads: dict[str, Any] | None = None,
     ) -> None:
+        """The parts every decoder may be built with (:func:`selfspec.decoding.build_decoder`
+        assembles them from the method config; nothing is attached after construction):
+
+        * ``gate``: the speculation gate (:class:`~selfspec.decoding.gate.SpeculationGate`) when
+          ``never_slower`` is on; None = always speculate (decoders built directly: tests, the
+          skip search);
+        * ``context``: the context drafter (:class:`selfspec.decoding.ngram.ContextDrafter`) when
+          the method's ``ngram`` sub-config is set (only for :attr:`context_first` methods);
+        * ``draft_vocab``: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`,
+          ``method.draft_vocab``); None = the full head;
+        * ``reads``: the trained artefacts the method itself reads (name -> directory).
+        """
         if stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the generated text")
+        if context is not None and not self.context_first:
+            raise ValueError(f"method {self.name} takes no context drafter (no ngram sub-config)")
         self.model = model
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.stop_strings = tuple(stop_strings)
         self.tokenizer = tokenizer
+        self.gate = gate
+        self.context = context
+        self.draft_vocab = draft_vocab
+        self.reads = {k: v for k, v in (reads or {}).items() if v}
+
+    @property
+    def artefacts(self) -> dict[str, Any]:
+        """Trained artefacts the decoder reads (name -> directory), for run records and W&B
+        lineage: its own (``reads``) and the draft vocabulary's."""
+        vocab = getattr(self.draft_vocab, "path", None)
+        return {**self.reads, **({"draft_vocab": vocab} if vocab else {})}
+
+    @property
+    def room(self) -> int:
+        """Cache positions a step may write beyond the committed tokens: the method's own
+        :attr:`lookahead` (drafts, trees) or a context draft's k + 1, whichever is more."""
+        return max(self.lookahead, self.context.max_draft + 1 if self.context is not None else 0)
 
     # --- hooks -----------------------------------------------------------------------------
     @classmethod
@@ -320,7 +347,7 @@ class Decoder:
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(sampling.seed)
-        cache = self.model.new_cache(n_prompt + max_new_tokens + self.lookahead + 1, reuse=True)
+        cache = self.model.new_cache(n_prompt + max_new_tokens + self.room + 1, reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
         sync()

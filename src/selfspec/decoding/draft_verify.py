@@ -48,7 +48,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
-from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_logits, draft_vocab_options
+from selfspec.heads import build_draft_vocab, draft_logits, draft_vocab_options
 from selfspec.models.layered import LayeredModel, SkipSet
 
 #: the decoding settings of a config (what the constructor takes besides the skip set)
@@ -57,16 +57,9 @@ DECODING_KEYS = ("max_draft", "draft_stop", "last_token", "eos_draft")
 LAST_TOKEN = ("plain", "draft")
 #: ``eos_draft`` values: drafting stops after an EOS draft, or goes on past it
 EOS_DRAFT = ("stop", "continue")
-#: the paper's draft exit (§3.4): the adaptive threshold from γ0 = 0.6, Table 6's other values
-ADAPTIVE = {"rule": "adaptive"}
 #: keys of the paper's names, refused with the ``draft_stop`` key that replaced each
 RENAMED = {"gamma0": "draft_stop.threshold", "alpha": "draft_stop.target", "epsilon": "draft_stop.epsilon",
            "beta1": "draft_stop.beta1", "beta2": "draft_stop.beta2"}
-
-
-def _get(cfg, key, default=None):
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
 
 
 def skip_set_tensors(skip: SkipSet, num_layers: int) -> dict[str, torch.Tensor]:
@@ -116,7 +109,7 @@ def resolve_skip_set(cfg, model: LayeredModel, tokenizer=None) -> SkipSet:
     ``skip_set`` (a path) is loaded; else ``default_artefact_dir("skip_set", model, task)``,
     falling back to the task-mix artefact ``.../<model>``.
     """
-    attn, mlp = _get(cfg, "skip_attn"), _get(cfg, "skip_mlp")
+    attn, mlp = cfg.get("skip_attn"), cfg.get("skip_mlp")
     if attn is not None or mlp is not None:
         return check_skip_set(SkipSet.of(attn or (), mlp or ()), model.num_layers)
     return check_skip_set(load_skip_set(skip_set_path(cfg, model), model, tokenizer), model.num_layers)
@@ -126,11 +119,11 @@ def skip_set_path(cfg, model: LayeredModel) -> Path | None:
     """The skip-set artefact a config reads (None for inline ``skip_attn`` / ``skip_mlp`` lists)."""
     from selfspec.artefacts import default_artefact_dir
 
-    if _get(cfg, "skip_attn") is not None or _get(cfg, "skip_mlp") is not None:
+    if cfg.get("skip_attn") is not None or cfg.get("skip_mlp") is not None:
         return None
-    path = _get(cfg, "skip_set")
+    path = cfg.get("skip_set")
     if path is None:
-        task = _get(cfg, "task")
+        task = cfg.get("task")
         candidates = [default_artefact_dir("skip_set", model.name, task)] if task else []
         candidates.append(default_artefact_dir("skip_set", model.name))
         path = next((p for p in candidates if (p / "meta.json").exists()), None)
@@ -154,10 +147,10 @@ class DraftVerify(ChainDecoder):
         self,
         model: LayeredModel,
         skip_set: SkipSet,
-        max_draft: int = 12,
-        draft_stop: dict | None = ADAPTIVE,
-        last_token: str = "plain",
-        eos_draft: str = "stop",
+        max_draft: int,
+        draft_stop: dict | None,
+        last_token: str,
+        eos_draft: str,
         **common,
     ) -> None:
         super().__init__(model, **common)
@@ -188,13 +181,13 @@ class DraftVerify(ChainDecoder):
             "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
             "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
             "task": checks.optional(checks.text, key("task"), cfg.get("task")),
-            "max_draft": checks.integer(key("max_draft"), _get(cfg, "max_draft", 12), 1,
+            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1,
                                         why="K, the most draft tokens per step"),
             "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
-            "last_token": checks.choice(key("last_token"), _get(cfg, "last_token", "plain"), LAST_TOKEN,
+            "last_token": checks.choice(key("last_token"), cfg.get("last_token"), LAST_TOKEN,
                                         why="one token of budget left: a plain step, or draft and verify one "
                                         "token anyway (the authors' code)"),
-            "eos_draft": checks.choice(key("eos_draft"), _get(cfg, "eos_draft", "stop"), EOS_DRAFT,
+            "eos_draft": checks.choice(key("eos_draft"), cfg.get("eos_draft"), EOS_DRAFT,
                                        why="after an EOS draft: stop drafting, or go on (the authors' code)"),
             **draft_vocab_options(cfg, prefix),
         }
@@ -202,10 +195,8 @@ class DraftVerify(ChainDecoder):
     @classmethod
     def from_config(cls, model: LayeredModel, options: dict, **common) -> "DraftVerify":
         skip = resolve_skip_set(options, model, common.get("tokenizer"))
-        dec = cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, **common)
-        path = skip_set_path(options, model)
-        dec.artefacts = {"skip_set": path} if path else {}
-        return attach_draft_vocab(dec, build_draft_vocab(model, options))
+        return cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, draft_vocab=build_draft_vocab(model, options),
+                   reads={"skip_set": skip_set_path(options, model)}, **common)
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:

@@ -65,7 +65,7 @@ from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select
-from selfspec.heads import attach_draft_vocab, build_draft_vocab, draft_vocab_options
+from selfspec.heads import build_draft_vocab, draft_vocab_options
 from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 
@@ -134,7 +134,7 @@ def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None
 
 # --- the decoder -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Plan:
+class RoundPlan:
     """One round's settings: exit layer ``ℓ``, most drafts, draft-stop threshold (0: never stop)."""
 
     exit_layer: int
@@ -146,11 +146,11 @@ class Plan:
 class EarlyExitExample:
     """Per-example state (:meth:`EarlyExit.new_example`): the exit-query cache ``hq`` (layer-``ℓ``
     states of ``x_0 … x_k``), the kept candidate-layer states ``hs`` of the verified positions
-    (DEL's shadow tokens), the current round's :class:`Plan` and DEL's :class:`ShadowStats`."""
+    (DEL's shadow tokens), the current round's :class:`RoundPlan` and DEL's :class:`ShadowStats`."""
 
     hq: torch.Tensor
     hs: torch.Tensor
-    plan: Plan | None = None
+    plan: RoundPlan | None = None
     shadow: "ShadowStats | None" = None
     #: ``prefill: draft``, first round only: the prompt, the input of its lower pass (``x_0`` is its last token)
     opening: list[int] | None = None
@@ -166,14 +166,13 @@ class EarlyExit(ChainDecoder):
     lossless = True
 
     def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int,
-                 draft_stop: DraftStop | None = None, keep_layers: list[int] = (), prefill: str = "full",
+                 draft_stop: DraftStop | None, keep_layers: list[int] = (), *, prefill: str,
                  **common) -> None:
-        super().__init__(model, **common)
+        super().__init__(model, reads={"heads": heads.path}, **common)
         if prefill not in PREFILLS or (prefill == "draft" and keep_layers):
             raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL only full")
         #: ``full`` or ``draft`` (module docstring)
         self.prefill_kind = prefill
-        self.artefacts = {"heads": heads.path} if heads.path else {}
         self.heads = heads
         self.max_draft = int(max_draft)
         self.lookahead = self.max_draft + 1
@@ -218,8 +217,8 @@ class EarlyExit(ChainDecoder):
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = exit_heads(model, options, [exit_layer])
-        return attach_draft_vocab(cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"],
-                                      prefill=options["prefill"], **common), heads.vocab)
+        return cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], prefill=options["prefill"],
+                   draft_vocab=heads.vocab, **common)
 
     # --- per-example state -----------------------------------------------------------------
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
@@ -242,9 +241,9 @@ class EarlyExit(ChainDecoder):
         state.stats.setdefault("draft_stops", 0)
 
     # --- the controller's hooks (fixed here; DEL overrides) ---------------------------------
-    def plan(self, state: DecodeState) -> Plan:
-        """The next round's :class:`Plan`."""
-        return Plan(self.exit_layer, self.max_draft, self.draft_stop.threshold(self.exit_layer))
+    def plan(self, state: DecodeState) -> RoundPlan:
+        """The next round's :class:`RoundPlan`."""
+        return RoundPlan(self.exit_layer, self.max_draft, self.draft_stop.threshold(self.exit_layer))
 
     def observe(self, state: DecodeState, committed: list[int]) -> None:
         """After verification: ``committed`` are the tokens the verified rows produced."""
@@ -254,14 +253,9 @@ class EarlyExit(ChainDecoder):
         """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
         m, hs = self.model, state.example.hs
         n = h.shape[1]
-        rope = m.rope(m.positions(start, n), h)
-        mask = m.causal_mask(n, start)
-        for i in layers:
-            h = m.mlp(i, m.attention(i, h, rope, state.cache, mask))
-            j = self.slot.get(i)
-            if j is not None:
-                hs[j, row : row + n] = h[0]
-        return h
+        keep = {i: hs[j, row : row + n] for i, j in self.slot.items()}
+        return m.run_layers(h, layers, state.cache, m.rope(m.positions(start, n), h), m.causal_mask(n, start),
+                            keep=keep)
 
     def _lower(self, state: DecodeState, tokens: list[int], i: int) -> torch.Tensor:
         """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query
@@ -453,13 +447,14 @@ class DEL(EarlyExit):
 
     name = "del"
 
-    def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int = 1, omega: float = 0.95,
-                 draft_stop: DraftStop | None = None, prefill_shadow: int = 8, shadow_rows: int | None = None,
-                 head_cost: float | None = None, cost_model: str = "measured", **common) -> None:
+    def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int, omega: float,
+                 draft_stop: DraftStop | None, prefill_shadow: int, shadow_rows: int | None,
+                 head_cost: float | None, cost_model: str, **common) -> None:
         self.gammas = torch.arange(int(min_draft), int(max_draft) + 1)  # the speculation lengths γ
         self.candidates = list(heads.layers)
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_draft,
-                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates, **common)
+                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates,
+                         prefill="full", **common)
         self.omega = float(omega)
         self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
@@ -534,9 +529,9 @@ class DEL(EarlyExit):
         if layers is None:
             layers = range(model.num_layers - 1)
         heads = exit_heads(model, options, list(layers))
-        return attach_draft_vocab(cls(model, heads, options["max_draft"], options["min_draft"], options["omega"],
-                                      options["draft_stop"], options["prefill_shadow"], options["shadow_rows"],
-                                      options["head_cost"], options["cost_model"], **common), heads.vocab)
+        return cls(model, heads, options["max_draft"], options["min_draft"], options["omega"], options["draft_stop"],
+                   options["prefill_shadow"], options["shadow_rows"], options["head_cost"], options["cost_model"],
+                   draft_vocab=heads.vocab, **common)
 
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
         ex = super().new_example(state)
@@ -555,13 +550,11 @@ class DEL(EarlyExit):
         rope = m.rope(m.positions(0, n), h)
         mask = m.causal_mask(n, 0)
         rows = min(self.prefill_shadow, n)
-        kept = []
-        for i in range(m.num_layers):
-            h = m.mlp(i, m.attention(i, h, rope, state.cache, mask))
-            if i in self.slot:
-                kept.append(h[0, n - rows :])
+        kept = h.new_empty(len(self.slot), rows, h.shape[-1])  # the candidate layers' last rows, in layer order
+        h = m.run_layers(h, range(m.num_layers), state.cache, rope, mask,
+                         keep={i: kept[j] for i, j in self.slot.items()})
         final = m.logits(h[0, n - rows :])
-        self._shadow(state, torch.stack(kept), final.argmax(-1))
+        self._shadow(state, kept, final.argmax(-1))
         state.trace_step.controller = state.example.shadow.state()
         return int(select(final[-1], state.sampling, state.generator))
 
@@ -588,7 +581,7 @@ class DEL(EarlyExit):
         return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
                 **state.example.shadow.state()}
 
-    def plan(self, state: DecodeState) -> Plan:
+    def plan(self, state: DecodeState) -> RoundPlan:
         """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
         of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
         shadow = state.example.shadow
@@ -597,4 +590,4 @@ class DEL(EarlyExit):
             threshold = float(shadow.threshold()[self.candidates.index(ell)])
         else:
             threshold = self.draft_stop.threshold(ell)
-        return Plan(ell, gamma, threshold)
+        return RoundPlan(ell, gamma, threshold)

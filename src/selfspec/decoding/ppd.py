@@ -94,10 +94,10 @@ class PPD(Decoder):
         model,
         prompts: PromptTokens,
         trees: dict[int, SparseTree],
-        posterior_threshold: float = 0.09,
-        posterior_alpha: float = 0.3,
-        ngram: dict | None = None,
-        state_zero: bool = True,
+        posterior_threshold: float,
+        posterior_alpha: float,
+        ngram: dict | None,
+        state_zero: bool,
         **common,
     ) -> None:
         super().__init__(model, **common)
@@ -165,14 +165,12 @@ class PPD(Decoder):
         trees, meta = load_trees(tree_path, model)
         if options["tree_size"] is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
             from selfspec.artefacts import load_artefact
-            from selfspec.training.tree import trees_for_size
+            from selfspec.decoding.tree_builder import trees_for_size
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
             trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept, options["state_zero"])
-        dec = cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"],
-                  options["ngram"], options["state_zero"], **common)
-        dec.artefacts = {"prompts": prompts_path, "tree": tree_path}  # lineage for the evaluation runner
-        return dec
+        return cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"],
+                   options["ngram"], options["state_zero"], reads={"prompts": prompts_path, "tree": tree_path}, **common)
 
     # --- hooks ----------------------------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:

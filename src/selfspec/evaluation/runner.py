@@ -161,7 +161,7 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
 
 
 @dataclass
-class Plan:
+class RunPlan:
     """What :func:`prepare` checked and read before the model loads."""
 
     sampling: Sampling
@@ -173,7 +173,7 @@ class Plan:
     n_samples: int
 
 
-def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
+def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     """Check every config value and read the task's examples — all that can fail without a model."""
     from selfspec.models.loading import check_model_config
     from selfspec.tracking import check_logger
@@ -189,7 +189,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> Plan:
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
-    return Plan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples)
+    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples)
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -308,7 +308,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         raise
 
 
-def _run(cfg: DictConfig, plan: Plan, out_dir: Path, loaded, tracker: Tracker | None) -> dict[str, Any]:
+def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker | None) -> dict[str, Any]:
     """:func:`evaluate` once the run owns ``out_dir``."""
     from selfspec.runinfo import run_info
 
@@ -456,5 +456,5 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-__all__ = ["MethodRun", "Plan", "ResumeMismatch", "check_methods", "evaluate", "load_method_config",
+__all__ = ["MethodRun", "RunPlan", "ResumeMismatch", "check_methods", "evaluate", "load_method_config",
            "method_configs", "method_label", "prepare", "RESULTS", "SUMMARY"]

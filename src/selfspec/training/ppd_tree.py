@@ -4,11 +4,11 @@
    prompts are generated with vanilla decoding; along them, the trained prompt tokens are
    inserted and ``p[d][r]`` = P(the model's next token at distance ``d`` is the rank-``r`` guess
    of prompt token ``d``) is counted (the paper uses Alpaca as its validation set).
-2. **Expected tokens** (Props 4.1, 4.2, 4.4): ``f(T_k) = Σ_{v ∈ C(T_k)} Π_{i ∈ Path(v)} p_i``;
+2. **Expected tokens** (Props 4.1, 4.2, 4.4; :mod:`selfspec.decoding.tree_builder`): ``f(T_k) = Σ_{v ∈ C(T_k)} Π_{i ∈ Path(v)} p_i``;
    the state after a step is the number of prompt tokens on the accepted node, a Markov chain
    whose steady state ``π`` gives ``R(T) = Σ_k π_k f(T_k)`` accepted candidates per step
    (``τ = 1 + R``, bonus token included).
-3. **Construction** (§4.2) for ``n_c`` candidates and ``n_p`` prompt tokens: optimal candidate
+3. **Construction** (§4.2; :mod:`selfspec.decoding.tree_builder`) for ``n_c`` candidates and ``n_p`` prompt tokens: optimal candidate
    trees of depth ``<= k`` (best-first by path probability, as Medusa / Sequoia), every node given
    ``m`` prompt tokens, then prompt tokens removed greedily by the smallest
    ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain; for each tree size
@@ -32,121 +32,11 @@ import torch
 
 from selfspec import checks
 from selfspec.decoding.tree import TREE_KIND, SparseTree, full_mask, layout
+from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
 from selfspec.models.costs import context_cache, time_forward
 from selfspec.training.driver import Job, Result, job_keys
 
 log = logging.getLogger(__name__)
-
-Path_ = tuple[int, ...]
-
-
-# --- Props 4.1–4.4 -----------------------------------------------------------------------------
-def path_prob(path: Path_, p) -> float:
-    out = 1.0
-    for d, r in enumerate(path):
-        out *= float(p[d][r])
-    return out
-
-
-def expected_candidates(nodes, p) -> float:
-    """``f(T)`` (Prop. 4.1): expected accepted candidate tokens of a candidate tree."""
-    return sum(path_prob(v, p) for v in nodes)
-
-
-def deepest_accepted(tree: SparseTree, p) -> list[float]:
-    """P(node v is the deepest accepted node), per node in ``tree.paths`` order (root first).
-
-    Under the rank model the true token has one rank, so siblings are mutually exclusive:
-    P(v accepted, no child accepted) = P(path v) · (1 − Σ_children p[depth][rank])."""
-    children: dict[Path_, float] = {}
-    for c in tree.nodes:
-        children[c[:-1]] = children.get(c[:-1], 0.0) + float(p[len(c) - 1][c[-1]])
-    return [path_prob(v, p) * (1.0 - children.get(v, 0.0)) for v in tree.paths]
-
-
-def transitions(trees: dict[int, SparseTree], p, m: int) -> torch.Tensor:
-    """``P[k, j]`` = P(next state j | state k) (Prop. 4.2's ``p(s_j | s_k)``)."""
-    P = torch.zeros(m + 1, m + 1, dtype=torch.float64)
-    for k, t in trees.items():
-        for prob, n_prompts in zip(deepest_accepted(t, p), t.prompts):
-            P[k, n_prompts] += prob
-    return P
-
-
-def steady_state(P: torch.Tensor, iters: int = 500) -> torch.Tensor:
-    pi = torch.full((P.shape[0],), 1.0 / P.shape[0], dtype=torch.float64)
-    for _ in range(iters):
-        pi = pi @ P
-    return pi / pi.sum()
-
-
-def amortized_tokens(trees: dict[int, SparseTree], p, m: int) -> float:
-    """``R(T) = Σ_k π_k f(T_k)`` (Prop. 4.4): accepted candidates per step in the long run."""
-    pi = steady_state(transitions(trees, p, m))
-    return float(sum(pi[k] * expected_candidates(t.nodes, p) for k, t in trees.items()))
-
-
-# --- construction (§4.2) --------------------------------------------------------------------------
-def optimal_candidates(n_c: int, depth: int, p) -> list[Path_]:
-    """The ``n_c``-node candidate tree of depth <= ``depth`` maximising ``f`` (best first by path
-    probability: a child never beats its parent, so the best ``n_c`` paths form a tree)."""
-    K = len(p[0])
-    nodes: list[Path_] = []
-    best_of = {(): 1.0}
-    for _ in range(n_c):
-        options = [(prob * float(p[len(v)][r]), v + (r,)) for v, prob in best_of.items()
-                   if len(v) < depth for r in range(K) if v + (r,) not in best_of]
-        if not options:
-            break
-        prob, node = max(options, key=lambda o: (o[0], [-x for x in o[1]]))
-        nodes.append(node)
-        best_of[node] = prob
-    return nodes
-
-
-def allocate_prompts(nodes: list[Path_], n_p: int, m: int, f: list[float], p, state_zero: bool = True) -> SparseTree:
-    """Give every node ``m`` prompt tokens, then remove them greedily by smallest
-    ``ΔF = p(c)·(f(T_i) − f(T_{i−1}))`` (Prop. 4.3) until ``n_p`` remain (or none may go:
-    without ``state_zero`` a candidate keeps one and the root all ``m``, module docstring)."""
-    tree = SparseTree.with_prompts(nodes, {v: m for v in [()] + list(nodes)})
-    counts = list(tree.prompts)
-    floor = [0] * len(counts) if state_zero else [m] + [1] * (len(counts) - 1)
-    accept = deepest_accepted(tree, p)
-    while sum(counts) > n_p:
-        delta = [accept[v] * (f[c] - f[c - 1]) if c > floor[v] else float("inf") for v, c in enumerate(counts)]
-        v = min(range(len(counts)), key=lambda i: (delta[i], -i))
-        if delta[v] == float("inf"):
-            break
-        counts[v] -= 1
-    return SparseTree(tree.nodes, tuple(counts))
-
-
-def build_trees(n_c: int, n_p: int, m: int, p, state_zero: bool = True) -> dict[int, SparseTree]:
-    """One tree per state ``0…m`` with at most ``n_c`` candidates and ``n_p`` prompt tokens (state 0's
-    tree, the root alone, is never reached without ``state_zero``)."""
-    cands = {k: optimal_candidates(n_c if k else 0, k, p) for k in range(m + 1)}
-    f = [expected_candidates(cands[k], p) for k in range(m + 1)]
-    return {k: allocate_prompts(cands[k], n_p, m, f, p, state_zero) for k in range(m + 1)}
-
-
-def best_trees_for_size(n: int, m: int, n_ept: int, p,
-                        state_zero: bool = True) -> tuple[float, dict[int, SparseTree]] | None:
-    """Try every split ``n = 1 + n_c + n_p·n_ept``; keep the one with the largest ``R`` (without
-    ``state_zero`` only splits whose ``n_p`` covers the root's ``m`` and one per candidate)."""
-    best = None
-    for n_c in range(0, n):
-        rest = n - 1 - n_c
-        if rest % n_ept:
-            continue
-        n_p = rest // n_ept
-        if n_p > m * (n_c + 1) or (not state_zero and n_p < m + n_c):
-            continue
-        trees = build_trees(n_c, n_p, m, p, state_zero)
-        r = amortized_tokens(trees, p, m)
-        if best is None or r > best[0] + 1e-12:
-            best = (r, trees)
-    return best
-
 
 # --- statistics and latency ------------------------------------------------------------------------
 def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_k: int) -> torch.Tensor:
@@ -235,17 +125,6 @@ def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int):
         "Left: the forward latency measured on this machine per tree size. Middle: the expected tokens per "
         "step τ the tree's acceptance statistics give. Right: their ratio against plain decoding; the dashed "
         "line marks the size kept (the highest ratio; size 1 = plain decoding)."))
-
-
-def trees_for_size(accept_probs, n: int, m: int, n_ept: int, state_zero: bool = True) -> dict[int, SparseTree]:
-    """Rebuild the trees of tree size ``n`` from a ``ppd_tree`` artefact's statistics (the
-    construction is deterministic in them), e.g. to decode with a size other than the chosen one."""
-    if n <= 1:
-        return {k: SparseTree((), (0,)) for k in range(m + 1)}
-    best = best_trees_for_size(n, m, n_ept, accept_probs.double().tolist(), state_zero)
-    if best is None:
-        raise ValueError(f"no dynamic sparse tree of size {n} for m={m}, n_ept={n_ept}; choose a larger tree_size")
-    return best[1]
 
 
 def prepare(cfg) -> dict:
