@@ -10,7 +10,8 @@ adapter; no family's numerics are written again (docs/design.md §2.1).
 An adapter is small: :class:`Llama` is the layout every supported family shares (a pre-norm
 attention sublayer and a pre-norm MLP sublayer, each added to the residual stream; q/k/v and
 gate/up projections reading one input); :class:`Mistral` and :class:`Qwen2` differ only in the
-modeling module their functions come from and in what bounds a context. A family with another
+modeling module their functions come from and in what bounds a context, :class:`Qwen3` in a norm
+over each head's q and k (:meth:`Llama.qk_norm`). A family with another
 layer structure (MoE, Gemma 2, Phi-3, ...) is refused before any weights load
 (:func:`check_model_type`): supporting it means one adapter class here.
 """
@@ -25,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 #: what an adapter needs, said when a family is refused
 ADAPTER_NEEDS = ("where the embedding, decoder layers, final norm, rotary embedding and LM head live; each "
@@ -90,6 +92,14 @@ class Llama:
         """What the family passes its attention function besides q, k, v, the mask and scaling."""
         return {}
 
+    #: whether :meth:`qk_norm` does anything (the runtime skips the call where it does not)
+    normalises_qk: bool = False
+
+    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's norms over each head of q and k (``[..., heads, head_dim]``, before the
+        rotary embedding); the Llama layout has none."""
+        return q, k
+
     # --- the model ----------------------------------------------------------------------------
     def max_context(self) -> int:
         """Positions a cache may hold before the family's attention would differ from ours."""
@@ -124,8 +134,22 @@ class Qwen2(Llama):
         return {"sliding_window": window} if window else {}
 
 
+class Qwen3(Qwen2):
+    """Qwen3 (dense): Qwen2's layout without q/k/v biases, with an RMSNorm over each head's q and
+    k before the rotary embedding (``self_attn.q_norm``, ``k_norm``; the library's modules run
+    them, the CPU kernels do not fuse them)."""
+
+    model_types = ("qwen3",)
+    modeling = modeling_qwen3
+    normalises_qk = True
+
+    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.layers[i].self_attn
+        return attn.q_norm(q), attn.k_norm(k)
+
+
 #: every adapter, by the model types it drives
-FAMILIES: dict[str, type[Llama]] = {t: cls for cls in (Llama, Mistral, Qwen2) for t in cls.model_types}
+FAMILIES: dict[str, type[Llama]] = {t: cls for cls in (Llama, Mistral, Qwen2, Qwen3) for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 

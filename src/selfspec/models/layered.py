@@ -242,7 +242,10 @@ class LayeredModel:
         x = kernels.rms_norm(fam.attention_norm(i), h, cpu_ops)
         q, k, v = self.linear(x, weight, bias).split(sizes, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
-        q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if fam.normalises_qk:  # Qwen3's per-head q/k norms
+            q, k = fam.qk_norm(i, q, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = kernels.rotary(fam.apply_rotary, q, k, *rope, enabled=cpu_ops)
         if kv is not None:
             k, v = kv.write(i, k, v)
