@@ -62,6 +62,17 @@ PPD_KEYS = {**decoding_keys("ppd", ("posterior_threshold", "posterior_alpha", "s
 DV_KEYS = decoding_keys("draft_verify", ("max_draft", "draft_stop", "last_token", "eos_draft"))
 
 
+def flip_last_byte(path) -> None:
+    """Change the last byte of ``path`` in place, keeping its size and restoring its modification
+    time (a damaged file that a size and time check would not notice)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
 def hf_greedy(loaded, ids, n):
     """Reference: transformers' own greedy generate, exactly n new tokens (no EOS stop)."""
     out = loaded.model.hf.generate(

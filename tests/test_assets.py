@@ -6,7 +6,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
 import tarfile
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import flip_last_byte
 from selfspec import assets
 from selfspec.assets import Asset, AssetDamagedError, AssetError, AssetMissingError
 
@@ -86,16 +86,6 @@ def test_refetch_when_the_file_was_damaged(fake):
     assert assets.fetch("fake", cache).read_bytes() == b"hello" and calls == ["fake", "fake"]
 
 
-def _flip_last_byte(path: Path) -> None:
-    """Change one byte of ``path`` in place, keeping its size and restoring its modification time."""
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
-
-
 def test_flipped_byte_of_a_cached_asset_is_refused_naming_file_and_command(tmp_path):
     """Finding: a cached asset was only size-checked. Reproduction: copy the fetched SmolLM2 GGUF
     asset into a fresh cache, flip its last byte in place (size kept, mtime restored): before,
@@ -105,7 +95,7 @@ def test_flipped_byte_of_a_cached_asset_is_refused_naming_file_and_command(tmp_p
     cache = tmp_path / "cache"
     shutil.copytree(source.parent, cache / "smollm2-gguf")  # a copy: the shared cache stays intact
     copy = cache / "smollm2-gguf" / source.name
-    _flip_last_byte(copy)
+    flip_last_byte(copy)
     message = (r"offline asset 'smollm2-gguf' .* is damaged and was not used: .*smollm2-gguf/"
                r"SmolLM2-135M-Instruct\.Q4_1\.gguf has sha256 \w+, not its pinned \w+.*; run `make assets` or "
                r"`python scripts/fetch_assets.py --only smollm2-gguf` to fetch it again")
@@ -121,7 +111,7 @@ def test_flipped_byte_is_refetched_naming_the_file(fake, caplog):
     a no-op that kept the damaged file; now it fetches again, with a warning naming the file."""
     cache, calls = fake
     path = assets.fetch("fake", cache)
-    _flip_last_byte(path)
+    flip_last_byte(path)
     with pytest.raises(AssetDamagedError, match=r"fake/file\.txt has sha256 .*--only fake"):
         assets.asset_path("fake", cache)
     with caplog.at_level(logging.WARNING, logger="selfspec.assets"):
@@ -137,7 +127,7 @@ def test_file_changed_after_its_first_check_is_hashed_again(fake):
     cache, _ = fake
     path = assets.fetch("fake", cache)
     assert assets.is_fetched("fake", cache)
-    _flip_last_byte(path)
+    flip_last_byte(path)
     assert not assets.is_fetched("fake", cache)
     path.write_bytes(b"hello")
     assert assets.is_fetched("fake", cache)

@@ -2,7 +2,6 @@
 data files, impossible config values, model sources (GGUF files) and artefacts of other weights."""
 
 import json
-import os
 import re
 import shutil
 import warnings
@@ -13,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import method_config
+from conftest import flip_last_byte, method_config
 from selfspec.artefacts import ArtefactError, META
 from selfspec.checks import ConfigError
 from selfspec.config import compose, group_options, model_config
@@ -423,15 +422,6 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         load_model(_model(gguf_path=str(path)))
 
 
-def _flip_last_byte(path: Path) -> None:
-    """Change the last byte of ``path`` in place, keeping its size and restoring its modification time."""
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 def test_gguf_file_with_one_byte_changed_is_converted_again(tmp_path, conversions):
     """Finding: a GGUF file's conversion was cached under its path, size and modification time, so
     other bytes could be read as the earlier file's model. Reproduction: load a tiny GGUF file, flip
@@ -443,7 +433,7 @@ def test_gguf_file_with_one_byte_changed_is_converted_again(tmp_path, conversion
     path = write_gguf(tmp_path / "tiny.gguf")
     first = sha256_of(path)
     load_model(_model(gguf_path=str(path)))
-    _flip_last_byte(path)
+    flip_last_byte(path)
     load_model(_model(gguf_path=str(path)))
     assert conversions == ["tiny.gguf", "tiny.gguf"]
     entries = sorted(p.name for p in (tmp_path / "cache" / "models").iterdir())
@@ -470,7 +460,7 @@ def test_damaged_asset_gguf_is_refused_before_dequantising(tmp_path, request):
     assert _cache_name(Source("asset", "smollm2-gguf", "model.gguf_asset"), source) == \
         f"SmolLM2-135M-Instruct.Q4_1-{pinned[:16]}"
     shutil.copytree(source.parent, tmp_path / "cache" / "smollm2-gguf")  # a copy: the shared cache stays intact
-    _flip_last_byte(tmp_path / "cache" / "smollm2-gguf" / source.name)
+    flip_last_byte(tmp_path / "cache" / "smollm2-gguf" / source.name)
     with pytest.raises(AssetDamagedError, match=r"offline asset 'smollm2-gguf' .* damaged .*SmolLM2-135M-Instruct"
                                                 r"\.Q4_1\.gguf has sha256 .*--only smollm2-gguf"):
         load_model(model_config("smollm2-135m"))

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens of ``a`` and ``b`` are equal."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

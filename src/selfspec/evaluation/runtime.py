@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from selfspec.evaluation.aggregate import common_prefix
 from selfspec.models.costs import context_cache, measure_bandwidth, measure_curve, time_forward, weight_bytes
 
 __all__ = ["format_report", "runtime_report"]
@@ -79,20 +80,10 @@ def decode_rates(loaded, context: int, new_tokens: int, repeats: int,
                 firsts[name].append(first.seconds)
     out: dict[str, Any] = {name: statistics.median(r) for name, r in rates.items()}
     out["prefill"] = {name: context / max(statistics.median(t), 1e-9) for name, t in firsts.items()}
-    out["agreement"] = {name: agreement(tokens["vanilla"], toks) for name, toks in tokens.items()}
+    out["agreement"] = {name: common_prefix(tokens["vanilla"], toks) for name, toks in tokens.items()}
     out["same_tokens"] = tokens["vanilla"] == tokens["hf_generate"]
     out["new_tokens"] = new_tokens
     return out
-
-
-def agreement(reference: list[int], tokens: list[int]) -> int:
-    """How many leading tokens of ``tokens`` equal ``reference``'s."""
-    n = 0
-    for a, b in zip(reference, tokens):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
