@@ -108,3 +108,51 @@ def test_mistral_context_is_bounded_by_its_window():
 def test_an_unsupported_family_is_refused_naming_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match=r"gemma3_text.*llama, mistral, qwen2, qwen3.*adapter"):
         check_model_type("gemma3_text", "gemma")
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-mistral"])
+def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch):
+    """The five jobs on a family other than Llama (from its conf/model config, ``model.random.model_type``),
+    and each method decoding with what they built equals vanilla."""
+    from selfspec.config import compose, model_config
+    from selfspec.models.loading import load_model
+    from selfspec.train import run_job
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
+    loaded = load_model(model_config(model))
+    assert type(loaded.model.family).model_types == (model.removeprefix("tiny-"),)
+    job = lambda *args: run_job(compose([f"model={model}", "progress=false", *args], "train"))  # noqa: E731
+    heads = job("job=heads", "task=gsm8k", "job.n_prompts=3", "job.n_heldout=1", "job.gen_tokens=6", "job.steps=2",
+                "job.eval_every=0", "job.max_prompt_tokens=48", "job.layers=[1,2]", f"artefact_dir={tmp_path / 'h'}")
+    prompts = job("job=prompts", "job.steps=2", "job.n_conversations=6", "job.held_out=2", "job.context_length=48",
+                  "job.inserts=4", "job.eval_inserts=4", f"artefact_dir={tmp_path / 'p'}")
+    tree = job("job=ppd_tree", f"job.prompts={tmp_path / 'p'}", "job.n_prompts=2", "job.max_new_tokens=10",
+               "job.latency_repeats=1", "job.sizes=[1,3,5]", "job.plot=false", f"artefact_dir={tmp_path / 't'}")
+    skips = job("job=skips", "task=xsum", "job.n_prompts=2", "job.max_new_tokens=8", "job.max_prompt_tokens=48",
+                "job.iterations=2", "job.calibration_repeats=1", "job.probe_fractions=[0.5]", "job.plot=false",
+                "+job.decoding.max_draft=4", f"artefact_dir={tmp_path / 's'}")
+    vocab = job("job=draft_vocab", "task=gsm8k", "job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8",
+                "job.max_prompt_tokens=48", "job.cost_repeats=1", "job.size=12", f"artefact_dir={tmp_path / 'v'}")
+    assert all(r["artefact"] for r in (heads, prompts, tree, skips, vocab))
+    ids = loaded.tokenizer("Question: 2 + 2? Answer: 4. Question: 3 + 3? Answer:")["input_ids"]
+    ref = Vanilla(loaded.model).generate(ids, 12).tokens
+    for method in (method_config("adadecode", heads_dir=str(tmp_path / "h"), threshold=0.0),
+                   method_config("ppd", prompts=str(tmp_path / "p"), tree=str(tmp_path / "t"), never_slower=False),
+                   method_config("draft_verify", skip_set=str(tmp_path / "s"), never_slower=False),
+                   method_config("del", draft_vocab=str(tmp_path / "v"), never_slower=False)):
+        assert build_decoder(method, loaded.model).generate(ids, 12).tokens == ref, method.name
+
+
+def test_a_random_model_of_an_unsupported_family_is_refused_before_loading():
+    from omegaconf import OmegaConf
+
+    from selfspec.checks import ConfigError
+    from selfspec.config import model_config
+    from selfspec.models.loading import check_model_config
+
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"random": {"model_type": "gemma3_text"}})
+    with pytest.raises(ConfigError, match=r"model\.random\.model_type=gemma3_text is not allowed.*qwen3"):
+        check_model_config(cfg)
+    cfg = OmegaConf.merge(model_config("tiny-qwen3"), {"random": {"head_dimm": 8}})
+    with pytest.raises(ConfigError, match=r"model\.random\.head_dimm is not a key of Qwen3Config"):
+        check_model_config(cfg)

@@ -11,7 +11,7 @@ Config keys (``conf/model/*.yaml``; any other key is refused):
 ``gguf_path``           a local GGUF file (``model.gguf_path=/path/to/file.gguf``)
 ``gguf_asset``          offline asset holding a GGUF file (``selfspec.assets``): the embedded default,
                         used when neither ``name_or_path`` nor ``gguf_path`` is given
-``random``              LlamaConfig fields of a seeded random model (``tiny-random``), with ``seed``
+``random``              a seeded random model (``tiny-random``): ``model_type`` (its family), ``seed`` and the family config's fields
 ``tokenizer``           ``random`` only: the model config whose tokenizer it borrows
 ``dtype``               ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``
 ``device``              ``auto``, ``cpu``, ``cuda``, ``cuda:N``
@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from selfspec import assets, checks
-from selfspec.models.families import UnsupportedModelError, check_model_type
+from selfspec.models.families import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 
 log = logging.getLogger(__name__)
@@ -221,18 +221,29 @@ def _gguf_file_source(value: Any, key: str) -> Source:
     return Source("gguf", str(path), key)
 
 
-def _check_random(cfg) -> None:
-    """``random``: LlamaConfig fields (each a real one: a typo would silently take the default),
-    ``seed``, and ``vocab_size`` or a ``tokenizer`` model config to borrow."""
-    from transformers import LlamaConfig
+def _random_config_class(model_type: str):
+    """transformers' config class of a supported family (``model.random.model_type``)."""
+    from transformers import CONFIG_MAPPING
 
+    return CONFIG_MAPPING[model_type]
+
+
+def _check_random(cfg) -> None:
+    """``random``: ``model_type`` (a supported family: llama, mistral, qwen2, qwen3), fields of
+    that family's config class (each a real one: a typo would silently take the default), ``seed``,
+    and ``vocab_size`` or a ``tokenizer`` model config to borrow."""
     from selfspec.config import group_options
 
     spec = _get(cfg, "random")
     if not hasattr(spec, "items"):
-        raise checks.refuse("model.random", spec, "must be a mapping of LlamaConfig fields (and seed)")
-    fields = {*inspect.signature(LlamaConfig.__init__).parameters, *LlamaConfig().to_dict(), *LEGACY_ROPE_KEYS}
-    checks.known_keys("model.random", spec, fields - {"self"} | {"seed"}, "LlamaConfig (and seed)")
+        raise checks.refuse("model.random", spec, "must be a mapping of model_type, seed and the family's "
+                            "config fields")
+    model_type = checks.choice("model.random.model_type", spec.get("model_type"), SUPPORTED_MODEL_TYPES,
+                               why="the family of the random model (its transformers config class)")
+    config_cls = _random_config_class(model_type)
+    fields = {*inspect.signature(config_cls.__init__).parameters, *config_cls().to_dict(), *LEGACY_ROPE_KEYS}
+    checks.known_keys("model.random", spec, fields - {"self"} | {"seed", "model_type"},
+                      f"{config_cls.__name__} (and model_type, seed)")
     checks.integer("model.random.seed", spec.get("seed"), why="the seed of the random weights")
     tokenizer = _get(cfg, "tokenizer")
     if tokenizer is not None:
@@ -556,21 +567,22 @@ def _load_gguf(source: Source, attn: str, name: str):
 
 
 def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
-    """A seeded random Llama-architecture model with a real tokenizer (for fast tests), or one of a
-    large model's shape for runtime benchmarks. On CUDA it is built on the device in its dtype
-    (an 8B shape would take 32 GB of host memory in float32 first), so its values come from the
-    device's generator and differ from the same seed's on a CPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A seeded random model of a supported family (``model.random.model_type``) with a real
+    tokenizer (for fast tests), or one of a large model's shape for runtime benchmarks. On CUDA it
+    is built on the device in its dtype (an 8B shape would take 32 GB of host memory in float32
+    first), so its values come from the device's generator and differ from the same seed's on a CPU."""
+    from transformers import AutoModelForCausalLM
 
     spec = dict(_get(cfg, "random"))
     seed = int(spec.pop("seed"))
+    config_cls = _random_config_class(spec.pop("model_type"))
     tok = None
     vocab = spec.pop("vocab_size", None)
     tok_from = _get(cfg, "tokenizer")
     if tok_from:
         tok = _tokenizer_of(str(tok_from))
         vocab = vocab or len(tok)
-    config = LlamaConfig(vocab_size=int(vocab), attn_implementation=attn, **spec)
+    config = config_cls(vocab_size=int(vocab), attn_implementation=attn, **spec)
     if tok is not None:
         config.eos_token_id = tok.eos_token_id
         config.bos_token_id = tok.bos_token_id
@@ -581,11 +593,11 @@ def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
         try:
             with torch.device(device):
                 torch.cuda.manual_seed(seed)
-                hf = LlamaForCausalLM(config)
+                hf = AutoModelForCausalLM.from_config(config)
         finally:
             torch.set_default_dtype(previous)
     else:
-        hf = LlamaForCausalLM(config)
+        hf = AutoModelForCausalLM.from_config(config)
     hf.generation_config.eos_token_id = config.eos_token_id
     return hf, tok
 
