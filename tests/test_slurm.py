@@ -197,7 +197,10 @@ def test_sweep_of_four_jobs_through_slurm_and_the_tables_from_their_outputs(slur
 
 @pytest.mark.timeout(3600)
 def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache, tmp_path):
-    n = 12
+    # enough examples that the job cannot finish in the KillWait seconds between scancel's SIGTERM
+    # (which submitit's jobs ignore) and the SIGKILL: with 12, a quiet machine decoding tiny-random at
+    # ~900 tok/s finished the remaining ones in time and the "cancelled" job held every row
+    n = 40
     sweep = tmp_path / "sweep"
     cmd, kw = launcher(slurm, job_cache, sweep_args(sweep, n), tmp_path)
     note("sweep (first submission): " + " ".join(cmd[1:]))
