@@ -110,7 +110,7 @@ def test_an_unsupported_family_is_refused_naming_the_supported_ones():
         check_model_type("gemma3_text", "gemma")
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-mistral"])
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-mistral", "tiny-qwen2"])
 def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch):
     """The five jobs on a family other than Llama (from its conf/model config, ``model.random.model_type``),
     and each method decoding with what they built equals vanilla."""
