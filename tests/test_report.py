@@ -443,3 +443,34 @@ def test_sampling_rows_are_lossless_in_distribution(sampling_runs, tmp_path):
     assert sampled.method in ("Draft & Verify", "HF generate") and sampled.consistency is None
     assert "| n/a (lossless in distribution) |" in (tmp_path / "report" / "report.md").read_text()
     assert by_decoding["greedy"].consistency == 1.0
+
+
+def test_a_wide_legend_and_long_labels_are_not_clipped(tmp_path):
+    """The demo's speedup chart has ~25 series: its legend, beside the bars, ran past the figure's
+    edge and was cut off, as was a long axis label. The written image holds every legend, title and
+    axis label whole: each one's extent, as drawn, lies inside the PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    from selfspec.reporting.figure import DPI, legend_columns, save_figure
+
+    fig, ax = plt.subplots(figsize=(5.0, 3.6))
+    for j in range(25):
+        ax.bar([j], [1.0 + j / 10], label=f"a long method label number {j}, greedy")
+    ax.set_ylabel("speedup over vanilla on the same examples (×), a long label")
+    ax.set_xlabel("task")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncol=legend_columns(25))
+    fig.tight_layout()
+    renderer = fig.canvas.get_renderer()
+    drawn = fig.get_tightbbox(renderer)  # inches: what is drawn, legend included
+    parts = [ax.get_legend(), ax.xaxis.label, ax.yaxis.label]
+    extents = [p.get_window_extent(renderer) for p in parts]
+    width, height = fig.get_size_inches()
+    assert max(e.x1 for e in extents) > width * fig.dpi  # the legend leaves the figure: the old clipping
+    plot = save_figure(fig, tmp_path / "wide.png", "a caption")
+    rows, cols = matplotlib.image.imread(plot.path).shape[:2]
+    assert cols >= round(drawn.width * DPI) and rows >= round(drawn.height * DPI)  # everything drawn is in
+    assert cols > width * DPI and plot.aspect == pytest.approx(cols / rows)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 #: characters per caption line drawn under a standalone figure, per inch of figure width
 _CHARS_PER_INCH = 15
+#: resolution of every written figure
+DPI = 110
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,21 @@ def save_standalone(fig, path: Path, caption: str) -> Plot:
 
 
 def _write(fig, path: Path, caption: str, rect: tuple[float, float, float, float]) -> Plot:
+    """Lay out and write ``fig``. The canvas is cut to what is drawn (``bbox_inches="tight"``), so a
+    legend placed beside the axes, a long title or an axis label is kept whole, never clipped at
+    the figure's edge; the aspect is the written image's."""
+    import matplotlib.image
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
     labels = axis_labels(fig)
-    width, height = fig.get_size_inches()
     fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.05)
     plt.close(fig)
-    return Plot(path, caption, labels, float(width / height))
+    rows, cols = matplotlib.image.imread(path).shape[:2]
+    return Plot(path, caption, labels, float(cols / rows))
+
+
+def legend_columns(entries: int, per_column: int = 12) -> int:
+    """Columns for a legend of ``entries`` so that it stays about as tall as a 3.6-inch axes."""
+    return max(1, -(-entries // per_column))

@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from selfspec.reporting.figure import Plot, save_figure  # noqa: E402
+from selfspec.reporting.figure import Plot, legend_columns, save_figure  # noqa: E402
 from selfspec.reporting.layouts import TASK_TITLE  # noqa: E402
 from selfspec.reporting.records import Record  # noqa: E402
 from selfspec.reporting.tables import method_rank, method_title, setting_title  # noqa: E402
@@ -70,7 +70,8 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
     ax.set_xlabel("task")
     ax.set_ylabel(SPEEDUP_LABEL)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
+    # beside the bars, never over them; in columns when many series would make it taller than the axes
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncol=legend_columns(len(methods)))
     return save_figure(fig, path, (
         f"{title.replace(chr(10), ', ')}: each method's speedup over vanilla on the same examples, per task. "
         "Bars above the dashed line (1.0×) are faster than vanilla, below it slower; the number on a bar "
