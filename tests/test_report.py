@@ -474,3 +474,27 @@ def test_a_wide_legend_and_long_labels_are_not_clipped(tmp_path):
     rows, cols = matplotlib.image.imread(plot.path).shape[:2]
     assert cols >= round(drawn.width * DPI) and rows >= round(drawn.height * DPI)  # everything drawn is in
     assert cols > width * DPI and plot.aspect == pytest.approx(cols / rows)
+
+
+def test_a_wide_table_is_shown_one_task_at_a_time():
+    """The demo's all-methods table had ~40 columns and scrolled sideways: past
+    ``html.MAX_COLUMNS`` cell columns the page shows one table per task, each with every row
+    label and only that task's cells; a narrow table stays whole."""
+    from selfspec.reporting.html import MAX_COLUMNS, table_html
+    from selfspec.reporting.tables import Block, Row, Table
+
+    kinds = ["speed", "tau", "acceptance", "consistency", "quality"]
+    tasks = ["xsum", "cnndm", "humaneval", "gsm8k", "mtbench"]
+    cells = lambda n: [f"c{i}" for i in range(n)]  # noqa: E731
+    wide = Table(layout=get_layout("runs"), groups=tasks, group_cells=[kinds] * 5,
+                 blocks=[Block("greedy", [Row("Vanilla", cells(25)), Row("AdaDecode", cells(25))])])
+    page = table_html(wide)
+    assert 25 > MAX_COLUMNS and page.count("<table>") == 5
+    assert [t for t in ("XSum", "CNN/DM", "HumanEval", "GSM8K", "MT-Bench") if f"<h3>{t}</h3>" in page] == \
+        ["XSum", "CNN/DM", "HumanEval", "GSM8K", "MT-Bench"]
+    first = page.split("<table>")[1]
+    assert first.count("<td>Vanilla</td>") == 1 and "<td>c4</td>" in first and "<td>c5</td>" not in first
+    assert max(t.count("<th>") for t in page.split("<table>")[1:]) == 1 + len(kinds) + 1  # label, cells, src
+    narrow = Table(layout=get_layout("runs"), groups=tasks[:2], group_cells=[kinds] * 2,
+                   blocks=[Block("greedy", [Row("Vanilla", cells(10))])])
+    assert table_html(narrow).count("<table>") == 1 and "<h3>" not in table_html(narrow)

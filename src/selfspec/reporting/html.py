@@ -16,7 +16,7 @@ from typing import Any
 
 from selfspec.reporting import answer as ans
 from selfspec.reporting.figure import Plot
-from selfspec.reporting.tables import Table, source_line
+from selfspec.reporting.tables import TASK_TITLE, Table, source_line
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -38,16 +38,39 @@ code{background:#f4f4f4;padding:0 .2em}
 WIDE = 2.0
 
 
+#: a table with more cell columns than this is shown as one table per column group (task): the
+#: demo's all-methods table had ~40 columns and scrolled sideways
+MAX_COLUMNS = 12
+
+
+def column_groups(table: Table) -> list[tuple[str, slice]]:
+    """The column groups of ``table`` to show as separate tables (a title and the slice of each
+    row's cells), or one group holding every column when the table fits the page."""
+    width = sum(len(cells) for cells in table.group_cells)
+    if width <= MAX_COLUMNS or len(table.groups) < 2:
+        return [("", slice(0, width))]
+    out, start = [], 0
+    for group, cells in zip(table.groups, table.group_cells):
+        out.append((TASK_TITLE.get(group, str(group)), slice(start, start + len(cells))))
+        start += len(cells)
+    return out
+
+
 def table_html(table: Table) -> str:
     e = html.escape
-    head = table.header + ["src"]
-    out = ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"]
-    for block in table.blocks:
-        out.append(f'<tr class="block"><td colspan="{len(head)}">{e(block.title)}</td></tr>')
-        for row in block.rows:
-            src = " ".join(f'<a href="#src-{table.layout.id}-{i}">[{i}]</a>' for i in row.sources)
-            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells]) + f"<td class='src'>{src}</td></tr>")
-    out.append("</table>")
+    out = []
+    for title, cols in column_groups(table):
+        head = [table.header[0], *table.header[1:][cols], "src"]
+        if title:
+            out.append(f"<h3>{e(title)}</h3>")
+        out += ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"]
+        for block in table.blocks:
+            out.append(f'<tr class="block"><td colspan="{len(head)}">{e(block.title)}</td></tr>')
+            for row in block.rows:
+                src = " ".join(f'<a href="#src-{table.layout.id}-{i}">[{i}]</a>' for i in row.sources)
+                out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells[cols]])
+                           + f"<td class='src'>{src}</td></tr>")
+        out.append("</table>")
     notes = [f"<li>{e(n)}</li>" for n in table.notes]
     notes += [f'<li id="src-{table.layout.id}-{i}">[{i}] {e(source_line(p))}</li>'
               for i, p in enumerate(table.sources, 1)]
