@@ -498,3 +498,23 @@ def test_a_wide_table_is_shown_one_task_at_a_time():
     narrow = Table(layout=get_layout("runs"), groups=tasks[:2], group_cells=[kinds] * 2,
                    blocks=[Block("greedy", [Row("Vanilla", cells(10))])])
     assert table_html(narrow).count("<table>") == 1 and "<h3>" not in table_html(narrow)
+
+
+def test_a_speedup_chart_of_many_methods_has_one_panel_per_decoder_family(tmp_path):
+    """~25 series in one chart made one unreadable legend: past ``PANEL_SERIES`` methods the chart has
+    one panel per decoder family (a method's variants together; vanilla and the peers together),
+    each with its units and legend; a few methods stay one panel."""
+    from selfspec.reporting.plots import PANEL_SERIES, speedup_plot
+
+    labels = {"vanilla": None, "hf_generate": None, "hf_prompt_lookup": None, "ngram": None,
+              **{f"draft_verify{s}": "draft_verify" for s in ("", "_static", "_fixed_k", "_paper")},
+              **{f"adadecode{s}": "adadecode" for s in ("", "_fixed", "_lmhead", "_mixed", "_full")},
+              **{f"del{s}": "del" for s in ("", "_heads", "_paper")}}
+    recs = [Record(table="runs", model="m", task=t, method=m, decoder=d, metrics={"speedup": 1.0 + i / 20})
+            for t in ("xsum", "gsm8k") for i, (m, d) in enumerate(labels.items())]
+    plot = speedup_plot(recs, tmp_path / "many.png", "speedup, m")
+    assert len(labels) > PANEL_SERIES and len(plot.labels) == 5  # peers, ngram, Draft & Verify, AdaDecode, DEL
+    assert all(y == "speedup vs vanilla (×)" and x == "task" for x, y in plot.labels)
+    assert "one panel per decoder family" in plot.caption
+    few = speedup_plot([r for r in recs if r.decoder is None][:8], tmp_path / "few.png", "speedup, m")
+    assert len(few.labels) == 1 and "panel" not in few.caption

@@ -46,8 +46,23 @@ BO_OBJECTIVES = {
 }
 
 
+#: most bars per task in one panel of the speedup chart; past it, one panel per decoder family
+PANEL_SERIES = 8
+#: columns of panels when the chart is split
+PANEL_COLUMNS = 2
+
+
+def _family(r: Record) -> str:
+    """The panel a record's bars go to: its decoder (a method's variants together); vanilla and
+    the transformers peers share one."""
+    decoder = str(r.decoder or r.method)
+    return "vanilla and peers" if decoder == "vanilla" or decoder.startswith("hf_") else decoder
+
+
 def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
-    """Grouped bars: one group per task, one bar per method (the baseline's 1.0 as a line)."""
+    """Grouped bars: one group per task, one bar per method (the baseline's 1.0 as a line). With
+    more than :data:`PANEL_SERIES` methods, one panel per decoder family, so each panel holds a
+    handful of series (the demo's ~25 made one unreadable legend)."""
     recs = [r for r in records if isinstance(r.metric("speedup"), (int, float))]
     if not recs:
         return None
@@ -56,24 +71,39 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
     methods = sorted({setting_title(r) for r in recs},
                      key=lambda lab: method_rank(next(r for r in recs if setting_title(r) == lab)) + (lab,))
     value = {(r.task, setting_title(r)): r.metric("speedup") for r in recs}
-    width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(tasks) + 0.3 * len(methods)), 3.6))
-    for j, m in enumerate(methods):
-        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(tasks))]
-        ys = [value.get((t, m), 0.0) for t in tasks]
-        ax.bar(xs, ys, width, label=m)
-        for x, y in zip(xs, ys):
-            if y:
-                ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(tasks)), [TASK_TITLE.get(t, t) for t in tasks])
-    ax.set_xlabel("task")
-    ax.set_ylabel(SPEEDUP_LABEL)
-    ax.set_title(title, fontsize=10)
-    # beside the bars, never over them; in columns when many series would make it taller than the axes
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncol=legend_columns(len(methods)))
+    if len(methods) <= PANEL_SERIES:
+        panels = [(title, methods)]
+    else:
+        family = {setting_title(r): _family(r) for r in recs}
+        panels = [(f, [m for m in methods if family[m] == f]) for f in dict.fromkeys(family[m] for m in methods)]
+    ncols = min(len(panels), PANEL_COLUMNS)
+    nrows = -(-len(panels) // ncols)
+    most = max(len(ms) for _, ms in panels)
+    panel_width = max(5.0, 1.6 * len(tasks) + 0.3 * most)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_width * ncols, 3.6 * nrows), squeeze=False, sharey=True)
+    for ax, (name, ms) in zip(axes.flat, panels):
+        width = 0.8 / max(len(ms), 1)
+        for j, m in enumerate(ms):
+            xs = [i + (j - (len(ms) - 1) / 2) * width for i in range(len(tasks))]
+            ys = [value.get((t, m), 0.0) for t in tasks]
+            ax.bar(xs, ys, width, label=m)
+            for x, y in zip(xs, ys):
+                if y:
+                    ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(tasks)), [TASK_TITLE.get(t, t) for t in tasks])
+        ax.set_xlabel("task")
+        ax.set_ylabel(SPEEDUP_LABEL)
+        ax.set_title(name, fontsize=10)
+        # beside the bars, never over them; in columns when many series would make it taller than the axes
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncol=legend_columns(len(ms)))
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    if len(panels) > 1:
+        fig.suptitle(title, fontsize=11)
     return save_figure(fig, path, (
-        f"{title.replace(chr(10), ', ')}: each method's speedup over vanilla on the same examples, per task. "
+        f"{title.replace(chr(10), ', ')}: each method's speedup over vanilla on the same examples, per task"
+        + (", one panel per decoder family" if len(panels) > 1 else "") + ". "
         "Bars above the dashed line (1.0×) are faster than vanilla, below it slower; the number on a bar "
         "is its speedup."))
 
