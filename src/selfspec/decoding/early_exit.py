@@ -253,7 +253,7 @@ class EarlyExit(ChainDecoder):
         """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
         m, hs = self.model, state.example.hs
         n = h.shape[1]
-        keep = {i: hs[j, row : row + n] for i, j in self.slot.items()}
+        keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
         return m.run_layers(h, layers, state.cache, m.rope(m.positions(start, n), h), m.causal_mask(n, start),
                             keep=keep)
 
