@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install llamacpp assets browser slurm test test-fast demo bench bench-runtime train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: help install llamacpp assets browser slurm test test-fast demo bench bench-runtime profile project train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -82,6 +82,12 @@ bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s sid
 
 bench-runtime: assets ## v(k), prefill, vanilla vs generate (and llama.cpp after make llamacpp), LM head share, % of memory bandwidth for MODEL
 	$(PY) scripts/bench_runtime.py --model $(MODEL) $(ARGS)
+
+profile: assets ## measure this machine's cost profile of MODEL (what each op of a step costs here; about a minute for SmolLM2 on 2 cores)
+	$(PY) scripts/bench_runtime.py --model $(MODEL) --profile-only $(ARGS)
+
+project: install ## re-cost run directories (ARGS='inputs=[...] profile=...') on another machine's cost profile
+	$(PY) -m selfspec.project $(ARGS)
 
 train-heads: assets ## AdaDecode: train intermediate heads for MODEL on TASK
 	$(PY) -m selfspec.train job=heads model=$(MODEL) task=$(TASK) $(ARGS)

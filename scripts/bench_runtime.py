@@ -8,6 +8,12 @@
 See :mod:`selfspec.evaluation.runtime` for what each figure means. llama.cpp joins as a third
 decoding peer when llama-cpp-python is installed (``make llamacpp``); otherwise one line says so.
 ``--out`` writes the figures as JSON (the demo's report shows them).
+
+It also measures this machine's cost profile of the model (:mod:`selfspec.models.profile`: what
+every op of a step costs here, the file ``python -m selfspec.project`` re-costs runs with) and
+writes it to the asset cache, where ``evaluate`` (``profile=auto``) finds it, and to
+``--profile-out`` (default ``outputs/profiles/<name>.json``). ``--profile-only`` (``make profile``)
+measures the profile alone.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer (when installed)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--profile-out", type=Path, default=None,
+                   help="write the cost profile here too (default outputs/profiles/<profile name>.json)")
+    p.add_argument("--profile-only", action="store_true", help="measure the cost profile only (make profile)")
+    p.add_argument("--no-profile", action="store_true", help="leave the cost profile out")
     p.add_argument("overrides", nargs="*", help="model config overrides, e.g. model.dtype=bfloat16 (after --)")
     return p.parse_args(argv)
 
@@ -49,14 +59,37 @@ def main(argv: list[str] | None = None) -> int:
     if 1 not in ks or min(ks) < 1:
         raise SystemExit(f"--ks must include 1 and only positive counts, got {args.ks}")
     cfg = compose([f"model={args.model}", *args.overrides])
-    report = runtime_report(load_model(cfg.model), ks, contexts, args.new_tokens, args.repeats,
-                            llama_cpp=not args.no_llama_cpp)
-    print(format_report(report))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1, default=str))
-        print(f"figures: {args.out}")
+    loaded = load_model(cfg.model)
+    if not args.profile_only:
+        report = runtime_report(loaded, ks, contexts, args.new_tokens, args.repeats, llama_cpp=not args.no_llama_cpp)
+        print(format_report(report))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1, default=str))
+            print(f"figures: {args.out}")
+    if not args.no_profile:
+        write_profile(loaded.model, args.profile_out)
     return 0
+
+
+def write_profile(model, out: Path | None) -> None:
+    """Measure this machine's cost profile of ``model``; keep it in the asset cache and at ``out``."""
+    import os
+
+    from selfspec.models.profile import default_path, measure_profile
+
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"warning: load average {load:.2f} while measuring the profile: other processes spoil its "
+              "figures; measure it on a quiet machine", file=sys.stderr)
+    profile = measure_profile(model, log=lambda line: print(f"profile: {line}", file=sys.stderr))
+    cached = default_path(model, model.device)
+    profile.save(cached)
+    out = out or Path("outputs/profiles") / f"{profile.name}.json"
+    profile.save(out)
+    print(f"cost profile {profile.name}: {out} (and {cached}, where evaluate's profile=auto finds it); "
+          f"plain step {profile.plain_step() * 1e3:.1f} ms, of which host {profile.host * 1e3:.2f} ms; "
+          f"measured in {profile.data['seconds_to_measure']} s")
 
 
 if __name__ == "__main__":

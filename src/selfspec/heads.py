@@ -35,6 +35,7 @@ from typing import Iterable
 import torch
 
 from selfspec.artefacts import load_artefact, save_artefact
+from selfspec.models.ledger import phase
 
 KINDS = ("linear", "full", "lm_head")
 ARTEFACT_KIND = "heads"
@@ -104,14 +105,25 @@ class IntermediateHeads(torch.nn.Module):
     def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``; with a
         draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``."""
+        with phase(self.model, "heads"):
+            return self._logits(layer, h)
+
+    def _logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         m, vocab = self.model, self.vocab
         x = m.final_norm(h)
         if self.kind == "lm_head":
             return m.head(x).float() if vocab is None else vocab.logits(x)
         lin = self.heads[str(layer)]
+        ledger = m.ledger
         if self.kind == "full":
             x = x.to(lin.weight.dtype)
-            return lin(x).float() if vocab is None else vocab.logits(x, lin.weight)
+            if vocab is not None:
+                return vocab.logits(x, lin.weight)
+            if ledger is not None:
+                ledger.head(x.numel() // x.shape[-1], lin.out_features)
+            return lin(x).float()
+        if ledger is not None:
+            ledger.linear(x.numel() // x.shape[-1], lin.in_features, lin.out_features)
         x = lin(x.to(lin.weight.dtype)).to(m.dtype)
         return m.head(x).float() if vocab is None else vocab.logits(x)
 

@@ -68,6 +68,7 @@ import torch
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.chain import Draft, context_step, pick, settle
+from selfspec.models.ledger import phase
 from selfspec.heads import KINDS as HEAD_KINDS
 from selfspec.heads import (IntermediateHeads, build_draft_vocab, default_layers,
                             draft_vocab_options, find_heads, load_heads)
@@ -204,7 +205,11 @@ class AdaDecode(Decoder):
         ss = self.new_step(state, budget)
         token = state.pending
         while True:
-            logits = self.advance(state, ss, token)
+            # a token's pass drafts until it reaches the last layer; that pass is the verification
+            with phase(self.model, "draft") as p:
+                logits = self.advance(state, ss, token)
+                if logits is not None:
+                    p.relabel("verify" if len(ss.draft) else "plain")
             if logits is None:  # early prediction: start the next token's pass
                 token = ss.draft.tokens[-1]
                 continue
@@ -241,7 +246,7 @@ class AdaDecode(Decoder):
             if n not in masks:
                 masks[n] = m.causal_mask(n, start)
             rope = (cos[:, start - ss.base : pos + 1 - ss.base], sin[:, start - ss.base : pos + 1 - ss.base])
-            h = m.mlp(j, m.attention(j, h, rope, cache, masks[n]))
+            h = m.run_layers(h, (j,), cache, rope, masks[n])
             if allow_exit and j in self.exit_layers:
                 if self._early(state, ss, j, h[:, -1]):
                     ss.stack.append(_Segment(j + 1, h))

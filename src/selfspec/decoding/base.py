@@ -33,6 +33,7 @@ from selfspec.decoding.sampling import Sampling, select
 from selfspec.models.cache import LayerCache
 from selfspec.models.costs import synchronizer
 from selfspec.models.layered import LayeredModel
+from selfspec.models.ledger import Ledger, phase
 
 
 @dataclass
@@ -64,6 +65,9 @@ class StepTrace:
     #: the method's controller after the step (Draft & Verify's threshold and acceptance EMA, DEL's
     #: plan, PPD's tree state), None for methods without one
     controller: dict[str, Any] | None = None
+    #: the model work of the step, per component (:mod:`selfspec.models.ledger`): what a machine
+    #: profile costs (:mod:`selfspec.models.profile`)
+    ops: list[list] | None = None
 
     def row(self) -> dict[str, Any]:
         """The trace as a plain dict without the fields left at their defaults."""
@@ -87,6 +91,9 @@ class Generation:
     stats: dict[str, Any] = field(default_factory=dict)
     #: one :class:`StepTrace` per step, prefill first
     trace: list[StepTrace] = field(default_factory=list)
+    #: measured seconds per cost component (:data:`selfspec.models.ledger.COMPONENTS`); they add
+    #: up to ``seconds``
+    ledger: dict[str, float] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -310,10 +317,12 @@ class Decoder:
     def plain_step(self, state: DecodeState) -> list[int]:
         """One autoregressive step: the pending token through the full model, the next token
         selected from its logits (vanilla's step; a gated method's step when speculation does not
-        pay). Scratch K/V past the committed tokens (drafts, trees) is dropped first."""
-        state.cache.truncate(state.n_cached)
-        h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached)
-        return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])]
+        pay). Scratch K/V past the committed tokens (drafts, trees) is dropped first. Charged to
+        the ledger's ``plain`` component."""
+        with phase(self.model, "plain"):
+            state.cache.truncate(state.n_cached)
+            h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached)
+            return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])]
 
     # --- state carried across examples -------------------------------------------------------
     def carried_state(self) -> dict[str, Any]:
@@ -350,19 +359,28 @@ class Decoder:
         cache = self.model.new_cache(n_prompt + max_new_tokens + self.room + 1, reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
-        sync()
-        t0 = time.perf_counter()
-        self.begin(state)
-        with torch.inference_mode():
-            state.trace_step = StepTrace("prefill", width=n_prompt)
-            reason = self._commit(state, self.first_step(state, prompt, max_new_tokens), max_new_tokens)
-            while reason is None:
-                state.drafted = 0
-                state.trace_step = StepTrace()
-                new = self._gated_step(state, max_new_tokens - (len(state.tokens) - n_prompt))
-                reason = self._commit(state, new, max_new_tokens)
-        sync()
-        seconds = time.perf_counter() - t0
+        ledger = self.model.ledger = Ledger(self.model.device)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            ledger.start()
+            self.begin(state)
+            with torch.inference_mode():
+                state.trace_step = StepTrace("prefill", width=n_prompt)
+                with phase(self.model, "prefill"):
+                    first = self.first_step(state, prompt, max_new_tokens)
+                reason = self._commit(state, first, max_new_tokens)
+                while reason is None:
+                    state.drafted = 0
+                    state.trace_step = StepTrace()
+                    new = self._gated_step(state, max_new_tokens - (len(state.tokens) - n_prompt))
+                    reason = self._commit(state, new, max_new_tokens)
+            ledger.stop()
+            sync()
+            seconds = time.perf_counter() - t0
+            ledger.seconds["host"] += seconds - sum(ledger.seconds.values())  # the loop's own edges
+        finally:
+            self.model.ledger = None
         self.finish(state)
         if self.draft_vocab is not None:
             state.stats.update(self.draft_vocab.stats())
@@ -376,6 +394,7 @@ class Decoder:
             stop_reason=reason,
             stats=state.stats,
             trace=state.trace,
+            ledger=ledger.seconds,
         )
 
     def prompt_tensor(self, prompt_ids, max_new_tokens: int) -> torch.Tensor:
@@ -409,6 +428,8 @@ class Decoder:
         state.drafted_per_step.append(state.drafted)
         step = state.trace_step
         step.drafted, step.committed = state.drafted, len(state.tokens) - start
+        if self.model.ledger is not None:
+            step.ops = self.model.ledger.take_ops()
         state.trace.append(step)
         return reason
 

@@ -48,6 +48,7 @@ import torch
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.draft_exit import DraftStop
 from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.models.ledger import phase
 
 
 @dataclass
@@ -192,11 +193,14 @@ def context_step(decoder: Decoder, state: DecodeState, budget: int) -> list[int]
     if drafter is None or budget < 2:
         return None
     limit = drafter.draft_length(state)
-    draft = drafter.propose(state, min(limit, budget - 1))
+    with phase(decoder.model, "draft"):
+        draft = drafter.propose(state, min(limit, budget - 1))
     if not len(draft):
         return None
     draft.limit = limit
-    return settle(state, draft, drafter.score(state, draft), drafter, source="context")
+    with phase(decoder.model, "verify"):
+        logits = drafter.score(state, draft)
+    return settle(state, draft, logits, drafter, source="context")
 
 
 class ChainDecoder(Drafter, Decoder):
@@ -228,9 +232,12 @@ class ChainDecoder(Drafter, Decoder):
         """The chain step with the method's own drafts (no context drafts first)."""
         limit = self.draft_length(state)
         k_max = self.draft_room(limit, budget)
-        draft = self.propose(state, k_max) if k_max > 0 else Draft()
+        with phase(self.model, "draft"):
+            draft = self.propose(state, k_max) if k_max > 0 else Draft()
         draft.limit = limit
-        return settle(state, draft, self.score(state, draft), self)
+        with phase(self.model, "verify" if len(draft) else "plain"):
+            logits = self.score(state, draft)
+        return settle(state, draft, logits, self)
 
     def draft_room(self, limit: int, budget: int) -> int:
         """Most drafts a step may propose with ``budget`` tokens left: ``limit``, cut so that the

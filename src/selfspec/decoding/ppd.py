@@ -55,6 +55,7 @@ from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, candidate_tokens, check_trees, full_mask, layout,
                                     paper_states)
+from selfspec.models.ledger import phase
 from selfspec.prompts import PromptTokens
 
 
@@ -228,21 +229,26 @@ class PPD(Decoder):
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
         m, ex = self.model, state.example
-        drafts = ex.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if ex.index else []
-        lay = self._layout(ex.tree_state, len(drafts))
         n_cached = state.n_cached
-        root = state.pending_ids(m.device)[0]
-        tokens = torch.cat([root, candidate_tokens(lay, self._guesses(ex.cands, drafts))]) if lay.n_nodes > 1 else root
-        h = m.embed(tokens.unsqueeze(0))
-        if lay.size > lay.n_nodes:
-            h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
-        h = m.forward(None, state.cache, start=n_cached, mask=m.prepare_mask(full_mask(lay, n_cached)),
-                      positions=(n_cached + lay.offsets).unsqueeze(0), h=h)[0]
-        node_logits = m.logits(h[: lay.n_nodes])
-        best, bonus = self._verify(lay, tokens, node_logits, state)
+        with phase(m, "tree"):  # the step's tree: context drafts, layout, candidates, inputs
+            drafts = ex.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if ex.index else []
+            lay = self._layout(ex.tree_state, len(drafts))
+            root = state.pending_ids(m.device)[0]
+            tokens = (torch.cat([root, candidate_tokens(lay, self._guesses(ex.cands, drafts))])
+                      if lay.n_nodes > 1 else root)
+            h = m.embed(tokens.unsqueeze(0))
+            if lay.size > lay.n_nodes:
+                h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
+            mask = m.prepare_mask(full_mask(lay, n_cached))
+        with phase(m, "verify"):  # one pass verifies the candidates and runs the prompt tokens
+            h = m.forward(None, state.cache, start=n_cached, mask=mask,
+                          positions=(n_cached + lay.offsets).unsqueeze(0), h=h)[0]
+            node_logits = m.logits(h[: lay.n_nodes])
+            best, bonus = self._verify(lay, tokens, node_logits, state)
         path = lay.path_rows[best]
         state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
-        self._next_candidates(ex, h, lay.prompt_rows[best])
+        with phase(m, "draft"):  # the next step's guesses: the prompt tokens' logits
+            self._next_candidates(ex, h, lay.prompt_rows[best])
         state.drafted = lay.n_nodes - 1
         step = state.trace_step
         step.source, step.tree_size, step.width, step.accepted = "tree", lay.n_nodes, lay.size, len(path)

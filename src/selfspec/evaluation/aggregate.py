@@ -15,6 +15,14 @@ sample with the same seed, and the figures below pool all samples:
                         decoding only; None under sampling)
 ``prefix_agreement``    mean over examples of (common prefix with the baseline / longer length):
                         token-level agreement up to the first divergence
+``ledger``              where the time goes (:mod:`selfspec.models.ledger`), per component in
+                        *vanilla steps per committed token*: the component's seconds per
+                        committed token over the baseline's seconds per committed token.
+                        ``measured`` adds up to 1 / ``speedup``; ``predicted`` (the traces costed
+                        with a machine profile, :mod:`selfspec.models.profile`) adds up to
+                        1 / ``predicted_speedup``
+``predicted_speedup``   the baseline's predicted seconds per token / the method's (None without a
+                        profile, or for a method without a trace: the HF peers)
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ def summarize(
     score: Callable[[list[str], list[Any]], dict[str, float]] | None = None,
     references: dict[str, Any] | None = None,
     greedy: bool = True,
+    profile=None,
 ) -> dict[str, dict[str, Any]]:
     """Per-method summary of result rows (``method``, ``id``, ``sample``, ``tokens``, ``seconds`` ...);
     a row without ``sample`` is sample 0.
@@ -89,6 +98,7 @@ def summarize(
     applied to each method's post-processed predictions (``prediction``) on the common
     generations: per example the list of its samples' predictions, in sample order. Its dict is
     the entry's ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).
+    ``profile``: a :class:`~selfspec.models.profile.Profile` to predict each method's time with.
     ``greedy=False`` (a sampling run): ``consistency`` and ``prefix_agreement`` are None, since
     lossless sampling keeps vanilla's output distribution, not its tokens.
     """
@@ -98,6 +108,8 @@ def summarize(
     base = common.get(baseline, [])
     base_tokens = sum(r["new_tokens"] for r in base)
     base_spt = sum(r["seconds"] for r in base) / base_tokens if base_tokens else None
+    base_predicted = _predicted(base, profile)
+    base_pspt = sum(base_predicted.values()) / base_tokens if base_predicted and base_tokens else None
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         rs = common[m]
@@ -125,6 +137,51 @@ def summarize(
             for k, r in zip(keys, rs):
                 samples[k[0]].append(r["prediction"])
             entry["metrics"] = score(list(samples.values()), [references[i] for i in ids])
+        entry.update(_ledger(rs, tokens, base_spt, profile, base_pspt))
         entry["stats"] = _mean_stats(rs)
         out[m] = entry
     return out
+
+
+def _sum_components(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for d in dicts:
+        for k, v in d.items():
+            out[k] += v
+    return dict(out)
+
+
+def _predicted(rows: list[dict[str, Any]], profile) -> dict[str, float] | None:
+    """Predicted seconds per component of ``rows`` with ``profile`` (None without a profile or
+    when a row has no trace)."""
+    if profile is None or not rows or any(not r.get("trace") for r in rows):
+        return None
+    return _sum_components(profile.predict(r["trace"]) for r in rows)
+
+
+def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profile,
+            base_pspt: float | None) -> dict[str, Any]:
+    """A method's ``ledger`` and ``predicted_speedup`` (module docstring)."""
+    if not rs or not tokens or not base_spt or any(not r.get("ledger") for r in rs):
+        return {"ledger": None, "predicted_speedup": None}
+    measured = {k: v / tokens / base_spt for k, v in _sum_components(r["ledger"] for r in rs).items()}
+    predicted = _predicted(rs, profile)
+    ledger = {"unit": "vanilla steps per committed token", "measured": measured, "predicted": None}
+    speedup = None
+    if predicted is not None and base_pspt:
+        ledger["predicted"] = {k: v / tokens / base_pspt for k, v in predicted.items()}
+        speedup = base_pspt / (sum(predicted.values()) / tokens)
+    return {"ledger": ledger, "predicted_speedup": speedup}
+
+
+def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict[str, Any]) -> dict[str, Any] | None:
+    """Whether the run was measured under load: the baseline's measured seconds over what the
+    profile predicts for its traces (``ratio``), flagged above ``threshold``. Only a profile of
+    this machine (``here``: :func:`selfspec.models.profile.machine`) can tell; None otherwise."""
+    if profile is None or not profile.describes(here):
+        return None
+    predicted = _predicted(base, profile)
+    if not predicted:
+        return None
+    ratio = sum(r["seconds"] for r in base) / sum(predicted.values())
+    return {"ratio": ratio, "threshold": threshold, "flagged": ratio > threshold}

@@ -37,7 +37,8 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec import checks
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
-from selfspec.evaluation.aggregate import common_rows, generation_key, summarize
+from selfspec.evaluation.aggregate import common_rows, contention, generation_key, summarize
+from selfspec.models.profile import machine, model_shape
 from selfspec.locks import hold
 from selfspec.tracking import (ResultsFile, Tracker, check_writable, open_run_log, save_hydra_files, start_run,
                                to_jsonable, write_json)
@@ -146,6 +147,47 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
     checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
     checks.flag("progress", cfg.progress)
+    checks.number("contention", cfg.contention, 1.0, low_open=True,
+                  why="the baseline's measured / predicted time that flags a run as measured under load")
+    _profile_spec(cfg)
+
+
+def _profile_spec(cfg: DictConfig) -> str | None:
+    """``profile``: ``auto``, None, or the file of a named / given profile (which must exist)."""
+    spec = checks.optional(checks.text, "profile", cfg.profile)
+    if spec in (None, "auto"):
+        return spec
+    from selfspec.models.profile import resolve
+
+    try:
+        path = resolve(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"no profile file at {path}")
+    except FileNotFoundError as err:
+        raise checks.refuse("profile", spec, "auto, null, a profile file or a shipped profile's name", str(err)) from None
+    return str(path)
+
+
+def _profile(cfg: DictConfig, model):
+    """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto``
+    loads this machine's, measuring it the first time (:func:`~selfspec.models.profile.measure_profile`)."""
+    from selfspec.models.profile import Profile, default_path, measure_profile, model_shape
+
+    spec = _profile_spec(cfg)
+    if spec is None:
+        return None
+    if spec == "auto":
+        path = default_path(model, model.device)
+        if path.is_file():
+            profile = Profile.load(path)
+        else:
+            log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
+            profile = measure_profile(model)
+            profile.save(path)
+    else:
+        profile = Profile.load(spec)
+    profile.check_shape(model_shape(model), f"model {model.name}")
+    return profile
 
 
 def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
@@ -283,6 +325,8 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int, sample: int,
         # the shape of every step (decoding.base.StepTrace, defaults left out): hardware-independent
         # under greedy decoding, so a run can be re-costed later; null for the HF peers (no steps of ours)
         "trace": [t.row() for t in gen.trace] if gen.trace else None,
+        # measured seconds per cost component (selfspec.models.ledger); null for the HF peers
+        "ledger": gen.ledger or None,
     }
 
 
@@ -326,6 +370,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     from selfspec.models.loading import model_for
 
     loaded = model_for(cfg.model, loaded)
+    profile = _profile(cfg, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
@@ -361,7 +406,8 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
 
     rows = [r for r in results.rows() if str(r["id"]) in ids]
     refs = {ex.id: ex.reference for ex in examples}
-    per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs, greedy=sampling.greedy)
+    per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs, greedy=sampling.greedy,
+                           profile=profile)
     samples_files = _write_samples(out_dir, task, common_rows(rows, names, baseline))
     summary = {
         "model": loaded.name,
@@ -376,6 +422,10 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         "max_new_tokens": budget,
         "n_examples": len(examples),
         "run_info": info,
+        "model_shape": model_shape(loaded.model),
+        "profile": profile.summary() if profile is not None else None,
+        "contention": contention(common_rows(rows, names, baseline)[baseline], profile, float(cfg.contention),
+                                 machine(loaded.model.device)),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,
         "config": OmegaConf.to_container(cfg, resolve=True),

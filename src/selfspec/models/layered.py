@@ -132,6 +132,9 @@ class LayeredModel:
         self._pooled: LayerCache | None = None
         #: measured forward costs (:func:`selfspec.models.costs.model_curve`), once asked for
         self.cost_curve = None
+        #: the cost ledger the model records its work into (:class:`selfspec.models.ledger.Ledger`,
+        #: set by the decoding loop for one generation), or None
+        self.ledger = None
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -277,7 +280,12 @@ class LayeredModel:
         ``h [1, n, d]`` at the positions ``rope`` encodes, writing K/V to ``kv`` and attending under
         ``mask``; ``skip`` leaves sublayers out (Draft & Verify); ``keep`` ``{layer: out}`` copies
         the last ``len(out)`` rows of the state after each of those layers into ``out`` (early
-        exit's exit-query cache, DEL's shadow tokens). Returns the states after the last layer run."""
+        exit's exit-query cache, DEL's shadow tokens). Returns the states after the last layer run.
+        The walk is recorded in the :attr:`ledger` when there is one."""
+        if self.ledger is not None:
+            first = next(iter(layers), None)
+            context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
+            self._record_walk(h.shape[1], layers, skip, context)
         for i in layers:
             if skip is None:
                 h = self.mlp(i, self.attention(i, h, rope, kv, mask))
@@ -288,13 +296,27 @@ class LayeredModel:
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
 
+    def _record_walk(self, rows: int, layers, skip: SkipSet | None, context: int) -> None:
+        """A layer walk in the ledger: its rows, the sublayers run and the cached positions they
+        attend to."""
+        attention = mlp = len(layers)
+        if not attention:
+            return
+        if skip is not None:
+            attention -= sum(i in skip.attn for i in layers)
+            mlp -= sum(i in skip.mlp for i in layers)
+        self.ledger.layers(int(rows), attention, mlp, int(context))
+
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(self.family.norm, h, self._cpu_ops)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head (or another ``|rows|×d`` head ``weight``) on normalised states, in the
-        model's dtype."""
-        return self.linear(x, self.family.lm_head.weight if weight is None else weight)
+        model's dtype (recorded in the :attr:`ledger` when there is one)."""
+        weight = self.family.lm_head.weight if weight is None else weight
+        if self.ledger is not None:
+            self.ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]))
+        return self.linear(x, weight)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (float32 logits)."""
@@ -327,6 +349,8 @@ class LayeredModel:
         if self.steps is not None and mask is None and positions is None and keep is None:
             out = self.steps.run(self, ids, h, cache, start, layers, skip)
             if out is not None:
+                if self.ledger is not None:
+                    self._record_walk(out.shape[1], layers, skip, start)
                 return out
         if h is None:
             h = self.embed(ids)

@@ -1,0 +1,175 @@
+"""The cost ledger of one generation: what model work each step did, and where its time went.
+
+PPD §4 splits a method's speedup into a hardware-independent part, the acceptance length τ, and a
+hardware-dependent part, the forward latency ``L_fp(n)``: ``speedup(n) = τ(n) / L_fp(n)``. The
+ledger does that for every method and every part of a step:
+
+* **ops** — the model work of a step, recorded by :class:`~selfspec.models.layered.LayeredModel`
+  itself as it runs, so no method can leave any out: layer walks (rows, attention and MLP
+  sublayers run, the context they attend to), LM-head products (rows, vocabulary rows) and the
+  exit heads' own transforms (rows). Each op carries the *component* it was run for. Under
+  greedy decoding the ops depend on the algorithm only, not on the machine, so a recorded run can
+  be re-costed with another machine's profile (:mod:`selfspec.models.profile`).
+* **phase times** — the wall time of the generation split by component, from timers at phase
+  switches only (a few per step: perf_counter on a CPU, CUDA events on a GPU), so the timers cost
+  next to nothing. Time outside every labelled phase is ``host``: the loop's bookkeeping, draft
+  acceptance, cache roll-back. The components add up to the generation's measured seconds.
+
+Components (:data:`COMPONENTS`): ``prefill`` (the prompt's step), ``plain`` (a step with no
+drafts: vanilla's, or one the speculation gate made plain), ``draft`` (the drafter's own work:
+skip-set or early-exit layers, a draft head, a context lookup), ``heads`` (intermediate exit
+heads: early exit, DEL, AdaDecode), ``verify`` (the verification pass and its scoring), ``tree``
+(PPD's choice and layout of the candidate tree) and ``host`` (the rest).
+
+An op is a short list, for a compact trace: ``[component, "L", rows, attention sublayers, MLP
+sublayers, context]``, ``[component, "H", rows, vocabulary rows]`` or ``[component, "X", rows,
+in features, out features]``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["COMPONENTS", "LABELS", "Ledger", "phase"]
+
+#: the components of a step's cost, in the order charts stack them
+COMPONENTS = ("prefill", "plain", "draft", "heads", "verify", "tree", "host")
+#: what a reader calls each component
+LABELS = {"prefill": "prefill", "plain": "plain steps", "draft": "drafting", "heads": "exit heads",
+          "verify": "verification", "tree": "tree building", "host": "bookkeeping"}
+
+
+class Ledger:
+    """The ledger of one generation (module docstring). :meth:`start` at the generation's first
+    instant and :meth:`stop` at its last; the model records ops while it is its ``ledger``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        #: the component now charged (``host`` outside every phase)
+        self.current = "host"
+        #: ops of the step in progress (:meth:`take_ops` hands them to the step's trace)
+        self.ops: list[list] = []
+        #: phase switches: (component from here on, perf_counter seconds or a CUDA event)
+        self._marks: list[tuple[str, object]] = []
+        self.seconds: dict[str, float] = {}
+
+    # --- time ------------------------------------------------------------------------------
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._marks = [(self.current, self._now())]
+
+    def switch(self, component: str) -> str:
+        """Charge the time from here on to ``component``; returns the one charged until now."""
+        before = self.current
+        if component != before:
+            self.current = component
+            self._marks.append((component, self._now()))
+        return before
+
+    def stop(self) -> dict[str, float]:
+        """Close the last phase; :attr:`seconds` per component (they add up to the time from
+        :meth:`start` to here). On a GPU this waits for the device once."""
+        self._marks.append(("", self._now()))
+        if self.cuda:
+            self._marks[-1][1].synchronize()
+        seconds = dict.fromkeys(COMPONENTS, 0.0)
+        for (component, t0), (_, t1) in zip(self._marks, self._marks[1:]):
+            seconds[component] += t0.elapsed_time(t1) / 1e3 if self.cuda else t1 - t0
+        self.seconds = seconds
+        return seconds
+
+    def mark(self) -> tuple[int, int]:
+        """A point to :meth:`relabel` from (the phase open here is split here)."""
+        self._marks.append((self.current, self._now()))
+        return len(self.ops), len(self._marks) - 1
+
+    def relabel(self, since: tuple[int, int], old: str, component: str) -> None:
+        """Charge the ops and the time of ``old`` since ``since`` (a :meth:`mark`) to ``component``
+        after all (AdaDecode: a token's pass is a draft until it reaches the last layer, where it is
+        the verification pass); other components' ops and time inside stay theirs."""
+        ops, marks = since
+        for op in self.ops[ops:]:
+            if op[0] == old:
+                op[0] = component
+        for j in range(marks, len(self._marks)):
+            if self._marks[j][0] == old:
+                self._marks[j] = (component, self._marks[j][1])
+        if self.current == old:
+            self.current = component
+
+    # --- ops -------------------------------------------------------------------------------
+    def layers(self, rows: int, attention: int, mlp: int, context: int) -> None:
+        """A layer walk of ``rows`` new rows: ``attention`` and ``mlp`` sublayers run, attending to
+        ``context`` cached positions (consecutive walks of the same shape merge)."""
+        last = self.ops[-1] if self.ops else None
+        if (last is not None and last[1] == "L" and last[0] == self.current and last[2] == rows
+                and last[5] == context):
+            last[3] += attention
+            last[4] += mlp
+        else:
+            self.ops.append([self.current, "L", rows, attention, mlp, context])
+
+    def head(self, rows: int, vocab: int) -> None:
+        """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""
+        self.ops.append([self.current, "H", rows, vocab])
+
+    def linear(self, rows: int, d_in: int, d_out: int) -> None:
+        """A small head transform (an exit head's ``d × d`` map before the LM head)."""
+        self.ops.append([self.current, "X", rows, d_in, d_out])
+
+    def take_ops(self) -> list[list]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def phase(model, component: str):
+    """``with phase(model, "draft") as p: ...`` charges the time and the model's ops inside to
+    ``component``; ``p.relabel(other)`` charges what ran inside so far to ``other`` after all
+    (nothing is recorded when the model keeps no ledger)."""
+    ledger = getattr(model, "ledger", None)
+    if ledger is None:
+        return _NO_PHASE
+    return _Phase(ledger, component)
+
+
+class _Phase:
+    __slots__ = ("ledger", "component", "before", "since")
+
+    def __init__(self, ledger: Ledger, component: str) -> None:
+        self.ledger, self.component = ledger, component
+
+    def __enter__(self) -> "_Phase":
+        ledger = self.ledger
+        self.before = ledger.switch(self.component)
+        switched = self.before != self.component
+        self.since = (len(ledger.ops), len(ledger._marks) - 1) if switched else ledger.mark()
+        return self
+
+    def relabel(self, component: str) -> None:
+        self.ledger.relabel(self.since, self.component, component)
+        self.component = component
+
+    def __exit__(self, *exc) -> None:
+        self.ledger.switch(self.before)
+
+
+class _NoPhase:
+    def __enter__(self) -> "_NoPhase":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def relabel(self, component: str) -> None:
+        pass
+
+
+_NO_PHASE = _NoPhase()

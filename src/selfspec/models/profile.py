@@ -1,0 +1,417 @@
+"""A machine's cost profile for one model shape, and the prediction of a recorded run's time from it.
+
+PPD §4 writes a method's speedup as ``τ(n) / L_fp(n)``: the acceptance length ``τ`` is the
+algorithm's and the forward latency ``L_fp`` is the machine's. The ledger
+(:mod:`selfspec.models.ledger`) records every step's model work as ops; a profile holds what each
+op costs on one machine, so a run's time can be predicted from its trace alone, here or on any
+other machine with a profile of the same model shape:
+
+* ``attention[context][rows]``: one attention sublayer over ``rows`` new rows after ``context``
+  cached positions; ``mlp[rows]``: one MLP sublayer. Measured as whole passes (all layers; all
+  MLPs left out), divided by the layer count, so a pass's fixed costs (embedding, rotary tables,
+  mask) are spread over its layers;
+* ``head[vocab][rows]``: the LM-head product of ``rows`` states, full and truncated vocabularies;
+* ``linear[rows]``: an exit head's ``d × d`` transform;
+* ``tree[size]`` and ``pass[context][rows]``: whole tree passes (PPD) and whole chain passes
+  (all layers and the head on every row) at the context nearest 512, the ``L_fp(n)`` curve,
+  kept for reading and checks;
+* ``host``: the seconds of a plain step spent outside model work (the loop, sampling, the sync).
+
+A prediction charges each op to its component and ``host`` once per step. Costs between measured
+points are interpolated linearly (in rows, then in context) and extrapolated in proportion past
+the last measured row count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from selfspec.models.ledger import COMPONENTS
+
+__all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "measure_profile", "model_shape"]
+
+FORMAT = 1
+#: rows measured at every context (a chain of k + 1, a tree); prefill-sized rows at context 0
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+PREFILL_ROWS = (64, 128, 256, 512)
+CONTEXTS = (0, 128, 512, 1024)
+#: truncated vocabularies measured besides the full head, as fractions of it
+VOCAB_FRACTIONS = (1, 1 / 4, 1 / 16)
+
+
+class ProfileMismatch(ValueError):
+    """A profile of another model shape than the run's."""
+
+
+def model_shape(model) -> dict[str, Any]:
+    """What a step's cost depends on in a model: its family and sizes, dtype (a
+    :class:`~selfspec.models.layered.LayeredModel`)."""
+    cfg = model.config
+    return {
+        "model_type": str(getattr(cfg, "model_type", "")),
+        "num_layers": int(model.num_layers),
+        "hidden_size": int(model.hidden_size),
+        "intermediate_size": int(getattr(cfg, "intermediate_size", 0)),
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "num_kv_heads": int(model.num_kv_heads),
+        "head_dim": int(model.head_dim),
+        "vocab_size": int(model.vocab_size),
+        "dtype": str(model.dtype).replace("torch.", ""),
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """The machine a profile describes: device, its name, threads, and the libraries that run it."""
+    import importlib.metadata as md
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    versions = {}
+    for pkg in ("torch", "transformers"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return {"device": device.type, "hardware": gpu or cpu_name(), "threads": torch.get_num_threads(),
+            "versions": versions}
+
+
+def machine_name(info: dict[str, Any]) -> str:
+    """A short file-name-safe label of a machine: ``cpu-amd-epyc-7b13-2t`` or ``cuda-nvidia-h100...``."""
+    words = "".join(c if c.isalnum() else "-" for c in info["hardware"].lower()).split("-")
+    words = [w for w in words if w and w not in {"processor", "core", "with", "radeon", "graphics", "cpu"}]
+    tail = f"-{info['threads']}t" if info["device"] == "cpu" else ""
+    return f"{info['device']}-{'-'.join(words[:5])}{tail}"
+
+
+def _interp(points: dict[int, float], x: float) -> float:
+    """Linear between measured points; past the last, in proportion to ``x`` (a per-row cost);
+    before the first, the first."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]] * x / xs[-1] if xs[-1] > 0 else points[xs[-1]]
+    hi = next(v for v in xs if v >= x)
+    lo = max(v for v in xs if v < hi) if hi != x else hi
+    if hi == lo:
+        return points[hi]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+class Profile:
+    """A cost profile (module docstring), as stored in its JSON file."""
+
+    def __init__(self, data: dict[str, Any], path: str | None = None) -> None:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"profile {path or data.get('name')}: format {data.get('format')!r}, "
+                             f"this selfspec reads format {FORMAT}; measure it again (make profile)")
+        self.data = data
+        self.path = path
+        num = lambda table: {int(k): float(v) for k, v in table.items()}  # noqa: E731
+        self.attention = {int(c): num(row) for c, row in data["attention"].items()}
+        self.mlp = num(data["mlp"])
+        self.head_cost = {int(v): num(row) for v, row in data["head"].items()}
+        self.linear_cost = num(data["linear"])
+        self.host = float(data["host"])
+
+    # --- identity ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.data["name"]
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        return self.data["model"]["shape"]
+
+    @property
+    def machine(self) -> dict[str, Any]:
+        return self.data["machine"]
+
+    def check_shape(self, shape: dict[str, Any], what: str = "the run") -> None:
+        """Refuse a profile of another model shape, naming what differs."""
+        diff = [f"{k}: profile {self.shape.get(k)!r}, {what} {v!r}" for k, v in shape.items()
+                if self.shape.get(k) != v]
+        if diff:
+            raise ProfileMismatch(f"profile {self.name} ({self.path or 'in memory'}) is of another model shape "
+                                  f"than {what} ({'; '.join(diff)}): measure one for this model "
+                                  f"(make profile MODEL=...) or pick a profile of its shape")
+
+    def describes(self, info: dict[str, Any]) -> bool:
+        """Whether this profile was measured on the machine ``info`` (:func:`machine`) describes."""
+        mine = self.machine
+        return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads"))
+
+    def summary(self) -> dict[str, Any]:
+        """What a run records of the profile it was costed with."""
+        m = self.machine
+        return {"name": self.name, "path": self.path, "device": m["device"], "hardware": m["hardware"],
+                "threads": m.get("threads"), "measured": self.data.get("measured")}
+
+    # --- costs ---------------------------------------------------------------------------------
+    def attention_cost(self, rows: int, context: int) -> float:
+        cs = sorted(self.attention)
+        at = {c: _interp(self.attention[c], rows) for c in cs}
+        if context <= cs[0]:
+            return at[cs[0]]
+        if context >= cs[-1]:
+            if len(cs) < 2:
+                return at[cs[-1]]
+            a, b = cs[-2], cs[-1]
+            return max(at[b] + (at[b] - at[a]) * (context - b) / (b - a), at[b])
+        hi = next(c for c in cs if c >= context)
+        lo = max(c for c in cs if c < hi) if hi != context else hi
+        if hi == lo:
+            return at[hi]
+        return at[lo] + (at[hi] - at[lo]) * (context - lo) / (hi - lo)
+
+    def head(self, rows: int, vocab: int) -> float:
+        vs = sorted(self.head_cost)
+        at = {v: _interp(self.head_cost[v], rows) for v in vs}
+        return _interp(at, vocab) if vocab <= vs[-1] else at[vs[-1]] * vocab / vs[-1]
+
+    def op(self, op: list) -> float:
+        """Seconds of one ledger op (:mod:`selfspec.models.ledger`)."""
+        kind = op[1]
+        if kind == "L":
+            _, _, rows, attention, mlp, context = op
+            return attention * self.attention_cost(rows, context) + mlp * _interp(self.mlp, rows)
+        if kind == "H":
+            return self.head(op[2], op[3])
+        if kind == "X":
+            return _interp(self.linear_cost, op[2])
+        raise ValueError(f"unknown ledger op {op!r}")
+
+    def predict(self, trace: Iterable[dict[str, Any]]) -> dict[str, float]:
+        """Seconds per component (:data:`~selfspec.models.ledger.COMPONENTS`) of a generation from
+        its step trace (``StepTrace.row()`` dicts with their ``ops``): every op costed, and the
+        profile's host time once per step."""
+        out = dict.fromkeys(COMPONENTS, 0.0)
+        for step in trace:
+            ops = step.get("ops")
+            if ops is None:
+                raise ValueError("a step of the trace has no ops: the run was recorded before the cost ledger "
+                                 "(selfspec < 0.x); rerun it to predict its time")
+            for op in ops:
+                out[op[0]] += self.op(op)
+            out["host"] += self.host
+        return out
+
+    def plain_step(self, context: int = 512) -> float:
+        """Seconds of vanilla's step at ``context``: one row through every layer, the head, the host."""
+        n = self.shape["num_layers"]
+        return (n * (self.attention_cost(1, context) + _interp(self.mlp, 1))
+                + self.head(1, self.shape["vocab_size"]) + self.host)
+
+    # --- files ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path) -> "Profile":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no profile at {path}: measure one with `make profile MODEL=...` "
+                                    f"or name a shipped one ({', '.join(shipped()) or 'none shipped'})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile {path} is not valid JSON ({e}): measure it again (make profile)") from None
+        return cls(data, str(path))
+
+    def save(self, path) -> Path:
+        from selfspec.tracking.local import write_json
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, self.data)
+        self.path = str(path)
+        return path
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def shipped() -> dict[str, Path]:
+    """Profiles shipped with the package (``selfspec/profiles/*.json``), by name."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.json"))}
+
+
+def resolve(spec: str) -> Path:
+    """A profile's file from a path or a shipped profile's name."""
+    path = Path(spec).expanduser()
+    if path.suffix == ".json" or path.exists():
+        return path
+    found = shipped()
+    if spec in found:
+        return found[spec]
+    raise FileNotFoundError(f"profile {spec!r} is neither a file nor a shipped profile "
+                            f"({', '.join(found) or 'none shipped'})")
+
+
+def default_path(model, device: torch.device) -> Path:
+    """Where this machine's profile of ``model`` is kept: the asset cache, keyed by machine, model
+    and runtime (kernel, capture), and the library versions."""
+    from selfspec.assets import cache_dir
+
+    info = machine(device)
+    tag = "-".join(f"{k}{v}" for k, v in sorted(info["versions"].items()))
+    runtime = f"{model.linear_kernel}-{model.capture}-{model_shape(model)['dtype']}"
+    return cache_dir() / "profiles" / f"{machine_name(info)}__{model.name}__{runtime}__{tag}.json"
+
+
+# --- measuring -------------------------------------------------------------------------------------
+def _median_pass(model, cache, context: int, rows: int, repeats: int, **kw) -> float:
+    from selfspec.models.costs import time_forward
+
+    return time_forward(model, cache, context, rows, repeats=repeats, **kw)
+
+
+def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable[int] = PREFILL_ROWS,
+                    contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None) -> Profile:
+    """Measure this machine's profile of ``model`` (module docstring). About a minute for
+    SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
+    from selfspec.decoding import Sampling
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.models.costs import context_cache
+    from selfspec.models.layered import SkipSet
+
+    started = time.time()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    L = model.num_layers
+    no_mlp = SkipSet.of(mlp=range(L))
+    limit = model.max_context - max(max(rows), 1) - 2
+    contexts = sorted({min(int(c), limit) for c in contexts if c >= 0})
+    rows, prefill_rows = list(rows), [r for r in prefill_rows if r < model.max_context - 2]
+    pass_context = min(contexts, key=lambda c: abs(c - 512))
+    attention: dict[int, dict[int, float]] = {}
+    mlp: dict[int, list[float]] = {}
+    whole: dict[int, dict[int, float]] = {}
+    for context in contexts:
+        widths = rows + (prefill_rows if context == 0 else [])
+        cache = context_cache(model, context, max(widths))
+        attention[context] = {}
+        if context == pass_context:
+            whole[context] = {}
+        for n in widths:
+            full = _median_pass(model, cache, context, n, repeats, logits_rows=0)
+            attn = _median_pass(model, cache, context, n, repeats, logits_rows=0, skip=no_mlp)
+            attention[context][n] = attn / L
+            mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
+            if n in rows and context == pass_context:
+                whole[context][n] = _median_pass(model, cache, context, n, repeats)
+        if log:
+            log(f"context {context}: attention and MLP sublayers for {len(widths)} row counts")
+    head = _measure_heads(model, rows + prefill_rows[:1], repeats)
+    linear = _measure_linear(model, rows, repeats)
+    tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
+    data = {
+        "format": FORMAT,
+        "name": "",
+        "model": {"name": model.name, "shape": model_shape(model), "linear_kernel": model.linear_kernel,
+                  "capture": model.capture},
+        "machine": machine(model.device),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "load_average": load,
+        "seconds_to_measure": None,
+        "attention": {str(c): {str(n): t for n, t in row.items()} for c, row in attention.items()},
+        "mlp": {str(n): statistics.median(v) for n, v in mlp.items()},
+        "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()},
+        "linear": {str(n): t for n, t in linear.items()},
+        "tree": {str(n): t for n, t in tree.items()},
+        "pass": {str(c): {str(n): t for n, t in row.items()} for c, row in whole.items()},
+        "host": 0.0,
+    }
+    data["name"] = f"{machine_name(data['machine'])}__{model.name}"
+    profile = Profile(data)
+    # the host time of a plain step: vanilla's measured steps less what their ops cost
+    decoder = Vanilla(model)
+    prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
+    new = max(2, min(48, model.max_context - len(prompt) - 2))
+    decoder.generate(prompt, new, Sampling())  # warm-up
+    hosts = []
+    for _ in range(max(1, repeats // 2)):
+        g = decoder.generate(prompt, new, Sampling())
+        steps = [t.row() for t in g.trace[1:]]
+        model_time = sum(profile.op(op) for s in steps for op in s["ops"])
+        hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
+    data["host"] = profile.host = statistics.median(hosts)
+    data["seconds_to_measure"] = round(time.time() - started, 1)
+    return profile
+
+
+def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:
+    """LM-head products by rows, for the full vocabulary and truncated ones."""
+    from selfspec.models.costs import synchronizer
+
+    weight = model.lm_head_weight
+    sync = synchronizer(model.device)
+    out: dict[int, dict[int, float]] = {}
+    for fraction in VOCAB_FRACTIONS:
+        v = max(1, int(weight.shape[0] * fraction))
+        w = weight[:v].contiguous() if v < weight.shape[0] else weight
+        out[v] = {}
+        for n in rows:
+            x = torch.randn(1, n, model.hidden_size, dtype=model.dtype, device=model.device)
+            times = []
+            with torch.inference_mode():
+                for _ in range(repeats + 1):
+                    sync()
+                    t0 = time.perf_counter()
+                    model.head(x, w).float()
+                    sync()
+                    times.append(time.perf_counter() - t0)
+            out[v][n] = statistics.median(times[1:])
+    return out
+
+
+def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
+    """An exit head's ``d × d`` transform by rows."""
+    from selfspec.models.costs import synchronizer
+
+    d = model.hidden_size
+    lin = torch.nn.Linear(d, d, bias=False, dtype=model.dtype, device=model.device)
+    sync = synchronizer(model.device)
+    out = {}
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(1, n, d, dtype=model.dtype, device=model.device)
+            times = []
+            for _ in range(repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                lin(x)
+                sync()
+                times.append(time.perf_counter() - t0)
+            out[n] = statistics.median(times[1:])
+    return out
+
+
+def _measure_tree(model, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Whole tree passes (an explicit mask and positions, the head on every node) by size."""
+    from selfspec.models.costs import context_cache, time_forward
+
+    cache = context_cache(model, context, max(sizes))
+    out = {}
+    for n in sizes:
+        allowed = torch.ones(n, context + n, dtype=torch.bool, device=model.device).tril(context)
+        mask = model.prepare_mask(allowed)
+        positions = (context + torch.arange(n, device=model.device)).unsqueeze(0)
+        h = model.embed(torch.zeros(1, n, dtype=torch.long, device=model.device))
+        out[n] = time_forward(model, cache, context, h=h, mask=mask, positions=positions, repeats=repeats)
+    return out

@@ -1,0 +1,84 @@
+"""``python -m selfspec.project inputs=[run dirs] profile=<profile>`` (``make project``).
+
+Re-costs recorded evaluation runs on another machine's cost profile of the same model shape (PPD
+§4: the acceptance length is the algorithm's, the forward latency the machine's): every step's
+trace (:mod:`selfspec.models.ledger`) is costed with the profile (:mod:`selfspec.models.profile`)
+and each method's projected speedup and ledger are written into the run's ``summary.json`` under
+``projections.<profile name>`` (atomically, holding the run directory), where the report shows
+them beside the speedup measured here. A profile of another model shape is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from selfspec import checks
+from selfspec.config import conf_dir
+
+log = logging.getLogger(__name__)
+
+
+def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
+    """Project one run directory onto ``profile``; returns ``{method: {predicted_speedup, ledger}}``
+    and records it in the run's ``summary.json``."""
+    from selfspec.evaluation.aggregate import summarize
+    from selfspec.evaluation.runner import RESULTS, ROW_KEYS, SUMMARY
+    from selfspec.locks import hold
+    from selfspec.tracking import ResultsFile
+    from selfspec.tracking.local import write_json
+
+    with hold(run_dir, f"run directory {run_dir}"):
+        summary = json.loads((run_dir / SUMMARY).read_text())
+        shape = summary.get("model_shape")
+        if not shape:
+            raise ValueError(f"{run_dir / SUMMARY} records no model shape (a run from before the cost ledger): "
+                             "evaluate it again to project it")
+        profile.check_shape(shape, f"run {run_dir}")
+        names, baseline = list(summary["methods"]), summary["baseline"]
+        rows = [r for r in ResultsFile(run_dir / RESULTS, ROW_KEYS).rows() if r.get("method") in names]
+        per_method = summarize(rows, names, baseline, greedy=bool(summary.get("greedy", True)), profile=profile)
+        projected = {m: {"predicted_speedup": e["predicted_speedup"],
+                         "ledger": (e["ledger"] or {}).get("predicted")} for m, e in per_method.items()}
+        summary.setdefault("projections", {})[profile.name] = projected | {"_profile": profile.summary()}
+        write_json(run_dir / SUMMARY, summary)
+    return projected
+
+
+def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
+    """Project every run under ``cfg.inputs`` onto ``cfg.profile``; ``{run dir: projection}``."""
+    from selfspec.models.profile import Profile, resolve
+    from selfspec.reporting.records import find_runs
+
+    spec = checks.text("profile", cfg.profile, why="a profile file or a shipped profile's name")
+    profile = Profile.load(resolve(spec))
+    inputs = [str(p) for p in (cfg.inputs or [])]
+    if not inputs:
+        raise checks.refuse("inputs", cfg.inputs, "must name run directories or folders holding them")
+    runs = find_runs(inputs)
+    if not runs:
+        raise FileNotFoundError(f"no evaluation run (summary.json) under {', '.join(inputs)}")
+    out = {}
+    for run_dir in runs:
+        out[str(run_dir)] = project_run(Path(run_dir), profile)
+    return out
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="project", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    for run_dir, projected in run_projection(cfg).items():
+        log.info("%s projected on %s:", run_dir, cfg.profile)
+        for method, p in projected.items():
+            if method.startswith("_"):
+                continue
+            s = p["predicted_speedup"]
+            log.info("  %-24s %s", method, "-" if s is None else f"{s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

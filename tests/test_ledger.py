@@ -1,0 +1,210 @@
+"""The cost ledger (models/ledger.py), machine profiles (models/profile.py), the predicted speedup
+in summary.json and projections onto another machine's profile (selfspec.project)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from test_trace import _decoder
+
+from selfspec.config import compose
+from selfspec.decoding import Sampling
+from selfspec.evaluation import RESULTS, SUMMARY, evaluate, summarize
+from selfspec.evaluation.aggregate import contention
+from selfspec.models.ledger import COMPONENTS
+from selfspec.models.profile import FORMAT, Profile, ProfileMismatch, measure_profile, model_shape
+from selfspec.project import project_run
+from selfspec.tracking import ResultsFile
+
+METHODS = ["vanilla", "draft_verify", "early_exit", "early_exit_draft", "del", "ngram", "adadecode", "ppd"]
+SHAPE = {"model_type": "llama", "num_layers": 4, "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 1000, "dtype": "float32"}
+
+
+def synthetic_profile(**changes) -> Profile:
+    """A profile whose every op's price is known by hand (milliseconds): attention by rows at
+    contexts 0 and 100, MLP and the head by rows, the head at two vocabulary sizes."""
+    data = {
+        "format": FORMAT, "name": "synthetic",
+        "model": {"name": "tiny", "shape": dict(SHAPE), "linear_kernel": "skinny", "capture": "off"},
+        "machine": {"device": "cpu", "hardware": "Synthetic CPU", "threads": 2, "versions": {}},
+        "attention": {"0": {"1": 1e-3, "2": 2e-3, "4": 4e-3}, "100": {"1": 2e-3, "2": 3e-3, "4": 5e-3}},
+        "mlp": {"1": 2e-3, "2": 3e-3, "4": 5e-3},
+        "head": {"1000": {"1": 4e-3, "4": 10e-3}, "250": {"1": 1e-3, "4": 2.5e-3}},
+        "linear": {"1": 0.5e-3, "4": 1e-3},
+        "tree": {}, "pass": {}, "host": 0.25e-3,
+    }
+    data.update(changes)
+    return Profile(data)
+
+
+def test_synthetic_trace_gives_the_exact_prediction():
+    p = synthetic_profile()
+    trace = [
+        {"source": "prefill", "ops": [["prefill", "L", 4, 4, 4, 0], ["prefill", "H", 1, 1000]]},
+        {"source": "self", "ops": [["draft", "L", 1, 2, 1, 50], ["heads", "X", 1, 64, 64],
+                                   ["heads", "H", 1, 250], ["verify", "L", 2, 4, 4, 100],
+                                   ["verify", "H", 2, 1000]]},
+        {"source": "plain", "gated": True, "ops": [["plain", "L", 1, 4, 4, 200], ["plain", "H", 1, 1000]]},
+    ]
+    got = p.predict(trace)
+    ms = 1e-3
+    expected = {
+        "prefill": 4 * 4 * ms + 4 * 5 * ms + 4 * ms,
+        "draft": 2 * 1.5 * ms + 1 * 2 * ms,                       # attention at context 50: halfway
+        "heads": 0.5 * ms + 1 * ms,
+        "verify": 4 * 3 * ms + 4 * 3 * ms + 6 * ms,               # head at 2 rows: between 1 and 4 rows
+        "plain": 4 * (2 * ms + 1 * ms) + 4 * 2 * ms + 4 * ms,     # context 200: the 0 -> 100 slope continued
+        "host": 3 * 0.25 * ms,
+        "tree": 0.0,
+    }
+    assert got.keys() == set(COMPONENTS)
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, rel=1e-12), k
+
+
+def test_a_trace_without_ops_is_refused():
+    with pytest.raises(ValueError, match="no ops"):
+        synthetic_profile().predict([{"source": "plain"}])
+
+
+def test_a_profile_of_another_model_shape_is_refused_by_name(tiny):
+    p = synthetic_profile()
+    with pytest.raises(ProfileMismatch, match=r"vocab_size: profile 1000, model tiny-random 49152"):
+        p.check_shape(model_shape(tiny.model), "model tiny-random")
+    with pytest.raises(ValueError, match="format"):
+        synthetic_profile(format=FORMAT + 1)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_ledger_adds_up_to_the_measured_time(tiny, prompt_ids, name):
+    g = _decoder(name, tiny).generate(prompt_ids + prompt_ids, 24, Sampling())
+    assert set(g.ledger) == set(COMPONENTS)
+    assert sum(g.ledger.values()) == pytest.approx(g.seconds, rel=1e-9, abs=1e-9)
+    assert all(v >= 0 for v in g.ledger.values())
+    ops = [op for step in g.trace for op in step.ops]
+    assert ops and {op[0] for op in ops} <= set(COMPONENTS) - {"host"}
+    # every component that ran model work took time, and the prompt is the first step's work
+    for c in {op[0] for op in ops}:
+        assert g.ledger[c] > 0, c
+    assert g.trace[0].ops[0][:3] in (["prefill", "L", len(prompt_ids) * 2], ["draft", "L", len(prompt_ids) * 2])
+    if name == "vanilla":
+        assert {op[0] for op in ops} == {"prefill", "plain"} and g.ledger["draft"] == g.ledger["verify"] == 0
+    if name in ("early_exit", "del", "adadecode"):
+        assert any(op[0] == "heads" for op in ops)
+    if name == "ppd":
+        assert g.ledger["tree"] > 0 and any(op[0] == "verify" and op[2] > 1 for op in ops)
+
+
+def test_the_ledger_charges_each_layer_walk_its_sublayers(tiny, prompt_ids):
+    """Draft & Verify's drafts run the layers less its skip set; the verification every layer."""
+    g = _decoder("draft_verify", tiny).generate(prompt_ids, 8, Sampling())
+    layers = tiny.model.num_layers
+    for step in g.trace[1:]:
+        for op in step.ops:
+            if op[1] == "L" and op[0] == "draft":
+                assert op[2:5] == [1, layers - 1, layers - 1]  # skip_attn [1], skip_mlp [2]
+            if op[1] == "L" and op[0] == "verify":
+                assert op[2] == step.width and op[3:5] == [layers, layers]
+
+
+def test_measured_profile_of_the_tiny_model(tiny):
+    p = measure_profile(tiny.model, rows=(1, 2, 4), prefill_rows=(16,), contexts=(0, 32), repeats=1)
+    assert p.shape == model_shape(tiny.model) and p.data["machine"]["device"] == "cpu"
+    assert set(p.attention) == {0, 32} and set(p.attention[0]) == {1, 2, 4, 16}
+    assert all(t > 0 for row in p.attention.values() for t in row.values())
+    assert p.head(1, tiny.model.vocab_size) > 0 and p.host >= 0 and p.plain_step(32) > 0
+    again = Profile(json.loads(json.dumps(p.data)))
+    assert again.plain_step(32) == pytest.approx(p.plain_step(32))
+
+
+def _run(tiny, tmp_path, *extra):
+    return evaluate(compose(["model=tiny-random", "n_examples=2", "max_new_tokens=12", "warmup=1", "progress=false",
+                             "method=ngram", "compare=[hf_generate]", *extra]), tmp_path, loaded=tiny)
+
+
+def test_summary_has_the_ledger_and_the_predicted_speedup(tiny, tmp_path):
+    s = _run(tiny, tmp_path)
+    assert s["profile"]["device"] == "cpu" and s["model_shape"] == model_shape(tiny.model)
+    assert s["contention"] is not None and s["contention"]["threshold"] == 1.25
+    for name in ("vanilla", "ngram"):
+        e = s["methods"][name]
+        measured, predicted = e["ledger"]["measured"], e["ledger"]["predicted"]
+        assert sum(measured.values()) == pytest.approx(1 / e["speedup"])
+        assert sum(predicted.values()) == pytest.approx(1 / e["predicted_speedup"])
+    assert s["methods"]["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
+    assert s["methods"]["hf_generate"]["ledger"] is None and s["methods"]["hf_generate"]["predicted_speedup"] is None
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert all(r["ledger"] for r in rows if r["method"] != "hf_generate")
+
+
+def test_no_profile_leaves_the_prediction_out(tiny, tmp_path):
+    s = _run(tiny, tmp_path, "profile=null")
+    assert s["profile"] is None and s["contention"] is None
+    assert s["methods"]["ngram"]["predicted_speedup"] is None and s["methods"]["ngram"]["ledger"]["predicted"] is None
+
+
+def test_a_missing_profile_file_stops_before_the_model_loads(tmp_path):
+    from selfspec import checks
+
+    with pytest.raises(checks.ConfigError, match="profile="):
+        evaluate(compose(["model=tiny-random", f"profile={tmp_path / 'nope.json'}"]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_profile_of_another_shape_stops_the_run(tiny, tmp_path):
+    path = tmp_path / "other.json"
+    synthetic_profile().save(path)
+    with pytest.raises(ProfileMismatch, match="vocab_size"):
+        _run(tiny, tmp_path / "run", f"profile={path}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_contention_is_flagged_from_the_baselines_step_times(tiny, tmp_path):
+    s = _run(tiny, tmp_path)
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    base = [r for r in rows if r["method"] == "vanilla"]
+    profile = Profile.load(s["profile"]["path"])
+    here = profile.machine
+    quiet = contention(base, profile, 1.25, here)
+    slow = copy.deepcopy(base)
+    for r in slow:  # the same steps at 3x the time: another process took the cores
+        r["seconds"] *= 3
+    loaded = contention(slow, profile, 1.25, here)
+    assert loaded["ratio"] == pytest.approx(3 * quiet["ratio"]) and loaded["flagged"] is True
+    assert contention(base, profile, quiet["ratio"] + 0.01, here)["flagged"] is False
+    # another machine's profile cannot tell
+    assert contention(base, profile, 1.25, here | {"hardware": "Another CPU"}) is None
+
+
+def test_projection_onto_another_profile(tiny, tmp_path):
+    s = _run(tiny, tmp_path)
+    here = Profile.load(s["profile"]["path"])
+    other = copy.deepcopy(here.data)
+    other["name"], other["machine"]["hardware"] = "faster-head", "Another CPU"
+    other["head"] = {v: {n: t / 10 for n, t in row.items()} for v, row in other["head"].items()}
+    p = Profile(other)
+    projected = project_run(tmp_path, p)
+    on_disk = json.loads((tmp_path / SUMMARY).read_text())
+    assert on_disk["projections"]["faster-head"]["vanilla"]["predicted_speedup"] == pytest.approx(1.0)
+    assert projected["ngram"]["predicted_speedup"] == on_disk["projections"]["faster-head"]["ngram"]["predicted_speedup"]
+    # the same traces, costed again: on its own profile the run's prediction comes back
+    assert project_run(tmp_path, here)["ngram"]["predicted_speedup"] == pytest.approx(
+        s["methods"]["ngram"]["predicted_speedup"])
+    # and a profile of another model shape is refused, leaving the summary as it was
+    before = (tmp_path / SUMMARY).read_bytes()
+    with pytest.raises(ProfileMismatch, match="vocab_size"):
+        project_run(tmp_path, synthetic_profile())
+    assert (tmp_path / SUMMARY).read_bytes() == before
+
+
+def test_summarize_without_profile_keeps_measured_ledger():
+    rows = [{"id": "a", "method": m, "tokens": [1, 2], "new_tokens": 2, "seconds": sec, "steps": 2,
+             "ledger": {"plain": sec * 0.9, "host": sec * 0.1}, "trace": [{"source": "plain"}]}
+            for m, sec in (("vanilla", 2.0), ("x", 1.0))]
+    out = summarize(rows, ["vanilla", "x"], "vanilla")
+    assert out["x"]["speedup"] == 2.0
+    assert out["x"]["ledger"]["measured"] == pytest.approx({"plain": 0.45, "host": 0.05})
+    assert out["x"]["predicted_speedup"] is None
