@@ -1,17 +1,20 @@
 """The report side of the cost ledger (issue 23; the format: each method's ``ledger`` and
 ``predicted_speedup``, the run's ``profile``, ``contention`` and ``projections``), on synthetic
-summaries: predicted and projected speedups in the tables, runs measured under load marked in them,
-and the demo's closing sentence per method."""
+summaries: where the time goes per task, predicted and projected speedups in the tables, runs
+measured under load marked everywhere, and the demo's closing sentence per method."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from test_report import entry, write_run
+from test_report import assert_plots_explained, entry, write_run
 
 from selfspec.reporting import build_report, read_run
-from selfspec.reporting.ledger import LOADED, in_words, ledger_lines
+from selfspec.reporting.ledger import COLOUR, LOADED, in_words, ledger_lines
+from selfspec.reporting.plots import PANEL_SERIES, ledger_figure
+from selfspec.reporting.records import Record
 
 TAU = 1.21
 #: AdaDecode's measured cost of one step, in vanilla steps, per component (sum 1.68)
@@ -97,6 +100,83 @@ def test_tables_show_predicted_and_projected_speedups_beside_the_measured(ledger
     assert md.count("> **Warning:** Measured under load — m · HumanEval, greedy: vanilla's model passes took "
                     "1.61× their predicted time (threshold 1.25×)") == 1
     assert r"\textbf{Warning:} Measured under load" in (tmp_path / "report" / "tables" / "main.tex").read_text()
+
+
+def test_where_the_time_goes_chart(ledger_runs, tmp_path):
+    """One stacked bar per method with a ledger (not the HF peer), a thin hatched predicted bar where
+    the ledger predicts, the 1.0 line of vanilla, the components' fixed colours and labels."""
+    recs = [r for r in read_run(ledger_runs / "0_xsum")]
+    fig, caption = ledger_figure(recs, "Where the time goes: XSum on m")
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["Vanilla", "Draft & Verify", "AdaDecode"]
+    assert any(list(line.get_xdata()) == [1.0, 1.0] for line in ax.get_lines())  # the vanilla line
+    bars = [p for p in ax.patches]
+    measured = [p for p in bars if not p.get_hatch()]
+    predicted = [p for p in bars if p.get_hatch()]
+    # one measured bar per method (its nonzero components side by side on one row)
+    assert len({round(p.get_y(), 3) for p in measured}) == 3 and len({round(p.get_y(), 3) for p in predicted}) == 2
+    ada_row = [p for p in measured if abs(p.get_y() + p.get_height() / 2 - 1.9) < 1e-6]
+    assert sum(p.get_width() for p in ada_row) == pytest.approx(1.68 / TAU)
+    assert {p.get_facecolor()[:3] for p in ada_row} == {tuple(int(COLOUR[k][i:i + 2], 16) / 255 for i in (1, 3, 5))
+                                                        for k in PER_STEP}
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["prefill", "plain steps", "drafting", "exit heads", "verification", "bookkeeping",
+                      "predicted (thin, laptop-cpu)", "vanilla (1.0)"]
+    assert "HF" not in " ".join(legend) and "left out" in caption
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+    result = build_report([ledger_runs], tmp_path / "report", artefacts_dir=None)
+    names = {p.path.name for p in result.plots}
+    assert {"ledger_main_m_xsum.png", "ledger_main_m_humaneval.png"} <= names
+    assert all(p.path.exists() for p in result.plots)
+    assert_plots_explained(result)
+    index = result.index.read_text()
+    assert index.index("<h2 id='time'>Where the time goes, per task</h2>") < index.index("<h2 id='plots'>")
+
+
+def test_a_ledger_chart_of_many_methods_has_one_panel_per_decoder_family():
+    """~25 methods: one panel per decoder family (the speedup chart's grouping), every method once."""
+    labels = {"vanilla": None, "ngram": None, "ngram_long": "ngram", "early_exit": None, "early_exit_x": "early_exit",
+              **{f"draft_verify{s}": "draft_verify" for s in ("", "_static", "_fixed_k", "_paper", "_a", "_b")},
+              **{f"adadecode{s}": "adadecode" for s in ("", "_fixed", "_lmhead", "_mixed", "_full", "_x")},
+              **{f"del{s}": "del" for s in ("", "_heads", "_paper", "_a")},
+              **{f"ppd{s}": "ppd" for s in ("", "_ngram", "_a", "_b", "_c")}}
+    recs = [Record(table="main", model="m", task="xsum", method=m, decoder=d, metrics={"speedup": 1.0, "tau": 1.5},
+                   ledger=ledger({"verify": 0.5 + i / 50, "draft": 0.2}, {"verify": 0.5, "draft": 0.1}))
+            for i, (m, d) in enumerate(labels.items())]
+    recs.append(Record(table="main", model="m", task="xsum", method="hf_generate", metrics={"speedup": 0.9}))
+    assert len(labels) >= 25 > PANEL_SERIES
+    fig, caption = ledger_figure(recs, "Where the time goes")
+    shown = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+    # vanilla, D&V, AdaDecode, PPD, early exit, DEL, n-gram
+    assert len(fig.axes) == 7 and len(shown) == len(labels) == len(set(shown))
+    assert all(any(list(line.get_xdata()) == [1.0, 1.0] for line in ax.get_lines()) for ax in fig.axes)
+    assert "one panel per decoder family" in caption
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_runs_measured_under_load_are_marked_everywhere(ledger_runs, tmp_path):
+    result = build_report([ledger_runs], tmp_path / "report", artefacts_dir=None)
+    index = result.index.read_text()
+    warning = re.compile(r"<div class='warning' role='alert'>Measured under load — m · HumanEval, greedy: [^<]*</div>")
+    assert len(warning.findall(index)) == 3  # at the top, above the table, in HumanEval's section
+    section = index[index.index("<h3 id='time-main-m-humaneval'>"):]
+    assert warning.match(section.split("\n")[1]) and "ledger_main_m_humaneval.png" in section
+    xsum = index[index.index("<h3 id='time-main-m-xsum'>"):index.index("<h3 id='time-main-m-humaneval'>")]
+    assert "warning" not in xsum
+    by_task = {a.task: a for a in result.answers}
+    assert by_task["humaneval"].loaded and LOADED in by_task["humaneval"].verdict
+    assert not by_task["xsum"].loaded and LOADED not in by_task["xsum"].verdict
+    line = next(h for h in result.headline if "AdaDecode" in h)
+    assert f"HumanEval 0.72× {LOADED}," in line and line.endswith("XSum 0.72×")
+    charts = {p.path.name: p for p in result.plots}
+    assert "hatched bars, and the tasks marked (loaded), were measured under load" in charts["speedup_main_m.png"].caption.lower()
+    assert f"{LOADED}" in charts["ledger_main_m_humaneval.png"].caption
+    assert LOADED not in charts["ledger_main_m_xsum.png"].caption
 
 
 def test_ledger_lines_for_the_demo(ledger_runs):
