@@ -39,6 +39,9 @@ OTHER_COLOUR = "#444444"
 UNIT = "vanilla steps per committed token"
 #: the mark of a speedup measured under load (``summary["contention"]["flagged"]``)
 LOADED = "(loaded)"
+#: the line above :func:`ledger_lines` where they are printed (the demo's closing summary)
+LINES_HEADING = ("Where the time goes (cost ledgers; speedup = τ tokens per step ÷ a step's cost in vanilla "
+                 "steps, split by component):")
 
 
 def parts(part: dict[str, Any] | None) -> dict[str, float]:
