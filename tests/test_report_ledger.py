@@ -45,9 +45,12 @@ def methods() -> dict:
 
 @pytest.fixture
 def ledger_runs(tmp_path):
-    """Two task runs of the ``main`` table: XSum clean, with a profile and a projection onto a second
-    profile; HumanEval flagged by its contention check (measured under load)."""
-    root = tmp_path / "runs"
+    return write_ledger_runs(tmp_path / "runs")
+
+
+def write_ledger_runs(root):
+    """Two task runs of the ``main`` table under ``root``: XSum clean, with a profile and a projection
+    onto a second profile; HumanEval flagged by its contention check (measured under load)."""
     projected = {"gpu-h100": {"adadecode": {"predicted_speedup": 1.8, "ledger": {"verify": 0.4, "heads": 0.15}},
                               "vanilla": {"predicted_speedup": 1.0, "ledger": {"plain": 1.0}}}}
     write_run(root / "0_xsum", table="main", task="xsum", method="adadecode", methods=methods(), model="m",
