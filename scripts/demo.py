@@ -25,6 +25,9 @@ handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
 Each step prints the equivalent command line and its wall time; the last lines list every step's
 time and CPU time, and the machine's load average (``os.getloadavg``) at the start and the end:
 other work on the machine slows every step's wall time, while its CPU time stays about the same.
+Then, per task run and method with a cost ledger, its speedup in words
+(:func:`selfspec.reporting.ledger.in_words`: ``AdaDecode 0.72× = τ 1.21 / 1.68 steps (verification
+1.00, exit heads 0.31, ...)``).
 Long steps show tqdm bars with an ETA on stderr (heads data, training steps, skip-search
 evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.
 Each job runs inside its own run directory (W&B writes there).
@@ -283,6 +286,12 @@ class Demo:
             f"{k} {v:.0f}s" for k, v in self.cpu.items()) + f"; total {cpu:.0f}s")
         print(f"=== load average (1, 5, 15 min; {os.cpu_count()} CPUs): at the start {load0}, "
               f"at the end {load_average()}")
+        from selfspec.reporting.ledger import LINES_HEADING, ledger_lines
+
+        spent = ledger_lines(result.records)
+        if spent:  # per method with a cost ledger, its speedup in words
+            print(LINES_HEADING)
+            print("\n".join(f"  {line}" for line in spent))
         if self.args.logger == "wandb":
             print(f"W&B (offline) runs in group {self.group}; upload them with: "
                   f"find {self.run_dir} -type d -name 'offline-run-*' -exec wandb sync {{}} +")

@@ -1,10 +1,15 @@
 """The report as people see it: the demo's ``report/index.html`` served over HTTP on loopback and
 opened in headless Chromium (Debian's ``chromium`` and ``chromium-driver``: ``make browser``),
 driven by Selenium. Every image loads, every table renders, every local link resolves, the
-console stays clean; a full-page screenshot is kept under ``outputs/browser/``."""
+console stays clean; a full-page screenshot is kept under ``outputs/browser/``. No figure is cut:
+nothing drawn reaches a PNG's edge (a legend, title or axis label written past the figure's edge
+would), no image is stretched past its natural size or its box, no text block overflows, the page
+does not scroll sideways. A report of synthetic cost ledgers shows where the time goes per task and
+its warning for a run measured under load."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -44,16 +49,25 @@ class _Logged(SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def served(demo_run):
-    """``(base URL, [(path, status), ...])`` of the demo's report directory on 127.0.0.1."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Logged, directory=str(demo_run.run_dir / "report")))
+@contextlib.contextmanager
+def serve(directory: Path):
+    """``(base URL, [(path, status), ...])`` of ``directory`` served on 127.0.0.1 while open."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Logged, directory=str(directory)))
     server.requests = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/", server.requests
-    server.shutdown()
-    thread.join()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", server.requests
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@pytest.fixture(scope="module")
+def served(demo_run):
+    """``(base URL, [(path, status), ...])`` of the demo's report directory on 127.0.0.1."""
+    with serve(demo_run.run_dir / "report") as base_requests:
+        yield base_requests
 
 
 @pytest.fixture(scope="session")  # session, as demo_run: set up first, so a skip costs no demo run
@@ -96,6 +110,71 @@ def _page_state(chrome) -> dict:
           height: document.documentElement.scrollHeight};""")
 
 
+#: pixels at a PNG's edge that must hold nothing drawn; the writer pads what is drawn by 0.05 inch
+#: (5 pixels at its 110 dpi), so a figure cut at its edge shows ink here and a whole one does not
+EDGE = 2
+#: a channel below this is ink, not the white background (anti-aliased text included)
+INK = 235
+
+
+def _figure_state(chrome) -> list[dict]:
+    """Per ``<img>`` of a ``<figure>``: its natural and shown size, its box and its figure's content
+    box, and how many pixels in the :data:`EDGE`-pixel band round the PNG are ink."""
+    return chrome.execute_script("""
+        const [EDGE, INK] = arguments;
+        return [...document.querySelectorAll('figure img')].map(img => {
+          const fig = img.closest('figure'), box = img.getBoundingClientRect(), f = fig.getBoundingClientRect();
+          const style = getComputedStyle(fig), pad = p => parseFloat(style[p]) || 0;
+          const w = img.naturalWidth, h = img.naturalHeight;
+          const canvas = document.createElement('canvas');
+          canvas.width = w; canvas.height = h;
+          const ctx = canvas.getContext('2d');
+          ctx.drawImage(img, 0, 0);
+          const data = ctx.getImageData(0, 0, w, h).data;
+          const ink = {top: 0, bottom: 0, left: 0, right: 0};
+          for (let y = 0; y < h; y++) for (let x = 0; x < w; x++) {
+            if (x >= EDGE && x < w - EDGE && y >= EDGE && y < h - EDGE) { x = w - EDGE - 1; continue; }
+            const i = 4 * (y * w + x);
+            if (Math.min(data[i], data[i + 1], data[i + 2]) < INK && data[i + 3] > 0) {
+              if (y < EDGE) ink.top++; else if (y >= h - EDGE) ink.bottom++;
+              else if (x < EDGE) ink.left++; else ink.right++;
+            }
+          }
+          return {src: img.getAttribute('src'), natural: w, shown: box.width, left: box.left, right: box.right,
+                  inner_left: f.left + pad('borderLeftWidth') + pad('paddingLeft'),
+                  inner_right: f.right - pad('borderRightWidth') - pad('paddingRight'), ink};
+        });""", EDGE, INK)
+
+
+def _cut_text(chrome) -> list[str]:
+    """Text blocks whose content is wider than their box (cut or spilling over)."""
+    return chrome.execute_script("""
+        return [...document.querySelectorAll('h1,h2,h3,p,li,figcaption,.warning')]
+          .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.tagName + ': ' + e.innerText.slice(0, 60));""")
+
+
+def assert_figures_whole(chrome) -> None:
+    """Nothing of any figure is cut, stretched or spilling, and no text block overflows its box."""
+    figures = _figure_state(chrome)
+    assert figures, "no figure on the page"
+    for f in figures:
+        assert not any(f["ink"].values()), f"{f['src']}: something drawn is cut at the image's edge: {f['ink']}"
+        assert f["shown"] <= f["natural"] + 0.5, f"{f['src']}: stretched past its natural size: {f}"
+        assert f["inner_left"] - 0.5 <= f["left"] and f["right"] <= f["inner_right"] + 0.5, \
+            f"{f['src']}: wider than its figure's box: {f}"
+    assert not _cut_text(chrome), f"text wider than its box: {_cut_text(chrome)}"
+    width, viewport = chrome.execute_script(
+        "return [document.documentElement.scrollWidth, window.innerWidth];")
+    assert width <= viewport, "the page scrolls sideways"
+
+
+def _open(chrome, url: str) -> None:
+    """Load ``url`` and wait until every image is decoded."""
+    chrome.get(url)
+    chrome.execute_async_script("""const done = arguments[arguments.length - 1];
+        Promise.all([...document.images].map(i => i.decode().catch(() => null))).then(() => done());""")
+
+
 def _screenshot(chrome, height: int) -> Path:
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     chrome.set_window_size(1280, height + 120)
@@ -105,9 +184,7 @@ def _screenshot(chrome, height: int) -> Path:
 
 def test_report_in_a_browser(browser, served, capsys):
     base, requests = served
-    browser.get(urljoin(base, "index.html"))
-    browser.execute_async_script("""const done = arguments[arguments.length - 1];
-        Promise.all([...document.images].map(i => i.decode().catch(() => null))).then(() => done());""")
+    _open(browser, urljoin(base, "index.html"))
     page = _page_state(browser)
 
     # the answer first, then the tables, then the plots
@@ -122,6 +199,7 @@ def test_report_in_a_browser(browser, served, capsys):
     for table in page["tables"]:
         assert table["rows"] >= 2 and table["cells"] >= 2 and table["height"] > 0 and table["text"] > 0, table
     assert page["width"] <= page["viewport"], "the page scrolls sideways (wide tables must scroll in their box)"
+    assert_figures_whole(browser)
 
     # every local link resolves: in-page anchors name an element, files are served
     for href in page["links"]:
@@ -140,3 +218,31 @@ def test_report_in_a_browser(browser, served, capsys):
     assert shot.read_bytes()[:4] == b"\x89PNG"
     with capsys.disabled():
         print(f"\nreport screenshot: {shot}")
+
+
+def test_where_the_time_goes_in_a_browser(browser, tmp_path):
+    """Synthetic cost ledgers (tests/test_report_ledger.py): each task's section shows its chart
+    whole; the run measured under load has its warning in view, in its own section and no other."""
+    from test_report_ledger import write_ledger_runs
+
+    from selfspec.reporting import build_report
+
+    result = build_report([write_ledger_runs(tmp_path / "runs")], tmp_path / "report", artefacts_dir=None)
+    with serve(result.out_dir) as (base, requests):
+        _open(browser, urljoin(base, "index.html"))
+        assert_figures_whole(browser)
+        state = browser.execute_script("""
+            const shown = e => e.getBoundingClientRect().height > 0 && getComputedStyle(e).display !== 'none';
+            const section = id => { const out = []; let e = document.getElementById(id).nextElementSibling;
+              while (e && e.tagName !== 'H3' && e.tagName !== 'H2') { out.push(e); e = e.nextElementSibling; }
+              return out; };
+            const describe = els => ({warnings: els.filter(e => e.matches('.warning') && shown(e)).map(e => e.innerText),
+                                      images: els.flatMap(e => [...e.querySelectorAll('img')]).map(i => i.getAttribute('src'))});
+            return {xsum: describe(section('time-main-m-xsum')), humaneval: describe(section('time-main-m-humaneval')),
+                    top: shown(document.querySelector('h1 + .warning'))};""")
+    assert state["top"]
+    assert state["xsum"] == {"warnings": [], "images": ["plots/ledger_main_m_xsum.png"]}
+    assert state["humaneval"]["images"] == ["plots/ledger_main_m_humaneval.png"]
+    (warning,) = state["humaneval"]["warnings"]
+    assert warning.startswith("Measured under load — m · HumanEval, greedy") and "(loaded)" in warning
+    assert not [(path, status) for path, status in requests if status >= 400]

@@ -32,6 +32,16 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
     assert any(line.startswith(f"Report: {report_dir / 'index.html'}") for line in printed)
     head = printed.index("Headline speedups (vs vanilla, same examples):")
     assert all(line.startswith("  tiny-random · ") for line in printed[head + 1:]) and printed[head + 1:]
+    # before them, per run and method with a cost ledger, its speedup in words (none without ledgers)
+    from selfspec.reporting.ledger import LINES_HEADING, ledger_lines
+    from selfspec.reporting.records import collect, latest_only
+
+    spent = ledger_lines(latest_only(collect([run_dir / "eval"])))
+    if spent:
+        at = printed.index(LINES_HEADING) + 1
+        assert printed[at:at + len(spent)] == [f"  {line}" for line in spent]
+    else:
+        assert LINES_HEADING not in printed
     table = (report_dir / "tables" / "main.md").read_text()
     vanilla = summary["methods"]["vanilla"]
     assert f"| Vanilla, greedy | {vanilla['tokens_per_s']:.2f} (1.00×) |" in table

@@ -35,16 +35,17 @@ def entry(tps: float, speedup: float, tau: float = 1.0, ar=None, consistency=1.0
 
 
 def write_run(path: Path, *, table: str | None, task: str, method: str, methods: dict, model="smollm2-135m",
-              method_cfg: dict | None = None, temperature=0.0, artefacts=None) -> Path:
+              method_cfg: dict | None = None, temperature=0.0, artefacts=None, extra: dict | None = None) -> Path:
     """A summary-only run directory with chosen figures (label = decoder name; no variants): for the
-    tables' formatting. Label identity is tested on real runner output (``real_runs``)."""
+    tables' formatting. Label identity is tested on real runner output (``real_runs``). ``extra``:
+    more top-level summary fields (``contention``, ``profile``, ``projections``)."""
     path.mkdir(parents=True)
     cfg = {"model": {"name": model}, "task": {"name": task}, "method": {"name": method, **(method_cfg or {})},
            "baseline": "vanilla", "sampling": {"temperature": temperature}}
     if table:
         cfg["report"] = {"table": table}
     summary = {"model": model, "task": task, "method": method, "baseline": "vanilla", "methods": methods,
-               "run_info": RUN_INFO, "artefacts": artefacts or {}, "config": cfg}
+               "run_info": RUN_INFO, "artefacts": artefacts or {}, "config": cfg, **(extra or {})}
     (path / "summary.json").write_text(json.dumps(summary))
     return path
 

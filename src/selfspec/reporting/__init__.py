@@ -6,7 +6,8 @@ when a W&B key is configured, W&B runs; groups the records by the ``report.table
 experiment preset set (``conf/experiment/``); and writes ``outputs/report/``:
 
     tables/<table>.md, tables/<table>.tex   one per paper table (layouts.py), rows with sources
-    plots/*.png                              speedup, γ, exit layers, BO trace, heads, tree latency
+    plots/*.png                              speedup, γ, exit layers, BO trace, heads, tree latency,
+                                             where the time goes per task (the cost ledgers)
     index.html, report.md                    the answer per task first, then every table and plot
 
 Modules: :mod:`~selfspec.reporting.records` (reading runs), :mod:`~selfspec.reporting.layouts`
@@ -14,6 +15,7 @@ Modules: :mod:`~selfspec.reporting.records` (reading runs), :mod:`~selfspec.repo
 ``paper_figures.yaml``), :mod:`~selfspec.reporting.tables`, :mod:`~selfspec.reporting.plots`,
 :mod:`~selfspec.reporting.figure` (a PNG with its caption and axis labels),
 :mod:`~selfspec.reporting.answer` (per task, the fastest lossless method),
+:mod:`~selfspec.reporting.ledger` (the cost ledger's components, its sentence, runs measured under load),
 :mod:`~selfspec.reporting.artefact_figures`, :mod:`~selfspec.reporting.html`,
 :mod:`~selfspec.reporting.wandb_source`, :mod:`~selfspec.reporting.dashboard` (the W&B panel
 layout) and :mod:`~selfspec.reporting.build` (all of it).

@@ -17,7 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from selfspec.reporting.layouts import TASK_SCORE, TASK_TITLE
+from selfspec.reporting.layouts import TASK_SCORE, TASK_TITLE, task_order
+from selfspec.reporting.ledger import LOADED
 from selfspec.reporting.records import Record
 from selfspec.reporting.tables import method_variant_title
 
@@ -43,6 +44,8 @@ class Answer:
     #: how many methods were compared (the baseline not counted)
     compared: int
     source: str
+    #: the winner's run was measured under load (its contention check flagged it)
+    loaded: bool = False
 
     @property
     def task_title(self) -> str:
@@ -50,10 +53,12 @@ class Answer:
 
     @property
     def verdict(self) -> str:
-        """``1.52× faster than vanilla`` or ``none faster than vanilla (best 0.95×)``."""
+        """``1.52× faster than vanilla`` or ``none faster than vanilla (best 0.95×)``; ``(loaded)`` after
+        a speedup measured under load."""
+        mark = f" {LOADED}" if self.loaded else ""
         if self.speedup > 1.0:
-            return f"{self.speedup:.2f}× faster than vanilla"
-        return f"none faster than vanilla (best {self.speedup:.2f}×)"
+            return f"{self.speedup:.2f}×{mark} faster than vanilla"
+        return f"none faster than vanilla (best {self.speedup:.2f}×{mark})"
 
 
 def _is_baseline(r: Record) -> bool:
@@ -63,11 +68,6 @@ def _is_baseline(r: Record) -> bool:
 def _candidate(r: Record) -> bool:
     return (r.origin != "paper" and not _is_baseline(r) and isinstance(r.metric("speedup"), (int, float))
             and r.metric("lossless") is not False)
-
-
-def _task_order(task: str | None) -> tuple[int, str]:
-    order = list(TASK_TITLE)
-    return (order.index(task) if task in order else len(order), str(task))
 
 
 def answers(records: Iterable[Record]) -> list[Answer]:
@@ -93,8 +93,8 @@ def answers(records: Iterable[Record]) -> list[Answer]:
             consistency=None if best.sampling else best.metric("consistency"), score_name=title,
             score=best.metric(key) if key else None,
             baseline_score=base.metric(key) if base and key else None,
-            compared=len({r.method for r in candidates}), source=str(source)))
-    return sorted(out, key=lambda a: (str(a.model), _task_order(a.task), a.decoding != "greedy", a.decoding))
+            compared=len({r.method for r in candidates}), source=str(source), loaded=best.loaded))
+    return sorted(out, key=lambda a: (str(a.model), task_order(a.task), str(a.task), a.decoding != "greedy", a.decoding))
 
 
 def _fmt(value: Any, fmt: str) -> str:

@@ -10,13 +10,19 @@ sets it; plain runs fall in the ``runs`` table). Output layout::
 
     out_dir/tables/<table>.md, <table>.tex
     out_dir/plots/speedup_<table>_<model>.png, gamma.png, exit_layers.png, bo_trace.png, ...
+    out_dir/plots/ledger_<table>_<model>_<task>.png   where the time goes, per task (cost ledgers)
     out_dir/index.html, report.md (the answer per task, then all tables)
+
+A run whose contention check flagged it (``summary["contention"]["flagged"]``) was measured under
+load: its speedups carry ``(loaded)`` in every table, answer, headline and chart, and the page warns
+at the top, above its table and in its task's section.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +33,13 @@ from selfspec.reporting import plots
 from selfspec.reporting.answer import Answer, answers
 from selfspec.reporting.answer import to_markdown as to_answer_markdown
 from selfspec.reporting.figure import Plot
-from selfspec.reporting.html import write_index
-from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout
+from selfspec.reporting.html import TaskSection, write_index
+from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout, task_order
+from selfspec.reporting.ledger import LOADED
 from selfspec.reporting.paper import paper_records
 from selfspec.reporting.records import Record, collect, find_runs, latest_only
-from selfspec.reporting.tables import Table, build_table, method_rank, method_title, to_latex, to_markdown
+from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title, to_latex,
+                                       to_markdown)
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +52,10 @@ class ReportResult:
     index: Path | None
     tables: dict[str, Table] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
-    #: the PNGs with their captions and axis labels
+    #: the PNGs with their captions and axis labels (the per-task ledger charts included)
     plots: list[Plot] = field(default_factory=list)
+    #: per (table, model, task) with a cost ledger or measured under load: its chart and warnings
+    sections: list[TaskSection] = field(default_factory=list)
     headline: list[str] = field(default_factory=list)
     #: per (model, task, decoding): the fastest lossless method (what the page leads with)
     answers: list[Answer] = field(default_factory=list)
@@ -74,10 +84,11 @@ def headline(tables: dict[str, list[Record]]) -> list[str]:
                 name += f" [{r.variant}]"
             if r.field("temperature") != "greedy":
                 name += f" ({r.field('temperature')})"
-            per[(r.model, method_rank(r), name)][r.task] = r.metric(metric)
+            per[(r.model, method_rank(r), name)][r.task] = (r.metric(metric), r.loaded)
         for (model, _, name), by_task in sorted(per.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
             unit = "×" if metric == "speedup" else ""
-            cells = ", ".join(f"{TASK_TITLE.get(t, t)} {v:.2f}{unit}" for t, v in sorted(by_task.items(), key=lambda kv: str(kv[0])))
+            cells = ", ".join(f"{TASK_TITLE.get(t, t)} {v:.2f}{unit}" + (f" {LOADED}" if loaded else "")
+                              for t, (v, loaded) in sorted(by_task.items(), key=lambda kv: str(kv[0])))
             lines.append(f"{table_id} · {model} · {name}: {cells}")
     return lines
 
@@ -144,6 +155,7 @@ def build_report(
                                            encoding="utf-8")
         result.files.append(out_dir / "report.md")
 
+    result.sections = task_sections(by_table, out_dir / "plots" if make_plots else None)
     if make_plots:
         result.plots = _plots(by_table, records, out_dir / "plots", artefacts_dir)
     from selfspec.reporting.dashboard import write_markdown
@@ -151,8 +163,29 @@ def build_report(
     result.files.append(write_markdown(out_dir / "dashboard.md"))  # the W&B panel layout
     result.headline = headline(by_table)
     result.index = write_index(out_dir, rendered, result.plots, result.answers,
-                               {"n_runs": len(runs), "inputs": inputs}, runtime_reports(inputs))
+                               {"n_runs": len(runs), "inputs": inputs}, runtime_reports(inputs), result.sections,
+                               loaded_warnings([r for recs in by_table.values() for r in recs]))
+    result.plots += [s.plot for s in result.sections if s.plot is not None]
     return result
+
+
+def task_sections(by_table: dict[str, list[Record]], plot_dir: Path | None) -> list[TaskSection]:
+    """"Where the time goes", per (table, model, task) whose records hold a cost ledger or were
+    measured under load: the ledger chart (``plot_dir``: None, no charts) and the runs' warnings."""
+    out = []
+    for table_id, recs in by_table.items():
+        for model in sorted({str(r.model) for r in recs}):
+            mine = [r for r in recs if str(r.model) == model]
+            for task in sorted({r.task for r in mine}, key=task_order):
+                here = [r for r in mine if r.task == task]
+                if not any(r.ledger or r.loaded for r in here):
+                    continue
+                title = f"{TASK_TITLE.get(task, task)} on {model}" + (f" ({table_id})" if len(by_table) > 1 else "")
+                plot = plots.ledger_plot(here, plot_dir / f"ledger_{table_id}_{model}_{task}.png",
+                                         f"Where the time goes: {title}") if plot_dir is not None else None
+                anchor = re.sub(r"[^\w.-]+", "-", f"time-{table_id}-{model}-{task}")
+                out.append(TaskSection(title, anchor, loaded_warnings(here), plot))
+    return out
 
 
 def runtime_reports(inputs: Iterable[Path]) -> list[dict[str, Any]]:

@@ -2,8 +2,10 @@
 
 The page leads with the answer (per task, the fastest lossless method, its speedup, consistency
 and quality: :mod:`~selfspec.reporting.answer`), then the paper-layout tables, rendered from the
-same :class:`~selfspec.reporting.tables.Table` objects as the Markdown and LaTeX files, then the
-runtime benchmarks and the plots, each a ``<figure>`` with a caption saying what to see in it.
+same :class:`~selfspec.reporting.tables.Table` objects as the Markdown and LaTeX files, then where
+the time goes per task (the cost ledgers: :class:`TaskSection`), the runtime benchmarks and the
+plots, each a ``<figure>`` with a caption saying what to see in it. Runs measured under load are
+warned about at the top, above their table and in their task's section (``<div class='warning'>``).
 Files are linked relative to the page, so the report directory can be copied or served as it is.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import html
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,9 @@ td:first-child,th:first-child{text-align:left}td.src{white-space:nowrap}
 tr.block td{background:#fafafa;font-style:italic;text-align:left}
 .notes{font-size:.8em;color:#555}.scroll{overflow-x:auto}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:1em}
-figure{margin:0;border:1px solid #eee;padding:.4em}figure img{width:100%;height:auto}figure.wide{grid-column:1/-1}
+figure{margin:0;border:1px solid #eee;padding:.4em}figure img{display:block;max-width:100%;height:auto}
+figure.wide{grid-column:1/-1}
+.warning{background:#fff4e5;border:1px solid #e8a33d;border-left:6px solid #d9822b;padding:.4em 1em;margin:.6em 0}
 figcaption{font-size:.8em;color:#444;margin-top:.3em}
 .answer{background:#f6fbff;border:1px solid #cde;padding:.3em 1em .6em}.answer td,.answer th{text-align:left}
 .answer td:nth-child(5){font-weight:bold}
@@ -36,6 +41,31 @@ code{background:#f4f4f4;padding:0 .2em}
 
 #: a plot wider than this (width ÷ height) takes a whole row of the plot grid
 WIDE = 2.0
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    """Where the time goes for one (table, model, task): its heading, its anchor on the page, the
+    warnings of its runs measured under load, and its cost-ledger chart (None: no chart)."""
+
+    title: str
+    anchor: str
+    warnings: list[str]
+    plot: Plot | None
+
+
+def warnings_html(warnings: list[str]) -> str:
+    """A warning box per run measured under load (empty when there is none)."""
+    return "".join(f"<div class='warning' role='alert'>{html.escape(w)}</div>" for w in warnings)
+
+
+def section_html(section: TaskSection, out_dir: Path) -> str:
+    """One task's heading, its warnings, then its ledger chart across the page."""
+    parts = [f"<h3 id='{html.escape(section.anchor)}'>{html.escape(section.title)}</h3>",
+             warnings_html(section.warnings)]
+    if section.plot is not None:
+        parts.append(figure_html(section.plot, out_dir))
+    return "\n".join(parts)
 
 
 #: a table with more cell columns than this is shown as one table per column group (task): the
@@ -144,12 +174,14 @@ def figure_html(plot: Plot, out_dir: Path) -> str:
 
 
 def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots: list[Plot],
-                answers: list[ans.Answer], info: dict[str, Any], runtime: list[dict[str, Any]] = ()) -> Path:
-    """``out_dir/index.html``: the answer, each table (links to its .md/.tex), runtime, the plots."""
+                answers: list[ans.Answer], info: dict[str, Any], runtime: list[dict[str, Any]] = (),
+                sections: list[TaskSection] = (), warnings: list[str] = ()) -> Path:
+    """``out_dir/index.html``: the warnings (runs measured under load), the answer, each table (links
+    to its .md/.tex), where the time goes per task, runtime, the plots."""
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>selfspec report</title>"
              f"<link rel='icon' href='data:,'><style>{_STYLE}</style></head><body>",
-             "<h1>selfspec report</h1>",
+             "<h1>selfspec report</h1>", warnings_html(list(warnings)),
              f"<p class='notes'>Generated {e(time.strftime('%Y-%m-%d %H:%M:%S'))} by <code>python -m "
              f"selfspec.report</code> from {e(str(info.get('n_runs', 0)))} run directories "
              f"({e(', '.join(map(str, info.get('inputs', []))))}).</p>",
@@ -162,7 +194,14 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
         parts.append(f"<h2 id='{e(table.layout.id)}'>{e(table.layout.title)}</h2>")
         if table.layout.paper:
             parts.append(f"<p class='notes'>Layout of {e(table.layout.paper)}. {links}</p>")
+        parts.append(warnings_html(table.warnings))
         parts.append(f"<div class='scroll'>{table_html(table)}</div>")
+    if sections:
+        parts.append("<h2 id='time'>Where the time goes, per task</h2><p class='notes'>Each method's cost "
+                     "per committed token in vanilla steps, from its cost ledger: measured in the run, and "
+                     "predicted from the step trace with a machine profile. The transformers peers have no "
+                     "ledger.</p>")
+        parts.extend(section_html(s, out_dir) for s in sections)
     if runtime:
         parts.append("<h2 id='runtime'>The runtime on this machine</h2>")
         parts.extend(f"<div class='scroll'>{runtime_html(r)}</div>" for r in runtime)

@@ -4,7 +4,11 @@ A layout says which record fields make a row (method, variant, temperature), whi
 the column groups (the task, in the paper's order) and which cells each group shows. Cells:
 
 ``tps_speedup``      tokens/s with the speedup in parentheses: ``38.09 (1.14×)`` (AdaDecode Table 1)
-``speedup``          ``1.57×`` (speedup = vanilla s/token ÷ method s/token, same examples)
+``speedup``          ``1.57×`` (speedup = vanilla s/token ÷ method s/token, same examples); a run
+                     measured under load (its contention check flagged it) shows ``1.57× (loaded)``
+``predicted_speedup``  the speedup the cost ledger predicts from the step trace and a machine profile;
+                     added after the speedup cell wherever a record has one, with ``projected on
+                     <profile>`` cells for the projections a summary holds (``tables.group_kinds``)
 ``ms_per_token``     latency per token in ms (Draft & Verify Tables 1–2)
 ``tau``              mean tokens committed per step, bonus token included (vanilla = 1.00)
 ``acceptance_rate``  accepted drafts / drafted tokens (Draft & Verify Tables 3–4 "AR")
@@ -99,9 +103,15 @@ TASK_TITLE = {
     "mtbench": "MT-Bench", "alpaca": "Alpaca",
 }
 
+def task_order(task: str | None) -> int:
+    """A task's place in the papers' order (:data:`TASK_TITLE`); unknown tasks last."""
+    return list(TASK_TITLE).index(task) if task in TASK_TITLE else len(TASK_TITLE)
+
+
 CELL_TITLE = {
     "tps_speedup": "tok/s (speedup)",
     "speedup": "Speedup",
+    "predicted_speedup": "Predicted speedup",
     "ms_per_token": "ms/token",
     "tau": "τ",
     "acceptance_rate": "AR",

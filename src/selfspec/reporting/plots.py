@@ -1,6 +1,8 @@
 """PNG plots of records and training artefacts (matplotlib, Agg backend; no display needed).
 
 ``speedup``        speedup per method, grouped by task (one figure per table and model)
+``ledger``         where the time goes: per method, its cost ledger in vanilla steps per committed token,
+                   measured beside predicted (one figure per table, model and task)
 ``gamma``          acceptance rate (and speedup) against the confidence threshold γ: AdaDecode's
                    ``method.threshold``, the static ``method.draft_stop.threshold`` of Draft & Verify,
                    early exit and DEL (AdaDecode §4 robustness to γ; D&V Table 4)
@@ -26,9 +28,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from selfspec.reporting.figure import Plot, legend_columns, save_figure  # noqa: E402
-from selfspec.reporting.layouts import TASK_TITLE  # noqa: E402
+from selfspec.reporting import ledger  # noqa: E402
+from selfspec.reporting.layouts import TASK_TITLE, task_order  # noqa: E402
+from selfspec.reporting.ledger import LOADED  # noqa: E402
 from selfspec.reporting.records import Record  # noqa: E402
 from selfspec.reporting.tables import method_rank, method_title, setting_title  # noqa: E402
 
@@ -46,6 +52,8 @@ BO_OBJECTIVES = {
 }
 
 
+#: the hatch of a bar measured under load
+_LOADED_HATCH = "//"
 #: most bars per task in one panel of the speedup chart; past it, one panel per decoder family
 PANEL_SERIES = 8
 #: columns of panels when the chart is split
@@ -59,23 +67,36 @@ def _family(r: Record) -> str:
     return "vanilla and peers" if decoder == "vanilla" or decoder.startswith("hf_") else decoder
 
 
+def settings(recs: list[Record]) -> list[str]:
+    """The series of a chart of ``recs``: each setting's title in the tables' row order (a sampling
+    record is its own series, ``AdaDecode, T=0.2``, beside the same method's greedy one)."""
+    return sorted({setting_title(r) for r in recs},
+                  key=lambda lab: method_rank(next(r for r in recs if setting_title(r) == lab)) + (lab,))
+
+
+def family_panels(recs: list[Record], series: list[str], title: str) -> list[tuple[str, list[str]]]:
+    """``[(panel title, series), ...]``: one panel titled ``title`` holding every series, or, past
+    :data:`PANEL_SERIES` series, one panel per decoder family (:func:`_family`) in series order."""
+    if len(series) <= PANEL_SERIES:
+        return [(title, series)]
+    family = {setting_title(r): _family(r) for r in recs}
+    return [(f, [m for m in series if family[m] == f]) for f in dict.fromkeys(family[m] for m in series)]
+
+
 def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
     """Grouped bars: one group per task, one bar per method (the baseline's 1.0 as a line). With
     more than :data:`PANEL_SERIES` methods, one panel per decoder family, so each panel holds a
-    handful of series (the demo's ~25 made one unreadable legend)."""
+    handful of series (the demo's ~25 made one unreadable legend). A bar measured under load (its
+    run's contention check flagged it) is hatched, its number and its task say ``(loaded)``."""
     recs = [r for r in records if isinstance(r.metric("speedup"), (int, float))]
     if not recs:
         return None
-    tasks = sorted({r.task for r in recs}, key=lambda t: list(TASK_TITLE).index(t) if t in TASK_TITLE else 99)
-    # a sampling record is its own bar (``AdaDecode, T=0.2``), beside the same method's greedy one
-    methods = sorted({setting_title(r) for r in recs},
-                     key=lambda lab: method_rank(next(r for r in recs if setting_title(r) == lab)) + (lab,))
+    tasks = sorted({r.task for r in recs}, key=task_order)
+    methods = settings(recs)
     value = {(r.task, setting_title(r)): r.metric("speedup") for r in recs}
-    if len(methods) <= PANEL_SERIES:
-        panels = [(title, methods)]
-    else:
-        family = {setting_title(r): _family(r) for r in recs}
-        panels = [(f, [m for m in methods if family[m] == f]) for f in dict.fromkeys(family[m] for m in methods)]
+    loaded = {(r.task, setting_title(r)) for r in recs if r.loaded}
+    loaded_tasks = {t for t, _ in loaded}
+    panels = family_panels(recs, methods, title)
     ncols = min(len(panels), PANEL_COLUMNS)
     nrows = -(-len(panels) // ncols)
     most = max(len(ms) for _, ms in panels)
@@ -86,17 +107,25 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
         for j, m in enumerate(ms):
             xs = [i + (j - (len(ms) - 1) / 2) * width for i in range(len(tasks))]
             ys = [value.get((t, m), 0.0) for t in tasks]
-            ax.bar(xs, ys, width, label=m)
-            for x, y in zip(xs, ys):
+            bars = ax.bar(xs, ys, width, label=m)
+            for x, y, t, bar in zip(xs, ys, tasks, bars):
+                if (t, m) in loaded:
+                    bar.set_hatch(_LOADED_HATCH)
                 if y:
                     ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(range(len(tasks)), [TASK_TITLE.get(t, t) for t in tasks])
+        ax.set_xticks(range(len(tasks)), [TASK_TITLE.get(t, t) + (f"\n{LOADED}" if t in loaded_tasks else "")
+                                          for t in tasks])
         ax.set_xlabel("task")
         ax.set_ylabel(SPEEDUP_LABEL)
         ax.set_title(name, fontsize=10)
+        handles = ax.get_legend_handles_labels()[0]
+        if any(m in ms for _, m in loaded):
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch=_LOADED_HATCH,
+                                 label=f"measured under load {LOADED}"))
         # beside the bars, never over them; in columns when many series would make it taller than the axes
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncol=legend_columns(len(ms)))
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  ncol=legend_columns(len(handles)))
     for ax in axes.flat[len(panels):]:
         ax.remove()
     if len(panels) > 1:
@@ -105,7 +134,94 @@ def speedup_plot(records: list[Record], path: Path, title: str) -> Plot | None:
         f"{title.replace(chr(10), ', ')}: each method's speedup over vanilla on the same examples, per task"
         + (", one panel per decoder family" if len(panels) > 1 else "") + ". "
         "Bars above the dashed line (1.0×) are faster than vanilla, below it slower; the number on a bar "
-        "is its speedup."))
+        "is its speedup."
+        + (f" Hatched bars, and the tasks marked {LOADED}, were measured under load (the run's contention "
+           "check flagged it): not clean figures." if loaded else "")))
+
+
+#: inches of figure height per method of the ledger chart, and per panel (its title, the axis)
+_LEDGER_ROW, _LEDGER_PANEL = 0.42, 0.9
+
+
+def ledger_figure(records: list[Record], title: str):
+    """``(figure, caption)`` of where the time goes for the records of one task and model, or None
+    when none has a ledger (HF peers never do: they are left out).
+
+    One horizontal bar per method: its measured cost per committed token in vanilla steps, stacked
+    by ledger component (:data:`~selfspec.reporting.ledger.COLOUR`, the same in every chart), with
+    the predicted cost as a thin hatched bar under it where the ledger has one; a dashed line at 1.0
+    (vanilla). A bar's length is ``1 / speedup``: shorter than the line is faster than vanilla. Past
+    :data:`PANEL_SERIES` methods, one panel per decoder family (:func:`family_panels`), stacked with
+    a shared axis. Runs measured under load say so in the number after the bar and in the title."""
+    recs = [r for r in records if r.ledger and isinstance(r.ledger.get("measured"), dict)]
+    if not recs:
+        return None
+    series = settings(recs)
+    by_title = {setting_title(r): r for r in recs}
+    panels = family_panels(recs, series, title)
+    loaded = any(r.loaded for r in recs)
+    if loaded:
+        title = f"{title} — measured under load {LOADED}"
+    height = sum(_LEDGER_ROW * len(ms) + _LEDGER_PANEL for _, ms in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, height), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [len(ms) + 2 for _, ms in panels]})
+    widest, used = 1.0, set()
+    for ax, (name, ms) in zip(axes[:, 0], panels):
+        for y, m in enumerate(ms):
+            r = by_title[m]
+            sides = [("measured", y - 0.1, 0.5, {})]
+            if isinstance(r.ledger.get("predicted"), dict):
+                sides.append(("predicted", y + 0.3, 0.2, {"hatch": "////", "alpha": 0.7}))
+            for side, at, thick, style in sides:
+                left = 0.0
+                for k, v in ledger.parts(r.ledger[side]).items():
+                    if v > 0:
+                        ax.barh(at, v, thick, left=left, color=ledger.colour(k), edgecolor="#333", lw=0.3, **style)
+                        used.add(k)
+                        left += v
+                widest = max(widest, left)
+                speed = f"{1 / left:.2f}×" if left > 0 else "–"
+                note = f" {LOADED}" if side == "measured" and r.loaded else " predicted" if side == "predicted" else ""
+                ax.annotate(f" {speed}{note}", (left, at), va="center", ha="left", fontsize=7)
+        ax.axvline(1.0, color="black", lw=1.0, ls="--")
+        ax.set_yticks(range(len(ms)), ms, fontsize=8)
+        ax.set_ylim(len(ms) - 0.4, -0.6)  # the first method on top
+        ax.set_ylabel("method (setting)", fontsize=8)
+        ax.set_xlabel("cost per committed token (vanilla steps; 1.0 = vanilla)", fontsize=9)
+        ax.xaxis.set_tick_params(labelbottom=True)  # each panel reads alone
+        if len(panels) > 1:
+            ax.set_title(name, fontsize=10)
+    axes[0, 0].set_xlim(0.0, 1.25 * widest)
+    profiles = sorted({str((r.profile or {}).get("name")) for r in recs
+                       if r.profile and isinstance(r.ledger.get("predicted"), dict)})
+    handles = [Patch(facecolor=ledger.colour(k), edgecolor="#333", lw=0.3, label=ledger.label(k))
+               for k in [*ledger.COMPONENTS, *sorted(used - set(ledger.COMPONENTS))] if k in used]
+    if any(isinstance(r.ledger.get("predicted"), dict) for r in recs):
+        on = f", {', '.join(profiles)}" if profiles else ""
+        handles.append(Patch(facecolor="white", edgecolor="#333", hatch="////", label=f"predicted (thin{on})"))
+    handles.append(Line2D([], [], color="black", lw=1.0, ls="--", label="vanilla (1.0)"))
+    axes[0, 0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if len(panels) > 1:
+        fig.suptitle(title, fontsize=11)
+    else:
+        axes[0, 0].set_title(title, fontsize=10)
+    caption = (
+        f"{title.replace(chr(10), ', ')}: where each method's time goes, in vanilla steps per committed token "
+        "(the cost ledger: each component's seconds per committed token ÷ vanilla's, in the same run), stacked "
+        "by component" + (", one panel per decoder family" if len(panels) > 1 else "") + ". The thick bar is "
+        "measured; the thin hatched bar under it is predicted from the step trace with the machine profile"
+        + (f" {', '.join(profiles)}" if profiles else "") + ". A bar shorter than the dashed line (1.0, vanilla) "
+        "is faster than vanilla: speedup = 1 ÷ its length, the number after it. Methods without a ledger (the "
+        "transformers peers) are left out."
+        + (f" Marked {LOADED}: measured under load (the run's contention check flagged it), not clean figures."
+           if loaded else ""))
+    return fig, caption
+
+
+def ledger_plot(records: list[Record], path: Path, title: str) -> Plot | None:
+    """:func:`ledger_figure`, written to ``path``."""
+    made = ledger_figure(records, title)
+    return save_figure(made[0], path, made[1]) if made else None
 
 
 def threshold_of(r: Record) -> float | None:

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from selfspec.reporting.fields import dotted as _get
 from selfspec.reporting.fields import label_under_test
+from selfspec.reporting.ledger import is_loaded
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,14 @@ class Record:
     decoder: str | None = None
     #: the label's resolved method config (summary ``method_configs[label]``); {} when unknown
     method_config: dict[str, Any] = field(default_factory=dict)
+    #: the method's cost ledger (:mod:`selfspec.reporting.ledger`); None for peers and older runs
+    ledger: dict[str, Any] | None = None
+    #: the run's contention check (``ratio``, ``threshold``, ``flagged``); None when not measured
+    contention: dict[str, Any] | None = None
+    #: the machine profile the run's predictions used (``name``, ``path``, ``device``, ``hardware``)
+    profile: dict[str, Any] | None = None
+    #: per profile name, this method's projection on it: ``{"predicted_speedup": f, "ledger": {...}}``
+    projections: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -84,6 +93,12 @@ class Record:
         if self.metrics.get("lossless") is False:
             return "lossy"
         return "distribution" if self.sampling else "tokens"
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the run's timings are spoiled by other load (its contention check flagged them):
+        its speedups are shown marked, never as clean figures."""
+        return is_loaded(self.contention)
 
 
 def _temperature(t: Any) -> str:
@@ -170,7 +185,7 @@ def variant_label(cfg: dict[str, Any], overrides: list[str]) -> str | None:
 # --- summaries ----------------------------------------------------------------------------------
 #: keys of a per-method summary entry (selfspec.evaluation.aggregate.summarize) that are figures
 _FIGURES = ("n_examples", "new_tokens", "seconds", "tokens_per_s", "seconds_per_token", "speedup",
-            "tau", "acceptance_rate", "lossless", "consistency", "prefix_agreement")
+            "predicted_speedup", "tau", "acceptance_rate", "lossless", "consistency", "prefix_agreement")
 
 
 def _method_entries(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -238,6 +253,7 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
     under_test = label_under_test(summary, cfg, choices)
     configs = label_configs(summary, cfg, under_test)
     artefacts = summary.get("artefacts") or {}
+    projections = summary.get("projections") or {}
     out = []
     for method, entry in _method_entries(summary).items():
         metrics = entry_metrics(entry)
@@ -265,6 +281,11 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
             origin=origin,
             provenance=prov,
             config=cfg,
+            ledger=entry.get("ledger"),
+            contention=summary.get("contention"),
+            profile=summary.get("profile"),
+            projections={name: by_method[method] for name, by_method in projections.items()
+                         if isinstance(by_method, dict) and isinstance(by_method.get(method), dict)},
         ))
     return out
 
@@ -283,15 +304,17 @@ class MalformedSummary(ValueError):
 
 
 #: figures of a method entry that are numbers (or null), and those that are true/false (or null)
-_NUMBERS = ("n_examples", "new_tokens", "seconds", "tokens_per_s", "seconds_per_token", "speedup", "tau",
-            "acceptance_rate", "consistency", "prefix_agreement")
+_NUMBERS = ("n_examples", "new_tokens", "seconds", "tokens_per_s", "seconds_per_token", "speedup",
+            "predicted_speedup", "tau", "acceptance_rate", "consistency", "prefix_agreement")
 _FLAGS = ("lossless",)
 
 
 def check_summary(summary: Any) -> None:
     """Raise :class:`MalformedSummary` naming the first field that an evaluation's summary.json
     would not hold: the top level must be an object with a ``methods`` object of method entries,
-    each of whose figures is a number (or null) and ``lossless`` true, false or null."""
+    each of whose figures is a number (or null) and ``lossless`` true, false or null; a ``ledger``
+    (null or an object whose ``measured`` and ``predicted`` are null or objects of numbers) and a
+    ``contention`` (null or an object)."""
     if not isinstance(summary, dict):
         raise MalformedSummary(f"the top level is {type(summary).__name__}, not an object")
     methods = summary.get("methods")
@@ -308,9 +331,21 @@ def check_summary(summary: Any) -> None:
             v = entry.get(key)
             if v is not None and not isinstance(v, bool):
                 raise MalformedSummary(f"field 'methods.{name}.{key}' is {v!r}, not true or false")
-        for key in ("metrics", "stats"):
+        for key in ("metrics", "stats", "ledger"):
             if entry.get(key) is not None and not isinstance(entry[key], dict):
                 raise MalformedSummary(f"field 'methods.{name}.{key}' is not an object")
+        for side in ("measured", "predicted"):
+            part = (entry.get("ledger") or {}).get(side)
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise MalformedSummary(f"field 'methods.{name}.ledger.{side}' is not an object")
+            for key, v in part.items():
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise MalformedSummary(f"field 'methods.{name}.ledger.{side}.{key}' is {v!r}, not a number")
+    for key in ("contention", "profile", "projections"):
+        if summary.get(key) is not None and not isinstance(summary[key], dict):
+            raise MalformedSummary(f"field '{key}' is not an object")
 
 
 def read_run(run_dir: str | Path) -> list[Record]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
+from selfspec.reporting.ledger import LOADED, contention_warning
 from selfspec.reporting.records import Record
 
 #: row order by decoder family: the reference first, selfspec's methods (the papers', then those
@@ -32,6 +33,11 @@ NOT_APPLICABLE = "n/a"
 DISTRIBUTION = "lossless (distribution)"
 #: figures that compare tokens with vanilla's, meaningful under greedy decoding only
 TOKEN_FIGURES = ("consistency", "prefix_agreement")
+#: the cells that show a measured speedup (marked :data:`~selfspec.reporting.ledger.LOADED` when the
+#: run was measured under load); the predicted and projected speedups follow the first of them
+SPEEDUP_CELLS = ("tps_speedup", "speedup")
+#: the cell kind of a speedup projected onto a machine profile: ``projected:<profile name>``
+PROJECTED = "projected:"
 
 
 def method_rank(record: Record) -> tuple[int, str, str]:
@@ -85,7 +91,16 @@ def _num(value: Any, fmt: str) -> str:
     return str(value)
 
 
+def _times(value: Any, loaded: bool = False) -> str:
+    """A speedup cell: ``1.57×``, ``1.57× (loaded)`` when measured under load, ``–`` when missing."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return MISSING
+    return f"{value:.2f}× {LOADED}" if loaded else f"{value:.2f}×"
+
+
 def cell_title(cell: str, task: str | None) -> str:
+    if cell.startswith(PROJECTED):
+        return f"projected on {cell[len(PROJECTED):]}"
     if cell == "score":
         return TASK_SCORE.get(task or "", (None, "score"))[1]
     return CELL_TITLE.get(cell, cell)
@@ -103,10 +118,14 @@ def format_cell(cell: str, record: Record | None) -> str:
         if tps is None and speedup is None:
             return MISSING
         sp = f"({speedup:.2f}×)" if isinstance(speedup, (int, float)) else ""
-        return f"{_num(tps, '.2f')} {sp}".strip() if tps is not None else sp
+        sp += f" {LOADED}" if record.loaded else ""
+        return f"{_num(tps, '.2f')} {sp}".strip() if tps is not None else sp.strip()
     if cell == "speedup":
-        v = m.get("speedup")
-        return f"{v:.2f}×" if isinstance(v, (int, float)) else MISSING
+        return _times(m.get("speedup"), record.loaded)
+    if cell == "predicted_speedup":
+        return _times(m.get("predicted_speedup"))
+    if cell.startswith(PROJECTED):
+        return _times((record.projections.get(cell[len(PROJECTED):]) or {}).get("predicted_speedup"))
     if cell == "ms_per_token":
         return _num(m.get("ms_per_token"), ".1f")
     if cell == "tau":
@@ -144,6 +163,8 @@ class Table:
     blocks: list[Block]
     sources: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: what the reader must know before reading a figure: runs measured under load
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def header(self) -> list[str]:
@@ -183,6 +204,23 @@ def _row_key(record: Record, layout: Layout) -> tuple:
     return tuple(key)
 
 
+def _column(record: Record, layout: Layout) -> Any:
+    """The column group ``record``'s cells go to (None: the layout has one group)."""
+    return record.field(layout.columns) if layout.columns else None
+
+
+def group_kinds(layout: Layout, records: list[Record]) -> list[str]:
+    """The cells of one column group: the layout's, with ``predicted_speedup`` (where a record has a
+    predicted speedup) and ``projected:<profile>`` (per profile a record is projected on) right after
+    the first measured speedup cell, or at the end where the layout shows no speedup."""
+    extra = ["predicted_speedup"] if any(isinstance(r.metric("predicted_speedup"), (int, float))
+                                         for r in records) else []
+    extra += [PROJECTED + name for name in sorted({name for r in records for name in r.projections})]
+    cells = list(layout.cells)
+    at = next((i + 1 for i, c in enumerate(cells) if c in SPEEDUP_CELLS), len(cells))
+    return cells[:at] + extra + cells[at:]
+
+
 def _groups(records: list[Record], layout: Layout) -> list[str | None]:
     if layout.columns is None:
         return [None]
@@ -213,7 +251,8 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
     reference = [p for p in paper if p not in matching]
     paper_by_setting = {(p.model,) + _setting_key(p, layout): p for p in matching}
     paper_groups = {p.field(layout.columns) if layout.columns else None for p in matching}
-    group_cells = [list(layout.cells) + (["paper"] if g in paper_groups and matching else []) for g in groups]
+    group_cells = [group_kinds(layout, [r for r in measured if _column(r, layout) == g])
+                   + (["paper"] if g in paper_groups and matching else []) for g in groups]
     table = Table(layout=layout, groups=groups, group_cells=group_cells, blocks=[])
     pcell = _paper_cell(layout)
 
@@ -258,7 +297,20 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
     if any(r.metrics.get("lossless") is False for r in measured):
         table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
     table.notes += list(layout.notes)
+    table.warnings = loaded_warnings(measured)
     return table
+
+
+def loaded_warnings(records: list[Record]) -> list[str]:
+    """One warning per run among ``records`` measured under load (its contention check flagged it),
+    naming the model, task and decoding."""
+    out: dict[str, str] = {}
+    for r in records:
+        where = f"{r.model} · {TASK_TITLE.get(r.task or '', r.task)}, {r.field('temperature')}"
+        warning = contention_warning(r.contention, where)
+        if warning:
+            out.setdefault(str(r.provenance.get("source")), warning)
+    return list(out.values())
 
 
 def _group_rows(records, layout) -> tuple[dict[tuple, dict[Any, Record]], dict[tuple, str]]:
@@ -268,7 +320,7 @@ def _group_rows(records, layout) -> tuple[dict[tuple, dict[Any, Record]], dict[t
     for r in sorted(records, key=lambda r: _row_key(r, layout)):
         key = _row_key(r, layout)
         labels.setdefault(key, row_label(r, layout))
-        by_row.setdefault(key, {})[r.field(layout.columns) if layout.columns else None] = r
+        by_row.setdefault(key, {})[_column(r, layout)] = r
     return by_row, labels
 
 
@@ -298,6 +350,7 @@ def _md_escape(text: str) -> str:
 def to_markdown(table: Table) -> str:
     layout = table.layout
     lines = [f"### {layout.title}", ""]
+    lines += [f"> **Warning:** {_md_escape(w)}\n" for w in table.warnings]
     if layout.paper:
         lines += [f"Layout of {layout.paper}. speedup = vanilla s/token ÷ method s/token on the same "
                   "examples; τ = tokens per step incl. the bonus token.", ""]
@@ -359,7 +412,7 @@ def to_latex(table: Table) -> str:
     caption = tex_escape(layout.title) + (f" (layout of {tex_escape(layout.paper)})" if layout.paper else "")
     lines.append(rf"\caption{{{caption}}}")
     lines.append(rf"\label{{tab:{layout.id}}}")
-    notes = [tex_escape(n) for n in table.notes]
+    notes = [r"\textbf{Warning:} " + tex_escape(w) for w in table.warnings] + [tex_escape(n) for n in table.notes]
     notes += [f"[{i}] " + tex_escape(source_line(p)) for i, p in enumerate(table.sources, 1)]
     if notes:
         lines.append(r"\par\footnotesize " + r" \\ ".join(notes))
