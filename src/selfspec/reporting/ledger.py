@@ -25,11 +25,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable
 
-#: the ledger's components, in drawing order (left to right in a stacked bar)
-COMPONENTS = ("prefill", "plain", "draft", "heads", "verify", "tree", "host")
-#: what each component is called in the charts and the demo's words
-LABEL = {"prefill": "prefill", "plain": "plain steps", "draft": "drafting", "heads": "exit heads",
-         "verify": "verification", "tree": "tree building", "host": "bookkeeping"}
+from selfspec.models.ledger import COMPONENTS  # the ledger's components, in drawing order
+from selfspec.models.ledger import LABELS as LABEL  # what each is called in the charts and the demo's words
+
 #: one colour per component, the same in every chart (Okabe–Ito: told apart with colour blindness)
 COLOUR = {"prefill": "#CC79A7", "plain": "#56B4E9", "draft": "#E69F00", "heads": "#F0E442",
           "verify": "#0072B2", "tree": "#009E73", "host": "#999999"}
