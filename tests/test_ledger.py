@@ -52,12 +52,12 @@ def test_synthetic_trace_gives_the_exact_prediction():
     got = p.predict(trace)
     ms = 1e-3
     expected = {
-        "prefill": 4 * 4 * ms + 4 * 5 * ms + 4 * ms,
+        "prefill": 4 * 4 * ms + 4 * 5 * ms + 4 * ms + 0.25 * ms,  # the step's overhead follows its last pass
         "draft": 2 * 1.5 * ms + 1 * 2 * ms,                       # attention at context 50: halfway
         "heads": 0.5 * ms + 1 * ms,
-        "verify": 4 * 3 * ms + 4 * 3 * ms + 6 * ms,               # head at 2 rows: between 1 and 4 rows
-        "plain": 4 * (2 * ms + 1 * ms) + 4 * 2 * ms + 4 * ms,     # context 200: the 0 -> 100 slope continued
-        "host": 3 * 0.25 * ms,
+        "verify": 4 * 3 * ms + 4 * 3 * ms + 6 * ms + 0.25 * ms,   # head at 2 rows: between 1 and 4 rows
+        "plain": 4 * (2 * ms + 1 * ms) + 4 * 2 * ms + 4 * ms + 0.25 * ms,  # context 200: the 0 -> 100 slope on
+        "host": 0.0,
         "tree": 0.0,
     }
     assert got.keys() == set(COMPONENTS)

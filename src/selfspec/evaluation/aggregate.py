@@ -21,6 +21,8 @@ sample with the same seed, and the figures below pool all samples:
                         ``measured`` adds up to 1 / ``speedup``; ``predicted`` (the traces costed
                         with a machine profile, :mod:`selfspec.models.profile`) adds up to
                         1 / ``predicted_speedup``
+                        ``unmodelled``: measured minus predicted per component (at least 0.005),
+                        largest first: where a prediction misses, the part the profile leaves out
 ``predicted_speedup``   the baseline's predicted seconds per token / the method's (None without a
                         profile, or for a method without a trace: the HF peers)
 """
@@ -171,6 +173,10 @@ def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profi
     if predicted is not None and base_pspt:
         ledger["predicted"] = {k: v / tokens / base_pspt for k, v in predicted.items()}
         speedup = base_pspt / (sum(predicted.values()) / tokens)
+        # what the profile does not model: measured minus predicted, per component, largest first
+        gap = {k: measured.get(k, 0.0) - ledger["predicted"].get(k, 0.0) for k in measured}
+        ledger["unmodelled"] = dict(sorted(((k, v) for k, v in gap.items() if abs(v) >= 0.005),
+                                           key=lambda kv: -abs(kv[1])))
     return {"ledger": ledger, "predicted_speedup": speedup}
 
 

@@ -170,8 +170,9 @@ def _profile_spec(cfg: DictConfig) -> str | None:
 
 def _profile(cfg: DictConfig, model):
     """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto``
-    loads this machine's, measuring it the first time (:func:`~selfspec.models.profile.measure_profile`)."""
-    from selfspec.models.profile import Profile, default_path, measure_profile, model_shape
+    loads this machine's from the asset cache, else a shipped one of the same CPU, threads and
+    libraries, else measures it once (:func:`~selfspec.models.profile.measure_profile`)."""
+    from selfspec.models.profile import Profile, default_path, matching_shipped, measure_profile, model_shape
 
     spec = _profile_spec(cfg)
     if spec is None:
@@ -180,6 +181,9 @@ def _profile(cfg: DictConfig, model):
         path = default_path(model, model.device)
         if path.is_file():
             profile = Profile.load(path)
+        elif (profile := matching_shipped(model)) is not None:
+            log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "
+                     "this machine's own", profile.name)
         else:
             log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
             profile = measure_profile(model)

@@ -15,9 +15,12 @@ other machine with a profile of the same model shape:
 * ``tree[size]`` and ``pass[context][rows]``: whole tree passes (PPD) and whole chain passes
   (all layers and the head on every row) at the context nearest 512, the ``L_fp(n)`` curve,
   kept for reading and checks;
-* ``host``: the seconds of a plain step spent outside model work (the loop, sampling, the sync).
+* ``host``: the seconds of a plain step beyond what its ops cost measured alone: selecting the
+  token, the host sync, and what running inside a decoding loop adds to the isolated passes.
 
-A prediction charges each op to its component and ``host`` once per step. Costs between measured
+A prediction charges each op to its component, and ``host`` once per step to the component of
+the step's last layer walk (the pass whose result the step waits for: ``plain``, ``verify`` or
+``prefill``), where the decoding loop's phase timers find that time too. Costs between measured
 points are interpolated linearly (in rows, then in context) and extrapolated in proportion past
 the last measured row count.
 """
@@ -208,11 +211,13 @@ class Profile:
         for step in trace:
             ops = step.get("ops")
             if ops is None:
-                raise ValueError("a step of the trace has no ops: the run was recorded before the cost ledger "
-                                 "(selfspec < 0.x); rerun it to predict its time")
+                raise ValueError("a step of the trace has no ops: the run was recorded before the cost ledger; "
+                                 "evaluate it again to predict its time")
             for op in ops:
                 out[op[0]] += self.op(op)
-            out["host"] += self.host
+            # a step's own overhead (selecting the token, the host sync) follows its last pass
+            last = next((op[0] for op in reversed(ops) if op[1] == "L"), "host")
+            out[last] += self.host
         return out
 
     def plain_step(self, context: int = 512) -> float:
@@ -262,6 +267,19 @@ def resolve(spec: str) -> Path:
         return found[spec]
     raise FileNotFoundError(f"profile {spec!r} is neither a file nor a shipped profile "
                             f"({', '.join(found) or 'none shipped'})")
+
+
+def matching_shipped(model) -> "Profile | None":
+    """A shipped profile measured on a machine like this one (device, hardware, threads, library
+    versions) for this model's shape and runtime (linear kernel, capture), or None."""
+    info = machine(model.device)
+    for path in shipped().values():
+        p = Profile.load(path)
+        m = p.data["model"]
+        if (p.describes(info) and p.machine.get("versions") == info["versions"] and p.shape == model_shape(model)
+                and m.get("linear_kernel") == model.linear_kernel and m.get("capture") == model.capture):
+            return p
+    return None
 
 
 def default_path(model, device: torch.device) -> Path:
