@@ -424,7 +424,9 @@ def test_sampling_rows_are_lossless_in_distribution(sampling_runs, tmp_path):
 
     def row(label: str, m: dict, consistency: str) -> str:
         ar = "–" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.3f}"
-        return (f"| {label} | {m['tokens_per_s']:.2f} ({m['speedup']:.2f}×) | {m['tau']:.2f} | {ar} | {consistency} "
+        predicted = "–" if m["predicted_speedup"] is None else f"{m['predicted_speedup']:.2f}×"
+        return (f"| {label} | {m['tokens_per_s']:.2f} ({m['speedup']:.2f}×) | {predicted} | {m['tau']:.2f} | {ar} "
+                f"| {consistency} "
                 f"| {m['metrics']['rouge2']:.3f} |")
 
     assert row("Draft & Verify, T=0.2 · lossless (distribution)", dv["draft_verify"], "n/a") in md

@@ -180,14 +180,22 @@ def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profi
     return {"ledger": ledger, "predicted_speedup": speedup}
 
 
-def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict[str, Any]) -> dict[str, Any] | None:
+#: the least baseline time a contention check judges: shorter runs (a tiny model's milliseconds)
+#: are within a shared machine's timer noise either way
+CONTENTION_MIN_SECONDS = 2.0
+
+
+def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict[str, Any],
+               min_seconds: float = CONTENTION_MIN_SECONDS) -> dict[str, Any] | None:
     """Whether the run was measured under load: the baseline's measured seconds over what the
     profile predicts for its traces (``ratio``), flagged above ``threshold``. Only a profile of
-    this machine (``here``: :func:`selfspec.models.profile.machine`) can tell; None otherwise."""
+    this machine (``here``: :func:`selfspec.models.profile.machine`) can tell, and only on at
+    least ``min_seconds`` of the baseline's generations; None otherwise."""
     if profile is None or not profile.describes(here):
         return None
     predicted = _predicted(base, profile)
-    if not predicted:
+    seconds = sum(r["seconds"] for r in base)
+    if not predicted or seconds < min_seconds:
         return None
-    ratio = sum(r["seconds"] for r in base) / sum(predicted.values())
+    ratio = seconds / sum(predicted.values())
     return {"ratio": ratio, "threshold": threshold, "flagged": ratio > threshold}
