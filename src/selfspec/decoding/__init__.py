@@ -71,14 +71,16 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     return options
 
 
-def build_decoder(method_cfg, model, **common) -> Decoder:
+def build_decoder(method_cfg, model, *, profile=None, **common) -> Decoder:
     """Build the decoder a ``method`` config group names (``method.name``) from its parts, all at
     construction (:class:`~selfspec.decoding.base.Decoder`): a speculation gate
-    (:meth:`Decoder.new_gate`) when its ``never_slower`` is on and a context drafter
-    (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its ``ngram`` is set."""
+    (:meth:`Decoder.new_gate`) when its ``never_slower`` is on — pricing steps with ``profile``
+    (a :class:`~selfspec.models.profile.Profile` of this model) when one is given, else timing
+    them — and a context drafter (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its
+    ``ngram`` is set."""
     cls = decoder_class(str(method_cfg.name))
     options = check_method(method_cfg)
-    gate = cls.new_gate() if options.pop("never_slower", False) else None
+    gate = cls.new_gate(profile) if options.pop("never_slower", False) else None
     context = options.pop("ngram") if cls.context_first else None
     if context is not None:
         from selfspec.decoding.ngram import ContextDrafter

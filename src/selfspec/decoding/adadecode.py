@@ -284,6 +284,13 @@ class AdaDecode(Decoder):
         """AdaDecode's threshold is fixed: no controller state for the step trace."""
         return None
 
+    #: ``never_slower``: a step may give way to a plain one (:mod:`selfspec.decoding.gate`)
+    gated = True
+
+    def speculated(self, state: DecodeState) -> bool:
+        """An AdaDecode step checks exit heads even when none fires: its cost is speculation's."""
+        return True
+
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         for key in ("full_passes", "early_predictions", "accepted_early", "rejected", "discarded"):
@@ -293,7 +300,8 @@ class AdaDecode(Decoder):
     def finish(self, state: DecodeState) -> None:
         s = state.stats
         generated = len(state.tokens) - state.prompt_len
-        s["full_passes"] += s.get("ngram_steps", 0)  # a context draft's verification is a full pass too
+        # a context draft's verification and a step the gate made plain are full passes too
+        s["full_passes"] += s.get("ngram_steps", 0) + s.get("plain_steps_gated", 0)
         verified = s["accepted_early"] + s["rejected"]
         s["early_prediction_rate"] = s["accepted_early"] / generated if generated else 0.0
         s["rejection_rate"] = s["rejected"] / verified if verified else 0.0

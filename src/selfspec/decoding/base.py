@@ -254,11 +254,12 @@ class Decoder:
         return cls(model, **common)
 
     @classmethod
-    def new_gate(cls):
-        """The speculation gate ``never_slower`` gives this method (default settings)."""
+    def new_gate(cls, profile=None):
+        """The speculation gate ``never_slower`` gives this method (default settings; ``profile``:
+        price steps with it, :mod:`selfspec.decoding.gate`)."""
         from selfspec.decoding.gate import SpeculationGate
 
-        return SpeculationGate()
+        return SpeculationGate(profile=profile)
 
     def begin(self, state: DecodeState) -> None:
         """Per-example set-up before prefill: per-example state goes on ``state.example``, not on
@@ -295,23 +296,27 @@ class Decoder:
         return state.drafted > 0
 
     def _gated_step(self, state: DecodeState, budget: int) -> list[int]:
-        """:meth:`step`, or with a speculation gate (:mod:`selfspec.decoding.gate`, greedy decoding
-        only, so seeded sampling stays reproducible) that finds speculation does not pay here,
-        :meth:`plain_step`: no drafting, planning or learning, so it costs what a vanilla step
-        costs. Both outcomes are timed for the gate."""
-        gate = self.gate if state.sampling.greedy else None
-        if gate is None:
+        """:meth:`step`, or with a speculation gate (:mod:`selfspec.decoding.gate`) that finds
+        speculation does not pay here, :meth:`plain_step`: no drafting, planning or learning, so it
+        costs what a vanilla step costs. Both outcomes are costed for the gate: priced from the
+        step's ledger ops with the gate's profile (deterministic: greedy and sampling), or timed on
+        the wall clock (greedy decoding only, so seeded sampling stays reproducible)."""
+        gate = self.gate
+        if gate is None or not (state.sampling.greedy or gate.deterministic):
             return self.step(state, budget)
         t0 = time.perf_counter()
         if gate.speculate():
             new = self.step(state, budget)
-            gate.record(self.speculated(state), len(new), time.perf_counter() - t0)
+            speculated = self.speculated(state)
         else:
             new = self.plain_step(state)
             self.after_plain_step(state)
-            gate.record(False, len(new), time.perf_counter() - t0)
+            speculated = False
             state.count("plain_steps_gated")
             state.trace_step = StepTrace(gated=True)
+        ledger = self.model.ledger
+        gate.record(speculated, len(new), gate.price(ledger.ops) if gate.deterministic and ledger is not None
+                    else time.perf_counter() - t0)
         return new
 
     def plain_step(self, state: DecodeState) -> list[int]:

@@ -5,7 +5,10 @@ method: it commits τ tokens for the cost of drafting plus a verification pass o
 and on a CPU where that pass costs 1.5–2 plain steps (docs/design.md §4) a method with τ ≈ 1.5 is
 slower than plain decoding, while the same method on a GPU is faster. The papers' controllers
 (Draft & Verify's threshold, DEL's TPL) steer the draft *length* from acceptance alone or from a
-cost model; this gate checks the outcome itself, per decoder, on the wall clock:
+cost model; this gate checks the outcome itself, per decoder — each step's cost either priced
+from the model work it did (its cost-ledger ops, :mod:`selfspec.models.ledger`, costed with a
+profile of this machine, :mod:`selfspec.models.profile`: what ``evaluate`` does when it has a
+profile) or timed on the wall clock (a gate built without a profile):
 
 * two arms — **speculate** (the method's step) and **plain** (a step with no drafts: one
   one-token forward pass, vanilla's cost). A step that drafted nothing (e.g. the n-gram lookup
@@ -27,16 +30,19 @@ cost model; this gate checks the outcome itself, per decoder, on the wall clock:
 The gate's state is policy state: it lives on the decoder and carries over between examples (the
 cost of a step is the machine's, not the example's), though not from the evaluation's warm-up
 (``Decoder.kept_state``). Outputs are unaffected: a plain step is the
-shared chain step with no drafts, so greedy output stays vanilla's. The gate acts under greedy
-decoding only: under sampling, a choice made from the wall clock would make a seeded run's tokens
-depend on the machine's load (still the target distribution, but no longer reproducible), so there
-every step speculates, as the papers do.
+shared chain step with no drafts, so greedy output stays vanilla's. A gate that prices steps
+from their ops is deterministic — the same run makes the same choices on any load — so it acts
+under sampling too (a plain step samples from the target distribution and a speculative one keeps
+it, so either way the output is lossless in distribution, and a seeded run reproduces). A gate
+on the wall clock acts under greedy decoding only: under sampling its choices would make a seeded
+run's tokens depend on the machine's load, so there every step speculates, as the papers do.
 The evidence lands in the statistics (``plain_steps_gated``: steps the gate made plain).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -47,6 +53,9 @@ class SpeculationGate:
     max_interval: int = 128
     smoothing: float = 0.3
     probe_steps: int = 1
+    #: a cost profile of this model (:class:`~selfspec.models.profile.Profile`): steps are priced
+    #: from their ledger ops with it instead of timed (module docstring)
+    profile: Any = None
     #: moving averages per arm of a step's seconds and of its committed tokens (None = not measured yet)
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     tokens: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
@@ -64,6 +73,15 @@ class SpeculationGate:
         if self.probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {self.probe_steps}")
         self.interval = self.min_interval
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the gate prices steps from their ops (the same run, the same choices)."""
+        return self.profile is not None
+
+    def price(self, ops: list[list]) -> float:
+        """Predicted seconds of a step from its ledger ops, its overhead included."""
+        return sum(self.profile.op(op) for op in ops) + self.profile.host
 
     @property
     def cost(self) -> dict[bool, float | None]:

@@ -212,12 +212,12 @@ class PPD(Decoder):
         ex.cands = logits.topk(self.top_k, dim=-1).indices
 
     @classmethod
-    def new_gate(cls):
+    def new_gate(cls, profile=None):
         """PPD's gate: a probe lasts 4 steps (the first PPD step after plain steps starts from
         state 0, where it only computes guesses)."""
         from selfspec.decoding.gate import SpeculationGate
 
-        return SpeculationGate(probe_steps=4)
+        return SpeculationGate(probe_steps=4, profile=profile)
 
     def speculated(self, state: DecodeState) -> bool:
         """A PPD step costs its tree's width even when the tree has no candidates."""

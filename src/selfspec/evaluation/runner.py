@@ -378,7 +378,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     tok = loaded.tokenizer
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
-    runs = [MethodRun(name, m, build_decoder(m, loaded.model, **common)) for name, m in method_cfgs.items()]
+    runs = [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, **common)) for name, m in method_cfgs.items()]
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _begin(out_dir, identity, cfg)
