@@ -209,3 +209,16 @@ def test_summarize_without_profile_keeps_measured_ledger():
     assert out["x"]["speedup"] == 2.0
     assert out["x"]["ledger"]["measured"] == pytest.approx({"plain": 0.45, "host": 0.05})
     assert out["x"]["predicted_speedup"] is None
+
+
+def test_paper_rows_with_tau_name_the_profile_their_projection_needs():
+    from selfspec.reporting.paper import paper_records
+
+    ppd = {r.paper_model: r for r in paper_records("ppd_speedup") if r.method == "ppd"}
+    assert "projection needs a profile of Vicuna-7B on the paper's hardware" in ppd["Vicuna-7B"].provenance["source"]
+    assert "make profile MODEL=vicuna-7b" in ppd["Vicuna-7B"].provenance["source"]
+    dv = paper_records("dv_static")[0]
+    assert "make profile MODEL=llama2-13b" in dv.provenance["source"]
+    # rows with neither tau nor an acceptance rate, and the papers' vanilla rows, need none
+    assert all("projection" not in r.provenance["source"] for r in paper_records("adadecode_main"))
+    assert all("projection" not in r.provenance["source"] for r in paper_records("ppd_speedup") if r.method == "vanilla")

@@ -64,4 +64,28 @@ def paper_records(table: str | None = None) -> list[Record]:
             if base is not None and base.metric("tokens_per_s"):
                 r.metrics["speedup"] = r.metrics["tokens_per_s"] / base.metrics["tokens_per_s"]
                 r.provenance["source"] += " (speedup derived from the paper's tokens/s)"
+    for r in records:
+        note = profile_note(r)
+        if note:
+            r.provenance["source"] += f"; {note}"
     return records
+
+
+def profile_note(record: Record) -> str | None:
+    """For a paper row that reports τ or an acceptance rate beside its speedup: which profile its
+    projection needs (PPD §4: speedup = τ / L_fp; :mod:`selfspec.models.profile`). A τ alone
+    does not fix the passes' widths, so the projection runs the paper's method on the profiled
+    model shape (``python -m selfspec.project``); the note names the profile that is missing."""
+    if record.metric("tau") is None and record.metric("acceptance_rate") is None:
+        return None
+    if record.method == "vanilla":
+        return None
+    from selfspec.models.profile import shipped
+
+    model = record.model
+    have = [name for name in shipped() if model and name.endswith(f"__{model}")]
+    if have:
+        return f"profile of its model shape shipped: {', '.join(have)} (python -m selfspec.project)"
+    hint = f"make profile MODEL={model}" if model else f"a model config of {record.paper_model}, then make profile"
+    return (f"projection needs a profile of {record.paper_model} on the paper's hardware, none shipped "
+            f"({hint} on such a machine)")
