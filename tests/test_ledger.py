@@ -222,3 +222,20 @@ def test_paper_rows_with_tau_name_the_profile_their_projection_needs():
     # rows with neither tau nor an acceptance rate, and the papers' vanilla rows, need none
     assert all("projection" not in r.provenance["source"] for r in paper_records("adadecode_main"))
     assert all("projection" not in r.provenance["source"] for r in paper_records("ppd_speedup") if r.method == "vanilla")
+
+
+def test_projection_onto_a_folder_of_profiles_takes_those_of_the_runs_shape(tiny, tmp_path):
+    from omegaconf import OmegaConf
+
+    from selfspec.project import run_projection
+
+    s = _run(tiny, tmp_path / "run")
+    folder = tmp_path / "profiles"
+    here = Profile.load(s["profile"]["path"])
+    other = copy.deepcopy(here.data)
+    other["name"] = "another-machine__tiny-random"
+    Profile(other).save(folder / "another.json")
+    synthetic_profile().save(folder / "other-shape.json")  # another model's: not taken
+    out = run_projection(OmegaConf.create({"inputs": [str(tmp_path / "run")], "profile": str(folder)}))
+    assert list(out[str(tmp_path / "run")]) == ["another-machine__tiny-random"]
+    assert "another-machine__tiny-random" in json.loads((tmp_path / "run" / SUMMARY).read_text())["projections"]

@@ -144,6 +144,8 @@ def _make(words: list[str]) -> list[str]:
     if target in TRAIN_TARGETS:
         args = _merge(args, JOB_BUDGET[TRAIN_TARGETS[target]])
         var["MODEL"] = MODEL
+    elif target == "profile":
+        var["MODEL"] = MODEL
     elif target in ("evaluate", "bench"):
         var["MODEL"] = MODEL
         args = args + SMALL_BENCH if target == "bench" else _merge(args, SMALL_EVAL)

@@ -1,4 +1,4 @@
-"""``python -m selfspec.project inputs=[run dirs] profile=<profile>`` (``make project``).
+"""``python -m selfspec.project inputs=[run dirs] profile=<profile or folder>`` (``make project``).
 
 Re-costs recorded evaluation runs on another machine's cost profile of the same model shape (PPD
 §4: the acceptance length is the algorithm's, the forward latency the machine's): every step's
@@ -51,33 +51,50 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
 
 
 def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
-    """Project every run under ``cfg.inputs`` onto ``cfg.profile``; ``{run dir: projection}``."""
+    """Project every run under ``cfg.inputs`` onto ``cfg.profile``: one profile (a file or a
+    shipped name; a run of another model shape is refused), or a folder of profiles (each run onto
+    every one of its model shape; a run with none is named and left as it is).
+    ``{run dir: {profile name: projection}}``."""
     from selfspec.models.profile import Profile, resolve
     from selfspec.reporting.records import find_runs
 
-    spec = checks.text("profile", cfg.profile, why="a profile file or a shipped profile's name")
-    profile = Profile.load(resolve(spec))
+    spec = checks.text("profile", cfg.profile, why="a profile file, a shipped profile's name or a folder of profiles")
     inputs = [str(p) for p in (cfg.inputs or [])]
     if not inputs:
         raise checks.refuse("inputs", cfg.inputs, "must name run directories or folders holding them")
+    folder = Path(spec).expanduser()
+    profiles = ([Profile.load(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir()
+                else [Profile.load(resolve(spec))])
+    if not profiles:
+        raise FileNotFoundError(f"no profile (*.json) in {folder}: make profile writes one to outputs/profiles")
     runs = find_runs(inputs)
     if not runs:
         raise FileNotFoundError(f"no evaluation run (summary.json) under {', '.join(inputs)}")
-    out = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     for run_dir in runs:
-        out[str(run_dir)] = project_run(Path(run_dir), profile)
+        fitting = profiles if not folder.is_dir() else [p for p in profiles if p.shape == _shape(run_dir)]
+        if not fitting:
+            log.warning("%s: no profile of its model shape in %s; left as it is", run_dir, folder)
+        out[str(run_dir)] = {p.name: project_run(Path(run_dir), p) for p in fitting}
     return out
+
+
+def _shape(run_dir: Path) -> dict[str, Any] | None:
+    from selfspec.evaluation.runner import SUMMARY
+
+    return json.loads((run_dir / SUMMARY).read_text()).get("model_shape")
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="project", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    for run_dir, projected in run_projection(cfg).items():
-        log.info("%s projected on %s:", run_dir, cfg.profile)
-        for method, p in projected.items():
-            if method.startswith("_"):
-                continue
-            s = p["predicted_speedup"]
-            log.info("  %-24s %s", method, "-" if s is None else f"{s:.2f}x")
+    for run_dir, by_profile in run_projection(cfg).items():
+        for name, projected in by_profile.items():
+            log.info("%s projected on %s:", run_dir, name)
+            for method, p in projected.items():
+                if method.startswith("_"):
+                    continue
+                s = p["predicted_speedup"]
+                log.info("  %-24s %s", method, "-" if s is None else f"{s:.2f}x")
 
 
 if __name__ == "__main__":
