@@ -34,7 +34,7 @@ def synthetic_profile(**changes) -> Profile:
         "mlp": {"1": 2e-3, "2": 3e-3, "4": 5e-3},
         "head": {"1000": {"1": 4e-3, "4": 10e-3}, "250": {"1": 1e-3, "4": 2.5e-3}},
         "linear": {"1": 0.5e-3, "4": 1e-3},
-        "tree": {}, "pass": {}, "host": 0.25e-3,
+        "tree": {}, "pass": {}, "host": 0.25e-3, "host_sampled": 0.5e-3,
     }
     data.update(changes)
     return Profile(data)
@@ -63,6 +63,9 @@ def test_synthetic_trace_gives_the_exact_prediction():
     assert got.keys() == set(COMPONENTS)
     for k, v in expected.items():
         assert got[k] == pytest.approx(v, rel=1e-12), k
+    # a sampling run's steps select their tokens at the sampled host cost
+    sampled = p.predict(trace, sampled=True)
+    assert sum(sampled.values()) == pytest.approx(sum(got.values()) + 3 * 0.25 * ms)
 
 
 def test_a_trace_without_ops_is_refused():

@@ -158,7 +158,7 @@ def _predicted(rows: list[dict[str, Any]], profile) -> dict[str, float] | None:
     when a row has no trace)."""
     if profile is None or not rows or any(not r.get("trace") for r in rows):
         return None
-    return _sum_components(profile.predict(r["trace"]) for r in rows)
+    return _sum_components(profile.predict(r["trace"], sampled=r.get("seed") is not None) for r in rows)
 
 
 def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profile,

@@ -16,7 +16,8 @@ other machine with a profile of the same model shape:
   (all layers and the head on every row) at the context nearest 512, the ``L_fp(n)`` curve,
   kept for reading and checks;
 * ``host``: the seconds of a plain step beyond what its ops cost measured alone: selecting the
-  token, the host sync, and what running inside a decoding loop adds to the isolated passes.
+  token, the host sync, and what running inside a decoding loop adds to the isolated passes;
+  ``host_sampled`` the same under sampling (temperature and top-p warp and sort the vocabulary).
 
 A prediction charges each op to its component, and ``host`` once per step to the component of
 the step's last layer walk (the pass whose result the step waits for: ``plain``, ``verify`` or
@@ -41,11 +42,13 @@ from selfspec.models.ledger import COMPONENTS
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "measure_profile", "model_shape"]
 
-FORMAT = 1
+FORMAT = 2
 #: rows measured at every context (a chain of k + 1, a tree); prefill-sized rows at context 0
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PREFILL_ROWS = (64, 128, 256, 512)
 CONTEXTS = (0, 128, 512, 1024)
+#: the sampling setting whose token selection ``host_sampled`` measures (top-p sorts the vocabulary)
+SAMPLED_SETTING = {"temperature": 0.6, "top_p": 0.95, "seed": 0}
 #: truncated vocabularies measured besides the full head, as fractions of it
 VOCAB_FRACTIONS = (1, 1 / 4, 1 / 16)
 
@@ -135,6 +138,7 @@ class Profile:
         self.head_cost = {int(v): num(row) for v, row in data["head"].items()}
         self.linear_cost = num(data["linear"])
         self.host = float(data["host"])
+        self.host_sampled = float(data["host_sampled"])
 
     # --- identity ------------------------------------------------------------------------------
     @property
@@ -203,10 +207,12 @@ class Profile:
             return _interp(self.linear_cost, op[2])
         raise ValueError(f"unknown ledger op {op!r}")
 
-    def predict(self, trace: Iterable[dict[str, Any]]) -> dict[str, float]:
+    def predict(self, trace: Iterable[dict[str, Any]], sampled: bool = False) -> dict[str, float]:
         """Seconds per component (:data:`~selfspec.models.ledger.COMPONENTS`) of a generation from
         its step trace (``StepTrace.row()`` dicts with their ``ops``): every op costed, and the
-        profile's host time once per step."""
+        profile's host time once per step (``sampled``: a sampling run's, whose token selection
+        warps and sorts the vocabulary)."""
+        host = self.host_sampled if sampled else self.host
         out = dict.fromkeys(COMPONENTS, 0.0)
         for step in trace:
             ops = step.get("ops")
@@ -217,7 +223,7 @@ class Profile:
                 out[op[0]] += self.op(op)
             # a step's own overhead (selecting the token, the host sync) follows its last pass
             last = next((op[0] for op in reversed(ops) if op[1] == "L"), "host")
-            out[last] += self.host
+            out[last] += host
         return out
 
     def plain_step(self, context: int = 512) -> float:
@@ -309,6 +315,8 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     from selfspec.models.costs import context_cache
     from selfspec.models.layered import SkipSet
 
+    SAMPLED = Sampling(**SAMPLED_SETTING)
+
     started = time.time()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     L = model.num_layers
@@ -354,6 +362,7 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         "tree": {str(n): t for n, t in tree.items()},
         "pass": {str(c): {str(n): t for n, t in row.items()} for c, row in whole.items()},
         "host": 0.0,
+        "host_sampled": 0.0,
     }
     data["name"] = f"{machine_name(data['machine'])}__{model.name}"
     profile = Profile(data)
@@ -361,14 +370,16 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     decoder = Vanilla(model)
     prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
     new = max(2, min(48, model.max_context - len(prompt) - 2))
-    decoder.generate(prompt, new, Sampling())  # warm-up
-    hosts = []
-    for _ in range(max(1, repeats // 2)):
-        g = decoder.generate(prompt, new, Sampling())
-        steps = [t.row() for t in g.trace[1:]]
-        model_time = sum(profile.op(op) for s in steps for op in s["ops"])
-        hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
-    data["host"] = profile.host = statistics.median(hosts)
+    for key, sampling in (("host", Sampling()), ("host_sampled", SAMPLED)):
+        decoder.generate(prompt, new, sampling)  # warm-up
+        hosts = []
+        for _ in range(max(1, repeats // 2)):
+            g = decoder.generate(prompt, new, sampling)
+            steps = [t.row() for t in g.trace[1:]]
+            model_time = sum(profile.op(op) for s in steps for op in s["ops"])
+            hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
+        data[key] = statistics.median(hosts)
+        setattr(profile, key, data[key])
     data["seconds_to_measure"] = round(time.time() - started, 1)
     return profile
 
