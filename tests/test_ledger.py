@@ -242,3 +242,14 @@ def test_projection_onto_a_folder_of_profiles_takes_those_of_the_runs_shape(tiny
     out = run_projection(OmegaConf.create({"inputs": [str(tmp_path / "run")], "profile": str(folder)}))
     assert list(out[str(tmp_path / "run")]) == ["another-machine__tiny-random"]
     assert "another-machine__tiny-random" in json.loads((tmp_path / "run" / SUMMARY).read_text())["projections"]
+
+
+def test_an_older_cached_profile_is_measured_again(tiny, tmp_path, monkeypatch):
+    import selfspec.models.profile as profiles
+
+    path = tmp_path / "cache" / "profiles" / "tiny.json"
+    monkeypatch.setattr(profiles, "default_path", lambda model, device: path)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": FORMAT - 1, "name": "old"}))
+    s = _run(tiny, tmp_path / "run")
+    assert s["profile"]["path"] == str(path) and Profile.load(path).data["format"] == FORMAT

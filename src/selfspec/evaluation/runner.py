@@ -168,6 +168,21 @@ def _profile_spec(cfg: DictConfig) -> str | None:
     return str(path)
 
 
+def _cached_profile(path: Path):
+    """This machine's cached profile at ``path``, or None when there is none or it is of an older
+    format (measured again then: a cache holds nothing a user wrote)."""
+    from selfspec.models.profile import FORMAT, Profile
+
+    if not path.is_file():
+        return None
+    try:
+        return Profile.load(path)
+    except (ValueError, KeyError) as err:
+        log.warning("the cached profile %s is unreadable or of another format than %d (%s): measuring it again",
+                    path, FORMAT, err)
+        return None
+
+
 def _profile(cfg: DictConfig, model):
     """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto``
     loads this machine's from the asset cache, else a shipped one of the same CPU, threads and
@@ -179,8 +194,9 @@ def _profile(cfg: DictConfig, model):
         return None
     if spec == "auto":
         path = default_path(model, model.device)
-        if path.is_file():
-            profile = Profile.load(path)
+        profile = _cached_profile(path)
+        if profile is not None:
+            pass
         elif (profile := matching_shipped(model)) is not None:
             log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "
                      "this machine's own", profile.name)
