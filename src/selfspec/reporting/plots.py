@@ -187,7 +187,7 @@ def ledger_figure(records: list[Record], title: str):
         ax.set_yticks(range(len(ms)), ms, fontsize=8)
         ax.set_ylim(len(ms) - 0.4, -0.6)  # the first method on top
         ax.set_ylabel("method (setting)", fontsize=8)
-        ax.set_xlabel("cost per committed token (vanilla steps; 1.0 = vanilla)", fontsize=9)
+        ax.set_xlabel("cost per token (vanilla steps)", fontsize=9)
         ax.xaxis.set_tick_params(labelbottom=True)  # each panel reads alone
         if len(panels) > 1:
             ax.set_title(name, fontsize=10)
