@@ -187,25 +187,21 @@ def _profile(cfg: DictConfig, model):
     """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto``
     loads this machine's from the asset cache, else a shipped one of the same CPU, threads and
     libraries, else measures it once (:func:`~selfspec.models.profile.measure_profile`)."""
-    from selfspec.models.profile import Profile, default_path, matching_shipped, measure_profile, model_shape
+    from selfspec.models.profile import Profile, default_path, matching_shipped, measure_profile
 
     spec = _profile_spec(cfg)
     if spec is None:
         return None
-    if spec == "auto":
-        path = default_path(model, model.device)
-        profile = _cached_profile(path)
-        if profile is not None:
-            pass
-        elif (profile := matching_shipped(model)) is not None:
+    if spec != "auto":
+        profile = Profile.load(spec)
+    elif (profile := _cached_profile(path := default_path(model, model.device))) is None:
+        if (profile := matching_shipped(model)) is not None:
             log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "
                      "this machine's own", profile.name)
         else:
             log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
             profile = measure_profile(model)
             profile.save(path)
-    else:
-        profile = Profile.load(spec)
     profile.check_shape(model_shape(model), f"model {model.name}")
     return profile
 
@@ -428,7 +424,8 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     refs = {ex.id: ex.reference for ex in examples}
     per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs, greedy=sampling.greedy,
                            profile=profile)
-    samples_files = _write_samples(out_dir, task, common_rows(rows, names, baseline))
+    finished = common_rows(rows, names, baseline)
+    samples_files = _write_samples(out_dir, task, finished)
     summary = {
         "model": loaded.name,
         "task": task.name,
@@ -444,7 +441,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         "run_info": info,
         "model_shape": model_shape(loaded.model),
         "profile": profile.summary() if profile is not None else None,
-        "contention": contention(common_rows(rows, names, baseline)[baseline], profile, float(cfg.contention),
+        "contention": contention(finished[baseline], profile, float(cfg.contention),
                                  machine(loaded.model.device)),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,

@@ -3,9 +3,10 @@
 Every speedup a speculative method can reach is its tokens per verification pass divided by
 what drafting plus that pass cost, so the methods' hardware-aware parts need the same curve:
 PPD's tree builder (the forward latency ``L_fp(n)`` of PPD §4), Draft & Verify's skip-search
-cost model (per-sublayer and verification costs, §3.3) and the runtime benchmark
-(``scripts/bench_runtime.py``). They all time through :func:`time_forward`, the one timing loop
-for forwards outside decoding (decoding itself is timed by the decoder loop).
+cost model (per-sublayer and verification costs, §3.3), the runtime benchmark
+(``scripts/bench_runtime.py``) and the machine profiles (:mod:`selfspec.models.profile`). They
+all time through :func:`time_forward`, the one timing loop for forwards outside decoding, and
+:func:`time_call` for an op outside a pass (decoding itself is timed by the decoder loop).
 
 Figures are ratios taken in one process (``v(k) = t(k) / t(1)`` at the same context), so they
 stay meaningful on a shared machine; absolute times are medians of repeats after one untimed
@@ -23,8 +24,8 @@ import torch
 
 from selfspec.models.layered import LayeredModel, SkipSet
 
-__all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_forward",
-           "time_head", "weight_bytes"]
+__all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_call",
+           "time_forward", "time_head", "weight_bytes"]
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -87,6 +88,22 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
     if reduce != "median":
         raise ValueError(f"reduce must be median or min, got {reduce!r}")
     return statistics.median(timed)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` (device synchronised around each call) over ``repeats`` timed
+    calls after one untimed warm-up, under inference mode: an op outside a whole pass (a head
+    product, an exit head's transform)."""
+    sync = synchronizer(device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(max(1, repeats) + 1):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def weight_bytes(model: LayeredModel) -> int:

@@ -28,6 +28,7 @@ the last measured row count.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import platform
@@ -108,19 +109,33 @@ def machine_name(info: dict[str, Any]) -> str:
     return f"{info['device']}-{'-'.join(words[:5])}{tail}"
 
 
-def _interp(points: dict[int, float], x: float) -> float:
-    """Linear between measured points; past the last, in proportion to ``x`` (a per-row cost);
-    before the first, the first."""
-    xs = sorted(points)
-    if x <= xs[0]:
-        return points[xs[0]]
-    if x >= xs[-1]:
-        return points[xs[-1]] * x / xs[-1] if xs[-1] > 0 else points[xs[-1]]
-    hi = next(v for v in xs if v >= x)
-    lo = max(v for v in xs if v < hi) if hi != x else hi
-    if hi == lo:
-        return points[hi]
-    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+class Curve:
+    """Measured costs by one variable, sorted once: linear between measured points, the first
+    before them, and past the last either in proportion to ``x`` (``past="proportional"``: a cost
+    per row or per vocabulary row) or along the last segment's slope, never below the last point
+    (``past="slope"``: attention by context)."""
+
+    __slots__ = ("xs", "ys", "past")
+
+    def __init__(self, points: dict[int, float], past: str = "proportional") -> None:
+        self.xs = sorted(points)
+        self.ys = [points[x] for x in self.xs]
+        self.past = past
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            if self.past == "slope":
+                if len(xs) < 2:
+                    return ys[-1]
+                return max(ys[-1] + (ys[-1] - ys[-2]) * (x - xs[-1]) / (xs[-1] - xs[-2]), ys[-1])
+            return ys[-1] * x / xs[-1] if xs[-1] > 0 else ys[-1]
+        i = bisect.bisect_left(xs, x)
+        if xs[i] == x:
+            return ys[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 class Profile:
@@ -133,10 +148,16 @@ class Profile:
         self.data = data
         self.path = path
         num = lambda table: {int(k): float(v) for k, v in table.items()}  # noqa: E731
+        #: the measured tables (seconds), keyed by numbers
         self.attention = {int(c): num(row) for c, row in data["attention"].items()}
         self.mlp = num(data["mlp"])
         self.head_cost = {int(v): num(row) for v, row in data["head"].items()}
         self.linear_cost = num(data["linear"])
+        # ... as curves, sorted once (a gate prices every step with them)
+        self._contexts = sorted(self.attention)
+        self._attention = {c: Curve(row) for c, row in self.attention.items()}
+        self._mlp, self._linear = Curve(self.mlp), Curve(self.linear_cost)
+        self._head = {v: Curve(row) for v, row in self.head_cost.items()}
         self.host = float(data["host"])
         self.host_sampled = float(data["host_sampled"])
 
@@ -175,36 +196,21 @@ class Profile:
 
     # --- costs ---------------------------------------------------------------------------------
     def attention_cost(self, rows: int, context: int) -> float:
-        cs = sorted(self.attention)
-        at = {c: _interp(self.attention[c], rows) for c in cs}
-        if context <= cs[0]:
-            return at[cs[0]]
-        if context >= cs[-1]:
-            if len(cs) < 2:
-                return at[cs[-1]]
-            a, b = cs[-2], cs[-1]
-            return max(at[b] + (at[b] - at[a]) * (context - b) / (b - a), at[b])
-        hi = next(c for c in cs if c >= context)
-        lo = max(c for c in cs if c < hi) if hi != context else hi
-        if hi == lo:
-            return at[hi]
-        return at[lo] + (at[hi] - at[lo]) * (context - lo) / (hi - lo)
+        return Curve({c: self._attention[c](rows) for c in self._contexts}, past="slope")(context)
 
     def head(self, rows: int, vocab: int) -> float:
-        vs = sorted(self.head_cost)
-        at = {v: _interp(self.head_cost[v], rows) for v in vs}
-        return _interp(at, vocab) if vocab <= vs[-1] else at[vs[-1]] * vocab / vs[-1]
+        return Curve({v: cost(rows) for v, cost in self._head.items()})(vocab)
 
     def op(self, op: list) -> float:
         """Seconds of one ledger op (:mod:`selfspec.models.ledger`)."""
         kind = op[1]
         if kind == "L":
             _, _, rows, attention, mlp, context = op
-            return attention * self.attention_cost(rows, context) + mlp * _interp(self.mlp, rows)
+            return attention * self.attention_cost(rows, context) + mlp * self._mlp(rows)
         if kind == "H":
             return self.head(op[2], op[3])
         if kind == "X":
-            return _interp(self.linear_cost, op[2])
+            return self._linear(op[2])
         raise ValueError(f"unknown ledger op {op!r}")
 
     def predict(self, trace: Iterable[dict[str, Any]], sampled: bool = False) -> dict[str, float]:
@@ -229,7 +235,7 @@ class Profile:
     def plain_step(self, context: int = 512) -> float:
         """Seconds of vanilla's step at ``context``: one row through every layer, the head, the host."""
         n = self.shape["num_layers"]
-        return (n * (self.attention_cost(1, context) + _interp(self.mlp, 1))
+        return (n * (self.attention_cost(1, context) + self._mlp(1))
                 + self.head(1, self.shape["vocab_size"]) + self.host)
 
     # --- files ---------------------------------------------------------------------------------
@@ -300,19 +306,13 @@ def default_path(model, device: torch.device) -> Path:
 
 
 # --- measuring -------------------------------------------------------------------------------------
-def _median_pass(model, cache, context: int, rows: int, repeats: int, **kw) -> float:
-    from selfspec.models.costs import time_forward
-
-    return time_forward(model, cache, context, rows, repeats=repeats, **kw)
-
-
 def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable[int] = PREFILL_ROWS,
                     contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None) -> Profile:
     """Measure this machine's profile of ``model`` (module docstring). About a minute for
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
     from selfspec.decoding import Sampling
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.models.costs import context_cache
+    from selfspec.models.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
 
     SAMPLED = Sampling(**SAMPLED_SETTING)
@@ -335,12 +335,12 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         if context == pass_context:
             whole[context] = {}
         for n in widths:
-            full = _median_pass(model, cache, context, n, repeats, logits_rows=0)
-            attn = _median_pass(model, cache, context, n, repeats, logits_rows=0, skip=no_mlp)
+            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
+            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
             attention[context][n] = attn / L
             mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
             if n in rows and context == pass_context:
-                whole[context][n] = _median_pass(model, cache, context, n, repeats)
+                whole[context][n] = time_forward(model, cache, context, n, repeats=repeats)
         if log:
             log(f"context {context}: attention and MLP sublayers for {len(widths)} row counts")
     head = _measure_heads(model, rows + prefill_rows[:1], repeats)
@@ -386,10 +386,9 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
 
 def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:
     """LM-head products by rows, for the full vocabulary and truncated ones."""
-    from selfspec.models.costs import synchronizer
+    from selfspec.models.costs import time_call
 
     weight = model.lm_head_weight
-    sync = synchronizer(model.device)
     out: dict[int, dict[int, float]] = {}
     for fraction in VOCAB_FRACTIONS:
         v = max(1, int(weight.shape[0] * fraction))
@@ -397,37 +396,20 @@ def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, 
         out[v] = {}
         for n in rows:
             x = torch.randn(1, n, model.hidden_size, dtype=model.dtype, device=model.device)
-            times = []
-            with torch.inference_mode():
-                for _ in range(repeats + 1):
-                    sync()
-                    t0 = time.perf_counter()
-                    model.head(x, w).float()
-                    sync()
-                    times.append(time.perf_counter() - t0)
-            out[v][n] = statistics.median(times[1:])
+            out[v][n] = time_call(lambda: model.head(x, w).float(), model.device, repeats)
     return out
 
 
 def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
     """An exit head's ``d × d`` transform by rows."""
-    from selfspec.models.costs import synchronizer
+    from selfspec.models.costs import time_call
 
     d = model.hidden_size
     lin = torch.nn.Linear(d, d, bias=False, dtype=model.dtype, device=model.device)
-    sync = synchronizer(model.device)
     out = {}
-    with torch.inference_mode():
-        for n in rows:
-            x = torch.randn(1, n, d, dtype=model.dtype, device=model.device)
-            times = []
-            for _ in range(repeats + 1):
-                sync()
-                t0 = time.perf_counter()
-                lin(x)
-                sync()
-                times.append(time.perf_counter() - t0)
-            out[n] = statistics.median(times[1:])
+    for n in rows:
+        x = torch.randn(1, n, d, dtype=model.dtype, device=model.device)
+        out[n] = time_call(lambda: lin(x), model.device, repeats)
     return out
 
 
