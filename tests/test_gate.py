@@ -127,7 +127,7 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
     assert isinstance(dec.gate, SpeculationGate), "never_slower is on by default"
     # the arm the gate prefers, set by hand: plain decoding "measured" far cheaper, or far dearer
     dec.gate.seconds = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}
-    dec.gate.tokens = {True: 1.0, False: 1.0}
+    dec.gate.units = {True: 1.0, False: 1.0}
     # ... and kept so: every step "measures" that arm's cost, so the machine's timing cannot flip it
     record, cheap = dec.gate.record, not prefer_plain
     dec.gate.record = lambda speculated, tokens, seconds: record(speculated, tokens,

@@ -7,6 +7,7 @@ import copy
 import json
 
 import pytest
+import torch
 from test_trace import _decoder
 
 from selfspec.config import compose
@@ -132,6 +133,9 @@ def test_summary_has_the_ledger_and_the_predicted_speedup(tiny, tmp_path):
     s = _run(tiny, tmp_path)
     assert s["profile"]["device"] == "cpu" and s["model_shape"] == model_shape(tiny.model)
     assert s["contention"] is None  # milliseconds of a tiny model: within the timers' noise, not judged
+    # threads=auto: the thread policy runs where it can (a CPU with two threads and a profile)
+    assert s["threads"] == {"policy": "adaptive" if torch.get_num_threads() > 1 else "fixed",
+                            "configured": torch.get_num_threads()}
     for name in ("vanilla", "ngram"):
         e = s["methods"][name]
         measured, predicted = e["ledger"]["measured"], e["ledger"]["predicted"]
@@ -146,6 +150,7 @@ def test_summary_has_the_ledger_and_the_predicted_speedup(tiny, tmp_path):
 def test_no_profile_leaves_the_prediction_out(tiny, tmp_path):
     s = _run(tiny, tmp_path, "profile=null")
     assert s["profile"] is None and s["contention"] is None
+    assert s["threads"]["policy"] == "fixed"  # auto: no profile to price the steps with
     assert s["methods"]["ngram"]["predicted_speedup"] is None and s["methods"]["ngram"]["ledger"]["predicted"] is None
 
 

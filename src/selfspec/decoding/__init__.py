@@ -71,16 +71,24 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     return options
 
 
-def build_decoder(method_cfg, model, *, profile=None, **common) -> Decoder:
+def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", **common) -> Decoder:
     """Build the decoder a ``method`` config group names (``method.name``) from its parts, all at
     construction (:class:`~selfspec.decoding.base.Decoder`): a speculation gate
     (:meth:`Decoder.new_gate`) when its ``never_slower`` is on — pricing steps with ``profile``
     (a :class:`~selfspec.models.profile.Profile` of this model) when one is given, else timing
     them — and a context drafter (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its
-    ``ngram`` is set."""
+    ``ngram`` is set; with ``threads="adaptive"``, a thread policy
+    (:class:`~selfspec.decoding.threads.ThreadPolicy`, pricing with ``profile``) for a decoder
+    whose steps run in :meth:`Decoder.generate`'s loop."""
     cls = decoder_class(str(method_cfg.name))
     options = check_method(method_cfg)
     gate = cls.new_gate(profile) if options.pop("never_slower", False) else None
+    if threads not in ("adaptive", "fixed"):
+        raise ValueError(f"threads must be adaptive or fixed here, got {threads!r}")
+    if threads == "adaptive" and cls.own_loop:
+        from selfspec.decoding.threads import ThreadPolicy
+
+        common["threads"] = ThreadPolicy(profile)
     context = options.pop("ngram") if cls.context_first else None
     if context is not None:
         from selfspec.decoding.ngram import ContextDrafter

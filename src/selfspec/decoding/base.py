@@ -187,7 +187,10 @@ class Decoder:
     #: speculation gate's measurements; chain methods add their draft-stop rule (Draft & Verify's
     #: adaptive threshold). Everything else on a decoder is fixed by its config, and what belongs
     #: to one example lives on ``DecodeState``. :meth:`kept_state` restores it (the warm-up).
-    carried: ClassVar[tuple[str, ...]] = ("gate",)
+    carried: ClassVar[tuple[str, ...]] = ("gate", "threads")
+    #: whether the decoder's steps run in :meth:`generate`'s loop (the thread policy steers those,
+    #: :mod:`selfspec.decoding.threads`); the HF peers' steps run in transformers' ``generate``
+    own_loop: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -200,6 +203,7 @@ class Decoder:
         context=None,
         draft_vocab=None,
         reads: dict[str, Any] | None = None,
+        threads=None,
     ) -> None:
         """The parts every decoder may be built with (:func:`selfspec.decoding.build_decoder`
         assembles them from the method config; nothing is attached after construction):
@@ -211,7 +215,9 @@ class Decoder:
           the method's ``ngram`` sub-config is set (only for :attr:`context_first` methods);
         * ``draft_vocab``: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`,
           ``method.draft_vocab``); None = the full head;
-        * ``reads``: the trained artefacts the method itself reads (name -> directory).
+        * ``reads``: the trained artefacts the method itself reads (name -> directory);
+        * ``threads``: the thread policy (:class:`~selfspec.decoding.threads.ThreadPolicy`) when
+          the evaluation's ``threads`` is adaptive; None = torch's threads throughout.
         """
         if stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the generated text")
@@ -225,6 +231,7 @@ class Decoder:
         self.context = context
         self.draft_vocab = draft_vocab
         self.reads = {k: v for k, v in (reads or {}).items() if v}
+        self.threads = threads
 
     @property
     def artefacts(self) -> dict[str, Any]:
@@ -365,7 +372,10 @@ class Decoder:
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
         ledger = self.model.ledger = Ledger(self.model.device)
+        threads = self.threads
         try:
+            if threads is not None:
+                threads.full()
             sync()
             t0 = time.perf_counter()
             ledger.start()
@@ -378,7 +388,11 @@ class Decoder:
                 while reason is None:
                     state.drafted = 0
                     state.trace_step = StepTrace()
+                    if threads is not None and not threads.choose():
+                        state.count("steps_one_thread")
                     new = self._gated_step(state, max_new_tokens - (len(state.tokens) - n_prompt))
+                    if threads is not None:
+                        threads.record(ledger.ops, not sampling.greedy)
                     reason = self._commit(state, new, max_new_tokens)
             ledger.stop()
             sync()
@@ -386,6 +400,8 @@ class Decoder:
             ledger.seconds["host"] += seconds - sum(ledger.seconds.values())  # the loop's own edges
         finally:
             self.model.ledger = None
+            if threads is not None:
+                threads.full()
         self.finish(state)
         if self.draft_vocab is not None:
             state.stats.update(self.draft_vocab.stats())

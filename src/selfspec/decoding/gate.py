@@ -46,19 +46,20 @@ from typing import Any
 
 
 @dataclass
-class SpeculationGate:
-    """The gate of the module docstring; :meth:`speculate` before a step, :meth:`record` after."""
+class TwoArms:
+    """Two arms, each costed as the ratio of two moving averages over the steps it took (a step's
+    seconds over its units of work), the cheaper one preferred and the other probed at doubling
+    intervals (the module docstring's schedule). The speculation gate's arms are speculate and
+    plain, its units committed tokens; the thread policy's (:mod:`selfspec.decoding.threads`) are
+    the configured thread count and one thread, its units a step's predicted seconds."""
 
     min_interval: int = 8
     max_interval: int = 128
     smoothing: float = 0.3
     probe_steps: int = 1
-    #: a cost profile of this model (:class:`~selfspec.models.profile.Profile`): steps are priced
-    #: from their ledger ops with it instead of timed (module docstring)
-    profile: Any = None
-    #: moving averages per arm of a step's seconds and of its committed tokens (None = not measured yet)
+    #: moving averages per arm of a step's seconds and of its units (None = not measured yet)
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
-    tokens: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    units: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     interval: int = field(init=False)
     _since_probe: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -75,29 +76,20 @@ class SpeculationGate:
         self.interval = self.min_interval
 
     @property
-    def deterministic(self) -> bool:
-        """Whether the gate prices steps from their ops (the same run, the same choices)."""
-        return self.profile is not None
-
-    def price(self, ops: list[list]) -> float:
-        """Predicted seconds of a step from its ledger ops, its overhead included."""
-        return sum(self.profile.op(op) for op in ops) + self.profile.host
-
-    @property
     def cost(self) -> dict[bool, float | None]:
-        """Cost per committed token of each arm (seconds; None = not measured yet): the ratio of
-        the moving averages (module docstring)."""
-        return {arm: None if self.seconds[arm] is None else self.seconds[arm] / self.tokens[arm]
+        """Cost per unit of each arm (None = not measured yet): the ratio of the moving averages
+        (module docstring)."""
+        return {arm: None if self.seconds[arm] is None else self.seconds[arm] / self.units[arm]
                 for arm in (True, False)}
 
     @property
     def preferred(self) -> bool:
-        """The arm the measurements favour (True = speculate; also while plain is unmeasured)."""
-        spec, plain = self.cost[True], self.cost[False]
-        return spec is None or plain is None or spec <= plain
+        """The arm the measurements favour (True; also while False is unmeasured)."""
+        first, second = self.cost[True], self.cost[False]
+        return first is None or second is None or first <= second
 
-    def speculate(self) -> bool:
-        """Whether the next step speculates: the preferred arm, or the other one during a probe."""
+    def choose(self) -> bool:
+        """The arm of the next step: the preferred arm, or the other one during a probe."""
         if self._probe_left:
             return self._probe_arm
         self._since_probe += 1
@@ -108,14 +100,38 @@ class SpeculationGate:
             return self._probe_arm
         return self.preferred
 
-    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
-        """One step's outcome: ``speculated`` = it verified at least one draft."""
-        if tokens >= 1 and seconds > 0:
-            for average, value in ((self.seconds, float(seconds)), (self.tokens, float(tokens))):
-                old = average[speculated]
-                average[speculated] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
+    def record(self, arm: bool, units: float, seconds: float) -> None:
+        """One step's outcome on ``arm``: its units of work and its seconds."""
+        if units > 0 and seconds > 0:
+            for average, value in ((self.seconds, float(seconds)), (self.units, float(units))):
+                old = average[arm]
+                average[arm] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
         if self._probe_left:
             self._probe_left -= 1
             if not self._probe_left:  # the probe's verdict
                 self.interval = (min(self.interval * 2, self.max_interval) if self.preferred == self._before
                                  else self.min_interval)
+
+
+@dataclass
+class SpeculationGate(TwoArms):
+    """The gate of the module docstring: arm True speculates, arm False takes a plain step; a
+    step's units are its committed tokens. :meth:`speculate` before a step, :meth:`record` after
+    (``speculated`` = it verified at least one draft)."""
+
+    #: a cost profile of this model (:class:`~selfspec.models.profile.Profile`): steps are priced
+    #: from their ledger ops with it instead of timed (module docstring)
+    profile: Any = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the gate prices steps from their ops (the same run, the same choices)."""
+        return self.profile is not None
+
+    def price(self, ops: list[list]) -> float:
+        """Predicted seconds of a step from its ledger ops, its overhead included."""
+        return self.profile.price(ops)
+
+    def speculate(self) -> bool:
+        """Whether the next step speculates (:meth:`TwoArms.choose`)."""
+        return self.choose()

@@ -39,6 +39,7 @@ class HFPeer(Decoder):
 
     name = "hf_generate"
     lossless = True
+    own_loop = False
     #: whether generate drafts candidates (assisted decoding); plain generate commits 1 per step
     speculative: ClassVar[bool] = False
 

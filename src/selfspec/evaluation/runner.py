@@ -149,7 +149,35 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.flag("progress", cfg.progress)
     checks.number("contention", cfg.contention, 1.0, low_open=True,
                   why="the baseline's measured / predicted time that flags a run as measured under load")
-    _profile_spec(cfg)
+    _threads_spec(cfg)
+
+
+def _threads_spec(cfg: DictConfig) -> str:
+    """``threads``: auto, adaptive or fixed; ``adaptive`` where it cannot run is refused before the
+    model loads (:func:`selfspec.decoding.threads.adaptive_possible`), with the profile it needs
+    judged from the ``profile`` key (a profile file is read once the model is loaded)."""
+    from selfspec.decoding.threads import THREADS, adaptive_possible
+
+    value = checks.choice("threads", cfg.threads, THREADS, why="CPU threads per decoding step")
+    profile = _profile_spec(cfg)
+    if value == "adaptive":
+        from selfspec.models.loading import resolve_device
+
+        why = adaptive_possible(resolve_device(str(cfg.model.device)), profile or None)
+        if why:
+            raise checks.refuse("threads", value, "auto or fixed here", why)
+    return value
+
+
+def _threads(cfg: DictConfig, device: torch.device, profile) -> str:
+    """What ``threads`` resolves to for this run: adaptive or fixed (``auto``: adaptive where it
+    can run)."""
+    from selfspec.decoding.threads import adaptive_possible
+
+    value = str(cfg.threads)
+    if value == "auto":
+        return "fixed" if adaptive_possible(device, profile) else "adaptive"
+    return value
 
 
 def _profile_spec(cfg: DictConfig) -> str | None:
@@ -388,9 +416,11 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     loaded = model_for(cfg.model, loaded)
     profile = _profile(cfg, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
+    threads = _threads(cfg, loaded.model.device, profile)
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
-    runs = [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, **common)) for name, m in method_cfgs.items()]
+    runs = [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads, **common))
+            for name, m in method_cfgs.items()]
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _begin(out_dir, identity, cfg)
@@ -443,6 +473,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         "profile": profile.summary() if profile is not None else None,
         "contention": contention(finished[baseline], profile, float(cfg.contention),
                                  machine(loaded.model.device)),
+        "threads": {"policy": threads, "configured": torch.get_num_threads()},
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,
         "config": OmegaConf.to_container(cfg, resolve=True),

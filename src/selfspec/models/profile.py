@@ -213,6 +213,11 @@ class Profile:
             return self._linear(op[2])
         raise ValueError(f"unknown ledger op {op!r}")
 
+    def price(self, ops: list[list], sampled: bool = False) -> float:
+        """Predicted seconds of one step from its ledger ops, the step's host time included
+        (``sampled``: a sampling step's, :meth:`predict`)."""
+        return sum(self.op(op) for op in ops) + (self.host_sampled if sampled else self.host)
+
     def predict(self, trace: Iterable[dict[str, Any]], sampled: bool = False) -> dict[str, float]:
         """Seconds per component (:data:`~selfspec.models.ledger.COMPONENTS`) of a generation from
         its step trace (``StepTrace.row()`` dicts with their ``ops``): every op costed, and the

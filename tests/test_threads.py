@@ -1,0 +1,164 @@
+"""The thread policy (selfspec.decoding.threads): a decoding step's outputs do not depend on the
+thread count it ran on, the policy follows the steps' measured cost, the prompt's prefill keeps
+the configured count, and ``threads`` is checked before a model loads."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import method_config
+from selfspec.checks import ConfigError
+from selfspec.decoding import build_decoder
+from selfspec.decoding import threads as threads_module
+from selfspec.decoding.threads import ThreadPolicy, adaptive_possible
+from selfspec.decoding.vanilla import Vanilla
+from selfspec.models.layered import LayeredModel
+
+#: methods that need no trained artefact, each drafting on a peaked random model
+METHODS = [
+    {"name": "vanilla"},
+    {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [1], "max_draft": 4, "never_slower": False},
+    {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False},
+    {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
+    {"name": "adadecode", "head_kind": "lm_head", "layers": [1], "threshold": 0.3},
+    {"name": "ngram", "never_slower": False},
+]
+PROMPT = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3, 42, 8, 61, 200, 13] * 2
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """A random Llama as wide as SmolLM2 (hidden 576, 9 heads, 3 KV heads, MLP 1536), 3 layers and
+    a 4096-token vocabulary: wide enough that every operator splits its work between threads."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
+                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512,
+                                      tie_word_embeddings=True))
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(30)  # peaked distributions: drafts get accepted
+    return LayeredModel(hf.float(), name="wide-random", linear_kernel="auto")
+
+
+def _decoder(model, method, **kw):
+    return build_decoder(method_config(method["name"], **{k: v for k, v in method.items() if k != "name"}), model, **kw)
+
+
+class Alternate:
+    """Arms that take turns, whatever the timings: every other step on one thread."""
+
+    def __init__(self) -> None:
+        self._turns = itertools.cycle([True, False])
+
+    def choose(self) -> bool:
+        return next(self._turns)
+
+    def record(self, arm, units, seconds) -> None:
+        pass
+
+
+class FlatProfile:
+    """A profile that prices every step at one second."""
+
+    def price(self, ops, sampled=False) -> float:
+        return 1.0
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two CPU threads")
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["name"])
+def test_a_generation_is_the_same_on_one_thread_two_and_alternating(wide, method):
+    configured = torch.get_num_threads()
+    runs = {}
+    try:
+        for label, n in (("one", 1), ("two", 2)):
+            torch.set_num_threads(n)
+            g = _decoder(wide, method).generate(PROMPT, 24)
+            runs[label] = (g.tokens, [s.row() for s in g.trace])
+        torch.set_num_threads(2)
+        policy = ThreadPolicy(FlatProfile(), threads=2, arms=Alternate())
+        dec = _decoder(wide, method)
+        dec.threads = policy
+        g = dec.generate(PROMPT, 24)
+        runs["alternating"] = (g.tokens, [s.row() for s in g.trace])
+        assert g.stats.get("steps_one_thread", 0) >= len(g.trace) // 2 - 1
+        assert torch.get_num_threads() == 2  # the configured count is back after the generation
+    finally:
+        torch.set_num_threads(configured)
+    assert runs["one"] == runs["two"] == runs["alternating"]
+    if method["name"] != "vanilla":
+        assert sum(r["drafted"] for r in runs["one"][1] if r.get("drafted")) > 0, "nothing drafted: no verification ran"
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two CPU threads")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_passes_give_the_same_bits_on_one_thread_and_two(wide, dtype):
+    """Every pass a decoding step makes (1..32 rows after a context), and its logits, bit for bit."""
+    model = LayeredModel(wide.hf.to(dtype), name="wide-random", linear_kernel="auto")
+    ids = torch.randint(0, 4096, (1, 120), generator=torch.Generator().manual_seed(1))
+    configured = torch.get_num_threads()
+
+    def passes(n_threads):
+        torch.set_num_threads(n_threads)
+        out = []
+        with torch.inference_mode():
+            for k in (1, 3, 8, 32):
+                cache = model.new_cache(160)
+                model.forward(ids[:, :80], cache)
+                out.append(model.logits(model.forward(ids[:, 80:80 + k], cache)))
+        return out
+
+    try:
+        one, two = passes(1), passes(2)
+    finally:
+        torch.set_num_threads(configured)
+        wide.hf.float()
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two CPU threads")
+def test_the_policy_follows_the_measured_cost_and_prefills_on_the_configured_count(tiny, monkeypatch):
+    """Fake clock: a step on one thread takes 1 s, on the configured count 2 s (a loaded machine).
+    The policy moves to one thread, probes the configured count now and then, and every prefill
+    runs on the configured count."""
+    configured = torch.get_num_threads()
+    clock = [0.0]
+    monkeypatch.setattr(threads_module.time, "perf_counter", lambda: clock[0])
+    seen_prefill = []
+
+    class Timed(Vanilla):
+        def prefill(self, state, prompt):
+            seen_prefill.append(torch.get_num_threads())
+            return super().prefill(state, prompt)
+
+        def step(self, state, budget):
+            clock[0] += 1.0 if torch.get_num_threads() == 1 else 2.0
+            return super().step(state, budget)
+
+    policy = ThreadPolicy(FlatProfile())
+    dec = Timed(tiny.model, threads=policy)
+    try:
+        g = [dec.generate([1, 2, 3, 4], 100) for _ in range(2)]
+    finally:
+        torch.set_num_threads(configured)
+    one = sum(x.stats.get("steps_one_thread", 0) for x in g)
+    steps = sum(len(x.trace) - 1 for x in g)  # the steps after each prefill
+    assert one >= 0.85 * steps, (one, steps)  # one thread is cheaper here: nearly every step takes it
+    assert one < steps  # and the configured count is probed
+    assert not policy.arms.preferred
+    assert seen_prefill == [configured, configured]
+    assert torch.get_num_threads() == configured
+
+
+def test_threads_is_checked_before_the_model_loads(tmp_path):
+    from selfspec.config import compose
+    from selfspec.evaluation.runner import _check_run_options
+
+    with pytest.raises(ConfigError, match="threads"):
+        _check_run_options(compose(["model=tiny-random", "threads=some"]))
+    with pytest.raises(ConfigError, match=r"threads.*profile"):
+        _check_run_options(compose(["model=tiny-random", "threads=adaptive", "profile=null"]))
+    assert adaptive_possible(torch.device("cuda"), FlatProfile()).startswith("it chooses CPU threads")
+    assert adaptive_possible(torch.device("cpu"), None) is not None
