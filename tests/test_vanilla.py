@@ -52,6 +52,30 @@ def test_warp_matches_transformers_warpers():
     torch.testing.assert_close(warp(logits, s), x.softmax(-1))
 
 
+def test_top_p_mask_is_the_transformers_warpers_bit_for_bit():
+    """The sorted-values shortcut of top_p_drop against TopPLogitsWarper's own mask: SmolLM2's
+    vocabulary size and small ones, several rows, -inf from top-k, many ties (the boundary tie is
+    taken through torch.sort's order, as the warper does), and p from tiny to nearly 1."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from selfspec.decoding.sampling import top_p_drop
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        V = (50, 1000, 49152)[trial % 3]
+        x = torch.randn(1 + trial % 3, V, generator=g) * (0.5 + 5 * torch.rand(1, generator=g).item())
+        if trial % 4 == 0:
+            x = (x * 2).round() / 2  # many ties
+        if trial % 5 == 0:
+            x = TopKLogitsWarper(int(torch.randint(1, V, (1,), generator=g)))(None, x)
+        p = float(torch.rand(1, generator=g)) * 0.99 + 0.005
+        expected = TopPLogitsWarper(p)(None, x.clone()) == float("-inf")
+        assert torch.equal(top_p_drop(x, p) | (x == float("-inf")), expected), (trial, V, p)
+    # a tie across the boundary: four equal logits, half the mass kept; the warper's torch.sort decides which
+    x = torch.zeros(1, 4)
+    assert torch.equal(top_p_drop(x, 0.5), TopPLogitsWarper(0.5)(None, x.clone()) == float("-inf"))
+
+
 def test_speculative_verify_preserves_target_distribution():
     """Empirical distribution of the first emitted token vs p: total variation < 0.02.
 
