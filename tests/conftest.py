@@ -82,6 +82,47 @@ def hf_greedy(loaded, ids, n):
     return out[0, len(ids):].tolist()
 
 
+#: the five training jobs in a few steps each (``train_every_job``): job -> overrides
+SMALL_JOBS = {
+    "heads": {"task": "gsm8k", "job.n_prompts": 3, "job.n_heldout": 1, "job.gen_tokens": 6, "job.steps": 2,
+              "job.eval_every": 0, "job.max_prompt_tokens": 48, "job.layers": "[1,2]"},
+    "prompts": {"job.steps": 2, "job.n_conversations": 6, "job.held_out": 2, "job.context_length": 48,
+                "job.inserts": 4, "job.eval_inserts": 4},
+    "ppd_tree": {"job.n_prompts": 2, "job.max_new_tokens": 10, "job.latency_repeats": 1, "job.sizes": "[1,3,5]",
+                 "job.plot": "false"},
+    "skips": {"task": "xsum", "job.n_prompts": 2, "job.max_new_tokens": 8, "job.max_prompt_tokens": 48,
+              "job.iterations": 2, "job.calibration_repeats": 1, "job.probe_fractions": "[0.5]", "job.plot": "false",
+              "+job.decoding.max_draft": 4},
+    "draft_vocab": {"task": "gsm8k", "job.n_prompts": 3, "job.n_heldout": 2, "job.gen_tokens": 8,
+                    "job.max_prompt_tokens": 48, "job.cost_repeats": 1, "job.size": 12},
+}
+#: where each job's artefact goes under the folder ``train_every_job`` writes into
+JOB_DIRS = {"heads": "h", "prompts": "p", "ppd_tree": "t", "skips": "s", "draft_vocab": "v"}
+
+
+def train_every_job(model: str, out, loaded=None, **changes) -> None:
+    """Run the five training jobs (:data:`SMALL_JOBS`, with ``changes`` ``{job: {key: value}}`` on
+    top) on ``model`` into ``out/<JOB_DIRS[job]>``; each must write its artefact."""
+    from selfspec.config import compose
+    from selfspec.train import run_job
+
+    for job, overrides in SMALL_JOBS.items():
+        args = {**overrides, **changes.get(job, {}), "artefact_dir": out / JOB_DIRS[job]}
+        if job == "ppd_tree":
+            args["job.prompts"] = out / JOB_DIRS["prompts"]
+        summary = run_job(compose([f"model={model}", "progress=false", f"job={job}",
+                                   *(f"{k}={v}" for k, v in args.items())], "train"), loaded)
+        assert summary["artefact"], job
+
+
+def methods_with_artefacts(out) -> list:
+    """A method config reading each artefact :func:`train_every_job` wrote into ``out``."""
+    return [method_config("adadecode", heads_dir=str(out / "h"), threshold=0.0),
+            method_config("ppd", prompts=str(out / "p"), tree=str(out / "t"), never_slower=False),
+            method_config("draft_verify", skip_set=str(out / "s"), never_slower=False),
+            method_config("del", draft_vocab=str(out / "v"), never_slower=False)]
+
+
 def rolled_back_steps(dec, ids, steps: int = 8, budget: int = 60) -> int:
     """Prefill ``ids`` and drive ``dec.step`` by hand; after each step every layer must hold exactly
     the full model's K/V of the committed tokens but the pending one (drafts' scratch K/V and

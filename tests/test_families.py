@@ -1,20 +1,23 @@
 """Every supported family on the layered runtime, each from a tiny random model built offline from
 transformers' own config class: vanilla equals transformers' greedy ``generate`` token for token,
 and the lossless methods equal vanilla. The randomly initialised parts the families add (Qwen2's
-q/k/v biases, Qwen3's q/k norms) are drawn at random, since their initial values (zero biases,
-unit norms) would hide a runtime that skipped them."""
+q/k/v biases, Qwen3's q/k norms, all of Gemma 3's norms) are drawn at random, since their initial
+values (zero biases, unit norms, Gemma's zero ``w`` in ``1 + w``) would hide a runtime that skipped
+them. Gemma 3's sliding window (8) is shorter than every generation here, so its masks are tested
+on one-token steps, verification passes, trees and prefills."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from conftest import method_config
+from conftest import method_config, methods_with_artefacts, train_every_job
 from selfspec.decoding import build_decoder
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.models.families import FAMILIES, Llama, Qwen3, UnsupportedModelError, check_model_type
+from selfspec.models import families, kernels
+from selfspec.models.families import FAMILIES, Gemma3, Llama, Qwen3, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -25,6 +28,14 @@ FAMILY_MODELS = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 64}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24}),  # head_dim apart from hidden / heads, as Qwen3's
+    # Gemma 3 270M's traits, small: one KV head, head_dim apart, sliding layers (window 8) around a full one, each
+    # kind with its own rotary base (untied: a tied head scaled up as below only repeats the last token)
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM, {
+        "num_key_value_heads": 1, "head_dim": 32, "query_pre_attn_scalar": 24,
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                             "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
 }
 PROMPT = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3, 42, 8, 61, 200, 13]
 N_NEW = 24
@@ -38,8 +49,10 @@ def tiny_family(model_type: str, **overrides) -> LayeredModel:
         for name, p in hf.named_parameters():
             if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 p.normal_(0, 0.5)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif name.endswith(("q_norm.weight", "k_norm.weight")) and model_type != "gemma3_text":
                 p.uniform_(0.5, 1.5)
+            elif model_type == "gemma3_text" and name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)  # the w of (1 + w)
             elif "embed_tokens" in name or "lm_head" in name:
                 p.mul_(20)  # peaked distributions: drafts get accepted, so the methods' paths all run
     return LayeredModel(hf.float(), name=f"tiny-{model_type}", linear_kernel="auto")
@@ -90,7 +103,7 @@ def test_qwen3_norms_q_and_k_per_head():
     # the norms matter: with them left out the runtime would no longer match transformers
     attn = model.family.layers[0].self_attn
     q = torch.randn(1, 3, 4, 24)
-    assert not torch.equal(model.family.qk_norm(0, q, q)[0], q)
+    assert not torch.equal(model.family.qk_norm(0, q, q, model.norm)[0], q)
     assert attn.q_norm.weight.shape == (24,)
 
 
@@ -106,40 +119,104 @@ def test_mistral_context_is_bounded_by_its_window():
 
 
 def test_an_unsupported_family_is_refused_naming_the_supported_ones():
-    with pytest.raises(UnsupportedModelError, match=r"gemma3_text.*llama, mistral, qwen2, qwen3.*adapter"):
-        check_model_type("gemma3_text", "gemma")
+    with pytest.raises(UnsupportedModelError, match=r"gemma2.*llama, mistral, qwen2, qwen3, gemma3_text.*adapter"):
+        check_model_type("gemma2", "gemma")
+    # the multimodal Gemma 3 (its config.json's model_type): the text model is what the runtime drives
+    with pytest.raises(UnsupportedModelError, match=r"model_type='gemma3' \(gemma3 is Gemma 3 with its vision tower.*"
+                                                    r"gemma3_text.*llama, mistral"):
+        check_model_type("gemma3", "gemma-3-4b")
+    # a GGUF file's architecture gemma3 is the text model (transformers builds Gemma3ForCausalLM from it)
+    assert families.GGUF_ARCHITECTURES["gemma3"] in FAMILIES
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-mistral", "tiny-qwen2"])
+def _gemma_generation_with(monkeypatch, hook, value) -> bool:
+    """Whether vanilla on the tiny Gemma 3 still equals ``generate`` with the adapter's ``hook``
+    replaced by ``value`` (a test of the tests: each part of the family must matter)."""
+    model = tiny_family("gemma3_text")
+    monkeypatch.setattr(Gemma3, hook, value)
+    ids = PROMPT + PROMPT
+    return Vanilla(model).generate(ids, N_NEW).tokens == hf_tokens(model, ids, N_NEW)
+
+
+@pytest.mark.parametrize("hook,value", [
+    ("window", lambda self, i: None),  # causal over the whole cache: passes the window
+    ("window", lambda self, i: 9 if self.layers[i].self_attn.sliding_window else None),  # off by one
+    ("attention_out_norm", lambda self, i: None),
+    ("mlp_out_norm", lambda self, i: None),
+    ("rope_kind", lambda self, i: "full_attention"),  # one rotary base for every layer
+    ("qk_norm", lambda self, i, q, k, norm: (q, k)),
+    ("mlp_norm", Llama.mlp_norm),  # the post-attention norm where the pre-feedforward one belongs
+], ids=["no-window", "window+1", "no-attention-out-norm", "no-mlp-out-norm", "one-rope", "no-qk-norm",
+        "wrong-mlp-norm"])
+def test_each_gemma3_hook_matters(monkeypatch, hook, value):
+    assert not _gemma_generation_with(monkeypatch, hook, value)
+
+
+def test_gemma3_norms_take_the_fused_operator_in_gemmas_form(monkeypatch):
+    """The runtime runs Gemma's norms (q/k norms included) through the fused CPU operator, which
+    follows Gemma's form: ``x * rsqrt(mean(x²) + eps) * (1 + w)`` in float32, rounded once. It
+    equals the library's ``Gemma3RMSNorm`` within the rounding of the mean's summation order (as
+    the Llama-form operator equals ``LlamaRMSNorm``); Llama's form on the same weight does not."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    if kernels.resolve("auto", torch.device("cpu"), torch.float32) != "skinny":
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+            for d in (32, 64, 640, 37):
+                norm = Gemma3RMSNorm(d, eps=1e-6)
+                norm.weight.data = torch.rand(d, generator=g) * 2 - 1
+                norm = norm.to(dtype)
+                x = (torch.randn(2, 7, d, generator=g) * 3).to(dtype)
+                fused = torch.ops.selfspec.rms_norm(x, norm.weight, 1e-6, True)
+                torch.testing.assert_close(fused, norm(x), rtol=tol, atol=tol)
+                assert not torch.allclose(torch.ops.selfspec.rms_norm(x, norm.weight, 1e-6, False).float(),
+                                          norm(x).float(), atol=0.1)
+        model = tiny_family("gemma3_text")
+        assert model.family.unit_offset_norms and model._cpu_ops
+        ids = PROMPT + PROMPT
+        ref = Vanilla(model).generate(ids, N_NEW).tokens
+
+        def refuse(self, x):
+            raise AssertionError("a Gemma norm took the library's module path")
+
+        monkeypatch.setattr(Gemma3RMSNorm, "forward", refuse)
+        assert Vanilla(model).generate(ids, N_NEW).tokens == ref
+
+
+def test_gemma3_windows_on_the_static_pass():
+    """capture=static (the pass a GPU captures) narrows the window as the dynamic pass does."""
+    from selfspec.models import capture
+    from selfspec.models.layered import LayeredModel
+
+    dyn = tiny_family("gemma3_text")
+    static = LayeredModel(dyn.hf, name="tiny-gemma3-static", linear_kernel=dyn.linear_kernel,
+                          passes=capture.StepRunner("static"))
+    ids = PROMPT + PROMPT
+    ref = Vanilla(dyn).generate(ids, N_NEW).tokens
+    with torch.inference_mode():
+        assert Vanilla(static).generate(ids, N_NEW).tokens == ref
+    assert static.steps.routed >= N_NEW - 1
+    dv = method_config("draft_verify", skip_attn=[1, 2], skip_mlp=[2], max_draft=4, never_slower=False)
+    with torch.inference_mode():
+        assert build_decoder(dv, static).generate(ids, N_NEW).tokens == ref
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-mistral", "tiny-qwen2", "tiny-gemma3"])
 def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch):
     """The five jobs on a family other than Llama (from its conf/model config, ``model.random.model_type``),
     and each method decoding with what they built equals vanilla."""
-    from selfspec.config import compose, model_config
+    from selfspec.config import model_config
     from selfspec.models.loading import load_model
-    from selfspec.train import run_job
 
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
     loaded = load_model(model_config(model))
-    assert type(loaded.model.family).model_types == (model.removeprefix("tiny-"),)
-    job = lambda *args: run_job(compose([f"model={model}", "progress=false", *args], "train"))  # noqa: E731
-    heads = job("job=heads", "task=gsm8k", "job.n_prompts=3", "job.n_heldout=1", "job.gen_tokens=6", "job.steps=2",
-                "job.eval_every=0", "job.max_prompt_tokens=48", "job.layers=[1,2]", f"artefact_dir={tmp_path / 'h'}")
-    prompts = job("job=prompts", "job.steps=2", "job.n_conversations=6", "job.held_out=2", "job.context_length=48",
-                  "job.inserts=4", "job.eval_inserts=4", f"artefact_dir={tmp_path / 'p'}")
-    tree = job("job=ppd_tree", f"job.prompts={tmp_path / 'p'}", "job.n_prompts=2", "job.max_new_tokens=10",
-               "job.latency_repeats=1", "job.sizes=[1,3,5]", "job.plot=false", f"artefact_dir={tmp_path / 't'}")
-    skips = job("job=skips", "task=xsum", "job.n_prompts=2", "job.max_new_tokens=8", "job.max_prompt_tokens=48",
-                "job.iterations=2", "job.calibration_repeats=1", "job.probe_fractions=[0.5]", "job.plot=false",
-                "+job.decoding.max_draft=4", f"artefact_dir={tmp_path / 's'}")
-    vocab = job("job=draft_vocab", "task=gsm8k", "job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8",
-                "job.max_prompt_tokens=48", "job.cost_repeats=1", "job.size=12", f"artefact_dir={tmp_path / 'v'}")
-    assert all(r["artefact"] for r in (heads, prompts, tree, skips, vocab))
+    assert type(loaded.model.family).__name__.lower() == model.removeprefix("tiny-")
+    train_every_job(model, tmp_path)
     ids = loaded.tokenizer("Question: 2 + 2? Answer: 4. Question: 3 + 3? Answer:")["input_ids"]
     ref = Vanilla(loaded.model).generate(ids, 12).tokens
-    for method in (method_config("adadecode", heads_dir=str(tmp_path / "h"), threshold=0.0),
-                   method_config("ppd", prompts=str(tmp_path / "p"), tree=str(tmp_path / "t"), never_slower=False),
-                   method_config("draft_verify", skip_set=str(tmp_path / "s"), never_slower=False),
-                   method_config("del", draft_vocab=str(tmp_path / "v"), never_slower=False)):
+    for method in methods_with_artefacts(tmp_path):
         assert build_decoder(method, loaded.model).generate(ids, 12).tokens == ref, method.name
 
 
@@ -150,8 +227,8 @@ def test_a_random_model_of_an_unsupported_family_is_refused_before_loading():
     from selfspec.config import model_config
     from selfspec.models.loading import check_model_config
 
-    cfg = OmegaConf.merge(model_config("tiny-random"), {"random": {"model_type": "gemma3_text"}})
-    with pytest.raises(ConfigError, match=r"model\.random\.model_type=gemma3_text is not allowed.*qwen3"):
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"random": {"model_type": "gemma2"}})
+    with pytest.raises(ConfigError, match=r"model\.random\.model_type=gemma2 is not allowed.*qwen3, gemma3_text"):
         check_model_config(cfg)
     cfg = OmegaConf.merge(model_config("tiny-qwen3"), {"random": {"head_dimm": 8}})
     with pytest.raises(ConfigError, match=r"model\.random\.head_dimm is not a key of Qwen3Config"):

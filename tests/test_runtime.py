@@ -264,13 +264,15 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
             assert torch.equal(rows[:, i], one[:, 0]), i
 
 
-@pytest.mark.parametrize("model", ["tiny-random", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_k_token_pass_equals_k_one_token_steps(dtype, model, monkeypatch):
     """The whole runtime is batch-invariant: the logits of a k-token verification pass equal those
     of k one-token decoding steps bit for bit (linears, norms, rotary and attention), in bfloat16
     and float32, for every supported family (Qwen2's q/k/v biases ride the fused projection;
-    Qwen3's per-head q/k norms run the library's row-wise RMSNorm); in bfloat16 a last-bit
+    Qwen3's per-head q/k norms run the library's row-wise RMSNorm; Gemma 3's norms, q/k norms
+    included, run the fused operator in Gemma's ``(1 + w)`` form, and its sliding layers' window of
+    8 is passed, so a pass's rows are narrowed each by its own position); in bfloat16 a last-bit
     difference flips argmaxes at near-ties (docs/design.md §4)."""
     from selfspec.config import model_config
     from selfspec.models.loading import load_model

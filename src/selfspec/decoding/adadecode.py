@@ -68,6 +68,7 @@ import torch
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.chain import Draft, context_step, pick, settle
+from selfspec.models.layered import Rope
 from selfspec.models.ledger import phase
 from selfspec.heads import KINDS as HEAD_KINDS
 from selfspec.heads import (IntermediateHeads, build_draft_vocab, default_layers,
@@ -88,7 +89,7 @@ class _StepState:
 
     base: int  # position of the pending token (= committed tokens in every layer's cache)
     cap: int  # most early tokens this step may predict
-    rope: tuple  # rotary (cos, sin) for positions base .. base + max_early
+    rope: Rope  # rotary (cos, sin) for positions base .. base + max_early
     draft: Draft = field(default_factory=Draft)
     exit_layers: list[int] = field(default_factory=list)
     stack: list[_Segment] = field(default_factory=list)
@@ -234,7 +235,6 @@ class AdaDecode(Decoder):
         allow_exit = len(ss.draft) < ss.cap
         h = m.embed(torch.tensor([[token]], device=m.device))
         masks: dict[int, torch.Tensor | None] = {}
-        cos, sin = ss.rope
         for j in range(m.num_layers):
             if ss.stack and ss.stack[-1].depth == j:  # owed positions join this layer
                 joined = []
@@ -245,8 +245,7 @@ class AdaDecode(Decoder):
             start = pos + 1 - n
             if n not in masks:
                 masks[n] = m.causal_mask(n, start)
-            rope = (cos[:, start - ss.base : pos + 1 - ss.base], sin[:, start - ss.base : pos + 1 - ss.base])
-            h = m.run_layers(h, (j,), cache, rope, masks[n])
+            h = m.run_layers(h, (j,), cache, ss.rope.rows(start - ss.base, pos + 1 - ss.base), masks[n])
             if allow_exit and j in self.exit_layers:
                 if self._early(state, ss, j, h[:, -1]):
                     ss.stack.append(_Segment(j + 1, h))

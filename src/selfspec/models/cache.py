@@ -8,7 +8,10 @@ Self-speculative methods need more than the library's caches offer:
 * **O(1) truncate** for rollback after a rejected draft (a length change, no copy);
 * **gather** of scattered slots into contiguous positions, to keep the accepted path of a
   token tree (PPD §3.2);
-* **no per-token reallocation**: buffers are allocated once for ``max_length`` positions.
+* **no per-token reallocation**: buffers are allocated once for ``max_length`` positions;
+* **the position of each slot**, for layers with a sliding attention window (Gemma 3): a slot's
+  position is not always its index (a tree pass writes its nodes at their depth's position, the
+  skip search packs several sequences into one cache), and a window is a bound on positions.
 
 The runtime (:mod:`selfspec.models.layered`) writes each layer's keys and values here
 (:meth:`LayerCache.write`) and attends over what it returns.
@@ -46,15 +49,19 @@ class LayerCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
         self.max_length = max_length
+        #: ``[num_layers, max_length]`` positions of the slots written with positions (allocated at
+        #: the first such write: only windowed layers write them), or None
+        self.positions: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.keys)
 
     # --- the runtime's K/V writes (selfspec.models.layered.KV) -------------------------------
-    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[1, kv_heads, n, head_dim]`` keys/values to layer ``layer_idx``; return all."""
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[1, kv_heads, n, head_dim]`` keys/values to layer ``layer_idx``; return all.
+        ``positions`` (``[n]``, given by windowed layers) are recorded for :meth:`key_positions`."""
         start = self.lengths[layer_idx]
         end = start + key_states.shape[-2]
         if end > self.max_length:
@@ -64,8 +71,22 @@ class LayerCache:
             )
         self.keys[layer_idx][:, :, start:end] = key_states
         self.values[layer_idx][:, :, start:end] = value_states
+        if positions is not None:
+            self.position_buffer(key_states.device)[layer_idx, start:end] = positions
         self.lengths[layer_idx] = end
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def position_buffer(self, device: torch.device) -> torch.Tensor:
+        """:attr:`positions`, allocated at the first write that gives positions."""
+        if self.positions is None:
+            self.positions = torch.zeros(self.num_layers, self.max_length, dtype=torch.long, device=device)
+        return self.positions
+
+    def key_positions(self, layer_idx: int) -> torch.Tensor:
+        """The positions of layer ``layer_idx``'s valid slots (``[length]``), as its writes gave them."""
+        if self.positions is None:
+            raise RuntimeError("the cache holds no positions: only writes with positions record them")
+        return self.positions[layer_idx, : self.lengths[layer_idx]]
 
     # --- what the decoders use -------------------------------------------------------------
     def length(self, layer_idx: int) -> int:
@@ -89,6 +110,8 @@ class LayerCache:
             if n:
                 self.keys[i][:, :, start : start + n] = self.keys[i].index_select(2, idx)
                 self.values[i][:, :, start : start + n] = self.values[i].index_select(2, idx)
+                if self.positions is not None:
+                    self.positions[i, start : start + n] = self.positions[i].index_select(0, idx)
             self.lengths[i] = start + n
 
     def reset(self) -> None:

@@ -72,16 +72,22 @@ def bucket(n: int) -> int | None:
 class _Writes:
     """The K/V writes of a static pass (:class:`selfspec.models.layered.KV`): at ``index`` (a device
     tensor) in the cache's buffers; attention sees the whole buffer, and the mask hides what is
-    not yet valid."""
+    not yet valid. A static pass writes each row at the slot of its position, so every slot's
+    position is its index (``slots``); a windowed layer's positions go to the cache too."""
 
-    def __init__(self, cache: LayerCache, index: torch.Tensor) -> None:
-        self.cache, self.index = cache, index
+    def __init__(self, cache: LayerCache, index: torch.Tensor, slots: torch.Tensor) -> None:
+        self.cache, self.index, self.slots = cache, index, slots
 
-    def write(self, layer_idx: int, key_states, value_states):
+    def write(self, layer_idx: int, key_states, value_states, positions=None):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         keys.index_copy_(2, self.index, key_states)
         values.index_copy_(2, self.index, value_states)
+        if positions is not None:
+            self.cache.position_buffer(key_states.device)[layer_idx].index_copy_(0, self.index, positions)
         return keys, values
+
+    def key_positions(self, layer_idx: int) -> torch.Tensor:
+        return self.slots
 
 
 class _Pass:
@@ -112,7 +118,7 @@ class _Pass:
         positions = self.start + self.offsets  # [size]
         mask = m.prepare_mask(self.slots.unsqueeze(0) <= positions.unsqueeze(1))
         h = m.embed(self.ids) if self.ids is not None else self.h
-        return m.run_layers(h, self.layers, _Writes(cache, positions), m.rope(positions.unsqueeze(0), h), mask,
+        return m.run_layers(h, self.layers, _Writes(cache, positions, self.slots), m.rope(positions.unsqueeze(0), h), mask,
                             self.skip)
 
     def capture(self, cache: LayerCache, pool) -> None:

@@ -11,9 +11,10 @@ An adapter is small: :class:`Llama` is the layout every supported family shares 
 attention sublayer and a pre-norm MLP sublayer, each added to the residual stream; q/k/v and
 gate/up projections reading one input); :class:`Mistral` and :class:`Qwen2` differ only in the
 modeling module their functions come from and in what bounds a context, :class:`Qwen3` in a norm
-over each head's q and k (:meth:`Llama.qk_norm`). A family with another
-layer structure (MoE, Gemma 2, Phi-3, ...) is refused before any weights load
-(:func:`check_model_type`): supporting it means one adapter class here.
+over each head's q and k (:meth:`Llama.qk_norm`). :class:`Gemma3` uses every hook the runtime
+has: q/k norms, norms on the sublayers' outputs, ``(1 + w)`` norms, a rotary kind and a sliding
+window per layer. A family with another layer structure (MoE, Gemma 2, Phi-3, ...) is refused
+before any weights load (:func:`check_model_type`): supporting it means one adapter class here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
@@ -31,7 +33,8 @@ from transformers.models.qwen3 import modeling_qwen3
 #: what an adapter needs, said when a family is refused
 ADAPTER_NEEDS = ("where the embedding, decoder layers, final norm, rotary embedding and LM head live; each "
                  "layer's norms, q/k/v, output, gate/up and down projections; the family's rotary and attention "
-                 "functions (src/selfspec/models/families.py)")
+                 "functions; where it has them, q/k norms, norms on the sublayers' outputs, rotary kinds and "
+                 "sliding windows per layer (src/selfspec/models/families.py)")
 
 
 class UnsupportedModelError(ValueError):
@@ -95,10 +98,35 @@ class Llama:
     #: whether :meth:`qk_norm` does anything (the runtime skips the call where it does not)
     normalises_qk: bool = False
 
-    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor, norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's norms over each head of q and k (``[..., heads, head_dim]``, before the
-        rotary embedding); the Llama layout has none."""
+        rotary embedding); ``norm(module, x)`` is the runtime's norm. The Llama layout has none."""
         return q, k
+
+    def attention_out_norm(self, i: int) -> torch.nn.Module | None:
+        """A norm on the attention sublayer's output before the residual sum (None: none)."""
+        return None
+
+    def mlp_out_norm(self, i: int) -> torch.nn.Module | None:
+        """A norm on the MLP sublayer's output before the residual sum (None: none)."""
+        return None
+
+    #: whether the family's RMSNorms scale by ``1 + w`` in float32 (Gemma's), not by ``w``
+    unit_offset_norms: bool = False
+    #: the rotary kinds the layers use (:meth:`rope_kind`); None: the one rotary embedding
+    rope_kinds: tuple = (None,)
+
+    def rope_kind(self, i: int):
+        """Which of :attr:`rope_kinds` layer ``i`` rotates q and k with."""
+        return None
+
+    def rotary(self, ref: torch.Tensor, positions: torch.Tensor, kind) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of rotary ``kind`` at ``positions`` (``[1, n]``), in ``ref``'s dtype."""
+        return self.rotary_emb(ref, positions)
+
+    def window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding attention window, which the runtime's masks enforce (None: none)."""
+        return None
 
     # --- the model ----------------------------------------------------------------------------
     def max_context(self) -> int:
@@ -143,14 +171,69 @@ class Qwen3(Qwen2):
     modeling = modeling_qwen3
     normalises_qk = True
 
-    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor, norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.layers[i].self_attn
         return attn.q_norm(q), attn.k_norm(k)
 
 
+class Gemma3(Llama):
+    """Gemma 3, text (model_type ``gemma3_text``; transformers' ``modeling_gemma3``), after
+    ``Gemma3DecoderLayer.forward``: ``input_layernorm → self_attn → post_attention_layernorm →
+    residual → pre_feedforward_layernorm → mlp (GeGLU) → post_feedforward_layernorm → residual``.
+
+    Its RMSNorms scale by ``1 + w`` in float32 (the fused CPU operator follows that form); q and k
+    have per-head norms; the embedding module scales by ``sqrt(hidden)`` itself; attention scales
+    by ``query_pre_attn_scalar ** -0.5`` (the module's ``scaling``). Layers are ``sliding_attention``
+    or ``full_attention`` (``config.layer_types``), each kind with its own rotary base (the rotary
+    module takes the kind), and a sliding layer attends to the keys less than ``sliding_window``
+    positions behind (the runtime's masks, so contexts may be longer). Logit soft-capping and
+    bidirectional attention, which Gemma 3 checkpoints leave off, are refused by name."""
+
+    model_types = ("gemma3_text",)
+    modeling = modeling_gemma3
+    normalises_qk = True
+    unit_offset_norms = True
+
+    def __init__(self, hf: torch.nn.Module, attn_implementation: str) -> None:
+        super().__init__(hf, attn_implementation)
+        c = self.config
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+            if getattr(c, key, None):
+                raise UnsupportedModelError(f"Gemma 3 with {key}={getattr(c, key)!r}: selfspec's Gemma3 adapter "
+                                            f"supports Gemma 3 checkpoints as released, with {key} unset")
+        self.rope_kinds = tuple(dict.fromkeys(c.layer_types))
+
+    def mlp_norm(self, i: int) -> torch.nn.Module:
+        return self.layers[i].pre_feedforward_layernorm
+
+    def attention_out_norm(self, i: int) -> torch.nn.Module:
+        return self.layers[i].post_attention_layernorm
+
+    def mlp_out_norm(self, i: int) -> torch.nn.Module:
+        return self.layers[i].post_feedforward_layernorm
+
+    def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor, norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.layers[i].self_attn
+        return norm(attn.q_norm, q), norm(attn.k_norm, k)
+
+    def rope_kind(self, i: int) -> str:
+        return self.config.layer_types[i]
+
+    def rotary(self, ref: torch.Tensor, positions: torch.Tensor, kind) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(ref, positions, kind)
+
+    def window(self, i: int) -> int | None:
+        return self.layers[i].self_attn.sliding_window
+
+
 #: every adapter, by the model types it drives
-FAMILIES: dict[str, type[Llama]] = {t: cls for cls in (Llama, Mistral, Qwen2, Qwen3) for t in cls.model_types}
+FAMILIES: dict[str, type[Llama]] = {t: cls for cls in (Llama, Mistral, Qwen2, Qwen3, Gemma3) for t in cls.model_types}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+#: a GGUF file's ``general.architecture`` where it is not the model type transformers builds from it
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
+#: what a refusal adds for a model type close to a supported one
+HINTS = {"gemma3": "gemma3 is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); selfspec drives the "
+                   "text model, gemma3_text: use a text-only checkpoint (gemma-3-270m, gemma-3-1b) or a GGUF file"}
 
 
 def check_model_type(model_type: str | None, name: str, where: str = "") -> None:
@@ -158,8 +241,9 @@ def check_model_type(model_type: str | None, name: str, where: str = "") -> None
     ``general.architecture`` before any weights load), naming the supported ones and what an
     adapter needs."""
     if model_type not in FAMILIES:
+        hint = f" ({HINTS[model_type]})" if model_type in HINTS else ""
         raise UnsupportedModelError(
-            f"model {name!r}{f' ({where})' if where else ''} has model_type={model_type!r}; selfspec's "
+            f"model {name!r}{f' ({where})' if where else ''} has model_type={model_type!r}{hint}; selfspec's "
             f"layered runtime supports {', '.join(SUPPORTED_MODEL_TYPES)}. Choose a model of one of these "
             f"families, or add an adapter for it: {ADAPTER_NEEDS}.")
 

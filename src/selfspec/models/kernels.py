@@ -154,12 +154,18 @@ def _layer_ops_apply(*tensors: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not _wants_grad(*tensors)
 
 
-def rms_norm(module: torch.nn.Module, x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
+def rms_norm(module: torch.nn.Module, x: torch.Tensor, enabled: bool = True, unit_offset: bool = False
+             ) -> torch.Tensor:
     """The family's RMSNorm ``module`` on ``x``: one operator (``csrc/layer_ops.cpp``, the same
-    arithmetic) on CPU when ``enabled`` (the kernels are built), else the module."""
+    arithmetic) on CPU when ``enabled`` (the kernels are built), else the module.
+
+    ``unit_offset``: the module is Gemma's (``Gemma3RMSNorm``: the normalised x times ``1 + weight``,
+    both in float32, rounded to the dtype once; its epsilon is ``eps``), not Llama's (``x`` rounded
+    to the dtype, times ``weight``; ``variance_epsilon``). The operator follows either form."""
     weight = module.weight
     if enabled and _layer_ops_apply(x, weight) and x.dtype == weight.dtype:
-        return torch.ops.selfspec.rms_norm(x, weight, float(module.variance_epsilon))
+        eps = module.eps if unit_offset else module.variance_epsilon
+        return torch.ops.selfspec.rms_norm(x, weight, float(eps), unit_offset)
     return module(x)
 
 

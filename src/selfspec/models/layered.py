@@ -14,6 +14,13 @@ skips them independently)::
     h = h + attn(input_layernorm(h))          # attention sublayer
     h = h + mlp(post_attention_layernorm(h))  # MLP sublayer
 
+A family may add three things, each a hook of its adapter that the Llama layout leaves unused
+(Gemma 3 uses all three): a norm on each sublayer's output before the residual sum
+(``attention_out_norm``, ``mlp_out_norm``); rotary embeddings of several kinds, one per layer
+(``rope_kind``: :class:`Rope` carries every kind's ``(cos, sin)``); and a sliding attention window
+per layer (``window``), enforced by the masks (:meth:`LayeredModel.window_mask`), so a context may
+be longer than the window.
+
 **One layer primitive.** :meth:`LayeredModel.run_layers` runs a range or subset of layers over
 some rows, with a cache, positions and a mask, optionally keeping chosen layers' states. The
 plain pass (:meth:`~LayeredModel.forward`), the static / captured pass
@@ -38,7 +45,7 @@ from selfspec.models import kernels
 from selfspec.models.cache import LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
 
-__all__ = ["KV", "LayeredModel", "SkipSet", "UnsupportedModelError", "fuse_rows"]
+__all__ = ["KV", "LayeredModel", "Rope", "SkipSet", "UnsupportedModelError", "fuse_rows"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,34 @@ class SkipSet:
 class KV(Protocol):
     """Where a pass writes a layer's keys and values: ``write(i, k, v)`` stores ``[1, KV, n, D]`` for
     layer ``i`` and returns all the keys and values attention reads. :class:`LayerCache` appends at
-    each layer's length; a static pass writes at fixed slots (:mod:`selfspec.models.capture`)."""
+    each layer's length; a static pass writes at fixed slots (:mod:`selfspec.models.capture`).
+    A layer with a sliding window also gives the rows' ``positions`` (``[n]``) and reads back every
+    key's position (``key_positions(i)``, ``[keys]``)."""
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def key_positions(self, layer: int) -> torch.Tensor: ...
+
+
+class Rope(tuple):
+    """The rotary ``(cos, sin)`` of one pass's positions. It unpacks as the pair of the family's
+    first rotary kind (what the library's attention modules take); :meth:`of` gives each kind's
+    (Gemma 3's sliding layers have their own base); ``positions`` (``[1, n]``) are what sliding
+    windows bound."""
+
+    def __new__(cls, pairs: dict, positions: torch.Tensor) -> "Rope":
+        self = super().__new__(cls, next(iter(pairs.values())))
+        self.pairs, self.positions = pairs, positions
+        return self
+
+    def of(self, kind) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pairs[kind]
+
+    def rows(self, start: int, stop: int) -> "Rope":
+        """The rows ``start:stop`` of the pass (AdaDecode runs the positions a layer owes)."""
+        return Rope({k: (c[:, start:stop], s[:, start:stop]) for k, (c, s) in self.pairs.items()},
+                    self.positions[:, start:stop])
 
 
 def fuse_rows(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -200,10 +232,11 @@ class LayeredModel:
         """``[1, n]`` token ids -> ``[1, n, d]`` hidden states."""
         return self.family.embed_tokens(ids)
 
-    def rope(self, positions: torch.Tensor, like: torch.Tensor | None = None):
-        """Rotary ``(cos, sin)`` for ``[1, n]`` absolute positions (shared by all layers)."""
+    def rope(self, positions: torch.Tensor, like: torch.Tensor | None = None) -> Rope:
+        """Rotary ``(cos, sin)`` for ``[1, n]`` absolute positions, of every kind the layers use."""
         ref = like if like is not None else self.family.lm_head.weight
-        return self.family.rotary_emb(ref, positions)
+        fam = self.family
+        return Rope({kind: fam.rotary(ref, positions, kind) for kind in fam.rope_kinds}, positions)
 
     def positions(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, device=self.device).unsqueeze(0)
@@ -230,6 +263,30 @@ class LayeredModel:
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
+    def window_mask(self, mask: torch.Tensor | None, positions: torch.Tensor, key_positions: torch.Tensor,
+                    window: int) -> torch.Tensor | None:
+        """``mask`` (None, boolean or additive, over ``key_positions``' keys) narrowed to the keys
+        less than ``window`` positions behind each query (``positions``, ``[n]``): a sliding
+        window layer's mask, as transformers' ``sliding_window_overlay`` (key > query - window).
+
+        A position is never past its slot (a pass writes its rows after the cache; a tree node
+        sits at its depth), so with no more keys than ``window`` nothing is narrowed. A None mask
+        is a one-token step (every key) or a prefill into an empty cache (causal)."""
+        if key_positions.shape[-1] <= window:
+            return mask
+        behind = positions.unsqueeze(1) - key_positions.unsqueeze(0)  # [n, keys]
+        near = behind < window
+        if mask is None:
+            return self.prepare_mask(near if positions.shape[-1] == 1 else near & (behind >= 0))
+        if mask.dtype == torch.bool:
+            return mask & near
+        return torch.where(near, mask, torch.finfo(mask.dtype).min)
+
+    def norm(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm ``module`` on ``x`` (the fused CPU operator follows Llama's form or,
+        for Gemma, ``(1 + w)`` in float32: :func:`kernels.rms_norm`)."""
+        return kernels.rms_norm(module, x, self._cpu_ops, self.family.unit_offset_norms)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` with the runtime's linear kernel."""
         return kernels.linear(x, weight, bias, self._cpu_ops)
@@ -238,32 +295,45 @@ class LayeredModel:
         """Attention sublayer of layer ``i`` with its residual; writes layer ``i``'s K/V to ``kv``.
 
         The family's attention with the q/k/v projections as one product: the family's rotary
-        function, the K/V write, then the attention function (:func:`kernels.attention`)."""
+        function (of the layer's kind), the K/V write, the layer's window narrowing the mask, then
+        the attention function (:func:`kernels.attention`) and the family's output norm if any."""
         fam, cpu_ops = self.family, self._cpu_ops
         attn = fam.attention_module(i)
         weight, bias, sizes = self._qkv[i]
-        x = kernels.rms_norm(fam.attention_norm(i), h, cpu_ops)
+        x = self.norm(fam.attention_norm(i), h)
         q, k, v = self.linear(x, weight, bias).split(sizes, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
-        if fam.normalises_qk:  # Qwen3's per-head q/k norms
-            q, k = fam.qk_norm(i, q, k)
+        if fam.normalises_qk:  # Qwen3's and Gemma 3's per-head q/k norms
+            q, k = fam.qk_norm(i, q, k, self.norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = kernels.rotary(fam.apply_rotary, q, k, *rope, enabled=cpu_ops)
-        if kv is not None:
-            k, v = kv.write(i, k, v)
+        kind = fam.rope_kind(i)
+        q, k = kernels.rotary(fam.apply_rotary, q, k, *(rope if kind is None else rope.of(kind)), enabled=cpu_ops)
+        window = fam.window(i)
+        if window is None:
+            if kv is not None:
+                k, v = kv.write(i, k, v)
+        else:
+            positions = rope.positions[0]
+            if kv is not None:
+                k, v = kv.write(i, k, v, positions)
+            mask = self.window_mask(mask, positions, positions if kv is None else kv.key_positions(i), window)
         out = kernels.attention(fam.attend, attn, q, k, v, mask, attn.scaling, **fam.attention_kwargs(i))
         o = fam.out_proj(i)
-        return h + self.linear(out.reshape(*h.shape[:-1], -1).contiguous(), o.weight, o.bias)
+        out = self.linear(out.reshape(*h.shape[:-1], -1).contiguous(), o.weight, o.bias)
+        post = fam.attention_out_norm(i)
+        return h + (out if post is None else self.norm(post, out))
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """MLP sublayer of layer ``i`` with its residual: ``down(act(gate(x)) * up(x))``, gate and up
-        as one product."""
+        as one product, and the family's output norm if any."""
         fam = self.family
         weight, bias, sizes = self._gate_up[i]
-        gate, up = self.linear(kernels.rms_norm(fam.mlp_norm(i), h, self._cpu_ops), weight, bias).split(sizes, dim=-1)
+        gate, up = self.linear(self.norm(fam.mlp_norm(i), h), weight, bias).split(sizes, dim=-1)
         down = fam.down_proj(i)
-        return h + self.linear(fam.act(i)(gate) * up, down.weight, down.bias)
+        out = self.linear(fam.act(i)(gate) * up, down.weight, down.bias)
+        post = fam.mlp_out_norm(i)
+        return h + (out if post is None else self.norm(post, out))
 
     def run_layer(self, i: int, h: torch.Tensor, rope, kv: KV | None, mask: torch.Tensor | None = None,
                   skip_attn: bool = False, skip_mlp: bool = False) -> torch.Tensor:
@@ -308,7 +378,7 @@ class LayeredModel:
         self.ledger.layers(int(rows), attention, mlp, int(context))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(self.family.norm, h, self._cpu_ops)
+        return self.norm(self.family.norm, h)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head (or another ``|rows|×d`` head ``weight``) on normalised states, in the

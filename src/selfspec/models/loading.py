@@ -11,7 +11,10 @@ Config keys (``conf/model/*.yaml``; any other key is refused):
 ``gguf_path``           a local GGUF file (``model.gguf_path=/path/to/file.gguf``)
 ``gguf_asset``          offline asset holding a GGUF file (``selfspec.assets``): the embedded default,
                         used when neither ``name_or_path`` nor ``gguf_path`` is given
-``random``              a seeded random model (``tiny-random``): ``model_type`` (its family), ``seed`` and the family config's fields
+``random``              a seeded random model (``tiny-random``): ``model_type`` (its family), ``seed``, the family
+                        config's fields and optionally ``norm_noise`` (uniform noise of that half-width added to
+                        every norm weight, whose library init — ones, or Gemma's zeros — would hide a runtime
+                        that skipped a norm)
 ``tokenizer``           ``random`` only: the model config whose tokenizer it borrows
 ``dtype``               ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``
 ``device``              ``auto``, ``cpu``, ``cuda``, ``cuda:N``
@@ -54,7 +57,7 @@ from typing import Any, NamedTuple
 import torch
 
 from selfspec import assets, checks
-from selfspec.models.families import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
+from selfspec.models.families import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 
 log = logging.getLogger(__name__)
@@ -229,7 +232,7 @@ def _random_config_class(model_type: str):
 
 
 def _check_random(cfg) -> None:
-    """``random``: ``model_type`` (a supported family: llama, mistral, qwen2, qwen3), fields of
+    """``random``: ``model_type`` (a supported family: llama, mistral, qwen2, qwen3, gemma3_text), fields of
     that family's config class (each a real one: a typo would silently take the default), ``seed``,
     and ``vocab_size`` or a ``tokenizer`` model config to borrow."""
     from selfspec.config import group_options
@@ -242,9 +245,11 @@ def _check_random(cfg) -> None:
                                why="the family of the random model (its transformers config class)")
     config_cls = _random_config_class(model_type)
     fields = {*inspect.signature(config_cls.__init__).parameters, *config_cls().to_dict(), *LEGACY_ROPE_KEYS}
-    checks.known_keys("model.random", spec, fields - {"self"} | {"seed", "model_type"},
-                      f"{config_cls.__name__} (and model_type, seed)")
+    checks.known_keys("model.random", spec, fields - {"self"} | {"seed", "model_type", "norm_noise"},
+                      f"{config_cls.__name__} (and model_type, seed, norm_noise)")
     checks.integer("model.random.seed", spec.get("seed"), why="the seed of the random weights")
+    checks.optional(checks.number, "model.random.norm_noise", spec.get("norm_noise"), 0,
+                    why="half-width of the uniform noise added to the norm weights")
     tokenizer = _get(cfg, "tokenizer")
     if tokenizer is not None:
         checks.choice("model.tokenizer", tokenizer, group_options("model"), why="a model config of conf/model/")
@@ -494,7 +499,7 @@ def _check_gguf(gguf: Path, name: str) -> None:
     its metadata describes a model its tensors hold (:func:`gguf_metadata_problem`)."""
     reader = _read_gguf(gguf, name)
     arch = _gguf_value(reader, "general.architecture")
-    check_model_type(arch, name, f"GGUF file {gguf}")
+    check_model_type(GGUF_ARCHITECTURES.get(arch, arch), name, f"GGUF file {gguf}")
     problem = gguf_metadata_problem(reader, arch)
     if problem:
         raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} has inconsistent metadata: {problem}")
@@ -573,8 +578,9 @@ def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
     first), so its values come from the device's generator and differ from the same seed's on a CPU."""
     from transformers import AutoModelForCausalLM
 
-    spec = dict(_get(cfg, "random"))
+    spec = dict(_plain_config(_get(cfg, "random")))  # plain lists too (Gemma 3's layer_types)
     seed = int(spec.pop("seed"))
+    norm_noise = spec.pop("norm_noise", None)
     config_cls = _random_config_class(spec.pop("model_type"))
     tok = None
     vocab = spec.pop("vocab_size", None)
@@ -598,6 +604,11 @@ def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
             torch.set_default_dtype(previous)
     else:
         hf = AutoModelForCausalLM.from_config(config)
+    if norm_noise:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(torch.rand_like(p) * (2 * float(norm_noise)) - float(norm_noise))
     hf.generation_config.eos_token_id = config.eos_token_id
     return hf, tok
 

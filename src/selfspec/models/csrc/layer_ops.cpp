@@ -3,8 +3,10 @@
 // their ~20 small tensor operations per layer than computing them.
 //
 // rms_norm: LlamaRMSNorm (also Mistral's and Qwen2's): the mean of the squares in fp32, x times
-// 1/sqrt(mean + eps), rounded to the input dtype, times the weight (rounded again). Each row is
-// one fixed instruction sequence, so a row's result does not depend on the other rows.
+// 1/sqrt(mean + eps), rounded to the input dtype, times the weight (rounded again). With
+// unit_offset, Gemma3RMSNorm instead: the normalised x times (1 + weight), both in fp32, rounded
+// once. Each row is one fixed instruction sequence, so a row's result does not depend on the
+// other rows.
 // rotary: apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, each product and the sum rounded
 // to the dtype as torch rounds them (built with -ffp-contract=off: no fused multiply-add).
 #include <ATen/ATen.h>
@@ -16,7 +18,7 @@ namespace {
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
 
-template <typename T>
+template <typename T, bool UnitOffset>
 void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * d;
@@ -35,13 +37,26 @@ void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) 
     const float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
     for (j = 0; j < d; ++j) {
-      const T normed = round_to<T>(static_cast<float>(xr[j]) * inv);
-      yr[j] = round_to<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      if constexpr (UnitOffset) {
+        yr[j] = round_to<T>((static_cast<float>(xr[j]) * inv) * (1.f + static_cast<float>(w[j])));
+      } else {
+        const T normed = round_to<T>(static_cast<float>(xr[j]) * inv);
+        yr[j] = round_to<T>(static_cast<float>(w[j]) * static_cast<float>(normed));
+      }
     }
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+template <typename T>
+void rms_dispatch(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t rows, int64_t d, float eps,
+                  bool unit_offset) {
+  if (unit_offset)
+    rms_rows<T, true>(x.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), rows, d, eps);
+  else
+    rms_rows<T, false>(x.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), rows, d, eps);
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool unit_offset) {
   TORCH_CHECK((x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
                   weight.scalar_type() == x_in.scalar_type(),
               "rms_norm: float32 or bfloat16 x and weight, of one dtype");
@@ -51,10 +66,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   at::Tensor y = at::empty_like(x);
   const int64_t rows = x.numel() / d;
   if (x.scalar_type() == at::kBFloat16)
-    rms_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), rows, d,
-             static_cast<float>(eps));
+    rms_dispatch<at::BFloat16>(x, weight, y, rows, d, static_cast<float>(eps), unit_offset);
   else
-    rms_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, d, static_cast<float>(eps));
+    rms_dispatch<float>(x, weight, y, rows, d, static_cast<float>(eps), unit_offset);
   return y;
 }
 
@@ -105,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(selfspec, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset=False) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) {

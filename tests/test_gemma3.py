@@ -1,0 +1,66 @@
+"""Gemma 3 270M, the second real model (``model=gemma3-270m``: the offline GGUF asset, Q4_K_M),
+end to end on the layered runtime: vanilla equals transformers' greedy ``generate`` token for
+token, on a prompt longer than the 512-token sliding window too; every training job builds its
+artefact on it in a few steps, and every lossless method decoding with them equals vanilla.
+``make test`` fetches the asset (``make assets-all``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy, method_config, methods_with_artefacts, train_every_job
+from selfspec.decoding import build_decoder
+from selfspec.decoding.vanilla import Vanilla
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    return load_model(model_config("gemma3-270m"))
+
+
+def test_the_gguf_is_gemma3_270m_base(gemma):
+    m = gemma.model
+    assert type(m.family).__name__ == "Gemma3" and m.num_layers == 18 and m.hidden_size == 640
+    assert m.vocab_size == 262144 and m.tied_embeddings and m.num_kv_heads == 1 and m.head_dim == 256
+    assert [m.family.window(i) for i in range(18)] == ([512] * 5 + [None]) * 3
+    assert gemma.tokenizer.chat_template is None and not gemma.chat  # a base model: the papers' prompts
+
+
+def test_vanilla_equals_generate_within_and_past_the_window(gemma):
+    tok, m = gemma.tokenizer, gemma.model
+    long = "Article: " + " ".join(f"Item {i} of the list is a {w}." for i, w in
+                                  enumerate(["cat", "dog", "tree", "river", "stone", "cloud"] * 16)) + "\nSummary:"
+    for text in ("Question: What is the capital of France?\nAnswer:", long):
+        ids = tok(text)["input_ids"]
+        assert Vanilla(m).generate(ids, N_NEW).tokens == hf_greedy(gemma, ids, N_NEW), len(ids)
+    assert len(ids) > 512  # the long prompt is past the sliding window
+
+
+def test_every_job_and_method_on_gemma3(gemma, tmp_path, monkeypatch):
+    """The five jobs in a few steps each, then each method with its artefact (and the methods
+    that need none) equals vanilla on two prompts."""
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
+    train_every_job("gemma3-270m", tmp_path, gemma,
+                    heads={"job.n_prompts": 2, "job.gen_tokens": 4, "job.layers": "[8,12]"},
+                    prompts={"job.n_conversations": 4, "job.held_out": 1, "job.context_length": 32, "job.inserts": 2,
+                             "job.eval_inserts": 2},
+                    ppd_tree={"job.n_prompts": 1, "job.max_new_tokens": 6, "job.sizes": "[1,3]"},
+                    skips={"job.n_prompts": 1, "job.max_new_tokens": 6},
+                    draft_vocab={"job.n_prompts": 2, "job.n_heldout": 1, "job.gen_tokens": 6, "job.size": 4096})
+    methods = [*methods_with_artefacts(tmp_path), method_config("early_exit", exit_layer=8, max_draft=3,
+                                                                 never_slower=False),
+               method_config("ngram", never_slower=False)]
+    m = gemma.model
+    for text in ("Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:",
+                 "Summarize: The council met on Monday. The council voted to repair the bridge.\nSummary:"):
+        ids = gemma.tokenizer(text)["input_ids"]
+        ref = Vanilla(m).generate(ids, N_NEW).tokens
+        for method in methods:
+            assert build_decoder(method, m).generate(ids, N_NEW).tokens == ref, (method.name, text)
