@@ -107,15 +107,37 @@ def test_qwen3_norms_q_and_k_per_head():
     assert attn.q_norm.weight.shape == (24,)
 
 
-def test_mistral_context_is_bounded_by_its_window():
-    """The runtime's masks are causal over the whole cache: within Mistral's sliding window they
-    agree with transformers'; a generation that would pass the window is refused, not wrong."""
-    model = tiny_family("mistral", sliding_window=32)
-    assert model.max_context == 32
-    ids = PROMPT[:10]
-    assert Vanilla(model).generate(ids, 16).tokens == hf_tokens(model, ids, 16)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        Vanilla(model).generate(ids, 40)
+@pytest.mark.parametrize("model_type, window", [
+    ("mistral", {"sliding_window": 8}),
+    # Qwen2 slides from layer max_window_layers on, where use_sliding_window is set
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+])
+def test_sliding_windows_past_the_window_equal_transformers(model_type, window):
+    """Mistral's and Qwen2's sliding windows are masks of the runtime (the adapter's ``window``):
+    a generation well past the window equals transformers' generate, and every lossless method
+    equals vanilla there; without the window the tokens differ."""
+    model = tiny_family(model_type, **window)
+    assert [model.family.window(i) for i in range(4)] == (
+        [8] * 4 if model_type == "mistral" else [None, None, 8, 8])
+    ids = PROMPT + PROMPT
+    ref = hf_tokens(model, ids, N_NEW)
+    assert Vanilla(model).generate(ids, N_NEW).tokens == ref
+    for method in ({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4,
+                    "never_slower": False}, {"name": "ngram", "never_slower": False}):
+        cfg = method_config(method["name"], **{k: v for k, v in method.items() if k != "name"})
+        assert build_decoder(cfg, model).generate(ids, N_NEW).tokens == ref
+    # the logits themselves, past the window: a prefill, then a 6-token pass after 20 cached positions
+    seq = torch.tensor([ids + ref])
+    expected = model.hf(seq).logits[0].float()
+    unbounded = tiny_family(model_type)
+    unbounded.hf.load_state_dict(model.hf.state_dict())
+    for m, agrees in ((model, True), (unbounded, False)):
+        with torch.inference_mode():
+            cache = m.new_cache(64)
+            first = m.logits(m.forward(seq[:, :20], cache))[0]
+            second = m.logits(m.forward(seq[:, 20:26], cache))[0]
+        got = torch.cat([first, second])
+        assert torch.allclose(got, expected[:26], atol=1e-4) is agrees, "the window changed nothing: the test cannot tell"
 
 
 def test_an_unsupported_family_is_refused_naming_the_supported_ones():

@@ -135,31 +135,26 @@ class Llama:
 
 
 class Mistral(Llama):
-    """Mistral: the Llama layout with a sliding attention window. The runtime's masks are causal
-    over the whole cache, so contexts are bounded by the window (within it the two agree)."""
+    """Mistral: the Llama layout with a sliding attention window on every layer (``sliding_window``),
+    which the runtime's masks enforce (:meth:`Llama.window`), so contexts may be longer."""
 
     model_types = ("mistral",)
     modeling = modeling_mistral
 
-    def max_context(self) -> int:
-        window = getattr(self.config, "sliding_window", None)
-        return int(window) if window else super().max_context()
-
-    def attention_kwargs(self, i: int) -> dict:
-        window = getattr(self.config, "sliding_window", None)
-        return {"sliding_window": window} if window else {}
+    def window(self, i: int) -> int | None:
+        return getattr(self.config, "sliding_window", None) or None
 
 
 class Qwen2(Llama):
     """Qwen2: the Llama layout with biases on q/k/v (carried by the fused projection) and a
-    per-layer sliding window where the config enables one."""
+    sliding window on the layers the config makes sliding (``use_sliding_window``, from
+    ``max_window_layers`` on), which the runtime's masks enforce."""
 
     model_types = ("qwen2",)
     modeling = modeling_qwen2
 
-    def attention_kwargs(self, i: int) -> dict:
-        window = getattr(self.layers[i].self_attn, "sliding_window", None)
-        return {"sliding_window": window} if window else {}
+    def window(self, i: int) -> int | None:
+        return getattr(self.layers[i].self_attn, "sliding_window", None) or None
 
 
 class Qwen3(Qwen2):
