@@ -140,9 +140,15 @@ def model_parts(point: dict) -> tuple[float, float]:
     return fixed + sum(t.bytes for t in phase if not t.activation), sum(t.bytes for t in phase if t.activation)
 
 
+#: jobs whose batch x sequence was varied (POINTS): their activation factor ``s`` is fitted; the others keep
+#: s = 1 (the tensors counted from their shapes), their measured points being too small to show growth
+FITTED_S = ("heads", "prompts")
+
+
 def fit(points: list[dict]) -> dict:
     """Per job, ``runtime`` and ``s`` of :data:`selfspec.memory.FIT` by least squares of the relative error
-    of the CPU peak (``job_peak``) over its points (``s`` >= 0), and every point's estimate."""
+    of the CPU peak (``job_peak``) over its points (``s`` >= 0; 1 for jobs not in :data:`FITTED_S`), and
+    every point's estimate."""
     import numpy as np
 
     out, rows = {}, []
@@ -154,17 +160,29 @@ def fit(points: list[dict]) -> dict:
         y = np.array([p["job_peak"] for p in pts], dtype=float)
         A = np.array([[1.0, act] for _, act in parts]) / y[:, None]
         rhs = (y - np.array([fixed for fixed, _ in parts])) / y
-        runtime, s = np.linalg.lstsq(A, rhs, rcond=None)[0]
-        if s < 0:  # no activation growth the data support: a constant alone
-            s = 0.0
-            runtime = float(np.sum(rhs / y) / np.sum(1 / y**2))
+        runtime, s = np.linalg.lstsq(A, rhs, rcond=None)[0] if job in FITTED_S else (None, 1.0)
+        if runtime is None or s < 0:  # s fixed (1, or 0 where the data show no growth): the constant alone
+            s = max(s, 0.0)
+            rest = rhs - s * A[:, 1]
+            runtime = float(np.sum(rest / y) / np.sum(1 / y**2))
         out[job] = {"s": round(float(s), 3), "runtime": round(float(runtime) / 2**20, 1) * 2**20}
         for p, (fixed, act) in zip(pts, parts):
             pred = out[job]["runtime"] + fixed + out[job]["s"] * act
             rows.append({"shape": p["shape"], "job": job, "settings": " ".join(p["settings"]),
                          "measured_mb": p["job_peak"] / 2**20, "estimate_mb": pred / 2**20,
-                         "error": pred / p["job_peak"] - 1})
+                         "error": pred / p["job_peak"] - 1, "seconds": p["seconds"], "load": p["load_average"]})
     return {"fit": out, "points": rows, "error": max(abs(r["error"]) for r in rows)}
+
+
+def markdown(result: dict) -> str:
+    """The README's table of the measured points against the fitted estimate."""
+    lines = ["| shape | job | settings (beside the base ones) | peak MB | estimate MB | error | seconds | load |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["points"]:
+        lines.append(f"| {r['shape']} | {r['job']} | {r['settings'] or 'base'} | {r['measured_mb']:.0f} | "
+                     f"{r['estimate_mb']:.0f} | {r['error']:+.1%} | {r['seconds']:.0f} | "
+                     f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(ROOT / "src"))
     if args.fit:
-        result = fit(json.loads(args.out.read_text())["points"])
+        points = json.loads(args.out.read_text())["points"]
+        result = fit(points)
         for r in result["points"]:
             print(f"{r['shape']:20s} {r['job']:12s} {r['settings']:60s} {r['measured_mb']:8.1f} MB "
                   f"estimate {r['estimate_mb']:8.1f} MB ({r['error']:+.1%})")
         print("FIT =", json.dumps(result["fit"]), f"ERROR = {result['error']:.3f}")
+        print(markdown(result))
         return 0
     done = json.loads(args.out.read_text())["points"] if args.out.exists() else []
     key = lambda shape, job, extra: (shape, job, tuple(extra))  # noqa: E731
