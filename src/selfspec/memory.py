@@ -183,7 +183,7 @@ def _saved(s: Shape, rows: float, keys: float, b: int) -> float:
     return s.layers * (rows * (6 * s.hidden + 3 * s.intermediate) * b + rows * s.heads * keys * 4)
 
 
-def _generation(s: Shape, batch: int, prompt: int, new: int, b: int, setting: str) -> float:
+def _generation(s: Shape, batch: int, prompt: int, new: int, b: int) -> float:
     """Batched ``generate`` (the heads' and draft vocabulary's continuations): its KV cache, the prefill's
     transient layer tensors and scores, the last rows' float32 logits."""
     return (batch * (prompt + new) * s.kv_per_token * b + _layer(s, batch * prompt, b)
@@ -205,7 +205,7 @@ def _heads_terms(s: Shape, j, b: int) -> list[list[Term]]:
         Term("kl", n_heads * positions * s.vocab * (b + 24), "job.max_positions / job.batch_size"),
         Term("frozen pass", _layer(s, sequence, b) + _scores(s, sequence, sequence, b), "job.max_prompt_tokens"),
     ]
-    gen = [Term("generation", _generation(s, int(j.gen_batch), sequence - new, new, b, ""),
+    gen = [Term("generation", _generation(s, int(j.gen_batch), sequence - new, new, b),
                 "job.gen_batch / job.max_prompt_tokens")]
     return [train, gen]
 
@@ -254,7 +254,7 @@ def _vocab_terms(s: Shape, j, b: int) -> list[list[Term]]:
     prompt = int(j.max_prompt_tokens or 4096)
     sizes = [int(x) for x in j.sizes if int(x) < s.vocab] + ([int(j.size)] if j.size is not None else [])
     return [
-        [Term("generation", _generation(s, int(j.gen_batch), prompt, new, b, ""), "job.gen_batch / job.max_prompt_tokens")],
+        [Term("generation", _generation(s, int(j.gen_batch), prompt, new, b), "job.gen_batch / job.max_prompt_tokens")],
         [Term("truncated head", max(sizes, default=0) * s.hidden * b + s.vocab * 4, "job.sizes / job.size")],
     ]
 
