@@ -14,7 +14,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install llamacpp assets assets-all browser slurm test test-fast demo bench bench-runtime profile project train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: help install llamacpp assets assets-all browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -88,6 +88,11 @@ bench-runtime: assets ## v(k), prefill, vanilla vs generate (and llama.cpp after
 
 profile: assets ## measure this machine's cost profile of MODEL (what each op of a step costs here; about a minute for SmolLM2 on 2 cores)
 	$(PY) scripts/bench_runtime.py --model $(MODEL) --profile-only $(ARGS)
+
+# on a GPU machine: make TORCH_SPEC=torch gpu-check (README "Scale to GPUs and clusters"); ARGS=--dry-run runs
+# the same code on tiny-random on this CPU
+gpu-check: assets ## one JSON of a GPU machine: runtime, cost profile, training memory, captured vs eager, bf16 consistency
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 project: install ## re-cost run directories (ARGS='inputs=[...] profile=...') on another machine's cost profile
 	$(PY) -m selfspec.project $(ARGS)

@@ -24,6 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIPS = ["method.skip_attn=[8,10,12,14,16,18,20,22,24,26]", "method.skip_mlp=[9,13,17,21,25]"]
 
 
+def evaluate_rows(cfg, out: Path, loaded, label: str) -> list[dict]:
+    """Run the evaluation ``cfg`` describes on ``loaded`` into ``out`` (the evaluation runner, as
+    ``python -m selfspec.evaluate`` runs it); one row per method: examples, consistency with the
+    baseline, seconds per token and tau (``scripts/gpu_check.py`` reads the same rows)."""
+    from selfspec.evaluation import evaluate
+
+    summary = evaluate(cfg, out, loaded=loaded, label=label)
+    return [{"method": name, "n": m.get("n_examples"), "consistency": m.get("consistency"),
+             "s_per_token": m.get("seconds_per_token"), "tau": m.get("tau")} for name, m in summary["methods"].items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -41,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from selfspec.config import compose
-    from selfspec.evaluation import evaluate
     from selfspec.models import kernels
     from selfspec.models.loading import load_model
 
@@ -58,11 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = loaded or load_model(cfg.model)
         for mode in args.modes.split(","):
             kernels.ROWWISE_DTYPES = rowwise if mode == "on" else frozenset()
-            summary = evaluate(cfg, args.out / mode / task, loaded=loaded, label=args.method)
-            for name, m in summary["methods"].items():
-                row = {"task": task, "mode": mode, "method": name, "n": m.get("n_examples"),
-                       "consistency": m.get("consistency"), "s_per_token": m.get("seconds_per_token"),
-                       "tau": m.get("tau")}
+            for row in evaluate_rows(cfg, args.out / mode / task, loaded, args.method):
+                row = {"task": task, "mode": mode, **row}
                 table.append(row)
                 print(json.dumps(row), flush=True)
     (args.out / "table.json").write_text(json.dumps(table, indent=1))

@@ -6,7 +6,9 @@ artefacts it reads, and its ``objective`` (training, a search or statistics):
 ``objective(Context) -> Result``. :func:`run` does the rest, the same for every job:
 
 1. **prepare**: the keys every job shares (:func:`check_run`), then ``job.prepare(cfg)`` — every
-   config value checked and the job's data read — so a typo never costs a model load;
+   config value checked and the job's data read — so a typo never costs a model load; then the
+   job's estimated peak memory against the device's (:func:`selfspec.memory.check_fits`: a job
+   that cannot fit is refused before its model loads; ``memory_check=false`` skips it);
 2. **lock**: the artefact directory is owned for the whole job (:mod:`selfspec.locks`: a second
    job into it is refused at once), its parent checked writable, the Hydra job log opened;
 3. **load**: the model of ``cfg.model`` (or the one the caller loaded from it: the demo shares one);
@@ -108,6 +110,7 @@ def check_run(cfg) -> None:
     checks.optional(checks.text, "artefact_dir", cfg.artefact_dir,
                     why="null = outputs/artefacts/<kind>/<model>[-<task>]")
     check_model_config(cfg.model)
+    checks.flag("memory_check", cfg.memory_check)
     check_logger(cfg.logger)
     shows_progress(cfg)
 
@@ -146,7 +149,11 @@ def run(job: Job, cfg, loaded=None) -> dict:
     from selfspec.models.loading import model_for
     from selfspec.tracking import check_writable, hydra_output_dir, open_run_log, start_run
 
+    from selfspec.memory import check_fits
+
     opts = prepare(job, cfg)  # config and data checked before anything is locked or loaded
+    if loaded is None:  # its estimated peak checked against the device's memory before the model loads
+        check_fits(str(cfg.job.name), cfg)
     out = artefact_dir(job, cfg, opts)
     with hold(artefact_lock(out), f"artefact directory {out}"):
         check_writable(out.parent, "the artefact (artefact_dir=...)")

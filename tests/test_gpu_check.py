@@ -1,0 +1,58 @@
+"""scripts/gpu_check.py --dry-run: the GPU check's code on tiny-random on the CPU writes one JSON whose
+figures are measured, not placeholders."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ("heads", "prompts", "ppd_tree", "skips", "draft_vocab")
+METHODS = ("draft_verify", "adadecode", "ppd", "del", "early_exit", "ngram")
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
+    out = tmp_path / "check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and positive(report["seconds"])
+    assert report["settings"]["captures"] == ["static", "off"]
+    assert report["run_info"]["git_commit"] and report["run_info"]["versions"]["torch"]
+    assert "cpu_threads" in report["run_info"]["hardware"] and len(report["load_average"]) == 2
+    tiny = report["models"]["tiny-random"]
+    assert tiny["model"]["dtype"] == "bfloat16" and tiny["model"]["capture"] == "static"
+    assert tiny["model"]["params"] == 6_439_488
+    runtime = tiny["runtime"]
+    assert positive(runtime["vanilla_tokens_per_s"]) and positive(runtime["prefill_tokens_per_s"])
+    assert all(positive(v) for row in runtime["v"].values() for v in row.values())
+    profile = tiny["profile"]
+    assert profile["attention"] and profile["mlp"] and profile["head"] and positive(profile["seconds_to_measure"])
+    assert Path(tiny["profile_path"]).is_file()
+    for job in JOBS:
+        t = tiny["training"][job]
+        assert positive(t["peak_bytes"]) and positive(t["estimate_bytes"]) and positive(t["seconds"]), job
+        assert t["estimate_error"] == pytest.approx(t["estimate_bytes"] / t["peak_bytes"] - 1)
+        assert t["estimate_parts"]["weights"] == 6_439_488 * 2  # bf16
+        assert (Path(t["artefact"]) / "meta.json").is_file(), job
+    assert positive(tiny["training"]["heads"]["seconds_per_step"]) and tiny["training"]["heads"]["steps"] == 2
+    for method in (*METHODS, "vanilla"):
+        rows = tiny["methods"][method]
+        for capture in ("static", "off"):
+            assert positive(rows[capture]["s_per_token"]), (method, capture)
+        assert positive(rows["eager_over_captured"])
+    for method in METHODS:  # greedy, lossless on the CPU in bf16 (the row-wise kernels): vanilla's tokens
+        assert tiny["methods"][method]["static"]["consistency"] == 1.0, method

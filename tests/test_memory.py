@@ -1,0 +1,88 @@
+"""The memory model (selfspec.memory): shapes, the estimate against the measured CPU points, the refusal
+before the model loads, and the README's table."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from selfspec import memory
+from selfspec.config import compose, model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = json.loads((ROOT / "docs" / "memory_measured.json").read_text())["points"]
+
+
+def test_shapes_count_the_public_parameter_counts():
+    # Llama-3.2-1B: 1,235,814,400 parameters (tied); Llama-3-8B: 8,030,261,248; SmolLM2-135M: 134,515,008
+    assert memory.shape_of(model_config("llama3.2-1b-random")).params == 1_235_814_400
+    assert memory.shape_of(model_config("llama3-8b-random")).params == 8_030_261_248
+    assert memory.SIZES["1B"].params == 1_235_814_400 and memory.SIZES["8B"].params == 8_030_261_248
+    assert memory.shape_of(model_config("smollm2-135m")).params == 134_515_008
+
+
+@pytest.mark.parametrize("point", MEASURED, ids=lambda p: f"{p['shape']}-{p['job']}-{'_'.join(p['settings'])}")
+def test_estimate_within_the_stated_error_of_every_measured_point(point):
+    cfg = compose(point["overrides"], config_name="evaluate" if point["job"] == "evaluate" else "train")
+    est = memory.estimate(point["job"], memory.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
+                          torch.device("cpu"))
+    assert abs(est.total / point["job_peak"] - 1) <= memory.ERROR + 1e-9
+
+
+def test_the_stated_error_is_the_largest_over_the_points():
+    errors = []
+    for point in MEASURED:
+        cfg = compose(point["overrides"], config_name="evaluate" if point["job"] == "evaluate" else "train")
+        est = memory.estimate(point["job"], memory.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
+                              torch.device("cpu"))
+        errors.append(abs(est.total / point["job_peak"] - 1))
+    assert max(errors) == pytest.approx(memory.ERROR, abs=0.005)
+
+
+def test_activation_terms_grow_with_batch_and_sequence():
+    shape = memory.SIZES["8B"]
+    small = compose(["model=tiny-random", "job=prompts", "job.inserts=4"], config_name="train")
+    large = compose(["model=tiny-random", "job=prompts", "job.inserts=64"], config_name="train")
+    cuda = torch.device("cuda")
+    a = memory.estimate("prompts", shape, small, torch.bfloat16, cuda)
+    b = memory.estimate("prompts", shape, large, torch.bfloat16, cuda)
+    assert b.total > a.total and a.weights == b.weights == shape.params * 2 and a.runtime == 0.0
+
+
+def test_a_job_that_cannot_fit_is_refused_before_the_model_loads(monkeypatch, tmp_path):
+    from selfspec.models import loading
+    from selfspec.train import run_job
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
+    monkeypatch.setattr(memory, "device_memory", lambda device: (10 * 2**20, "a fake 10 MB device"))
+
+    def no_load(cfg):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    cfg = compose(["model=tiny-random", "job=heads", "logger=none", "progress=false"], config_name="train")
+    with pytest.raises(memory.MemoryRefused) as err:
+        run_job(cfg)
+    message = str(err.value)
+    est = memory.estimate("heads", memory.shape_of(cfg.model), cfg, torch.float32, torch.device("cpu"))
+    assert f"{est.total / 1e9:.1f} GB" in message and "a fake 10 MB device" in message
+    assert re.search(r"Lower job\.\w+", message) and est.largest().setting in message
+    assert "memory_check=false" in message
+    # memory_check=false skips the check (the model would then load)
+    off = compose(["model=tiny-random", "job=heads", "memory_check=false"], config_name="train")
+    assert memory.check_fits("heads", off) is None
+
+
+def test_a_job_that_fits_passes():
+    cfg = compose(["model=tiny-random", "job=heads"], config_name="train")
+    est = memory.check_fits("heads", cfg)
+    assert est is not None and est.total < memory.device_memory(torch.device("cpu"))[0]
+
+
+def test_readme_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    assert memory.table() in readme
