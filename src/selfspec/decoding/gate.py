@@ -88,6 +88,11 @@ class TwoArms:
         first, second = self.cost[True], self.cost[False]
         return first is None or second is None or first <= second
 
+    @property
+    def probing(self) -> bool:
+        """Whether a probe of the other arm is under way."""
+        return self._probe_left > 0
+
     def choose(self) -> bool:
         """The arm of the next step: the preferred arm, or the other one during a probe."""
         if self._probe_left:

@@ -13,7 +13,9 @@ spoil"). Neither count is right for both, and the load comes and goes within a r
 intervals). A step's cost is its measured seconds over its predicted seconds, its cost-ledger ops
 priced with this machine's profile (:meth:`selfspec.models.profile.Profile.price`), so steps of
 every shape (a plain step, a verification pass, AdaDecode's layer-by-layer walk) compare on one
-scale.
+scale. While the configured count is preferred and its steps take at most ``slack`` (1.25×) what
+the profile predicts, nothing suggests contention and one thread is not tried, so a quiet machine
+pays no probes; past it, the schedule starts.
 
 Outputs do not depend on the choice. Every operator of a decoding step (passes of at most
 :data:`~selfspec.models.kernels.MAX_ROWS` rows: the skinny linear, row-wise attention, the fused
@@ -61,7 +63,10 @@ class ThreadPolicy:
     profile: Any
     #: the configured thread count (torch's when the policy is built)
     threads: int = field(default_factory=torch.get_num_threads)
-    arms: TwoArms = field(default_factory=lambda: TwoArms(min_interval=16, max_interval=256, probe_steps=2))
+    arms: TwoArms = field(default_factory=lambda: TwoArms(min_interval=4, max_interval=256, probe_steps=2))
+    #: measured over predicted seconds up to which the configured count shows no contention: while
+    #: it is preferred and within this, one thread is not tried (a quiet machine pays no probes)
+    slack: float = 1.25
     _arm: bool = field(init=False, default=True)
     _t0: float = field(init=False, default=0.0)
 
@@ -72,7 +77,9 @@ class ThreadPolicy:
 
     def choose(self) -> bool:
         """Set the next step's threads (True: the configured count, False: one) and start its clock."""
-        self._arm = self.arms.choose()
+        configured = self.arms.cost[True]
+        quiet = self.arms.preferred and (configured is None or configured <= self.slack)
+        self._arm = True if quiet and not self.arms.probing else self.arms.choose()
         want = self.threads if self._arm else 1
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
