@@ -309,7 +309,7 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
     for label in ("paper", "default", "gated"):
         dec, fresh = build(label), build(label)
         before = dec.carried_state()
-        assert set(before) == {"gate", "draft_stop"} and (before["gate"] is None) == (label != "gated")
+        assert set(before) == {"gate", "threads", "draft_stop"} and before["threads"] is None and (before["gate"] is None) == (label != "gated")
         _warmup([SimpleNamespace(decoder=dec)], [prompt_ids], 2, 16, Sampling())
         assert dec.gamma == 0.05 and dec.draft_stop == before["draft_stop"] and dec.gate == before["gate"]
         if label != "gated":  # the gate's choices follow the wall clock

@@ -532,3 +532,40 @@ def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
     peer, line = runtime.llama_cpp_peer(tiny, 64)
     assert peer is None and line == ("llama.cpp: FAILED to load the GGUF file of tiny-random "
                                      "(ValueError: Failed to load model from file: x.gguf)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
+    """``csrc/layer_walk.cpp`` runs a Llama model's layers with the same operators, in the same
+    order, as the Python walk: hidden states and cache bit for bit, for one-token steps and
+    k-token passes after a prompt; and it is the path taken (a family it does not fit falls back)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selfspec.models.layered import LayeredModel
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
+                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512))
+    model = LayeredModel(hf.to(dtype), name="wide", linear_kernel="auto")
+    assert model._walk is not None
+    taken = []
+    original = LayeredModel._walk_in_cpp
+    monkeypatch.setattr(LayeredModel, "_walk_in_cpp",
+                        lambda self, *a: taken.append(out := original(self, *a)) or out)
+    ids = torch.randint(0, 512, (1, 140), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        cache, outs = model.new_cache(200), []
+        with torch.inference_mode():
+            model.forward(ids[:, :80], cache)
+            for k in (1, 3, 8, 32):
+                outs.append(model.forward(ids[:, 80:80 + k], cache).clone())
+                cache.truncate(81)
+            outs.append(model.forward(ids[:, 81:82], cache).clone())
+        return outs + [t[:, :, :82].clone() for t in cache.keys + cache.values]
+
+    walked = run()
+    assert sum(out is not None for out in taken) == 5  # every pass after the prompt
+    model._walk = None
+    assert all(torch.equal(a, b) for a, b in zip(walked, run()))

@@ -140,14 +140,12 @@ def shape_of(model_cfg) -> Shape:
     source = loading.check_model_config(model_cfg)
     name = str(model_cfg.name)
     if source.kind == "random":
-        spec = dict(model_cfg.random)
-        spec.pop("seed")
-        config_cls = loading._random_config_class(spec.pop("model_type"))
-        if spec.get("vocab_size") is None:
+        vocab = None
+        if model_cfg.random.get("vocab_size") is None:
             from selfspec.config import model_config
 
-            spec["vocab_size"] = shape_of(model_config(str(model_cfg.tokenizer))).vocab
-        return Shape.of_hf_config(config_cls(**spec))
+            vocab = shape_of(model_config(str(model_cfg.tokenizer))).vocab
+        return Shape.of_hf_config(loading.random_config(model_cfg, vocab))
     if source.kind == "pretrained":
         from transformers import AutoConfig
 

@@ -51,6 +51,7 @@ SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
 HEADER = Path(__file__).with_name("csrc") / "avx2.h"
 LAYER_OPS_SOURCE = Path(__file__).with_name("csrc") / "layer_ops.cpp"
+LAYER_WALK_SOURCE = Path(__file__).with_name("csrc") / "layer_walk.cpp"
 
 #: compiler flags. ``-fopenmp`` makes ``at::parallel_for`` (inlined into the kernels) run on torch's
 #: OpenMP threads: without it the kernels ran on one thread whatever ``torch.set_num_threads`` said
@@ -68,14 +69,13 @@ class KernelUnavailable(RuntimeError):
 def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes() + LAYER_OPS_SOURCE.read_bytes()
-                            + HEADER.read_bytes()
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + HEADER.read_bytes()
                             + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"skinny-{digest}"
 
 
 #: the sources, compiled together into one library
-SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE)
+SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE, LAYER_WALK_SOURCE)
 
 
 def _stage_sources(folder: Path) -> list[str]:
@@ -96,8 +96,8 @@ def _stage_sources(folder: Path) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def load() -> None:
     """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear``,
-    ``torch.ops.selfspec.rowwise_attention``, ``torch.ops.selfspec.rms_norm`` and
-    ``torch.ops.selfspec.rotary``.
+    ``torch.ops.selfspec.rowwise_attention``, ``torch.ops.selfspec.rms_norm``,
+    ``torch.ops.selfspec.rotary`` and ``torch.ops.selfspec.layer_walk``.
 
     One process builds at a time: an OS-level lock on the build folder (:mod:`selfspec.locks`),
     which dies with its holder; a process that finds it held says in a line what it waits for.

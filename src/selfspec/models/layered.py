@@ -158,6 +158,8 @@ class LayeredModel:
         #: per layer: (q|k|v weight, bias, row counts) and (gate|up weight, bias, row counts)
         self._qkv = [fuse_rows(fam.qkv(i)) for i in range(self.num_layers)]
         self._gate_up = [fuse_rows(fam.gate_up(i)) for i in range(self.num_layers)]
+        #: the weights of :meth:`_walk_in_cpp`, where every layer has the plain Llama layout
+        self._walk = self._walk_weights()
         #: the static-pass runner (``capture`` ``static`` or ``graphs``), or None (``off``)
         self.steps = passes
         self.capture = passes.mode if passes is not None else "off"
@@ -344,6 +346,69 @@ class LayeredModel:
             h = self.mlp(i, h)
         return h
 
+    def _walk_weights(self) -> dict | None:
+        """Per layer, the weights of a walk in one operator (``csrc/layer_walk.cpp``): the CPU
+        operators are on, every layer has the plain Llama layout (no q/k or output norms, no
+        window, one rotary kind, no biases, SiLU, Llama's norm form, one epsilon) and SDPA with
+        the row-wise attention kernel; else None."""
+        fam, n = self.family, self.num_layers
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if not (self._cpu_ops and self.dtype in (torch.float32, torch.bfloat16) and self.head_dim % 8 == 0
+                and fam.attend is sdpa_attention_forward and not fam.normalises_qk and not fam.unit_offset_norms
+                and kernels._attention_kernel()):
+            return None
+        norm1 = [fam.attention_norm(i) for i in range(n)]
+        norm2 = [fam.mlp_norm(i) for i in range(n)]
+        out = [fam.out_proj(i) for i in range(n)]
+        down = [fam.down_proj(i) for i in range(n)]
+        eps = {float(m.variance_epsilon) for m in norm1 + norm2 if hasattr(m, "variance_epsilon")}
+        plain = all(fam.window(i) is None and fam.rope_kind(i) is None and fam.attention_out_norm(i) is None
+                    and fam.mlp_out_norm(i) is None and isinstance(fam.act(i), SiLUActivation)
+                    and self._qkv[i][1] is None and self._gate_up[i][1] is None
+                    and out[i].bias is None and down[i].bias is None
+                    and self._gate_up[i][2][0] == self._gate_up[i][2][1] for i in range(n))
+        weights = [m.weight for m in norm1 + norm2 + out + down]
+        if not plain or len(eps) != 1 or any(w.dtype != self.dtype or w.shape[-1] % 8 for w in weights):
+            return None
+        return {"norm1": [m.weight for m in norm1], "qkv": [w for w, _, _ in self._qkv],
+                "out": [m.weight for m in out], "norm2": [m.weight for m in norm2],
+                "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
+                "scaling": [float(fam.attention_module(i).scaling) for i in range(n)]}
+
+    def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask) -> torch.Tensor | None:
+        """The walk of :meth:`run_layers` as one operator (``csrc/layer_walk.cpp``: the same
+        operators in the same order, called from C++), where it applies: a plain-Llama model
+        (:meth:`_walk_weights`), no gradient, at most :data:`~selfspec.models.kernels.MAX_ROWS`
+        rows after a cache whose layers all hold the same positions, no mask for one row or a
+        boolean one; else None (the Python walk)."""
+        walk, n = self._walk, h.shape[1]
+        if (walk is None or type(kv) is not LayerCache or n > kernels.MAX_ROWS or torch.is_grad_enabled()
+                or h.dtype != self.dtype or not len(layers)):
+            return None
+        if mask is None:
+            if n != 1:
+                return None
+            allowed = torch.empty(0, dtype=torch.bool)
+        elif mask.dtype != torch.bool or mask.shape[:-2].numel() != 1:
+            return None
+        else:
+            allowed = mask
+        start = kv.lengths[layers[0]]
+        if start + n > kv.max_length or any(kv.lengths[i] != start for i in layers):
+            return None
+        cos, sin = rope
+        if cos.dtype != self.dtype or len(set(walk["scaling"][i] for i in layers)) != 1:
+            return None
+        layers = list(layers)
+        out = torch.ops.selfspec.layer_walk(h, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
+                                            walk["gate_up"], walk["down"], kv.keys, kv.values, cos, sin, allowed,
+                                            start, self.head_dim, walk["eps"], walk["scaling"][layers[0]])
+        for i in layers:
+            kv.lengths[i] = start + n
+        return out
+
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
                    skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """The layer primitive: run ``layers`` (a range or any increasing subset) over the rows of
@@ -356,6 +421,10 @@ class LayeredModel:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             self._record_walk(h.shape[1], layers, skip, context)
+        if skip is None and keep is None:
+            out = self._walk_in_cpp(h, layers, kv, rope, mask)
+            if out is not None:
+                return out
         for i in layers:
             if skip is None:
                 h = self.mlp(i, self.attention(i, h, rope, kv, mask))

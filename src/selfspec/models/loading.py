@@ -571,6 +571,18 @@ def _load_gguf(source: Source, attn: str, name: str):
     return hf, tok
 
 
+def random_config(cfg, vocab_size: int | None = None, **extra):
+    """transformers' config of the random model a ``model`` config describes (``model.random``: its
+    family's config class with the given fields; ``vocab_size`` where the spec gives none, e.g. the
+    borrowed tokenizer's), without building the model."""
+    spec = dict(_plain_config(_get(cfg, "random")))  # plain lists too (Gemma 3's layer_types)
+    for key in ("seed", "norm_noise"):
+        spec.pop(key, None)
+    config_cls = _random_config_class(spec.pop("model_type"))
+    vocab = spec.pop("vocab_size", None) or vocab_size
+    return config_cls(vocab_size=int(vocab), **spec, **extra)
+
+
 def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
     """A seeded random model of a supported family (``model.random.model_type``) with a real
     tokenizer (for fast tests), or one of a large model's shape for runtime benchmarks. On CUDA it
@@ -578,17 +590,11 @@ def _load_random(cfg, attn: str, device: torch.device, dtype: torch.dtype):
     first), so its values come from the device's generator and differ from the same seed's on a CPU."""
     from transformers import AutoModelForCausalLM
 
-    spec = dict(_plain_config(_get(cfg, "random")))  # plain lists too (Gemma 3's layer_types)
-    seed = int(spec.pop("seed"))
-    norm_noise = spec.pop("norm_noise", None)
-    config_cls = _random_config_class(spec.pop("model_type"))
-    tok = None
-    vocab = spec.pop("vocab_size", None)
+    spec = _get(cfg, "random")
+    seed, norm_noise = int(spec.get("seed")), spec.get("norm_noise")
     tok_from = _get(cfg, "tokenizer")
-    if tok_from:
-        tok = _tokenizer_of(str(tok_from))
-        vocab = vocab or len(tok)
-    config = config_cls(vocab_size=int(vocab), attn_implementation=attn, **spec)
+    tok = _tokenizer_of(str(tok_from)) if tok_from else None
+    config = random_config(cfg, len(tok) if tok is not None else None, attn_implementation=attn)
     if tok is not None:
         config.eos_token_id = tok.eos_token_id
         config.bos_token_id = tok.bos_token_id
