@@ -66,12 +66,19 @@ class KernelUnavailable(RuntimeError):
     """The skinny kernel cannot run here (no AVX2, no compiler, wrong device or dtype)."""
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """12 hex digits naming the operators' sources, torch's version and the compiler flags: a
+    build, and a cost profile measured with it (:func:`selfspec.models.profile.machine`), belong
+    to one digest."""
+    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + HEADER.read_bytes()
+                          + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+
+
 def _build_dir() -> Path:
     from selfspec.assets import cache_dir
 
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + HEADER.read_bytes()
-                            + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
-    return cache_dir() / "kernels" / f"skinny-{digest}"
+    return cache_dir() / "kernels" / f"skinny-{source_digest()}"
 
 
 #: the sources, compiled together into one library

@@ -87,7 +87,8 @@ def cpu_name() -> str:
 
 
 def machine(device: torch.device) -> dict[str, Any]:
-    """The machine a profile describes: device, its name, threads, and the libraries that run it."""
+    """The machine a profile describes: device, its name, threads, and the libraries that run it
+    (torch, transformers and the digest of the runtime's CPU operators' sources)."""
     import importlib.metadata as md
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -97,6 +98,10 @@ def machine(device: torch.device) -> dict[str, Any]:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
+    # the runtime's CPU operators: a profile measured before they changed is not this runtime's
+    from selfspec.models.kernels import source_digest
+
+    versions["selfspec-kernels"] = source_digest()
     return {"device": device.type, "hardware": gpu or cpu_name(), "threads": torch.get_num_threads(),
             "versions": versions}
 
