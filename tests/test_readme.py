@@ -114,6 +114,10 @@ NOT_RUN = {
         "uploads to W&B: needs an API key and the network", _check_wandb_sync),
     "python scripts/wandb_dashboard.py --entity <you>": (
         "saves a W&B workspace: needs an API key, the network and wandb-workspaces", _check_dashboard),
+    "make TORCH_SPEC=torch gpu-check": ("needs a GPU (without one it refuses, naming --dry-run)",
+                                        lambda run, cmd: _check_make_target(run, "gpu-check", "scripts/gpu_check.py")),
+    "make gpu-check ARGS=--dry-run": ("tests/test_gpu_check.py runs the same dry run (scripts/gpu_check.py --dry-run)",
+                                      lambda run, cmd: _check_make_target(run, "gpu-check", "scripts/gpu_check.py")),
     "python -m selfspec.evaluate -m hydra/launcher=submitit_slurm hydra.launcher.partition=gpu "
     "hydra.launcher.gpus_per_node=1 task=xsum,gsm8k": ("submits to a Slurm cluster", _check_slurm),
 }
