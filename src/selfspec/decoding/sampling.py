@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import partial
 
+import numpy as np
 import torch
 
 from selfspec import checks
@@ -84,8 +85,6 @@ def top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     taken through ``torch.sort``'s order, as the warper does.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        import numpy as np
-
         ordered = torch.from_numpy(np.sort(logits.numpy(), axis=-1))
     else:
         ordered = torch.sort(logits, dim=-1).values

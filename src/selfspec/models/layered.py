@@ -349,7 +349,8 @@ class LayeredModel:
     def _walk_weights(self) -> dict | None:
         """Per layer, the weights of a walk in one operator (``csrc/layer_walk.cpp``): the CPU
         operators are on, every layer has the plain Llama layout (no q/k or output norms, no
-        window, one rotary kind, no biases, SiLU, Llama's norm form, one epsilon) and SDPA with
+        window, one rotary kind, no biases, SiLU, Llama's norm form, one epsilon and attention
+        scale) and SDPA with
         the row-wise attention kernel; else None."""
         fam, n = self.family, self.num_layers
         from transformers.activations import SiLUActivation
@@ -364,18 +365,20 @@ class LayeredModel:
         out = [fam.out_proj(i) for i in range(n)]
         down = [fam.down_proj(i) for i in range(n)]
         eps = {float(m.variance_epsilon) for m in norm1 + norm2 if hasattr(m, "variance_epsilon")}
+        scaling = {float(fam.attention_module(i).scaling) for i in range(n)}
         plain = all(fam.window(i) is None and fam.rope_kind(i) is None and fam.attention_out_norm(i) is None
                     and fam.mlp_out_norm(i) is None and isinstance(fam.act(i), SiLUActivation)
                     and self._qkv[i][1] is None and self._gate_up[i][1] is None
                     and out[i].bias is None and down[i].bias is None
                     and self._gate_up[i][2][0] == self._gate_up[i][2][1] for i in range(n))
         weights = [m.weight for m in norm1 + norm2 + out + down]
-        if not plain or len(eps) != 1 or any(w.dtype != self.dtype or w.shape[-1] % 8 for w in weights):
+        if (not plain or len(eps) != 1 or len(scaling) != 1
+                or any(w.dtype != self.dtype or w.shape[-1] % 8 for w in weights)):
             return None
         return {"norm1": [m.weight for m in norm1], "qkv": [w for w, _, _ in self._qkv],
                 "out": [m.weight for m in out], "norm2": [m.weight for m in norm2],
                 "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
-                "scaling": [float(fam.attention_module(i).scaling) for i in range(n)]}
+                "scaling": scaling.pop()}
 
     def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask) -> torch.Tensor | None:
         """The walk of :meth:`run_layers` as one operator (``csrc/layer_walk.cpp``: the same
@@ -399,12 +402,12 @@ class LayeredModel:
         if start + n > kv.max_length or any(kv.lengths[i] != start for i in layers):
             return None
         cos, sin = rope
-        if cos.dtype != self.dtype or len(set(walk["scaling"][i] for i in layers)) != 1:
+        if cos.dtype != self.dtype:
             return None
         layers = list(layers)
         out = torch.ops.selfspec.layer_walk(h, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
                                             walk["gate_up"], walk["down"], kv.keys, kv.values, cos, sin, allowed,
-                                            start, self.head_dim, walk["eps"], walk["scaling"][layers[0]])
+                                            start, self.head_dim, walk["eps"], walk["scaling"])
         for i in layers:
             kv.lengths[i] = start + n
         return out
