@@ -20,25 +20,27 @@ def test_speculation_that_does_not_pay_is_mostly_switched_off():
     gate = SpeculationGate(min_interval=8, max_interval=128)
     n_spec = _run(gate, 1000, spec_cost=1.5, plain_cost=1.0)
     assert not gate.preferred
-    # the first 7 steps speculate, then plain wins; speculation is probed at intervals of 8, 16, 32,
-    # 64, then every 128 steps: 4 + (1000 - 120 - 7) / 128 probes
-    assert n_spec <= 7 + 11, n_spec
-    # the cost of probing: within 3% of always-plain over the run
+    # the first step speculates and the second tries plain, which wins; speculation is probed 8
+    # steps later, and each probe costs 1 s beyond plain's cost of its 2 tokens, so the probe
+    # budget (1% of the time) makes the next wait at least 100 steps, then 128: about 10 in all
+    assert n_spec <= 12, n_spec
+    # the cost of probing: within 1.5% of always-plain over the run
     spent = n_spec * 2 * 1.5 + (1000 - n_spec) * 1.0
     tokens = n_spec * 2 + (1000 - n_spec)
-    assert spent / tokens <= 1.03
+    assert spent / tokens <= 1.015
 
 
 def test_speculation_that_pays_keeps_speculating():
     gate = SpeculationGate()
     n_spec = _run(gate, 1000, spec_cost=0.6, plain_cost=1.0)
-    assert gate.preferred and n_spec >= 1000 - 11  # plain probed at 8, 16, 32, 64, then every 128
+    assert gate.preferred and n_spec >= 1000 - 11  # plain probed at step 2, then at 33+ step intervals
 
 
 def test_gate_notices_a_change_and_resets_its_interval():
     gate = SpeculationGate(min_interval=4, max_interval=64, smoothing=1.0)
     _run(gate, 500, spec_cost=1.5, plain_cost=1.0)
-    assert not gate.preferred and gate.interval == 64
+    # past max_interval: each probe costs 1 s beyond plain's, 1% of 100 plain steps (the budget)
+    assert not gate.preferred and gate.interval == 100
     _run(gate, 200, spec_cost=0.5, plain_cost=1.0)  # e.g. the drafter learned, or the load went away
     assert gate.preferred
 
@@ -71,16 +73,30 @@ def test_unmeasured_plain_arm_means_speculate_and_bad_settings_are_refused():
 
 
 def test_a_probe_lasts_probe_steps():
-    gate = SpeculationGate(min_interval=4, max_interval=4, probe_steps=3)
+    gate = SpeculationGate(min_interval=4, max_interval=4, probe_steps=3, probe_budget=0)
     arms = []
     for _ in range(20):
         spec = gate.speculate()
         arms.append(spec)
         gate.record(spec, 1, 1.0 if spec else 0.5)  # plain is cheaper
-    # 3 speculative steps, a 3-step plain probe that flips the choice, then 3 plain steps and a
-    # 3-step speculative probe, and so on
-    assert arms[:9] == [True] * 3 + [False] * 6
-    assert arms[9:12] == [True] * 3
+    # a speculative step, then a 3-step probe of the unmeasured plain arm that flips the choice,
+    # then 3 plain steps and a 3-step speculative probe, and so on
+    assert arms[:16] == [True] + [False] * 6 + [True] * 3 + [False] * 3 + [True] * 3
+
+
+def test_the_probe_budget_spaces_out_expensive_probes():
+    """A speculative step that costs 4 plain steps for one token: its probes cost 3 s beyond
+    plain's each. With the 1% budget they come every 300 steps, not every 128."""
+    spent = {}
+    for budget in (0.01, 0.0):
+        gate = SpeculationGate(probe_budget=budget)
+        n_spec = _run(gate, 3000, spec_cost=4.0, plain_cost=1.0, tokens_spec=1)
+        assert not gate.preferred
+        spent[budget] = (n_spec * 4.0 + (3000 - n_spec)) / 3000
+    assert gate.interval == 128 and spent[0.0] > 1.025  # probes every 128 steps: ~27 of them
+    assert spent[0.01] <= 1.015  # ~12: at 2, 8, then every 300 steps
+    with pytest.raises(ValueError, match="probe_budget"):
+        SpeculationGate(probe_budget=1.0)
 
 
 # --- the gate inside the decoders: outputs stay vanilla's whichever arm it takes ----------------

@@ -35,7 +35,8 @@ def synthetic_profile(**changes) -> Profile:
         "mlp": {"1": 2e-3, "2": 3e-3, "4": 5e-3},
         "head": {"1000": {"1": 4e-3, "4": 10e-3}, "250": {"1": 1e-3, "4": 2.5e-3}},
         "linear": {"1": 0.5e-3, "4": 1e-3},
-        "tree": {}, "pass": {}, "host": 0.25e-3, "host_sampled": 0.5e-3,
+        "warp": {"1": {"1000": {"1": 1e-3, "4": 3e-3}, "250": {"1": 0.25e-3}}, "0": {"1000": {"1": 0.1e-3}}},
+        "tree": {}, "pass": {}, "host": 0.25e-3,
     }
     data.update(changes)
     return Profile(data)
@@ -64,9 +65,20 @@ def test_synthetic_trace_gives_the_exact_prediction():
     assert got.keys() == set(COMPONENTS)
     for k, v in expected.items():
         assert got[k] == pytest.approx(v, rel=1e-12), k
-    # a sampling run's steps select their tokens at the sampled host cost
-    sampled = p.predict(trace, sampled=True)
-    assert sum(sampled.values()) == pytest.approx(sum(got.values()) + 3 * 0.25 * ms)
+    # a sampling run's steps carry their warps: one row at the full vocabulary and top-p (1 ms),
+    # two rows (between 1 and 4 rows: 5/3 ms), the draft head's truncated vocabulary (0.25 ms)
+    # and one row without top-p (0.1 ms); a sampled trace without them is refused
+    warps = [["prefill", "W", 1, 1000, 1], ["heads", "W", 1, 250, 1], ["verify", "W", 2, 1000, 1],
+             ["plain", "W", 1, 1000, 0]]
+    sampled_trace = copy.deepcopy(trace)
+    for step, w in zip(sampled_trace, ([warps[0]], warps[1:3], [warps[3]])):
+        step["ops"] += w
+    sampled = p.predict(sampled_trace, sampled=True)
+    assert sampled["heads"] == pytest.approx(got["heads"] + 0.25 * ms, rel=1e-12)
+    assert sampled["verify"] == pytest.approx(got["verify"] + 5 / 3 * ms, rel=1e-12)
+    assert sum(sampled.values()) == pytest.approx(sum(got.values()) + (1 + 0.25 + 5 / 3 + 0.1) * ms, rel=1e-12)
+    with pytest.raises(ValueError, match="no warp op"):
+        p.predict(trace, sampled=True)
 
 
 def test_a_trace_without_ops_is_refused():

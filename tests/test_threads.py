@@ -67,7 +67,7 @@ class Alternate:
 class FlatProfile:
     """A profile that prices every step at one second."""
 
-    def price(self, ops, sampled=False) -> float:
+    def price(self, ops) -> float:
         return 1.0
 
 

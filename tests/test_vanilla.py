@@ -95,6 +95,39 @@ def test_speculative_verify_preserves_target_distribution():
     assert tv < 0.02, f"total variation {tv:.4f}"
 
 
+def test_lazy_chain_verification_equals_warping_every_row_first():
+    """verify_chain warps the target rows one at a time up to the first rejection; it must make
+    the textbook rule's decisions from the same draws (same n, token and generator state), and
+    charge the ledger only the rows it warped."""
+    from selfspec.decoding.sampling import verify_chain
+    from selfspec.models.ledger import Ledger
+
+    torch.manual_seed(0)
+    V = 300
+    settings = [Sampling(temperature=0.7, top_p=0.9), Sampling(temperature=1.0), Sampling(temperature=0.5, top_k=20)]
+    seen = set()
+    for case in range(240):
+        s = settings[case % 3]
+        k = case % 6
+        target = torch.randn(k + 1, V) * 3
+        # drafts from a distribution near the target's, so that both accepts and rejects happen
+        q = warp(target[:k] + torch.randn(k, V) * (case % 4), s)
+        g_draft = torch.Generator().manual_seed(case)
+        draft = torch.multinomial(q, 1, generator=g_draft)[:, 0] if k else torch.zeros(0, dtype=torch.long)
+        g1, g2 = torch.Generator().manual_seed(1000 + case), torch.Generator().manual_seed(1000 + case)
+        ledger = Ledger(torch.device("cpu"))
+        lazy = verify_chain(draft, q if k else None, target, s, g1, ledger)
+        eager = speculative_verify(draft, q if k else target[:0], warp(target, s), g2)
+        assert lazy == eager, case
+        assert torch.equal(g1.get_state(), g2.get_state()), case
+        assert sum(op[2] for op in ledger.ops if op[1] == "W") == lazy[0] + 1
+        assert all(op[3] == V and op[4] == (s.top_p < 1) for op in ledger.ops)
+        seen.add((k > 0, lazy[0] < k))
+    assert seen == {(False, False), (True, True), (True, False)}  # no drafts, a rejection, all accepted
+    with pytest.raises(ValueError, match="without the distributions"):
+        verify_chain(torch.tensor([3]), None, torch.randn(2, V), settings[0], torch.Generator())
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_equals_generate(smol):
     text = smol.tokenizer.apply_chat_template(

@@ -146,6 +146,8 @@ class DecodeState:
     #: the current step's trace (the method fills it in) and the finished steps' traces
     trace_step: StepTrace = field(default_factory=StepTrace)
     trace: list[StepTrace] = field(default_factory=list)
+    #: the generation's cost ledger, charged with sampled selection's warps (None outside one)
+    ledger: Ledger | None = None
 
     @property
     def pending(self) -> int:
@@ -278,7 +280,7 @@ class Decoder:
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Run the prompt through the model; return the first new token."""
         h = self.model.forward(prompt, state.cache, start=0)
-        return int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])
+        return int(select(self.model.logits(h[:, -1]), state.sampling, state.generator, state.ledger)[0])
 
     def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
         """The step that reads the prompt (traced as ``prefill``): default :meth:`prefill`, which
@@ -334,7 +336,7 @@ class Decoder:
         with phase(self.model, "plain"):
             state.cache.truncate(state.n_cached)
             h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached)
-            return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator)[0])]
+            return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator, state.ledger)[0])]
 
     # --- state carried across examples -------------------------------------------------------
     def carried_state(self) -> dict[str, Any]:
@@ -371,7 +373,7 @@ class Decoder:
         cache = self.model.new_cache(n_prompt + max_new_tokens + self.room + 1, reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
-        ledger = self.model.ledger = Ledger(self.model.device)
+        ledger = self.model.ledger = state.ledger = Ledger(self.model.device)
         threads = self.threads
         try:
             if threads is not None:
@@ -392,7 +394,7 @@ class Decoder:
                         state.count("steps_one_thread")
                     new = self._gated_step(state, max_new_tokens - (len(state.tokens) - n_prompt))
                     if threads is not None:
-                        threads.record(ledger.ops, not sampling.greedy)
+                        threads.record(ledger.ops)
                     reason = self._commit(state, new, max_new_tokens)
             ledger.stop()
             sync()

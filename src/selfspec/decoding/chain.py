@@ -101,7 +101,7 @@ def pick(logits: torch.Tensor, state: DecodeState) -> tuple[int, float, torch.Te
         p_max, tok = probs.max(-1)
         q = None
     else:
-        q = warp(logits, state.sampling)
+        q = warp(logits, state.sampling, state.ledger)
         tok = torch.multinomial(q, 1, generator=state.generator)[0]
         p_max = probs.max()
     conf, tok = torch.stack([p_max, tok.to(p_max.dtype)]).tolist()
@@ -166,9 +166,10 @@ def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Draf
     """
     k = len(draft)
     if verify:
-        n, nxt = verify_chain(draft.tensor(logits.device), draft.q(), logits, state.sampling, state.generator)
+        n, nxt = verify_chain(draft.tensor(logits.device), draft.q(), logits, state.sampling, state.generator,
+                              state.ledger)
     else:
-        n, nxt = k, int(select(logits[-1], state.sampling, state.generator))
+        n, nxt = k, int(select(logits[-1], state.sampling, state.generator, state.ledger))
     state.cache.truncate(state.n_cached + n + 1)
     state.drafted = k
     if k:

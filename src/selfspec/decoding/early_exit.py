@@ -556,7 +556,7 @@ class DEL(EarlyExit):
         final = m.logits(h[0, n - rows :])
         self._shadow(state, kept, final.argmax(-1))
         state.trace_step.controller = state.example.shadow.state()
-        return int(select(final[-1], state.sampling, state.generator))
+        return int(select(final[-1], state.sampling, state.generator, state.ledger))
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""

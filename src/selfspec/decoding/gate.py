@@ -22,10 +22,19 @@ profile) or timed on the wall clock (a gate built without a profile):
 * the gate speculates while speculation's cost is at most plain's (or while plain has not been
   measured yet), else it takes plain steps;
 * the arm not chosen is tried again once every ``interval`` steps, so a change (another task,
-  a loaded machine, a drafter that learned) is noticed. The interval starts at
-  ``min_interval``, doubles each time the probe confirms the choice, up to ``max_interval``, and
-  falls back to ``min_interval`` when the choice flips. A probe lasts ``probe_steps`` steps
-  (PPD's first step after plain steps only computes its guesses, so its probes last longer).
+  a loaded machine, a drafter that learned) is noticed. An arm not yet measured is tried at the
+  second step, so a run learns both arms' costs at once instead of paying for a losing arm for
+  ``min_interval`` steps first. The interval starts at ``min_interval``, doubles each time the
+  probe confirms the choice, up to ``max_interval``, and falls back to ``min_interval`` when the
+  choice flips. A probe lasts ``probe_steps`` steps (PPD's first step after plain steps only
+  computes its guesses, so its probes last longer);
+* **a probe budget.** A probe that confirms the choice cost what its steps took beyond the
+  preferred arm's cost of the same units; the next probe then waits at least long enough for
+  those extra seconds to be ``probe_budget`` (1%) of the time in between, up to
+  ``max_budget_interval`` steps. A cheap probe (a two-row verification of a context draft) keeps
+  the doubling schedule; an expensive one (DEL drafting several tokens through exit heads, about
+  2.4 plain steps beyond a plain step's cost on SmolLM2 here) is repeated every ~240 steps
+  instead of 128, which halves what a method that does not pay loses to its probes.
 
 The gate's state is policy state: it lives on the decoder and carries over between examples (the
 cost of a step is the machine's, not the example's), though not from the evaluation's warm-up
@@ -57,6 +66,9 @@ class TwoArms:
     max_interval: int = 128
     smoothing: float = 0.3
     probe_steps: int = 1
+    #: the share of the time a confirming probe's extra cost may take (module docstring)
+    probe_budget: float = 0.01
+    max_budget_interval: int = 1024
     #: moving averages per arm of a step's seconds and of its units (None = not measured yet)
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     units: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
@@ -65,6 +77,9 @@ class TwoArms:
     _probe_left: int = field(init=False, default=0)
     _probe_arm: bool = field(init=False, default=False)
     _before: bool = field(init=False, default=True)
+    #: the probe under way: its seconds and units so far
+    _probe_seconds: float = field(init=False, default=0.0)
+    _probe_units: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_interval <= self.max_interval:
@@ -73,6 +88,8 @@ class TwoArms:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
         if self.probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {self.probe_steps}")
+        if not 0 <= self.probe_budget < 1:
+            raise ValueError(f"probe_budget must be in [0, 1), got {self.probe_budget}")
         self.interval = self.min_interval
 
     @property
@@ -98,12 +115,16 @@ class TwoArms:
         if self._probe_left:
             return self._probe_arm
         self._since_probe += 1
-        if self._since_probe >= self.interval:
+        preferred = self.preferred
+        cost = self.cost
+        unmeasured = cost[preferred] is not None and cost[not preferred] is None
+        if self._since_probe >= (1 if unmeasured else self.interval):
             self._since_probe = 0
-            self._probe_left, self._before = self.probe_steps, self.preferred
-            self._probe_arm = not self._before
+            self._probe_left, self._before = self.probe_steps, preferred
+            self._probe_arm = not preferred
+            self._probe_seconds = self._probe_units = 0.0
             return self._probe_arm
-        return self.preferred
+        return preferred
 
     def record(self, arm: bool, units: float, seconds: float) -> None:
         """One step's outcome on ``arm``: its units of work and its seconds."""
@@ -113,9 +134,23 @@ class TwoArms:
                 average[arm] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
         if self._probe_left:
             self._probe_left -= 1
+            self._probe_seconds += max(float(seconds), 0.0)
+            self._probe_units += max(float(units), 0.0)
             if not self._probe_left:  # the probe's verdict
-                self.interval = (min(self.interval * 2, self.max_interval) if self.preferred == self._before
-                                 else self.min_interval)
+                if self.preferred != self._before:
+                    self.interval = self.min_interval
+                else:
+                    self.interval = max(min(self.interval * 2, self.max_interval), self._budget_interval())
+
+    def _budget_interval(self) -> int:
+        """Steps until the next probe so that the confirming probe just ended costs at most
+        ``probe_budget`` of the time until then (module docstring); 0 without a budget."""
+        arm = self._before
+        cost, step = self.cost[arm], self.seconds[arm]
+        if not self.probe_budget or cost is None or not step:
+            return 0
+        extra = self._probe_seconds - cost * self._probe_units
+        return min(int(extra / (self.probe_budget * step)), self.max_budget_interval) if extra > 0 else 0
 
 
 @dataclass

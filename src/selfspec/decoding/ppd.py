@@ -197,7 +197,7 @@ class PPD(Decoder):
                           positions=(n - 1 + lay.offsets[1:]).unsqueeze(0), h=self.prompts.chain().unsqueeze(0))
         h = torch.cat([h, extra], dim=1)
         state.cache.truncate(n)
-        first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator)[0])
+        first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator, state.ledger)[0])
         self._next_candidates(state.example, h[0], lay.prompt_rows[0] + (n - 1))
         state.trace_step.controller = {"state": state.example.tree_state}
         return first
@@ -294,15 +294,18 @@ class PPD(Decoder):
         """-> (accepted node with the longest path, bonus token after it). One host sync for greedy."""
         s = state.sampling
         if lay.n_nodes == 1:
-            return 0, int(select(logits[0], s, state.generator))
+            return 0, int(select(logits[0], s, state.generator, state.ledger))
         cand = tokens[1:]
         parents = lay.parent[1:]
         if s.greedy:
             target = logits.argmax(-1)
             ok = target[parents] == cand
         else:
-            probs = warp(logits, s)
-            ok = typical_accept(probs[parents], cand, self.threshold, self.alpha)
+            # only the parents' rows are read: the leaves' are never warped (each row warps alone,
+            # so its bits are the same as in a warp of every row)
+            rows, of_parent = torch.unique(parents, return_inverse=True)
+            probs = warp(logits[rows], s, state.ledger)
+            ok = typical_accept(probs[of_parent], cand, self.threshold, self.alpha)
         ok = torch.cat([ok.new_ones(1), ok])
         accepted = ~(lay.ancestors & ~ok.unsqueeze(0)).any(-1)  # every node on the path matched
         score = torch.where(accepted, lay.depths, lay.depths.new_full((), -1))
@@ -313,4 +316,4 @@ class PPD(Decoder):
             best, bonus = torch.stack([best, target[best]]).tolist()
             return best, bonus
         best = int(score.argmax())
-        return best, int(select(logits[best], s, state.generator))
+        return best, int(select(logits[best], s, state.generator, state.ledger))

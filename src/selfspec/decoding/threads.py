@@ -86,7 +86,8 @@ class ThreadPolicy:
         self._t0 = time.perf_counter()
         return self._arm
 
-    def record(self, ops: list[list], sampled: bool) -> None:
-        """The step just taken: its measured seconds over what its ``ops`` cost on the profile."""
+    def record(self, ops: list[list]) -> None:
+        """The step just taken: its measured seconds over what its ``ops`` (a sampled step's warps
+        among them) cost on the profile."""
         seconds = time.perf_counter() - self._t0
-        self.arms.record(self._arm, self.profile.price(ops, sampled), seconds)
+        self.arms.record(self._arm, self.profile.price(ops), seconds)

@@ -22,8 +22,11 @@ heads: early exit, DEL, AdaDecode), ``verify`` (the verification pass and its sc
 (PPD's choice and layout of the candidate tree) and ``host`` (the rest).
 
 An op is a short list, for a compact trace: ``[component, "L", rows, attention sublayers, MLP
-sublayers, context]``, ``[component, "H", rows, vocabulary rows]`` or ``[component, "X", rows,
-in features, out features]``.
+sublayers, context]``, ``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows,
+in features, out features]`` or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``:
+logit rows warped into the target distribution (:func:`selfspec.decoding.sampling.warp`;
+``nucleus`` 1 when top-p sorts the vocabulary). Greedy selection (an argmax) is no op: it is part
+of a step's host time.
 """
 
 from __future__ import annotations
@@ -124,6 +127,16 @@ class Ledger:
     def linear(self, rows: int, d_in: int, d_out: int) -> None:
         """A small head transform (an exit head's ``d × d`` map before the LM head)."""
         self.ops.append([self.current, "X", rows, d_in, d_out])
+
+    def warp(self, rows: int, vocab: int, nucleus: bool) -> None:
+        """Sampled token selection: ``rows`` logit rows of ``vocab`` entries warped (temperature,
+        top-k, top-p when ``nucleus``); consecutive warps of the same kind merge."""
+        last = self.ops[-1] if self.ops else None
+        if (last is not None and last[1] == "W" and last[0] == self.current and last[3] == vocab
+                and last[4] == int(nucleus)):
+            last[2] += rows
+        else:
+            self.ops.append([self.current, "W", rows, vocab, int(nucleus)])
 
     def take_ops(self) -> list[list]:
         ops, self.ops = self.ops, []

@@ -15,9 +15,11 @@ other machine with a profile of the same model shape:
 * ``tree[size]`` and ``pass[context][rows]``: whole tree passes (PPD) and whole chain passes
   (all layers and the head on every row) at the context nearest 512, the ``L_fp(n)`` curve,
   kept for reading and checks;
-* ``host``: the seconds of a plain step beyond what its ops cost measured alone: selecting the
-  token, the host sync, and what running inside a decoding loop adds to the isolated passes;
-  ``host_sampled`` the same under sampling (temperature and top-p warp and sort the vocabulary).
+* ``warp[nucleus][vocab][rows]``: sampled token selection, ``rows`` logit rows warped into the
+  target distribution (temperature, and top-p when ``nucleus`` is 1: a sort of the vocabulary),
+  at the full and truncated vocabularies. Top-k is priced as the warp it runs within;
+* ``host``: the seconds of a plain greedy step beyond what its ops cost measured alone: selecting
+  the token, the host sync, and what running inside a decoding loop adds to the isolated passes.
 
 A prediction charges each op to its component, and ``host`` once per step to the component of
 the step's last layer walk (the pass whose result the step waits for: ``plain``, ``verify`` or
@@ -43,13 +45,15 @@ from selfspec.models.ledger import COMPONENTS
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "measure_profile", "model_shape"]
 
-FORMAT = 2
+FORMAT = 3
 #: rows measured at every context (a chain of k + 1, a tree); prefill-sized rows at context 0
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PREFILL_ROWS = (64, 128, 256, 512)
 CONTEXTS = (0, 128, 512, 1024)
-#: the sampling setting whose token selection ``host_sampled`` measures (top-p sorts the vocabulary)
-SAMPLED_SETTING = {"temperature": 0.6, "top_p": 0.95, "seed": 0}
+#: the sampling settings whose warps ``warp`` measures, by ``nucleus`` (top-p sorts the vocabulary)
+WARP_SETTINGS = {1: {"temperature": 0.6, "top_p": 0.95}, 0: {"temperature": 0.6}}
+#: rows warped at once: one at a time (chain verification), more for a tree or a batch of drafts
+WARP_ROWS = (1, 4, 16)
 #: truncated vocabularies measured besides the full head, as fractions of it
 VOCAB_FRACTIONS = (1, 1 / 4, 1 / 16)
 
@@ -163,8 +167,9 @@ class Profile:
         self._attention = {c: Curve(row) for c, row in self.attention.items()}
         self._mlp, self._linear = Curve(self.mlp), Curve(self.linear_cost)
         self._head = {v: Curve(row) for v, row in self.head_cost.items()}
+        self.warp_cost = {int(k): {int(v): num(row) for v, row in t.items()} for k, t in data["warp"].items()}
+        self._warp = {k: {v: Curve(row) for v, row in t.items()} for k, t in self.warp_cost.items()}
         self.host = float(data["host"])
-        self.host_sampled = float(data["host_sampled"])
 
     # --- identity ------------------------------------------------------------------------------
     @property
@@ -216,25 +221,31 @@ class Profile:
             return self.head(op[2], op[3])
         if kind == "X":
             return self._linear(op[2])
+        if kind == "W":
+            by_vocab = self._warp[int(op[4])]
+            return Curve({v: cost(op[2]) for v, cost in by_vocab.items()})(op[3])
         raise ValueError(f"unknown ledger op {op!r}")
 
-    def price(self, ops: list[list], sampled: bool = False) -> float:
-        """Predicted seconds of one step from its ledger ops, the step's host time included
-        (``sampled``: a sampling step's, :meth:`predict`)."""
-        return sum(self.op(op) for op in ops) + (self.host_sampled if sampled else self.host)
+    def price(self, ops: list[list]) -> float:
+        """Predicted seconds of one step from its ledger ops, the step's host time included."""
+        return sum(self.op(op) for op in ops) + self.host
 
     def predict(self, trace: Iterable[dict[str, Any]], sampled: bool = False) -> dict[str, float]:
         """Seconds per component (:data:`~selfspec.models.ledger.COMPONENTS`) of a generation from
-        its step trace (``StepTrace.row()`` dicts with their ``ops``): every op costed, and the
-        profile's host time once per step (``sampled``: a sampling run's, whose token selection
-        warps and sorts the vocabulary)."""
-        host = self.host_sampled if sampled else self.host
+        its step trace (``StepTrace.row()`` dicts with their ``ops``): every op costed (a sampling
+        run's warps among them), and the profile's host time once per step. ``sampled``: the run
+        sampled, so every step must carry the warp of the token it sampled; a trace recorded before
+        warps were ops is refused rather than priced without them."""
+        host = self.host
         out = dict.fromkeys(COMPONENTS, 0.0)
         for step in trace:
             ops = step.get("ops")
             if ops is None:
                 raise ValueError("a step of the trace has no ops: the run was recorded before the cost ledger; "
                                  "evaluate it again to predict its time")
+            if sampled and not any(op[1] == "W" for op in ops):
+                raise ValueError("a sampled step of the trace has no warp op: the run was recorded before sampled "
+                                 "selection was in the cost ledger; evaluate it again to predict its time")
             for op in ops:
                 out[op[0]] += self.op(op)
             # a step's own overhead (selecting the token, the host sync) follows its last pass
@@ -325,8 +336,6 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     from selfspec.models.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
 
-    SAMPLED = Sampling(**SAMPLED_SETTING)
-
     started = time.time()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     L = model.num_layers
@@ -371,25 +380,25 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         "linear": {str(n): t for n, t in linear.items()},
         "tree": {str(n): t for n, t in tree.items()},
         "pass": {str(c): {str(n): t for n, t in row.items()} for c, row in whole.items()},
+        "warp": {str(k): {str(v): {str(n): t for n, t in row.items()} for v, row in table.items()}
+                 for k, table in _measure_warps(model, repeats).items()},
         "host": 0.0,
-        "host_sampled": 0.0,
     }
     data["name"] = f"{machine_name(data['machine'])}__{model.name}"
     profile = Profile(data)
-    # the host time of a plain step: vanilla's measured steps less what their ops cost
+    # the host time of a plain step: vanilla's measured greedy steps less what their ops cost (a
+    # sampled step's warp is an op of its own)
     decoder = Vanilla(model)
     prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
     new = max(2, min(48, model.max_context - len(prompt) - 2))
-    for key, sampling in (("host", Sampling()), ("host_sampled", SAMPLED)):
-        decoder.generate(prompt, new, sampling)  # warm-up
-        hosts = []
-        for _ in range(max(1, repeats // 2)):
-            g = decoder.generate(prompt, new, sampling)
-            steps = [t.row() for t in g.trace[1:]]
-            model_time = sum(profile.op(op) for s in steps for op in s["ops"])
-            hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
-        data[key] = statistics.median(hosts)
-        setattr(profile, key, data[key])
+    decoder.generate(prompt, new, Sampling())  # warm-up
+    hosts = []
+    for _ in range(max(1, repeats // 2)):
+        g = decoder.generate(prompt, new, Sampling())
+        steps = [t.row() for t in g.trace[1:]]
+        model_time = sum(profile.op(op) for s in steps for op in s["ops"])
+        hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
+    data["host"] = profile.host = statistics.median(hosts)
     data["seconds_to_measure"] = round(time.time() - started, 1)
     return profile
 
@@ -407,6 +416,27 @@ def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, 
         for n in rows:
             x = torch.randn(1, n, model.hidden_size, dtype=model.dtype, device=model.device)
             out[v][n] = time_call(lambda: model.head(x, w).float(), model.device, repeats)
+    return out
+
+
+def _measure_warps(model, repeats: int) -> dict[int, dict[int, dict[int, float]]]:
+    """Sampled selection's warps (:data:`WARP_SETTINGS`) by nucleus, vocabulary and rows, on
+    logits shaped like the model's (a peaked distribution, as a language model's usually is)."""
+    from selfspec.decoding import Sampling
+    from selfspec.decoding.sampling import warp
+    from selfspec.models.costs import time_call
+
+    generator = torch.Generator(device=model.device).manual_seed(0)
+    out: dict[int, dict[int, dict[int, float]]] = {}
+    for nucleus, setting in WARP_SETTINGS.items():
+        s = Sampling(**setting)
+        out[nucleus] = {}
+        for fraction in VOCAB_FRACTIONS:
+            v = max(1, int(model.vocab_size * fraction))
+            out[nucleus][v] = {}
+            for n in WARP_ROWS:
+                logits = 4 * torch.randn(n, v, generator=generator, device=model.device)
+                out[nucleus][v][n] = time_call(lambda: warp(logits, s), model.device, repeats)
     return out
 
 
