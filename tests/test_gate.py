@@ -84,6 +84,22 @@ def test_a_probe_lasts_probe_steps():
     assert arms[:16] == [True] + [False] * 6 + [True] * 3 + [False] * 3 + [True] * 3
 
 
+def test_a_probe_of_speculation_waits_for_a_step_that_speculates():
+    """An n-gram drafter finds a match at every 5th step only: a probe that lands on a step without
+    one took a plain step, so the probe stays open until a step really speculates. Matches pay
+    (3 tokens for 1.3 s), so the gate must come back to speculation after one bad first draft."""
+    gate = SpeculationGate(min_interval=8, max_interval=128)
+    gate.record(True, 1, 2.0)  # a first draft of 8 tokens, all rejected: 1 token for 2 steps' cost
+    spec_steps = 0
+    for step in range(400):
+        if gate.speculate() and step % 5 == 0:
+            gate.record(True, 3, 1.3)
+            spec_steps += 1
+        else:
+            gate.record(False, 1, 1.0)
+    assert gate.preferred and spec_steps >= 70
+
+
 def test_the_probe_budget_spaces_out_expensive_probes():
     """A speculative step that costs 4 plain steps for one token: its probes cost 3 s beyond
     plain's each. With the 1% budget they come every 300 steps, not every 128."""

@@ -81,6 +81,23 @@ def test_synthetic_trace_gives_the_exact_prediction():
         p.predict(trace, sampled=True)
 
 
+def test_every_shipped_profile_is_of_this_format_and_prices_every_op():
+    """A profile shipped in an older format would be refused at every run on its machine."""
+    from selfspec.models.profile import shipped
+
+    assert shipped()
+    for name, path in shipped().items():
+        p = Profile.load(path)
+        assert p.name == name
+        vocab = p.shape["vocab_size"]
+        ops = [["plain", "L", 1, p.shape["num_layers"], p.shape["num_layers"], 512], ["plain", "H", 1, vocab],
+               ["heads", "X", 1, p.shape["hidden_size"], p.shape["hidden_size"]], ["plain", "W", 1, vocab, 1],
+               ["plain", "W", 3, vocab // 4, 0]]
+        assert all(p.op(op) > 0 for op in ops), name
+        # a top-p warp sorts the vocabulary: dearer than temperature alone
+        assert p.op(ops[3]) > p.op(["plain", "W", 1, vocab, 0])
+
+
 def test_a_trace_without_ops_is_refused():
     with pytest.raises(ValueError, match="no ops"):
         synthetic_profile().predict([{"source": "plain"}])

@@ -26,8 +26,9 @@ profile) or timed on the wall clock (a gate built without a profile):
   second step, so a run learns both arms' costs at once instead of paying for a losing arm for
   ``min_interval`` steps first. The interval starts at ``min_interval``, doubles each time the
   probe confirms the choice, up to ``max_interval``, and falls back to ``min_interval`` when the
-  choice flips. A probe lasts ``probe_steps`` steps (PPD's first step after plain steps only
-  computes its guesses, so its probes last longer);
+  choice flips. A probe lasts ``probe_steps`` steps on the probed arm (PPD's first step after
+  plain steps only computes its guesses, so its probes last longer; a speculative step that
+  drafted nothing is a plain step and does not end a probe of speculation);
 * **a probe budget.** A probe that confirms the choice cost what its steps took beyond the
   preferred arm's cost of the same units; the next probe then waits at least long enough for
   those extra seconds to be ``probe_budget`` (1%) of the time in between, up to
@@ -132,7 +133,9 @@ class TwoArms:
             for average, value in ((self.seconds, float(seconds)), (self.units, float(units))):
                 old = average[arm]
                 average[arm] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
-        if self._probe_left:
+        if self._probe_left and arm == self._probe_arm:
+            # only a step on the probed arm counts: a speculative step that found nothing to draft
+            # (an n-gram lookup without a match) cost a plain step and says nothing of speculation
             self._probe_left -= 1
             self._probe_seconds += max(float(seconds), 0.0)
             self._probe_units += max(float(units), 0.0)
