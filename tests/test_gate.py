@@ -100,6 +100,20 @@ def test_a_probe_of_speculation_waits_for_a_step_that_speculates():
     assert gate.preferred and spec_steps >= 70
 
 
+def test_arms_priced_alike_go_to_plain_without_swapping():
+    """PPD whose tree is a single node: its step costs what a plain step costs, and both grow a
+    little with the context at every step. Without a margin the arm recorded last looked dearer
+    and the gate swapped at every step; now ties go to plain, apart from probes."""
+    gate = SpeculationGate()
+    arms = []
+    for step in range(300):
+        spec = gate.speculate()
+        arms.append(spec)
+        gate.record(spec, 1, 1.0 + 1e-4 * step)
+    swaps = sum(a != b for a, b in zip(arms, arms[1:]))
+    assert not gate.preferred and sum(arms) <= 12 and swaps <= 24, (sum(arms), swaps)
+
+
 def test_the_probe_budget_spaces_out_expensive_probes():
     """A speculative step that costs 4 plain steps for one token: its probes cost 3 s beyond
     plain's each. With the 1% budget they come every 300 steps, not every 128."""

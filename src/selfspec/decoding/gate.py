@@ -19,8 +19,11 @@ profile) or timed on the wall clock (a gate built without a profile):
   biased against speculation: its steps commit 1 token or several for about the same cost, and
   the mean of the ratios over-weights the 1-token steps (steps of cost 1.3 committing 1, 1 and 3
   tokens cost 0.78 per token, while their ratios average 1.01);
-* the gate speculates while speculation's cost is at most plain's (or while plain has not been
-  measured yet), else it takes plain steps;
+* the gate speculates while speculation's cost is below plain's by at least ``margin`` (1%), or
+  while either has not been measured yet, else it takes plain steps. A speculative step carries
+  bookkeeping its ops do not price (PPD's tree layout, a drafter's Python), so a tie goes to plain:
+  without the margin, arms priced alike (PPD whose trained tree is a single node on this CPU: its
+  step is a plain step plus bookkeeping) swapped at every step as the context grew;
 * the arm not chosen is tried again once every ``interval`` steps, so a change (another task,
   a loaded machine, a drafter that learned) is noticed. An arm not yet measured is tried at the
   second step, so a run learns both arms' costs at once instead of paying for a losing arm for
@@ -170,6 +173,16 @@ class SpeculationGate(TwoArms):
     def deterministic(self) -> bool:
         """Whether the gate prices steps from their ops (the same run, the same choices)."""
         return self.profile is not None
+
+    #: how much cheaper per token speculation must be to be preferred (module docstring)
+    margin: float = 0.01
+
+    @property
+    def preferred(self) -> bool:
+        """Speculate (True) while either arm is unmeasured, or while speculation's cost per token
+        is below plain's by at least :attr:`margin`."""
+        spec, plain = self.cost[True], self.cost[False]
+        return spec is None or plain is None or spec < plain * (1 - self.margin)
 
     def price(self, ops: list[list]) -> float:
         """Predicted seconds of a step from its ledger ops, its overhead included."""
