@@ -8,7 +8,8 @@
                                                               # one run per task, the model loaded once
 
 Same examples, warm-up first, methods interleaved per example (selfspec.evaluation.runner: no
-second timing loop). Prints tokens/s, speedup against vanilla, the speedup the run's cost profile predicts from the
+second timing loop). Prints tokens/s, speedup against vanilla, the decode speedup (after the
+prompt's step: under sampling each method's samples end at other lengths), the speedup the run's cost profile predicts from the
 step traces (docs/design.md §2.8), tau (mean accepted tokens per step,
 bonus included), acceptance rate and consistency with vanilla, and the run's contention check; with ``hf_generate`` in the list,
 also the ratio vanilla tokens/s / generate tokens/s (selfspec's runtime should not be slower).
@@ -83,11 +84,13 @@ def report(summary: dict) -> str:
         f"model {summary['model']}  task {summary['task']}  examples {per[base]['n_examples']}  "
         f"max_new_tokens {summary['max_new_tokens']}  {'greedy' if summary['greedy'] else 'sampling'}  "
         f"{info.get('device')} {info.get('dtype')}  threads {info['hardware'].get('cpu_threads')}",
-        f"{'method':<22}{'tok/s':>9}{'ms/tok':>9}{'speedup':>9}{'predicted':>10}{'tau':>7}{'accept':>8}{'consist':>9}",
+        f"{'method':<22}{'tok/s':>9}{'ms/tok':>9}{'speedup':>9}{'decode':>8}{'predicted':>10}{'tau':>7}{'accept':>8}"
+        f"{'consist':>9}",
     ]
     for name, m in per.items():
         lines.append(f"{name:<22}{_f(m['tokens_per_s'], 2):>9}{_f(m['seconds_per_token'] and 1e3 * m['seconds_per_token'], 1):>9}"
-                     f"{_f(m['speedup'], 3):>9}{_f(m.get('predicted_speedup'), 3):>10}{_f(m['tau'], 2):>7}"
+                     f"{_f(m['speedup'], 3):>9}{_f(m.get('decode_speedup'), 3):>8}"
+                     f"{_f(m.get('predicted_speedup'), 3):>10}{_f(m['tau'], 2):>7}"
                      f"{_f(m['acceptance_rate'], 3):>8}{_f(m['consistency'], 2):>9}")
     contention = summary.get("contention")
     if contention:

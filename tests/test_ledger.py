@@ -248,6 +248,45 @@ def test_summarize_without_profile_keeps_measured_ledger():
     assert out["x"]["predicted_speedup"] is None
 
 
+def test_decode_speedup_leaves_the_prompts_step_out():
+    """Two sampled generations that ended at other lengths: vanilla 1 s of prefill and 40 more
+    tokens at 0.1 s; the method the same prefill and 10 more tokens at 0.05 s. Its speedup mixes
+    in the prompt's cost over fewer tokens (0.61x); its decoding steps are 2x vanilla's."""
+    def row(method, tail, step):
+        tokens = 1 + tail
+        return {"id": "a", "method": method, "tokens": list(range(tokens)), "new_tokens": tokens,
+                "seconds": 1.0 + tail * step, "steps": tokens, "ledger": {"prefill": 1.0, "plain": tail * step},
+                "trace": [{"source": "prefill", "committed": 1}] + [{"source": "plain", "committed": 1}] * tail}
+
+    rows = [row("vanilla", 40, 0.1), row("x", 10, 0.05), {**row("peer", 40, 0.05), "ledger": None}]
+    out = summarize(rows, ["vanilla", "x", "peer"], "vanilla", greedy=False)
+    assert out["x"]["speedup"] == pytest.approx((5.0 / 41) / (1.5 / 11))
+    assert out["x"]["decode_speedup"] == pytest.approx(2.0)
+    assert out["vanilla"]["decode_speedup"] == pytest.approx(1.0) and out["peer"]["decode_speedup"] is None
+
+
+def test_a_sampled_run_prices_its_warps_and_an_older_trace_without_them_is_refused(tiny, tmp_path):
+    s = _run(tiny, tmp_path, "sampling.temperature=0.7", "sampling.top_p=0.9")
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    for r in rows:
+        if r["method"] != "hf_generate":  # every step sampled its token: each carries a warp
+            assert all(any(op[1] == "W" and op[4] == 1 for op in step["ops"]) for step in r["trace"]), r["method"]
+    assert s["methods"]["ngram"]["predicted_speedup"] is not None
+    # the same run as an older selfspec recorded it, without warp ops: refused, naming the run
+    lines = (tmp_path / RESULTS).read_text().splitlines()
+    old = []
+    for line in lines:
+        row = json.loads(line)
+        for step in row.get("trace") or []:
+            step["ops"] = [op for op in step["ops"] if op[1] != "W"]
+        old.append(json.dumps(row))
+    (tmp_path / RESULTS).write_text("\n".join(old) + "\n")
+    before = (tmp_path / SUMMARY).read_bytes()
+    with pytest.raises(ValueError, match=f"run {tmp_path}: a sampled step of the trace has no warp op"):
+        project_run(tmp_path, Profile.load(s["profile"]["path"]))
+    assert (tmp_path / SUMMARY).read_bytes() == before
+
+
 def test_paper_rows_with_tau_name_the_profile_their_projection_needs():
     from selfspec.reporting.paper import paper_records
 

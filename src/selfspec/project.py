@@ -42,7 +42,10 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
         profile.check_shape(shape, f"run {run_dir}")
         names, baseline = list(summary["methods"]), summary["baseline"]
         rows = [r for r in ResultsFile(run_dir / RESULTS, ROW_KEYS).rows() if r.get("method") in names]
-        per_method = summarize(rows, names, baseline, greedy=bool(summary.get("greedy", True)), profile=profile)
+        try:
+            per_method = summarize(rows, names, baseline, greedy=bool(summary.get("greedy", True)), profile=profile)
+        except ValueError as err:  # a trace the profile cannot price (recorded by an older selfspec)
+            raise ValueError(f"run {run_dir}: {err}") from None
         projected = {m: {"predicted_speedup": e["predicted_speedup"],
                          "ledger": (e["ledger"] or {}).get("predicted")} for m, e in per_method.items()}
         summary.setdefault("projections", {})[profile.name] = projected | {"_profile": profile.summary()}

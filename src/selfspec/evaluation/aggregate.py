@@ -8,6 +8,13 @@ sample with the same seed, and the figures below pool all samples:
 ``tokens_per_s``        total new tokens / total seconds
 ``seconds_per_token``   total seconds / total new tokens
 ``speedup``             baseline seconds per token / method seconds per token
+``decode_speedup``      the same after the prompt's step: seconds less the ledger's ``prefill``
+                        over new tokens less those the first step committed (None without a
+                        ledger: the HF peers). Under greedy decoding every method commits the same
+                        tokens and it only leaves the prompt out; under sampling each method's
+                        samples end (at EOS) at other lengths, so the prompt's cost is spread over
+                        other token counts and ``speedup`` mixes that in, while this compares the
+                        decoding steps alone
 ``tau``                 mean accepted tokens per step, bonus token included (vanilla = 1.0):
                         total new tokens / total steps (Spec-Bench's τ)
 ``acceptance_rate``     accepted draft tokens / drafted tokens (LayerSkip); None if nothing drafted
@@ -110,6 +117,7 @@ def summarize(
     base = common.get(baseline, [])
     base_tokens = sum(r["new_tokens"] for r in base)
     base_spt = sum(r["seconds"] for r in base) / base_tokens if base_tokens else None
+    base_dspt = _decode_seconds_per_token(base)
     base_predicted = _predicted(base, profile)
     base_pspt = sum(base_predicted.values()) / base_tokens if base_predicted and base_tokens else None
     out: dict[str, dict[str, Any]] = {}
@@ -128,6 +136,8 @@ def summarize(
             "tokens_per_s": tokens / seconds if seconds else None,
             "seconds_per_token": spt,
             "speedup": base_spt / spt if base_spt and spt else None,
+            "decode_speedup": (base_dspt / dspt if base_dspt and (dspt := _decode_seconds_per_token(rs))
+                               else None),
             "tau": tokens / steps if steps else None,
             "acceptance_rate": sum(r.get("accepted_drafts", 0) for r in rs) / drafted if drafted else None,
             "lossless": all(r.get("lossless") for r in rs) if rs else None,
@@ -143,6 +153,16 @@ def summarize(
         entry["stats"] = _mean_stats(rs)
         out[m] = entry
     return out
+
+
+def _decode_seconds_per_token(rows: list[dict[str, Any]]) -> float | None:
+    """Seconds per token after the prompt's step (module docstring: ``decode_speedup``), or None
+    when a row has no ledger or trace."""
+    if not rows or any(not r.get("ledger") or not r.get("trace") for r in rows):
+        return None
+    seconds = sum(r["seconds"] - r["ledger"].get("prefill", 0.0) for r in rows)
+    tokens = sum(r["new_tokens"] - r["trace"][0].get("committed", 0) for r in rows)
+    return seconds / tokens if tokens > 0 and seconds > 0 else None
 
 
 def _sum_components(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
