@@ -122,11 +122,14 @@ def test_decoding_passes_give_the_same_bits_on_one_thread_and_two(wide, dtype):
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
-def _timed_steps(tiny, monkeypatch, one: float, configured_cost: float, prompts: int = 2):
+def _timed_steps(tiny, monkeypatch, one: float, configured_cost, prompts: int = 2):
     """Generations under a fake clock: a step takes ``one`` seconds on one thread and
-    ``configured_cost`` on the configured count (each step priced at 1 s). Returns the generations,
-    the policy and the thread counts the prefills ran on."""
+    ``configured_cost`` on the configured count (each step priced at 1 s; a callable: of the
+    number of steps so far). Returns the generations, the policy and the thread counts the
+    prefills ran on; the thread count of every step, in order, is in ``policy.seen``."""
     clock = [0.0]
+    taken = [0]
+    seen = []
     monkeypatch.setattr(threads_module.time, "perf_counter", lambda: clock[0])
     seen_prefill = []
 
@@ -136,10 +139,14 @@ def _timed_steps(tiny, monkeypatch, one: float, configured_cost: float, prompts:
             return super().prefill(state, prompt)
 
         def step(self, state, budget):
-            clock[0] += one if torch.get_num_threads() == 1 else configured_cost
+            cost = configured_cost(taken[0]) if callable(configured_cost) else configured_cost
+            clock[0] += one if torch.get_num_threads() == 1 else cost
+            taken[0] += 1
+            seen.append(torch.get_num_threads())
             return super().step(state, budget)
 
     policy = ThreadPolicy(FlatProfile())
+    policy.seen = seen
     dec = Timed(tiny.model, threads=policy)
     configured = torch.get_num_threads()
     try:
@@ -172,6 +179,21 @@ def test_the_policy_follows_the_measured_cost_and_prefills_on_the_configured_cou
     assert not policy.arms.preferred
     assert seen_prefill == [configured, configured]
     assert torch.get_num_threads() == configured
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two CPU threads")
+def test_after_a_burst_of_load_the_policy_comes_back_to_the_configured_count(tiny, monkeypatch):
+    """Fake clock: the configured count costs 3 s a step for the first 150 steps (another job ran),
+    then 1 s again, against 1.5 s on one thread. The policy goes to one thread during the burst
+    and is back on the configured count within one probe interval of the burst's end."""
+    _, policy, _ = _timed_steps(tiny, monkeypatch, one=1.5, configured_cost=lambda n: 3.0 if n < 150 else 1.0,
+                                prompts=4)
+    one = [n == 1 for n in policy.seen]
+    assert sum(one[:150]) > 120  # the burst moved it to one thread
+    assert policy.arms.preferred and policy.arms.cost[True] <= 1.25
+    # back within one probe interval (at most max_interval = 64 steps) and the probe's 2 steps
+    back = one.index(False, 150)
+    assert back <= 150 + 64 + 2 and not any(one[back:]), back
 
 
 def test_threads_is_checked_before_the_model_loads(tmp_path):

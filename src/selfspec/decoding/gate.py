@@ -73,6 +73,9 @@ class TwoArms:
     #: the share of the time a confirming probe's extra cost may take (module docstring)
     probe_budget: float = 0.01
     max_budget_interval: int = 1024
+    #: a probe's own steps replace the probed arm's averages (the thread policy: an arm's cost is
+    #: the machine's load, which changes at once, so measurements from before the probe are stale)
+    fresh_probes: bool = False
     #: moving averages per arm of a step's seconds and of its units (None = not measured yet)
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     units: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
@@ -143,6 +146,10 @@ class TwoArms:
             self._probe_seconds += max(float(seconds), 0.0)
             self._probe_units += max(float(units), 0.0)
             if not self._probe_left:  # the probe's verdict
+                if self.fresh_probes and self._probe_units > 0:
+                    arm = self._probe_arm
+                    self.seconds[arm] = self._probe_seconds / self.probe_steps
+                    self.units[arm] = self._probe_units / self.probe_steps
                 if self.preferred != self._before:
                     self.interval = self.min_interval
                 else:
