@@ -30,7 +30,10 @@ def vanilla_tokens(loaded, ids, n, eos=()):
 
 
 def dv(loaded, attn=(), mlp=(), **kw):
-    cfg = method_config("draft_verify", **{"skip_attn": list(attn), "skip_mlp": list(mlp), **kw})
+    """Draft & Verify as its paper runs it: no speculation gate (tests/test_gate.py tests the gate),
+    so these tests see the drafting and verification they set up on every step."""
+    cfg = method_config("draft_verify", **{"skip_attn": list(attn), "skip_mlp": list(mlp), "never_slower": False,
+                                           **kw})
     return build_decoder(cfg, loaded.model)
 
 

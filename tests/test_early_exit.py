@@ -30,9 +30,12 @@ def agree():
 
 
 def ee(loaded, exit_layer, max_draft, draft_stop=None, **kw):
+    """Early exit as the paper runs it, without the speculation gate unless ``never_slower`` is
+    given (tests/test_gate.py tests the gate): every step drafts."""
     cfg = method_config("early_exit", **{"exit_layer": exit_layer, "max_draft": max_draft,
            "exit_head": kw.pop("exit_head", "lm_head"),
            "heads": kw.pop("heads", None), "draft_stop": draft_stop,
+           "never_slower": kw.pop("never_slower", False),
            **{key: kw.pop(key) for key in ("prefill", "ngram") if key in kw}})
     return build_decoder(OmegaConf.create(cfg), loaded.model, **kw)
 

@@ -152,14 +152,21 @@ def verify_chain(
     with the drafts' distributions ``draft_probs`` (``[k, V]``; None when nothing was drafted),
     the target rows warped one at a time and only up to the first rejection: the same uniform
     draws, decisions and bits as warping all ``k + 1`` rows first, for ``n + 1`` rows' warps
-    instead of ``k + 1`` (the warps are charged to ``ledger``). The one rule every lossless chain
-    method (Draft & Verify, AdaDecode, early exit / DEL) verifies with.
+    instead of ``k + 1``. That is on a CPU, where a top-p warp costs milliseconds; elsewhere every
+    row is warped at once and decided on the device, with no host sync per row. The warps are
+    charged to ``ledger``. The one rule every lossless chain method (Draft & Verify, AdaDecode,
+    early exit / DEL) verifies with.
     """
     if s.greedy:
         return greedy_verify(draft, target_logits)
     k = int(draft.shape[0])
     if k and draft_probs is None:
         raise ValueError(f"{k} drafted tokens came without the distributions they were sampled from")
+    if target_logits.device.type != "cpu":
+        # on an accelerator a warp is cheap and each row's decision would be a host sync: warp
+        # every row at once and decide on the device (the same rule and draws)
+        target = warp(target_logits, s, ledger)
+        return speculative_verify(draft, draft_probs if k else target[:0], target, generator)
     u = torch.rand(k, generator=generator, device=draft.device) if k else None
     n, p = k, None
     for j in range(k):
