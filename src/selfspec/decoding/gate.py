@@ -123,8 +123,7 @@ class TwoArms:
             return self._probe_arm
         self._since_probe += 1
         preferred = self.preferred
-        cost = self.cost
-        unmeasured = cost[preferred] is not None and cost[not preferred] is None
+        unmeasured = self.seconds[preferred] is not None and self.seconds[not preferred] is None
         if self._since_probe >= (1 if unmeasured else self.interval):
             self._since_probe = 0
             self._probe_left, self._before = self.probe_steps, preferred

@@ -17,11 +17,10 @@ scale. While the configured count is preferred and its steps take at most ``slac
 the profile predicts, nothing suggests contention and one thread is not tried, so a quiet machine
 pays no probes; past it, the schedule starts. Load comes and goes at once, so a probe judges an arm
 by the probe's own steps alone (``fresh_probes``), probes come at most 64 steps apart, and the
-probe budget is off: after a burst of
-load on a 2-core machine (a few seconds of another job) the moving average of the configured
-count's slow steps had kept a run on one thread for the rest of its task (89 of 117 steps per
-example of DEL on sampled CNN/DM, 0.75× vanilla), while the probe itself measured the configured
-count quiet again.
+probe budget is off: after a burst of load on a 2-core machine (a few seconds of another job) the
+moving average of the configured count's slow steps had kept a run on one thread for the rest of
+its task (89 of 117 steps per example of DEL on sampled CNN/DM, 0.75× vanilla), while the probe
+itself measured the configured count quiet again.
 
 Outputs do not depend on the choice. Every operator of a decoding step (passes of at most
 :data:`~selfspec.models.kernels.MAX_ROWS` rows: the skinny linear, row-wise attention, the fused
