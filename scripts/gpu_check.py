@@ -18,7 +18,8 @@ For each model (``--dry-run``: tiny-random in bfloat16 on the CPU), one JSON (``
    vanilla with those artefacts by the evaluation runner (``scripts/bf16_consistency.py``'s
    ``evaluate_rows``), once with the model loaded with ``capture=graphs`` (``--dry-run``: ``static``) and
    once with ``capture=off``: per method seconds per token in both, their ratio, and the greedy consistency
-   with vanilla (the bf16 consistency on this device).
+   with vanilla (the bf16 consistency on this device); ``passes``: how many passes the captured mode's
+   runner took by kind (chain, tree, kept states, partial layers) and how many it missed (none expected).
 
 Plus ``settings`` (everything resolved), ``run_info`` (git commit, library versions, hardware) and the load
 average. Random weights (the 8B shape) give meaningless tokens but real timings, memory and consistency.
@@ -129,13 +130,15 @@ def training_section(loaded, model: str, overrides: list[str], p: dict) -> dict:
 
 def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: Path) -> dict:
     """Every method against vanilla, with the model loaded under each capture mode: seconds per token,
-    consistency and tau per method and mode (``bf16_consistency.evaluate_rows``)."""
+    consistency and tau per method and mode (``bf16_consistency.evaluate_rows``); and per static mode
+    the passes its runner took, by kind (chain, tree, kept states, partial layers) and those it missed."""
     from bf16_consistency import evaluate_rows
 
     from selfspec.config import compose
     from selfspec.models.loading import load_model
 
     rows: dict[str, dict] = {}
+    passes: dict[str, dict] = {}
     for capture in p["captures"]:
         base = [f"model={model}", *overrides, f"model.capture={capture}", "logger=none", "progress=false",
                 "profile=null", *p["evaluate"]]
@@ -154,11 +157,15 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
                     rows.setdefault("vanilla", {}).setdefault(capture, row)
             print(f"  {capture} {method}: {rows[method][capture]['s_per_token'] * 1e3:.2f} ms/token, "
                   f"consistency {rows[method][capture]['consistency']}", flush=True)
+        steps = loaded.model.steps
+        if steps is not None:  # which passes the static shapes took: every method's kinds, none missed
+            passes[capture] = {"routed": steps.routed, "captured": steps.captured, "missed": steps.missed,
+                               "kinds": dict(steps.kinds)}
     captured, eager = p["captures"]
     for r in rows.values():
         if captured in r and eager in r:
             r["eager_over_captured"] = r[eager]["s_per_token"] / r[captured]["s_per_token"]
-    return rows
+    return rows, passes
 
 
 def check_model(model: str, overrides: list[str], p: dict, out_dir: Path) -> dict:
@@ -179,7 +186,7 @@ def check_model(model: str, overrides: list[str], p: dict, out_dir: Path) -> dic
     print(f"{model}: training jobs", flush=True)
     result["training"] = training_section(loaded, model, [*overrides, f"model.capture={p['captures'][0]}"], p)
     print(f"{model}: methods, captured and eager", flush=True)
-    result["methods"] = methods_section(model, overrides, loaded, p, out_dir / "evaluate" / model)
+    result["methods"], result["passes"] = methods_section(model, overrides, loaded, p, out_dir / "evaluate" / model)
     result["seconds"] = time.perf_counter() - t0
     return result
 

@@ -125,3 +125,63 @@ def test_cuda_graphs_give_the_dynamic_tokens_and_capture_once(prompt_ids):
     assert captured > 0 and graphs.steps.routed > captured
     Vanilla(graphs).generate(prompt_ids, 40)  # the pooled cache: replayed, not captured again
     assert graphs.steps.captured == captured
+
+
+def _static_twin(model: LayeredModel) -> LayeredModel:
+    return LayeredModel(model.hf, name=f"{model.name}-static", linear_kernel=model.linear_kernel,
+                        passes=capture.StepRunner("static"))
+
+
+#: every self-drafting method with the passes it adds: a chain with a skip set (Draft & Verify),
+#: partial-layer passes keeping exit-query states (early exit, DEL), per-layer passes of owed
+#: positions (AdaDecode), a tree (PPD), context drafts (n-gram)
+EVERY_METHOD = [
+    {"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4, "never_slower": False},
+    {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False},
+    {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False, "prefill": "draft"},
+    {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
+    {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.3},
+    {"name": "ngram", "never_slower": False},
+    {"name": "ppd"},
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("method", EVERY_METHOD, ids=lambda m: m["name"] + ("-" + m["prefill"] if "prefill" in m else ""))
+def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, method):
+    """Every pass of every method at most a bucket long takes the static shape (trees, partial
+    layers, kept states included: ``missed`` stays 0), and the tokens are the dynamic path's, greedy
+    (vanilla's too) and sampled. Gemma 3's sliding window (8) is shorter than the generation."""
+    import random
+
+    from conftest import PPD_KEYS, method_config
+    from selfspec.decoding import build_decoder
+    from selfspec.decoding.ppd import PPD
+    from selfspec.decoding.tree import random_trees
+    from selfspec.prompts import PromptTokens
+    from test_families import N_NEW, PROMPT, tiny_family
+
+    dyn = tiny_family(family)
+    static = _static_twin(dyn)
+    name = method["name"]
+
+    def make(m):
+        if name == "ppd":
+            g = torch.Generator().manual_seed(0)
+            prompts = PromptTokens(torch.randn(3, 2, m.hidden_size, generator=g) * 0.5)
+            return PPD(m, prompts, random_trees(3, 6, 3, random.Random(0)), **PPD_KEYS)
+        return build_decoder(method_config(name, **{k: v for k, v in method.items() if k != "name"}), m)
+
+    ids = PROMPT + PROMPT
+    ref = Vanilla(dyn).generate(ids, N_NEW).tokens
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
+        want = make(dyn).generate(ids, N_NEW, sampling)
+        got = make(static).generate(ids, N_NEW, sampling)
+        assert got.tokens == want.tokens
+        if sampling.greedy:
+            assert got.tokens == ref
+    assert static.steps.missed == 0
+    kinds = static.steps.kinds
+    expected = {"draft_verify": "chain", "early_exit": "chain/partial", "del": "chain+keep/partial",
+                "adadecode": "chain/partial", "ngram": "chain", "ppd": "tree"}[name]
+    assert kinds[expected] > 0, kinds

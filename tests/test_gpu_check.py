@@ -56,3 +56,6 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
         assert positive(rows["eager_over_captured"])
     for method in METHODS:  # greedy, lossless on the CPU in bf16 (the row-wise kernels): vanilla's tokens
         assert tiny["methods"][method]["static"]["consistency"] == 1.0, method
+    passes = tiny["passes"]  # the static mode's runner took trees, kept states and partial layers, missed none
+    assert set(passes) == {"static"} and passes["static"]["missed"] == 0
+    assert {"chain", "tree", "chain/partial", "chain+keep/partial"} <= set(passes["static"]["kinds"])

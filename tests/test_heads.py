@@ -151,3 +151,42 @@ def test_resumed_job_refuses_changed_settings(tiny, tmp_path, monkeypatch):
     assert not path.exists()
     summary = run_job(compose(args + ["job.log_every=1"], "train"))  # how often it logs may change
     assert summary["steps"] == 4 and json.loads((path / "meta.json").read_text())["train_config"]["lr"] == 1e-3
+
+
+def test_chunked_kl_gives_the_same_loss_and_gradients(tiny):
+    """``job.kl_chunk``: the KL over chunks of positions, each formed again in backward, equals the
+    whole KL and its gradients (up to summation order)."""
+    m = tiny.model
+    heads = job_heads.make_heads(m, _job(layers=[1, 2]))
+    with torch.no_grad():
+        for lin in heads.heads.values():
+            lin.weight.add_(0.05 * torch.randn(lin.weight.shape, generator=torch.Generator().manual_seed(0)))
+    g = torch.Generator().manual_seed(1)
+    hidden = {l: torch.randn(37, m.hidden_size, generator=g) for l in heads.layers}
+    final = torch.randn(37, m.hidden_size, generator=g)
+
+    def run(chunk):
+        heads.zero_grad()
+        kls = job_heads.head_kl(heads, hidden, final)[0] if chunk is None else \
+            job_heads.chunked_head_kl(heads, hidden, final, chunk)
+        sum(kls.values()).backward()
+        return {l: v.detach() for l, v in kls.items()}, [p.grad.clone() for p in heads.parameters()]
+
+    kls, grads = run(None)
+    for chunk in (1, 8, 37, 64):
+        kls_c, grads_c = run(chunk)
+        for l in heads.layers:
+            torch.testing.assert_close(kls_c[l], kls[l])
+        for a, b in zip(grads_c, grads):
+            torch.testing.assert_close(a, b)
+
+
+def test_the_training_loss_takes_the_chunked_kl(tiny, monkeypatch):
+    calls = []
+    real = job_heads.chunked_head_kl
+    monkeypatch.setattr(job_heads, "chunked_head_kl", lambda *a: calls.append(a[-1]) or real(*a))
+    job = _job(layers=[1, 2], max_positions=None, kl_chunk=5)
+    heads = job_heads.make_heads(tiny.model, job)
+    loss_fn, batch_fn, _ = job_heads.trainer(heads, _synthetic(4), _synthetic(2, seed=1), job, 0)
+    loss, logs = loss_fn(heads, batch_fn(0))
+    assert calls == [5] and torch.isfinite(loss) and set(logs) == {"kl/1", "kl/2"}

@@ -86,3 +86,29 @@ def test_a_job_that_fits_passes():
 def test_readme_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text()
     assert memory.table() in readme
+
+
+def test_checkpointing_and_chunking_shrink_their_terms():
+    """The two settings that bound activations without changing the result lower the term they name."""
+    shape = memory.SIZES["8B"]
+
+    def term(job, name, *overrides):
+        cfg = compose(["model=tiny-random", f"job={job}", *overrides], config_name="train")
+        return next(t.bytes for phase in memory.terms(job, shape, cfg, 2) for t in phase if t.name == name)
+
+    plain = term("prompts", "backward through the model", "job.n_ept=100")
+    ckpt = term("prompts", "backward through the model", "job.n_ept=100", "job.gradient_checkpointing=true")
+    assert ckpt < plain / 5
+    assert term("heads", "kl", "job.kl_chunk=16") == pytest.approx(term("heads", "kl") * 16 / 128)
+
+
+def test_an_evaluation_that_cannot_fit_is_refused_before_the_model_loads(monkeypatch, tmp_path):
+    from selfspec.evaluation import runner
+    from selfspec.models import loading
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (10 * 2**20, "a fake 10 MB device"))
+    monkeypatch.setattr(loading, "load_model", lambda cfg: (_ for _ in ()).throw(AssertionError("loaded")))
+    cfg = compose(["model=tiny-random", "task=xsum", "n_examples=1", "logger=none", "progress=false"])
+    with pytest.raises(memory.MemoryRefused, match=r"job=evaluate .*a fake 10 MB device.*memory_check=false"):
+        runner.evaluate(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made

@@ -94,3 +94,56 @@ def test_job_trains_and_writes_artefact(tmp_path):
     meta = read_meta(tmp_path / "art")
     assert meta["kind"] == "prompts" and meta["m"] == 3 and meta["n_ept"] == 1
     assert not (tmp_path / ".art.ckpt").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradient(family):
+    """``job.gradient_checkpointing``: each layer runs again in backward, reading the cached context
+    without writing to it (a second write would move the rows); the loss and the prompt embeddings'
+    gradient are the plain pass's. Gemma 3's sliding window (8) is shorter than the context, so the
+    windowed layers read the cache's positions too."""
+    from test_families import tiny_family
+
+    m = tiny_family(family)
+    ids = torch.randint(0, m.vocab_size, (30,), generator=torch.Generator().manual_seed(2))
+    inserts = torch.tensor([4, 13, 25])
+
+    def run(checkpoint: bool):
+        prompts = PromptTokens(torch.randn(3, 2, m.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.5)
+        student, teacher = student_teacher(m, prompts, ids, inserts, checkpoint=checkpoint)
+        loss = distillation_loss(student, teacher, 0.8)[0]
+        loss.backward()
+        return loss.detach(), prompts.embeddings.grad
+
+    loss, grad = run(False)
+    loss_c, grad_c = run(True)
+    torch.testing.assert_close(loss_c, loss)
+    torch.testing.assert_close(grad_c, grad)
+    assert grad.abs().sum() > 0
+
+
+def test_gradient_checkpointing_keeps_less_for_backward(tiny):
+    """What autograd saves for backward through the layers: with checkpointing, each layer's input
+    rather than every layer's tensors."""
+    m = tiny.model
+    n, rows = 24, 16
+    cache = m.new_cache(n + rows)
+    with torch.no_grad():
+        m.forward(torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(3)), cache, start=0)
+
+    def saved(checkpoint: bool) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        h = torch.randn(1, rows, m.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = m.forward(None, cache, start=n, h=h, checkpoint=checkpoint)
+        out.sum().backward()
+        cache.truncate(n)
+        return total
+
+    assert saved(True) < 0.3 * saved(False)

@@ -21,8 +21,9 @@ README "Memory per job and model size")::
 :func:`check_fits` refuses a job before its model loads when the estimate exceeds the device's memory
 (CUDA: the device's total memory; CPU: ``MemAvailable``), naming the estimate, its largest term and the
 setting that scales it. ``python -m selfspec.memory --table`` prints the README's table.
-Not built (so not in the settings the table offers): gradient checkpointing of PPD's prompt training and
-a chunked-vocabulary KL for the heads.
+Two settings bound the activations without changing the result: ``job.gradient_checkpointing`` for
+PPD's prompt training (backward keeps each layer's input and one layer's saved tensors at a time) and
+``job.kl_chunk`` for the heads (at most that many positions' ``|V|``-wide logits alive at once).
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ def _heads_terms(s: Shape, j, b: int) -> list[list[Term]]:
     train = [
         Term("optimizer", trained * 4 * OPTIMIZER_COPIES, "job.kind / job.n_heads", activation=False),
         Term("features", cached * new * (n_heads + 1) * s.hidden * b, "job.cache_features / job.n_prompts"),
-        Term("kl", n_heads * positions * s.vocab * (b + 24), "job.max_positions / job.batch_size"),
+        Term("kl", n_heads * min(positions, j.get("kl_chunk") or positions) * s.vocab * (b + 24),
+             "job.kl_chunk / job.max_positions"),
         Term("frozen pass", _layer(s, sequence, b) + _scores(s, sequence, sequence, b), "job.max_prompt_tokens"),
     ]
     gen = [Term("generation", _generation(s, int(j.gen_batch), sequence - new, new, b),
@@ -216,8 +218,17 @@ def _prompts_terms(s: Shape, j, b: int) -> list[list[Term]]:
         Term("cache", (ctx + rows) * s.kv_per_token * b, "job.context_length"),
         Term("frozen pass", _layer(s, ctx, b) + _scores(s, ctx, ctx, b), "job.context_length"),
         Term("logits", (k * m + rows) * s.vocab * (b + 16), "job.inserts / job.n_ept"),
-        Term("backward through the model", _saved(s, rows, ctx + rows, b), "job.inserts / job.n_ept"),
+        Term("backward through the model", _backward(s, rows, ctx + rows, b, bool(j.get("gradient_checkpointing"))),
+             "job.gradient_checkpointing / job.inserts"),
     ]]
+
+
+def _backward(s: Shape, rows: float, keys: float, b: int, checkpointed: bool) -> float:
+    """What backward through every layer keeps: all layers' saved tensors, or with gradient
+    checkpointing each layer's input and one layer's saved tensors (the layer run again)."""
+    if not checkpointed:
+        return _saved(s, rows, keys, b)
+    return s.layers * rows * s.hidden * b + _saved(s, rows, keys, b) / s.layers
 
 
 def _skips_terms(s: Shape, j, b: int) -> list[list[Term]]:
@@ -350,16 +361,17 @@ def device_memory(device: torch.device) -> tuple[float, str]:
     return int(m.group(1)) * 1024, "the CPU's available memory (MemAvailable)"
 
 
-def check_fits(job: str, cfg) -> Estimate | None:
+def check_fits(job: str, cfg, context: int = EVAL_CONTEXT) -> Estimate | None:
     """Refuse ``job`` before its model loads when its estimated peak exceeds the device's memory
-    (``memory_check=false`` skips the check). Returns the estimate (None when skipped)."""
+    (``memory_check=false`` skips the check). ``context``: an evaluation's longest sequence (prompt and
+    new tokens). Returns the estimate (None when skipped)."""
     from selfspec.models.loading import resolve_device, resolve_dtype
 
     if not checks.flag("memory_check", cfg.memory_check):
         return None
     device = resolve_device(str(cfg.model.device))
     dtype = resolve_dtype(str(cfg.model.dtype), device)
-    est = estimate(job, shape_of(cfg.model), cfg, dtype, device)
+    est = estimate(job, shape_of(cfg.model), cfg, dtype, device, context)
     have, what = device_memory(device)
     if est.total > have:
         big = est.largest()
@@ -421,8 +433,9 @@ def job_config(job: str, overrides: list[str] = ()):
 
 #: per job, settings tried in order until the estimate fits (the first is the job's defaults)
 FALLBACKS = {
-    "heads": [[], ["job.max_positions=64"], ["job.max_positions=32", "job.gen_batch=2", "job.max_prompt_tokens=512"]],
-    "prompts": [[], ["job.inserts=8", "job.context_length=256"]],
+    "heads": [[], ["job.kl_chunk=16"], ["job.kl_chunk=16", "job.gen_batch=2", "job.max_prompt_tokens=512"]],
+    "prompts": [[], ["job.gradient_checkpointing=true"],
+                ["job.gradient_checkpointing=true", "job.inserts=8", "job.context_length=256"]],
     "skips": [[], ["job.n_prompts=4", "job.max_prompt_tokens=256"]],
     "ppd_tree": [[]],
     "draft_vocab": [[], ["job.gen_batch=2"]],

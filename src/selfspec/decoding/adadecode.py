@@ -234,7 +234,6 @@ class AdaDecode(Decoder):
         pos = ss.base + len(ss.draft)
         allow_exit = len(ss.draft) < ss.cap
         h = m.embed(torch.tensor([[token]], device=m.device))
-        masks: dict[int, torch.Tensor | None] = {}
         for j in range(m.num_layers):
             if ss.stack and ss.stack[-1].depth == j:  # owed positions join this layer
                 joined = []
@@ -243,9 +242,8 @@ class AdaDecode(Decoder):
                 h = torch.cat(joined[::-1] + [h], dim=1)
             n = h.shape[1]
             start = pos + 1 - n
-            if n not in masks:
-                masks[n] = m.causal_mask(n, start)
-            h = m.run_layers(h, (j,), cache, ss.rope.rows(start - ss.base, pos + 1 - ss.base), masks[n])
+            h = m.forward(None, cache, start=start, layers=range(j, j + 1), h=h,
+                          rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base))
             if allow_exit and j in self.exit_layers:
                 if self._early(state, ss, j, h[:, -1]):
                     ss.stack.append(_Segment(j + 1, h))

@@ -254,8 +254,7 @@ class EarlyExit(ChainDecoder):
         m, hs = self.model, state.example.hs
         n = h.shape[1]
         keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
-        return m.run_layers(h, layers, state.cache, m.rope(m.positions(start, n), h), m.causal_mask(n, start),
-                            keep=keep)
+        return m.forward(None, state.cache, start=start, layers=layers, h=h, keep=keep)
 
     def _lower(self, state: DecodeState, tokens: list[int], i: int) -> torch.Tensor:
         """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query
@@ -546,13 +545,9 @@ class DEL(EarlyExit):
         """
         m = self.model
         n = prompt.shape[1]
-        h = m.embed(prompt)
-        rope = m.rope(m.positions(0, n), h)
-        mask = m.causal_mask(n, 0)
         rows = min(self.prefill_shadow, n)
-        kept = h.new_empty(len(self.slot), rows, h.shape[-1])  # the candidate layers' last rows, in layer order
-        h = m.run_layers(h, range(m.num_layers), state.cache, rope, mask,
-                         keep={i: kept[j] for i, j in self.slot.items()})
+        kept = torch.empty(len(self.slot), rows, m.hidden_size, dtype=m.dtype, device=m.device)  # the candidate layers' last rows, in layer order
+        h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in self.slot.items()})
         final = m.logits(h[0, n - rows :])
         self._shadow(state, kept, final.argmax(-1))
         state.trace_step.controller = state.example.shadow.state()

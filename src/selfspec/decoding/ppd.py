@@ -53,7 +53,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
-from selfspec.decoding.tree import (SparseTree, TreeLayout, candidate_tokens, check_trees, full_mask, layout,
+from selfspec.decoding.tree import (SparseTree, TreeLayout, candidate_tokens, check_trees, layout,
                                     paper_states)
 from selfspec.models.ledger import phase
 from selfspec.prompts import PromptTokens
@@ -193,8 +193,9 @@ class PPD(Decoder):
         tree = SparseTree((), (self.prompts.m,))
         lay = layout(tree, self.prompts.n_ept, m.device)
         h = m.forward(prompt, state.cache, start=0)
-        extra = m.forward(None, state.cache, start=n, mask=m.prepare_mask(full_mask(lay, n - 1)[1:]),
-                          positions=(n - 1 + lay.offsets[1:]).unsqueeze(0), h=self.prompts.chain().unsqueeze(0))
+        # the prompt tokens hang off the prompt's last token (cached at n - 1): a tree without its root
+        extra = m.forward(None, state.cache, start=n, tree=(lay.offsets[1:] - 1, lay.mask[1:, 1:]),
+                          h=self.prompts.chain().unsqueeze(0))
         h = torch.cat([h, extra], dim=1)
         state.cache.truncate(n)
         first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator, state.ledger)[0])
@@ -239,10 +240,8 @@ class PPD(Decoder):
             h = m.embed(tokens.unsqueeze(0))
             if lay.size > lay.n_nodes:
                 h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
-            mask = m.prepare_mask(full_mask(lay, n_cached))
         with phase(m, "verify"):  # one pass verifies the candidates and runs the prompt tokens
-            h = m.forward(None, state.cache, start=n_cached, mask=mask,
-                          positions=(n_cached + lay.offsets).unsqueeze(0), h=h)[0]
+            h = m.forward(None, state.cache, start=n_cached, tree=(lay.offsets, lay.mask), h=h)[0]
             node_logits = m.logits(h[: lay.n_nodes])
             best, bonus = self._verify(lay, tokens, node_logits, state)
         path = lay.path_rows[best]

@@ -147,6 +147,7 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
     checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
     checks.flag("progress", cfg.progress)
+    checks.flag("memory_check", cfg.memory_check)
     checks.number("contention", cfg.contention, 1.0, low_open=True,
                   why="the baseline's measured / predicted time that flags a run as measured under load")
     _threads_spec(cfg)
@@ -384,6 +385,10 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     (default: :func:`method_label`).
     """
     plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
+    if loaded is None:  # its estimated peak against the device's memory, before the model loads
+        from selfspec.memory import EVAL_CONTEXT, check_fits
+
+        check_fits("evaluate", cfg, (getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT) + plan.budget)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -121,3 +121,27 @@ class LayerCache:
         """The valid keys/values of one layer (views, for tests and inspection)."""
         n = self.lengths[layer_idx]
         return self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n]
+
+
+class Appended:
+    """K/V a pass reads without writing them (:class:`selfspec.models.layered.KV`): each layer's first
+    ``length`` cached positions followed by the pass's own, concatenated. A gradient-checkpointed
+    pass (:meth:`selfspec.models.layered.LayeredModel.forward`'s ``checkpoint``) runs every layer a
+    second time in backward; appending to the cache would then write its rows twice."""
+
+    def __init__(self, cache: LayerCache, length: int) -> None:
+        self.cache, self.length = cache, length
+        self._positions: dict[int, torch.Tensor] = {}
+
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length
+        keys = torch.cat([self.cache.keys[layer_idx][:, :, :n], key_states], dim=2)
+        values = torch.cat([self.cache.values[layer_idx][:, :, :n], value_states], dim=2)
+        if positions is not None:
+            self._positions[layer_idx] = torch.cat([self.cache.key_positions(layer_idx)[:n], positions])
+        return keys, values
+
+    def key_positions(self, layer_idx: int) -> torch.Tensor:
+        return self._positions[layer_idx]
+

@@ -21,16 +21,28 @@ Model config key ``capture`` (:data:`MODES`):
 ``static``  the same static-shape pass run eagerly: what ``graphs`` captures, testable on a CPU
 ``off``     the dynamic eager pass (slices of the cache, a mask only where needed)
 
-Only whole-sequence passes go through here (:meth:`StepRunner.run` says when): inside
-``torch.inference_mode()``, no explicit mask or positions (tree passes keep their own), every
-layer run at the same cache length, k at most the largest bucket and room in the cache for the
-padding. Anything else — a long prefill, a tree — takes the dynamic path; the outputs are the
-same either way (docs/design.md §4), only the speed differs.
+Three kinds of pass go through here, keyed by (layer range, skip set, bucket, input kind):
+
+* **chains**: k new tokens after the cache, causal (a decoding step, a verification pass, a draft
+  pass of Draft & Verify's skip set);
+* **partial-layer passes**: any layer range, optionally keeping the last rows' states after some
+  layers (early exit's and DEL's lower and remaining layers with their exit-query cache,
+  AdaDecode's per-layer passes of owed positions);
+* **trees** (PPD): the rows' position offsets and their ancestor mask are inputs too; the tree's
+  mask is padded to the bucket (a padding row sees the prefix and itself), and the full mask is
+  built on the device from ``start``, so tree size × k buckets share one shape.
+
+A pass qualifies (:meth:`StepRunner.run` says when) inside ``torch.inference_mode()``, with every
+layer run at the same cache length, at most the largest bucket's rows and room in the cache for
+the padding. Anything else — a long prefill, a training pass — takes the dynamic path; the outputs
+are the same either way (docs/design.md §4), only the speed differs. The LM head and the exit
+heads (full or truncated) stay outside: each is one matrix product on ``[rows, d]``, a static shape
+already.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
@@ -40,8 +52,9 @@ from selfspec.models.cache import LayerCache
 MODES = ("auto", "graphs", "static", "off")
 #: padded sizes of k; a pass of k new tokens runs at the smallest bucket >= k
 BUCKETS = (1, 2, 4, 8, 16, 32)
-#: captured graphs kept (least recently used dropped first)
-MAX_GRAPHS = 96
+#: captured graphs kept (least recently used dropped first): AdaDecode's per-layer passes alone
+#: take layers × buckets of them
+MAX_GRAPHS = 384
 
 
 class CaptureUnavailable(RuntimeError):
@@ -72,11 +85,13 @@ def bucket(n: int) -> int | None:
 class _Writes:
     """The K/V writes of a static pass (:class:`selfspec.models.layered.KV`): at ``index`` (a device
     tensor) in the cache's buffers; attention sees the whole buffer, and the mask hides what is
-    not yet valid. A static pass writes each row at the slot of its position, so every slot's
-    position is its index (``slots``); a windowed layer's positions go to the cache too."""
+    not yet valid. A chain writes each row at the slot of its position, so every slot's position
+    is its index (``slots``); a tree's rows sit at their depth's position, so a windowed layer of a
+    tree pass reads the cache's recorded positions. A windowed layer's positions go to the cache
+    either way."""
 
-    def __init__(self, cache: LayerCache, index: torch.Tensor, slots: torch.Tensor) -> None:
-        self.cache, self.index, self.slots = cache, index, slots
+    def __init__(self, cache: LayerCache, index: torch.Tensor, slots: torch.Tensor, tree: bool = False) -> None:
+        self.cache, self.index, self.slots, self.tree = cache, index, slots, tree
 
     def write(self, layer_idx: int, key_states, value_states, positions=None):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
@@ -87,39 +102,78 @@ class _Writes:
         return keys, values
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
-        return self.slots
+        return self.cache.positions[layer_idx] if self.tree else self.slots
 
 
 class _Pass:
-    """One static pass: its input buffers and, under ``graphs``, its graph and output buffer."""
+    """One static pass: its input buffers and, under ``graphs``, its graph and output buffer.
 
-    def __init__(self, model: Any, max_length: int, layers: range, skip, size: int, from_ids: bool) -> None:
+    ``tree``: the rows' position offsets and ancestor mask are inputs (PPD) rather than the chain's
+    ``arange``/causal ones. ``keep``: the layers after which the rows' states are copied into
+    static buffers (``kept``), handed to the caller's views after the pass."""
+
+    def __init__(self, model: Any, max_length: int, layers: range, skip, size: int, from_ids: bool,
+                 tree: bool = False, keep: tuple[int, ...] = ()) -> None:
         dev = model.device
-        self.model, self.layers, self.skip, self.size = model, layers, skip, size
+        self.model, self.layers, self.skip, self.size, self.keep = model, layers, skip, size, keep
         self.ids = torch.zeros(1, size, dtype=torch.long, device=dev) if from_ids else None
         self.h = None if from_ids else torch.zeros(1, size, model.hidden_size, dtype=model.dtype, device=dev)
         self.start = torch.zeros(1, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(size, device=dev)
+        self.rows = torch.arange(size, device=dev)
+        self.offsets = self.rows.clone()  # a chain's stay; a tree's are loaded per pass
         self.slots = torch.arange(max_length, device=dev)
+        #: a tree's ancestor mask ``[size, size]`` (padding rows: themselves only); None for a chain
+        self.tree = torch.eye(size, dtype=torch.bool, device=dev) if tree else None
+        self.kept = torch.zeros(len(keep), size, model.hidden_size, dtype=model.dtype, device=dev) if keep else None
         self.cache: "LayerCache | None" = None  # the cache a graph was captured on
         self.out: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def load(self, ids, h, start: int, n: int) -> None:
+    def load(self, ids, h, start: int, n: int, tree=None) -> None:
         """Copy the real inputs into the static buffers (rows past ``n`` keep stale, valid values)."""
         if self.ids is not None:
             self.ids[:, :n].copy_(ids)
         else:
             self.h[:, :n].copy_(h)
         self.start.fill_(start)
+        if tree is not None:
+            offsets, allowed = tree
+            self.offsets[:n].copy_(offsets)
+            self.offsets[n:] = self.rows[n:]
+            self.tree.fill_(False)
+            self.tree[:n, :n].copy_(allowed)
+            self.tree[n:, n:].fill_diagonal_(True)
+
+    def mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """The boolean ``[size, max_length]`` mask over the whole buffer, built on the device: a
+        chain's rows see every slot up to their own; a tree's rows see the prefix and their
+        ancestors (their slots are ``start + row``)."""
+        if self.tree is None:
+            return self.slots.unsqueeze(0) <= positions.unsqueeze(1)
+        rel = self.slots - self.start  # a slot's row in the tree, or outside it
+        inside = (rel >= 0) & (rel < self.size)
+        ancestors = self.tree.index_select(1, rel.clamp(0, self.size - 1))  # [size, max_length]
+        return (rel < 0).unsqueeze(0) | (inside.unsqueeze(0) & ancestors)
 
     def body(self, cache: LayerCache) -> torch.Tensor:
         m = self.model
         positions = self.start + self.offsets  # [size]
-        mask = m.prepare_mask(self.slots.unsqueeze(0) <= positions.unsqueeze(1))
-        h = m.embed(self.ids) if self.ids is not None else self.h
-        return m.run_layers(h, self.layers, _Writes(cache, positions, self.slots), m.rope(positions.unsqueeze(0), h), mask,
-                            self.skip)
+        mask = m.prepare_mask(self.mask(positions))
+        writes = _Writes(cache, self.start + self.rows, self.slots, tree=self.tree is not None)
+        ledger, m.ledger = m.ledger, None  # the caller records the pass once, captured or not
+        try:
+            h = m.embed(self.ids) if self.ids is not None else self.h
+            rope = m.rope(positions.unsqueeze(0), h)
+            if not self.keep:
+                return m.run_layers(h, self.layers, writes, rope, mask, self.skip)
+            done = self.layers.start
+            for j, layer in enumerate(self.keep):  # the walk in segments, each ending at a kept layer
+                h = m.run_layers(h, range(done, layer + 1), writes, rope, mask, self.skip)
+                self.kept[j].copy_(h[0])
+                done = layer + 1
+            return m.run_layers(h, range(done, self.layers.stop), writes, rope, mask, self.skip)
+        finally:
+            m.ledger = ledger
 
     def capture(self, cache: LayerCache, pool) -> None:
         """Record :meth:`body` on ``cache`` as a CUDA graph, after two warm-up runs on a side stream
@@ -136,11 +190,16 @@ class _Pass:
             self.out = self.body(cache)
         self.cache = cache
 
-    def __call__(self, cache: LayerCache, n: int) -> torch.Tensor:
+    def __call__(self, cache: LayerCache, n: int, keep: dict | None = None) -> torch.Tensor:
         if self.graph is None:
-            return self.body(cache)[:, :n]
-        self.graph.replay()
-        return self.out[:, :n].clone()  # the next replay overwrites the output buffer
+            out = self.body(cache)[:, :n]
+        else:
+            self.graph.replay()
+            out = self.out[:, :n].clone()  # the next replay overwrites the output buffer
+        for j, layer in enumerate(self.keep):
+            dest = keep[layer]
+            dest.copy_(self.kept[j, n - dest.shape[0]: n])
+        return out
 
 
 class StepRunner:
@@ -162,24 +221,38 @@ class StepRunner:
         #: passes that went through here / graphs captured (run records and tests read them)
         self.routed = 0
         self.captured = 0
+        #: decoding passes of a bucket's size that still took the dynamic path (no room in the cache
+        #: for the padding, layers at different cache lengths): none in any decoder (tests/test_capture.py)
+        self.missed = 0
+        #: routed passes by kind: chain or tree, ``+keep``, ``/partial`` (a layer range short of the model)
+        self.kinds: Counter[str] = Counter()
 
-    def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip):
+    def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip, tree=None,
+            keep: dict | None = None):
         """The hidden states ``[1, n, d]`` of ``model``'s pass (a
-        :class:`~selfspec.models.layered.LayeredModel`), or None when it must take the dynamic path."""
+        :class:`~selfspec.models.layered.LayeredModel`), or None when it must take the dynamic path.
+
+        ``tree``: ``(offsets [n], allowed [n, n])``, the rows' positions after ``start`` and which
+        rows each may see (PPD's tree); ``keep``: ``{layer: out}`` as
+        :meth:`~selfspec.models.layered.LayeredModel.run_layers` takes it."""
         if cache is None or not torch.is_inference_mode_enabled() or not len(layers):
             return None
         n = (ids if h is None else h).shape[1]
         size = bucket(n)
-        if size is None or start + size > cache.max_length:
+        if size is None:  # a long prefill
             return None
-        if any(cache.lengths[i] != start for i in layers):
+        kept = tuple(sorted(keep)) if keep else ()
+        if (not isinstance(layers, range) or layers.step != 1 or start + size > cache.max_length
+                or any(cache.lengths[i] != start for i in layers) or any(i not in layers for i in kept)):
+            self.missed += 1
             return None
         owner = id(cache) if self.mode == "graphs" else cache.max_length
-        key = (id(model), owner, layers.start, layers.stop, skip, size, h is None)
+        key = (id(model), owner, layers.start, layers.stop, skip, size, h is None, tree is not None, kept)
         p = self._passes.get(key)
         if p is None or (p.cache is not None and p.cache is not cache):
-            p = _Pass(model, cache.max_length, layers, skip, size, from_ids=h is None)
-            p.load(ids, h, start, n)
+            p = _Pass(model, cache.max_length, layers, skip, size, from_ids=h is None, tree=tree is not None,
+                      keep=kept)
+            p.load(ids, h, start, n, tree)
             if self.mode == "graphs":
                 p.capture(cache, self._pool)
                 self.captured += 1
@@ -187,12 +260,14 @@ class StepRunner:
             while len(self._passes) > MAX_GRAPHS:
                 self._passes.popitem(last=False)
         else:
-            p.load(ids, h, start, n)
+            p.load(ids, h, start, n, tree)
         self._passes.move_to_end(key)
-        out = p(cache, n)
+        out = p(cache, n, keep)
         for i in layers:
             cache.lengths[i] = start + n
         self.routed += 1
+        self.kinds[("tree" if tree is not None else "chain") + ("+keep" if kept else "")
+                   + ("" if len(layers) == model.num_layers else "/partial")] += 1
         return out
 
     def forget(self, cache: LayerCache) -> None:

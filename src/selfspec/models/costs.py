@@ -48,8 +48,7 @@ def context_cache(model: LayeredModel, context: int, extra: int, seed: int = 0):
 
 def time_forward(model: LayeredModel, cache, context: int, n: int | None = None, *, repeats: int = 5,
                  reduce: str = "median", skip: SkipSet | None = None, h: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                 logits_rows: int | None = None, layers: range | None = None,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None, logits_rows: int | None = None, layers: range | None = None,
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Seconds of one forward of ``n`` new tokens after ``context`` cached positions.
 
@@ -57,8 +56,8 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
     head on ``logits_rows`` rows (default all ``n``: a verification pass scores every token;
     0 = no head; ``head``: another head on the final states, e.g. a truncated draft vocabulary's
     :meth:`~selfspec.heads.DraftVocab.model_logits`), then one host sync on the result, as a
-    decoding step has. ``h`` / ``mask`` /
-    ``positions`` are given for tree passes (PPD). The cache is rolled back to ``context``
+    decoding step has. ``h`` and ``tree`` (:meth:`~selfspec.models.layered.LayeredModel.forward`'s)
+    are given for tree passes (PPD), which take the path a decoder's tree takes. The cache is rolled back to ``context``
     before every run. ``reduce``: ``median`` (default) or ``min`` of ``repeats`` timed runs.
     """
     if h is None and n is None:
@@ -73,8 +72,7 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
             cache.truncate(context)
             sync()
             t0 = time.perf_counter()
-            out = model.forward(ids, cache, start=context, mask=mask, positions=positions, skip=skip,
-                                layers=layers, h=h)
+            out = model.forward(ids, cache, start=context, skip=skip, layers=layers, h=h, tree=tree)
             if rows:
                 (head or model.logits)(out[:, :rows]).argmax(-1).tolist()
             else:

@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from selfspec.models import kernels
-from selfspec.models.cache import LayerCache
+from selfspec.models.cache import Appended, LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
 
 __all__ = ["KV", "LayeredModel", "Rope", "SkipSet", "UnsupportedModelError", "fuse_rows"]
@@ -162,6 +162,7 @@ class LayeredModel:
         self._walk = self._walk_weights()
         #: the static-pass runner (``capture`` ``static`` or ``graphs``), or None (``off``)
         self.steps = passes
+        self._causal: tuple = (None, None)  # the last causal mask (:meth:`causal_mask`)
         self.capture = passes.mode if passes is not None else "off"
         self._pooled: LayerCache | None = None
         #: measured forward costs (:func:`selfspec.models.costs.model_curve`), once asked for
@@ -220,6 +221,8 @@ class LayeredModel:
                     self.num_layers, self.num_kv_heads, self.head_dim, size, self.dtype, self.device)
             pooled.reset()
             return pooled
+        if self.steps is not None:  # room for a static pass's padding rows
+            max_length = min(max_length + self.steps.padding, self.max_context)
         return LayerCache(
             self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device
         )
@@ -253,9 +256,12 @@ class LayeredModel:
         """
         if n_new == 1 or (past == 0 and not self.family.additive_mask):
             return None
-        q = torch.arange(n_new, device=self.device).unsqueeze(1) + past
-        k = torch.arange(past + n_new, device=self.device).unsqueeze(0)
-        return self.prepare_mask(k <= q)
+        key = (n_new, past, torch.is_inference_mode_enabled())
+        if self._causal[0] != key:  # the last one is kept: a pass in layer segments asks per segment
+            q = torch.arange(n_new, device=self.device).unsqueeze(1) + past
+            k = torch.arange(past + n_new, device=self.device).unsqueeze(0)
+            self._causal = (key, self.prepare_mask(k <= q))
+        return self._causal[1]
 
     def prepare_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """Boolean ``[q, kv]`` (True = may attend) -> the mask the attention function takes."""
@@ -476,20 +482,30 @@ class LayeredModel:
         layers: range | None = None,
         h: torch.Tensor | None = None,
         keep: dict[int, torch.Tensor] | None = None,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: Rope | None = None,
+        checkpoint: bool = False,
     ) -> torch.Tensor:
-        """Run ``layers`` (default all) over ``ids`` (or given hidden states ``h``).
+        """Run ``layers`` (default all) over ``ids`` (or given hidden states ``h``): every pass of a
+        decoder goes through here.
 
         Positions default to ``start + arange(n)`` where ``start`` defaults to the cache length
         of the first layer run; the mask defaults to causal after that many cached positions.
-        Returns the last hidden states ``[1, n, d]`` (before the final norm). Under
-        ``capture=static|graphs`` a pass of at most 32 tokens with default mask and positions runs
-        as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
+        ``tree`` ``(offsets [n], allowed [n, n])`` makes the rows a tree after the cache (PPD):
+        positions ``start + offsets``, each row seeing the whole cache and the rows ``allowed``
+        marks. ``keep`` as :meth:`run_layers`. ``rope``: the rotary tables of the pass's
+        positions, when the caller already has them. An explicit ``mask`` or ``positions`` (the
+        skip search's packed sequences, prompt training) takes the dynamic path. ``checkpoint``
+        (training): each layer is run again in backward instead of keeping its activations
+        (gradient checkpointing), and the pass reads the cache without writing to it. Returns the last
+        hidden states ``[1, n, d]`` (before the final norm). Under ``capture=static|graphs`` a pass
+        of at most 32 rows runs as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
         """
         layers = range(self.num_layers) if layers is None else layers
         if start is None:
             start = cache.length(layers[0]) if cache is not None and len(layers) else 0
-        if self.steps is not None and mask is None and positions is None and keep is None:
-            out = self.steps.run(self, ids, h, cache, start, layers, skip)
+        if self.steps is not None and mask is None and positions is None:
+            out = self.steps.run(self, ids, h, cache, start, layers, skip, tree, keep)
             if out is not None:
                 if self.ledger is not None:
                     self._record_walk(out.shape[1], layers, skip, start)
@@ -497,8 +513,26 @@ class LayeredModel:
         if h is None:
             h = self.embed(ids)
         n = h.shape[1]
-        if positions is None:
-            positions = self.positions(start, n)
+        if tree is not None:
+            offsets, allowed = tree
+            positions = (start + offsets).unsqueeze(0)
+            prefix = torch.ones(n, start, dtype=torch.bool, device=allowed.device)
+            mask = self.prepare_mask(torch.cat([prefix, allowed], dim=1))
+        if rope is None:
+            rope = self.rope(self.positions(start, n) if positions is None else positions, h)
         if mask is None:
             mask = self.causal_mask(n, start)
-        return self.run_layers(h, layers, cache, self.rope(positions, h), mask, skip, keep)
+        if checkpoint:
+            return self._checkpointed(h, layers, cache, start, rope, mask, skip)
+        return self.run_layers(h, layers, cache, rope, mask, skip, keep)
+
+    def _checkpointed(self, h, layers, cache: LayerCache | None, start: int, rope, mask, skip) -> torch.Tensor:
+        """:meth:`run_layers` one layer at a time under ``torch.utils.checkpoint``: backward keeps each
+        layer's input only and runs the layer again, reading the cache's first ``start`` positions
+        (:class:`~selfspec.models.cache.Appended`)."""
+        from torch.utils.checkpoint import checkpoint
+
+        kv = None if cache is None else Appended(cache, start)
+        for i in layers:
+            h = checkpoint(self.run_layers, h, range(i, i + 1), kv, rope, mask, skip, use_reentrant=False)
+        return h

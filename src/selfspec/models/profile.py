@@ -454,15 +454,13 @@ def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
 
 
 def _measure_tree(model, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Whole tree passes (an explicit mask and positions, the head on every node) by size."""
+    """Whole tree passes (the rows' positions and ancestor mask given, the head on every node) by size."""
     from selfspec.models.costs import context_cache, time_forward
 
     cache = context_cache(model, context, max(sizes))
     out = {}
     for n in sizes:
-        allowed = torch.ones(n, context + n, dtype=torch.bool, device=model.device).tril(context)
-        mask = model.prepare_mask(allowed)
-        positions = (context + torch.arange(n, device=model.device)).unsqueeze(0)
+        tree = (torch.arange(n, device=model.device), torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
         h = model.embed(torch.zeros(1, n, dtype=torch.long, device=model.device))
-        out[n] = time_forward(model, cache, context, h=h, mask=mask, positions=positions, repeats=repeats)
+        out[n] = time_forward(model, cache, context, h=h, tree=tree, repeats=repeats)
     return out

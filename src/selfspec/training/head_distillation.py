@@ -64,6 +64,8 @@ def prepare(cfg) -> dict:
         "batch_size": checks.integer(key("batch_size"), job.batch_size, 1),
         "max_positions": checks.optional(checks.integer, key("max_positions"), job.max_positions, 1,
                                          why="null = every position"),
+        "kl_chunk": checks.optional(checks.integer, key("kl_chunk"), job.kl_chunk, 1,
+                                    why="positions whose |V|-wide logits are formed at once; null = all"),
         "cache_features": checks.flag(key("cache_features"), job.cache_features),
         "eval_gammas": checks.listed(checks.probability, key("eval_gammas"), job.eval_gammas, high_open=True,
                                      why="exit thresholds on a head's top probability"),
@@ -128,6 +130,32 @@ def head_kl(heads: IntermediateHeads, hidden: dict[int, torch.Tensor], final: to
     return kls, logp_star
 
 
+def _kl_sums(heads: IntermediateHeads, final: torch.Tensor, *hidden: torch.Tensor) -> torch.Tensor:
+    """``[heads]``: each head's KL(p* ‖ p_l) summed over the rows of ``final`` (one chunk)."""
+    with torch.no_grad():
+        logp_star = F.log_softmax(heads.model.logits(final).float(), -1)
+    p_star = logp_star.exp()
+    return torch.stack([(p_star * (logp_star - F.log_softmax(heads.logits(l, h).float(), -1))).sum()
+                        for l, h in zip(heads.layers, hidden)])
+
+
+def chunked_head_kl(heads: IntermediateHeads, hidden: dict[int, torch.Tensor], final: torch.Tensor,
+                    chunk: int) -> dict[int, torch.Tensor]:
+    """:func:`head_kl`'s KLs with at most ``chunk`` positions' ``|V|``-wide logits alive at once: each
+    chunk runs under ``torch.utils.checkpoint``, which keeps its inputs (``d``-wide states) and forms its
+    logits again in backward. The same loss and gradients up to summation order; what it bounds is
+    the KL over a 128k vocabulary, positions × heads × |V| floats otherwise."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = final.shape[0]
+    total = None
+    for a in range(0, n, chunk):
+        part = checkpoint(_kl_sums, heads, final[a:a + chunk], *(hidden[l][a:a + chunk] for l in heads.layers),
+                          use_reentrant=False)
+        total = part if total is None else total + part
+    return {l: total[j] / n for j, l in enumerate(heads.layers)}
+
+
 def evaluate_heads(heads: IntermediateHeads, feats: Features, gammas) -> dict[str, float]:
     """Held-out per-head KL, top-1 agreement with the final layer, and exit rate / agreement at γ."""
     sums: dict[str, float] = {}
@@ -188,7 +216,7 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
     feats = Features(heads.model, heads.layers, train_seqs, bool(job["cache_features"]))
     held = Features(heads.model, heads.layers, held_seqs, True)
     gammas = [float(g) for g in job["eval_gammas"]]
-    max_positions = job["max_positions"]
+    max_positions, kl_chunk = job["max_positions"], job.get("kl_chunk")
 
     def loss_fn(module, batch):
         idx, pos_seed = batch
@@ -197,7 +225,10 @@ def trainer(heads: IntermediateHeads, train_seqs, held_seqs, job, seed: int):
             g = torch.Generator().manual_seed(pos_seed)
             keep = torch.randperm(final.shape[0], generator=g)[:max_positions].to(final.device)
             hidden, final = {l: h[keep] for l, h in hidden.items()}, final[keep]
-        kls, _ = head_kl(module, hidden, final)
+        if kl_chunk is not None and final.shape[0] > kl_chunk:
+            kls = chunked_head_kl(module, hidden, final, kl_chunk)
+        else:
+            kls, _ = head_kl(module, hidden, final)
         return sum(kls.values()), {f"kl/{l}": float(v.detach()) for l, v in kls.items()}
 
     return loss_fn, batch_sampler(len(train_seqs), int(job["batch_size"]), seed), (

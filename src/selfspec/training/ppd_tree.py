@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from selfspec import checks
-from selfspec.decoding.tree import TREE_KIND, SparseTree, full_mask, layout
+from selfspec.decoding.tree import TREE_KIND, SparseTree, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
 from selfspec.models.costs import context_cache, time_forward
 from selfspec.training.driver import Job, Result, job_keys
@@ -73,9 +73,7 @@ def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, cache, cont
     tree = trees[max(trees)]
     lay = layout(tree, n_ept, model.device)
     h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
-    mask = model.prepare_mask(full_mask(lay, context))
-    pos = (context + lay.offsets).unsqueeze(0)
-    return time_forward(model, cache, context, h=h, mask=mask, positions=pos, logits_rows=lay.n_nodes,
+    return time_forward(model, cache, context, h=h, tree=(lay.offsets, lay.mask), logits_rows=lay.n_nodes,
                         repeats=repeats, reduce="min")
 
 

@@ -79,6 +79,8 @@ def prepare(cfg) -> dict:
                                          why=f"tokens; m={m} prompt tokens need at least 2m + 2"),
         "inserts": checks.integer(key("inserts"), job.inserts, 1),
         "eval_inserts": checks.integer(key("eval_inserts"), job.eval_inserts, 1),
+        "gradient_checkpointing": checks.flag(key("gradient_checkpointing"), job.gradient_checkpointing,
+                                              why="recompute each layer in backward"),
     }
     job_keys(job, [*opts, *TrainConfig.keys()])
     opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
@@ -148,8 +150,11 @@ def insertion_mask(n: int, inserts: torch.Tensor, m: int, n_ept: int) -> torch.T
     return torch.cat([real, same], dim=1)
 
 
-def student_teacher(model, prompts: PromptTokens, ids: torch.Tensor, inserts: torch.Tensor):
-    """-> (student logits ``[k, m, V]`` (EPT-averaged, with grad), teacher logits ``[k, m, V]``)."""
+def student_teacher(model, prompts: PromptTokens, ids: torch.Tensor, inserts: torch.Tensor,
+                    checkpoint: bool = False):
+    """-> (student logits ``[k, m, V]`` (EPT-averaged, with grad), teacher logits ``[k, m, V]``).
+    ``checkpoint``: the student's pass keeps each layer's input only and runs the layer again in
+    backward (gradient checkpointing; the same gradients)."""
     m, e = prompts.m, prompts.n_ept
     ids = ids.to(model.device)
     inserts = inserts.to(model.device)
@@ -162,7 +167,7 @@ def student_teacher(model, prompts: PromptTokens, ids: torch.Tensor, inserts: to
     emb = prompts.chain().repeat(k, 1).unsqueeze(0)
     positions = (inserts.repeat_interleave(m * e) + dist.repeat_interleave(e).repeat(k)).unsqueeze(0)
     mask = model.prepare_mask(insertion_mask(n, inserts, m, e))
-    hs = model.forward(None, cache, start=n, mask=mask, positions=positions, h=emb)
+    hs = model.forward(None, cache, start=n, mask=mask, positions=positions, h=emb, checkpoint=checkpoint)
     student = PromptTokens.ensemble(model.logits(hs[0]).view(k, m, e, -1))
     return student, teacher
 
@@ -210,7 +215,8 @@ def objective(ctx) -> Result:
     eval_batches = [sample_batch(held, i, seed + 1, L, opts["eval_inserts"], m) for i in range(len(held))]
 
     def loss_fn(module, batch):
-        student, teacher = student_teacher(model, module, batch["ids"], batch["inserts"])
+        student, teacher = student_teacher(model, module, batch["ids"], batch["inserts"],
+                                           opts["gradient_checkpointing"])
         loss, kl = distillation_loss(student, teacher, alpha)
         return loss, {f"kl@{d + 1}": float(kl[d]) for d in range(m)}
 
