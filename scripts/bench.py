@@ -94,7 +94,10 @@ def report(summary: dict) -> str:
                      f"{_f(m['acceptance_rate'], 3):>8}{_f(m['consistency'], 2):>9}")
     contention = summary.get("contention")
     if contention:
+        spoiled = contention.get("spoiled") or []
         lines.append(f"\ncontention: vanilla took {contention['ratio']:.2f}x its predicted time"
+                     + (f"; {len(spoiled)} generation(s) spoiled by a burst of load: "
+                        + ", ".join(f"{g['method']} {g['id']} {g['excess']:.2f}x" for g in spoiled) if spoiled else "")
                      + (" -- FLAGGED: measured under load" if contention["flagged"] else " (not flagged)"))
     if "hf_generate" in per and per["hf_generate"]["tokens_per_s"]:
         ratio = per[base]["tokens_per_s"] / per["hf_generate"]["tokens_per_s"]

@@ -1,7 +1,7 @@
 """One command for a GPU machine: runtime, cost profile, training memory, captured vs eager, bf16 consistency.
 
     python scripts/gpu_check.py                  # on a GPU (make gpu-check): SmolLM2 if fetched, the Llama-3-8B shape
-    python scripts/gpu_check.py --dry-run        # the same code on tiny-random on the CPU (capture=static), < 2 min
+    python scripts/gpu_check.py --dry-run        # the same code on tiny-random on the CPU (capture=static), about 3 min
 
 For each model (``--dry-run``: tiny-random in bfloat16 on the CPU), one JSON (``--out``, default
 ``outputs/gpu_check/<time>.json``) gets

@@ -143,6 +143,23 @@ def test_the_ledger_charges_each_layer_walk_its_sublayers(tiny, prompt_ids):
                 assert op[2] == step.width and op[3:5] == [layers, layers]
 
 
+def test_the_ledger_prices_a_sliding_layer_at_its_window():
+    """Gemma 3's sliding layers (window 8 in the tiny model, three of four layers) attend to at most
+    their window's positions: past it, a step records them apart at the window, the full layer at
+    the whole context."""
+    from test_families import PROMPT, tiny_family
+
+    from selfspec.decoding.vanilla import Vanilla
+
+    m = tiny_family("gemma3_text")
+    g = Vanilla(m).generate(PROMPT, 6, Sampling())
+    for step in g.trace[1:]:
+        walks = sorted((op[3], op[4], op[5]) for op in step.ops if op[1] == "L")
+        assert [w[:2] for w in walks] == [(1, 4), (3, 0)], walks  # the full layer with every MLP; 3 windowed
+        narrowed = [w for w in walks if w[1] == 0]
+        assert narrowed[0][2] == 8 and max(w[2] for w in walks) >= len(PROMPT) > 8
+
+
 def test_measured_profile_of_the_tiny_model(tiny):
     p = measure_profile(tiny.model, rows=(1, 2, 4), prefill_rows=(16,), contexts=(0, 32), repeats=1)
     assert p.shape == model_shape(tiny.model) and p.data["machine"]["device"] == "cpu"
@@ -215,6 +232,47 @@ def test_contention_is_flagged_from_the_baselines_step_times(tiny, tmp_path):
     # another machine's profile cannot tell, nor can a run shorter than the least judged time
     assert contention(base, profile, 1.25, here | {"hardware": "Another CPU"}, min_seconds=0) is None
     assert contention(base, profile, 1.25, here) is None
+
+
+def test_a_burst_of_load_in_one_generation_is_caught_per_generation(tiny, tmp_path):
+    """A burst that slows one generation moves the whole run's ratio too little for the threshold; the
+    per-generation check lists it (against its method's median ratio) and flags the run."""
+    from selfspec.evaluation.aggregate import spoiled_generations
+    from selfspec.reporting.ledger import contention_warning
+
+    _run(tiny, tmp_path, "n_examples=5")
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    profile = Profile.load(json.loads((tmp_path / "summary.json").read_text())["profile"]["path"])
+    here = profile.machine
+    finished = {m: [r for r in rows if r["method"] == m] for m in ("vanilla", "ngram", "hf_generate")}
+    assert len(finished["vanilla"]) == 5
+    # scale every generation to its predicted time (a quiet machine's), then slow one of vanilla's
+    for method in ("vanilla", "ngram"):
+        for r in finished[method]:
+            r["seconds"] = 1.1 * sum(profile.predict(r["trace"], sampled=False).values())
+    assert spoiled_generations(finished, profile, here, 1.2, min_seconds=0) == []
+    slow = finished["vanilla"][2]
+    slow["seconds"] *= 1.5
+    spoiled = spoiled_generations(finished, profile, here, 1.2, min_seconds=0)
+    assert [(g["method"], g["id"]) for g in spoiled] == [("vanilla", slow["id"])]
+    assert spoiled[0]["excess"] == pytest.approx(1.5)
+    assert spoiled_generations(finished, profile, here, 1.6, min_seconds=0) == []
+    # the HF peers have no trace and are not judged; another machine's profile cannot tell
+    assert spoiled_generations(finished, profile, here | {"hardware": "Another CPU"}, 1.2) is None
+    # with three methods an example every method found slow is the example's (its prompt), not a burst
+    slow["seconds"] /= 1.5
+    finished["copy"] = copy.deepcopy(finished["ngram"])
+    for method in ("vanilla", "ngram", "copy"):
+        finished[method][1]["seconds"] *= 1.5
+    assert spoiled_generations(finished, profile, here, 1.2, min_seconds=0) == []
+    finished["copy"][3]["seconds"] *= 1.5
+    burst = spoiled_generations(finished, profile, here, 1.2, min_seconds=0)
+    assert [(g["method"], g["id"]) for g in burst] == [("copy", finished["copy"][3]["id"])]
+    assert burst[0]["excess"] == pytest.approx(1.5)
+    result = contention(finished["vanilla"], profile, 1.5, here, min_seconds=0, spoiled=spoiled)
+    assert result["ratio"] < 1.5 and result["flagged"] is True and result["spoiled"] == spoiled
+    warning = contention_warning(result, "XSum")
+    assert "1 generation took more than" in warning and f"vanilla on {slow['id']}, 1.50×" in warning
 
 
 def test_projection_onto_another_profile(tiny, tmp_path):

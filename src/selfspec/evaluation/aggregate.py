@@ -36,6 +36,7 @@ sample with the same seed, and the figures below pool all samples:
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -205,12 +206,20 @@ def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profi
 CONTENTION_MIN_SECONDS = 2.0
 
 
+#: the least seconds of one generation the per-generation check judges
+GENERATION_MIN_SECONDS = 1.0
+#: the least generations of a method the per-generation check needs for its median
+GENERATION_MIN_COUNT = 3
+
+
 def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict[str, Any],
-               min_seconds: float = CONTENTION_MIN_SECONDS) -> dict[str, Any] | None:
+               min_seconds: float = CONTENTION_MIN_SECONDS, spoiled: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any] | None:
     """Whether the run was measured under load: the baseline's measured seconds over what the
-    profile predicts for its traces (``ratio``), flagged above ``threshold``. Only a profile of
-    this machine (``here``: :func:`selfspec.models.profile.machine`) can tell, and only on at
-    least ``min_seconds`` of the baseline's generations; None otherwise."""
+    profile predicts for its traces (``ratio``), flagged above ``threshold``, or when any
+    generation was spoiled by a burst of other load (``spoiled``, :func:`spoiled_generations`). Only
+    a profile of this machine (``here``: :func:`selfspec.models.profile.machine`) can tell, and only
+    on at least ``min_seconds`` of the baseline's generations; None otherwise."""
     if profile is None or not profile.describes(here):
         return None
     predicted = _predicted(base, profile)
@@ -218,4 +227,45 @@ def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict
     if not predicted or seconds < min_seconds:
         return None
     ratio = seconds / sum(predicted.values())
-    return {"ratio": ratio, "threshold": threshold, "flagged": ratio > threshold}
+    return {"ratio": ratio, "threshold": threshold, "spoiled": spoiled or [],
+            "flagged": ratio > threshold or bool(spoiled)}
+
+
+def spoiled_generations(finished: dict[str, list[dict[str, Any]]], profile, here: dict[str, Any], spike: float,
+                        min_seconds: float = GENERATION_MIN_SECONDS) -> list[dict[str, Any]] | None:
+    """The generations a burst of other load slowed. Each generation of a method with traces (not the
+    HF peers) has a ratio, measured over predicted seconds; it is divided by its method's median
+    ratio (what the profile does not model about the method cancels) and, with at least three such
+    methods, by its example's median over the methods of those (what it does not model about the
+    example, e.g. its prompt, cancels). What is left above ``spike`` is listed, with that excess. A
+    short burst (a test run, a tool starting) spoils a generation or two, interleaved per example,
+    and moves a whole run's ratio too little for :func:`contention`'s threshold. Generations under
+    ``min_seconds`` are within the timers' noise and not judged. None where the profile cannot tell
+    (another machine's, none)."""
+    if profile is None or not profile.describes(here):
+        return None
+    ratios: dict[str, dict[tuple, tuple[dict[str, Any], float]]] = {}
+    for method, rows in finished.items():
+        judged = {}
+        for r in rows:
+            if not r.get("trace") or r["seconds"] < min_seconds:
+                continue
+            predicted = sum(profile.predict(r["trace"], sampled=r.get("seed") is not None).values())
+            if predicted > 0:
+                judged[generation_key(r)] = (r, r["seconds"] / predicted)
+        if len(judged) >= GENERATION_MIN_COUNT:
+            ratios[method] = judged
+    relative = {m: {k: x / statistics.median(v for _, v in judged.values()) for k, (_, x) in judged.items()}
+                for m, judged in ratios.items()}
+    example: dict[tuple, float] = {}
+    if len(relative) >= 3:
+        keys = {k for rel in relative.values() for k in rel}
+        example = {k: statistics.median(rel[k] for rel in relative.values() if k in rel) for k in keys}
+    out = []
+    for method, rel in relative.items():
+        for k, x in rel.items():
+            excess = x / example.get(k, 1.0)
+            if excess > spike:
+                r = ratios[method][k][0]
+                out.append({"method": method, "id": r["id"], "sample": r.get("sample", 0), "excess": excess})
+    return out

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec import checks
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
-from selfspec.evaluation.aggregate import common_rows, contention, generation_key, summarize
+from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
 from selfspec.models.profile import machine, model_shape
 from selfspec.locks import hold
 from selfspec.tracking import (ResultsFile, Tracker, check_writable, open_run_log, save_hydra_files, start_run,
@@ -150,6 +150,8 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.flag("memory_check", cfg.memory_check)
     checks.number("contention", cfg.contention, 1.0, low_open=True,
                   why="the baseline's measured / predicted time that flags a run as measured under load")
+    checks.number("contention_spike", cfg.contention_spike, 1.0, low_open=True,
+                  why="a generation's measured / predicted time over its method's median that flags it as spoiled")
     _threads_spec(cfg)
 
 
@@ -461,6 +463,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
                            profile=profile)
     finished = common_rows(rows, names, baseline)
     samples_files = _write_samples(out_dir, task, finished)
+    here = machine(loaded.model.device)
     summary = {
         "model": loaded.name,
         "task": task.name,
@@ -476,8 +479,8 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         "run_info": info,
         "model_shape": model_shape(loaded.model),
         "profile": profile.summary() if profile is not None else None,
-        "contention": contention(finished[baseline], profile, float(cfg.contention),
-                                 machine(loaded.model.device)),
+        "contention": contention(finished[baseline], profile, float(cfg.contention), here,
+                                 spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike))),
         "threads": {"policy": threads, "configured": torch.get_num_threads()},
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,

@@ -105,9 +105,16 @@ def contention_warning(contention: dict[str, Any] | None, where: str) -> str | N
     if not is_loaded(contention):
         return None
     ratio, threshold = contention.get("ratio"), contention.get("threshold")
-    how = (f"vanilla's model passes took {ratio:.2f}× their predicted time (threshold {threshold:.2f}×)"
-           if isinstance(ratio, (int, float)) and isinstance(threshold, (int, float))
-           else "vanilla's model passes took longer than predicted")
+    spoiled = contention.get("spoiled") or []
+    if (isinstance(ratio, (int, float)) and isinstance(threshold, (int, float)) and ratio <= threshold
+            and spoiled):
+        worst = max(spoiled, key=lambda g: g["excess"])
+        how = (f"{len(spoiled)} generation{'s' * (len(spoiled) != 1)} took more than their method's usual time "
+               f"for their steps (the worst, {worst['method']} on {worst['id']}, {worst['excess']:.2f}×)")
+    elif isinstance(ratio, (int, float)) and isinstance(threshold, (int, float)):
+        how = f"vanilla's model passes took {ratio:.2f}× their predicted time (threshold {threshold:.2f}×)"
+    else:
+        how = "vanilla's model passes took longer than predicted"
     return (f"Measured under load — {where}: {how}, so other work on the machine slowed this run. Its "
             f"speedups are marked {LOADED} and are not clean figures; re-run on an idle machine.")
 
