@@ -143,23 +143,6 @@ def test_the_ledger_charges_each_layer_walk_its_sublayers(tiny, prompt_ids):
                 assert op[2] == step.width and op[3:5] == [layers, layers]
 
 
-def test_the_ledger_prices_a_sliding_layer_at_its_window():
-    """Gemma 3's sliding layers (window 8 in the tiny model, three of four layers) attend to at most
-    their window's positions: past it, a step records them apart at the window, the full layer at
-    the whole context."""
-    from test_families import PROMPT, tiny_family
-
-    from selfspec.decoding.vanilla import Vanilla
-
-    m = tiny_family("gemma3_text")
-    g = Vanilla(m).generate(PROMPT, 6, Sampling())
-    for step in g.trace[1:]:
-        walks = sorted((op[3], op[4], op[5]) for op in step.ops if op[1] == "L")
-        assert [w[:2] for w in walks] == [(1, 4), (3, 0)], walks  # the full layer with every MLP; 3 windowed
-        narrowed = [w for w in walks if w[1] == 0]
-        assert narrowed[0][2] == 8 and max(w[2] for w in walks) >= len(PROMPT) > 8
-
-
 def test_measured_profile_of_the_tiny_model(tiny):
     p = measure_profile(tiny.model, rows=(1, 2, 4), prefill_rows=(16,), contexts=(0, 32), repeats=1)
     assert p.shape == model_shape(tiny.model) and p.data["machine"]["device"] == "cpu"

@@ -160,8 +160,6 @@ class LayeredModel:
         self._gate_up = [fuse_rows(fam.gate_up(i)) for i in range(self.num_layers)]
         #: the weights of :meth:`_walk_in_cpp`, where every layer has the plain Llama layout
         self._walk = self._walk_weights()
-        #: ``{layer: window}`` of the layers with a sliding attention window (Gemma 3, Mistral)
-        self._windows = {i: w for i in range(self.num_layers) if (w := fam.window(i)) is not None}
         #: the static-pass runner (``capture`` ``static`` or ``graphs``), or None (``off``)
         self.steps = passes
         self._causal: tuple = (None, None)  # the last causal mask (:meth:`causal_mask`)
@@ -448,21 +446,15 @@ class LayeredModel:
 
     def _record_walk(self, rows: int, layers, skip: SkipSet | None, context: int) -> None:
         """A layer walk in the ledger: its rows, the sublayers run and the cached positions they
-        attend to; a layer with a sliding window attends to at most its window's, recorded apart."""
+        attend to. A sliding layer is recorded at the whole context too: the profile's attention
+        cost per context is measured over every layer, windows included, so it already averages the
+        windowed layers' cheaper attention in."""
         attention = mlp = len(layers)
         if not attention:
             return
         if skip is not None:
             attention -= sum(i in skip.attn for i in layers)
             mlp -= sum(i in skip.mlp for i in layers)
-        windowed: dict[int, int] = {}  # narrowed context -> attention sublayers
-        for i in layers:
-            w = self._windows.get(i)
-            if w is not None and w < context and (skip is None or i not in skip.attn):
-                windowed[w] = windowed.get(w, 0) + 1
-        for w, count in windowed.items():
-            self.ledger.layers(int(rows), count, 0, w)
-            attention -= count
         self.ledger.layers(int(rows), attention, mlp, int(context))
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
