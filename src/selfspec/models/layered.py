@@ -525,6 +525,8 @@ class LayeredModel:
         if mask is None:
             mask = self.causal_mask(n, start)
         if checkpoint:
+            if keep is not None:
+                raise ValueError("forward: checkpoint=True keeps no states (keep=...): a training pass has none to keep")
             return self._checkpointed(h, layers, cache, start, rope, mask, skip)
         return self.run_layers(h, layers, cache, rope, mask, skip, keep)
 
