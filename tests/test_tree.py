@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import method_config
-from selfspec.decoding.tree import (SparseTree, TreeError, check_trees, full_mask, layout,
+from selfspec.decoding.tree import (SparseTree, TreeError, check_trees, layout,
                                     prompt_chain_mask, random_tree)
 
 
@@ -58,8 +58,7 @@ def test_tree_forward_equals_sequential_forward(tiny):
     m.forward(torch.tensor([prefix[:-1]]), cache, start=0)
     n = len(prefix) - 1
     h = torch.cat([m.embed(torch.tensor([node_tok])), prompts[lay.prompt_p, lay.prompt_e].unsqueeze(0)], 1)
-    out = m.logits(m.forward(None, cache, start=n, mask=m.prepare_mask(full_mask(lay, n)),
-                             positions=(n + lay.offsets).unsqueeze(0), h=h))[0]
+    out = m.logits(m.forward(None, cache, start=n, tree=(lay.offsets, lay.mask), h=h))[0]
     for a, seq in enumerate(_labels(tree, n_ept)):
         emb = [m.embed(torch.tensor([prefix]))[0]]
         for depth, lab in enumerate(seq):

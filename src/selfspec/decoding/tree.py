@@ -202,12 +202,6 @@ def candidate_tokens(lay: TreeLayout, candidates: torch.Tensor) -> torch.Tensor:
     return candidates[lay.cand_depth, lay.cand_rank]
 
 
-def full_mask(lay: TreeLayout, n_cached: int) -> torch.Tensor:
-    """``[N, n_cached + N]`` bool: the committed prefix is visible to every tree input."""
-    prefix = torch.ones(lay.size, n_cached, dtype=torch.bool, device=lay.mask.device)
-    return torch.cat([prefix, lay.mask], dim=1)
-
-
 def prompt_chain_mask(n_prefix: int, m: int, n_ept: int, device=None) -> torch.Tensor:
     """Mask for ``n_prefix`` causal tokens followed by ``m`` prompt tokens × ``n_ept`` EPTs
     attached to the last of them (prefill and training, PPD §3.3): ``[n, n]`` bool."""

@@ -163,15 +163,8 @@ class _Pass:
         ledger, m.ledger = m.ledger, None  # the caller records the pass once, captured or not
         try:
             h = m.embed(self.ids) if self.ids is not None else self.h
-            rope = m.rope(positions.unsqueeze(0), h)
-            if not self.keep:
-                return m.run_layers(h, self.layers, writes, rope, mask, self.skip)
-            done = self.layers.start
-            for j, layer in enumerate(self.keep):  # the walk in segments, each ending at a kept layer
-                h = m.run_layers(h, range(done, layer + 1), writes, rope, mask, self.skip)
-                self.kept[j].copy_(h[0])
-                done = layer + 1
-            return m.run_layers(h, range(done, self.layers.stop), writes, rope, mask, self.skip)
+            keep = {layer: self.kept[j] for j, layer in enumerate(self.keep)} if self.keep else None
+            return m.run_layers(h, self.layers, writes, m.rope(positions.unsqueeze(0), h), mask, self.skip, keep)
         finally:
             m.ledger = ledger
 

@@ -118,25 +118,26 @@ class Features:
                 torch.cat([x["final"] for x in f]))
 
 
-def head_kl(heads: IntermediateHeads, hidden: dict[int, torch.Tensor], final: torch.Tensor):
-    """Per-head mean KL(p* ‖ p_l) over positions, and the final layer's log-probabilities."""
+def _kl_terms(heads: IntermediateHeads, final: torch.Tensor, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([heads], [rows, V])``: each head's KL(p* ‖ p_l) summed over the rows of ``final`` (its
+    states in ``hidden``, in head order), and the final layer's log-probabilities."""
     with torch.no_grad():
         logp_star = F.log_softmax(heads.model.logits(final).float(), -1)
     p_star = logp_star.exp()
-    kls = {}
-    for l in heads.layers:
-        logp = F.log_softmax(heads.logits(l, hidden[l]).float(), -1)
-        kls[l] = (p_star * (logp_star - logp)).sum(-1).mean()
-    return kls, logp_star
+    sums = torch.stack([(p_star * (logp_star - F.log_softmax(heads.logits(l, h).float(), -1))).sum()
+                        for l, h in zip(heads.layers, hidden)])
+    return sums, logp_star
+
+
+def head_kl(heads: IntermediateHeads, hidden: dict[int, torch.Tensor], final: torch.Tensor):
+    """Per-head mean KL(p* ‖ p_l) over positions, and the final layer's log-probabilities."""
+    sums, logp_star = _kl_terms(heads, final, [hidden[l] for l in heads.layers])
+    return {l: sums[j] / final.shape[0] for j, l in enumerate(heads.layers)}, logp_star
 
 
 def _kl_sums(heads: IntermediateHeads, final: torch.Tensor, *hidden: torch.Tensor) -> torch.Tensor:
-    """``[heads]``: each head's KL(p* ‖ p_l) summed over the rows of ``final`` (one chunk)."""
-    with torch.no_grad():
-        logp_star = F.log_softmax(heads.model.logits(final).float(), -1)
-    p_star = logp_star.exp()
-    return torch.stack([(p_star * (logp_star - F.log_softmax(heads.logits(l, h).float(), -1))).sum()
-                        for l, h in zip(heads.layers, hidden)])
+    """One chunk's per-head KL sums (:func:`_kl_terms`), what :func:`chunked_head_kl` checkpoints."""
+    return _kl_terms(heads, final, hidden)[0]
 
 
 def chunked_head_kl(heads: IntermediateHeads, hidden: dict[int, torch.Tensor], final: torch.Tensor,
