@@ -237,8 +237,9 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
     """Inside the runtime each row of a masked attention of up to ``MAX_ROWS`` queries equals, bit
     for bit, the one-token decoding step's attention (no mask, the keys it may see): causal rows over a prefix
     of the cache, tree rows over their ancestors gathered in order (SDPA's own masked call on the
-    same rows need not: it blocks the queries together). A one-row call takes one query head per
-    task, a 12-row call all heads of a key/value group per task: a head's arithmetic is the same."""
+    same rows need not: it blocks the queries together). With one key/value head a one-row call
+    takes one query head per task, a 12-row call all heads of the group per task (with two, both
+    take a group per task): a head's arithmetic is the same."""
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
@@ -262,6 +263,12 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
             one = kernels.attention(sdpa, attn, q[:, :, i:i + 1], k.index_select(2, idx), v.index_select(2, idx),
                                     None, attn.scaling)
             assert torch.equal(rows[:, i], one[:, 0]), i
+    q1, k1, v1 = q[:, :2], k[:, :1], v[:, :1]  # one key/value head of two query heads
+    rows = kernels.attention(sdpa, attn, q1, k1, v1, model.causal_mask(n, past), attn.scaling)
+    for i in range(n):
+        one = kernels.attention(sdpa, attn, q1[:, :, i:i + 1], k1[:, :, :past + i + 1], v1[:, :, :past + i + 1],
+                                None, attn.scaling)
+        assert torch.equal(rows[:, i], one[:, 0]), i
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])

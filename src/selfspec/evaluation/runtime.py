@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from selfspec.evaluation.aggregate import common_prefix
+from selfspec.models import arena
 from selfspec.models.costs import context_cache, measure_bandwidth, measure_curve, time_forward, weight_bytes
 
 __all__ = ["format_report", "runtime_report"]
@@ -157,6 +158,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "head_share_of_step": curve.head / curve.seconds[contexts[0]][1],
         "head_in_layers": curve.head_in_layers,
         "weight_bytes": weights,
+        "weights_in_huge_pages": huge_page_weight_bytes(model),
         "kv_bytes": kv,
         "bandwidth_bytes_per_s": bandwidth,
         "achieved_bytes_per_s": (weights + kv) / per_token,
@@ -168,6 +170,12 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "seconds": time.perf_counter() - t0,
         "load": [load_start, _load()],
     }
+
+
+def huge_page_weight_bytes(model) -> int | None:
+    """Bytes of the block holding the model's placed weights that the kernel backs with huge pages
+    (:mod:`selfspec.models.arena`), or None when the weights were not placed."""
+    return arena.huge_page_bytes(model.lm_head_weight) if getattr(model, "weights_placed", False) else None
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -190,6 +198,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"bandwidth: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved ({(r['weight_bytes'] + r['kv_bytes']) / 1e6:.0f} MB "
         f"per token) of {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s measured (copy): {100 * r['bandwidth_fraction']:.1f}%",
     ]
+    huge = r.get("weights_in_huge_pages")
+    lines.append("weights in huge pages: " + ("not placed (selfspec.models.arena)" if huge is None else
+                                              f"{huge / 1e6:.0f} MB (transparent huge pages: {arena.thp_mode()})"))
     lines += peer_lines(r)
     lines.append(f"({r['seconds']:.0f} s)")
     return "\n".join(lines)

@@ -19,7 +19,21 @@ The runtime (:mod:`selfspec.models.layered`) writes each layer's keys and values
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def _huge_page_buffers(count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor] | None:
+    """``count`` zeroed buffers of ``shape`` in one block of huge pages (:mod:`selfspec.models.arena`:
+    a step reads every cached key and value; SmolLM2 at 512 positions, 2 cores: a step 1-2% faster
+    than from torch's 4 KiB pages), for a CPU cache of at least one huge page; else None."""
+    from selfspec.models import arena
+
+    nbytes = count * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < arena.HUGE_PAGE or not arena.available():
+        return None
+    return arena.place([shape] * count, dtype)  # an anonymous mapping starts zeroed
 
 
 class CacheOverflowError(RuntimeError):
@@ -45,8 +59,10 @@ class LayerCache:
         if max_length <= 0:
             raise ValueError(f"LayerCache max_length must be positive, got {max_length}")
         shape = (1, num_kv_heads, max_length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        buffers = _huge_page_buffers(2 * num_layers, shape, dtype, device)
+        if buffers is None:
+            buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+        self.keys, self.values = buffers[:num_layers], buffers[num_layers:]
         self.lengths = [0] * num_layers
         self.max_length = max_length
         #: ``[num_layers, max_length]`` positions of the slots written with positions (allocated at

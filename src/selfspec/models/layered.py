@@ -96,12 +96,15 @@ class Rope(tuple):
                     self.positions[:, start:stop])
 
 
-def fuse_rows(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """Stack the weights (and biases) of linears that read the same input into one matrix and
-    rebind each module's parameters to its rows (contiguous views), so one product computes all
-    of them. Returns the fused weight, the fused bias (None when none has one) and the row counts."""
+def fuse_rows(modules: list[torch.nn.Linear], into: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """Stack the weights (and biases) of linears that read the same input into one matrix (``into``,
+    when given, else a new tensor) and rebind each module's parameters to its rows (contiguous
+    views), so one product computes all of them. Returns the fused weight, the fused bias (None
+    when none has one) and the row counts."""
     sizes = [int(m.weight.shape[0]) for m in modules]
-    weight = torch.cat([m.weight.detach() for m in modules])
+    weights = [m.weight.detach() for m in modules]
+    weight = torch.cat(weights) if into is None else torch.cat(weights, out=into)
     has_bias = [m.bias is not None for m in modules]
     if any(has_bias) and not all(has_bias):
         raise UnsupportedModelError("projections reading one input must all have a bias or none")
@@ -156,8 +159,18 @@ class LayeredModel:
                 if not module.weight.is_contiguous():
                     module.weight.data = module.weight.data.contiguous()
         #: per layer: (q|k|v weight, bias, row counts) and (gate|up weight, bias, row counts)
-        self._qkv = [fuse_rows(fam.qkv(i)) for i in range(self.num_layers)]
-        self._gate_up = [fuse_rows(fam.gate_up(i)) for i in range(self.num_layers)]
+        places = self._weight_places() if self._cpu_ops else None
+        self._qkv, self._gate_up = [], []
+        for i in range(self.num_layers):
+            self._qkv.append(fuse_rows(fam.qkv(i), places and places[i]["qkv"]))
+            self._gate_up.append(fuse_rows(fam.gate_up(i), places and places[i]["gate_up"]))
+            if places:
+                for key, module in (("out", fam.out_proj(i)), ("down", fam.down_proj(i))):
+                    module.weight.data = places[i][key].copy_(module.weight)
+        if places:
+            fam.lm_head.weight.data = places[-1]["head"].copy_(fam.lm_head.weight)
+        #: whether the linears' weights sit in one huge-page block (:mod:`selfspec.models.arena`)
+        self.weights_placed = bool(places)
         #: the weights of :meth:`_walk_in_cpp`, where every layer has the plain Llama layout
         self._walk = self._walk_weights()
         #: the static-pass runner (``capture`` ``static`` or ``graphs``), or None (``off``)
@@ -226,6 +239,28 @@ class LayeredModel:
         return LayerCache(
             self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device
         )
+
+    def _weight_places(self) -> list[dict[str, torch.Tensor]] | None:
+        """Where each layer's fused q|k|v, output, fused gate|up and down weights and then the LM
+        head go: views, in the order a step reads them, of one block of huge pages
+        (:mod:`selfspec.models.arena`), or None where the platform has none or the weights are not
+        all of the model's dtype. Filled by :meth:`__init__`; the values are copies."""
+        from selfspec.models import arena
+
+        fam = self.family
+        if not arena.available() or self.device.type != "cpu":
+            return None
+        per_layer = []
+        for i in range(self.num_layers):
+            mods = {"qkv": fam.qkv(i), "out": [fam.out_proj(i)], "gate_up": fam.gate_up(i), "down": [fam.down_proj(i)]}
+            if any(m.weight.dtype != self.dtype for ms in mods.values() for m in ms):
+                return None
+            per_layer.append({key: (sum(int(m.weight.shape[0]) for m in ms), int(ms[0].weight.shape[1]))
+                              for key, ms in mods.items()})
+        shapes = [shape for layer in per_layer for shape in layer.values()] + [tuple(fam.lm_head.weight.shape)]
+        views = iter(arena.place(shapes, self.dtype))
+        places = [{key: next(views) for key in layer} for layer in per_layer]
+        return places + [{"head": next(views)}]
 
     def _linears(self) -> list[torch.nn.Linear]:
         """The decoder layers' linear modules and the LM head."""
