@@ -545,8 +545,9 @@ def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
     """``csrc/layer_walk.cpp`` runs a Llama model's layers with the same operators, in the same
-    order, as the Python walk: hidden states and cache bit for bit, for one-token steps and
-    k-token passes after a prompt; and it is the path taken (a family it does not fit falls back)."""
+    order, as the Python walk: hidden states, kept states and cache bit for bit, for one-token
+    steps and k-token passes after a prompt; and it is the path taken (a family it does not fit
+    falls back)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from selfspec.models.layered import LayeredModel
@@ -567,12 +568,17 @@ def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
         with torch.inference_mode():
             model.forward(ids[:, :80], cache)
             for k in (1, 3, 8, 32):
-                outs.append(model.forward(ids[:, 80:80 + k], cache).clone())
+                # kept states (early exit's exit queries, DEL's shadow tokens): the last rows after layers 0 and 2
+                keep = {0: torch.full((min(k, 3), 576), float("nan"), dtype=dtype),
+                        2: torch.full((k, 576), float("nan"), dtype=dtype)}
+                outs.append(model.forward(ids[:, 80:80 + k], cache, keep=keep).clone())
+                outs += [keep[0], keep[2]]
                 cache.truncate(81)
             outs.append(model.forward(ids[:, 81:82], cache).clone())
         return outs + [t[:, :, :82].clone() for t in cache.keys + cache.values]
 
     walked = run()
-    assert sum(out is not None for out in taken) == 5  # every pass after the prompt
+    assert sum(out is not None for out in taken) == 5  # every pass after the prompt, kept states too
+    assert not any(t.isnan().any() for t in walked)
     model._walk = None
     assert all(torch.equal(a, b) for a, b in zip(walked, run()))

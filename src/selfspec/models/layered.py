@@ -421,12 +421,13 @@ class LayeredModel:
                 "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
                 "scaling": scaling.pop()}
 
-    def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask) -> torch.Tensor | None:
+    def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask, keep=None) -> torch.Tensor | None:
         """The walk of :meth:`run_layers` as one operator (``csrc/layer_walk.cpp``: the same
         operators in the same order, called from C++), where it applies: a plain-Llama model
         (:meth:`_walk_weights`), no gradient, at most :data:`~selfspec.models.kernels.MAX_ROWS`
         rows after a cache whose layers all hold the same positions, no mask for one row or a
-        boolean one; else None (the Python walk)."""
+        boolean one; kept states (``keep``, as :meth:`run_layers`) are copied by the operator;
+        else None (the Python walk)."""
         walk, n = self._walk, h.shape[1]
         if (walk is None or type(kv) is not LayerCache or n > kernels.MAX_ROWS or torch.is_grad_enabled()
                 or h.dtype != self.dtype or not len(layers)):
@@ -446,9 +447,13 @@ class LayeredModel:
         if cos.dtype != self.dtype:
             return None
         layers = list(layers)
+        kept = [i for i in layers if keep and i in keep]
+        if keep and (len(kept) != len(keep) or any(keep[i].dtype != h.dtype or keep[i].dim() != 2 for i in kept)):
+            return None
         out = torch.ops.selfspec.layer_walk(h, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
                                             walk["gate_up"], walk["down"], kv.keys, kv.values, cos, sin, allowed,
-                                            start, self.head_dim, walk["eps"], walk["scaling"])
+                                            start, self.head_dim, walk["eps"], walk["scaling"], kept,
+                                            [keep[i] for i in kept])
         for i in layers:
             kv.lengths[i] = start + n
         return out
@@ -465,8 +470,8 @@ class LayeredModel:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             self._record_walk(h.shape[1], layers, skip, context)
-        if skip is None and keep is None:
-            out = self._walk_in_cpp(h, layers, kv, rope, mask)
+        if skip is None:
+            out = self._walk_in_cpp(h, layers, kv, rope, mask, keep)
             if out is not None:
                 return out
         for i in layers:

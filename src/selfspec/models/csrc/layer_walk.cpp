@@ -13,7 +13,9 @@
 // cache at [start, start + n); attention of q over the cache's first start + n keys
 // (rowwise_attention, under `allowed` when given); h += skinny_linear(attention, out[i]);
 // x = rms_norm(h, norm2[i]); gate|up = skinny_linear(x, gate_up[i]), split;
-// h += skinny_linear(silu(gate) * up, down[i]).
+// h += skinny_linear(silu(gate) * up, down[i]). After layer keep_layers[j], the last keep[j].size(0)
+// rows of h are copied into keep[j] (early exit's exit-query states, DEL's shadow-token states: the
+// `keep` of LayeredModel.run_layers).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -37,14 +39,17 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef layers, at::TensorList norm1, at::TensorList qkv,
                       at::TensorList out, at::TensorList norm2, at::TensorList gate_up, at::TensorList down,
                       at::TensorList keys, at::TensorList values, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& allowed, int64_t start, int64_t head_dim, double eps, double scaling) {
+                      const at::Tensor& allowed, int64_t start, int64_t head_dim, double eps, double scaling,
+                      at::IntArrayRef keep_layers, at::TensorList keep) {
   static const auto linear = op<Linear>("selfspec::skinny_linear");
   static const auto norm = op<Norm>("selfspec::rms_norm");
   static const auto rotary = op<Rotary>("selfspec::rotary");
   static const auto attention = op<Attention>("selfspec::rowwise_attention");
   TORCH_CHECK(h_in.dim() == 3 && h_in.size(0) == 1, "layer_walk: h is [1, n, d]");
   const int64_t n = h_in.size(1);
+  TORCH_CHECK(keep_layers.size() == keep.size(), "layer_walk: one kept-state buffer per kept layer");
   at::Tensor h = h_in;
+  size_t kept = 0;  // keep_layers follow the walk's order
   for (const int64_t i : layers) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(qkv.size()), "layer_walk: layer ", i, " out of range");
     const int64_t kv_size = keys[i].size(1) * head_dim;
@@ -66,7 +71,13 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef layers, at::Tensor
     // MLP sublayer
     const auto gu = linear.call(norm.call(h, norm2[i], eps, false), gate_up[i]).split(gate_up[i].size(0) / 2, -1);
     h = h + linear.call(at::silu(gu[0]) * gu[1], down[i]);
+    if (kept < keep_layers.size() && keep_layers[kept] == i) {
+      const at::Tensor& out = keep[kept++];
+      TORCH_CHECK(out.size(0) <= n, "layer_walk: keeps at most the pass's rows");
+      out.copy_(h[0].narrow(0, n - out.size(0), out.size(0)));
+    }
   }
+  TORCH_CHECK(kept == keep_layers.size(), "layer_walk: a kept layer is not walked, or not in the walk's order");
   return h;
 }
 
@@ -76,6 +87,6 @@ TORCH_LIBRARY_FRAGMENT(selfspec, m) {
   m.def(
       "layer_walk(Tensor h, int[] layers, Tensor[] norm1, Tensor[] qkv, Tensor[] out, Tensor[] norm2, "
       "Tensor[] gate_up, Tensor[] down, Tensor[] keys, Tensor[] values, Tensor cos, Tensor sin, Tensor allowed, "
-      "int start, int head_dim, float eps, float scaling) -> Tensor");
+      "int start, int head_dim, float eps, float scaling, int[] keep_layers, Tensor[] keep) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) { m.impl("layer_walk", &layer_walk); }
