@@ -546,11 +546,11 @@ def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
 def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
     """``csrc/layer_walk.cpp`` runs a Llama model's layers with the same operators, in the same
     order, as the Python walk: hidden states, kept states and cache bit for bit, for one-token
-    steps and k-token passes after a prompt; and it is the path taken (a family it does not fit
-    falls back)."""
+    steps, k-token passes and drafting with skipped sublayers (whose layers' caches stay behind)
+    after a prompt; and it is the path taken (a family it does not fit falls back)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from selfspec.models.layered import LayeredModel
+    from selfspec.models.layered import LayeredModel, SkipSet
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
@@ -575,10 +575,15 @@ def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
                 outs += [keep[0], keep[2]]
                 cache.truncate(81)
             outs.append(model.forward(ids[:, 81:82], cache).clone())
-        return outs + [t[:, :, :82].clone() for t in cache.keys + cache.values]
+            # drafting with a skip set (Draft & Verify): layer 1's attention and two MLPs left out
+            skip = SkipSet.of(attn=[1], mlp=[0, 2])
+            for j in range(82, 85):
+                outs.append(model.forward(ids[:, j:j + 1], cache, skip=skip).clone())
+            outs.append(torch.tensor(cache.lengths))
+        return outs + [t[:, :, :85].clone() for t in cache.keys + cache.values]
 
     walked = run()
-    assert sum(out is not None for out in taken) == 5  # every pass after the prompt, kept states too
+    assert sum(out is not None for out in taken) == 8  # every pass after the prompt, kept states and skips too
     assert not any(t.isnan().any() for t in walked)
     model._walk = None
     assert all(torch.equal(a, b) for a, b in zip(walked, run()))

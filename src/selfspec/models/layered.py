@@ -421,13 +421,15 @@ class LayeredModel:
                 "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
                 "scaling": scaling.pop()}
 
-    def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask, keep=None) -> torch.Tensor | None:
+    def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask, keep=None, skip: SkipSet | None = None
+                     ) -> torch.Tensor | None:
         """The walk of :meth:`run_layers` as one operator (``csrc/layer_walk.cpp``: the same
         operators in the same order, called from C++), where it applies: a plain-Llama model
         (:meth:`_walk_weights`), no gradient, at most :data:`~selfspec.models.kernels.MAX_ROWS`
-        rows after a cache whose layers all hold the same positions, no mask for one row or a
-        boolean one; kept states (``keep``, as :meth:`run_layers`) are copied by the operator;
-        else None (the Python walk)."""
+        rows after a cache whose layers all hold the same positions (those whose attention runs,
+        under a ``skip`` set), no mask for one row or a boolean one; kept states (``keep``, as
+        :meth:`run_layers`) are copied and skipped sublayers left out by the operator; else None
+        (the Python walk)."""
         walk, n = self._walk, h.shape[1]
         if (walk is None or type(kv) is not LayerCache or n > kernels.MAX_ROWS or torch.is_grad_enabled()
                 or h.dtype != self.dtype or not len(layers)):
@@ -440,8 +442,11 @@ class LayeredModel:
             return None
         else:
             allowed = mask
-        start = kv.lengths[layers[0]]
-        if start + n > kv.max_length or any(kv.lengths[i] != start for i in layers):
+        no_attn = [i for i in layers if i in skip.attn] if skip is not None else []
+        no_mlp = [i for i in layers if i in skip.mlp] if skip is not None else []
+        attending = [i for i in layers if i not in no_attn]
+        start = kv.lengths[attending[0]] if attending else 0
+        if start + n > kv.max_length or any(kv.lengths[i] != start for i in attending):
             return None
         cos, sin = rope
         if cos.dtype != self.dtype:
@@ -453,8 +458,8 @@ class LayeredModel:
         out = torch.ops.selfspec.layer_walk(h, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
                                             walk["gate_up"], walk["down"], kv.keys, kv.values, cos, sin, allowed,
                                             start, self.head_dim, walk["eps"], walk["scaling"], kept,
-                                            [keep[i] for i in kept])
-        for i in layers:
+                                            [keep[i] for i in kept], no_attn, no_mlp)
+        for i in attending:
             kv.lengths[i] = start + n
         return out
 
@@ -470,10 +475,9 @@ class LayeredModel:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             self._record_walk(h.shape[1], layers, skip, context)
-        if skip is None:
-            out = self._walk_in_cpp(h, layers, kv, rope, mask, keep)
-            if out is not None:
-                return out
+        out = self._walk_in_cpp(h, layers, kv, rope, mask, keep, skip)
+        if out is not None:
+            return out
         for i in layers:
             if skip is None:
                 h = self.mlp(i, self.attention(i, h, rope, kv, mask))
