@@ -446,7 +446,8 @@ class LayeredModel:
         no_mlp = [i for i in layers if i in skip.mlp] if skip is not None else []
         attending = [i for i in layers if i not in no_attn]
         start = kv.lengths[attending[0]] if attending else 0
-        if start + n > kv.max_length or any(kv.lengths[i] != start for i in attending):
+        if (start + n > kv.max_length or any(kv.lengths[i] != start for i in attending)
+                or allowed.numel() and allowed.shape[-1] != start + n):
             return None
         cos, sin = rope
         if cos.dtype != self.dtype:
