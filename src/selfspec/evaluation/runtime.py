@@ -159,6 +159,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "head_in_layers": curve.head_in_layers,
         "weight_bytes": weights,
         "weights_in_huge_pages": huge_page_weight_bytes(model),
+        "transparent_huge_pages": arena.thp_mode(),
         "kv_bytes": kv,
         "bandwidth_bytes_per_s": bandwidth,
         "achieved_bytes_per_s": (weights + kv) / per_token,
@@ -175,7 +176,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
 def huge_page_weight_bytes(model) -> int | None:
     """Bytes of the block holding the model's placed weights that the kernel backs with huge pages
     (:mod:`selfspec.models.arena`), or None when the weights were not placed."""
-    return arena.huge_page_bytes(model.lm_head_weight) if getattr(model, "weights_placed", False) else None
+    return arena.huge_page_bytes(model.lm_head_weight) if model.weights_placed else None
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -200,7 +201,7 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     huge = r.get("weights_in_huge_pages")
     lines.append("weights in huge pages: " + ("not placed (selfspec.models.arena)" if huge is None else
-                                              f"{huge / 1e6:.0f} MB (transparent huge pages: {arena.thp_mode()})"))
+                                              f"{huge / 1e6:.0f} MB (transparent huge pages: {r.get('transparent_huge_pages')})"))
     lines += peer_lines(r)
     lines.append(f"({r['seconds']:.0f} s)")
     return "\n".join(lines)

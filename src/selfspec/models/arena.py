@@ -60,7 +60,7 @@ def block(nbytes: int) -> torch.Tensor:
 def place(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Empty contiguous tensors of ``shapes`` and ``dtype``, laid out in order in one huge-page
     :func:`block`, each on a 4 KiB boundary."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     offsets, end = [], 0
     for shape in shapes:
         offsets.append(end)

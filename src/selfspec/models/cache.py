@@ -30,7 +30,7 @@ def _huge_page_buffers(count: int, shape: tuple, dtype: torch.dtype, device) -> 
     than from torch's 4 KiB pages), for a CPU cache of at least one huge page; else None."""
     from selfspec.models import arena
 
-    nbytes = count * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = count * math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < arena.HUGE_PAGE or not arena.available():
         return None
     return arena.place([shape] * count, dtype)  # an anonymous mapping starts zeroed

@@ -442,26 +442,30 @@ class LayeredModel:
             return None
         else:
             allowed = mask
-        no_attn = [i for i in layers if i in skip.attn] if skip is not None else []
-        no_mlp = [i for i in layers if i in skip.mlp] if skip is not None else []
-        attending = [i for i in layers if i not in no_attn]
-        start = kv.lengths[attending[0]] if attending else 0
-        if (start + n > kv.max_length or any(kv.lengths[i] != start for i in attending)
+        layers = list(layers)
+        if skip is None:  # a decoding step: no per-layer lists to build
+            no_attn, no_mlp, attending = [], [], layers
+        else:
+            no_attn = [i for i in layers if i in skip.attn]
+            no_mlp = [i for i in layers if i in skip.mlp]
+            attending = [i for i in layers if i not in skip.attn]
+        lengths = kv.lengths
+        start = lengths[attending[0]] if attending else 0
+        if (start + n > kv.max_length or any(lengths[i] != start for i in attending)
                 or allowed.numel() and allowed.shape[-1] != start + n):
             return None
         cos, sin = rope
         if cos.dtype != self.dtype:
             return None
-        layers = list(layers)
-        kept = [i for i in layers if keep and i in keep]
-        if keep and (len(kept) != len(keep) or any(keep[i].dtype != h.dtype or keep[i].dim() != 2 for i in kept)):
+        kept = sorted(keep) if keep else []  # a few layers: checked one by one, not the walk's layers
+        if kept and not all(i in layers and keep[i].dtype == h.dtype and keep[i].dim() == 2 for i in kept):
             return None
         out = torch.ops.selfspec.layer_walk(h, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
                                             walk["gate_up"], walk["down"], kv.keys, kv.values, cos, sin, allowed,
                                             start, self.head_dim, walk["eps"], walk["scaling"], kept,
                                             [keep[i] for i in kept], no_attn, no_mlp)
         for i in attending:
-            kv.lengths[i] = start + n
+            lengths[i] = start + n
         return out
 
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
