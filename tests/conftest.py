@@ -31,6 +31,32 @@ def smol():
     return load_model(model_config("smollm2-135m"))
 
 
+def cpu_like_profile(model):
+    """A cost profile of ``model``'s shape with fixed prices shaped like the 2-core CPU's (a pass of
+    2, 4, 8 and 16 rows costs 1.1, 1.3, 2 and 3.5 steps): decisions priced with it are the same
+    on every machine (the ``priced`` draft schedule's tests; ``method=ngram`` needs a profile)."""
+    from selfspec.models.profile import FORMAT, Profile, model_shape
+
+    rows = {"1": 1.0, "2": 1.1, "4": 1.3, "8": 2.0, "16": 3.5, "32": 6.5}
+    ms = {k: v * 1e-3 for k, v in rows.items()}
+    shape = model_shape(model)
+    return Profile({
+        "format": FORMAT, "name": "cpu-like",
+        "model": {"name": model.name, "shape": shape, "linear_kernel": "skinny", "capture": "off"},
+        "machine": {"device": "cpu", "hardware": "Synthetic CPU", "threads": 2, "versions": {}},
+        "attention": {"0": {k: 0.0 for k in rows}, "512": {k: 0.0 for k in rows}},
+        "mlp": ms, "head": {str(shape["vocab_size"]): {k: 0.0 for k in rows}}, "linear": ms,
+        "warp": {w: {str(shape["vocab_size"]): {k: 0.0 for k in rows}} for w in ("0", "1")},
+        "tree": {}, "pass": {}, "host": 0.0,
+    })
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tiny):
+    """:func:`cpu_like_profile` of the tiny model."""
+    return cpu_like_profile(tiny.model)
+
+
 @pytest.fixture
 def prompt_ids(tiny):
     return tiny.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]

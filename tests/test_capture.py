@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DV_KEYS
+from conftest import DV_KEYS, cpu_like_profile
 from selfspec.checks import ConfigError
 from selfspec.decoding import Sampling
 from selfspec.decoding.draft_verify import DraftVerify
@@ -170,7 +170,8 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
             g = torch.Generator().manual_seed(0)
             prompts = PromptTokens(torch.randn(3, 2, m.hidden_size, generator=g) * 0.5)
             return PPD(m, prompts, random_trees(3, 6, 3, random.Random(0)), **PPD_KEYS)
-        return build_decoder(method_config(name, **{k: v for k, v in method.items() if k != "name"}), m)
+        return build_decoder(method_config(name, **{k: v for k, v in method.items() if k != "name"}), m,
+                             profile=cpu_like_profile(m))
 
     ids = PROMPT + PROMPT
     ref = Vanilla(dyn).generate(ids, N_NEW).tokens

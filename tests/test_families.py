@@ -13,7 +13,7 @@ import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from conftest import method_config, methods_with_artefacts, train_every_job
+from conftest import cpu_like_profile, method_config, methods_with_artefacts, train_every_job
 from selfspec.decoding import build_decoder
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models import families, kernels
@@ -91,7 +91,8 @@ def test_lossless_methods_equal_vanilla(family, method):
     ids = PROMPT + PROMPT  # a repeat, so the n-gram lookup has matches
     ref = Vanilla(model).generate(ids, N_NEW).tokens
     name = method["name"]
-    g = build_decoder(method_config(name, **{k: v for k, v in method.items() if k != "name"}), model).generate(ids, N_NEW)
+    g = build_decoder(method_config(name, **{k: v for k, v in method.items() if k != "name"}), model,
+                      profile=cpu_like_profile(model)).generate(ids, N_NEW)
     assert g.tokens == ref
     assert sum(g.drafted_per_step) > 0, f"{name} drafted nothing: the test would not see its verification"
 
@@ -125,7 +126,7 @@ def test_sliding_windows_past_the_window_equal_transformers(model_type, window):
     for method in ({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4,
                     "never_slower": False}, {"name": "ngram", "never_slower": False}):
         cfg = method_config(method["name"], **{k: v for k, v in method.items() if k != "name"})
-        assert build_decoder(cfg, model).generate(ids, N_NEW).tokens == ref
+        assert build_decoder(cfg, model, profile=cpu_like_profile(model)).generate(ids, N_NEW).tokens == ref
     # the logits themselves, past the window: a prefill, then a 6-token pass after 20 cached positions
     seq = torch.tensor([ids + ref])
     expected = model.hf(seq).logits[0].float()
@@ -239,7 +240,8 @@ def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch)
     ids = loaded.tokenizer("Question: 2 + 2? Answer: 4. Question: 3 + 3? Answer:")["input_ids"]
     ref = Vanilla(loaded.model).generate(ids, 12).tokens
     for method in methods_with_artefacts(tmp_path):
-        assert build_decoder(method, loaded.model).generate(ids, 12).tokens == ref, method.name
+        assert build_decoder(method, loaded.model, profile=cpu_like_profile(loaded.model)).generate(ids, 12).tokens == ref, \
+            method.name
 
 
 def test_a_random_model_of_an_unsupported_family_is_refused_before_loading():

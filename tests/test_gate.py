@@ -141,7 +141,8 @@ from selfspec.decoding import build_decoder, check_method  # noqa: E402
 from selfspec.decoding.sampling import Sampling  # noqa: E402
 
 GATED = {
-    "ngram": method_config("ngram"),
+    # the wall-clock gate (no profile): ngram's priced schedule needs one, so the adaptive schedule
+    "ngram": method_config("ngram", draft_schedule="adaptive"),
     "draft_verify": method_config("draft_verify", **{"skip_attn": [1], "skip_mlp": [0]}),
     "early_exit": method_config("early_exit", **{"exit_layer": 0, "max_draft": 3}),
     "del": None,  # its conf/method/del.yaml as composed

@@ -177,7 +177,7 @@ def test_summary_has_the_ledger_and_the_predicted_speedup(tiny, tmp_path):
 
 
 def test_no_profile_leaves_the_prediction_out(tiny, tmp_path):
-    s = _run(tiny, tmp_path, "profile=null")
+    s = _run(tiny, tmp_path, "profile=null", "method.draft_schedule=adaptive")  # priced needs the profile
     assert s["profile"] is None and s["contention"] is None
     assert s["threads"]["policy"] == "fixed"  # auto: no profile to price the steps with
     assert s["methods"]["ngram"]["predicted_speedup"] is None and s["methods"]["ngram"]["ledger"]["predicted"] is None

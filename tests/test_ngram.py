@@ -4,13 +4,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import method_config, rolled_back_steps
+from conftest import cpu_like_profile, method_config, rolled_back_steps
 
 from selfspec.checks import ConfigError
 from selfspec.config import compose, model_config
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.base import DecodeState
-from selfspec.decoding.ngram import NgramIndex, NgramLookup
+from selfspec.decoding.ngram import AcceptanceTable, NgramIndex, NgramLookup
 from selfspec.decoding.sampling import warp
 from selfspec.models.loading import load_model
 
@@ -18,7 +18,9 @@ REPEAT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat
 
 
 def ngram(loaded, eos=(), **kw):
-    return build_decoder(method_config("ngram", **kw), loaded.model, eos_token_ids=eos)
+    """``method=ngram`` as configured (its ``priced`` schedule priced with a CPU-like profile)."""
+    return build_decoder(method_config("ngram", **kw), loaded.model, eos_token_ids=eos,
+                         profile=cpu_like_profile(loaded.model))
 
 
 def vanilla_tokens(loaded, ids, n, eos=()):
@@ -84,7 +86,7 @@ def test_copies_are_accepted_where_the_output_repeats(tiny):
     accepted whole (7 tokens in one step), and the other steps stay plain."""
     base = tiny.tokenizer("a b c d")["input_ids"]
     ids = base + vanilla_tokens(tiny, base, 12) * 3
-    g = ngram(tiny, max_draft=6).generate(ids, 24)
+    g = ngram(tiny, max_draft=6, draft_schedule="adaptive").generate(ids, 24)
     assert g.tokens == vanilla_tokens(tiny, ids, 24)
     assert g.tau > 1.3 and max(g.accepted_per_step) == 7 and g.stats["plain_steps"] > 0
 
@@ -145,6 +147,94 @@ def test_adaptive_draft_length_follows_acceptance(tiny):
     assert ex.draft_len == 6
 
 
+def test_acceptance_table_counts_the_verified_positions():
+    """A chain's drafts after the first rejection are never verified: 2 of 5 accepted counts
+    positions 0-2 as verified, 0-1 as accepted; all of 3 accepted counts 0-2 both ways."""
+    t = AcceptanceTable(max_ngram=3, max_draft=5)
+    t.memory = float("inf")  # no forgetting: whole counts
+    t.record(2, drafted=5, accepted=2)
+    t.record(2, drafted=3, accepted=3)
+    assert t.verified[2] == [2, 2, 2, 0, 0] and t.accepted[2] == [2, 2, 1, 0, 0]
+    assert t.verified[1] == [0] * 5  # per match length
+    # α(2, 0) = (2 + 2 · 1/2) / 4; α(2, 1) = (2 + 2 · 0.75) / 4; α(2, 2) = (1 + 2 · 0.875) / 4; the
+    # positions never verified take the one before's
+    assert t.acceptances(2, 5) == [0.75, 0.875, 0.6875, 0.6875, 0.6875]
+    assert t.acceptance(2, 2) == 0.6875 and t.acceptances(1, 2) == [0.5, 0.5]
+
+
+def test_priced_length_maximises_expected_tokens_per_cost():
+    """Known acceptance and pass costs give the length by hand: E(k) / cost(k + 1), k = 0 when no
+    draft beats a plain step's 1 / cost(1)."""
+    cost = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 2.0}.__getitem__
+    t = AcceptanceTable(max_ngram=3, max_draft=4)
+    # 8 of 8 accepted at every position: α = 0.9, 0.98, 0.996, 0.9992; E = 1, 1.9, 2.862, 3.8506,
+    # 4.8475 over costs 1, 1.1, 1.2, 1.3, 2.0: rates 1, 1.727, 2.385, 2.962, 2.424
+    t.verified[3], t.accepted[3] = [8] * 4, [8] * 4
+    assert t.best_length(3, 4, cost) == 3
+    assert t.best_length(3, 2, cost) == 2             # cut by the room left
+    # α(1, 0) = (0 + 1) / 12: E(1) = 1.083 / 1.1 < 1 / 1: a plain step
+    t.verified[1][0], t.accepted[1][0] = 10, 0
+    assert t.best_length(1, 4, cost) == 0
+    t.record(1, drafted=1, accepted=0)  # older drafts weigh less: 10 of them weigh 10 (1 - 1/32)
+    assert t.verified[1][0] == pytest.approx(10 * (1 - 1 / 32) + 1)
+    # untried positions: α = 1/2, rates 1.5 / 1.1 = 1.364, 1.75 / 1.2 = 1.458, 1.875 / 1.3 = 1.442
+    assert t.best_length(2, 4, cost) == 2
+    # on a machine where width is free, the longest draft pays
+    assert t.best_length(3, 4, lambda rows: 1.0) == 4
+
+
+def test_priced_length_grows_while_copies_are_accepted_and_stops_when_rejected():
+    """From the prior (two drafts) the length grows while every draft is accepted, up to
+    max_draft on the CPU-like costs; after rejections at the first position it drafts nothing."""
+    cost = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.475, 6: 1.65, 7: 1.825, 8: 2.0, 9: 2.175}.__getitem__
+    t = AcceptanceTable(max_ngram=3, max_draft=8)
+    lengths = []
+    for _ in range(12):
+        lengths.append(t.best_length(3, 8, cost))
+        t.record(3, lengths[-1], lengths[-1])
+    assert lengths[0] == 2 and lengths == sorted(lengths) and lengths[-1] == 8, lengths
+    rejected = 0
+    while (k := t.best_length(3, 8, cost)) and rejected < 100:
+        t.record(3, k, 0)
+        rejected += 1
+    # the memory forgets the accepted copies: a one-token draft pays down to α(3, 0) = 0.1, which
+    # the decaying counts reach after ~50 rejections (each wasting a tenth of a step)
+    assert k == 0 and rejected < 64, rejected
+
+
+@pytest.mark.parametrize("max_draft", [1, 6])
+def test_priced_schedule_is_lossless(tiny, prompt_ids, max_draft):
+    base = tiny.tokenizer("a b c d")["input_ids"]
+    for ids in (base + vanilla_tokens(tiny, base, 12) * 3, prompt_ids):
+        dec = ngram(tiny, max_draft=max_draft, never_slower=False)
+        assert dec.context.draft_schedule == "priced"
+        g = dec.generate(ids, 40)
+        assert g.tokens == vanilla_tokens(tiny, ids, 40)
+        assert sum(g.accepted_per_step) == len(g.tokens)
+    assert sum(g.drafted_per_step) > 0 and max(g.drafted_per_step) <= max_draft
+
+
+def test_priced_acceptance_carries_over_examples_but_not_the_warmup(tiny):
+    base = tiny.tokenizer("a b c d")["input_ids"]
+    ids = base + vanilla_tokens(tiny, base, 12) * 3
+    dec = ngram(tiny)
+    with dec.kept_state():
+        dec.generate(ids, 16)
+    assert sum(map(sum, dec.context.acceptance.verified)) == 0  # the warm-up left nothing behind
+    dec.generate(ids, 16)
+    seen = sum(map(sum, dec.context.acceptance.verified))
+    assert seen > 0
+    dec.generate(ids, 16)
+    assert sum(map(sum, dec.context.acceptance.verified)) > seen  # the next example goes on counting
+
+
+def test_priced_schedule_without_a_profile_is_refused(tiny):
+    """Built directly without a profile (an evaluation with profile=null is refused before the
+    model loads: tests/test_bad_input.py)."""
+    with pytest.raises(ValueError, match=r"draft_schedule=priced .* the run has none: set profile=auto"):
+        build_decoder(method_config("ngram"), tiny.model)
+
+
 # --- sampling --------------------------------------------------------------------------------------
 def test_sampling_with_point_mass_drafts_matches_target_distribution():
     """First token emitted by a step (the accepted draft or a residual resample) ~ p.
@@ -203,7 +293,7 @@ def test_sampling_is_seeded_and_drafts(tiny):
 # --- configuration ---------------------------------------------------------------------------------
 def test_method_config_composes_and_is_checked():
     cfg = compose(["model=tiny-random", "method=ngram"])
-    assert check_method(cfg.method) == {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "adaptive",
+    assert check_method(cfg.method) == {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "priced",
                                         "never_slower": True}
 
 

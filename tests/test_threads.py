@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import method_config
+from conftest import cpu_like_profile, method_config
 from selfspec.checks import ConfigError
 from selfspec.decoding import build_decoder
 from selfspec.decoding import threads as threads_module
@@ -44,6 +44,7 @@ def wide():
 
 
 def _decoder(model, method, **kw):
+    kw.setdefault("profile", cpu_like_profile(model))  # the n-gram lookup's priced schedule needs one
     return build_decoder(method_config(method["name"], **{k: v for k, v in method.items() if k != "name"}), model, **kw)
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from omegaconf import OmegaConf
-from conftest import PPD_KEYS, method_config
+from conftest import PPD_KEYS, cpu_like_profile, method_config
 
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.adadecode import AdaDecode
@@ -40,7 +40,7 @@ def _decoder(name, tiny):
         "del": method_config("del", **{"max_draft": 4, "cost_model": "parameters", "never_slower": False}),
         "ngram": method_config("ngram", never_slower=False),
     }
-    return build_decoder(OmegaConf.create(cfgs[name]), m)
+    return build_decoder(OmegaConf.create(cfgs[name]), m, profile=cpu_like_profile(m))
 
 
 @pytest.mark.parametrize("name", ["vanilla", "draft_verify", "early_exit", "early_exit_draft", "del", "ngram",

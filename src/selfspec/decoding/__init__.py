@@ -93,8 +93,8 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", **
     if context is not None:
         from selfspec.decoding.ngram import ContextDrafter
 
-        context = ContextDrafter(model, **context)
-    return cls.from_config(model, options, gate=gate, context=context, **common)
+        context = ContextDrafter(model, **context, profile=profile)
+    return cls.from_config(model, options, gate=gate, context=context, profile=profile, **common)
 
 
 __all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "check_method", "decoder_class",

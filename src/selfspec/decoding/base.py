@@ -186,10 +186,13 @@ class Decoder:
     #: :func:`selfspec.decoding.chain.context_step`): the self-drafting methods
     context_first: ClassVar[bool] = False
     #: attributes holding the policy state that carries over from one example to the next: the
-    #: speculation gate's measurements; chain methods add their draft-stop rule (Draft & Verify's
-    #: adaptive threshold). Everything else on a decoder is fixed by its config, and what belongs
-    #: to one example lives on ``DecodeState``. :meth:`kept_state` restores it (the warm-up).
-    carried: ClassVar[tuple[str, ...]] = ("gate", "threads")
+    #: speculation gate's measurements, the thread policy's, the context drafter's acceptance per
+    #: match length (its ``priced`` schedule, :mod:`selfspec.decoding.ngram`); chain methods add
+    #: their draft-stop rule (Draft & Verify's adaptive threshold). A dotted name is an attribute
+    #: of a part (left out while the part is None). Everything else on a decoder is fixed by its
+    #: config, and what belongs to one example lives on ``DecodeState``. :meth:`kept_state`
+    #: restores it (the warm-up).
+    carried: ClassVar[tuple[str, ...]] = ("gate", "threads", "context.acceptance")
     #: whether the decoder's steps run in :meth:`generate`'s loop (the thread policy steers those,
     #: :mod:`selfspec.decoding.threads`); the HF peers' steps run in transformers' ``generate``
     own_loop: ClassVar[bool] = True
@@ -206,6 +209,7 @@ class Decoder:
         draft_vocab=None,
         reads: dict[str, Any] | None = None,
         threads=None,
+        profile=None,
     ) -> None:
         """The parts every decoder may be built with (:func:`selfspec.decoding.build_decoder`
         assembles them from the method config; nothing is attached after construction):
@@ -219,7 +223,11 @@ class Decoder:
           ``method.draft_vocab``); None = the full head;
         * ``reads``: the trained artefacts the method itself reads (name -> directory);
         * ``threads``: the thread policy (:class:`~selfspec.decoding.threads.ThreadPolicy`) when
-          the evaluation's ``threads`` is adaptive; None = torch's threads throughout.
+          the evaluation's ``threads`` is adaptive; None = torch's threads throughout;
+        * ``profile``: this machine's cost profile of the model
+          (:class:`~selfspec.models.profile.Profile`) when the run has one; None = none. The gate
+          and the thread policy are built with it; a decoder that builds its own context drafter
+          (``method=ngram``) hands it on, for the ``priced`` draft schedule.
         """
         if stop_strings and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to decode the generated text")
@@ -234,6 +242,7 @@ class Decoder:
         self.draft_vocab = draft_vocab
         self.reads = {k: v for k, v in (reads or {}).items() if v}
         self.threads = threads
+        self.profile = profile
 
     @property
     def artefacts(self) -> dict[str, Any]:
@@ -339,14 +348,29 @@ class Decoder:
             return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator, state.ledger)[0])]
 
     # --- state carried across examples -------------------------------------------------------
+    def _carried_owner(self, name: str) -> tuple[Any, str]:
+        """The object holding the carried attribute ``name`` (dotted: a part's attribute) and the
+        attribute's own name; the owner is None where the part is."""
+        *path, attr = name.split(".")
+        owner = self
+        for part in path:
+            owner = getattr(owner, part) if owner is not None else None
+        return owner, attr
+
     def carried_state(self) -> dict[str, Any]:
         """A copy of the policy state that carries over between examples (:attr:`carried`)."""
-        return {name: copy.deepcopy(getattr(self, name)) for name in self.carried}
+        saved = {}
+        for name in self.carried:
+            owner, attr = self._carried_owner(name)
+            if owner is not None:
+                saved[name] = copy.deepcopy(getattr(owner, attr))
+        return saved
 
     def restore_carried_state(self, saved: dict[str, Any]) -> None:
         """Put back a :meth:`carried_state` (a copy of it, so it can be restored again)."""
         for name, value in saved.items():
-            setattr(self, name, copy.deepcopy(value))
+            owner, attr = self._carried_owner(name)
+            setattr(owner, attr, copy.deepcopy(value))
 
     @contextlib.contextmanager
     def kept_state(self) -> Iterator[None]:

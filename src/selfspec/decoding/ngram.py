@@ -30,14 +30,34 @@ One step:
    forward pass and the target's own token): the cost of vanilla plus a few dictionary probes.
 
 **Draft length controller** (``draft_schedule``). ``constant``: always ``max_draft`` tokens.
-``adaptive`` (default): the draft length ``k`` starts at ``max_draft`` for every example; after a
+``adaptive``: the draft length ``k`` starts at ``max_draft`` for every example; after a
 verification in which every draft was accepted ``k`` grows by 2, after one with a rejection it
 shrinks by 1, within ``[1, max_draft]`` (the additive schedule of transformers' assisted
-generation, as an idea). Steps without a match leave ``k`` unchanged. On a CPU a forward pass
-over a few tokens costs about as much as over one, so ``k`` matters little there; it bounds the
-wasted width when the machine is loaded or on accelerators where width is not free.
+generation, as an idea). Steps without a match leave ``k`` unchanged.
 
-Statistics (``stats``): ``verifications`` (steps that drafted), ``plain_steps`` (no match),
+``priced`` (the default of ``method=ngram``): each step chooses ``k`` in ``[0, max_draft]`` from
+what a draft of that length is expected to commit and what its verification costs on this
+machine, the trade PPD §4 states as speedup = τ / L_fp. How far a copy is right depends on how
+long the matched suffix was: a 3-gram match is copied correctly far more often than a 1-gram one.
+:class:`AcceptanceTable` keeps, per match length ``n`` and draft position ``i``, how often position
+``i`` was verified (the drafts before it were accepted) and accepted; the conditional acceptance
+is ``α(n, i) = (accepted + 2 α(n, i - 1)) / (verified + 2)`` with ``α(n, -1) = 1/2``: a position
+seen rarely takes the one before it as its prior, since a copy that held for ``i`` tokens tends to
+hold on, so a length not tried yet is tried once the shorter ones are seen to pay.
+A draft of ``k`` tokens then commits ``E(k) = 1 + Σ_{j≤k} Π_{i≤j} α(n, i)`` tokens in expectation
+and costs a pass of ``k + 1`` rows at the current context, priced with the run's cost profile
+(:meth:`selfspec.models.profile.Profile.pass_cost`); the step drafts the ``k`` of the highest
+``E(k) / cost(k + 1)``, and ``k = 0`` (a plain step) where no draft beats one plain step's
+``1 / cost(1)``. Both the costs and the counts are deterministic, so a seeded run makes the same
+choices on any load, greedy or sampled. The table carries over between examples
+(``Decoder.carried``) and remembers about the last 32 drafts of each match length
+(:attr:`AcceptanceTable.memory`). On 2 CPU cores a pass of 2 rows costs ~1.1 steps and one of 8 ~2, so a
+1-gram match drafts little or nothing while a long match drafts several tokens; on a GPU, where
+width is nearly free, the same rule drafts ``max_draft``. It needs the profile: a run without one
+(``profile=null``) refuses it by name.
+
+Statistics (``stats``): ``verifications`` (steps that drafted), ``plain_steps`` (no match, or a
+``priced`` step that found no draft worth its pass),
 ``match_len`` (mean n of the matches) and ``draft_len`` (the controller's ``k`` at the end), and
 the context drafter's ``ngram_steps`` / ``ngram_accepted``.
 
@@ -59,7 +79,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 
-SCHEDULES = ("adaptive", "constant")
+SCHEDULES = ("adaptive", "constant", "priced")
 #: config key -> default (conf/method/ngram.yaml)
 
 
@@ -112,6 +132,9 @@ class NgramIndex:
 
 
 LOOKUP_KEYS = ("max_ngram", "min_ngram", "max_draft")
+PRICED_NEEDS_PROFILE = ("draft_schedule=priced chooses each draft's length from this machine's cost profile, and "
+                        "the run has none: set profile=auto (evaluate finds or measures it) or a profile file, or "
+                        "give the method draft_schedule=adaptive")
 
 
 def lookup_options(cfg, prefix: str) -> dict:
@@ -134,11 +157,12 @@ def lookup_options(cfg, prefix: str) -> dict:
 
 
 def schedule_option(cfg, prefix: str) -> str:
-    """``<prefix>.draft_schedule``: ``adaptive`` | ``constant`` (module docstring)."""
+    """``<prefix>.draft_schedule``: ``adaptive`` | ``constant`` | ``priced`` (module docstring)."""
     checks.required_keys(prefix, cfg, ("draft_schedule",), "conf/method/ngram.yaml (or a *_ngram.yaml method's ngram block)")
     value = cfg.get("draft_schedule")
     return checks.choice(f"{prefix}.draft_schedule", value, SCHEDULES,
-                         why="adaptive: draft length follows acceptance; constant: max_draft")
+                         why="adaptive: draft length follows acceptance; constant: max_draft; priced: the length "
+                             "whose expected tokens per pass cost are highest on this machine's cost profile")
 
 
 def context_drafts_option(cfg, prefix: str, schedule: bool = False) -> dict | None:
@@ -164,11 +188,63 @@ def context_drafts_option(cfg, prefix: str, schedule: bool = False) -> dict | No
 @dataclass
 class NgramExample:
     """Per-example state (``DecodeState.context``): the index of the sequence, the controller's
-    draft length ``k`` and the summed match lengths (for ``match_len``)."""
+    draft length ``k``, the summed match lengths (for ``match_len``) and the match length of the
+    draft in flight (for :class:`AcceptanceTable`)."""
 
     index: NgramIndex
     draft_len: int
     match_lens: int = 0
+    last_match: int = 0
+
+
+class AcceptanceTable:
+    """The ``priced`` schedule's counts (module docstring): per match length ``n`` and draft
+    position ``i`` (0-based here), how often position ``i`` was verified and how often accepted.
+    Greedy or sampled, a chain's drafts after the first rejected one are not verified, so a draft
+    of ``k`` with ``a`` accepted counts positions ``0..min(a, k - 1)`` as verified and ``0..a - 1``
+    as accepted."""
+
+    #: how many recent drafts of a match length the counts remember: each draft first scales that
+    #: length's counts by ``1 - 1 / memory``, so a change of text (a new example, a task without
+    #: copies) shows within a few dozen drafts
+    memory: float = 32.0
+
+    def __init__(self, max_ngram: int, max_draft: int) -> None:
+        self.verified = [[0.0] * max_draft for _ in range(max_ngram + 1)]
+        self.accepted = [[0.0] * max_draft for _ in range(max_ngram + 1)]
+
+    def acceptance(self, n: int, i: int) -> float:
+        """α(n, i): the chance that draft position ``i`` is accepted when the ones before it were."""
+        return self.acceptances(n, i + 1)[i]
+
+    def acceptances(self, n: int, k: int) -> list[float]:
+        """α(n, 0..k-1), each position's prior the one before it (module docstring)."""
+        out, prior = [], 0.5
+        for i in range(k):
+            prior = (self.accepted[n][i] + 2 * prior) / (self.verified[n][i] + 2)
+            out.append(prior)
+        return out
+
+    def record(self, n: int, drafted: int, accepted: int) -> None:
+        keep = 1.0 - 1.0 / self.memory
+        self.verified[n] = [v * keep for v in self.verified[n]]
+        self.accepted[n] = [a * keep for a in self.accepted[n]]
+        for i in range(min(accepted + 1, drafted)):
+            self.verified[n][i] += 1
+            self.accepted[n][i] += i < accepted
+
+    def best_length(self, n: int, k_max: int, cost) -> int:
+        """The draft length in ``[0, k_max]`` with the most expected committed tokens per second,
+        ``cost(rows)`` being a verification pass's seconds (ties go to the shorter draft)."""
+        best, best_rate = 0, 1.0 / cost(1)
+        expected, reach = 1.0, 1.0
+        for k, alpha in enumerate(self.acceptances(n, k_max), start=1):
+            reach *= alpha
+            expected += reach
+            rate = expected / cost(k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
 
 class ContextDrafter(Drafter):
@@ -183,16 +259,30 @@ class ContextDrafter(Drafter):
     ``ngram_steps`` (steps that drafted from the context) and ``ngram_accepted`` (their accepted
     drafts), the names PPD's context drafts use."""
 
-    def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str) -> None:
+    def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
+                 profile=None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"method.min_ngram={min_ngram} must be in [1, method.max_ngram={max_ngram}]")
         if max_draft < 1 or draft_schedule not in SCHEDULES:
             raise ValueError(f"method.max_draft={max_draft} must be >= 1 and method.draft_schedule="
                              f"{draft_schedule} one of {', '.join(SCHEDULES)}")
+        if draft_schedule == "priced" and profile is None:
+            raise ValueError(PRICED_NEEDS_PROFILE)
         self.model = model
         self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
         self.max_draft = int(max_draft)
         self.draft_schedule = draft_schedule
+        self.profile = profile
+        #: the ``priced`` schedule's counts, carried over between examples (None for the others)
+        self.acceptance = AcceptanceTable(self.max_ngram, self.max_draft) if draft_schedule == "priced" else None
+        self._costs: dict[tuple[int, int], float] = {}
+
+    def pass_cost(self, rows: int, context: int) -> float:
+        """A verification pass of ``rows`` at ``context`` on the profile (context in steps of 64)."""
+        key = (rows, context // 64)
+        if key not in self._costs:
+            self._costs[key] = self.profile.pass_cost(rows, key[1] * 64 + 32)
+        return self._costs[key]
 
     def new_example(self, state: DecodeState | None) -> NgramExample:
         return NgramExample(NgramIndex(self.min_ngram, self.max_ngram), self.max_draft)
@@ -201,10 +291,16 @@ class ContextDrafter(Drafter):
         return state.context.draft_len
 
     def propose(self, state: DecodeState, k_max: int) -> Draft:
-        """Step 1 (lookup); under sampling the draft distribution is a point mass on each draft."""
+        """Step 1 (lookup), the ``priced`` schedule choosing the length from the match's; under
+        sampling the draft distribution is a point mass on each draft."""
         ex = state.context
+        if self.acceptance is not None:
+            n_gram, _ = ex.index.match(state.tokens)
+            context = state.n_cached
+            k_max = self.acceptance.best_length(n_gram, k_max, lambda rows: self.pass_cost(rows, context)) if n_gram else 0
         tokens, n_gram = ex.index.lookup(state.tokens, k_max)
         ex.match_lens += n_gram if tokens else 0
+        ex.last_match = n_gram
         probs = []
         if tokens and not state.sampling.greedy:
             probs = list(torch.nn.functional.one_hot(torch.tensor(tokens, device=self.model.device),
@@ -212,14 +308,17 @@ class ContextDrafter(Drafter):
         return Draft(tokens, probs, [None] * len(tokens))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        if self.acceptance is not None:
+            self.acceptance.record(state.context.last_match, len(draft), accepted)
         self.adapt(state.context, accepted, len(draft))
         state.count("ngram_steps")
         state.count("ngram_accepted", accepted)
 
     def adapt(self, ex: NgramExample, accepted: int, drafted: int) -> None:
         """The draft-length controller (module docstring): +2 after a fully accepted draft, -1
-        after a rejection, within [1, max_draft]; ``constant`` keeps ``max_draft``."""
-        if self.draft_schedule == "constant":
+        after a rejection, within [1, max_draft]; ``constant`` keeps ``max_draft``, and so does
+        ``priced``, whose length each step chooses (:meth:`propose`)."""
+        if self.draft_schedule in ("constant", "priced"):
             return
         step = 2 if accepted == drafted else -1
         ex.draft_len = max(1, min(self.max_draft, ex.draft_len + step))
@@ -238,7 +337,7 @@ class NgramLookup(ChainDecoder):
     def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
                  **common) -> None:
         super().__init__(model, **common)
-        self.context = ContextDrafter(model, max_ngram, min_ngram, max_draft, draft_schedule)
+        self.context = ContextDrafter(model, max_ngram, min_ngram, max_draft, draft_schedule, profile=self.profile)
         self.lookahead = self.context.max_draft  # verification writes k + 1 positions past the committed ones
 
     @classmethod

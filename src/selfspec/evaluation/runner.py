@@ -250,6 +250,22 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
             raise checks.ConfigError(f"{err} (in conf/method/{name}.yaml, run as baseline or compare)") from None
 
 
+def _check_priced_drafts(cfg: DictConfig, method_cfgs: dict[str, DictConfig]) -> None:
+    """A context drafter whose ``draft_schedule`` is ``priced`` prices drafts with the run's cost
+    profile (:mod:`selfspec.decoding.ngram`): with ``profile=null`` it is refused before the model
+    loads, naming the method."""
+    if _profile_spec(cfg) is not None:
+        return
+    for name, m in method_cfgs.items():
+        sub = m.get("ngram")
+        for key, schedule in (("draft_schedule", m.get("draft_schedule")),
+                              ("ngram.draft_schedule", sub.get("draft_schedule") if hasattr(sub, "get") else None)):
+            if schedule == "priced":
+                from selfspec.decoding.ngram import PRICED_NEEDS_PROFILE
+
+                raise checks.ConfigError(f"profile=null with method {name}'s {key}=priced: {PRICED_NEEDS_PROFILE}")
+
+
 @dataclass
 class RunPlan:
     """What :func:`prepare` checked and read before the model loads."""
@@ -276,6 +292,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     under_test = label or method_label(cfg)
     method_cfgs = method_configs(cfg, under_test)
     check_methods(method_cfgs, under_test)
+    _check_priced_drafts(cfg, method_cfgs)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)

@@ -253,11 +253,16 @@ class Profile:
             out[last] += host
         return out
 
-    def plain_step(self, context: int = 512) -> float:
-        """Seconds of vanilla's step at ``context``: one row through every layer, the head, the host."""
+    def pass_cost(self, rows: int, context: int = 512) -> float:
+        """Seconds of a full pass of ``rows`` new tokens after ``context`` cached ones: every layer,
+        the head on every row, the host (a verification of ``rows - 1`` drafts)."""
         n = self.shape["num_layers"]
-        return (n * (self.attention_cost(1, context) + self._mlp(1))
-                + self.head(1, self.shape["vocab_size"]) + self.host)
+        return (n * (self.attention_cost(rows, context) + self._mlp(rows))
+                + self.head(rows, self.shape["vocab_size"]) + self.host)
+
+    def plain_step(self, context: int = 512) -> float:
+        """Seconds of vanilla's step at ``context``: a pass of one row (:meth:`pass_cost`)."""
+        return self.pass_cost(1, context)
 
     # --- files ---------------------------------------------------------------------------------
     @classmethod
