@@ -118,11 +118,12 @@ def test_eos_and_budget_cut_like_vanilla(tiny):
 def test_cache_after_rollback_equals_recomputation(tiny):
     ids = tiny.tokenizer(REPEAT)["input_ids"]
     dec = ngram(tiny, draft_schedule="constant", max_draft=5)
-    real = NgramIndex.lookup
-    # where nothing matches, draft the pending token repeated (mostly rejected: rollbacks)
+    real = NgramIndex.match
+    # where nothing matches, draft the pending token repeated (mostly rejected: rollbacks): a
+    # 1-gram "match" ending at the last position copies it, then its own copies
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(NgramIndex, "lookup", lambda self, tokens, k: real(self, tokens, k) if real(self, tokens, k)[0]
-                   else ([tokens[-1]] * k, 1))
+        mp.setattr(NgramIndex, "match", lambda self, tokens: real(self, tokens) if real(self, tokens)[0]
+                   else (1, len(tokens) - 1))
         rejected = rolled_back_steps(dec, ids)
     assert rejected > 0  # the rollback path was exercised
 

@@ -122,13 +122,17 @@ class NgramIndex:
         """Up to ``k`` draft tokens after the longest matching suffix, and that suffix's length n
         (``([], 0)`` when nothing matches or ``k < 1``)."""
         n, e = self.match(tokens)
-        if not n or k < 1:
-            return [], n
+        return (self.copy(tokens, e, k) if n else []), n
+
+    @staticmethod
+    def copy(tokens: Sequence[int], e: int, k: int) -> list[int]:
+        """The ``k`` tokens from position ``e`` on (a match's end); past the end of ``tokens`` the
+        copy continues from its own drafts."""
         size = len(tokens)
         drafts: list[int] = []
-        for j in range(e, e + k):  # past the end the copy continues from its own drafts
+        for j in range(e, e + max(k, 0)):
             drafts.append(tokens[j] if j < size else drafts[j - size])
-        return drafts, n
+        return drafts
 
 
 LOOKUP_KEYS = ("max_ngram", "min_ngram", "max_draft")
@@ -294,11 +298,11 @@ class ContextDrafter(Drafter):
         """Step 1 (lookup), the ``priced`` schedule choosing the length from the match's; under
         sampling the draft distribution is a point mass on each draft."""
         ex = state.context
-        if self.acceptance is not None:
-            n_gram, _ = ex.index.match(state.tokens)
+        n_gram, end = ex.index.match(state.tokens)  # once per step: the priced length depends on n
+        if n_gram and self.acceptance is not None:
             context = state.n_cached
-            k_max = self.acceptance.best_length(n_gram, k_max, lambda rows: self.pass_cost(rows, context)) if n_gram else 0
-        tokens, n_gram = ex.index.lookup(state.tokens, k_max)
+            k_max = self.acceptance.best_length(n_gram, k_max, lambda rows: self.pass_cost(rows, context))
+        tokens = NgramIndex.copy(state.tokens, end, k_max) if n_gram else []
         ex.match_lens += n_gram if tokens else 0
         ex.last_match = n_gram
         probs = []
