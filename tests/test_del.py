@@ -178,3 +178,37 @@ def test_smollm2_del_and_early_exit_equal_vanilla(smol):
 
     assert ee(smol, 9, 3).generate(ids, 12).tokens == ref
     assert del_decoder(smol, candidate_layers=[5, 9, 14]).generate(ids, 12).tokens == ref
+
+
+def test_a_gate_defers_the_prompts_shadow_tokens_to_the_first_plan(agree, prompt_ids):
+    """With a speculation gate the prompt's shadow tokens wait for the first round's plan: the
+    prefill runs no exit head, the plan reads the statistics the prefill seeds without a gate, and
+    an example whose steps the gate makes plain never runs an exit head."""
+    firsts = []
+
+    def first_plan(d):
+        def plan(state):
+            pending = state.example.seed is not None
+            got = DEL.plan(d, state)
+            if len(firsts) < 2 and not any(f[0] is d for f in firsts):
+                firsts.append((d, pending, state.example.shadow.state(), got))
+            return got
+        d.plan = plan
+        return d
+
+    gated = first_plan(del_decoder(agree, cost_model="parameters"))
+    ungated = first_plan(del_decoder(agree, cost_model="parameters", never_slower=False))
+    assert gated.gate is not None and ungated.gate is None
+    g, u = gated.generate(prompt_ids, 24), ungated.generate(prompt_ids, 24)
+    assert g.tokens == u.tokens == vanilla(agree, prompt_ids, 24)
+    (_, deferred, g_stats, g_plan), (_, seeded, u_stats, u_plan) = firsts
+    assert deferred and not seeded
+    assert g_stats == u_stats and g_plan == u_plan
+    assert not g.trace[0].controller and set(u.trace[0].controller) == {"alpha", "conf_match", "conf_miss"}
+
+    plain = del_decoder(agree, cost_model="parameters")
+    plain.gate.speculate = lambda: False
+    calls = []
+    logits = plain.heads.logits
+    plain.heads.logits = lambda *a: calls.append(1) or logits(*a)
+    assert plain.generate(prompt_ids, 16).tokens == vanilla(agree, prompt_ids, 16) and not calls

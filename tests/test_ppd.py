@@ -86,6 +86,23 @@ def test_long_accepted_paths_equal_vanilla_and_cache_holds_the_path(tiny, prompt
         torch.testing.assert_close(state.cache.layer_kv(i)[1], fresh.layer_kv(i)[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("root_prompts", [0, 2])
+def test_a_tree_without_candidates_skips_the_prompt_tokens_pass(tiny, prompt_ids, monkeypatch, root_prompts):
+    """Where state m's tree has no candidates (a hardware-aware tree of size 1) the prefill is
+    vanilla's single pass: the prompt tokens' guesses would never be read. A root that carries
+    prompt tokens still runs them in the steps. The output stays vanilla's."""
+    m = tiny.model
+    ref = Vanilla(m).generate(prompt_ids, N_NEW).tokens
+    dec = PPD(m, _prompts(m, 3, 1, 0), {k: SparseTree((), (root_prompts,)) for k in range(4)}, **PPD_KEYS)
+    passes = []
+    forward = m.forward
+    monkeypatch.setattr(m, "forward", lambda *a, **kw: passes.append(kw.get("tree")) or forward(*a, **kw))
+    out = dec.generate(prompt_ids, N_NEW)
+    assert out.tokens == ref
+    assert len(passes) == len(out.accepted_per_step)  # one pass per step, the prefill's included
+    assert passes[0] is None and {t.width for t in out.trace[1:]} == {1 + root_prompts}
+
+
 def test_sampling_uses_typical_acceptance_and_says_it_is_lossy(tiny, prompt_ids):
     m = tiny.model
     dec = PPD(m, _prompts(m, 2, 1, 0), random_trees(2, 4, 2, random.Random(0)), **PPD_KEYS)

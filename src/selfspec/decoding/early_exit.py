@@ -68,6 +68,7 @@ from selfspec.decoding.sampling import select
 from selfspec.heads import build_draft_vocab, draft_vocab_options
 from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
+from selfspec.models.ledger import phase
 
 EXIT_HEADS = ("lm_head", "heads")
 #: where DEL's TPL takes its costs (:class:`DEL`)
@@ -156,6 +157,9 @@ class EarlyExitExample:
     opening: list[int] | None = None
     #: ``prefill: draft``, first round only: layer-``ℓ`` states of the prompt before ``x_0``
     prefix: torch.Tensor | None = None
+    #: DEL with a speculation gate, until the first round plans: the prompt's last positions'
+    #: candidate-layer and final states that seed :attr:`shadow` (:meth:`DEL.prefill`)
+    seed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @register
@@ -541,17 +545,35 @@ class DEL(EarlyExit):
         """Full pass over the prompt; shadow tokens of its last positions seed the statistics.
 
         The prompt's own tokens are not the model's, so the shadow tokens there are compared
-        with the final layer's argmax (the token the model itself would commit greedily).
+        with the final layer's argmax (the token the model itself would commit greedily). The
+        first token comes from the last position's logits alone, as vanilla's prefill takes it.
+        With a speculation gate the seed waits, kept as hidden states, until the first round
+        plans (:meth:`shadow_stats`): an example whose steps the gate makes plain never pays for
+        ``prefill_shadow`` rows of every candidate's exit head and of the LM head, and an
+        example that drafts gets the same statistics, since nothing updates them before its
+        first plan. Without a gate the prefill seeds them, as DEL's code does, and its trace
+        carries them.
         """
         m = self.model
         n = prompt.shape[1]
         rows = min(self.prefill_shadow, n)
         kept = torch.empty(len(self.slot), rows, m.hidden_size, dtype=m.dtype, device=m.device)  # the candidate layers' last rows, in layer order
         h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in self.slot.items()})
-        final = m.logits(h[0, n - rows :])
-        self._shadow(state, kept, final.argmax(-1))
-        state.trace_step.controller = state.example.shadow.state()
-        return int(select(final[-1], state.sampling, state.generator, state.ledger))
+        state.example.seed = (kept, h[0, n - rows :].clone())
+        if self.gate is None:
+            state.trace_step.controller = self.shadow_stats(state).state()
+        return int(select(m.logits(h[:, n - 1])[0], state.sampling, state.generator, state.ledger))
+
+    def shadow_stats(self, state: DecodeState) -> "ShadowStats":
+        """The example's shadow statistics, seeded first from the prompt's kept states where the
+        seed still waits (:meth:`prefill`)."""
+        ex = state.example
+        if ex.seed is not None:
+            kept, final = ex.seed
+            ex.seed = None
+            with phase(self.model, "heads"):
+                self._shadow(state, kept, self.model.logits(final).argmax(-1))
+        return ex.shadow
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
@@ -560,7 +582,7 @@ class DEL(EarlyExit):
         else:
             logits = torch.stack([self.heads.logits(layer, hs[j]) for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
-        state.example.shadow.update(tok == committed.view(1, -1), conf)
+        self.shadow_stats(state).update(tok == committed.view(1, -1), conf)
 
     def observe(self, state: DecodeState, committed: list[int]) -> None:
         n = len(committed)  # verified rows 0..n-1 produced the committed tokens
@@ -571,15 +593,15 @@ class DEL(EarlyExit):
     def controller(self, state: DecodeState) -> dict:
         """The step's plan (DEL §4.1-4.2: exit layer ℓ, speculation length γ, stop threshold) and
         the shadow statistics after its update (:meth:`ShadowStats.state`, per candidate layer);
-        the prefill's trace carries the seeded statistics alone."""
+        the prefill's trace carries the seeded statistics alone where no gate defers them."""
         plan = state.example.plan
         return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
-                **state.example.shadow.state()}
+                **self.shadow_stats(state).state()}
 
     def plan(self, state: DecodeState) -> RoundPlan:
         """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
         of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
-        shadow = state.example.shadow
+        shadow = self.shadow_stats(state)
         ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.cost)
         if isinstance(self.draft_stop, DynamicThreshold):
             threshold = float(shadow.threshold()[self.candidates.index(ell)])

@@ -187,20 +187,23 @@ class PPD(Decoder):
 
         The prompt runs alone, exactly as vanilla's prefill (the same pass, hence the same cached
         K/V and first token, bit for bit, in bfloat16 too); the prompt tokens follow in a second,
-        short pass over it."""
-        m = self.model
+        short pass over it. Where state ``m``'s tree has no candidates (a hardware-aware tree of
+        size 1: speculation does not pay on this machine, PPD §4.2) their guesses would never be
+        read, so that pass is not run."""
+        m, ex, k = self.model, state.example, self.prompts.m
         n = prompt.shape[1]
-        tree = SparseTree((), (self.prompts.m,))
-        lay = layout(tree, self.prompts.n_ept, m.device)
         h = m.forward(prompt, state.cache, start=0)
-        # the prompt tokens hang off the prompt's last token (cached at n - 1): a tree without its root
-        extra = m.forward(None, state.cache, start=n, tree=(lay.offsets[1:] - 1, lay.mask[1:, 1:]),
-                          h=self.prompts.chain().unsqueeze(0))
-        h = torch.cat([h, extra], dim=1)
-        state.cache.truncate(n)
         first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator, state.ledger)[0])
-        self._next_candidates(state.example, h[0], lay.prompt_rows[0] + (n - 1))
-        state.trace_step.controller = {"state": state.example.tree_state}
+        if self.trees[k].nodes:
+            lay = layout(SparseTree((), (k,)), self.prompts.n_ept, m.device)
+            # the prompt tokens hang off the prompt's last token (cached at n - 1): a tree without its root
+            extra = m.forward(None, state.cache, start=n, tree=(lay.offsets[1:] - 1, lay.mask[1:, 1:]),
+                              h=self.prompts.chain().unsqueeze(0))
+            state.cache.truncate(n)
+            self._next_candidates(ex, extra[0], lay.prompt_rows[0] - 1)
+        else:
+            ex.cands, ex.tree_state = None, k
+        state.trace_step.controller = {"state": ex.tree_state}
         return first
 
     def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor) -> None:
