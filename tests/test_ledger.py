@@ -252,6 +252,13 @@ def test_a_burst_of_load_in_one_generation_is_caught_per_generation(tiny, tmp_pa
     burst = spoiled_generations(finished, profile, here, 1.2, min_seconds=0)
     assert [(g["method"], g["id"]) for g in burst] == [("copy", finished["copy"][3]["id"])]
     assert burst[0]["excess"] == pytest.approx(1.5)
+    # a burst that outlasts all but one of an example's generations (vanilla ran before it) is a burst
+    finished["ngram"][3]["seconds"] *= 1.5
+    longer = spoiled_generations(finished, profile, here, 1.2, min_seconds=0)
+    assert sorted((g["method"], g["id"]) for g in longer) == [("copy", finished["copy"][3]["id"]),
+                                                              ("ngram", finished["ngram"][3]["id"])]
+    assert all(g["excess"] == pytest.approx(1.5) for g in longer)
+    finished["ngram"][3]["seconds"] /= 1.5
     result = contention(finished["vanilla"], profile, 1.5, here, min_seconds=0, spoiled=spoiled)
     assert result["ratio"] < 1.5 and result["flagged"] is True and result["spoiled"] == spoiled
     warning = contention_warning(result, "XSum")

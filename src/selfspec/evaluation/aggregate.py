@@ -236,10 +236,12 @@ def spoiled_generations(finished: dict[str, list[dict[str, Any]]], profile, here
     """The generations a burst of other load slowed. Each generation of a method with traces (not the
     HF peers) has a ratio, measured over predicted seconds; it is divided by its method's median
     ratio (what the profile does not model about the method cancels) and, with at least three such
-    methods, by its example's median over the methods of those (what it does not model about the
-    example, e.g. its prompt, cancels). What is left above ``spike`` is listed, with that excess. A
-    short burst (a test run, a tool starting) spoils a generation or two, interleaved per example,
-    and moves a whole run's ratio too little for :func:`contention`'s threshold. Generations under
+    methods, by the least of those over its example's generations (what it does not model about the
+    example, e.g. its prompt, slows each of them and cancels). What is left above ``spike`` is listed,
+    with that excess. A short burst (a test run, a tool starting) spoils a generation or two,
+    interleaved per example, and moves a whole run's ratio too little for :func:`contention`'s
+    threshold; one that outlasts most of an example's generations still leaves the one it missed as
+    that example's measure (an example's median would count such a burst as the example's own). Generations under
     ``min_seconds`` are within the timers' noise and not judged. None where the profile cannot tell
     (another machine's, none)."""
     if profile is None or not profile.describes(here):
@@ -260,7 +262,7 @@ def spoiled_generations(finished: dict[str, list[dict[str, Any]]], profile, here
     example: dict[tuple, float] = {}
     if len(relative) >= 3:
         keys = {k for rel in relative.values() for k in rel}
-        example = {k: statistics.median(rel[k] for rel in relative.values() if k in rel) for k in keys}
+        example = {k: min(rel[k] for rel in relative.values() if k in rel) for k in keys}
     out = []
     for method, rel in relative.items():
         for k, x in rel.items():

@@ -151,8 +151,8 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.number("contention", cfg.contention, 1.0, low_open=True,
                   why="the baseline's measured / predicted time that flags a run as measured under load")
     checks.number("contention_spike", cfg.contention_spike, 1.0, low_open=True,
-                  why="a generation's measured / predicted time, over its method's and its example's medians, that "
-                      "flags it as spoiled")
+                  why="a generation's measured / predicted time, over its method's median and its example's least, "
+                      "that flags it as spoiled")
     _threads_spec(cfg)
 
 
