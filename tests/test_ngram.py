@@ -160,7 +160,7 @@ def test_acceptance_table_counts_the_verified_positions():
     # α(2, 0) = (2 + 2 · 1/2) / 4; α(2, 1) = (2 + 2 · 0.75) / 4; α(2, 2) = (1 + 2 · 0.875) / 4; the
     # positions never verified take the one before's
     assert t.acceptances(2, 5) == [0.75, 0.875, 0.6875, 0.6875, 0.6875]
-    assert t.acceptance(2, 2) == 0.6875 and t.acceptances(1, 2) == [0.5, 0.5]
+    assert t.acceptances(2, 3)[2] == 0.6875 and t.acceptances(1, 2) == [0.5, 0.5]
 
 
 def test_priced_length_maximises_expected_tokens_per_cost():

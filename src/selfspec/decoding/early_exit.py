@@ -566,7 +566,9 @@ class DEL(EarlyExit):
 
     def shadow_stats(self, state: DecodeState) -> "ShadowStats":
         """The example's shadow statistics, seeded first from the prompt's kept states where the
-        seed still waits (:meth:`prefill`)."""
+        seed still waits (:meth:`prefill`). Every reader of the statistics comes after a plan, which
+        reads them through here: a round's :meth:`observe` and :meth:`controller`; context drafts
+        and gated plain steps read none."""
         ex = state.example
         if ex.seed is not None:
             kept, final = ex.seed
@@ -582,7 +584,7 @@ class DEL(EarlyExit):
         else:
             logits = torch.stack([self.heads.logits(layer, hs[j]) for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
-        self.shadow_stats(state).update(tok == committed.view(1, -1), conf)
+        state.example.shadow.update(tok == committed.view(1, -1), conf)
 
     def observe(self, state: DecodeState, committed: list[int]) -> None:
         n = len(committed)  # verified rows 0..n-1 produced the committed tokens
@@ -596,7 +598,7 @@ class DEL(EarlyExit):
         the prefill's trace carries the seeded statistics alone where no gate defers them."""
         plan = state.example.plan
         return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
-                **self.shadow_stats(state).state()}
+                **state.example.shadow.state()}
 
     def plan(self, state: DecodeState) -> RoundPlan:
         """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold

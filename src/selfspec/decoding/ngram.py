@@ -217,12 +217,9 @@ class AcceptanceTable:
         self.verified = [[0.0] * max_draft for _ in range(max_ngram + 1)]
         self.accepted = [[0.0] * max_draft for _ in range(max_ngram + 1)]
 
-    def acceptance(self, n: int, i: int) -> float:
-        """α(n, i): the chance that draft position ``i`` is accepted when the ones before it were."""
-        return self.acceptances(n, i + 1)[i]
-
     def acceptances(self, n: int, k: int) -> list[float]:
-        """α(n, 0..k-1), each position's prior the one before it (module docstring)."""
+        """α(n, 0..k-1): the chance that draft position ``i`` is accepted when the ones before it
+        were, each position's prior the one before it (module docstring)."""
         out, prior = [], 0.5
         for i in range(k):
             prior = (self.accepted[n][i] + 2 * prior) / (self.verified[n][i] + 2)
