@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+import selfspec  # noqa: F401  first: it sets MKL's reproducibility mode before torch's first product
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,12 +5,16 @@ the configured count, and ``threads`` is checked before a model loads."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import cpu_like_profile, method_config
+from selfspec import numerics
 from selfspec.checks import ConfigError
 from selfspec.decoding import build_decoder
 from selfspec.decoding import threads as threads_module
@@ -121,6 +125,54 @@ def test_decoding_passes_give_the_same_bits_on_one_thread_and_two(wide, dtype):
         torch.set_num_threads(configured)
         wide.hf.float()
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+MKL = pytest.mark.skipif(numerics.mode() is None, reason="torch has no MKL here (its GEMM's mode is MKL's)")
+
+
+def _run(code: str, **env) -> str:
+    """``code`` in a fresh interpreter with ``env`` (None: removed), its stdout."""
+    full = {k: v for k, v in os.environ.items() if k != numerics.VARIABLE}
+    full.update({k: v for k, v in env.items() if v is not None})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@MKL
+def test_mkl_runs_strict_once_selfspec_is_imported():
+    """The prefill's GEMM is MKL's, whose bits depend on the thread count on Intel Xeons (AVX-512)
+    unless its reproducibility mode is strict: importing selfspec asks for it before MKL's first
+    call, and every run records the mode MKL runs."""
+    from selfspec.runinfo import hardware
+
+    assert numerics.mode() == numerics.DEFAULT == "AUTO,STRICT"
+    assert numerics.thread_count_independent() is None
+    assert hardware()["mkl_cbwr"] == "AUTO,STRICT" and hardware()["cpu_capability"]
+    assert _run("import torch, selfspec.numerics as n; print(n.mode())") == "AUTO,STRICT"
+
+
+@MKL
+def test_a_mode_the_user_set_is_kept_and_adaptive_threads_refused_under_it():
+    """A user's MKL_CBWR is never replaced; one that is not strict is reported, and the policy that
+    switches thread counts refuses to run under it, naming what to change."""
+    code = ("import os, torch, selfspec\nfrom selfspec.decoding.threads import adaptive_possible\n"
+            "print(os.environ['MKL_CBWR'], selfspec.numerics.mode(), '|', "
+            "adaptive_possible(torch.device('cpu'), object()))")
+    out = _run(code, MKL_CBWR="AVX2", OMP_NUM_THREADS="2")
+    assert out.startswith("AVX2 AVX2 | ")
+    assert "switches thread counts mid-generation" in out and "MKL_CBWR=AVX2: unset it or set MKL_CBWR=AUTO,STRICT" in out
+    assert _run(code, MKL_CBWR="AVX2,STRICT", OMP_NUM_THREADS="2") == "AVX2,STRICT AVX2,STRICT | None"
+
+
+@MKL
+def test_mkl_that_ran_before_selfspec_was_imported_is_reported():
+    """MKL fixes its mode at its first call: a product before ``import selfspec`` leaves it off,
+    and the report says to import selfspec first."""
+    out = _run("import torch\ntorch.ones(64, 64) @ torch.ones(64, 64)\nimport selfspec.numerics as n\n"
+               "print(n.mode(), '|', n.thread_count_independent())")
+    assert out.startswith("OFF | MKL runs in the numerical reproducibility mode 'OFF'")
+    assert "import selfspec before the first matrix product" in out
 
 
 def _timed_steps(tiny, monkeypatch, one: float, configured_cost, prompts: int = 2):

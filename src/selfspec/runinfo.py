@@ -26,10 +26,19 @@ def git_commit() -> str | None:
 
 
 def hardware() -> dict[str, Any]:
+    """The machine: platform, CPU (its model name and the instruction set torch's kernels use),
+    threads, MKL's reproducibility mode (:mod:`selfspec.numerics`: on some CPUs the bits of torch's
+    GEMM depend on the thread count unless it is strict) and the GPU."""
+    from selfspec.models.profile import cpu_name
+    from selfspec.numerics import mode
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_threads": torch.get_num_threads(),
+        "mkl_cbwr": mode(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

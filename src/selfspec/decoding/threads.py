@@ -27,8 +27,12 @@ Outputs do not depend on the choice. Every operator of a decoding step (passes o
 norm and rotary, the head, token selection) computes each output element by the same instruction
 sequence whatever the thread count; ``tests/test_threads.py`` checks every method's generation at
 one and at two threads, token for token and logit for logit. The prompt's prefill runs through
-torch's GEMM, whose results may depend on the thread count, so it always runs at the configured
-count, as does everything outside a generation (the HF peers, training).
+torch's GEMM, which is MKL's: on some CPUs (Intel Xeons with AVX-512) its results depend on the
+thread count unless MKL runs in its strict reproducibility mode, which selfspec sets when it is
+imported (:mod:`selfspec.numerics`). The prefill still runs at the configured count, as does
+everything outside a generation (the HF peers, training). A step's pass of more than ``MAX_ROWS``
+rows (PPD's larger trees) goes through the same GEMM on whichever count the step has, so under a
+mode that is not strict the policy is refused (:func:`adaptive_possible`).
 
 Evaluate key ``threads``: ``adaptive`` (this policy; needs a profile), ``fixed`` (the configured
 count throughout) or ``auto`` (adaptive on a CPU with more than one thread and a profile, else
@@ -57,6 +61,11 @@ def adaptive_possible(device: torch.device, profile) -> str | None:
         return "torch runs one thread here, so there is nothing to choose (torch.set_num_threads)"
     if profile is None:
         return "it prices steps with this machine's cost profile, and the run has none (profile=auto)"
+    from selfspec.numerics import thread_count_independent
+
+    why = thread_count_independent()
+    if why:
+        return f"it switches thread counts mid-generation, and {why}"
     return None
 
 

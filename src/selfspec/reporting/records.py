@@ -234,7 +234,8 @@ def _hardware_line(hw: dict[str, Any], device: Any = None) -> str:
     gpu = hw.get("gpu")
     if gpu:
         return f"{gpu} ×{hw.get('gpu_count', 1)}"
-    return f"CPU {hw.get('processor', '')} ({hw.get('cpu_threads', '?')} threads)".replace("  ", " ")
+    isa = f", {hw['cpu_capability']}" if hw.get("cpu_capability") else ""
+    return f"CPU {hw.get('cpu') or hw.get('processor', '')}{isa} ({hw.get('cpu_threads', '?')} threads)".replace("  ", " ")
 
 
 def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source: str, origin: str,
