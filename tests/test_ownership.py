@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -153,27 +155,61 @@ def test_rows_of_examples_outside_the_selection_stay_out_of_the_summary(tiny, tm
     assert len((run / RESULTS).read_text().splitlines()) == 3
 
 
-def test_a_read_only_run_directory_is_refused_with_its_name(tmp_path):
+def test_a_read_only_run_directory_is_refused_with_its_name():
     """Reproduction: a read-only run directory reported ``Unable to configure handler 'file'``
     (Hydra's log file). Now the log file opens only once the run owns its directory
     (conf/hydra/job_logging/selfspec.yaml), and the directory is checked by name before the model
-    loads. Root may write anywhere, so the check runs as nobody."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
-    tmp_path.chmod(0o755)
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'src')!r})\nfrom selfspec.tracking import check_writable\n"
-            f"check_writable({str(ro)!r}, 'the run directory (hydra.run.dir=...)')\n")
-    if os.geteuid() == 0:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code]
-    else:
-        cmd = [sys.executable, "-c", code]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode != 0
-    assert (f"PermissionError: cannot write to {ro} (Permission denied): choose a writable directory for the run "
-            "directory (hydra.run.dir=...)") in out.stderr
-    check_writable(tmp_path, "x")  # a writable one passes, leaving nothing behind
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+    loads. Root may write anywhere, so as root the check runs as nobody: in a forked child that
+    drops to nobody's user and groups, with selfspec already imported, so a checkout nobody cannot
+    read (one cloned into a 0700 directory, as ``.ci/run`` does) is no obstacle."""
+    # pytest's tmp_path lies in a 0700 directory of root's: the other user reaches this one
+    base = Path(tempfile.mkdtemp(prefix="selfspec-ro-"))
+    try:
+        base.chmod(0o755)
+        ro = base / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+
+        def check():
+            assert os.access(ro, os.R_OK | os.X_OK), "the directory must be reachable: only writing is denied"
+            check_writable(ro, "the run directory (hydra.run.dir=...)")
+
+        message = as_another_user(check)
+        assert message == (f"PermissionError: cannot write to {ro} (Permission denied): choose a writable "
+                           "directory for the run directory (hydra.run.dir=...)")
+        check_writable(base, "x")  # a writable one passes, leaving nothing behind
+        assert sorted(p.name for p in base.iterdir()) == ["ro"]
+    finally:
+        shutil.rmtree(base)
+
+
+def as_another_user(call) -> str | None:
+    """Run ``call`` in a forked child as a user without root's rights (nobody, when the tests run
+    as root; else the same user) and return the exception it raised as ``"Type: message"`` (None:
+    it raised none). The child shares the parent's loaded modules, so it reads nothing from the
+    checkout."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and leave without running the parent's cleanup
+        os.close(read)
+        try:
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                assert os.geteuid() == 65534
+            call()
+            report = b""
+        except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
+            report = f"{type(err).__name__}: {err}".encode()
+        os.write(write, report)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return report.decode() or None
 
 
 def test_a_refused_rerun_through_the_entry_point_leaves_the_directory_untouched(tmp_path):
