@@ -50,6 +50,29 @@ def test_skinny_rows_are_bit_identical_to_one_row_calls(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_avx512_path_is_bit_identical_to_avx2(dtype):
+    """The AVX-512 path (chosen at runtime where the CPU has AVX-512F) gives exactly the AVX2 path's
+    bits: K not a multiple of 16 (584), N odd and not a multiple of the 8-row tile, 1..32 rows."""
+    kernels.load()
+    isa = torch.ops.selfspec.skinny_isa
+    if isa("auto") != "avx512":
+        pytest.skip("no AVX-512F on this CPU: the AVX-512 path of the skinny kernel cannot run")
+    g = torch.Generator().manual_seed(4)
+    try:
+        for n, k in ((999, 576), (1001, 584), (13, 64), (3, 8), (7, 1544)):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            x = torch.randn(32, k, generator=g).to(dtype)
+            for rows in (1, 2, 5, 6, 7, 12, 13, 32):
+                assert isa("avx2") == "avx2"
+                ref = kernels.skinny_linear(x[:rows], w)
+                assert isa("avx512") == "avx512"
+                assert torch.equal(kernels.skinny_linear(x[:rows], w), ref), (n, k, rows)
+    finally:
+        isa("auto")
+
+
+@needs_kernel
 def test_skinny_bfloat16_accumulates_in_float32():
     """bfloat16 weights and activations widen exactly, accumulate in float32, round once: within
     one bfloat16 rounding of the float32 product of the same values."""
@@ -526,6 +549,47 @@ def test_decode_rates_time_other_peers_alike(tiny, monkeypatch):
     assert rates["agreement"] == {"vanilla": 5, "hf_generate": 5, "other": 2} and rates["same_tokens"]
     figures = runtime.peer_figures(rates, "other", 1000, 1e5)
     assert figures["bandwidth_fraction"] == pytest.approx(0.25) and not figures["same_tokens"]
+
+
+def test_decode_rates_pair_each_ratio_within_a_moment(tiny, monkeypatch):
+    """On a machine that slows down between repeats (another job starting) each repeat's ratio is
+    still the peers' own: its rates are a moment apart, in an order that alternates between
+    repeats, so neither peer always runs first; the ratio is the median of those pairs."""
+    from selfspec.decoding import base, peers, vanilla
+    from selfspec.evaluation import runtime
+
+    calls, slow = [], [1.0]
+
+    def fake(name, step):
+        def generate(self, prompt, max_new_tokens, sampling=None):
+            calls.append(name)
+            gen = base.Generation(tokens=[1] * max_new_tokens, prompt_len=len(prompt),
+                                  seconds=slow[0] * (2.0 + step * max_new_tokens), steps=max_new_tokens,
+                                  accepted_per_step=[1] * max_new_tokens,
+                                  drafted_per_step=[0] * max_new_tokens, stop_reason="length")
+            if len(calls) % 6 == 0:  # after every repeat (3 decoders x 2 runs) the machine slows
+                slow[0] *= 2
+            return gen
+        return generate
+
+    monkeypatch.setattr(vanilla.Vanilla, "generate", fake("vanilla", 0.05))
+    monkeypatch.setattr(peers.HFPeer, "generate", fake("hf_generate", 0.08))
+    other = type("Other", (), {"generate": fake("other", 0.04)})()
+    rates = runtime.decode_rates(tiny, 16, 5, 4, {"other": other})
+    assert rates["ratio"]["other"] == pytest.approx(1.25) and rates["ratio"]["vanilla"] == 1.0
+    assert rates["ratio_range"]["hf_generate"] == [pytest.approx(0.625)] * 2
+    firsts = [calls[i] for i in range(0, len(calls), 6)]
+    assert firsts == ["other", "vanilla", "other", "vanilla", "other"]
+    figures = runtime.peer_figures(rates, "other", 1000, 1e5)
+    assert figures["over_vanilla"] == pytest.approx(1.25)
+
+
+def test_the_bandwidth_roof_reads_the_working_set_once_per_repeat():
+    """The roof is the rate of reading a buffer of the given size: its bytes over a read's time."""
+    from selfspec.models.costs import measure_bandwidth
+
+    roof = measure_bandwidth(torch.device("cpu"), 1 << 22, repeats=3)
+    assert 1e8 < roof < 1e13
 
 
 def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):

@@ -8,6 +8,8 @@
 * prefill tokens/s;
 * vanilla's and transformers ``generate``'s decoding tokens/s on the same prompt and their ratio
   (both timed by their decoders, interleaved; the prompt's prefill taken out, :func:`decode_rates`);
+  each peer's ratio to vanilla is the median of per-repeat ratios, each from two runs a moment
+  apart, in an order that alternates, so a ratio is never two moments of a noisy machine;
 * llama.cpp as a third peer when llama-cpp-python is installed (the optional extra, ``make
   llamacpp``; otherwise one line says it was skipped): the loaded model's own weights written as a
   float32 GGUF file, the same prompt ids, threads and differencing (:mod:`selfspec.evaluation.llamacpp`);
@@ -15,8 +17,10 @@
   bandwidth, and how many of its tokens agree with vanilla's;
 * the LM head's share of a decoding step;
 * achieved memory bandwidth, following gpt-fast: (weight bytes read per token, a tied head once,
-  plus the KV cache bytes read) / seconds per token, as a fraction of a large copy's bandwidth
-  measured in the same process.
+  plus the KV cache bytes read) / seconds per token, as a fraction of the rate at which this
+  machine reads a buffer of that size, measured in the same process
+  (:func:`~selfspec.models.costs.measure_bandwidth`: a roof that a working set held partly in the
+  last-level cache cannot exceed, as it could a large copy's bandwidth).
 
 Every figure is a ratio or a median from one process, so it can be compared across runs on a
 noisy machine only as ratios; ``load`` records the 1-minute load average at the start and end.
@@ -56,8 +60,12 @@ def decode_rates(loaded, context: int, new_tokens: int, repeats: int,
     token (in both runs) cancel. With a 512-token prompt the prefill is about as long as 20 decoding
     steps, so a rate over the whole call would understate both decoders and the bandwidth.
 
+    Each repeat runs the decoders one after the other, in the reverse order on every other repeat,
+    and ``ratio`` (name -> median over repeats of its rate over vanilla's in that repeat) and
+    ``ratio_range`` (name -> the least and greatest of them) pair runs a moment apart.
+
     Besides the rates by name: ``prefill`` (name -> ``context`` / median t(1), the time to the first
-    token), ``agreement`` (name -> how many of its first tokens equal vanilla's), ``same_tokens``
+    token), ``ratio``, ``ratio_range``, ``agreement`` (name -> how many of its first tokens equal vanilla's), ``same_tokens``
     (vanilla's and ``generate``'s tokens are equal) and ``new_tokens``."""
     from selfspec.decoding import Sampling
     from selfspec.decoding.peers import HFPeer
@@ -71,8 +79,10 @@ def decode_rates(loaded, context: int, new_tokens: int, repeats: int,
     rates: dict[str, list[float]] = {name: [] for name in decoders}
     firsts: dict[str, list[float]] = {name: [] for name in decoders}
     tokens: dict[str, list[int]] = {}
+    order = list(decoders)
     for i in range(repeats + 1):
-        for name, dec in decoders.items():
+        for name in order if i % 2 else order[::-1]:
+            dec = decoders[name]
             gen = dec.generate(prompt, new_tokens, Sampling())
             first = dec.generate(prompt, 1, Sampling())
             tokens[name] = gen.tokens
@@ -80,6 +90,9 @@ def decode_rates(loaded, context: int, new_tokens: int, repeats: int,
                 rates[name].append((gen.new_tokens - first.new_tokens) / max(gen.seconds - first.seconds, 1e-9))
                 firsts[name].append(first.seconds)
     out: dict[str, Any] = {name: statistics.median(r) for name, r in rates.items()}
+    paired = {name: [a / b for a, b in zip(r, rates["vanilla"])] for name, r in rates.items()}
+    out["ratio"] = {name: statistics.median(r) for name, r in paired.items()}
+    out["ratio_range"] = {name: [min(r), max(r)] for name, r in paired.items()}
     out["prefill"] = {name: context / max(statistics.median(t), 1e-9) for name, t in firsts.items()}
     out["agreement"] = {name: common_prefix(tokens["vanilla"], toks) for name, toks in tokens.items()}
     out["same_tokens"] = tokens["vanilla"] == tokens["hf_generate"]
@@ -105,10 +118,13 @@ def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
 
 
 def peer_figures(rates: dict[str, Any], name: str, moved_bytes: int, bandwidth: float) -> dict[str, Any]:
-    """One peer's figures: decode and prefill tokens/s, the bytes per token it moves (weights and
-    KV cache) per second as a share of the copy bandwidth, and its agreement with vanilla."""
+    """One peer's figures: decode and prefill tokens/s, its decode rate over vanilla's (the median
+    of paired repeats, and their range), the bytes per token it moves (weights and KV cache) per
+    second as a share of the read roof, and its agreement with vanilla."""
     return {
         "decode_tokens_per_s": rates[name],
+        "over_vanilla": rates["ratio"][name],
+        "over_vanilla_range": rates["ratio_range"][name],
         "prefill_tokens_per_s": rates["prefill"][name],
         "bandwidth_fraction": moved_bytes * rates[name] / bandwidth,
         "same_tokens": rates["agreement"][name] == rates["new_tokens"],
@@ -135,9 +151,9 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
     finally:
         if peer is not None:
             peer.close()
-    bandwidth = measure_bandwidth(model.device)
     weights = weight_bytes(model)
     kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim * main_ctx * model.lm_head_weight.element_size()
+    bandwidth = measure_bandwidth(model.device, weights + kv)
     per_token = 1.0 / rates["vanilla"]
     names = ["vanilla", "hf_generate"] + (["llama_cpp"] if peer is not None else [])
     return {
@@ -153,7 +169,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "prefill_tokens_per_s": main_ctx / prefill,
         "vanilla_tokens_per_s": rates["vanilla"],
         "generate_tokens_per_s": rates["hf_generate"],
-        "vanilla_over_generate": rates["vanilla"] / rates["hf_generate"],
+        "vanilla_over_generate": 1.0 / rates["ratio"]["hf_generate"],
         "same_tokens_as_generate": rates["same_tokens"],
         "head_share_of_step": curve.head / curve.seconds[contexts[0]][1],
         "head_in_layers": curve.head_in_layers,
@@ -197,7 +213,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'' if r['same_tokens_as_generate'] else '  (TOKENS DIFFER)'}",
         f"LM head: {100 * r['head_share_of_step']:.1f}% of a step ({r['head_in_layers']:.1f} layers)",
         f"bandwidth: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved ({(r['weight_bytes'] + r['kv_bytes']) / 1e6:.0f} MB "
-        f"per token) of {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s measured (copy): {100 * r['bandwidth_fraction']:.1f}%",
+        f"per token) of {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s reading a buffer of that size here: "
+        f"{100 * r['bandwidth_fraction']:.1f}%",
     ]
     huge = r.get("weights_in_huge_pages")
     lines.append("weights in huge pages: " + ("not placed (selfspec.models.arena)" if huge is None else
@@ -208,18 +225,22 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def peer_lines(r: dict[str, Any]) -> list[str]:
-    """The peers side by side (decode and prefill tokens/s, share of the copy bandwidth, tokens
+    """The peers side by side (decode and prefill tokens/s, share of the read roof, tokens
     equal to vanilla's), and the line saying why llama.cpp is absent when it is."""
     peers = r.get("peers") or {}
     lines = []
     if peers:
         n = r["new_tokens"]
-        lines += [f"peers at context {r['context']}, {r['threads']} threads (prefill = time to the first token; "
-                  "bandwidth = share of the copy's)",
-                  f"  {'peer':<12}{'decode tok/s':>14}{'prefill tok/s':>15}{'bandwidth':>11}  tokens = vanilla's"]
+        lines += [f"peers at context {r['context']}, {r['threads']} threads, interleaved (x vanilla = median of "
+                  "paired repeats [least, greatest]; prefill = time to the first token; bandwidth = share of the "
+                  "read roof)",
+                  f"  {'peer':<12}{'decode tok/s':>14}{'x vanilla':>24}{'prefill tok/s':>15}{'bandwidth':>11}"
+                  "  tokens = vanilla's"]
         for name, p in peers.items():
             agree = "reference" if name == "vanilla" else f"{p['agreement']}/{n}" + ("" if p["same_tokens"] else " DIFFER")
-            lines.append(f"  {name:<12}{p['decode_tokens_per_s']:>14.2f}{p['prefill_tokens_per_s']:>15.0f}"
+            lo, hi = p.get("over_vanilla_range") or (float("nan"), float("nan"))
+            ratio = f"{p.get('over_vanilla', float('nan')):.3f} [{lo:.2f}, {hi:.2f}]"
+            lines.append(f"  {name:<12}{p['decode_tokens_per_s']:>14.2f}{ratio:>24}{p['prefill_tokens_per_s']:>15.0f}"
                          f"{100 * p['bandwidth_fraction']:>10.1f}%  {agree}")
     info = r.get("llama_cpp") or {}
     if info.get("skipped"):

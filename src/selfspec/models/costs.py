@@ -118,20 +118,23 @@ def weight_bytes(model: LayeredModel) -> int:
     return total
 
 
-def measure_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy (read + write counted), the machine's memory bandwidth."""
-    n = mib * (1 << 20) // 4
-    src = torch.ones(n, device=device)
-    dst = torch.empty_like(src)
+def measure_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of reading a buffer of ``nbytes`` once (a float32 sum over it), repeated: how fast
+    this machine reads a working set of that size, with whatever share of it its caches keep
+    between two reads. A decoding step reads its weights and KV cache (``nbytes`` of them) once
+    per token, so no decoder exceeds this roof; a large copy's bandwidth was no roof where the
+    last-level cache holds much of the weights (an Intel Xeon with a 300 MB L3: llama.cpp at
+    99-108% of a 256 MiB copy's bandwidth on 562 MB of weights)."""
+    src = torch.ones(max(1, nbytes // 4), device=device)
     sync = synchronizer(device)
     times = []
     for _ in range(repeats + 1):
         sync()
         t0 = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         sync()
         times.append(time.perf_counter() - t0)
-    return 2 * n * 4 / statistics.median(times[1:])
+    return src.numel() * 4 / statistics.median(times[1:])
 
 
 @dataclass

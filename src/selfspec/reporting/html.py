@@ -130,8 +130,8 @@ def runtime_html(r: dict[str, Any]) -> str:
                f"tokens/s (ratio {r['vanilla_over_generate']:.3f})</li>"
                f"<li>LM head: {100 * r['head_share_of_step']:.1f}% of a decoding step</li>"
                f"<li>memory: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved by vanilla decoding, "
-               f"{100 * r['bandwidth_fraction']:.1f}% of the {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s a large copy "
-               f"reaches in the same process</li>{_peer_items(r)}</ul>")
+               f"{100 * r['bandwidth_fraction']:.1f}% of the {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s at which this "
+               f"machine reads a buffer of the same size, in the same process</li>{_peer_items(r)}</ul>")
     return "\n".join(out)
 
 
@@ -144,7 +144,7 @@ def _peer_items(r: dict) -> str:
                                               + ("" if p["same_tokens"] else " (they differ)"))
         items.append(f"<li>{e(name)}: {p['decode_tokens_per_s']:.2f} tokens/s decoding, "
                      f"{p['prefill_tokens_per_s']:.0f} tokens/s prefill (to the first token), "
-                     f"{100 * p['bandwidth_fraction']:.1f}% of the copy bandwidth{e(agree)}</li>")
+                     f"{100 * p['bandwidth_fraction']:.1f}% of the read roof{e(agree)}</li>")
     skipped = (r.get("llama_cpp") or {}).get("skipped")
     if skipped:
         items.append(f"<li>{e(skipped)}</li>")
