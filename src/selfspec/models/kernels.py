@@ -14,8 +14,12 @@ rows is read once for all rows of the input, and each output element is computed
 instruction sequence whatever the number of rows, so a k-token verification pass produces
 bit-identical linear outputs to k one-token steps. bfloat16 weights and activations take the same
 kernel (widened exactly to float32, accumulated in float32, rounded to bfloat16 once) for every
-row count, prefill included: torch's bfloat16 GEMM on an AVX2 CPU is 4x slower. Attention is made
-batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine with
+row count, prefill included: torch's bfloat16 GEMM on an AVX2 CPU is 4x slower. On a CPU with
+AVX-512F an AVX-512 path of the kernel runs passes of more than 6 rows, chosen at runtime (the
+build flags stay AVX2): bit-identical to the AVX2 path, 1.07-1.31x faster from 7 to 32 rows on
+SmolLM2 and slower below (``scripts/bench_kernel_isa.py``; ``torch.ops.selfspec.skinny_isa``
+forces either path, for tests).
+Attention is made batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine with
 ``torch.utils.cpp_extension`` into the selfspec cache and registered as
 ``torch.ops.selfspec.skinny_linear``.
 

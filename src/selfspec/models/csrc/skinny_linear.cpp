@@ -1,5 +1,9 @@
 // y = x @ W^T for a few rows of x (the k new tokens of a decoding or verification step), AVX2:
 // fp32 weights, or bfloat16 weights and activations with fp32 accumulation (rounded to bfloat16 once).
+// On a CPU with AVX-512F an AVX-512 path runs passes of more than 6 rows, chosen at runtime (the
+// library is still compiled with -mavx2 -mfma and runs on AVX2-only CPUs). Its outputs are
+// bit-identical to the AVX2 path's (how: the comment opening the AVX-512 part below), so results do
+// not depend on which path ran; torch.ops.selfspec.skinny_isa forces one path (tests).
 //
 // Why a kernel of our own: on the CPUs selfspec is developed on (AMD, AVX2) the BLAS behind
 // torch.nn.functional.linear takes 2-3x as long for 8 rows as for 1, so verifying a draft of k
@@ -16,6 +20,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
+#include <string>
 
 #include "avx2.h"
 
@@ -24,6 +30,12 @@
 #endif
 #ifndef SKINNY_PD
 #define SKINNY_PD 2
+#endif
+#ifndef SKINNY512_NP
+#define SKINNY512_NP 2  // AVX-512 path: packed pairs of weight rows per tile (at most 4: registers)
+#endif
+#ifndef SKINNY512_PD
+#define SKINNY512_PD 1  // AVX-512 path: tiles prefetched ahead
 #endif
 
 namespace {
@@ -86,7 +98,7 @@ inline void tile_rows(int mb, const float* x, const W* w, int64_t K, float* y, i
 constexpr int NR = 2;  // weight rows per tile
 constexpr int MB = 6;  // rows of x per block
 template <typename W>
-void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+void run_avx2(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t NB = SKINNY_NB;  // weight rows per parallel task
   const int64_t blocks = (M + MB - 1) / MB;
   const int64_t tile_lines = (NR * K * static_cast<int64_t>(sizeof(W)) + 63) / 64;
@@ -112,6 +124,170 @@ void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t 
   });
 }
 
+// The AVX-512 path, bit-identical to the one above. A 512-bit register holds a PAIR of weight rows:
+// lanes 0..7 are w[r][k..k+7], lanes 8..15 are w[r+1][k..k+7] (bfloat16 halves widened exactly as
+// load8 widens them), and the 8 values x[m][k..k+7] are broadcast into both halves. One 16-lane FMA
+// then performs per lane exactly the FMA that the AVX2 path's accumulators of rows r and r+1
+// perform, over K in the same order; at the end each accumulator is split into its two 256-bit
+// halves and each is reduced by the same hsum. Only AVX-512F instructions are used (the functions
+// carry a target attribute, so this file still compiles with -mavx2 -mfma).
+// Tiles: NP = SKINNY512_NP pairs (4 weight rows) against blocks of up to MB = 6 rows of x: 12
+// accumulators, 2 weight vectors and 1 x vector. The next tile is prefetched as in the AVX2 path.
+// 4 pairs (8 rows; 29 of the 32 zmm registers) and prefetching 2 tiles ahead measured the same or
+// slower at 8-32 rows. Leftover rows of a task: pairs one at a time, then a last odd row through
+// the AVX2 tile (the same arithmetic).
+#define SELFSPEC_AVX512 __attribute__((target("avx512f")))
+
+SELFSPEC_AVX512 inline __m512 load8x2(const float* p0, const float* p1) {
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p0)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
+}
+SELFSPEC_AVX512 inline __m512 load8x2(const at::BFloat16* p0, const at::BFloat16* p1) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// x[k..k+7] in both halves
+SELFSPEC_AVX512 inline __m512 broadcast8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// MB rows of x times NP pairs of rows of W (rows 2p and 2p+1 of w); as tile() above otherwise
+template <int MB, int NP, typename W>
+SELFSPEC_AVX512 inline void tile512(const float* x, const W* w, int64_t K, float* y, int64_t ldy, const char* pf,
+                                    int64_t lines) {
+  __m512 acc[MB][NP];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  const int64_t per_step = (lines + K / 8 - 1) / (K / 8);
+  int64_t line = 0;
+  for (int64_t k = 0; k < K; k += 8) {
+    for (int64_t q = 0; q < per_step && line < lines; ++q, ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    __m512 wv[NP];
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p) wv[p] = load8x2(w + 2 * p * K + k, w + (2 * p + 1) * K + k);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = broadcast8(x + m * K + k);
+#pragma GCC unroll 16
+      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(wv[p], xv, acc[m][p]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 16
+    for (int p = 0; p < NP; ++p) {
+      const __m512d a = _mm512_castps_pd(acc[m][p]);
+      y[m * ldy + 2 * p] = hsum(_mm256_castpd_ps(_mm512_castpd512_pd256(a)));
+      y[m * ldy + 2 * p + 1] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(a, 1)));
+    }
+}
+
+template <int NP, typename W>
+SELFSPEC_AVX512 inline void tile512_rows(int mb, const float* x, const W* w, int64_t K, float* y, int64_t ldy,
+                                         const char* pf, int64_t lines) {
+  switch (mb) {
+    case 6: tile512<6, NP, W>(x, w, K, y, ldy, pf, lines); break;
+    case 5: tile512<5, NP, W>(x, w, K, y, ldy, pf, lines); break;
+    case 4: tile512<4, NP, W>(x, w, K, y, ldy, pf, lines); break;
+    case 3: tile512<3, NP, W>(x, w, K, y, ldy, pf, lines); break;
+    case 2: tile512<2, NP, W>(x, w, K, y, ldy, pf, lines); break;
+    default: tile512<1, NP, W>(x, w, K, y, ldy, pf, lines); break;
+  }
+}
+
+constexpr int NP512 = SKINNY512_NP;  // pairs of weight rows per tile
+constexpr int NR512 = 2 * NP512;     // weight rows per tile
+static_assert(NP512 >= 1 && NP512 <= 4, "SKINNY512_NP: 1..4 pairs (6 x-rows x 4 pairs = 24 accumulators)");
+
+// weight rows [b0 * NB, min(N, b1 * NB)) of one parallel task (a named function, not the lambda:
+// a lambda does not inherit its enclosing function's target attribute)
+template <typename W>
+SELFSPEC_AVX512 void task512(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K, int64_t n,
+                             int64_t n_end, int64_t lines_per_block) {
+  const char* end = reinterpret_cast<const char*>(wp + n_end * K);
+  for (; n + NR512 <= n_end; n += NR512) {
+    const char* ahead = reinterpret_cast<const char*>(wp + (n + NR512 * SKINNY512_PD) * K);
+    for (int64_t m0 = 0, b = 0; m0 < M; m0 += MB, ++b) {
+      const char* pf = ahead + b * lines_per_block * 64;
+      const int64_t lines = std::max<int64_t>(0, std::min<int64_t>(lines_per_block, (end - pf) / 64));
+      tile512_rows<NP512, W>(static_cast<int>(std::min<int64_t>(MB, M - m0)), xp + m0 * K, wp + n * K, K,
+                             yp + m0 * N + n, N, pf, lines);
+    }
+  }
+  for (; n + 2 <= n_end; n += 2)
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      tile512_rows<1, W>(static_cast<int>(std::min<int64_t>(MB, M - m0)), xp + m0 * K, wp + n * K, K,
+                         yp + m0 * N + n, N, nullptr, 0);
+  for (; n < n_end; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      tile_rows<1, W>(static_cast<int>(std::min<int64_t>(MB, M - m0)), xp + m0 * K, wp + n * K, K, yp + m0 * N + n,
+                      N, nullptr, 0);
+}
+
+template <typename W>
+void run_avx512(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t NB = SKINNY_NB;  // weight rows per parallel task
+  const int64_t blocks = (M + MB - 1) / MB;
+  const int64_t tile_lines = (NR512 * K * static_cast<int64_t>(sizeof(W)) + 63) / 64;
+  const int64_t lines_per_block = (tile_lines + blocks - 1) / blocks;
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    task512<W>(xp, wp, yp, M, N, K, b0 * NB, std::min(N, b1 * NB), lines_per_block);
+  });
+}
+
+// Which path runs: chosen per call from the CPU's features (read once) and what skinny_isa last
+// set ("auto": AVX-512 where the CPU has AVX-512F; "avx2"/"avx512": that path, for tests).
+enum Isa : int { kAuto = 0, kAvx2 = 1, kAvx512 = 2 };
+std::atomic<int> isa_setting{kAuto};
+
+bool cpu_has_avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return has;
+}
+
+// "auto" takes the AVX-512 path for more than MB rows only. Up to one block of x rows a pass is bound
+// by the weights' stream, and there the AVX2 path was faster (SmolLM2 at 512 context, 2 Sapphire
+// Rapids cores, the paths alternating in one process, medians: 1 row 28.2 against 31.7 ms, 6 rows
+// 35.9 against 38.3); from two blocks on the arithmetic counts and AVX-512 halves it (7 rows 38.5
+// against 36.1 ms, 16 rows 60.2 against 50.1, 32 rows 102.6 against 78.5;
+// scripts/bench_kernel_isa.py).
+bool use_avx512(int64_t rows) {
+  const int setting = isa_setting.load(std::memory_order_relaxed);
+  return setting == kAvx512 || (setting == kAuto && rows > MB && cpu_has_avx512());
+}
+
+// every caller of the kernel (skinny_linear, hence layer_walk through the dispatcher) comes here
+template <typename W>
+void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
+  if (use_avx512(M))
+    run_avx512(xp, wp, yp, M, N, K);
+  else
+    run_avx2(xp, wp, yp, M, N, K);
+}
+
+// skinny_isa(mode): "auto", "avx2" or "avx512" sets the path skinny_linear takes ("avx512" needs
+// AVX-512F), "" changes nothing; returns the path a call of many rows takes now: "avx2" or "avx512".
+std::string skinny_isa(c10::string_view mode) {
+  if (mode == "auto")
+    isa_setting.store(kAuto);
+  else if (mode == "avx2")
+    isa_setting.store(kAvx2);
+  else if (mode == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "skinny_isa: this CPU lacks AVX-512F; the AVX-512 path cannot run");
+    isa_setting.store(kAvx512);
+  } else
+    TORCH_CHECK(mode.empty(), "skinny_isa: \"auto\", \"avx2\", \"avx512\" or \"\" (query), got \"",
+                std::string(mode), "\"");
+  return use_avx512(MB + 1) ? "avx512" : "avx2";
+}
+
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK((weight.scalar_type() == at::kFloat || bf16) && x_in.scalar_type() == weight.scalar_type(),
@@ -135,5 +311,8 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
 
 }  // namespace
 
-TORCH_LIBRARY(selfspec, m) { m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor"); }
+TORCH_LIBRARY(selfspec, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("skinny_isa(str mode) -> str", &skinny_isa);
+}
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
