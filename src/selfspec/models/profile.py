@@ -111,9 +111,10 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 
 def machine_name(info: dict[str, Any]) -> str:
-    """A short file-name-safe label of a machine: ``cpu-amd-epyc-7b13-2t`` or ``cuda-nvidia-h100...``."""
+    """A short file-name-safe label of a machine: ``cpu-amd-epyc-7b13-2t``, ``cpu-intel-xeon-2t`` (from
+    "Intel(R) Xeon(R) Processor") or ``cuda-nvidia-h100...``."""
     words = "".join(c if c.isalnum() else "-" for c in info["hardware"].lower()).split("-")
-    words = [w for w in words if w and w not in {"processor", "core", "with", "radeon", "graphics", "cpu"}]
+    words = [w for w in words if w and w not in {"processor", "core", "with", "radeon", "graphics", "cpu", "r", "tm"}]
     tail = f"-{info['threads']}t" if info["device"] == "cpu" else ""
     return f"{info['device']}-{'-'.join(words[:5])}{tail}"
 
