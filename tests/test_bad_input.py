@@ -121,6 +121,9 @@ EVAL_BAD = [
     (["sampling.top_p=0"], r"sampling\.top_p=0 is not allowed: must be in \(0, 1\]"),
     (["sampling.top_p=1.5"], r"sampling\.top_p=1\.5 is not allowed"),
     (["sampling.temperature=-0.5"], r"sampling\.temperature=-0\.5 is not allowed: must be >= 0"),
+    # issue 39: inf passed the number check, and JSON recorded the sampled run as temperature null
+    (["sampling.temperature=inf"], r"sampling\.temperature=inf is not allowed: must be a finite number >= 0"),
+    (["contention=inf"], r"contention=inf is not allowed: must be a finite number > 1\.0"),
     (["sampling.top_k=-1"], r"sampling\.top_k=-1 is not allowed"),
     (["sampling.top_k=2.5"], r"sampling\.top_k=2\.5 is not allowed: must be an integer"),
     (["+sampling.top_q=0.5"], r"sampling\.top_q is not a key of sampling"),

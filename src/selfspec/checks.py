@@ -50,13 +50,17 @@ def _interval(low, high, low_open: bool, high_open: bool) -> str:
 
 def number(key: str, value: Any, low: float | None = None, high: float | None = None, *,
            low_open: bool = False, high_open: bool = False, why: str = "") -> float:
-    """``value`` as a float within the interval (``None`` bound = unbounded; NaN never passes)."""
+    """``value`` as a finite float within the interval (``None`` bound = unbounded). NaN and the
+    infinities never pass: no setting means them, and JSON, where every run records its config,
+    cannot hold them (an infinite temperature was recorded as ``null``, read back as greedy)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise refuse(key, value, "must be a number", why)
     v = float(value)
-    ok = not math.isnan(v)
-    ok = ok and (low is None or (v > low if low_open else v >= low))
-    ok = ok and (high is None or (v < high if high_open else v <= high))
+    if not math.isfinite(v):
+        interval = _interval(low, high, low_open, high_open).removeprefix("must be ")
+        raise refuse(key, value, "must be a finite number" + (f" {interval}" if (low, high) != (None, None) else ""),
+                     why)
+    ok = (low is None or (v > low if low_open else v >= low)) and (high is None or (v < high if high_open else v <= high))
     if not ok:
         raise refuse(key, value, _interval(low, high, low_open, high_open) if (low, high) != (None, None)
                      else "must be a finite number", why)
