@@ -18,8 +18,9 @@ import pytest
 from selfspec.artefacts import ArtefactError, read_meta
 from selfspec.config import compose
 from selfspec.evaluation import RESULTS, ResumeMismatch, evaluate
+from selfspec.evaluation.runner import RUN_CONFIG
 from selfspec.locks import DirectoryBusy
-from selfspec.tracking import ResultsFileError, check_writable
+from selfspec.tracking import ResultsFile, ResultsFileError, check_writable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny-random", "n_examples=2", "max_new_tokens=8", "warmup=0", "progress=false"]
@@ -142,6 +143,36 @@ def test_nothing_outside_the_run_is_truncated_or_appended_through_a_symlink(tiny
     with pytest.raises(ResumeMismatch, match="not written by a selfspec run"):
         evaluate(compose(SMALL), foreign, loaded=tiny)
     assert (foreign / RESULTS).read_text() == '{"a": 1}\n{"half": '
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "hard link"])
+def test_only_a_regular_file_with_one_link_is_read_or_appended(tiny, tmp_path, kind):
+    """Issue 39's probe: a FIFO where results.jsonl should be hung the run for good (in
+    ResultsFile.__iter__), a directory gave a raw IsADirectoryError, and a hard link to another
+    run's file was appended to (4 -> 6 lines). Each is refused by name before the model runs, the
+    other file untouched; ResultsFile alone refuses them too, without blocking."""
+    done = tmp_path / "done"
+    evaluate(compose(SMALL), done, loaded=tiny)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_CONFIG).write_bytes((done / RUN_CONFIG).read_bytes())
+    results = run / RESULTS
+    if kind == "fifo":
+        os.mkfifo(results)
+    elif kind == "directory":
+        results.mkdir()
+    else:
+        os.link(done / RESULTS, results)
+    before = (done / RESULTS).read_bytes()
+    what = {"fifo": "is a FIFO", "directory": "is a directory",
+            "hard link": r"has 2 hard links \(it shares its lines with another file\)"}[kind]
+    with pytest.raises(ResumeMismatch, match=f"{RESULTS} {what}; selfspec writes only files it created"):
+        evaluate(compose(SMALL), run, loaded=tiny)
+    with pytest.raises(ResultsFileError, match=f"{RESULTS} {what}; selfspec reads and appends only"):
+        ResultsFile(results).rows()
+    with pytest.raises(ResultsFileError, match=what):
+        ResultsFile(results).append({"id": "x"})
+    assert (done / RESULTS).read_bytes() == before
 
 
 def test_rows_of_examples_outside_the_selection_stay_out_of_the_summary(tiny, tmp_path):

@@ -303,15 +303,21 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     """Refuse a run directory this run may not write to. Reads only: a refused rerun leaves the
     directory exactly as it was.
 
-    The files the runner writes must be plain files (a symlink is refused: appending through it
-    would change a file the framework did not write). A non-empty ``results.jsonl`` is resumed only
+    The files the runner writes must be regular files with one link (:func:`~selfspec.tracking.not_plain`):
+    appending through a symlink or a hard link would change a file the framework did not write, and
+    reading a FIFO waits forever. A non-empty ``results.jsonl`` is resumed only
     with the framework's own record of the run that wrote it (``run_config.json``), and only when
     that record matches ``identity`` on :data:`_RESUME_KEYS`."""
     import json
+    import os
+
+    from selfspec.tracking import not_plain
 
     for name in (RESULTS, RUN_CONFIG, SUMMARY):
-        if (out_dir / name).is_symlink():
-            raise ResumeMismatch(f"{out_dir / name} is a symlink; selfspec writes only files it created there: "
+        path = out_dir / name
+        why = os.path.lexists(path) and not_plain(os.lstat(path))
+        if why:
+            raise ResumeMismatch(f"{path} {why}; selfspec writes only files it created there: "
                                  "evaluate into a new run directory (hydra.run.dir=...)")
     results, record = out_dir / RESULTS, out_dir / RUN_CONFIG
     if not results.exists() or results.stat().st_size == 0:

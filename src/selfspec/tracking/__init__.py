@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from selfspec import checks
-from selfspec.tracking.local import (ResultsFile, ResultsFileError, RunLogHandler, check_writable, open_run_log,
-                                     to_jsonable, write_json, write_text)
+from selfspec.tracking.local import (ResultsFile, ResultsFileError, RunLogHandler, check_writable, not_plain,
+                                     open_run_log, to_jsonable, write_json, write_text)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Tracker", "WandbTracker", "ResultsFile", "ResultsFileError", "RunLogHandler", "artifact_name",
-           "check_writable", "open_run_log", "check_logger", "hydra_output_dir",
+           "check_writable", "not_plain", "open_run_log", "check_logger", "hydra_output_dir",
            "save_hydra_files", "start_run", "to_jsonable", "wandb_mode", "write_json", "write_text"]
 
 

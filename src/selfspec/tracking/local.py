@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,6 +43,21 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def not_plain(info: os.stat_result) -> str | None:
+    """Why a file with this ``lstat`` / ``fstat`` is not one selfspec reads or appends ("is a FIFO",
+    "has 2 hard links (...)"), or None for a regular file with one link."""
+    mode = info.st_mode
+    if stat.S_ISREG(mode):
+        return None if info.st_nlink == 1 else \
+            f"has {info.st_nlink} hard links (it shares its lines with another file)"
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return f"is {name}"
+    return "is not a regular file"
+
+
 class ResultsFileError(ValueError):
     """A results file that cannot be read as the framework wrote it (the message names the lines)."""
 
@@ -50,9 +66,11 @@ class ResultsFile:
     """An append-only JSON-lines file; each :meth:`append` is on disk when it returns.
 
     Only a file the framework wrote is appended to (the caller checks its record first, see
-    :func:`selfspec.evaluation.runner.evaluate`): a symlink is refused, and the only repair is
-    dropping a torn last line (a crash mid-write). Any other invalid line is an error that names
-    it, never skipped silently."""
+    :func:`selfspec.evaluation.runner.evaluate`): the path must be a regular file with one link,
+    so a symlink, a FIFO (reading one waited forever), a directory, or a hard link that shares
+    another run's file is refused by name (:meth:`_open`), and the only repair is dropping a torn
+    last line (a crash mid-write). Any other invalid line is an error that names it, never skipped
+    silently."""
 
     def __init__(self, path: str | Path, keys: tuple[str, ...] = ()) -> None:
         """``keys``: what every row must hold (a line without them is invalid)."""
@@ -64,8 +82,7 @@ class ResultsFile:
     def append(self, row: dict[str, Any]) -> None:
         if self._fh is None:
             self._repair_tail()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            self._fh = os.fdopen(fd, "a", encoding="utf-8")
+            self._fh = os.fdopen(self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
         self._fh.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
@@ -82,13 +99,11 @@ class ResultsFile:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Complete rows; a torn last line (a crash mid-write) is ignored, any other invalid line
         raises :class:`ResultsFileError`."""
-        if not self.path.exists():
+        if not os.path.lexists(self.path):
             return
-        if self.path.is_symlink():
-            raise ResultsFileError(f"{self.path} is a symlink; selfspec reads and appends only files it wrote")
         bad: list[int] = []
         rows: list[dict[str, Any]] = []
-        with open(self.path, encoding="utf-8", errors="replace") as f:
+        with os.fdopen(self._open(os.O_RDONLY), encoding="utf-8", errors="replace") as f:
             for number, line in enumerate(f, 1):
                 if not line.endswith("\n"):
                     break
@@ -112,15 +127,31 @@ class ResultsFile:
 
     def _repair_tail(self) -> None:
         """Drop a torn last line so appends start on a fresh line."""
-        if self.path.is_symlink():
-            raise ResultsFileError(f"{self.path} is a symlink; selfspec appends only to files it wrote")
-        if not self.path.exists() or self.path.stat().st_size == 0:
+        if not os.path.lexists(self.path):
             return
-        with open(self.path, "rb+") as f:
+        with os.fdopen(self._open(os.O_RDWR), "rb+") as f:
             data = f.read()
             if data.endswith(b"\n"):
                 return
             f.truncate(data.rfind(b"\n") + 1)
+
+    def _open(self, flags: int) -> int:
+        """A descriptor of the results file opened with ``flags``, once it is known to be a regular
+        file with one link; else :class:`ResultsFileError` naming what it is. Opened without
+        following a symlink and without blocking (a FIFO's open waits for a writer otherwise)."""
+        try:
+            fd = os.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as err:
+            what = ((os.path.lexists(self.path) and not_plain(os.lstat(self.path)))
+                    or f"cannot be opened ({err.strerror or err})")
+        else:
+            what = not_plain(os.fstat(fd))
+            if what is None:
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+        raise ResultsFileError(f"{self.path} {what}; selfspec reads and appends only the regular files it "
+                               "wrote: move it away, or write into a new directory")
 
     def close(self) -> None:
         if self._fh is not None:
