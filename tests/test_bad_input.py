@@ -4,6 +4,7 @@ data files, impossible config values, model sources (GGUF files) and artefacts o
 import json
 import re
 import shutil
+import socket
 import warnings
 from pathlib import Path
 
@@ -234,6 +235,42 @@ EVAL_BAD = [
 def test_impossible_evaluate_config_is_refused_before_the_model_loads(tmp_path, no_model_load, overrides, message):
     with pytest.raises(ConfigError, match=message):
         evaluate(compose(EVAL + overrides), tmp_path)
+
+
+@pytest.mark.parametrize("mode,how", [("auto", r"logger\.mode=auto with a W&B API key"),
+                                      ("online", r"logger\.mode=online")])
+def test_an_unreachable_wandb_server_is_refused_before_the_model_loads(tmp_path, no_model_load, monkeypatch, mode, how):
+    """Issue 39's probe: a W&B key and no network stalled about 100 s in W&B's retries, then failed
+    with a raw CommError after the model had loaded. Now the server is tried first, within a bounded
+    wait, and the run is refused with one message naming the offline mode; nothing switches modes
+    silently. (The server here is a closed port on this machine: nothing leaves it.)"""
+    import time
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=f"logger=wandb logs online here \\({how}\\), and the W&B server "
+                                          f"http://127.0.0.1:{port} cannot be reached .*: set logger\\.mode=offline"):
+        evaluate(compose(EVAL + ["logger=wandb", f"logger.mode={mode}"]), tmp_path)
+    assert time.perf_counter() - t0 < 30
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_reachable_wandb_server_passes_the_check(monkeypatch):
+    """The check accepts a server that takes the connection (a listening socket on this machine)."""
+    from selfspec.tracking import check_logger
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        cfg = compose(EVAL + ["logger=wandb", "logger.mode=online"])
+        assert check_logger(cfg.logger) == "wandb"
 
 
 JOB_BAD = [

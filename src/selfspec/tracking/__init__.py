@@ -12,7 +12,11 @@
 online iff an API key is configured (``WANDB_API_KEY`` or ``~/.netrc``), offline otherwise (sync
 later with ``wandb sync <run dir>/wandb/offline-run-*``); an explicit ``WANDB_MODE`` wins over
 ``auto``. Runs are grouped by ``logger.group`` (default: the Hydra sweep directory name) and
-tagged with the model, method, task and job type.
+tagged with the model, method, task and job type. A run that would log online first makes sure
+the W&B server answers (:func:`check_logger`, before anything expensive, at most
+:data:`REACH_SECONDS`); where it does not, the run is refused with one message naming the
+offline mode, never switched to it silently (before: about 100 s of W&B's retries, then a raw
+``CommError`` after the model had loaded).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +118,37 @@ WANDB_KEYS = ("name", "project", "entity", "mode", "group", "tags", "log_artifac
 MODES = ("auto", "online", "offline", "disabled")
 
 
+#: seconds the W&B server of an online run has to accept a connection before the run is refused
+REACH_SECONDS = 5.0
+
+
+def _unreachable_wandb() -> str | None:
+    """Why the W&B server this process would log to does not answer (``WANDB_BASE_URL``, default
+    W&B's cloud), or None once it accepted a TCP connection. The name lookup and the connection
+    together get :data:`REACH_SECONDS` (a lookup alone can block longer than a socket timeout)."""
+    from urllib.parse import urlsplit
+
+    url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    parts = urlsplit(url)
+    result: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            with socket.create_connection((parts.hostname, port), timeout=REACH_SECONDS):
+                result.append(None)
+        except (OSError, ValueError) as err:
+            result.append(f"{url} cannot be reached ({getattr(err, 'strerror', None) or err})")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(REACH_SECONDS + 1)
+    return result[0] if result else f"{url} did not answer within {REACH_SECONDS:g} s"
+
+
 def check_logger(logger_cfg) -> str:
-    """The ``logger`` config's name, with its keys checked (before anything expensive runs)."""
+    """The ``logger`` config's name, with its keys checked and, for a run that logs online, the W&B
+    server reached (before anything expensive runs)."""
     if logger_cfg is None:
         return "none"
     kind = _get(logger_cfg, "name")
@@ -121,9 +156,16 @@ def check_logger(logger_cfg) -> str:
     if kind == "wandb":
         checks.required_keys("logger", logger_cfg, WANDB_KEYS, "conf/logger/wandb.yaml")
         checks.known_keys("logger", logger_cfg, WANDB_KEYS, "conf/logger/wandb.yaml")
-        wandb_mode(_get(logger_cfg, "mode"))
+        mode = wandb_mode(_get(logger_cfg, "mode"))
         checks.flag("logger.log_artifacts", _get(logger_cfg, "log_artifacts"))
         checks.text("logger.project", _get(logger_cfg, "project"))
+        why = _unreachable_wandb() if mode == "online" else None
+        if why:
+            how = ("logger.mode=online" if _get(logger_cfg, "mode") == "online" else
+                   "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else "logger.mode=auto with a W&B API key")
+            raise checks.ConfigError(
+                f"logger=wandb logs online here ({how}), and the W&B server {why}: set logger.mode=offline to "
+                "log to local files (`wandb sync` uploads them later), or logger=none")
     return kind
 
 
