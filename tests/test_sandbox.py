@@ -111,6 +111,29 @@ def test_write_outside_the_working_directory_fails(bubblewrap, host_dir):
     assert not Path("/etc/selfspec-sandbox-test").exists()
 
 
+def test_the_programs_writes_have_a_total_cap(bubblewrap):
+    """Issue 39's probe: a program writing 15 MiB files in a loop wrote 2,160 MiB into its working
+    directory (a bind mount of a host directory) in 2.8 s; RLIMIT_FSIZE capped each file, nothing
+    the total. Now the working directory lies in the sandbox's private /tmp, a tmpfs of
+    sandbox.TMP_BYTES: the disk runs out there (ENOSPC), never on the host."""
+    program = CORRECT + f"""
+import errno, os
+written = 0
+try:
+    for i in range(40):
+        with open(f"f{{i}}", "wb") as f:
+            f.write(b"x" * (8 << 20))
+        written += 8 << 20
+except OSError as err:
+    assert err.errno == errno.ENOSPC, err
+    assert written <= {sandbox.TMP_BYTES}, written
+    assert os.getcwd() == {sandbox.WORKDIR!r}
+else:
+    raise AssertionError(f"wrote {{written}} bytes without running out")
+"""
+    assert passed(program, timeout=20.0)
+
+
 def test_memory_bomb_is_capped():
     bomb = CORRECT + "hoard = []\nwhile True:\n    hoard.append(bytearray(16 << 20))\n"
     start = time.monotonic()

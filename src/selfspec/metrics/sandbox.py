@@ -13,7 +13,8 @@ its caller chose (:data:`ISOLATIONS`):
   (:data:`NOT_PREVENTED_WITHOUT_BUBBLEWRAP` says what it leaves open).
 
 **bubblewrap**: the host's root read-only (``--ro-bind / /``), a private ``/tmp`` (tmpfs, 64 MiB)
-with the working directory bind-mounted writable at ``/tmp/work``, a minimal ``/dev``, an empty
+holding the working directory ``/tmp/work`` (the program's file read-only in it: every byte the
+program writes goes to that tmpfs, whose size caps the total), a minimal ``/dev``, an empty
 ``/proc``, every namespace unshared (no network, no other processes, its own user namespace),
 ``--new-session``, ``--die-with-parent``. When scoring as root, the sandbox runs as ``nobody``
 where the interpreter is reachable for it, else as root of its own user namespace with no
@@ -35,7 +36,8 @@ process, printing "passed", writing to the pipe, raising the pass event itself, 
 frames (there is no result object in the process to mark) all score as failed.
 
 Prevented, by the kernel (bubblewrap mode): writes outside the working directory and the
-private ``/tmp``; network access; seeing or signalling host processes; reading its own memory
+private ``/tmp``, and more than :data:`TMP_BYTES` written in all (before, the working directory
+was a host directory, and a program filled 2 GiB of the host's disk in 3 s); network access; seeing or signalling host processes; reading its own memory
 through ``/proc``; outliving the timeout. In both modes: using more memory, CPU time or file
 size than the limits.
 
@@ -70,8 +72,9 @@ Not prevented:
   not bind a process whose user is root on the host (the kernel exempts it).
 - In rlimits-only mode, the program shares the host's files, network and process table with
   the user it runs as (``nobody`` when scoring as root and the interpreter allows it, else the
-  scoring user): it can read, change and delete every file that user can, and only the audit
-  hooks stand between it and the network, other processes and ``/proc``.
+  scoring user): it can read, change and delete every file that user can, fill the disk with
+  files of up to the file-size limit, and only the audit hooks stand between it and the network,
+  other processes and ``/proc``.
 """
 
 from __future__ import annotations
@@ -105,15 +108,15 @@ ISOLATIONS = (BUBBLEWRAP, RLIMITS_ONLY)
 #: what rlimits-only mode leaves open (the refusal and the opt-in's warning say it)
 NOT_PREVENTED_WITHOUT_BUBBLEWRAP = (
     "the programs run on this machine as the scoring user (as nobody when scoring as root and the "
-    "interpreter is reachable for it), so they can read, change and delete every file that user can, "
-    "and only in-process audit hooks, which are not a security boundary, keep them from starting "
+    "interpreter is reachable for it), so they can read, change and delete every file that user can and "
+    "fill its disk, and only in-process audit hooks, which are not a security boundary, keep them from starting "
     "processes, the network, other processes and /proc")
 NOBODY = 65534
 #: seconds allowed on top of the timeout for bubblewrap and the interpreter to start (the program's own
 #: timeout is kept by the harness inside; this only bounds a start-up that hangs, and is generous so
 #: that a loaded machine does not fail correct programs)
 STARTUP_S = 10.0
-TMP_BYTES = 64 << 20  # size of the sandbox's private /tmp
+TMP_BYTES = 64 << 20  # size of the sandbox's private /tmp, which holds the working directory: all it may write
 WORKDIR = "/tmp/work"  # the working directory inside the bubblewrap sandbox
 _CHILD = Path(__file__).with_name("_sandbox_child.py")
 
@@ -237,8 +240,11 @@ def _command(launcher: _Launcher, workdir: str, fd: int, limits: Limits) -> list
         return child
     # as root without dropping to nobody: root of its own user namespace, seen as nobody inside
     ids = ["--uid", str(NOBODY), "--gid", str(NOBODY)] if os.geteuid() == 0 and launcher.user is None else []
+    # the working directory inside the size-limited /tmp, writable by whoever the sandbox runs as;
+    # the host's copy of the program is bound in read-only, so nothing inside writes to the host
     return [launcher.bwrap, "--ro-bind", "/", "/", "--tmpfs", "/proc", "--dev", "/dev",
-            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", *_interpreter_binds(), "--bind", workdir, WORKDIR,
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", *_interpreter_binds(), "--perms", "0777", "--dir", WORKDIR,
+            "--ro-bind", os.path.join(workdir, "program.py"), f"{WORKDIR}/program.py",
             "--chdir", WORKDIR, "--unshare-all", "--die-with-parent", "--new-session", *ids, "--", *child]
 
 
