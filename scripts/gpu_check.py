@@ -163,7 +163,7 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
         steps = loaded.model.steps
         if steps is not None:  # which passes the static shapes took: every method's kinds, none missed
             passes[capture] = {"routed": steps.routed, "captured": steps.captured, "missed": steps.missed,
-                               "kinds": dict(steps.kinds)}
+                               "kinds": dict(steps.kinds), "missed_kinds": dict(steps.missed_kinds)}
     captured, eager = p["captures"]
     for r in rows.values():
         if captured in r and eager in r:

@@ -29,8 +29,9 @@ def pair():
 
 
 def test_buckets_and_modes():
-    assert [capture.bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
-    assert capture.bucket(33) is None
+    assert [capture.bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33, 63, 65, 120, 128)] == \
+        [1, 2, 4, 8, 8, 16, 32, 32, 64, 64, 128, 128, 128]
+    assert capture.bucket(129) is None
     assert capture.resolve("auto", torch.device("cpu")) == "off"
     assert capture.resolve("static", torch.device("cpu")) == "static"
     with pytest.raises(capture.CaptureUnavailable, match="capture=graphs needs a CUDA device.*static"):
@@ -72,24 +73,30 @@ def test_static_pass_writes_the_cache_the_dynamic_pass_writes(pair, k):
 
 
 def test_passes_outside_the_static_shapes_take_the_dynamic_path(pair):
+    """A prefill longer than the largest bucket takes the dynamic path and is not missed; a decoding
+    pass (after cached positions) that does is counted, whatever its size, by kind and width."""
     _, static = pair
-    cache = static.new_cache(80)
-    ids = torch.zeros(1, 40, dtype=torch.long)
+    cache = static.new_cache(300)  # room for 300 positions (+ the padding, up to the model's context)
+    ids = torch.zeros(1, 200, dtype=torch.long)
+    steps = static.steps
     with torch.inference_mode():
-        before = static.steps.routed
-        static.forward(ids, cache, start=0)  # 40 > the largest bucket
-        assert static.steps.routed == before
-        static.forward(ids[:, :20], cache)  # 40 + 32 > 80? no: 40 + 32 = 72 <= 80, routed
-        assert static.steps.routed == before + 1 and cache.lengths[0] == 60
-        static.forward(ids[:, :5], cache)  # 60 + 8 <= 80
-        assert static.steps.routed == before + 2
-        cache.truncate(70)
-        static.forward(ids[:, :3], cache, start=cache.length(0))  # 65 + 4 <= 80
-        assert static.steps.routed == before + 3
+        before, missed = steps.routed, steps.missed
+        static.forward(ids[:, :140], cache, start=0)  # a prefill of 140 > the largest bucket: dynamic, not missed
+        assert steps.routed == before and steps.missed == missed
+        static.forward(ids[:, :20], cache)  # 140 + 32 <= the cache with its padding: routed
+        assert steps.routed == before + 1 and cache.lengths[0] == 160
+        static.forward(ids[:, :5], cache)  # 160 + 8
+        assert steps.routed == before + 2
+        cache.truncate(150)
+        static.forward(ids[:, :3], cache, start=cache.length(0))  # 145 + 4
+        assert steps.routed == before + 3
+        static.forward(ids[:, :129], cache)  # a decoding pass wider than the largest bucket: missed
+        assert steps.routed == before + 3 and steps.missed == missed + 1
+        assert steps.missed_kinds["chain 129"] == 1
     # outside inference mode (training) nothing is routed
     with torch.no_grad():
         static.forward(ids[:, :1], static.new_cache(8), start=0)
-    assert static.steps.routed == before + 3
+    assert steps.routed == before + 3
 
 
 def test_decoders_give_the_same_tokens_static_and_dynamic(pair, prompt_ids):
@@ -104,6 +111,74 @@ def test_decoders_give_the_same_tokens_static_and_dynamic(pair, prompt_ids):
                 assert out.tokens == ref
         assert DraftVerify(static, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens == \
             DraftVerify(dyn, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens
+
+
+@pytest.mark.parametrize("nodes", [16, 24, 30])
+def test_ppd_trees_of_the_papers_sizes_take_the_static_shapes(pair, prompt_ids, nodes):
+    """Issue 38: PPD's trees at the paper's sizes (tree lengths 60-120) were wider than the largest
+    bucket (32 rows), took the dynamic path, and nothing counted them (``missed`` counted passes of
+    a bucket's size only), so a GPU ran them eagerly at 0.21-0.33x vanilla with "none missed". Now
+    every tree pass of up to 128 rows routes, each wider one is counted in ``missed`` with its
+    width (30 nodes with 3 prompt tokens: passes of 131-155 rows), and the tokens are the dynamic
+    path's, greedy (vanilla's) and sampled."""
+    import random
+
+    from conftest import PPD_KEYS
+    from selfspec.decoding.ppd import PPD
+    from selfspec.decoding.tree import random_trees
+    from selfspec.prompts import PromptTokens
+
+    dyn, static = pair
+    g = torch.Generator().manual_seed(0)
+    prompts = PromptTokens(torch.randn(3, 2, dyn.hidden_size, generator=g) * 0.5)
+    trees = random_trees(3, nodes, 10, random.Random(nodes))
+    widths = []
+    real = static.steps.run
+
+    def watch(model, ids, h, cache, start, layers, skip, tree=None, keep=None):
+        if tree is not None:
+            widths.append((ids if h is None else h).shape[1])
+        return real(model, ids, h, cache, start, layers, skip, tree, keep)
+
+    static.steps.run = watch
+    try:
+        missed, routed = static.steps.missed, static.steps.kinds["tree"]
+        ref = Vanilla(dyn).generate(prompt_ids, 24).tokens
+        for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
+            want = PPD(dyn, prompts, trees, **PPD_KEYS).generate(prompt_ids, 24, sampling)
+            got = PPD(static, prompts, trees, **PPD_KEYS).generate(prompt_ids, 24, sampling)
+            assert got.tokens == want.tokens
+            if sampling.greedy:
+                assert got.tokens == ref
+    finally:
+        del static.steps.run
+    wide = [w for w in widths if w > capture.BUCKETS[-1]]
+    assert max(widths) > 32, widths  # the paper's sizes: wider than the old largest bucket
+    assert bool(wide) == (nodes == 30), widths
+    assert static.steps.missed - missed == len(wide), static.steps.missed_kinds
+    assert static.steps.kinds["tree"] - routed == len(widths) - len(wide)
+
+
+def test_an_evaluation_records_the_passes_that_went_eager(tmp_path, caplog):
+    """A run's summary says what the static shapes took and which decoding passes went eager (by
+    kind and width), and warns when any did: under capture=graphs those ran without a graph."""
+    from selfspec.config import compose
+    from selfspec.evaluation import evaluate
+
+    cfg = compose(["model=tiny-random", "model.capture=static", "n_examples=1", "max_new_tokens=6", "warmup=0",
+                   "progress=false", "method=vanilla"])
+    summary = evaluate(cfg, tmp_path)
+    c = summary["capture"]
+    assert c["mode"] == "static" and c["routed"] > 0 and c["kinds"]["chain"] > 0 and c["missed"] == 0
+    assert "took the eager path" not in caplog.text
+    from types import SimpleNamespace
+
+    from selfspec.evaluation.runner import _capture_summary
+
+    steps = capture.StepRunner("static")
+    steps.missed, steps.missed_kinds["tree 131"] = 3, 3
+    assert _capture_summary(SimpleNamespace(steps=steps, capture="static"))["missed_kinds"] == {"tree 131": 3}
+    assert "capture=static: 3 decoding passes took the eager path (by kind and rows: {'tree 131': 3})" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -38,6 +38,7 @@ from selfspec import checks
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
+from selfspec.models.capture import BUCKETS
 from selfspec.models.profile import machine, model_shape
 from selfspec.locks import hold
 from selfspec.tracking import (ResultsFile, Tracker, check_writable, open_run_log, save_hydra_files, start_run,
@@ -506,6 +507,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         "contention": contention(finished[baseline], profile, float(cfg.contention), here,
                                  spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike))),
         "threads": {"policy": threads, "configured": torch.get_num_threads()},
+        "capture": _capture_summary(loaded.model),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -519,6 +521,20 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         tracker.finish()
     _log_summary(per_method, baseline)
     return summary
+
+
+def _capture_summary(model) -> dict[str, Any]:
+    """What the static-shape (captured) passes took in this process (``capture=static|graphs``):
+    passes routed by kind, and the decoding passes that went eager (``missed``, by kind and width:
+    under ``capture=graphs`` they ran without a graph). Logged as a warning when any was missed."""
+    steps = model.steps
+    if steps is None:
+        return {"mode": model.capture}
+    if steps.missed:
+        log.warning("capture=%s: %d decoding passes took the eager path (by kind and rows: %s); the largest "
+                    "static shape is %d rows", model.capture, steps.missed, dict(steps.missed_kinds), BUCKETS[-1])
+    return {"mode": model.capture, "routed": steps.routed, "captured": steps.captured, "kinds": dict(steps.kinds),
+            "missed": steps.missed, "missed_kinds": dict(steps.missed_kinds)}
 
 
 def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:

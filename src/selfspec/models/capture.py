@@ -34,8 +34,13 @@ Three kinds of pass go through here, keyed by (layer range, skip set, bucket, in
 
 A pass qualifies (:meth:`StepRunner.run` says when) inside ``torch.inference_mode()``, with every
 layer run at the same cache length, at most the largest bucket's rows and room in the cache for
-the padding. Anything else — a long prefill, a training pass — takes the dynamic path; the outputs
-are the same either way (docs/design.md §4), only the speed differs. The LM head and the exit
+the padding. The buckets reach 128 rows so that PPD's trees at the paper's sizes (tree lengths
+60-120: a tree of 16 nodes with 3 prompt tokens is a pass of 63 rows) replay as graphs too; with
+32 rows as the largest, such passes ran eagerly at 0.21-0.33x vanilla on an H100/H200. Anything
+else — a long prefill, a training pass — takes the dynamic path; the outputs are the same either
+way (docs/design.md §4), only the speed differs. A decoding pass (one after the prompt: the cache
+already holds positions) that takes the dynamic path, whatever its size, is counted in
+:attr:`StepRunner.missed`, by kind. The LM head and the exit
 heads (full or truncated) stay outside: each is one matrix product on ``[rows, d]``, a static shape
 already.
 """
@@ -50,8 +55,9 @@ import torch
 from selfspec.models.cache import LayerCache
 
 MODES = ("auto", "graphs", "static", "off")
-#: padded sizes of k; a pass of k new tokens runs at the smallest bucket >= k
-BUCKETS = (1, 2, 4, 8, 16, 32)
+#: padded sizes of k; a pass of k new tokens runs at the smallest bucket >= k (PPD's paper trees:
+#: up to 120 rows)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: captured graphs kept (least recently used dropped first): AdaDecode's per-layer passes alone
 #: take layers × buckets of them
 MAX_GRAPHS = 384
@@ -195,6 +201,12 @@ class _Pass:
         return out
 
 
+def _kind(model: Any, layers, tree, kept) -> str:
+    """A pass's kind: chain or tree, ``+keep`` (states kept), ``/partial`` (a layer range short of the model)."""
+    partial = not isinstance(layers, range) or len(layers) != model.num_layers
+    return ("tree" if tree is not None else "chain") + ("+keep" if kept else "") + ("/partial" if partial else "")
+
+
 class StepRunner:
     """Routes a model's eligible passes through static-shape (and, under ``graphs``, captured) passes.
 
@@ -214,11 +226,14 @@ class StepRunner:
         #: passes that went through here / graphs captured (run records and tests read them)
         self.routed = 0
         self.captured = 0
-        #: decoding passes of a bucket's size that still took the dynamic path (no room in the cache
-        #: for the padding, layers at different cache lengths): none in any decoder (tests/test_capture.py)
+        #: decoding passes (after the prompt) that took the dynamic path, whatever their size (wider
+        #: than the largest bucket, no room in the cache for the padding, layers at different cache
+        #: lengths): none in any decoder at the papers' sizes (tests/test_capture.py)
         self.missed = 0
         #: routed passes by kind: chain or tree, ``+keep``, ``/partial`` (a layer range short of the model)
         self.kinds: Counter[str] = Counter()
+        #: missed passes by the same kinds, with their widths: ``"tree 129"``
+        self.missed_kinds: Counter[str] = Counter()
 
     def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip, tree=None,
             keep: dict | None = None):
@@ -232,12 +247,12 @@ class StepRunner:
             return None
         n = (ids if h is None else h).shape[1]
         size = bucket(n)
-        if size is None:  # a long prefill
-            return None
         kept = tuple(sorted(keep)) if keep else ()
-        if (not isinstance(layers, range) or layers.step != 1 or start + size > cache.max_length
+        if (size is None or not isinstance(layers, range) or layers.step != 1 or start + size > cache.max_length
                 or any(cache.lengths[i] != start for i in layers) or any(i not in layers for i in kept)):
-            self.missed += 1
+            if start > 0:  # a decoding pass; a prefill (start 0: an empty cache) longer than a bucket is expected
+                self.missed += 1
+                self.missed_kinds[f"{_kind(model, layers, tree, kept)} {n}"] += 1
             return None
         owner = id(cache) if self.mode == "graphs" else cache.max_length
         key = (id(model), owner, layers.start, layers.stop, skip, size, h is None, tree is not None, kept)
@@ -259,8 +274,7 @@ class StepRunner:
         for i in layers:
             cache.lengths[i] = start + n
         self.routed += 1
-        self.kinds[("tree" if tree is not None else "chain") + ("+keep" if kept else "")
-                   + ("" if len(layers) == model.num_layers else "/partial")] += 1
+        self.kinds[_kind(model, layers, tree, kept)] += 1
         return out
 
     def forget(self, cache: LayerCache) -> None:
