@@ -335,6 +335,33 @@ def test_a_sampled_run_prices_its_warps_and_an_older_trace_without_them_is_refus
     assert (tmp_path / SUMMARY).read_bytes() == before
 
 
+def test_a_run_projects_onto_a_profile_of_its_architecture_in_another_dtype(tiny, tmp_path):
+    """Issue 38: the SmolLM2 runs here are float32 and the GPU profiles users want bfloat16; the trace
+    is the algorithm's, so the projection is made and its name says it crossed dtypes. Another
+    architecture is still refused by name."""
+    from omegaconf import OmegaConf
+
+    from selfspec.project import run_projection
+
+    s = _run(tiny, tmp_path / "run")
+    here = Profile.load(s["profile"]["path"])
+    bf16 = copy.deepcopy(here.data)
+    bf16["name"] = "gpu__tiny-random__bfloat16"
+    bf16["model"]["shape"]["dtype"] = "bfloat16"
+    folder = tmp_path / "profiles"
+    Profile(bf16).save(folder / "bf16.json")
+    synthetic_profile().save(folder / "other-shape.json")
+    out = run_projection(OmegaConf.create({"inputs": [str(tmp_path / "run")], "profile": str(folder)}))
+    name = "gpu__tiny-random__bfloat16 (float32 trace)"
+    assert list(out[str(tmp_path / "run")]) == [name]
+    recorded = json.loads((tmp_path / "run" / SUMMARY).read_text())["projections"][name]
+    assert recorded["_profile"]["dtype"] == "bfloat16" and recorded["_profile"]["trace_dtype"] == "float32"
+    # the same prices in another dtype: the same prediction as on the run's own profile
+    assert recorded["ngram"]["predicted_speedup"] == pytest.approx(s["methods"]["ngram"]["predicted_speedup"])
+    with pytest.raises(ProfileMismatch, match="vocab_size"):
+        project_run(tmp_path / "run", synthetic_profile())
+
+
 def test_paper_rows_with_tau_name_the_profile_their_projection_needs():
     from selfspec.reporting.paper import paper_records
 

@@ -5,7 +5,10 @@ Re-costs recorded evaluation runs on another machine's cost profile of the same 
 trace (:mod:`selfspec.models.ledger`) is costed with the profile (:mod:`selfspec.models.profile`)
 and each method's projected speedup and ledger are written into the run's ``summary.json`` under
 ``projections.<profile name>`` (atomically, holding the run directory), where the report shows
-them beside the speedup measured here. A profile of another model shape is refused by name.
+them beside the speedup measured here. A profile of another model shape is refused by name; one of
+the same architecture in another dtype is taken (a trace records what was drafted, verified and
+accepted, which is the algorithm's, not the dtype's: a float32 run on this CPU projects onto a
+GPU's bfloat16 profile), and the projection's name says so: ``<profile> (float32 trace)``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
         if not shape:
             raise ValueError(f"{run_dir / SUMMARY} records no model shape (a run from before the cost ledger): "
                              "evaluate it again to project it")
-        profile.check_shape(shape, f"run {run_dir}")
+        profile.check_shape(shape, f"run {run_dir}", any_dtype=True)
         names, baseline = list(summary["methods"]), summary["baseline"]
         rows = [r for r in ResultsFile(run_dir / RESULTS, ROW_KEYS).rows() if r.get("method") in names]
         try:
@@ -48,15 +51,27 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
             raise ValueError(f"run {run_dir}: {err}") from None
         projected = {m: {"predicted_speedup": e["predicted_speedup"],
                          "ledger": (e["ledger"] or {}).get("predicted")} for m, e in per_method.items()}
-        summary.setdefault("projections", {})[profile.name] = projected | {"_profile": profile.summary()}
+        summary.setdefault("projections", {})[projection_name(profile, shape)] = \
+            projected | {"_profile": profile.summary() | {"dtype": profile.shape["dtype"], "trace_dtype": shape["dtype"]}}
         write_json(run_dir / SUMMARY, summary)
     return projected
+
+
+def projection_name(profile, shape: dict[str, Any]) -> str:
+    """What a run's projection onto ``profile`` is called: the profile's name, followed by
+    ``(float32 trace)`` when the run's dtype is not the profile's."""
+    ran = shape.get("dtype")
+    return profile.name if ran == profile.shape.get("dtype") else f"{profile.name} ({ran} trace)"
+
+
+def _architecture(shape: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if shape is None else {k: v for k, v in shape.items() if k != "dtype"}
 
 
 def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
     """Project every run under ``cfg.inputs`` onto ``cfg.profile``: one profile (a file or a
     shipped name; a run of another model shape is refused), or a folder of profiles (each run onto
-    every one of its model shape; a run with none is named and left as it is).
+    every one of its model shape, in any dtype; a run with none is named and left as it is).
     ``{run dir: {profile name: projection}}``."""
     from selfspec.models.profile import Profile, resolve
     from selfspec.reporting.records import find_runs
@@ -75,10 +90,11 @@ def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
         raise FileNotFoundError(f"no evaluation run (summary.json) under {', '.join(inputs)}")
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for run_dir in runs:
-        fitting = profiles if not folder.is_dir() else [p for p in profiles if p.shape == _shape(run_dir)]
+        fitting = profiles if not folder.is_dir() else [p for p in profiles
+                                                         if _architecture(p.shape) == _architecture(_shape(run_dir))]
         if not fitting:
             log.warning("%s: no profile of its model shape in %s; left as it is", run_dir, folder)
-        out[str(run_dir)] = {p.name: project_run(Path(run_dir), p) for p in fitting}
+        out[str(run_dir)] = {projection_name(p, _shape(run_dir)): project_run(Path(run_dir), p) for p in fitting}
     return out
 
 

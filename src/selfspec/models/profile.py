@@ -185,10 +185,12 @@ class Profile:
     def machine(self) -> dict[str, Any]:
         return self.data["machine"]
 
-    def check_shape(self, shape: dict[str, Any], what: str = "the run") -> None:
-        """Refuse a profile of another model shape, naming what differs."""
+    def check_shape(self, shape: dict[str, Any], what: str = "the run", any_dtype: bool = False) -> None:
+        """Refuse a profile of another model shape, naming what differs. ``any_dtype``: the same
+        architecture in another dtype passes (a projection: a trace is the algorithm's, not the
+        dtype's)."""
         diff = [f"{k}: profile {self.shape.get(k)!r}, {what} {v!r}" for k, v in shape.items()
-                if self.shape.get(k) != v]
+                if self.shape.get(k) != v and not (any_dtype and k == "dtype")]
         if diff:
             raise ProfileMismatch(f"profile {self.name} ({self.path or 'in memory'}) is of another model shape "
                                   f"than {what} ({'; '.join(diff)}): measure one for this model "
