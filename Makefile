@@ -91,7 +91,7 @@ profile: assets ## measure this machine's cost profile of MODEL (what each op of
 
 # on a GPU machine: make TORCH_SPEC=torch gpu-check (README "Scale to GPUs and clusters"); ARGS=--dry-run runs
 # the same code on tiny-random on this CPU
-gpu-check: assets ## one JSON of a GPU machine: runtime, cost profile, training memory, captured vs eager, bf16 consistency
+gpu-check: assets ## one JSON of a GPU machine within ARGS=--budget SECONDS (300): every method captured vs eager, cost profile, runtime, training memory
 	$(PY) scripts/gpu_check.py $(ARGS)
 
 project: install ## re-cost run directories (ARGS='inputs=[...] profile=...') on another machine's cost profile

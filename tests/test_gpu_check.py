@@ -59,3 +59,33 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
     passes = tiny["passes"]  # the static mode's runner took trees, kept states and partial layers, missed none
     assert set(passes) == {"static"} and passes["static"]["missed"] == 0
     assert {"chain", "tree", "chain/partial", "chain+keep/partial"} <= set(passes["static"]["kinds"])
+    # the first section: every method built without training, captured (static here) and eager
+    assert list(tiny["sections"]) == ["capture", "profile", "runtime", "training", "methods"]
+    assert report["models"]["tiny-random"]["key"] == "tiny-random"
+    assert all(positive(v) for v in tiny["sections"].values()) and report["budget_seconds"] is None
+    capture = tiny["capture"]
+    assert capture["mode"] == "static" and not capture["skipped"]
+    assert set(capture["methods"]) == {"vanilla", "draft_verify", "adadecode", "del", "early_exit", "ngram",
+                                       "ppd_24_nodes"}
+    for name, r in capture["methods"].items():
+        assert r["same_tokens_captured_and_eager"] and r["same_sampled_tokens_captured_and_eager"], name
+        assert r["consistency"] == {"captured": 1.0, "eager": 1.0}, name
+        assert r["passes"]["missed"] == 0 and r["passes"]["routed"] > 0, name
+        assert positive(r["s_per_token"]["captured"]) and positive(r["s_per_token"]["eager"]), name
+    assert capture["methods"]["ppd_24_nodes"]["tree_pass_rows"]["max"] > 64  # the paper's tree sizes
+
+
+def test_gpu_check_starts_no_section_past_its_budget(tmp_path, monkeypatch):
+    """A check whose budget is spent names every section it left out, and writes what it has."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))  # main sets it: restored afterwards
+    import gpu_check
+
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--budget", "0.001", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["budget_seconds"] == 0.001
+    assert report["models"]["tiny-random"]["sections"] == {s: "not run: the budget was spent"
+                                                           for s in gpu_check.SECTIONS}
+    with pytest.raises(SystemExit, match="--budget must be a positive number of seconds"):
+        gpu_check.main(["--dry-run", "--budget", "0", "--out", str(out)])
