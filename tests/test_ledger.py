@@ -42,6 +42,33 @@ def synthetic_profile(**changes) -> Profile:
     return Profile(data)
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"mlp": None}, r"mlp is missing or empty"),
+    ({"mlp": {"1": float("nan"), "2": 3e-3}}, r"mlp\[1\] is nan, not a finite number of seconds >= 0"),
+    ({"linear": {"1": -1e-3}}, r"linear\[1\] is -0\.001, not a finite"),
+    ({"head": {"1000": {"1": "fast"}}}, r"head\[1000\]\[1\] is 'fast'"),
+    ({"attention": {"x": {"1": 1e-3}}}, r"attention has the key 'x', not a number"),
+    ({"host": float("inf")}, r"host is inf"),
+    ({"model": {"name": "tiny"}}, r"it does not name the model shape it was measured for"),
+    ({"machine": None}, r"it lacks its name, model or machine"),
+    ({"attention": {"0": {"1": 0.0}}, "mlp": {"1": 0.0}, "head": {"1000": {"1": 0.0}}, "linear": {"1": 0.0},
+      "host": 0.0}, r"it prices a plain step at 0\.0 s"),
+])
+def test_a_malformed_profile_is_refused_by_name_when_read(tmp_path, change, message):
+    """Issue 39's probe: profiles were trusted blindly: a missing table or a wrong type gave a raw
+    KeyError / AttributeError / IndexError naming no file, NaN or negative costs were accepted and
+    their predictions recorded, an all-zero profile crashed a run midway (ZeroDivisionError in the
+    n-gram lookup's priced schedule). Now reading one refuses it, naming the file and the entry."""
+    data = synthetic_profile().data | change
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"profile {path}: {message}.*measure it again"):
+        Profile.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"profile {path}: format 'list'"):
+        Profile.load(path)
+
+
 def test_synthetic_trace_gives_the_exact_prediction():
     p = synthetic_profile()
     trace = [

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 import platform
 import statistics
@@ -148,13 +149,61 @@ class Curve:
         return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
+#: a profile's cost tables, by how deep their numbers sit: {key: seconds}, {key: {key: seconds}}...
+_TABLES = {"attention": 2, "mlp": 1, "head": 2, "linear": 1, "warp": 3, "tree": 1, "pass": 2}
+
+
+def _check_tables(data: dict[str, Any], where: str) -> None:
+    """Refuse a profile whose identity or cost tables are missing or malformed, or whose costs are
+    not finite and non-negative (issue 39: such a profile gave raw KeyError/IndexError, or priced
+    runs with NaN or negative seconds), naming the file and the first bad entry. (A measured table
+    may hold a 0: a tiny model's MLP is the difference of two timings, clamped at 0; that every step
+    costs something is checked once the profile is built.)"""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"profile {where}: {what}; measure it again (make profile) or pick another profile")
+
+    model, machine_ = data.get("model"), data.get("machine")
+    if not isinstance(data.get("name"), str) or not isinstance(model, dict) or not isinstance(machine_, dict):
+        raise bad("it lacks its name, model or machine")
+    shape = model.get("shape")
+    if not isinstance(shape, dict) or not all(k in shape for k in ("model_type", "num_layers", "hidden_size",
+                                                                   "vocab_size", "dtype")):
+        raise bad("it does not name the model shape it was measured for (model.shape)")
+    if not all(k in machine_ for k in ("device", "hardware")):
+        raise bad("it does not name its machine (machine.device, machine.hardware)")
+
+    def walk(table: Any, depth: int, key: str) -> None:
+        if depth == 0:
+            if isinstance(table, bool) or not isinstance(table, (int, float)) or not math.isfinite(table) or table < 0:
+                raise bad(f"{key} is {table!r}, not a finite number of seconds >= 0")
+            return
+        if not isinstance(table, dict) or not table:
+            raise bad(f"{key} is missing or empty")
+        for k, v in table.items():
+            try:
+                int(k)
+            except (TypeError, ValueError):
+                raise bad(f"{key} has the key {k!r}, not a number") from None
+            walk(v, depth - 1, f"{key}[{k}]")
+
+    for name, depth in _TABLES.items():
+        if name not in ("tree", "pass") or data.get(name):  # the whole passes: a record, priced by the ops
+            walk(data.get(name), depth, name)
+    host = data.get("host")
+    if isinstance(host, bool) or not isinstance(host, (int, float)) or not math.isfinite(host) or host < 0:
+        raise bad(f"host is {host!r}, not a finite number of seconds >= 0")
+
+
 class Profile:
     """A cost profile (module docstring), as stored in its JSON file."""
 
     def __init__(self, data: dict[str, Any], path: str | None = None) -> None:
-        if data.get("format") != FORMAT:
-            raise ValueError(f"profile {path or data.get('name')}: format {data.get('format')!r}, "
+        where = path or (data.get("name") if isinstance(data, dict) else None) or "in memory"
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"profile {where}: format {found!r}, "
                              f"this selfspec reads format {FORMAT}; measure it again (make profile)")
+        _check_tables(data, where)
         self.data = data
         self.path = path
         num = lambda table: {int(k): float(v) for k, v in table.items()}  # noqa: E731
@@ -171,6 +220,9 @@ class Profile:
         self.warp_cost = {int(k): {int(v): num(row) for v, row in t.items()} for k, t in data["warp"].items()}
         self._warp = {k: {v: Curve(row) for v, row in t.items()} for k, t in self.warp_cost.items()}
         self.host = float(data["host"])
+        if not self.plain_step() > 0:  # a priced schedule divides by what a pass costs
+            raise ValueError(f"profile {where}: it prices a plain step at {self.plain_step()!r} s: measure it again "
+                             "(make profile) or pick another profile")
 
     # --- identity ------------------------------------------------------------------------------
     @property
