@@ -389,6 +389,22 @@ def test_a_run_projects_onto_a_profile_of_its_architecture_in_another_dtype(tiny
         project_run(tmp_path / "run", synthetic_profile())
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"methods": 3}'])
+def test_projecting_a_malformed_summary_names_the_file(tmp_path, text):
+    """Issue 39's probe: project on a malformed summary.json gave a raw JSONDecodeError or
+    AttributeError naming no file."""
+    from omegaconf import OmegaConf
+
+    from selfspec.project import run_projection
+
+    (tmp_path / SUMMARY).write_text(text)
+    synthetic_profile().save(tmp_path / "profiles" / "synthetic.json")
+    with pytest.raises(ValueError, match=f"{tmp_path / SUMMARY} (cannot be read as|is not) a (selfspec )?run summary"):
+        run_projection(OmegaConf.create({"inputs": [str(tmp_path)], "profile": str(tmp_path / "profiles")}))
+    with pytest.raises(ValueError, match=f"{tmp_path / SUMMARY}"):
+        project_run(tmp_path, synthetic_profile())
+
+
 def test_paper_rows_with_tau_name_the_profile_their_projection_needs():
     from selfspec.reporting.paper import paper_records
 

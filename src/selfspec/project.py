@@ -37,7 +37,7 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
     from selfspec.tracking.local import write_json
 
     with hold(run_dir, f"run directory {run_dir}"):
-        summary = json.loads((run_dir / SUMMARY).read_text())
+        summary = _summary(run_dir)
         shape = summary.get("model_shape")
         if not shape:
             raise ValueError(f"{run_dir / SUMMARY} records no model shape (a run from before the cost ledger): "
@@ -98,10 +98,23 @@ def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def _shape(run_dir: Path) -> dict[str, Any] | None:
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """A run's ``summary.json``, or a ValueError naming the file when it is not one selfspec wrote
+    (before: a raw JSONDecodeError or AttributeError naming no file)."""
     from selfspec.evaluation.runner import SUMMARY
 
-    return json.loads((run_dir / SUMMARY).read_text()).get("model_shape")
+    path = Path(run_dir) / SUMMARY
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} cannot be read as a run summary ({err}): evaluate the run again") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict) or "baseline" not in summary:
+        raise ValueError(f"{path} is not a selfspec run summary (no methods and baseline): evaluate the run again")
+    return summary
+
+
+def _shape(run_dir: Path) -> dict[str, Any] | None:
+    return _summary(run_dir).get("model_shape")
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="project", version_base="1.3")
