@@ -125,6 +125,10 @@ EVAL_BAD = [
     # issue 39: inf passed the number check, and JSON recorded the sampled run as temperature null
     (["sampling.temperature=inf"], r"sampling\.temperature=inf is not allowed: must be a finite number >= 0"),
     (["contention=inf"], r"contention=inf is not allowed: must be a finite number > 1\.0"),
+    # issue 39: a seed beyond 64 bits failed raw in torch.manual_seed, after the model had loaded
+    (["seed=18446744073709551616"], r"seed=18446744073709551616 is not allowed: must be in \[-9223372036854775808, "
+                                    r"18446744073709551615\] \(a seed of torch's generators"),
+    (["sampling.seed=-9223372036854775809"], r"sampling\.seed=-9223372036854775809 is not allowed"),
     (["sampling.top_k=-1"], r"sampling\.top_k=-1 is not allowed"),
     (["sampling.top_k=2.5"], r"sampling\.top_k=2\.5 is not allowed: must be an integer"),
     (["+sampling.top_q=0.5"], r"sampling\.top_q is not a key of sampling"),

@@ -67,6 +67,16 @@ def number(key: str, value: Any, low: float | None = None, high: float | None = 
     return v
 
 
+#: the seeds torch's generators take (``torch.manual_seed``: a 64-bit integer, signed or not)
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+def seed(key: str, value: Any) -> int:
+    """A random seed: an integer torch's generators take (:data:`SEED_RANGE`), checked before a model
+    loads (a seed beyond 64 bits failed raw in ``torch.manual_seed``, after the model had loaded)."""
+    return integer(key, value, *SEED_RANGE, why="a seed of torch's generators: a 64-bit integer")
+
+
 def probability(key: str, value: Any, *, low_open: bool = False, high_open: bool = False,
                 why: str = "") -> float:
     """A probability (or threshold on one): a number in [0, 1], ends open as asked."""

@@ -43,7 +43,7 @@ class Sampling:
         put("top_p", checks.probability("sampling.top_p", self.top_p, low_open=True,
                                         why="nucleus probability mass kept; 1 = no top-p truncation"))
         put("top_k", checks.integer("sampling.top_k", self.top_k, 0, why="0 = no top-k truncation"))
-        put("seed", checks.integer("sampling.seed", self.seed))
+        put("seed", checks.seed("sampling.seed", self.seed))
 
     @property
     def greedy(self) -> bool:

@@ -144,7 +144,7 @@ def sample_sampling(sampling: Sampling, index: int) -> Sampling:
 def _check_run_options(cfg: DictConfig) -> None:
     """The keys of conf/evaluate.yaml read outside the groups (``n_examples`` and
     ``max_new_tokens`` are checked where they are read)."""
-    checks.integer("seed", cfg.seed)
+    checks.seed("seed", cfg.seed)
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
     checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
     checks.flag("progress", cfg.progress)

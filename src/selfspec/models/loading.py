@@ -247,7 +247,7 @@ def _check_random(cfg) -> None:
     fields = {*inspect.signature(config_cls.__init__).parameters, *config_cls().to_dict(), *LEGACY_ROPE_KEYS}
     checks.known_keys("model.random", spec, fields - {"self"} | {"seed", "model_type", "norm_noise"},
                       f"{config_cls.__name__} (and model_type, seed, norm_noise)")
-    checks.integer("model.random.seed", spec.get("seed"), why="the seed of the random weights")
+    checks.seed("model.random.seed", spec.get("seed"))
     checks.optional(checks.number, "model.random.norm_noise", spec.get("norm_noise"), 0,
                     why="half-width of the uniform noise added to the norm weights")
     tokenizer = _get(cfg, "tokenizer")

@@ -106,7 +106,7 @@ def check_run(cfg) -> None:
     from selfspec.models.loading import check_model_config
     from selfspec.tracking import check_logger
 
-    checks.integer("seed", cfg.seed)
+    checks.seed("seed", cfg.seed)
     checks.optional(checks.text, "artefact_dir", cfg.artefact_dir,
                     why="null = outputs/artefacts/<kind>/<model>[-<task>]")
     check_model_config(cfg.model)

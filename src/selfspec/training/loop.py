@@ -87,7 +87,7 @@ class TrainConfig:
         self.ckpt_every = checks.integer(key("ckpt_every"), self.ckpt_every, 0, why="0 = only at the end")
         self.eval_every = checks.integer(key("eval_every"), self.eval_every, 0, why="0 = at the start and end only")
         self.log_every = checks.integer(key("log_every"), self.log_every, 1)
-        self.seed = checks.integer("seed", self.seed)
+        self.seed = checks.seed("seed", self.seed)
 
     @classmethod
     def keys(cls) -> list[str]:
