@@ -118,6 +118,8 @@ NOT_RUN = {
                                         lambda run, cmd: _check_make_target(run, "gpu-check", "scripts/gpu_check.py")),
     "make gpu-check ARGS=--dry-run": ("tests/test_gpu_check.py runs the same dry run (scripts/gpu_check.py --dry-run)",
                                       lambda run, cmd: _check_make_target(run, "gpu-check", "scripts/gpu_check.py")),
+    "make gpu-check ARGS='--budget 120'": ("needs a GPU; tests/test_gpu_check.py runs the budget on the dry run",
+                                           lambda run, cmd: _check_make_target(run, "gpu-check", "scripts/gpu_check.py")),
     "python -m selfspec.evaluate -m hydra/launcher=submitit_slurm hydra.launcher.partition=gpu "
     "hydra.launcher.gpus_per_node=1 task=xsum,gsm8k": ("submits to a Slurm cluster", _check_slurm),
 }
