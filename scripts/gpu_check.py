@@ -110,9 +110,8 @@ def capture_decoders(model, p: dict) -> dict:
     import random
 
     import torch
-    from omegaconf import OmegaConf
 
-    from selfspec.config import load_method_config
+    from selfspec.config import method_config as config
     from selfspec.decoding import build_decoder, check_method
     from selfspec.decoding.ppd import PPD
     from selfspec.decoding.tree import random_trees
@@ -120,10 +119,6 @@ def capture_decoders(model, p: dict) -> dict:
     from selfspec.prompts import PromptTokens
 
     L = model.num_layers
-
-    def config(name: str, **overrides):
-        alone = OmegaConf.create({"method": OmegaConf.to_container(load_method_config(name))})
-        return OmegaConf.create({**OmegaConf.to_container(alone, resolve=True)["method"], **overrides})
 
     def method(name: str, **overrides):
         return lambda m: build_decoder(config(name, never_slower=False, **overrides), m)
@@ -157,6 +152,7 @@ def capture_section(loaded, p: dict, deadline: float) -> dict:
     """Every method with its passes captured and eager (module docstring, section 1); methods past
     the deadline are named in ``skipped``."""
     import statistics
+    from collections import Counter
 
     import torch
 
@@ -177,30 +173,17 @@ def capture_section(loaded, p: dict, deadline: float) -> dict:
         if time.perf_counter() > deadline:
             out["skipped"].append(name)
             continue
-        before = (steps.routed, steps.missed, dict(steps.kinds), dict(steps.missed_kinds)) if steps else None
-        widths: list[int] = []
-        if steps is not None:
-            real = steps.run
-
-            def watch(model, ids, h, cache, start, layers, skip, tree=None, keep=None):
-                if tree is not None:
-                    widths.append((ids if h is None else h).shape[1])
-                return real(model, ids, h, cache, start, layers, skip, tree, keep)
-
-            steps.run = watch
+        before = ((steps.routed, steps.missed, dict(steps.kinds), dict(steps.missed_kinds), dict(steps.routed_rows))
+                  if steps else None)
         row: dict = {}
-        try:
-            for mode, model in (("captured", captured), ("eager", eager)):
-                dec = make(model)
-                dec.generate(prompt, c["new_tokens"])  # captures its graphs (and warms the eager path)
-                runs = [dec.generate(prompt, c["new_tokens"]) for _ in range(c["repeats"])]
-                sampled = dec.generate(prompt, c["new_tokens"], Sampling(temperature=0.8, top_p=0.9, seed=3))
-                row[mode] = {"s_per_token": statistics.median(r.seconds / max(r.new_tokens, 1) for r in runs),
-                             "tau": runs[0].new_tokens / max(runs[0].steps, 1), "tokens": runs[0].tokens,
-                             "sampled_tokens": sampled.tokens}
-        finally:
-            if steps is not None:
-                del steps.run
+        for mode, model in (("captured", captured), ("eager", eager)):
+            dec = make(model)
+            dec.generate(prompt, c["new_tokens"])  # captures its graphs (and warms the eager path)
+            runs = [dec.generate(prompt, c["new_tokens"]) for _ in range(c["repeats"])]
+            sampled = dec.generate(prompt, c["new_tokens"], Sampling(temperature=0.8, top_p=0.9, seed=3))
+            row[mode] = {"s_per_token": statistics.median(r.seconds / max(r.new_tokens, 1) for r in runs),
+                         "tau": runs[0].new_tokens / max(runs[0].steps, 1), "tokens": runs[0].tokens,
+                         "sampled_tokens": sampled.tokens}
         if name == "vanilla":
             reference = row["eager"]["tokens"]
         r = {"s_per_token": {m: row[m]["s_per_token"] for m in row}, "tau": row["captured"]["tau"],
@@ -208,11 +191,13 @@ def capture_section(loaded, p: dict, deadline: float) -> dict:
              "same_tokens_captured_and_eager": row["captured"]["tokens"] == row["eager"]["tokens"],
              "same_sampled_tokens_captured_and_eager": row["captured"]["sampled_tokens"] == row["eager"]["sampled_tokens"],
              "consistency": {m: _agreement(row[m]["tokens"], reference) for m in row}}
-        if widths:
-            r["tree_pass_rows"] = {"min": min(widths), "max": max(widths), "passes": len(widths)}
         if before is not None:
             r["passes"] = {"routed": steps.routed - before[0], "missed": steps.missed - before[1],
                            "kinds": _delta(steps.kinds, before[2]), "missed_kinds": _delta(steps.missed_kinds, before[3])}
+            widths = Counter(_delta(steps.routed_rows, before[4])) + Counter(r["passes"]["missed_kinds"])
+            trees = {int(k.split()[1]): n for k, n in widths.items() if k.startswith("tree ")}
+            if trees:
+                r["tree_pass_rows"] = {"min": min(trees), "max": max(trees), "passes": sum(trees.values())}
         out["methods"][name] = r
         print(f"  capture {name}: {r['s_per_token']['captured'] * 1e3:.2f} ms/token captured, "
               f"{r['eager_over_captured']:.2f}x eager; consistency {r['consistency']['captured']:.3f}; "

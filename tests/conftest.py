@@ -67,13 +67,9 @@ def prompt_ids(tiny):
 def method_config(name: str, **overrides):
     """``conf/method/<name>.yaml`` as composed (every key set there, nowhere else) with ``overrides``
     on top, as a plain (non-struct) config so that a test may also add a key the method refuses."""
-    from omegaconf import OmegaConf
+    from selfspec.config import method_config as composed
 
-    from selfspec.config import load_method_config
-
-    # resolved as the method group of a config without a task: ${oc.select:task.name,null} -> null
-    alone = OmegaConf.create({"method": OmegaConf.to_container(load_method_config(name))})
-    return OmegaConf.create({**OmegaConf.to_container(alone, resolve=True)["method"], **overrides})
+    return composed(name, **overrides)
 
 
 def decoding_keys(name: str, keys) -> dict:

@@ -147,7 +147,7 @@ def test_mkl_runs_strict_once_selfspec_is_imported():
     from selfspec.runinfo import hardware
 
     assert numerics.mode() == numerics.DEFAULT == "AUTO,STRICT"
-    assert numerics.thread_count_independent() is None
+    assert numerics.thread_dependence() is None
     assert hardware()["mkl_cbwr"] == "AUTO,STRICT" and hardware()["cpu_capability"]
     assert _run("import torch, selfspec.numerics as n; print(n.mode())") == "AUTO,STRICT"
 
@@ -170,7 +170,7 @@ def test_mkl_that_ran_before_selfspec_was_imported_is_reported():
     """MKL fixes its mode at its first call: a product before ``import selfspec`` leaves it off,
     and the report says to import selfspec first."""
     out = _run("import torch\ntorch.ones(64, 64) @ torch.ones(64, 64)\nimport selfspec.numerics as n\n"
-               "print(n.mode(), '|', n.thread_count_independent())")
+               "print(n.mode(), '|', n.thread_dependence())")
     assert out.startswith("OFF | MKL runs in the numerical reproducibility mode 'OFF'")
     assert "import selfspec before the first matrix product" in out
 

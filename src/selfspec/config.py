@@ -41,6 +41,16 @@ def compose(overrides: list[str] | None = None, config_name: str = "evaluate") -
         return hydra_compose(config_name=config_name, overrides=overrides or [], return_hydra_config=False)
 
 
+def method_config(name: str, **overrides) -> DictConfig:
+    """``conf/method/<name>.yaml`` composed and resolved on its own (no task: ``${oc.select:task.name,null}``
+    is null), with ``overrides`` on top, as a plain (non-struct) config: for a decoder built directly
+    with :func:`selfspec.decoding.build_decoder` (``scripts/gpu_check.py``, the tests)."""
+    from omegaconf import OmegaConf
+
+    alone = OmegaConf.create({"method": OmegaConf.to_container(load_method_config(name))})
+    return OmegaConf.create({**OmegaConf.to_container(alone, resolve=True)["method"], **overrides})
+
+
 def load_method_config(name: str) -> DictConfig:
     """``conf/method/<name>.yaml`` composed by Hydra (its ``defaults`` list applied), unresolved."""
     from hydra import compose as hydra_compose

@@ -18,7 +18,8 @@ the user set is kept as it is; :func:`mode` reports the mode MKL actually runs, 
 it (:func:`selfspec.runinfo.hardware`), and ``threads=adaptive`` refuses to switch thread counts
 under a mode that is not strict (:func:`selfspec.decoding.threads.adaptive_possible`).
 
-What strict mode costs was measured on the Intel machine and is in the README ("Bits on any CPU").
+What strict mode costs was measured on the Intel machine (``scripts/bench_cbwr.py``; README, "On each kind
+of CPU").
 
 The runtime's own CPU operators (the skinny linear, row-wise attention, the fused norm and rotary)
 compute each output element by one instruction sequence whatever the thread count; they need no
@@ -80,7 +81,7 @@ def mode() -> str | None:
     return f"{name},STRICT" if value & _STRICT else name
 
 
-def thread_count_independent() -> str | None:
+def thread_dependence() -> str | None:
     """Why torch's GEMM may give other bits on other thread counts here (None: it may not: no
     MKL, or MKL in strict mode)."""
     current = mode()

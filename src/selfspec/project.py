@@ -90,11 +90,12 @@ def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
         raise FileNotFoundError(f"no evaluation run (summary.json) under {', '.join(inputs)}")
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for run_dir in runs:
+        shape = _summary(run_dir).get("model_shape")
         fitting = profiles if not folder.is_dir() else [p for p in profiles
-                                                         if _architecture(p.shape) == _architecture(_shape(run_dir))]
+                                                         if _architecture(p.shape) == _architecture(shape)]
         if not fitting:
             log.warning("%s: no profile of its model shape in %s; left as it is", run_dir, folder)
-        out[str(run_dir)] = {projection_name(p, _shape(run_dir)): project_run(Path(run_dir), p) for p in fitting}
+        out[str(run_dir)] = {projection_name(p, shape or {}): project_run(Path(run_dir), p) for p in fitting}
     return out
 
 
@@ -111,10 +112,6 @@ def _summary(run_dir: Path) -> dict[str, Any]:
     if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict) or "baseline" not in summary:
         raise ValueError(f"{path} is not a selfspec run summary (no methods and baseline): evaluate the run again")
     return summary
-
-
-def _shape(run_dir: Path) -> dict[str, Any] | None:
-    return _summary(run_dir).get("model_shape")
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="project", version_base="1.3")

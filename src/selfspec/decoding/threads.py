@@ -61,9 +61,9 @@ def adaptive_possible(device: torch.device, profile) -> str | None:
         return "torch runs one thread here, so there is nothing to choose (torch.set_num_threads)"
     if profile is None:
         return "it prices steps with this machine's cost profile, and the run has none (profile=auto)"
-    from selfspec.numerics import thread_count_independent
+    from selfspec.numerics import thread_dependence
 
-    why = thread_count_independent()
+    why = thread_dependence()
     if why:
         return f"it switches thread counts mid-generation, and {why}"
     return None

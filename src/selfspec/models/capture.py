@@ -232,7 +232,8 @@ class StepRunner:
         self.missed = 0
         #: routed passes by kind: chain or tree, ``+keep``, ``/partial`` (a layer range short of the model)
         self.kinds: Counter[str] = Counter()
-        #: missed passes by the same kinds, with their widths: ``"tree 129"``
+        #: routed and missed passes by the same kinds, with their widths: ``"tree 117"``, ``"tree 129"``
+        self.routed_rows: Counter[str] = Counter()
         self.missed_kinds: Counter[str] = Counter()
 
     def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip, tree=None,
@@ -274,7 +275,9 @@ class StepRunner:
         for i in layers:
             cache.lengths[i] = start + n
         self.routed += 1
-        self.kinds[_kind(model, layers, tree, kept)] += 1
+        kind = _kind(model, layers, tree, kept)
+        self.kinds[kind] += 1
+        self.routed_rows[f"{kind} {n}"] += 1
         return out
 
     def forget(self, cache: LayerCache) -> None:

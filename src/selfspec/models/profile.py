@@ -31,6 +31,7 @@ the last measured row count.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import os
@@ -348,6 +349,12 @@ SHIPPED = Path(__file__).resolve().parent.parent / "profiles"
 def shipped() -> dict[str, Path]:
     """Profiles shipped with the package (``selfspec/profiles/*.json``), by name."""
     return {p.stem: p for p in sorted(SHIPPED.glob("*.json"))}
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_models() -> dict[str, str]:
+    """The model each shipped profile was measured for, by profile name (read once)."""
+    return {name: Profile.load(path).data["model"]["name"] for name, path in shipped().items()}
 
 
 def resolve(spec: str) -> Path:

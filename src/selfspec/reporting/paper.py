@@ -80,10 +80,10 @@ def profile_note(record: Record) -> str | None:
         return None
     if record.method == "vanilla":
         return None
-    from selfspec.models.profile import Profile, shipped
+    from selfspec.models.profile import shipped_models
 
     model = record.model
-    have = [name for name, path in shipped().items() if model and Profile.load(path).data["model"]["name"] == model]
+    have = [name for name, of in shipped_models().items() if model and of == model]
     if have:
         return f"profile of its model shape shipped: {', '.join(have)} (python -m selfspec.project)"
     hint = f"make profile MODEL={model}" if model else f"a model config of {record.paper_model}, then make profile"
