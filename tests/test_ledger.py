@@ -176,6 +176,8 @@ def test_measured_profile_of_the_tiny_model(tiny):
     assert set(p.attention) == {0, 32} and set(p.attention[0]) == {1, 2, 4, 16}
     assert all(t > 0 for row in p.attention.values() for t in row.values())
     assert p.head(1, tiny.model.vocab_size) > 0 and p.host >= 0 and p.plain_step(32) > 0
+    assert "tree" in p.host_steps and all(v >= 0 for v in p.host_steps.values())  # PPD's host work (issue 38)
+    assert "eager" not in p.data  # a CPU runs no graphs: its tables price eager passes already
     again = Profile(json.loads(json.dumps(p.data)))
     assert again.plain_step(32) == pytest.approx(p.plain_step(32))
 
@@ -453,3 +455,96 @@ def test_an_older_cached_profile_is_measured_again(tiny, tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": FORMAT - 1, "name": "old"}))
     s = _run(tiny, tmp_path / "run")
     assert s["profile"]["path"] == str(path) and Profile.load(path).data["format"] == FORMAT
+
+
+def test_eager_passes_are_priced_apart_and_withheld_without_eager_prices():
+    """Issue 38: a GPU profile is measured with CUDA graphs, so its tables price captured passes; a
+    decoding pass that ran eagerly (PPD's trees wider than every bucket: 22,973 kernel launches in
+    30 steps on an H200) cost 3x what such a profile predicted. The ledger flags eager walks; a
+    profile with eager tables prices them from those; a format-3 GPU profile with none withholds
+    the prediction, saying how many passes it cannot price, rather than pricing them as captured."""
+    from selfspec.evaluation.aggregate import _ledger
+
+    captured = {"model": {"name": "tiny", "shape": dict(SHAPE), "linear_kernel": "torch", "capture": "graphs"}}
+    trace = [{"source": "prefill", "ops": [["prefill", "L", 4, 4, 4, 0]]},
+             {"source": "plain", "ops": [["plain", "L", 1, 4, 4, 100]]},
+             {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 2, 4, 4, 100, 1]]},  # flagged eager
+             {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 129, 4, 4, 100]]}]  # a CPU trace: too wide
+    p = synthetic_profile(**captured)
+    assert [p.eager(s["ops"][0]) for s in trace] == [False, False, True, True]
+    assert p.unpriced(trace) == 2 and synthetic_profile().unpriced(trace) == 0  # a CPU profile: the same pass
+    rows = [{"ledger": {"verify": 1.0}, "trace": trace, "seconds": 1.0}]
+    withheld = _ledger(rows, 10, 0.01, p, 0.01)
+    assert withheld["predicted_speedup"] is None
+    assert withheld["ledger"]["unpriced"].startswith("2 eager decoding passes: profile synthetic was measured with CUDA graphs")
+    eager = {"attention": {"100": {"1": 20e-3, "2": 30e-3}}, "mlp": {"1": 10e-3, "2": 10e-3}}
+    q = synthetic_profile(**captured, eager=eager)
+    assert q.unpriced(trace) == 0
+    assert q.op(trace[1]["ops"][0]) == pytest.approx(4 * 2e-3 + 4 * 2e-3)  # captured: the main tables
+    assert q.op(trace[2]["ops"][0]) == pytest.approx(4 * 30e-3 + 4 * 10e-3)  # eager: the eager tables
+    assert _ledger(rows, 10, 0.01, q, 0.01)["predicted_speedup"] > 0
+
+
+def test_a_drafting_steps_host_work_is_priced_by_its_source():
+    """Issue 38: PPD's tree and candidate handling is host work the passes do not include (1-1.5 ms
+    a step on an H100). ``host_steps`` prices it per tree step and the n-gram lookup per step;
+    plain and self-drafted steps add nothing to ``host``."""
+    p = synthetic_profile(host_steps={"tree": 2e-3, "context": 0.5e-3})
+    steps = [{"source": "tree", "tree_size": 20, "ops": [["verify", "L", 1, 4, 4, 100]]},
+             {"source": "context", "ops": [["verify", "L", 1, 4, 4, 100]]},
+             {"source": "self", "ops": [["verify", "L", 1, 4, 4, 100]]}]
+    plain = synthetic_profile().predict(steps)
+    out = p.predict(steps)
+    assert out["host"] - plain["host"] == pytest.approx(2e-3 + 0.5e-3)
+    assert out["verify"] == pytest.approx(plain["verify"])
+    with pytest.raises(ValueError, match="host_steps.tree is -1"):
+        synthetic_profile(host_steps={"tree": -1})
+
+
+def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger(tiny):
+    from selfspec.models import capture
+    from selfspec.models.layered import LayeredModel
+    from selfspec.models.ledger import Ledger
+
+    static = LayeredModel(tiny.model.hf, name="tiny-static", linear_kernel=tiny.model.linear_kernel,
+                          passes=capture.StepRunner("static"))
+    cache = static.new_cache(400)
+    ids = torch.zeros(1, 200, dtype=torch.long)
+    static.ledger = Ledger(torch.device("cpu"))
+    try:
+        with torch.inference_mode():
+            static.forward(ids[:, :140], cache, start=0)  # a prefill: eager on every machine, not flagged
+            static.forward(ids[:, :20], cache)  # routed
+            static.forward(ids[:, :129], cache)  # wider than every bucket: eager
+        ops = static.ledger.take_ops()
+    finally:
+        static.ledger = None
+    assert [(op[2], len(op) > 6) for op in ops if op[1] == "L"] == [(140, False), (20, False), (129, True)]
+
+
+def test_a_projection_re_decides_the_gate_of_an_always_speculating_run(tiny, tmp_path):
+    """Issue 38: a gated run's trace holds the choices its gate made here; projected as it is, it
+    replays them (labelled so). A greedy run that always speculated holds the algorithm's steps, so
+    the projection re-decides the gate on the target profile too: where speculation costs more per
+    token than a plain step there, the gate takes plain steps and the speedup comes back to about 1;
+    where it is cheap, the gate speculates and the regated speedup is the always-speculating one."""
+    from selfspec.decoding.gate import SpeculationGate, replay
+
+    gated = _run(tiny, tmp_path / "gated")
+    here = Profile.load(gated["profile"]["path"])
+    replayed = project_run(tmp_path / "gated", here)["ngram"]
+    assert replayed["gate"].startswith("replayed: the choices its gate made on ") and "regated_speedup" not in replayed
+    _run(tiny, tmp_path / "always", "method.never_slower=false")
+    always = project_run(tmp_path / "always", here)
+    assert always["ngram"]["gate"] == "re-decided on the profile"
+    assert always["ngram"]["regated_speedup"] > 0 and "gate" not in always["vanilla"]
+    # the replay itself, on a trace of known prices (synthetic_profile: a plain step costs 4 + 4 + 4 + 0.25 ms)
+    spec = {"source": "self", "drafted": 3, "committed": 2, "ops": [["verify", "L", 4, 4, 4, 100], ["verify", "H", 4, 1000]]}
+    trace = [{"source": "prefill", "width": 100, "committed": 1, "ops": [["prefill", "L", 100, 4, 4, 0]]}] + [spec] * 40
+    dear, cheap = synthetic_profile(), synthetic_profile(attention={"0": {"1": 1e-3}, "100": {"1": 2e-3, "4": 2e-3}},
+                                                         mlp={"1": 2e-3, "4": 2e-3}, head={"1000": {"1": 4e-3, "4": 4e-3}})
+    for profile, speculating in ((dear, False), (cheap, True)):
+        out = replay(trace, SpeculationGate(profile=profile))
+        assert sum(s["committed"] for s in out[1:]) == 80
+        spec_steps = sum(s["source"] == "self" for s in out[1:])
+        assert (spec_steps > 30) == speculating, spec_steps  # cheap: all 40 (bar a probe); dear: probes only

@@ -9,6 +9,14 @@ them beside the speedup measured here. A profile of another model shape is refus
 the same architecture in another dtype is taken (a trace records what was drafted, verified and
 accepted, which is the algorithm's, not the dtype's: a float32 run on this CPU projects onto a
 GPU's bfloat16 profile), and the projection's name says so: ``<profile> (float32 trace)``.
+
+A run with the speculation gate (``never_slower``) made its plain-or-speculate choices with this
+machine's costs; projected as it is, it replays them (on a CPU where speculation seldom pays, a
+GPU projection of such a run is mostly plain steps). Its projection says so (``gate: replayed``,
+naming the machine). A greedy run of a gated method that always speculated (``never_slower=false``,
+the ``*_paper`` methods) holds the algorithm's steps, so its projection also re-decides the gate
+on the profile (:func:`selfspec.decoding.gate.replay`): ``regated_speedup`` beside the
+always-speculating ``predicted_speedup``.
 """
 
 from __future__ import annotations
@@ -50,11 +58,47 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
         except ValueError as err:  # a trace the profile cannot price (recorded by an older selfspec)
             raise ValueError(f"run {run_dir}: {err}") from None
         projected = {m: {"predicted_speedup": e["predicted_speedup"],
-                         "ledger": (e["ledger"] or {}).get("predicted")} for m, e in per_method.items()}
+                         "ledger": (e["ledger"] or {}).get("predicted")}
+                     | ({"unpriced": e["ledger"]["unpriced"]} if (e["ledger"] or {}).get("unpriced") else {})
+                     for m, e in per_method.items()}
+        _gates(summary, rows, projected, profile)
         summary.setdefault("projections", {})[projection_name(profile, shape)] = \
             projected | {"_profile": profile.summary() | {"dtype": profile.shape["dtype"], "trace_dtype": shape["dtype"]}}
         write_json(run_dir / SUMMARY, summary)
     return projected
+
+
+def _gates(summary: dict[str, Any], rows: list[dict[str, Any]], projected: dict[str, dict[str, Any]],
+           profile) -> None:
+    """Label the projections that replay this machine's gate, and re-decide the gate on ``profile``
+    for greedy runs that always speculated (module docstring)."""
+    from selfspec.decoding import decoder_class
+    from selfspec.decoding.gate import replay
+
+    configs = summary.get("method_configs") or {}
+    base = [r for r in rows if r["method"] == summary["baseline"] and r.get("trace")]
+    base_tokens = sum(r["new_tokens"] for r in base)
+    base_seconds = sum(sum(profile.predict(r["trace"]).values()) for r in base)
+    machine = (summary.get("run_info") or {}).get("hardware", {}).get("cpu") or "the machine it ran on"
+    for method, entry in projected.items():
+        cfg = configs.get(method) or {}
+        try:
+            cls = decoder_class(cfg.get("name", method))
+        except (KeyError, ValueError):
+            continue  # a peer (transformers' generate): no gate
+        if not cls.gated:
+            continue
+        if cfg.get("never_slower"):
+            entry["gate"] = f"replayed: the choices its gate made on {machine}"
+            continue
+        mine = [r for r in rows if r["method"] == method and r.get("trace")]
+        if not summary.get("greedy", True) or not mine or not base_tokens or entry.get("unpriced"):
+            continue
+        gate = cls.new_gate(profile)  # one gate over the run's examples, as a decoder keeps its own
+        seconds = sum(sum(profile.predict(replay(r["trace"], gate)).values()) for r in mine)
+        tokens = sum(r["new_tokens"] for r in mine)
+        entry["regated_speedup"] = (base_seconds / base_tokens) / (seconds / tokens) if seconds > 0 else None
+        entry["gate"] = "re-decided on the profile"
 
 
 def projection_name(profile, shape: dict[str, Any]) -> str:

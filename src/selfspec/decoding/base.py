@@ -333,7 +333,8 @@ class Decoder:
             state.count("plain_steps_gated")
             state.trace_step = StepTrace(gated=True)
         ledger = self.model.ledger
-        gate.record(speculated, len(new), gate.price(ledger.ops) if gate.deterministic and ledger is not None
+        step = state.trace_step.row() if state.trace_step is not None else None
+        gate.record(speculated, len(new), gate.price(ledger.ops, step) if gate.deterministic and ledger is not None
                     else time.perf_counter() - t0)
         return new
 

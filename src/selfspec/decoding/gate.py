@@ -190,10 +190,43 @@ class SpeculationGate(TwoArms):
         spec, plain = self.cost[True], self.cost[False]
         return spec is None or plain is None or spec < plain * (1 - self.margin)
 
-    def price(self, ops: list[list]) -> float:
-        """Predicted seconds of a step from its ledger ops, its overhead included."""
-        return self.profile.price(ops)
+    def price(self, ops: list[list], step: dict[str, Any] | None = None) -> float:
+        """Predicted seconds of a step from its ledger ops, its overhead included (and its own host
+        work by its source, ``step`` a :class:`~selfspec.decoding.base.StepTrace` row: PPD's tree)."""
+        return self.profile.price(ops) + (self.profile.host_step(step) if step else 0.0)
 
     def speculate(self) -> bool:
         """Whether the next step speculates (:meth:`TwoArms.choose`)."""
         return self.choose()
+
+
+def replay(trace: list[dict[str, Any]], gate: SpeculationGate) -> list[dict[str, Any]]:
+    """The trace a greedy run would have had with ``gate`` (pricing with its profile) deciding each
+    step, from the trace of the same run always speculating (``never_slower=false``): a projection
+    onto another machine re-decides the gate there instead of replaying the choices made here.
+
+    The always-speculating steps are taken in order while the gate speculates; a step it makes plain
+    is vanilla's (one row through every layer and the head, at the context reached) and commits one
+    token. That assumes a speculative step commits what the next unused one did, whatever plain
+    steps came before it (acceptance depends on the text, not on which arm decoded the tokens just
+    before); the tokens stop at the original trace's count. Returns the new trace (prefill first)."""
+    prefill, steps = trace[0], trace[1:]
+    total = sum(s.get("committed", 0) for s in steps)
+    shape = gate.profile.shape
+    L, vocab = shape["num_layers"], shape["vocab_size"]
+    context = prefill.get("width", 1) + prefill.get("committed", 0) - 1
+    out, done, i = [prefill], 0, 0
+    while done < total:
+        if gate.speculate() and i < len(steps):
+            step, i = dict(steps[i]), i + 1
+            speculated = step.get("drafted", 0) > 0 or step.get("source") == "tree"
+        else:
+            step = {"source": "plain", "committed": 1, "gated": True,
+                    "ops": [["plain", "L", 1, L, L, context], ["plain", "H", 1, vocab]]}
+            speculated = False
+        step["committed"] = min(step.get("committed", 0), total - done)
+        gate.record(speculated, step["committed"], gate.price(step["ops"], step))
+        done += step["committed"]
+        context += step["committed"]
+        out.append(step)
+    return out

@@ -188,8 +188,13 @@ def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profi
     if not rs or not tokens or not base_spt or any(not r.get("ledger") for r in rs):
         return {"ledger": None, "predicted_speedup": None}
     measured = {k: v / tokens / base_spt for k, v in _sum_components(r["ledger"] for r in rs).items()}
-    predicted = _predicted(rs, profile)
     ledger = {"unit": "vanilla steps per committed token", "measured": measured, "predicted": None}
+    unpriced = 0 if profile is None else sum(profile.unpriced(r.get("trace") or ()) for r in rs)
+    if unpriced:  # a captured profile with no eager prices: withheld, not priced as captured
+        ledger["unpriced"] = (f"{unpriced} eager decoding passes: profile {profile.name} was measured with CUDA "
+                              "graphs and has no eager prices (measure it again with this selfspec)")
+        return {"ledger": ledger, "predicted_speedup": None}
+    predicted = _predicted(rs, profile)
     speedup = None
     if predicted is not None and base_pspt:
         ledger["predicted"] = {k: v / tokens / base_pspt for k, v in predicted.items()}

@@ -469,17 +469,19 @@ class LayeredModel:
         return out
 
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
-                   skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                   skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None,
+                   eager: bool = False) -> torch.Tensor:
         """The layer primitive: run ``layers`` (a range or any increasing subset) over the rows of
         ``h [1, n, d]`` at the positions ``rope`` encodes, writing K/V to ``kv`` and attending under
         ``mask``; ``skip`` leaves sublayers out (Draft & Verify); ``keep`` ``{layer: out}`` copies
         the last ``len(out)`` rows of the state after each of those layers into ``out`` (early
         exit's exit-query cache, DEL's shadow tokens). Returns the states after the last layer run.
-        The walk is recorded in the :attr:`ledger` when there is one."""
+        The walk is recorded in the :attr:`ledger` when there is one (``eager``: as a decoding pass
+        that a capturing model ran eagerly)."""
         if self.ledger is not None:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
-            self._record_walk(h.shape[1], layers, skip, context)
+            self._record_walk(h.shape[1], layers, skip, context, eager)
         out = self._walk_in_cpp(h, layers, kv, rope, mask, keep, skip)
         if out is not None:
             return out
@@ -493,7 +495,7 @@ class LayeredModel:
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
 
-    def _record_walk(self, rows: int, layers, skip: SkipSet | None, context: int) -> None:
+    def _record_walk(self, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False) -> None:
         """A layer walk in the ledger: its rows, the sublayers run and the cached positions they
         attend to. A sliding layer is recorded at the whole context too: the profile's attention
         cost per context is measured over every layer, windows included, so it already averages the
@@ -504,7 +506,7 @@ class LayeredModel:
         if skip is not None:
             attention -= sum(i in skip.attn for i in layers)
             mlp -= sum(i in skip.mlp for i in layers)
-        self.ledger.layers(int(rows), attention, mlp, int(context))
+        self.ledger.layers(int(rows), attention, mlp, int(context), eager)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(self.family.norm, h)
@@ -577,7 +579,10 @@ class LayeredModel:
             if keep is not None:
                 raise ValueError("forward: checkpoint=True keeps no states (keep=...): a training pass has none to keep")
             return self._checkpointed(h, layers, cache, start, rope, mask, skip)
-        return self.run_layers(h, layers, cache, rope, mask, skip, keep)
+        # a decoding pass (the cache holds positions) that a capturing model (static or graphs) runs
+        # here ran eagerly: a profile measured with graphs prices it apart (selfspec.models.profile)
+        eager = self.steps is not None and start > 0
+        return self.run_layers(h, layers, cache, rope, mask, skip, keep, eager)
 
     def _checkpointed(self, h, layers, cache: LayerCache | None, start: int, rope, mask, skip) -> torch.Tensor:
         """:meth:`run_layers` one layer at a time under ``torch.utils.checkpoint``: backward keeps each

@@ -22,7 +22,8 @@ heads: early exit, DEL, AdaDecode), ``verify`` (the verification pass and its sc
 (PPD's choice and layout of the candidate tree) and ``host`` (the rest).
 
 An op is a short list, for a compact trace: ``[component, "L", rows, attention sublayers, MLP
-sublayers, context]``, ``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows,
+sublayers, context]`` (with a seventh entry, 1, when a model that captures its passes ran this
+walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`), ``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows,
 in features, out features]`` or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``:
 logit rows warped into the target distribution (:func:`selfspec.decoding.sampling.warp`;
 ``nucleus`` 1 when top-p sorts the vocabulary). Greedy selection (an argmax) is no op: it is part
@@ -109,16 +110,17 @@ class Ledger:
             self.current = component
 
     # --- ops -------------------------------------------------------------------------------
-    def layers(self, rows: int, attention: int, mlp: int, context: int) -> None:
+    def layers(self, rows: int, attention: int, mlp: int, context: int, eager: bool = False) -> None:
         """A layer walk of ``rows`` new rows: ``attention`` and ``mlp`` sublayers run, attending to
-        ``context`` cached positions (consecutive walks of the same shape merge)."""
+        ``context`` cached positions (consecutive walks of the same shape merge). ``eager``: the
+        model captures its passes, and this one ran eagerly (a profile prices the two apart)."""
         last = self.ops[-1] if self.ops else None
         if (last is not None and last[1] == "L" and last[0] == self.current and last[2] == rows
-                and last[5] == context):
+                and last[5] == context and (len(last) > 6) == eager):
             last[3] += attention
             last[4] += mlp
         else:
-            self.ops.append([self.current, "L", rows, attention, mlp, context])
+            self.ops.append([self.current, "L", rows, attention, mlp, context] + ([1] if eager else []))
 
     def head(self, rows: int, vocab: int) -> None:
         """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""

@@ -19,13 +19,28 @@ other machine with a profile of the same model shape:
   target distribution (temperature, and top-p when ``nucleus`` is 1: a sort of the vocabulary),
   at the full and truncated vocabularies. Top-k is priced as the warp it runs within;
 * ``host``: the seconds of a plain greedy step beyond what its ops cost measured alone: selecting
-  the token, the host sync, and what running inside a decoding loop adds to the isolated passes.
+  the token, the host sync, and what running inside a decoding loop adds to the isolated passes;
+* ``host_steps`` (optional): what a drafting step's own host work adds to ``host``, by the step's
+  source (:class:`~selfspec.decoding.base.StepTrace`): ``tree`` for PPD's candidate tree
+  (choosing it, laying it out, the prompt tokens' top-k, reading the candidates back: a few hundred
+  small device operations, 1-1.5 ms a step on an H100 against a 3.2 ms SmolLM2 step), ``context``
+  for an n-gram lookup. (By tree size it did not vary monotonically on a CPU: 1.7-5.2 ms a step for
+  mean trees of 3-13 nodes, so one figure per source is kept.)
+  Measured by running those methods (random prompt tokens and trees): the seconds of their
+  ``draft``, ``tree`` and ``host`` components less the ops priced there;
+* ``eager`` (optional): ``attention`` and ``mlp`` tables as above, measured with the static-pass
+  runner off. A profile measured with CUDA graphs (``model.capture`` ``graphs``) prices its
+  tables as captured passes; a decoding pass that ran eagerly (a ledger walk flagged so, or, in a
+  trace recorded without capture, one wider than the largest bucket) is priced from ``eager``.
+  Format-3 GPU profiles measured before it have none: :meth:`Profile.unpriced` counts the passes
+  they cannot price, and a prediction that needs them is withheld with that count rather than
+  priced as captured. On a CPU both are the same pass.
 
 A prediction charges each op to its component, and ``host`` once per step to the component of
 the step's last layer walk (the pass whose result the step waits for: ``plain``, ``verify`` or
-``prefill``), where the decoding loop's phase timers find that time too. Costs between measured
-points are interpolated linearly (in rows, then in context) and extrapolated in proportion past
-the last measured row count.
+``prefill``), where the decoding loop's phase timers find that time too; ``host_steps`` goes to
+``host``. Costs between measured points are interpolated linearly (in rows, then in context) and
+extrapolated in proportion past the last measured row count.
 """
 
 from __future__ import annotations
@@ -48,8 +63,9 @@ from selfspec.models.ledger import COMPONENTS
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "measure_profile", "model_shape"]
 
 FORMAT = 3
-#: rows measured at every context (a chain of k + 1, a tree); prefill-sized rows at context 0
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+#: rows measured at every context (a chain of k + 1, a tree: PPD's paper trees reach 120 rows);
+#: prefill-sized rows at context 0
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 PREFILL_ROWS = (64, 128, 256, 512)
 CONTEXTS = (0, 128, 512, 1024)
 #: the sampling settings whose warps ``warp`` measures, by ``nucleus`` (top-p sorts the vocabulary)
@@ -58,6 +74,10 @@ WARP_SETTINGS = {1: {"temperature": 0.6, "top_p": 0.95}, 0: {"temperature": 0.6}
 WARP_ROWS = (1, 4, 16)
 #: truncated vocabularies measured besides the full head, as fractions of it
 VOCAB_FRACTIONS = (1, 1 / 4, 1 / 16)
+#: PPD tree sizes (candidate nodes) whose host work ``host_steps`` measures
+HOST_TREE_NODES = (4, 16, 32)
+#: the ledger components where a drafting step's host work shows (tree layout, candidates, lookups)
+HOST_WORK = ("draft", "tree", "host")
 
 
 class ProfileMismatch(ValueError):
@@ -193,6 +213,16 @@ def _check_tables(data: dict[str, Any], where: str) -> None:
     host = data.get("host")
     if isinstance(host, bool) or not isinstance(host, (int, float)) or not math.isfinite(host) or host < 0:
         raise bad(f"host is {host!r}, not a finite number of seconds >= 0")
+    if data.get("eager") is not None:
+        for name, depth in (("attention", 2), ("mlp", 1)):
+            walk((data["eager"] or {}).get(name), depth, f"eager.{name}")
+    steps = data.get("host_steps")
+    if steps is not None:
+        if not isinstance(steps, dict):
+            raise bad(f"host_steps is {steps!r}, not a table")
+        for source in ("tree", "context"):
+            if source in steps:
+                walk(steps[source], 0, f"host_steps.{source}")
 
 
 class Profile:
@@ -221,6 +251,13 @@ class Profile:
         self.warp_cost = {int(k): {int(v): num(row) for v, row in t.items()} for k, t in data["warp"].items()}
         self._warp = {k: {v: Curve(row) for v, row in t.items()} for k, t in self.warp_cost.items()}
         self.host = float(data["host"])
+        #: the tables price captured passes (a GPU profile measured with graphs on)
+        self.captures = data["model"].get("capture") == "graphs"
+        eager = data.get("eager")
+        self._eager = None if not eager else (
+            {int(c): Curve(num(row)) for c, row in eager["attention"].items()}, Curve(num(eager["mlp"])))
+        #: seconds a drafting step's host work adds, by the step's source (``host_steps``)
+        self.host_steps = {k: float(v) for k, v in (data.get("host_steps") or {}).items()}
         if not self.plain_step() > 0:  # a priced schedule divides by what a pass costs
             raise ValueError(f"profile {where}: it prices a plain step at {self.plain_step()!r} s: measure it again "
                              "(make profile) or pick another profile")
@@ -261,8 +298,32 @@ class Profile:
                 "threads": m.get("threads"), "measured": self.data.get("measured")}
 
     # --- costs ---------------------------------------------------------------------------------
-    def attention_cost(self, rows: int, context: int) -> float:
-        return Curve({c: self._attention[c](rows) for c in self._contexts}, past="slope")(context)
+    def attention_cost(self, rows: int, context: int, eager: bool = False) -> float:
+        table = self._eager[0] if eager else self._attention
+        return Curve({c: curve(rows) for c, curve in table.items()}, past="slope")(context)
+
+    def eager(self, op: list) -> bool:
+        """Whether a layer walk ``op`` is priced as an eager pass apart from the captured tables: the
+        profile captures, and the walk ran eagerly (flagged in the ledger) or, in a trace recorded
+        without capture, is a decoding pass wider than the largest bucket (it would run eagerly)."""
+        if not self.captures:
+            return False
+        if len(op) > 6:
+            return bool(op[6])
+        from selfspec.models.capture import BUCKETS
+
+        return op[5] > 0 and op[2] > BUCKETS[-1]
+
+    def unpriced(self, trace: Iterable[dict[str, Any]]) -> int:
+        """Layer walks of ``trace`` this profile cannot price: eager passes, measured by a profile
+        that captures and has no eager tables (a format-3 GPU profile)."""
+        if self._eager is not None or not self.captures:
+            return 0
+        return sum(1 for step in trace for op in step.get("ops") or () if op[1] == "L" and self.eager(op))
+
+    def host_step(self, step: dict[str, Any]) -> float:
+        """What a step's own host work adds to :attr:`host` (``host_steps``), by its source."""
+        return self.host_steps.get(step.get("source"), 0.0)
 
     def head(self, rows: int, vocab: int) -> float:
         return Curve({v: cost(rows) for v, cost in self._head.items()})(vocab)
@@ -271,8 +332,10 @@ class Profile:
         """Seconds of one ledger op (:mod:`selfspec.models.ledger`)."""
         kind = op[1]
         if kind == "L":
-            _, _, rows, attention, mlp, context = op
-            return attention * self.attention_cost(rows, context) + mlp * self._mlp(rows)
+            rows, attention, mlp, context = op[2:6]
+            eager = self._eager is not None and self.eager(op)
+            return (attention * self.attention_cost(rows, context, eager)
+                    + mlp * (self._eager[1] if eager else self._mlp)(rows))
         if kind == "H":
             return self.head(op[2], op[3])
         if kind == "X":
@@ -283,13 +346,14 @@ class Profile:
         raise ValueError(f"unknown ledger op {op!r}")
 
     def price(self, ops: list[list]) -> float:
-        """Predicted seconds of one step from its ledger ops, the step's host time included."""
+        """Predicted seconds of one step from its ledger ops, the step's plain host time included."""
         return sum(self.op(op) for op in ops) + self.host
 
     def predict(self, trace: Iterable[dict[str, Any]], sampled: bool = False) -> dict[str, float]:
         """Seconds per component (:data:`~selfspec.models.ledger.COMPONENTS`) of a generation from
         its step trace (``StepTrace.row()`` dicts with their ``ops``): every op costed (a sampling
-        run's warps among them), and the profile's host time once per step. ``sampled``: the run
+        run's warps among them), and the profile's host time once per step (``host_steps`` too, by
+        the step's source). ``sampled``: the run
         sampled, so every step must carry the warp of the token it sampled; a trace recorded before
         warps were ops is refused rather than priced without them."""
         host = self.host
@@ -307,6 +371,7 @@ class Profile:
             # a step's own overhead (selecting the token, the host sync) follows its last pass
             last = next((op[0] for op in reversed(ops) if op[1] == "L"), "host")
             out[last] += host
+            out["host"] += self.host_step(step)
         return out
 
     def pass_cost(self, rows: int, context: int = 512) -> float:
@@ -429,6 +494,9 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
                 whole[context][n] = time_forward(model, cache, context, n, repeats=repeats)
         if log:
             log(f"context {context}: attention and MLP sublayers for {len(widths)} row counts")
+    eager = _measure_eager(model, rows, contexts, repeats) if model.capture == "graphs" else None
+    if log and eager:
+        log("eager attention and MLP sublayers (the static-pass runner off)")
     head = _measure_heads(model, rows + prefill_rows[:1], repeats)
     linear = _measure_linear(model, rows, repeats)
     tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
@@ -450,7 +518,7 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         "warp": {str(k): {str(v): {str(n): t for n, t in row.items()} for v, row in table.items()}
                  for k, table in _measure_warps(model, repeats).items()},
         "host": 0.0,
-    }
+    } | ({"eager": eager} if eager else {})
     data["name"] = f"{machine_name(data['machine'])}__{model.name}"
     profile = Profile(data)
     # the host time of a plain step: vanilla's measured greedy steps less what their ops cost (a
@@ -466,8 +534,83 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         model_time = sum(profile.op(op) for s in steps for op in s["ops"])
         hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
     data["host"] = profile.host = statistics.median(hosts)
+    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, repeats)
+    profile.host_steps = dict(data["host_steps"])
+    if log:
+        log(f"host work of drafting steps: {data['host_steps']}")
     data["seconds_to_measure"] = round(time.time() - started, 1)
     return profile
+
+
+def _measure_eager(model, rows: list[int], contexts: list[int], repeats: int) -> dict[str, dict]:
+    """The ``eager`` tables (module docstring): attention and MLP sublayers at decoding contexts,
+    with the static-pass runner off, as a decoding pass no bucket holds runs."""
+    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.models.layered import SkipSet
+
+    L, no_mlp, steps = model.num_layers, SkipSet.of(mlp=range(model.num_layers)), model.steps
+    attention: dict[str, dict[str, float]] = {}
+    mlp: dict[int, list[float]] = {}
+    model.steps = None
+    try:
+        for context in [c for c in contexts if c > 0]:
+            cache = context_cache(model, context, max(rows))
+            attention[str(context)] = {}
+            for n in rows:
+                full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
+                attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
+                attention[str(context)][str(n)] = attn / L
+                mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
+    finally:
+        model.steps = steps
+    return {"attention": attention, "mlp": {str(n): statistics.median(v) for n, v in mlp.items()}}
+
+
+def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int) -> dict[str, Any]:
+    """``host_steps`` (module docstring): per drafting step, the seconds beyond its priced ops and
+    ``host``: the median over generations of PPD with random prompt tokens and random trees of
+    :data:`HOST_TREE_NODES` candidates, and of the n-gram lookup on a prompt that repeats itself
+    (so it drafts)."""
+    import random
+
+    from selfspec.config import method_config
+    from selfspec.decoding import Sampling, build_decoder, check_method
+    from selfspec.decoding.ppd import PPD
+    from selfspec.decoding.tree import random_trees
+    from selfspec.prompts import PromptTokens
+
+    def extra(decoder, tokens: list[int], source: str) -> list[float]:
+        decoder.generate(tokens, new, Sampling())  # warm-up (under graphs: the captures)
+        per_step = []
+        for _ in range(max(1, repeats // 2)):
+            g = decoder.generate(tokens, new, Sampling())
+            steps = [t.row() for t in g.trace[1:]]
+            drafting = [st for st in steps if st["source"] == source]
+            if not drafting:
+                return []
+            # the time outside the passes' own components (verification, plain steps), less the
+            # model work inside it (a draft head's product): what the method does on the host
+            seconds = sum(g.ledger[k] for k in HOST_WORK)
+            priced = sum(profile.op(op) for st in steps for op in st["ops"] if op[0] in HOST_WORK)
+            per_step.append(max(0.0, (seconds - priced) / len(drafting)))
+        return per_step
+
+    options = check_method(method_config("ppd"))
+    g = torch.Generator().manual_seed(0)
+    prompts = PromptTokens((torch.randn(3, 2, model.hidden_size, generator=g) * 0.5).to(model.device, model.dtype))
+    tree: list[float] = []
+    for nodes in HOST_TREE_NODES:
+        ppd = PPD(model, prompts, random_trees(3, nodes, 10, random.Random(nodes)), ngram=None,
+                  posterior_threshold=options["posterior_threshold"], posterior_alpha=options["posterior_alpha"],
+                  state_zero=options["state_zero"])
+        tree += extra(ppd, prompt, "tree")
+    out: dict[str, Any] = {"tree": statistics.median(tree)} if tree else {}
+    segment = prompt[: max(4, len(prompt) // 8)]
+    ngram = build_decoder(method_config("ngram", never_slower=False, draft_schedule="adaptive"), model)
+    context = extra(ngram, (segment * (len(prompt) // len(segment) + 1))[: len(prompt)], "context")
+    if context:
+        out["context"] = statistics.median(context)
+    return out
 
 
 def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:

@@ -92,6 +92,8 @@ def in_words(title: str, tau: float | None, ledger: dict[str, Any], predicted_sp
     line = f"{title} {speed} = {head} ({spent})"
     if isinstance(predicted_speedup, (int, float)):
         line += f"; predicted {predicted_speedup:.2f}×"
+    elif ledger.get("unpriced"):
+        line += f"; not predicted: {ledger['unpriced']}"
     return line
 
 

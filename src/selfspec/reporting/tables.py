@@ -38,6 +38,8 @@ TOKEN_FIGURES = ("consistency", "prefix_agreement")
 SPEEDUP_CELLS = ("tps_speedup", "speedup")
 #: the cell kind of a speedup projected onto a machine profile: ``projected:<profile name>``
 PROJECTED = "projected:"
+#: the mark of a projection that is not the target machine's own (its note says why)
+UNGATED = "‡"
 
 
 def method_rank(record: Record) -> tuple[int, str, str]:
@@ -106,6 +108,20 @@ def cell_title(cell: str, task: str | None) -> str:
     return CELL_TITLE.get(cell, cell)
 
 
+def projected_cell(p: dict[str, Any]) -> str:
+    """A projection's cell (:mod:`selfspec.project`): the predicted speedup; ``gated 1.02×`` beside
+    it where the gate was re-decided on the profile; :data:`UNGATED` where it replays the gate's
+    choices made on the machine the run ran on, or where the profile cannot price the run."""
+    if p.get("unpriced"):
+        return f"not priced{UNGATED}"
+    out = _times(p.get("predicted_speedup"))
+    if isinstance(p.get("regated_speedup"), (int, float)):
+        out += f" (gated {p['regated_speedup']:.2f}×)"
+    elif str(p.get("gate", "")).startswith("replayed"):
+        out += UNGATED
+    return out
+
+
 def format_cell(cell: str, record: Record | None) -> str:
     """One cell of ``record`` (``–`` where the figure is missing)."""
     if record is None:
@@ -125,7 +141,7 @@ def format_cell(cell: str, record: Record | None) -> str:
     if cell == "predicted_speedup":
         return _times(m.get("predicted_speedup"))
     if cell.startswith(PROJECTED):
-        return _times((record.projections.get(cell[len(PROJECTED):]) or {}).get("predicted_speedup"))
+        return projected_cell(record.projections.get(cell[len(PROJECTED):]) or {})
     if cell == "ms_per_token":
         return _num(m.get("ms_per_token"), ".1f")
     if cell == "tau":
@@ -296,6 +312,13 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
                            "output distribution, so token-level consistency does not apply (n/a)")
     if any(r.metrics.get("lossless") is False for r in measured):
         table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
+    projections = [p for r in measured for p in r.projections.values()]
+    if any(str(p.get("gate", "")).startswith("replayed") for p in projections):
+        table.notes.append(f"{UNGATED} projected as it ran: the speculation gate's choices were made on the machine "
+                           "that ran it, not re-decided on the profile (project a never_slower=false run for that)")
+    if any(p.get("unpriced") for p in projections):
+        table.notes.append(f"not priced{UNGATED}: the profile has no prices for passes the run took eagerly "
+                           "(a GPU profile measured before eager prices; measure it again)")
     table.notes += list(layout.notes)
     table.warnings = loaded_warnings(measured)
     return table
