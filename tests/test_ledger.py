@@ -548,3 +548,27 @@ def test_a_projection_re_decides_the_gate_of_an_always_speculating_run(tiny, tmp
         assert sum(s["committed"] for s in out[1:]) == 80
         spec_steps = sum(s["source"] == "self" for s in out[1:])
         assert (spec_steps > 30) == speculating, spec_steps  # cheap: all 40 (bar a probe); dear: probes only
+
+
+def test_the_papers_figures_are_priced_on_the_profile_of_their_shape():
+    """Issue 38: where a paper prints τ or an acceptance rate with its speedup, the step those figures
+    imply is priced on the shipped profile of its shape, beside the paper's speedup. Draft & Verify
+    Table 3 (LLaMA-2-13B, K=2, α 0.924, 24/10 sublayers skipped): two one-row draft passes and a
+    three-row verification commit (1 - α³) / (1 - α) tokens. PPD Table 1's trees (105 and 60 rows)
+    are wider than the decoding passes the shipped GPU profiles measured (32 rows), so they are
+    not priced, and say why."""
+    from selfspec.models.profile import resolve
+    from selfspec.reporting.paper import paper_records
+
+    name = "cuda-nvidia-h100-80gb-hbm3__llama2-13b__bfloat16"
+    p = Profile.load(resolve(name))
+    dv = next(r for r in paper_records("dv_fixed_k") if r.variant == "K=2")
+    ops = [["draft", "L", 1, 16, 30, 1024], ["draft", "L", 1, 16, 30, 1025], ["draft", "H", 1, 32000],
+           ["draft", "H", 1, 32000], ["verify", "L", 3, 40, 40, 1024], ["verify", "H", 3, 32000]]
+    tokens = (1 - 0.924 ** 3) / (1 - 0.924)
+    assert dv.projections[name]["predicted_speedup"] == pytest.approx(tokens * p.plain_step(1024) / p.price(ops))
+    assert "the paper measured on an A100, the profile on NVIDIA H100" in dv.projections[name]["paper_trace"]
+    ppd = {r.paper_model: r for r in paper_records("ppd_speedup") if r.method == "ppd"}
+    seven = ppd["Vicuna-7B"].projections["cuda-nvidia-h100-80gb-hbm3__vicuna-7b__bfloat16"]
+    assert seven["predicted_speedup"] is None and seven["unpriced"].startswith("passes of 105 rows")
+    assert name in ppd["Vicuna-13B"].projections  # Vicuna-13B has Llama-2-13B's shape

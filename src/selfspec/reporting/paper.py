@@ -18,7 +18,9 @@ import yaml
 from selfspec.reporting.records import Record
 
 DATA = Path(__file__).with_name("paper_figures.yaml")
-_SETTING = ("table", "source", "paper_model", "model", "method", "task", "variant", "temperature")
+_SETTING = ("table", "source", "paper_model", "model", "method", "task", "variant", "temperature", "trace")
+#: the hardware the papers measured on, where it is not the profiles' (an H100)
+PAPER_GPU = {"ppd_speedup": "A100", "dv_fixed_k": "A100", "dv_static": "A100", "dv_text": "A100"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,11 +66,65 @@ def paper_records(table: str | None = None) -> list[Record]:
             if base is not None and base.metric("tokens_per_s"):
                 r.metrics["speedup"] = r.metrics["tokens_per_s"] / base.metrics["tokens_per_s"]
                 r.provenance["source"] += " (speedup derived from the paper's tokens/s)"
-    for r in records:
+    for r, e in zip(records, entries):
         note = profile_note(r)
         if note:
             r.provenance["source"] += f"; {note}"
+        if e.get("trace"):
+            r.projections = paper_projections(r, e["trace"])
     return records
+
+
+def paper_step(trace: dict[str, Any], shape: dict[str, Any]) -> tuple[list[list], float]:
+    """The ledger ops of one step a paper's figures imply (``paper_figures.yaml``'s ``trace``) and
+    the tokens it commits, for a model of ``shape``:
+
+    * PPD (``width``, §4: speedup = τ / L_fp): one pass of the tree's rows through every layer and
+      the head on each row; it commits τ tokens (the paper's accept length);
+    * Draft & Verify (``drafts`` K, ``skipped`` sublayers, §3-4): K one-row draft passes through the
+      layers the skip set keeps, each with the head, then a verification pass of K + 1 rows; with
+      each draft accepted with the paper's acceptance rate α until the first rejection, it commits
+      ``(1 - α^(K+1)) / (1 - α)`` tokens (the bonus token included)."""
+    L, vocab, context = shape["num_layers"], shape["vocab_size"], int(trace["context"])
+    if "width" in trace:
+        w = int(trace["width"])
+        return [["verify", "L", w, L, L, context], ["verify", "H", w, vocab]], float(trace["tau"])
+    k, (attn, mlp), alpha = int(trace["drafts"]), trace["skipped"], float(trace["acceptance_rate"])
+    ops = [["draft", "L", 1, L - attn, L - mlp, context + i] for i in range(k)]
+    ops += [["draft", "H", 1, vocab]] * k + [["verify", "L", k + 1, L, L, context], ["verify", "H", k + 1, vocab]]
+    return ops, (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def paper_projections(record: Record, trace: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{profile name: {"predicted_speedup", "paper_trace"}}``: the step a paper row's figures
+    imply (:func:`paper_step`) priced on every shipped bfloat16 profile of its model's shape, over
+    vanilla's one-row step at the same context (the profile's host time once per step each)."""
+    from selfspec.models.profile import Profile, shipped, shipped_models
+
+    model = trace.get("shape_of") or record.model
+    figures = {"tau": record.metric("tau"), "acceptance_rate": record.metric("acceptance_rate")}
+    out = {}
+    for name, of in shipped_models().items():
+        if of != model:
+            continue
+        profile = Profile.load(shipped()[name])
+        if profile.shape["dtype"] != "bfloat16":
+            continue
+        ops, tokens = paper_step({**trace, **{k: v for k, v in figures.items() if v is not None}}, profile.shape)
+        gpu = PAPER_GPU.get(record.table)
+        entry = {"paper_trace": ", ".join(f"{k} {v}" for k, v in {**figures, **trace}.items() if v is not None)
+                 + (f"; the paper measured on an {gpu}, the profile on {profile.machine['hardware']}" if gpu else "")}
+        widest = max(op[2] for op in ops if op[1] == "L")
+        if widest > profile.decoding_rows:
+            # a format-3 GPU profile measured decoding passes up to 32 rows; its wider rows are
+            # prefills (context 0, run eagerly then) and price a 60-row MLP below a 32-row one
+            entry["unpriced"] = (f"passes of {widest} rows: profile {name} measured decoding passes up to "
+                                 f"{profile.decoding_rows} rows (measure it again with this selfspec: up to 128)")
+            entry["predicted_speedup"] = None
+        else:
+            entry["predicted_speedup"] = tokens * profile.plain_step(int(trace["context"])) / profile.price(ops)
+        out[name] = entry
+    return out
 
 
 def profile_note(record: Record) -> str | None:

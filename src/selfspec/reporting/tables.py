@@ -267,7 +267,7 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
     reference = [p for p in paper if p not in matching]
     paper_by_setting = {(p.model,) + _setting_key(p, layout): p for p in matching}
     paper_groups = {p.field(layout.columns) if layout.columns else None for p in matching}
-    group_cells = [group_kinds(layout, [r for r in measured if _column(r, layout) == g])
+    group_cells = [group_kinds(layout, [r for r in measured + reference if _column(r, layout) == g])
                    + (["paper"] if g in paper_groups and matching else []) for g in groups]
     table = Table(layout=layout, groups=groups, group_cells=group_cells, blocks=[])
     pcell = _paper_cell(layout)
@@ -312,13 +312,19 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
                            "output distribution, so token-level consistency does not apply (n/a)")
     if any(r.metrics.get("lossless") is False for r in measured):
         table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
-    projections = [p for r in measured for p in r.projections.values()]
+    projections = [p for r in measured + reference for p in r.projections.values()]
+    if any(r.projections for r in reference):
+        table.notes.append("projected (paper rows): the step the paper's τ or acceptance rate implies, priced on "
+                           "the shipped profile of its model's shape (random weights of the shape, measured by "
+                           "scripts/gpu_check.py's profile section): " + "; ".join(
+                               sorted({f"{r.paper_model}: {p['paper_trace']}" for r in reference
+                                       for p in r.projections.values()})))
     if any(str(p.get("gate", "")).startswith("replayed") for p in projections):
         table.notes.append(f"{UNGATED} projected as it ran: the speculation gate's choices were made on the machine "
                            "that ran it, not re-decided on the profile (project a never_slower=false run for that)")
     if any(p.get("unpriced") for p in projections):
-        table.notes.append(f"not priced{UNGATED}: the profile has no prices for passes the run took eagerly "
-                           "(a GPU profile measured before eager prices; measure it again)")
+        reasons = sorted({p["unpriced"] for p in projections if p.get("unpriced")})
+        table.notes.append(f"not priced{UNGATED}: " + "; ".join(reasons))
     table.notes += list(layout.notes)
     table.warnings = loaded_warnings(measured)
     return table
