@@ -86,7 +86,7 @@ bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s sid
 bench-runtime: assets ## v(k), prefill, vanilla vs generate (and llama.cpp after make llamacpp), LM head share, % of memory bandwidth for MODEL
 	$(PY) scripts/bench_runtime.py --model $(MODEL) $(ARGS)
 
-profile: assets ## measure this machine's cost profile of MODEL (what each op of a step costs here; about a minute for SmolLM2 on 2 cores)
+profile: assets ## measure this machine's cost profile of MODEL (what each op of a step costs here; about 1.5 minutes for SmolLM2 on 2 cores)
 	$(PY) scripts/bench_runtime.py --model $(MODEL) --profile-only $(ARGS)
 
 # on a GPU machine: make TORCH_SPEC=torch gpu-check (README "Scale to GPUs and clusters"); ARGS=--dry-run runs

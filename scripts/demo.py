@@ -19,6 +19,8 @@ handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
    examples of each task, interleaved in one job per task        selfspec.evaluation.evaluate   (python -m selfspec.evaluate)
    then sampling runs (XSum, HumanEval: the Draft & Verify paper's temperature and top-p; vanilla,
    AdaDecode, Draft & Verify, PPD, DEL, n-gram): rows labelled "lossless (distribution)", PPD's lossy (†)
+   then every run projected onto the shipped profiles of its model's shape (the H100 and H200
+   ones among them)                              selfspec.project.run_projection (python -m selfspec.project)
 6. the runtime benchmark: v(k), prefill, vanilla vs generate, bandwidth  (make bench-runtime)
 7. tables, plots, index.html                    selfspec.report.run_report     (python -m selfspec.report)
 
@@ -256,6 +258,17 @@ class Demo:
                 evaluate(cfg, out, self.loaded)
         return sweep
 
+    def project(self, sweep: Path) -> None:
+        """The evaluation runs projected onto every shipped profile of their model's shape (the GPU
+        profiles among them), which the report shows beside the measured speedups."""
+        from selfspec.config import compose
+        from selfspec.models.profile import SHIPPED
+        from selfspec.project import run_projection
+
+        overrides = [f"inputs=[{sweep}]", f"profile={SHIPPED}"]
+        with self.step("project", "python -m selfspec.project " + " ".join(overrides)):
+            run_projection(compose(overrides, config_name="project"))
+
     def report(self, inputs: list[Path]):
         from selfspec.config import compose
         from selfspec.report import run_report
@@ -278,6 +291,7 @@ class Demo:
             self.load()
             self.train_all()
             sweep = self.evaluate()
+            self.project(sweep)
             runtime = self.runtime()
             result = self.report([sweep, runtime])
         total, cpu = time.perf_counter() - t0, time.process_time() - c0

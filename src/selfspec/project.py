@@ -160,14 +160,17 @@ def _summary(run_dir: Path) -> dict[str, Any]:
 
 @hydra.main(config_path=str(conf_dir()), config_name="project", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from selfspec.reporting.tables import UNGATED, projected_cell
+
     for run_dir, by_profile in run_projection(cfg).items():
         for name, projected in by_profile.items():
             log.info("%s projected on %s:", run_dir, name)
             for method, p in projected.items():
-                if method.startswith("_"):
-                    continue
-                s = p["predicted_speedup"]
-                log.info("  %-24s %s", method, "-" if s is None else f"{s:.2f}x")
+                if not method.startswith("_"):
+                    log.info("  %-24s %s", method, projected_cell(p))
+            if any(UNGATED in projected_cell(p) for m, p in projected.items() if not m.startswith("_")):
+                log.info("  %s: the gate's choices as made on the machine that ran it, or not priced (the "
+                         "projection's gate / unpriced say which)", UNGATED)
 
 
 if __name__ == "__main__":
