@@ -21,10 +21,13 @@ weights; both kept loaded) before the next section starts:
    device), the pass widths, and the passes the captured mode routed and missed, by kind;
 2. ``profile``: this machine's cost profile (:func:`selfspec.models.profile.measure_profile`, saved
    under the check's ``outputs/profiles/`` for ``python -m selfspec.project``; 8-18 s on an H100);
-3. ``runtime``: the runtime benchmark's figures (:func:`selfspec.evaluation.runtime.runtime_report`);
-4. ``training``: every training job for a few steps, with its peak memory, seconds and the memory
+3. ``ledger``: every method of ``capture`` again, captured, with its measured seconds beside those
+   the profile just measured predicts from its step trace (eager passes and PPD's host work priced
+   apart: issue 38's target is measured / predicted within 10% for every method), per component;
+4. ``runtime``: the runtime benchmark's figures (:func:`selfspec.evaluation.runtime.runtime_report`);
+5. ``training``: every training job for a few steps, with its peak memory, seconds and the memory
    model's estimate (:func:`selfspec.memory.estimate`);
-5. ``methods``: every method evaluated against vanilla with the artefacts just trained, captured and
+6. ``methods``: every method evaluated against vanilla with the artefacts just trained, captured and
    eager, by the evaluation runner (seconds per token, consistency, ``passes``).
 
 Plus ``settings``, ``run_info``, the load average and ``sections`` (each section's seconds, or why it
@@ -221,6 +224,44 @@ def _delta(now: dict, before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
 
 
+def ledger_section(loaded, p: dict, profile_data: dict | None, deadline: float) -> dict:
+    """Every method of :func:`capture_decoders` on the captured model: measured seconds (median of
+    the repeats) against the seconds this machine's profile predicts from the step trace, in total
+    and per component (module docstring, section 3)."""
+    import statistics
+
+    from selfspec.models.profile import Profile
+
+    if profile_data is None:
+        return {"skipped": "no profile: the profile section did not run"}
+    profile = Profile(profile_data)
+    model, c = loaded.model, p["capture"]
+    segment = list(range(10, 10 + c["prompt_segment"]))
+    prompt = segment * c["prompt_repeats"]
+    out: dict = {"profile": profile.name, "methods": {}, "skipped": []}
+    for name, make in capture_decoders(model, p).items():
+        if time.perf_counter() > deadline:
+            out["skipped"].append(name)
+            continue
+        dec = make(model)
+        dec.generate(prompt, c["new_tokens"])  # captures
+        runs = sorted((dec.generate(prompt, c["new_tokens"]) for _ in range(max(c["repeats"], 3))),
+                      key=lambda g: g.seconds)
+        g = runs[len(runs) // 2]
+        predicted = profile.predict([t.row() for t in g.trace])
+        unpriced = profile.unpriced([t.row() for t in g.trace])
+        out["methods"][name] = {"seconds": g.seconds, "predicted": sum(predicted.values()),
+                                "measured_over_predicted": g.seconds / sum(predicted.values()),
+                                "tau": g.new_tokens / max(g.steps, 1), "unpriced_passes": unpriced,
+                                "measured_ledger": g.ledger, "predicted_ledger": predicted}
+        r = out["methods"][name]
+        print(f"  ledger {name}: measured / predicted {r['measured_over_predicted']:.2f}", flush=True)
+    ratios = [r["measured_over_predicted"] for r in out["methods"].values()]
+    out["within_10_percent"] = sum(abs(x - 1) <= 0.1 for x in ratios)
+    out["median_ratio"] = statistics.median(ratios) if ratios else None
+    return out
+
+
 def profile_section(loaded, p: dict) -> dict:
     """This machine's cost profile of the model, saved where ``python -m selfspec.project`` finds it."""
     from selfspec.models.profile import measure_profile
@@ -295,6 +336,9 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
 
             gc.collect()
             loaded = load_model(compose(base).model)
+        steps = loaded.model.steps  # counted from here: the sections before ran their own passes on it
+        before = ((steps.routed, steps.captured, steps.missed, dict(steps.kinds), dict(steps.missed_kinds))
+                  if steps is not None else None)
         for method, extra in METHODS.items():
             cfg = compose([*base, f"method={method}", *extra, *p["method_overrides"].get(method, [])])
             for row in evaluate_rows(cfg, out_dir / capture / method, loaded, method):
@@ -304,10 +348,10 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
                     rows.setdefault("vanilla", {}).setdefault(capture, row)
             print(f"  {capture} {method}: {rows[method][capture]['s_per_token'] * 1e3:.2f} ms/token, "
                   f"consistency {rows[method][capture]['consistency']}", flush=True)
-        steps = loaded.model.steps
-        if steps is not None:  # which passes the static shapes took: every method's kinds, none missed
-            passes[capture] = {"routed": steps.routed, "captured": steps.captured, "missed": steps.missed,
-                               "kinds": dict(steps.kinds), "missed_kinds": dict(steps.missed_kinds)}
+        if before is not None:  # which passes the static shapes took: every method's kinds, none missed
+            passes[capture] = {"routed": steps.routed - before[0], "captured": steps.captured - before[1],
+                               "missed": steps.missed - before[2], "kinds": _delta(steps.kinds, before[3]),
+                               "missed_kinds": _delta(steps.missed_kinds, before[4])}
     captured, eager = p["captures"]
     for r in rows.values():
         if captured in r and eager in r:
@@ -316,7 +360,7 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
 
 
 #: the sections, in order of value (module docstring); each runs for every model before the next starts
-SECTIONS = ("capture", "profile", "runtime", "training", "methods")
+SECTIONS = ("capture", "profile", "ledger", "runtime", "training", "methods")
 
 
 def load_entry(model: str, overrides: list[str], p: dict) -> tuple[dict, object]:
@@ -344,6 +388,8 @@ def run_section(section: str, result: dict, loaded, p: dict, out_dir: Path, dead
         result["capture"] = capture_section(loaded, p, deadline)
     elif section == "profile":
         result.update(profile_section(loaded, p))
+    elif section == "ledger":
+        result["ledger"] = ledger_section(loaded, p, result.get("profile"), deadline)
     elif section == "runtime":
         result.update(runtime_section(loaded, p))
     elif section == "training":

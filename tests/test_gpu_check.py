@@ -60,7 +60,14 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
     assert set(passes) == {"static"} and passes["static"]["missed"] == 0
     assert {"chain", "tree", "chain/partial", "chain+keep/partial"} <= set(passes["static"]["kinds"])
     # the first section: every method built without training, captured (static here) and eager
-    assert list(tiny["sections"]) == ["capture", "profile", "runtime", "training", "methods"]
+    assert list(tiny["sections"]) == ["capture", "profile", "ledger", "runtime", "training", "methods"]
+    ledger = tiny["ledger"]  # every method's measured seconds beside the profile's prediction from its trace
+    assert ledger["profile"] == profile["name"] and not ledger["skipped"]
+    assert set(ledger["methods"]) == {"vanilla", "draft_verify", "adadecode", "del", "early_exit", "ngram",
+                                      "ppd_24_nodes"}
+    for name, r in ledger["methods"].items():
+        assert positive(r["measured_over_predicted"]) and r["unpriced_passes"] == 0, name
+        assert r["predicted"] == pytest.approx(sum(r["predicted_ledger"].values())), name
     assert report["models"]["tiny-random"]["key"] == "tiny-random"
     assert all(positive(v) for v in tiny["sections"].values()) and report["budget_seconds"] is None
     capture = tiny["capture"]

@@ -78,8 +78,9 @@ WARP_SETTINGS = {1: {"temperature": 0.6, "top_p": 0.95}, 0: {"temperature": 0.6}
 WARP_ROWS = (1, 4, 16)
 #: truncated vocabularies measured besides the full head, as fractions of it
 VOCAB_FRACTIONS = (1, 1 / 4, 1 / 16)
-#: PPD tree sizes (candidate nodes) whose host work ``host_steps`` measures
-HOST_TREE_NODES = (4, 16, 32)
+#: PPD tree sizes (candidate nodes) whose host work ``host_steps`` measures (with 3 prompt tokens,
+#: passes of up to ~20, ~60 and ~100 rows: every one within the largest bucket, so captured on a GPU)
+HOST_TREE_NODES = (4, 12, 24)
 #: the ledger components where a drafting step's host work shows (tree layout, candidates, lookups)
 HOST_WORK = ("draft", "tree", "host")
 
