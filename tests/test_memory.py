@@ -58,7 +58,7 @@ def test_a_job_that_cannot_fit_is_refused_before_the_model_loads(monkeypatch, tm
     from selfspec.train import run_job
 
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
-    monkeypatch.setattr(memory, "device_memory", lambda device: (10 * 2**20, "a fake 10 MB device"))
+    monkeypatch.setattr(memory, "device_memory", lambda device: (100 * 2**20, "a fake 100 MB device"))
 
     def no_load(cfg):
         raise AssertionError("the model was loaded")
@@ -69,7 +69,7 @@ def test_a_job_that_cannot_fit_is_refused_before_the_model_loads(monkeypatch, tm
         run_job(cfg)
     message = str(err.value)
     est = memory.estimate("heads", memory.shape_of(cfg.model), cfg, torch.float32, torch.device("cpu"))
-    assert f"{est.total / 1e9:.1f} GB" in message and "a fake 10 MB device" in message
+    assert f"{est.total / 1e9:.1f} GB" in message and "a fake 100 MB device" in message
     assert re.search(r"Lower job\.\w+", message) and est.largest().setting in message
     assert "memory_check=false" in message
     # memory_check=false skips the check (the model would then load)
@@ -106,9 +106,73 @@ def test_an_evaluation_that_cannot_fit_is_refused_before_the_model_loads(monkeyp
     from selfspec.evaluation import runner
     from selfspec.models import loading
 
-    monkeypatch.setattr(memory, "device_memory", lambda device: (10 * 2**20, "a fake 10 MB device"))
+    monkeypatch.setattr(memory, "device_memory", lambda device: (100 * 2**20, "a fake 100 MB device"))
     monkeypatch.setattr(loading, "load_model", lambda cfg: (_ for _ in ()).throw(AssertionError("loaded")))
     cfg = compose(["model=tiny-random", "task=xsum", "n_examples=1", "logger=none", "progress=false"])
-    with pytest.raises(memory.MemoryRefused, match=r"job=evaluate .*a fake 10 MB device.*memory_check=false"):
+    with pytest.raises(memory.MemoryRefused, match=r"job=evaluate .*a fake 100 MB device.*memory_check=false"):
         runner.evaluate(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def _gguf(path, drop=(), **meta):
+    """A small Llama GGUF file (metadata and zero tensors of a 2-layer, 64-wide model), with
+    metadata fields left out (``drop``) or replaced (``meta``)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    fields = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
+              "attention.head_count_kv": 2, "context_length": 256} | meta
+    w = GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        if key not in drop:
+            w.add_uint32(f"llama.{key}", value)
+    w.add_token_list([f"t{i}".encode() for i in range(100)])
+    d, f, kv = 64, 128, 32
+    shapes = {"token_embd.weight": (100, d), "output_norm.weight": (d,)}
+    for i in range(2):
+        shapes |= {f"blk.{i}.attn_q.weight": (d, d), f"blk.{i}.attn_k.weight": (kv, d),
+                   f"blk.{i}.attn_v.weight": (kv, d), f"blk.{i}.attn_output.weight": (d, d),
+                   f"blk.{i}.ffn_gate.weight": (f, d), f"blk.{i}.ffn_up.weight": (f, d),
+                   f"blk.{i}.ffn_down.weight": (d, f), f"blk.{i}.attn_norm.weight": (d,),
+                   f"blk.{i}.ffn_norm.weight": (d,)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_files_shape_is_read_from_its_metadata(tmp_path):
+    cfg = compose(["model=smollm2-135m", f"model.gguf_path={_gguf(tmp_path / 'ok.gguf')}"]).model
+    assert memory.shape_of(cfg) == memory.Shape(2, 64, 128, 4, 2, 16, 100, True)
+
+
+@pytest.mark.parametrize("drop,meta,message", [
+    (("feed_forward_length",), {}, r"llama\.feed_forward_length is missing"),
+    ((), {"attention.head_count": 0}, r"llama\.attention\.head_count is 0, not a positive whole number"),
+    (("block_count",), {}, r"llama\.block_count is missing"),
+    ((), {"attention.head_count": 3}, r"llama\.attention\.head_count 3 does not divide llama\.embedding_length 64"),
+    ((), {"feed_forward_length": 1_000_000}, r"its metadata describes .* parameters, its tensors hold 80,448"),
+])
+def test_a_gguf_file_with_bad_metadata_is_refused_by_name_before_the_model_loads(tmp_path, drop, meta, message):
+    """Issue 39's probe: the memory check read GGUF metadata before checking it: missing or zero
+    fields gave raw TypeError / KeyError / ZeroDivisionError, and a lying feed_forward_length got
+    "needs 1472.5 GB, lower the task's prompts". Now one message names the file and the field."""
+    path = _gguf(tmp_path / "bad.gguf", drop, **meta)
+    cfg = compose(["model=smollm2-135m", f"model.gguf_path={path}"]).model
+    with pytest.raises(ValueError, match=f"GGUF file {path}: {message}"):
+        memory.shape_of(cfg)
+
+
+def test_weights_that_cannot_fit_are_not_blamed_on_the_prompts(monkeypatch):
+    """Issue 39: a model whose weights alone exceed the device was told to lower the task's prompts,
+    and a huge max_new_tokens was too; each now names what would help."""
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2 * 2**20, "a fake 2 MB device"))
+    cfg = compose(["model=tiny-random", "task=xsum"])
+    with pytest.raises(memory.MemoryRefused, match=r"the weights alone .* more than a fake 2 MB device.*model\.dtype"):
+        memory.check_fits("evaluate", cfg, 100, prompt=64)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (60 * 2**20, "a fake 60 MB device"))
+    with pytest.raises(memory.MemoryRefused, match=r"Lower max_new_tokens"):
+        memory.check_fits("evaluate", cfg, 64 + 1_000_000, prompt=64)

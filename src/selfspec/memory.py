@@ -119,18 +119,46 @@ SIZES = {
 
 
 def _gguf_shape(path: Path, name: str) -> Shape:
-    """A GGUF file's shape from its metadata (no tensor read)."""
+    """A GGUF file's shape from its metadata (no tensor read), each field checked (issue 39: a missing
+    or zero field gave a raw TypeError or ZeroDivisionError, and a lying ``feed_forward_length`` a
+    1,472 GB estimate blamed on the prompts): present, a positive whole number, the heads dividing the
+    width, and the parameters the metadata describes those the tensors hold (within 1%)."""
     from selfspec.models.loading import _gguf_value, _read_gguf
 
     reader = _read_gguf(path, name)
     arch = _gguf_value(reader, "general.architecture")
-    get = lambda k: _gguf_value(reader, f"{arch}.{k}")  # noqa: E731
-    d, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    return Shape(layers=int(get("block_count")), hidden=d, intermediate=int(get("feed_forward_length")), heads=heads,
-                 kv_heads=int(get("attention.head_count_kv") or heads),
-                 head_dim=int(get("attention.key_length") or d // heads),
-                 vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
-                 tied=not any(t.name == "output.weight" for t in reader.tensors), bias=arch == "qwen2")
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"model config {name!r}: GGUF file {path}: {what}: not a model file selfspec can size; "
+                          "fetch it again (make assets) or point model.gguf_path at another file")
+
+    def get(key: str, optional: bool = False) -> int | None:
+        value = _gguf_value(reader, f"{arch}.{key}")
+        if value is None and optional:
+            return None
+        if value is None:
+            raise bad(f"{arch}.{key} is missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise bad(f"{arch}.{key} is {value!r}, not a positive whole number")
+        return value
+
+    d, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", optional=True)
+    if head_dim is None and d % heads:
+        raise bad(f"{arch}.attention.head_count {heads} does not divide {arch}.embedding_length {d}")
+    kv_heads = get("attention.head_count_kv", optional=True) or heads
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or not tokens.data:
+        raise bad("tokenizer.ggml.tokens is missing")
+    shape = Shape(layers=get("block_count"), hidden=d, intermediate=get("feed_forward_length"), heads=heads,
+                  kv_heads=kv_heads, head_dim=head_dim or d // heads, vocab=len(tokens.data),
+                  tied=not any(t.name == "output.weight" for t in reader.tensors), bias=arch == "qwen2")
+    held = sum(int(t.n_elements) for t in reader.tensors)
+    if held and abs(shape.params - held) > 0.01 * held:
+        raise bad(f"its metadata describes {shape.params:,} parameters, its tensors hold {held:,} "
+                  f"({arch}.block_count {shape.layers}, embedding_length {d}, feed_forward_length "
+                  f"{shape.intermediate}, attention.head_count {heads}, head_count_kv {kv_heads})")
+    return shape
 
 
 def shape_of(model_cfg) -> Shape:
@@ -268,15 +296,20 @@ def _vocab_terms(s: Shape, j, b: int) -> list[list[Term]]:
     ]
 
 
-def _evaluate_terms(s: Shape, cfg, b: int, context: int) -> list[list[Term]]:
+def _evaluate_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """The cache of the longest sequence (``context``: prompt and new tokens) and the prompt's prefill
+    (``prompt`` rows; the whole context when not given)."""
+    prompt = context if prompt is None else min(prompt, context)
     return [[
-        Term("cache", context * s.kv_per_token * b, "max_new_tokens / the task's prompts"),
-        Term("prefill", _layer(s, context, b) + _scores(s, context, context, b) + s.vocab * 4,
+        Term("cache", context * s.kv_per_token * b,
+             "max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)"),
+        Term("prefill", _layer(s, prompt, b) + _scores(s, prompt, prompt, b) + s.vocab * 4,
              "the task's prompts"),
     ]]
 
 
-def terms(job: str, shape: Shape, cfg, dtype_bytes: int, context: int = EVAL_CONTEXT) -> list[list[Term]]:
+def terms(job: str, shape: Shape, cfg, dtype_bytes: int, context: int = EVAL_CONTEXT,
+          prompt: int | None = None) -> list[list[Term]]:
     """A job's terms beside the weights, by phase (the phases run one after the other; the peak is the
     largest phase). ``cfg``: the composed ``train`` config (``evaluate``: the evaluation config)."""
     b = dtype_bytes
@@ -291,7 +324,7 @@ def terms(job: str, shape: Shape, cfg, dtype_bytes: int, context: int = EVAL_CON
     if job == "draft_vocab":
         return _vocab_terms(shape, cfg.job, b)
     if job == "evaluate":
-        return _evaluate_terms(shape, cfg, b, context)
+        return _evaluate_terms(shape, cfg, b, context, prompt)
     raise ValueError(f"no memory model of job {job!r}; one of {', '.join(JOBS)}")
 
 
@@ -337,13 +370,13 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def estimate(job: str, shape: Shape, cfg, dtype: torch.dtype, device: torch.device,
-             context: int = EVAL_CONTEXT) -> Estimate:
+             context: int = EVAL_CONTEXT, prompt: int | None = None) -> Estimate:
     """The estimated peak of ``job`` for a model of ``shape`` in ``dtype`` on ``device`` (CPU: resident
     memory, the process included; CUDA: ``max_memory_allocated``)."""
     fit = FIT[job]
     b = dtype_bytes(dtype)
     phases = [[Term(t.name, t.bytes * (fit["s"] if t.activation else 1.0), t.setting, t.activation) for t in phase]
-              for phase in terms(job, shape, cfg, b, context)]
+              for phase in terms(job, shape, cfg, b, context, prompt)]
     parts = max(phases, key=lambda p: sum(t.bytes for t in p))
     return Estimate(job, shape.params * b, fit["runtime"] if torch.device(device).type == "cpu" else 0.0, parts)
 
@@ -361,18 +394,26 @@ def device_memory(device: torch.device) -> tuple[float, str]:
     return int(m.group(1)) * 1024, "the CPU's available memory (MemAvailable)"
 
 
-def check_fits(job: str, cfg, context: int = EVAL_CONTEXT) -> Estimate | None:
+def check_fits(job: str, cfg, context: int = EVAL_CONTEXT, prompt: int | None = None) -> Estimate | None:
     """Refuse ``job`` before its model loads when its estimated peak exceeds the device's memory
     (``memory_check=false`` skips the check). ``context``: an evaluation's longest sequence (prompt and
-    new tokens). Returns the estimate (None when skipped)."""
+    new tokens), ``prompt`` its longest prompt. Returns the estimate (None when skipped). The message
+    names what would help: the setting that scales the largest part, or, where the weights alone do
+    not fit, the dtype or a larger device."""
     from selfspec.models.loading import resolve_device, resolve_dtype
 
     if not checks.flag("memory_check", cfg.memory_check):
         return None
     device = resolve_device(str(cfg.model.device))
     dtype = resolve_dtype(str(cfg.model.dtype), device)
-    est = estimate(job, shape_of(cfg.model), cfg, dtype, device, context)
+    est = estimate(job, shape_of(cfg.model), cfg, dtype, device, context, prompt)
     have, what = device_memory(device)
+    if est.weights > have:
+        raise MemoryRefused(
+            f"job={job} with model={cfg.model.name} in {str(dtype).replace('torch.', '')}: the weights alone need "
+            f"an estimated {est.weights / GB:.2f} GB, more than {what} "
+            f"({have / GB:.1f} GB). Choose a smaller model, a smaller model.dtype, or a larger device; "
+            "memory_check=false runs it anyway.")
     if est.total > have:
         big = est.largest()
         raise MemoryRefused(

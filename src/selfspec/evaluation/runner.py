@@ -415,7 +415,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     if loaded is None:  # its estimated peak against the device's memory, before the model loads
         from selfspec.memory import EVAL_CONTEXT, check_fits
 
-        check_fits("evaluate", cfg, (getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT) + plan.budget)
+        prompt = getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT
+        check_fits("evaluate", cfg, prompt + plan.budget, prompt)
     out_dir = Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
