@@ -257,3 +257,25 @@ def test_a_random_model_of_an_unsupported_family_is_refused_before_loading():
     cfg = OmegaConf.merge(model_config("tiny-qwen3"), {"random": {"head_dimm": 8}})
     with pytest.raises(ConfigError, match=r"model\.random\.head_dimm is not a key of Qwen3Config"):
         check_model_config(cfg)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"hidden_size": -64}, r"model\.random\.hidden_size=-64 is not allowed: must be >= 1"),
+    ({"num_hidden_layers": 0}, r"model\.random\.num_hidden_layers=0 is not allowed: must be >= 1"),
+    ({"intermediate_size": 1.5}, r"model\.random\.intermediate_size=1\.5 is not allowed: must be an integer"),
+    ({"num_attention_heads": 3}, r"model\.random\.num_attention_heads=3 is not allowed: must divide model\.random\.hidden_size=64"),
+    ({"num_key_value_heads": 3}, r"model\.random\.num_key_value_heads=3 is not allowed: must divide model\.random\.num_attention_heads=4"),
+    ({"vocab_size": -1}, r"model\.random\.vocab_size=-1 is not allowed: must be >= 1"),
+])
+def test_a_random_model_with_impossible_sizes_is_refused_before_loading(fields, message):
+    """Issue 39's probe: model.random.hidden_size=-64 or num_attention_heads=3 with hidden 64 failed
+    raw inside transformers (or in the memory check's arithmetic). Now refused by key."""
+    from omegaconf import OmegaConf
+
+    from selfspec.checks import ConfigError
+    from selfspec.config import model_config
+    from selfspec.models.loading import check_model_config
+
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"random": fields})
+    with pytest.raises(ConfigError, match=message):
+        check_model_config(cfg)

@@ -248,6 +248,7 @@ def _check_random(cfg) -> None:
     checks.known_keys("model.random", spec, fields - {"self"} | {"seed", "model_type", "norm_noise"},
                       f"{config_cls.__name__} (and model_type, seed, norm_noise)")
     checks.seed("model.random.seed", spec.get("seed"))
+    _check_random_sizes(spec)
     checks.optional(checks.number, "model.random.norm_noise", spec.get("norm_noise"), 0,
                     why="half-width of the uniform noise added to the norm weights")
     tokenizer = _get(cfg, "tokenizer")
@@ -255,6 +256,25 @@ def _check_random(cfg) -> None:
         checks.choice("model.tokenizer", tokenizer, group_options("model"), why="a model config of conf/model/")
     elif spec.get("vocab_size") is None:
         raise checks.ConfigError("model.random needs vocab_size or model.tokenizer=<model config name>")
+
+
+#: a random model's sizes: each a positive integer where given (issue 39: -64 failed raw in transformers)
+RANDOM_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+
+
+def _check_random_sizes(spec) -> None:
+    """``model.random``'s sizes: positive integers; the heads dividing the width (unless ``head_dim``
+    is given) and the key-value heads dividing the heads (grouped-query attention)."""
+    sizes = {k: checks.integer(f"model.random.{k}", spec.get(k), 1) for k in RANDOM_SIZES if spec.get(k) is not None}
+    heads, width = sizes.get("num_attention_heads"), sizes.get("hidden_size")
+    if heads and width and "head_dim" not in sizes and width % heads:
+        raise checks.refuse("model.random.num_attention_heads", heads, f"must divide model.random.hidden_size={width}",
+                            "each head takes an equal share of the width; or give model.random.head_dim")
+    kv = sizes.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise checks.refuse("model.random.num_key_value_heads", kv, f"must divide model.random.num_attention_heads={heads}",
+                            "grouped-query attention shares each key-value head among equal groups")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
