@@ -85,6 +85,26 @@ def test_bad_local_file_stops_training_before_the_model_loads(tmp_path, no_model
         run_job(cfg)
 
 
+@pytest.mark.parametrize("name,data,message", [
+    ("latin1.jsonl", json.dumps(GOOD).replace("Some", "Caf\u00e9").encode("latin-1"),
+     r"latin1\.jsonl: not UTF-8 text \(byte 0xe9 at offset \d+\)"),
+    ("corrupt.jsonl.gz", b"\x1f\x8b\x08\x00not really gzip data",
+     r"corrupt\.jsonl\.gz: cannot be decompressed as gzip"),
+    ("plain.jsonl.gz", json.dumps(GOOD).encode(), r"plain\.jsonl\.gz: cannot be decompressed as gzip"),
+])
+def test_undecodable_data_files_are_named(tmp_path, name, data, message):
+    """Issue 39's probe: non-UTF-8 text and a corrupt .gz gave a raw UnicodeDecodeError /
+    BadGzipFile naming no file; now one TaskDataError names it and says what it is not."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(TaskDataError, match=message):
+        build_task({"name": "xsum", "source": "local", "data_files": str(path)}).examples()
+    from selfspec.tasks.task import read_jsonl
+
+    with pytest.raises(TaskDataError, match=message):
+        read_jsonl(path, {"document": str})
+
+
 def test_json_array_file_is_read_like_json_lines(tmp_path):
     rows = [{"id": str(i), "document": f"Doc {i}.", "summary": f"S {i}."} for i in range(4)]
     array = _file(tmp_path, "a.json", json.dumps(rows, indent=2))

@@ -33,6 +33,7 @@ import glob
 import gzip
 import json
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,8 +129,23 @@ Required = Mapping[str, type | tuple[type, ...]]
 Problem = Callable[[dict[str, Any]], str | None]
 
 
-def _open(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+def _read_text(path: Path) -> str:
+    """A data file's text (``.gz`` decompressed), or a :class:`TaskDataError` naming the file when it
+    is not UTF-8 or not gzip (issue 39: a raw UnicodeDecodeError or BadGzipFile named no file)."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            data = Path(path).read_bytes()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise TaskDataError(f"{path}: cannot be decompressed as gzip ({err}); give the plain file, or "
+                            "compress it again") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TaskDataError(f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                            "convert it, e.g. iconv -f latin1 -t utf-8") from None
 
 
 def read_jsonl(path: Path, required: Required, skip_comments: bool = False,
@@ -139,8 +155,7 @@ def read_jsonl(path: Path, required: Required, skip_comments: bool = False,
     Blank lines are skipped, and lines starting with ``#`` too when ``skip_comments``.
     Raises :class:`TaskDataError` naming the file, the line and the field at fault.
     """
-    with _open(path) as f:
-        return _jsonl_records(f, path, required, skip_comments, problem)
+    return _jsonl_records(_read_text(path).splitlines(), path, required, skip_comments, problem)
 
 
 def _jsonl_records(lines: Iterable[str], path: Path, required: Required, skip_comments: bool,
@@ -181,8 +196,7 @@ def read_records(path: Path, required: Required, problem: Problem | None = None,
     other JSON layout raises :class:`TaskDataError` naming the file, and a bad record the line
     (JSON lines) or the index (array) and the field.
     """
-    with _open(path) as f:
-        text = f.read()
+    text = _read_text(path)
     layout = f"JSON lines or a JSON array of objects with the fields {', '.join(required)}"
     if not text.strip():
         raise TaskDataError(f"{path}: the file is empty; expected {layout}")
