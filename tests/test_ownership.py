@@ -305,6 +305,12 @@ def test_artefact_metadata_is_strict_json(tiny, heads_artefact):
     ({"methods": {"vanilla": {"tokens_per_s": "fast", "speedup": 1.0}}},
      "field 'methods.vanilla.tokens_per_s' is 'fast', not a number"),
     ({"methods": {"vanilla": {"lossless": "yes"}}}, "field 'methods.vanilla.lossless' is 'yes', not true or false"),
+    # issue 39's probe: one malformed spoiled record aborted the whole report (KeyError: 'excess')
+    ({"methods": {"vanilla": {"speedup": 1.0}}, "contention": {"ratio": 1.0, "threshold": 1.5, "flagged": True,
+                                                             "spoiled": [{"method": "vanilla", "id": "a"}]}},
+     "field 'contention.spoiled[0]' lacks a number 'excess'"),
+    ({"methods": {"vanilla": {"speedup": 1.0}}, "contention": {"ratio": "high", "flagged": True}},
+     "field 'contention.ratio' is 'high', not a number"),
 ])
 def test_malformed_summaries_are_skipped_with_one_line_naming_file_and_field(tmp_path, caplog, summary, field):
     """Reproduction: a summary.json holding ``[]`` raised a raw AttributeError; ``tokens_per_s:

@@ -347,6 +347,29 @@ def check_summary(summary: Any) -> None:
     for key in ("contention", "profile", "projections"):
         if summary.get(key) is not None and not isinstance(summary[key], dict):
             raise MalformedSummary(f"field '{key}' is not an object")
+    _check_contention(summary.get("contention"))
+
+
+def _check_contention(contention: dict[str, Any] | None) -> None:
+    """The contention check's record, as :func:`~selfspec.reporting.ledger.contention_warning` reads
+    it (issue 39: a spoiled generation without its ``excess`` aborted the whole report)."""
+    if not contention:
+        return
+    for key in ("ratio", "threshold"):
+        v = contention.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise MalformedSummary(f"field 'contention.{key}' is {v!r}, not a number")
+    spoiled = contention.get("spoiled") or []
+    if not isinstance(spoiled, list):
+        raise MalformedSummary("field 'contention.spoiled' is not a list")
+    for i, g in enumerate(spoiled):
+        if not isinstance(g, dict):
+            raise MalformedSummary(f"field 'contention.spoiled[{i}]' is not an object")
+        excess = g.get("excess")
+        if isinstance(excess, bool) or not isinstance(excess, (int, float)):
+            raise MalformedSummary(f"field 'contention.spoiled[{i}]' lacks a number 'excess'")
+        if not all(k in g for k in ("method", "id")):
+            raise MalformedSummary(f"field 'contention.spoiled[{i}]' lacks its 'method' or 'id'")
 
 
 def read_run(run_dir: str | Path) -> list[Record]:
