@@ -327,3 +327,71 @@ def test_malformed_summaries_are_skipped_with_one_line_naming_file_and_field(tmp
     assert not result.records and not result.tables
     assert f"skipping {run / 'summary.json'}: {field}" in caplog.text
     assert "nothing to report: no readable evaluation summary (summary.json) under" in caplog.text
+
+
+def test_a_directory_that_cannot_be_made_is_refused_by_key_before_anything_is_written(tmp_path):
+    """Issue 39's probe: a run or artefact directory at an existing file, or under a read-only
+    parent, gave a raw FileExistsError / OSError naming no key; the artefact's lock file was created
+    before the writability check. Now the directory is checked first, by key, and nothing is left."""
+    from selfspec.tracking import check_directory
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(FileExistsError, match=f"artefact_dir={afile} is an existing file, not a directory"):
+        check_directory(afile, "artefact_dir")
+    with pytest.raises(NotADirectoryError, match=f"hydra.run.dir={afile / 'run'} lies under the file {afile}"):
+        check_directory(afile / "run", "hydra.run.dir")
+    check_directory(tmp_path / "new" / "deeper", "artefact_dir")  # makes nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    base = Path(tempfile.mkdtemp(prefix="selfspec-ro-"))
+    try:
+        base.chmod(0o755)
+        ro = base / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        message = as_another_user(lambda: check_directory(ro / "A" / "B", "artefact_dir"))
+        assert message == (f"PermissionError: cannot write to {ro} (Permission denied): choose a writable "
+                           "directory for artefact_dir")
+    finally:
+        shutil.rmtree(base)
+
+
+def test_training_into_a_file_is_refused_before_the_lock_or_the_model(tmp_path, monkeypatch):
+    from selfspec.models import loading
+    from selfspec.train import run_job
+
+    monkeypatch.setattr(loading, "load_model", lambda cfg: (_ for _ in ()).throw(AssertionError("loaded")))
+    afile = tmp_path / "A"
+    afile.write_text("mine")
+    cfg = compose(["job=heads", "model=tiny-random", "logger=none", "progress=false", f"artefact_dir={afile}"],
+                  "train")
+    with pytest.raises(FileExistsError, match=f"artefact_dir={afile} is an existing file"):
+        run_job(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["A"] and afile.read_text() == "mine"  # no lock file
+
+
+def test_evaluating_into_a_file_is_refused_before_the_model(tmp_path, monkeypatch):
+    from selfspec.evaluation import evaluate
+    from selfspec.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda cfg: (_ for _ in ()).throw(AssertionError("loaded")))
+    afile = tmp_path / "run"
+    afile.write_text("mine")
+    cfg = compose(["model=tiny-random", "task=xsum", "n_examples=1", "logger=none", "progress=false"])
+    with pytest.raises(FileExistsError, match=f"hydra.run.dir={afile} is an existing file"):
+        evaluate(cfg, afile)
+    with pytest.raises(NotADirectoryError, match=f"hydra.run.dir={afile / 'x'} lies under the file"):
+        evaluate(cfg, afile / "x")
+
+
+def test_the_command_line_refuses_a_run_directory_at_a_file_before_hydra_makes_it(tmp_path):
+    """``hydra.run.dir=<a file>``: Hydra makes the run directory before any selfspec code runs, and
+    failed with a raw FileExistsError; the command line is checked first."""
+    afile = tmp_path / "run"
+    afile.write_text("mine")
+    proc = subprocess.run([sys.executable, "-m", "selfspec.evaluate", "model=tiny-random", "task=xsum",
+                           "logger=none", f"hydra.run.dir={afile}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (f"FileExistsError: hydra.run.dir={afile} is an existing file, "
+                                                    "not a directory: choose a directory")
+    assert afile.read_text() == "mine"

@@ -54,4 +54,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from selfspec.tracking import check_run_dir_argument
+
+    check_run_dir_argument(sys.argv[1:])
     main()

@@ -41,7 +41,7 @@ from selfspec.evaluation.aggregate import common_rows, contention, generation_ke
 from selfspec.models.capture import BUCKETS
 from selfspec.models.profile import machine, model_shape
 from selfspec.locks import hold
-from selfspec.tracking import (ResultsFile, Tracker, check_writable, open_run_log, save_hydra_files, start_run,
+from selfspec.tracking import (ResultsFile, Tracker, check_directory, check_writable, open_run_log, save_hydra_files, start_run,
                                to_jsonable, write_json)
 
 log = logging.getLogger(__name__)
@@ -418,6 +418,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
         prompt = getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT
         check_fits("evaluate", cfg, prompt + plan.budget, prompt)
     out_dir = Path(out_dir)
+    check_directory(out_dir, "hydra.run.dir")
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -176,6 +176,22 @@ def check_writable(directory: str | Path, what: str) -> None:
                               f"directory for {what}") from None
 
 
+def check_directory(path: str | Path, key: str) -> None:
+    """Refuse, naming ``key``, a directory that cannot be made or written (issue 39: an existing file
+    there, or a read-only parent, gave a raw FileExistsError or OSError naming no key, after a lock
+    file had been created): ``path`` must be a directory or not exist yet, and the nearest existing
+    directory on its way must take a new file. Nothing is created."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{key}={path} is an existing file, not a directory: choose a directory")
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{key}={path} lies under the file {ancestor}: choose a directory")
+    check_writable(ancestor, key)
+
+
 class RunLogHandler(logging.Handler):
     """Hydra's job log file (``conf/hydra/job_logging/selfspec.yaml``), opened only when the job
     owns its directory (:func:`open_run_log`): until then records are held in memory, so a run that

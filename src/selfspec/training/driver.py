@@ -147,7 +147,7 @@ def run(job: Job, cfg, loaded=None) -> dict:
     """Prepare, lock, load, track, run the objective, save, report; the job's summary."""
     from selfspec.locks import artefact_lock, hold
     from selfspec.models.loading import model_for
-    from selfspec.tracking import check_writable, hydra_output_dir, open_run_log, start_run
+    from selfspec.tracking import check_directory, check_writable, hydra_output_dir, open_run_log, start_run
 
     from selfspec.memory import check_fits
 
@@ -155,6 +155,7 @@ def run(job: Job, cfg, loaded=None) -> dict:
     if loaded is None:  # its estimated peak checked against the device's memory before the model loads
         check_fits(str(cfg.job.name), cfg)
     out = artefact_dir(job, cfg, opts)
+    check_directory(out, "artefact_dir")  # before its lock file is made beside it
     with hold(artefact_lock(out), f"artefact directory {out}"):
         check_writable(out.parent, "the artefact (artefact_dir=...)")
         run_dir = hydra_output_dir()
