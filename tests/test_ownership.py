@@ -395,3 +395,28 @@ def test_the_command_line_refuses_a_run_directory_at_a_file_before_hydra_makes_i
     assert proc.stderr.strip().splitlines()[-1] == (f"FileExistsError: hydra.run.dir={afile} is an existing file, "
                                                     "not a directory: choose a directory")
     assert afile.read_text() == "mine"
+
+
+def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
+    """Issue 39's probe: a full disk gave a raw ``OSError [Errno 28]`` naming no file (nothing was
+    lost, and the run resumed). Each write now names its file; what was there stays."""
+    import errno
+
+    from selfspec.tracking import write_json
+
+    results = ResultsFile(tmp_path / "results.jsonl")
+    results.append({"id": "a"})
+    write_json(tmp_path / "summary.json", {"n": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=f"no space left on the device writing {tmp_path / 'results.jsonl'} .* "
+                                      r"run the same command again \(a run resumes where it stopped\)"):
+        results.append({"id": "b"})
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match=f"no space left on the device writing {tmp_path / 'summary.json'}"):
+        write_json(tmp_path / "summary.json", {"n": 2})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"n": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.json"]  # no temporary left

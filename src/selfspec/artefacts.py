@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.tracking.local import to_jsonable
+from selfspec.tracking.local import disk_space, to_jsonable
 
 META = "meta.json"
 TENSORS = "tensors.safetensors"
@@ -90,9 +90,10 @@ def save_artefact(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
-        # strict JSON for every reader: NaN and infinities become null
-        (tmp / META).write_text(json.dumps(to_jsonable(meta), indent=2, allow_nan=False))
+        with disk_space(path):  # a full disk names the artefact; the one already there stays
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+            # strict JSON for every reader: NaN and infinities become null
+            (tmp / META).write_text(json.dumps(to_jsonable(meta), indent=2, allow_nan=False))
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)

@@ -7,6 +7,8 @@ them. Summaries are written atomically (temporary file + rename).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
@@ -83,9 +85,10 @@ class ResultsFile:
         if self._fh is None:
             self._repair_tail()
             self._fh = os.fdopen(self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
-        self._fh.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        with disk_space(self.path):
+            self._fh.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
 
     def rows(self) -> list[dict[str, Any]]:
         return list(self)
@@ -241,18 +244,33 @@ def open_run_log(directory: str | Path) -> None:
             handler.open()
 
 
+@contextlib.contextmanager
+def disk_space(path: str | Path) -> Iterator[None]:
+    """Name ``path`` in a full disk's error (issue 39: a raw ``OSError [Errno 28]`` named no file).
+    What was written before stays: a run resumes where it stopped once there is space."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(err.errno, f"no space left on the device writing {path} ({os.strerror(err.errno)}): free "
+                                 "some space and run the same command again (a run resumes where it stopped)",
+                      str(path)) from None
+
+
 def write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` atomically (temporary file in the same directory + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with disk_space(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path
 
 
