@@ -420,3 +420,48 @@ def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
         write_json(tmp_path / "summary.json", {"n": 2})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"n": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
+    """Issue 39's probe: a read-only warm cache could not be used at all, even with
+    model.linear_kernel=torch (the row-wise attention kernel takes the build lock, which a reader
+    cannot create). Now the library built there is loaded as it is; with none, the kernel is
+    unavailable with a message that names the folder (the callers fall back to torch's ops)."""
+    import torch
+
+    import selfspec.assets  # noqa: F401  the child as another user may not read the checkout
+    import selfspec.locks  # noqa: F401
+    import torch.utils.cpp_extension  # noqa: F401
+    from selfspec.models import kernels
+
+    base = Path(tempfile.mkdtemp(prefix="selfspec-ro-cache-"))
+    try:
+        base.chmod(0o755)
+        folder = base / "kernels" / f"skinny-{kernels.source_digest()}"
+        folder.mkdir(parents=True)
+        if built:
+            (folder / "selfspec_skinny.so").write_bytes(b"a build")
+        for d in (folder, folder.parent, base):
+            d.chmod(0o555)
+        loaded: list[str] = []
+
+        def use():
+            os.environ["SELFSPEC_CACHE"] = str(base)
+            kernels.load.cache_clear()
+            torch.ops.load_library = loaded.append  # the child's own copy: nothing is loaded for real
+            kernels.load()
+            assert loaded == [str(folder / "selfspec_skinny.so")], loaded
+
+        message = as_another_user(use)
+        if built:
+            assert message is None
+        else:
+            assert message == (f"KernelUnavailable: the kernel cache {folder} cannot be written (Permission denied) "
+                               "and holds no build of these sources: build it once where it can be written (make "
+                               "install), or set SELFSPEC_CACHE to a writable directory")
+    finally:
+        for d in (base, base / "kernels", base / "kernels" / f"skinny-{kernels.source_digest()}"):
+            if d.exists():
+                d.chmod(0o755)
+        shutil.rmtree(base)

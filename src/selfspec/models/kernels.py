@@ -30,6 +30,8 @@ bfloat16, else torch's), ``skinny`` (this kernel, or an error saying why it cann
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import logging
@@ -120,20 +122,40 @@ def load() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise KernelUnavailable(f"the skinny linear kernel needs AVX2; this CPU reports {capability}")
-    from torch.utils.cpp_extension import load as build
-
     from selfspec.locks import hold
 
     folder = _build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    with hold(folder / "selfspec-build.lock", f"kernel build folder {folder}",
-              wait=f"the CPU kernels (built once per machine, ~15 s) are being built in {folder}"):
+    with contextlib.ExitStack() as held:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            held.enter_context(hold(folder / "selfspec-build.lock", f"kernel build folder {folder}",
+                                    wait=f"the CPU kernels (built once per machine, ~15 s) are being built in {folder}"))
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            _load_read_only(folder, err)
+            return
         (folder / "lock").unlink(missing_ok=True)
+        from torch.utils.cpp_extension import load as build
+
         try:
             build("selfspec_skinny", _stage_sources(folder), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                   build_directory=str(folder), is_python_module=False, verbose=False)
         except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
             raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
+
+
+def _load_read_only(folder: Path, err: OSError) -> None:
+    """A kernel cache this process may not write (a shared, read-only warm cache; issue 39: it could
+    not be used at all, even with ``model.linear_kernel=torch``, for want of the build lock): load
+    the library built there (its folder is named by the sources' digest, so it is these sources'),
+    or say that there is none to load."""
+    built = folder / "selfspec_skinny.so"
+    if not built.is_file():
+        raise KernelUnavailable(f"the kernel cache {folder} cannot be written ({err.strerror}) and holds no build "
+                                "of these sources: build it once where it can be written (make install), or set "
+                                "SELFSPEC_CACHE to a writable directory") from None
+    torch.ops.load_library(str(built))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
