@@ -190,3 +190,25 @@ def test_the_training_loss_takes_the_chunked_kl(tiny, monkeypatch):
     loss_fn, batch_fn, _ = job_heads.trainer(heads, _synthetic(4), _synthetic(2, seed=1), job, 0)
     loss, logs = loss_fn(heads, batch_fn(0))
     assert calls == [5] and torch.isfinite(loss) and set(logs) == {"kl/1", "kl/2"}
+
+
+def test_a_finished_artefact_is_not_replaced_by_a_run_with_other_settings(tiny, tmp_path, monkeypatch):
+    """Issue 39's probe: ``job.steps=2 artefact_dir=A`` then ``job.steps=2 job.lr=0.05 artefact_dir=A``
+    replaced the finished artefact without a word. Like a resumed run, a finished one is kept when
+    the settings differ, and the message names each change; the same settings train it again."""
+    from selfspec.artefacts import ArtefactError
+    from selfspec.train import run_job
+
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
+    path = tmp_path / "A"
+    args = ["job=heads", "model=tiny-random", "task=gsm8k", "job.n_prompts=2", "job.n_heldout=1", "job.gen_tokens=4",
+            "job.steps=2", "job.eval_every=0", "job.max_prompt_tokens=32", "job.layers=[1,2]", f"artefact_dir={path}",
+            "logger=none", "progress=false"]
+    run_job(compose(args, "train"))
+    before = (path / "meta.json").read_bytes()
+    with pytest.raises(ArtefactError, match=rf"artefact_dir={path} holds a finished heads artefact trained with other "
+                                            r"settings \(job\.lr: 0\.001 -> 0\.05\)"):
+        run_job(compose(args + ["job.lr=0.05"], "train"))
+    assert (path / "meta.json").read_bytes() == before
+    run_job(compose(args + ["job.log_every=1"], "train"))  # what only changes the logging may
+    assert json.loads((path / "meta.json").read_text())["train_config"]["log_every"] == 1

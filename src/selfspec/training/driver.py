@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+from omegaconf import OmegaConf
 
 from selfspec import checks
 
@@ -158,6 +159,7 @@ def run(job: Job, cfg, loaded=None) -> dict:
     check_directory(out, "artefact_dir")  # before its lock file is made beside it
     with hold(artefact_lock(out), f"artefact directory {out}"):
         check_writable(out.parent, "the artefact (artefact_dir=...)")
+        check_finished(out, job, cfg)
         run_dir = hydra_output_dir()
         if run_dir is not None:
             open_run_log(run_dir)
@@ -177,6 +179,31 @@ def run(job: Job, cfg, loaded=None) -> dict:
         tracker.finish()
         log.info("%s artefact -> %s", job.kind, path)
         return summary
+
+
+def check_finished(out: Path, job: Job, cfg) -> None:
+    """Refuse to replace a finished artefact trained with other settings (issue 39: a rerun with
+    another ``job.lr`` replaced it without a word), naming each change as a resumed run's refusal
+    does (:func:`selfspec.training.loop.check_resume`): the model, the task and every job setting but
+    those that only change the logging (:data:`~selfspec.training.loop.RESUMABLE`). The same settings
+    train it again."""
+    from selfspec.artefacts import ArtefactError, read_meta
+    from selfspec.tracking import to_jsonable
+    from selfspec.training.loop import RESUMABLE
+
+    if not (out / "meta.json").exists():
+        return
+    meta = read_meta(out)
+    now = to_jsonable(OmegaConf.to_container(cfg.job, resolve=True))
+    before = meta.get("train_config") or {}
+    changed = [f"job.{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+               if k not in RESUMABLE and before.get(k) != now.get(k)]
+    if meta.get("model") != str(cfg.model.name):
+        changed.insert(0, f"model: {meta.get('model')!r} -> {str(cfg.model.name)!r}")
+    if changed:
+        raise ArtefactError(f"artefact_dir={out} holds a finished {meta.get('kind', job.kind)} artefact trained with "
+                            f"other settings ({'; '.join(changed)}): write to another artefact_dir, or delete {out} "
+                            "to replace it")
 
 
 def save(job: Job, ctx: Context, result: Result) -> Path:
