@@ -5,6 +5,8 @@ import json
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -602,3 +604,18 @@ def test_artefact_without_a_weights_digest_loads_with_a_warning(tiny, tmp_path):
         warnings.simplefilter("always")
         load_heads(path, tiny)
     assert any("predates weight digests" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("hydra.launcher.timeout_min=-5", r"hydra\.launcher\.timeout_min=-5 is not allowed: must be >= 1"),
+    ("hydra.launcher.cpus_per_task=0", r"hydra\.launcher\.cpus_per_task=0 is not allowed: must be >= 1"),
+])
+def test_a_launchers_impossible_settings_are_refused_before_a_job_is_submitted(tmp_path, override, message):
+    """Issue 39's probe: ``hydra.launcher.timeout_min=-5`` went to Slurm unchecked and came back as
+    a raw FailedJobError. The launcher's sizes are checked when the multirun starts, by key; no job
+    is submitted (the local submitit launcher here: the same settings as Slurm's)."""
+    proc = subprocess.run([sys.executable, "-m", "selfspec.evaluate", "-m", "hydra/launcher=submitit_local",
+                           override, "model=tiny-random", "task=xsum", "logger=none",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "sweep" / ".submitit").exists()

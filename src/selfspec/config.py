@@ -7,6 +7,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from selfspec import checks
+
 
 def conf_dir() -> Path:
     """The ``conf/`` directory (``SELFSPEC_CONF`` overrides; default: the repository's)."""
@@ -65,3 +67,47 @@ def load_method_config(name: str) -> DictConfig:
         return hydra_compose(config_name=None, overrides=[f"+method={name}"]).method
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose(config_name=None, overrides=[f"+method={name}"]).method
+
+
+#: the submitit launchers' sizes: each an integer at least this (conf/hydra/launcher/submitit_*.yaml)
+LAUNCHER_LEAST = {"timeout_min": 1, "cpus_per_task": 1, "gpus_per_node": 0, "tasks_per_node": 1, "nodes": 1,
+                  "array_parallelism": 1, "signal_delay_s": 0, "max_num_timeout": 0, "mem_gb": 1}
+
+
+def check_launcher(launcher) -> None:
+    """A submitit launcher's settings (issue 39: ``hydra.launcher.timeout_min=-5`` went to Slurm
+    unchecked, and came back as a raw FailedJobError): each size an integer at its least, refused
+    by key (:func:`check_command_line`, before any job is submitted)."""
+    if not launcher or "submitit" not in str(launcher.get("_target_", "")):
+        return
+    for key, least in LAUNCHER_LEAST.items():
+        if launcher.get(key) is not None:
+            checks.integer(f"hydra.launcher.{key}", launcher.get(key), least,
+                           why="a submitit launcher's size (conf/hydra/launcher/)")
+
+
+def check_command_line(argv: list[str], config_name: str) -> None:
+    """What an entry point's command line asks of Hydra itself, checked before Hydra acts on it, with
+    one message and exit status 1: the run directory (:func:`selfspec.tracking.check_run_dir_argument`)
+    and, for a multirun, the launcher's settings (a Hydra callback cannot stop a sweep: Hydra turns
+    its exceptions into warnings). Only the launcher's own overrides are composed for that, so a
+    sweep's lists need no expanding."""
+    import sys
+
+    from selfspec.tracking import check_run_dir_argument
+
+    check_run_dir_argument(argv)
+    if not {"-m", "--multirun"} & set(argv):
+        return
+    own = [a for a in argv if a.startswith(("hydra/launcher=", "hydra.launcher."))]
+    if not own:
+        return
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=own, return_hydra_config=True)
+    try:
+        check_launcher(cfg.hydra.get("launcher"))
+    except checks.ConfigError as err:
+        sys.exit(f"{type(err).__name__}: {err}")

@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     import sys
 
-    from selfspec.tracking import check_run_dir_argument
+    from selfspec.config import check_command_line
 
-    check_run_dir_argument(sys.argv[1:])
+    check_command_line(sys.argv[1:], "train")
     main()
