@@ -572,3 +572,23 @@ def test_the_papers_figures_are_priced_on_the_profile_of_their_shape():
     seven = ppd["Vicuna-7B"].projections["cuda-nvidia-h100-80gb-hbm3__vicuna-7b__bfloat16"]
     assert seven["predicted_speedup"] is None and seven["unpriced"].startswith("passes of 105 rows")
     assert name in ppd["Vicuna-13B"].projections  # Vicuna-13B has Llama-2-13B's shape
+
+
+def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkeypatch):
+    """Issue 39's probe: profile=auto cached a profile by the model's name, so a random model reshaped
+    under the same name (model.random.intermediate_size=...) was refused with advice to measure a
+    profile, which is what auto does. The cache is keyed by the shape too."""
+    from selfspec.assets import cache_dir
+
+    cache = tmp_path / "cache"  # the assets, with a profile cache of its own
+    cache.mkdir()
+    for entry in cache_dir().iterdir():
+        if entry.name != "profiles":
+            (cache / entry.name).symlink_to(entry)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(cache))
+    common = ["model=tiny-random", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
+              "method=vanilla", "logger=none"]
+    a = evaluate(compose(common), tmp_path / "a")
+    b = evaluate(compose(common + ["model.random.intermediate_size=64"]), tmp_path / "b")
+    assert a["profile"]["path"] != b["profile"]["path"]
+    assert Profile.load(b["profile"]["path"]).shape["intermediate_size"] == 64

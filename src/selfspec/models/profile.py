@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import json
 import math
 import os
@@ -460,13 +461,16 @@ def matching_shipped(model) -> "Profile | None":
 
 def default_path(model, device: torch.device) -> Path:
     """Where this machine's profile of ``model`` is kept: the asset cache, keyed by machine, model
-    and runtime (kernel, capture), and the library versions."""
+    (its name and its shape's digest) and runtime (kernel, capture), and the library versions."""
     from selfspec.assets import cache_dir
 
     info = machine(device)
     tag = "-".join(f"{k}{v}" for k, v in sorted(info["versions"].items()))
-    runtime = f"{model.linear_kernel}-{model.capture}-{model_shape(model)['dtype']}"
-    return cache_dir() / "profiles" / f"{machine_name(info)}__{model.name}__{runtime}__{tag}.json"
+    shape = model_shape(model)
+    runtime = f"{model.linear_kernel}-{model.capture}-{shape['dtype']}"
+    # the shape's digest too: a random model reshaped under the same name is another model (issue 39)
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
+    return cache_dir() / "profiles" / f"{machine_name(info)}__{model.name}-{digest}__{runtime}__{tag}.json"
 
 
 # --- measuring -------------------------------------------------------------------------------------
