@@ -100,10 +100,11 @@ def test_job_auto_size_is_a_candidate_and_given_size_is_honoured(tmp_path, monke
     cands = meta["selection"]["candidates"]
     assert [c["size"] for c in cands] == [16, 256, 49152]
     assert s["size"] == max(cands, key=lambda c: (c["objective"], -c["size"]))["size"] == meta["size"]
+    other = f"artefact_dir={tmp_path / 'other'}"  # the finished artefact above is kept from other settings
     with pytest.raises(ConfigError, match=r"job\.size=60000"):
-        run_job(compose(JOB + ["job.size=60000"], "train"))
+        run_job(compose(JOB + ["job.size=60000", other], "train"))
     with pytest.raises(ConfigError, match=r"job\.sizes"):
-        run_job(compose(JOB + ["job.sizes=[0,8]"], "train"))
+        run_job(compose(JOB + ["job.sizes=[0,8]", other], "train"))
 
 
 # --- the head ---------------------------------------------------------------------------------------

@@ -501,12 +501,15 @@ def test_a_drafting_steps_host_work_is_priced_by_its_source():
         synthetic_profile(host_steps={"tree": -1})
 
 
-def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger(tiny):
+def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger():
+    from selfspec.config import model_config
     from selfspec.models import capture
     from selfspec.models.layered import LayeredModel
     from selfspec.models.ledger import Ledger
+    from selfspec.models.loading import load_model
 
-    static = LayeredModel(tiny.model.hf, name="tiny-static", linear_kernel=tiny.model.linear_kernel,
+    own = load_model(model_config("tiny-random")).model  # its own weights: wrapping the shared one re-fuses them
+    static = LayeredModel(own.hf, name="tiny-static", linear_kernel=own.linear_kernel,
                           passes=capture.StepRunner("static"))
     cache = static.new_cache(400)
     ids = torch.zeros(1, 200, dtype=torch.long)

@@ -58,6 +58,9 @@ class Job:
     objective: Callable[["Context"], "Result"]
     #: ``inputs(opts) -> [(path, kind)]``: the artefacts it reads (input lineage)
     inputs: Callable[[dict], list[tuple[Path, str]]] = no_inputs
+    #: ``job.*`` keys a rerun may change over a finished artefact because the job continues from it
+    #: (the skip search: more ``iterations`` extend its trace); see :func:`check_finished`
+    extendable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,9 +187,9 @@ def run(job: Job, cfg, loaded=None) -> dict:
 def check_finished(out: Path, job: Job, cfg) -> None:
     """Refuse to replace a finished artefact trained with other settings (issue 39: a rerun with
     another ``job.lr`` replaced it without a word), naming each change as a resumed run's refusal
-    does (:func:`selfspec.training.loop.check_resume`): the model, the task and every job setting but
-    those that only change the logging (:data:`~selfspec.training.loop.RESUMABLE`). The same settings
-    train it again."""
+    does (:func:`selfspec.training.loop.check_resume`): the model and every job setting but those that
+    only change the logging (:data:`~selfspec.training.loop.RESUMABLE`) and those the job continues
+    from (:attr:`Job.extendable`). The same settings train it again."""
     from selfspec.artefacts import ArtefactError, read_meta
     from selfspec.tracking import to_jsonable
     from selfspec.training.loop import RESUMABLE
@@ -197,7 +200,7 @@ def check_finished(out: Path, job: Job, cfg) -> None:
     now = to_jsonable(OmegaConf.to_container(cfg.job, resolve=True))
     before = meta.get("train_config") or {}
     changed = [f"job.{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
-               if k not in RESUMABLE and before.get(k) != now.get(k)]
+               if k not in RESUMABLE + job.extendable and before.get(k) != now.get(k)]
     if meta.get("model") != str(cfg.model.name):
         changed.insert(0, f"model: {meta.get('model')!r} -> {str(cfg.model.name)!r}")
     if changed:

@@ -674,4 +674,5 @@ def search(ctx) -> Result:
                   files=files)
 
 
-JOB = Job(kind="skip_set", tracker_job="skips", prepare=prepare, default_dir=default_dir, objective=search)
+JOB = Job(kind="skip_set", tracker_job="skips", prepare=prepare, default_dir=default_dir, objective=search,
+          extendable=("iterations",))  # a rerun with more iterations continues the search's trace
