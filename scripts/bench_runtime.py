@@ -76,7 +76,8 @@ def write_profile(model, out: Path | None) -> None:
     """Measure this machine's cost profile of ``model``; keep it in the asset cache and at ``out``."""
     import os
 
-    from selfspec.models.profile import default_path, measure_profile
+    from selfspec.evaluation.profiling import measure_profile
+    from selfspec.models.profile import default_path
 
     load = os.getloadavg()[0]
     if load > 0.5:

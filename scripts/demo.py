@@ -300,7 +300,7 @@ class Demo:
             f"{k} {v:.0f}s" for k, v in self.cpu.items()) + f"; total {cpu:.0f}s")
         print(f"=== load average (1, 5, 15 min; {os.cpu_count()} CPUs): at the start {load0}, "
               f"at the end {load_average()}")
-        from selfspec.reporting.ledger import LINES_HEADING, ledger_lines
+        from selfspec.reporting.tables import LINES_HEADING, ledger_lines
 
         spent = ledger_lines(result.records)
         if spent:  # per method with a cost ledger, its speedup in words

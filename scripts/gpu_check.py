@@ -19,7 +19,7 @@ weights; both kept loaded) before the next section starts:
    (``graphs``; ``--dry-run``: ``static``) and eager (``off``), seconds per token in each, tokens equal
    between the two (greedy and sampled) and to vanilla's (greedy: the bf16 consistency on this
    device), the pass widths, and the passes the captured mode routed and missed, by kind;
-2. ``profile``: this machine's cost profile (:func:`selfspec.models.profile.measure_profile`, saved
+2. ``profile``: this machine's cost profile (:func:`selfspec.evaluation.profiling.measure_profile`, saved
    under the check's ``outputs/profiles/`` for ``python -m selfspec.project``; 8-18 s on an H100);
 3. ``ledger``: every method of ``capture`` again, captured, with its measured seconds beside those
    the profile just measured predicts from its step trace (eager passes and PPD's host work priced
@@ -264,7 +264,7 @@ def ledger_section(loaded, p: dict, profile_data: dict | None, deadline: float) 
 
 def profile_section(loaded, p: dict) -> dict:
     """This machine's cost profile of the model, saved where ``python -m selfspec.project`` finds it."""
-    from selfspec.models.profile import measure_profile
+    from selfspec.evaluation.profiling import measure_profile
 
     profile = measure_profile(loaded.model, **(p["profile"] or {}))
     path = Path(os.environ["SELFSPEC_OUTPUTS"]) / "profiles" / f"{profile.name}.json"

@@ -14,8 +14,9 @@ from selfspec.config import compose
 from selfspec.decoding import Sampling
 from selfspec.evaluation import RESULTS, SUMMARY, evaluate, summarize
 from selfspec.evaluation.aggregate import contention
+from selfspec.evaluation.profiling import measure_profile
 from selfspec.models.ledger import COMPONENTS
-from selfspec.models.profile import FORMAT, Profile, ProfileMismatch, measure_profile, model_shape
+from selfspec.models.profile import FORMAT, Profile, ProfileMismatch, model_shape
 from selfspec.project import project_run
 from selfspec.tracking import ResultsFile
 

@@ -12,7 +12,8 @@ import pytest
 from test_report import assert_plots_explained, entry, write_run
 
 from selfspec.reporting import build_report, read_run
-from selfspec.reporting.ledger import COLOUR, LOADED, in_words, ledger_lines
+from selfspec.reporting.ledger import COLOUR, LOADED, in_words
+from selfspec.reporting.tables import ledger_lines
 from selfspec.reporting.plots import PANEL_SERIES, ledger_figure
 from selfspec.reporting.records import Record
 

@@ -219,8 +219,9 @@ def _cached_profile(path: Path):
 def _profile(cfg: DictConfig, model):
     """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto``
     loads this machine's from the asset cache, else a shipped one of the same CPU, threads and
-    libraries, else measures it once (:func:`~selfspec.models.profile.measure_profile`)."""
-    from selfspec.models.profile import Profile, default_path, matching_shipped, measure_profile
+    libraries, else measures it once (:func:`~selfspec.evaluation.profiling.measure_profile`)."""
+    from selfspec.evaluation.profiling import measure_profile
+    from selfspec.models.profile import Profile, default_path, matching_shipped
 
     spec = _profile_spec(cfg)
     if spec is None:

@@ -17,13 +17,14 @@ speedups are shown marked as measured under load (:data:`LOADED`), never as clea
 
     parts(record.ledger["measured"])        # {"verify": 1.0, "heads": 0.26, ...}: every component, 0 when left out
     in_words("AdaDecode", 1.21, ledger)    # "AdaDecode 0.72× = τ 1.21 / 1.68 steps (verification 1.00, ...)"
-    ledger_lines(records)                   # the demo's closing lines, one per method with a ledger
+
+The demo's closing lines, one sentence per method, are :func:`selfspec.reporting.tables.ledger_lines`
+(they follow the tables' row order).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any
 
 from selfspec.models.ledger import COMPONENTS  # the ledger's components, in drawing order
 from selfspec.models.ledger import LABELS as LABEL  # what each is called in the charts and the demo's words
@@ -37,9 +38,6 @@ OTHER_COLOUR = "#444444"
 UNIT = "vanilla steps per committed token"
 #: the mark of a speedup measured under load (``summary["contention"]["flagged"]``)
 LOADED = "(loaded)"
-#: the line above :func:`ledger_lines` where they are printed (the demo's closing summary)
-LINES_HEADING = ("Where the time goes (cost ledgers; speedup = τ tokens per step ÷ a step's cost in vanilla "
-                 "steps, split by component):")
 
 
 def parts(part: dict[str, Any] | None) -> dict[str, float]:
@@ -119,21 +117,3 @@ def contention_warning(contention: dict[str, Any] | None, where: str) -> str | N
         how = "vanilla's model passes took longer than predicted"
     return (f"Measured under load — {where}: {how}, so other work on the machine slowed this run. Its "
             f"speedups are marked {LOADED} and are not clean figures; re-run on an idle machine.")
-
-
-def ledger_lines(records: Iterable[Any]) -> list[str]:
-    """The demo's closing lines: per run setting (model, task, decoding) a heading, then one
-    :func:`in_words` sentence per method with a ledger (indented), in the tables' row order."""
-    from selfspec.reporting.layouts import TASK_TITLE, task_order
-    from selfspec.reporting.tables import method_rank, method_variant_title
-
-    groups: dict[tuple, list[Any]] = defaultdict(list)
-    for r in records:
-        if r.ledger:
-            groups[(str(r.model), task_order(r.task), str(r.task), r.field("temperature"))].append(r)
-    lines = []
-    for (model, _, task, decoding), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3] != "greedy", kv[0][3])):
-        lines.append(f"{model} · {TASK_TITLE.get(task, task)}, {decoding}:")
-        lines += [f"  {in_words(method_variant_title(r), r.metric('tau'), r.ledger, r.metric('predicted_speedup'), r.loaded)}"
-                  for r in sorted(recs, key=method_rank)]
-    return lines

@@ -9,11 +9,12 @@ the measured cells; the paper's other models follow as a separate reference bloc
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
-from selfspec.reporting.ledger import LOADED, contention_warning
+from selfspec.reporting.ledger import LOADED, contention_warning, in_words
 from selfspec.reporting.records import Record
 
 #: row order by decoder family: the reference first, selfspec's methods (the papers', then those
@@ -447,3 +448,25 @@ def to_latex(table: Table) -> str:
         lines.append(r"\par\footnotesize " + r" \\ ".join(notes))
     lines.append(r"\end{table}")
     return "\n".join(lines) + "\n"
+
+
+#: the line above :func:`ledger_lines` where they are printed (the demo's closing summary)
+LINES_HEADING = ("Where the time goes (cost ledgers; speedup = τ tokens per step ÷ a step's cost in vanilla "
+                 "steps, split by component):")
+
+
+def ledger_lines(records: Iterable[Any]) -> list[str]:
+    """The demo's closing lines: per run setting (model, task, decoding) a heading, then one
+    :func:`in_words` sentence per method with a ledger (indented), in the tables' row order."""
+    from selfspec.reporting.layouts import task_order
+
+    groups: dict[tuple, list[Any]] = defaultdict(list)
+    for r in records:
+        if r.ledger:
+            groups[(str(r.model), task_order(r.task), str(r.task), r.field("temperature"))].append(r)
+    lines = []
+    for (model, _, task, decoding), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3] != "greedy", kv[0][3])):
+        lines.append(f"{model} · {TASK_TITLE.get(task, task)}, {decoding}:")
+        lines += [f"  {in_words(method_variant_title(r), r.metric('tau'), r.ledger, r.metric('predicted_speedup'), r.loaded)}"
+                  for r in sorted(recs, key=method_rank)]
+    return lines

@@ -1,0 +1,237 @@
+"""Measuring a machine's cost profile (:mod:`selfspec.models.profile` holds what a profile is, reads
+it and prices a trace with it): every table timed on the loaded model, and the host work of a plain
+step and of drafting steps, measured by running the decoders themselves. It lives beside the
+evaluation, which uses both the runtime (``models/``) and the decoders (``decoding/``), so that
+``models/`` imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Iterable
+
+import torch
+
+from selfspec.models.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
+                                     WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
+
+__all__ = ["measure_profile"]
+
+
+def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable[int] = PREFILL_ROWS,
+                    contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None) -> Profile:
+    """Measure this machine's profile of ``model`` (module docstring). About a minute for
+    SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
+    from selfspec.decoding import Sampling
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.models.layered import SkipSet
+
+    started = time.time()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    L = model.num_layers
+    no_mlp = SkipSet.of(mlp=range(L))
+    limit = model.max_context - max(max(rows), 1) - 2
+    contexts = sorted({min(int(c), limit) for c in contexts if c >= 0})
+    rows, prefill_rows = list(rows), [r for r in prefill_rows if r < model.max_context - 2]
+    pass_context = min(contexts, key=lambda c: abs(c - 512))
+    attention: dict[int, dict[int, float]] = {}
+    mlp: dict[int, list[float]] = {}
+    whole: dict[int, dict[int, float]] = {}
+    for context in contexts:
+        widths = rows + (prefill_rows if context == 0 else [])
+        cache = context_cache(model, context, max(widths))
+        attention[context] = {}
+        if context == pass_context:
+            whole[context] = {}
+        for n in widths:
+            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
+            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
+            attention[context][n] = attn / L
+            mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
+            if n in rows and context == pass_context:
+                whole[context][n] = time_forward(model, cache, context, n, repeats=repeats)
+        if log:
+            log(f"context {context}: attention and MLP sublayers for {len(widths)} row counts")
+    eager = _measure_eager(model, rows, contexts, repeats) if model.capture == "graphs" else None
+    if log and eager:
+        log("eager attention and MLP sublayers (the static-pass runner off)")
+    head = _measure_heads(model, rows + prefill_rows[:1], repeats)
+    linear = _measure_linear(model, rows, repeats)
+    tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
+    data = {
+        "format": FORMAT,
+        "name": "",
+        "model": {"name": model.name, "shape": model_shape(model), "linear_kernel": model.linear_kernel,
+                  "capture": model.capture},
+        "machine": machine(model.device),
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "load_average": load,
+        "seconds_to_measure": None,
+        "attention": {str(c): {str(n): t for n, t in row.items()} for c, row in attention.items()},
+        "mlp": {str(n): statistics.median(v) for n, v in mlp.items()},
+        "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()},
+        "linear": {str(n): t for n, t in linear.items()},
+        "tree": {str(n): t for n, t in tree.items()},
+        "pass": {str(c): {str(n): t for n, t in row.items()} for c, row in whole.items()},
+        "warp": {str(k): {str(v): {str(n): t for n, t in row.items()} for v, row in table.items()}
+                 for k, table in _measure_warps(model, repeats).items()},
+        "host": 0.0,
+    } | ({"eager": eager} if eager else {})
+    data["name"] = f"{machine_name(data['machine'])}__{model.name}"
+    profile = Profile(data)
+    # the host time of a plain step: vanilla's measured greedy steps less what their ops cost (a
+    # sampled step's warp is an op of its own)
+    decoder = Vanilla(model)
+    prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
+    new = max(2, min(48, model.max_context - len(prompt) - 2))
+    decoder.generate(prompt, new, Sampling())  # warm-up
+    hosts = []
+    for _ in range(max(1, repeats // 2)):
+        g = decoder.generate(prompt, new, Sampling())
+        steps = [t.row() for t in g.trace[1:]]
+        model_time = sum(profile.op(op) for s in steps for op in s["ops"])
+        hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
+    data["host"] = profile.host = statistics.median(hosts)
+    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, repeats)
+    profile.host_steps = dict(data["host_steps"])
+    if log:
+        log(f"host work of drafting steps: {data['host_steps']}")
+    data["seconds_to_measure"] = round(time.time() - started, 1)
+    return profile
+
+
+def _measure_eager(model, rows: list[int], contexts: list[int], repeats: int) -> dict[str, dict]:
+    """The ``eager`` tables (module docstring): attention and MLP sublayers at decoding contexts,
+    with the static-pass runner off, as a decoding pass no bucket holds runs."""
+    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.models.layered import SkipSet
+
+    L, no_mlp, steps = model.num_layers, SkipSet.of(mlp=range(model.num_layers)), model.steps
+    attention: dict[str, dict[str, float]] = {}
+    mlp: dict[int, list[float]] = {}
+    model.steps = None
+    try:
+        for context in [c for c in contexts if c > 0]:
+            cache = context_cache(model, context, max(rows))
+            attention[str(context)] = {}
+            for n in rows:
+                full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
+                attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
+                attention[str(context)][str(n)] = attn / L
+                mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
+    finally:
+        model.steps = steps
+    return {"attention": attention, "mlp": {str(n): statistics.median(v) for n, v in mlp.items()}}
+
+
+def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int) -> dict[str, Any]:
+    """``host_steps`` (module docstring): per drafting step, the seconds beyond its priced ops and
+    ``host``: the median over generations of PPD with random prompt tokens and random trees of
+    :data:`HOST_TREE_NODES` candidates, and of the n-gram lookup on a prompt that repeats itself
+    (so it drafts)."""
+    import random
+
+    from selfspec.config import method_config
+    from selfspec.decoding import Sampling, build_decoder, check_method
+    from selfspec.decoding.ppd import PPD
+    from selfspec.decoding.tree import random_trees
+    from selfspec.prompts import PromptTokens
+
+    def extra(decoder, tokens: list[int], source: str) -> list[float]:
+        decoder.generate(tokens, new, Sampling())  # warm-up (under graphs: the captures)
+        per_step = []
+        for _ in range(max(1, repeats // 2)):
+            g = decoder.generate(tokens, new, Sampling())
+            steps = [t.row() for t in g.trace[1:]]
+            drafting = [st for st in steps if st["source"] == source]
+            if not drafting:
+                return []
+            # the time outside the passes' own components (verification, plain steps), less the
+            # model work inside it (a draft head's product): what the method does on the host
+            seconds = sum(g.ledger[k] for k in HOST_WORK)
+            priced = sum(profile.op(op) for st in steps for op in st["ops"] if op[0] in HOST_WORK)
+            per_step.append(max(0.0, (seconds - priced) / len(drafting)))
+        return per_step
+
+    options = check_method(method_config("ppd"))
+    g = torch.Generator().manual_seed(0)
+    prompts = PromptTokens((torch.randn(3, 2, model.hidden_size, generator=g) * 0.5).to(model.device, model.dtype))
+    tree: list[float] = []
+    for nodes in HOST_TREE_NODES:
+        ppd = PPD(model, prompts, random_trees(3, nodes, 10, random.Random(nodes)), ngram=None,
+                  posterior_threshold=options["posterior_threshold"], posterior_alpha=options["posterior_alpha"],
+                  state_zero=options["state_zero"])
+        tree += extra(ppd, prompt, "tree")
+    out: dict[str, Any] = {"tree": statistics.median(tree)} if tree else {}
+    segment = prompt[: max(4, len(prompt) // 8)]
+    ngram = build_decoder(method_config("ngram", never_slower=False, draft_schedule="adaptive"), model)
+    context = extra(ngram, (segment * (len(prompt) // len(segment) + 1))[: len(prompt)], "context")
+    if context:
+        out["context"] = statistics.median(context)
+    return out
+
+
+def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:
+    """LM-head products by rows, for the full vocabulary and truncated ones."""
+    from selfspec.models.costs import time_call
+
+    weight = model.lm_head_weight
+    out: dict[int, dict[int, float]] = {}
+    for fraction in VOCAB_FRACTIONS:
+        v = max(1, int(weight.shape[0] * fraction))
+        w = weight[:v].contiguous() if v < weight.shape[0] else weight
+        out[v] = {}
+        for n in rows:
+            x = torch.randn(1, n, model.hidden_size, dtype=model.dtype, device=model.device)
+            out[v][n] = time_call(lambda: model.head(x, w).float(), model.device, repeats)
+    return out
+
+
+def _measure_warps(model, repeats: int) -> dict[int, dict[int, dict[int, float]]]:
+    """Sampled selection's warps (:data:`WARP_SETTINGS`) by nucleus, vocabulary and rows, on
+    logits shaped like the model's (a peaked distribution, as a language model's usually is)."""
+    from selfspec.decoding import Sampling
+    from selfspec.decoding.sampling import warp
+    from selfspec.models.costs import time_call
+
+    generator = torch.Generator(device=model.device).manual_seed(0)
+    out: dict[int, dict[int, dict[int, float]]] = {}
+    for nucleus, setting in WARP_SETTINGS.items():
+        s = Sampling(**setting)
+        out[nucleus] = {}
+        for fraction in VOCAB_FRACTIONS:
+            v = max(1, int(model.vocab_size * fraction))
+            out[nucleus][v] = {}
+            for n in WARP_ROWS:
+                logits = 4 * torch.randn(n, v, generator=generator, device=model.device)
+                out[nucleus][v][n] = time_call(lambda: warp(logits, s), model.device, repeats)
+    return out
+
+
+def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
+    """An exit head's ``d × d`` transform by rows."""
+    from selfspec.models.costs import time_call
+
+    d = model.hidden_size
+    lin = torch.nn.Linear(d, d, bias=False, dtype=model.dtype, device=model.device)
+    out = {}
+    for n in rows:
+        x = torch.randn(1, n, d, dtype=model.dtype, device=model.device)
+        out[n] = time_call(lambda: lin(x), model.device, repeats)
+    return out
+
+
+def _measure_tree(model, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Whole tree passes (the rows' positions and ancestor mask given, the head on every node) by size."""
+    from selfspec.models.costs import context_cache, time_forward
+
+    cache = context_cache(model, context, max(sizes))
+    out = {}
+    for n in sizes:
+        tree = (torch.arange(n, device=model.device), torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
+        h = model.embed(torch.zeros(1, n, dtype=torch.long, device=model.device))
+        out[n] = time_forward(model, cache, context, h=h, tree=tree, repeats=repeats)
+    return out
