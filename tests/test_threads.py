@@ -18,7 +18,7 @@ from selfspec import numerics
 from selfspec.checks import ConfigError
 from selfspec.decoding import build_decoder
 from selfspec.decoding import threads as threads_module
-from selfspec.decoding.threads import ThreadPolicy, adaptive_possible
+from selfspec.decoding.threads import ThreadPolicy, why_not_adaptive
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.layered import LayeredModel
 
@@ -156,9 +156,9 @@ def test_mkl_runs_strict_once_selfspec_is_imported():
 def test_a_mode_the_user_set_is_kept_and_adaptive_threads_refused_under_it():
     """A user's MKL_CBWR is never replaced; one that is not strict is reported, and the policy that
     switches thread counts refuses to run under it, naming what to change."""
-    code = ("import os, torch, selfspec\nfrom selfspec.decoding.threads import adaptive_possible\n"
+    code = ("import os, torch, selfspec\nfrom selfspec.decoding.threads import why_not_adaptive\n"
             "print(os.environ['MKL_CBWR'], selfspec.numerics.mode(), '|', "
-            "adaptive_possible(torch.device('cpu'), object()))")
+            "why_not_adaptive(torch.device('cpu'), object()))")
     out = _run(code, MKL_CBWR="AVX2", OMP_NUM_THREADS="2")
     assert out.startswith("AVX2 AVX2 | ")
     assert "switches thread counts mid-generation" in out and "MKL_CBWR=AVX2: unset it or set MKL_CBWR=AUTO,STRICT" in out
@@ -257,5 +257,5 @@ def test_threads_is_checked_before_the_model_loads(tmp_path):
         _check_run_options(compose(["model=tiny-random", "threads=some"]))
     with pytest.raises(ConfigError, match=r"threads.*profile"):
         _check_run_options(compose(["model=tiny-random", "threads=adaptive", "profile=null"]))
-    assert adaptive_possible(torch.device("cuda"), FlatProfile()).startswith("it chooses CPU threads")
-    assert adaptive_possible(torch.device("cpu"), None) is not None
+    assert why_not_adaptive(torch.device("cuda"), FlatProfile()).startswith("it chooses CPU threads")
+    assert why_not_adaptive(torch.device("cpu"), None) is not None

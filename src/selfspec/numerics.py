@@ -16,7 +16,7 @@ environment once, at its first call, and refuses to change it afterwards, so :fu
 runs when the package is imported (``selfspec/__init__.py``), before any matrix product. A value
 the user set is kept as it is; :func:`mode` reports the mode MKL actually runs, every run records
 it (:func:`selfspec.runinfo.hardware`), and ``threads=adaptive`` refuses to switch thread counts
-under a mode that is not strict (:func:`selfspec.decoding.threads.adaptive_possible`).
+under a mode that is not strict (:func:`selfspec.decoding.threads.why_not_adaptive`).
 
 What strict mode costs was measured on the Intel machine (``scripts/bench_cbwr.py``; README, "On each kind
 of CPU").

@@ -32,7 +32,7 @@ thread count unless MKL runs in its strict reproducibility mode, which selfspec 
 imported (:mod:`selfspec.numerics`). The prefill still runs at the configured count, as does
 everything outside a generation (the HF peers, training). A step's pass of more than ``MAX_ROWS``
 rows (PPD's larger trees) goes through the same GEMM on whichever count the step has, so under a
-mode that is not strict the policy is refused (:func:`adaptive_possible`).
+mode that is not strict the policy is refused (:func:`why_not_adaptive`).
 
 Evaluate key ``threads``: ``adaptive`` (this policy; needs a profile), ``fixed`` (the configured
 count throughout) or ``auto`` (adaptive on a CPU with more than one thread and a profile, else
@@ -53,7 +53,7 @@ from selfspec.decoding.gate import TwoArms
 THREADS = ("auto", "adaptive", "fixed")
 
 
-def adaptive_possible(device: torch.device, profile) -> str | None:
+def why_not_adaptive(device: torch.device, profile) -> str | None:
     """Why ``threads=adaptive`` cannot run here (None: it can)."""
     if device.type != "cpu":
         return f"it chooses CPU threads, and the model runs on {device.type}"

@@ -159,16 +159,16 @@ def _check_run_options(cfg: DictConfig) -> None:
 
 def _threads_spec(cfg: DictConfig) -> str:
     """``threads``: auto, adaptive or fixed; ``adaptive`` where it cannot run is refused before the
-    model loads (:func:`selfspec.decoding.threads.adaptive_possible`), with the profile it needs
+    model loads (:func:`selfspec.decoding.threads.why_not_adaptive`), with the profile it needs
     judged from the ``profile`` key (a profile file is read once the model is loaded)."""
-    from selfspec.decoding.threads import THREADS, adaptive_possible
+    from selfspec.decoding.threads import THREADS, why_not_adaptive
 
     value = checks.choice("threads", cfg.threads, THREADS, why="CPU threads per decoding step")
     profile = _profile_spec(cfg)
     if value == "adaptive":
         from selfspec.models.loading import resolve_device
 
-        why = adaptive_possible(resolve_device(str(cfg.model.device)), profile or None)
+        why = why_not_adaptive(resolve_device(str(cfg.model.device)), profile or None)
         if why:
             raise checks.refuse("threads", value, "auto or fixed here", why)
     return value
@@ -177,11 +177,11 @@ def _threads_spec(cfg: DictConfig) -> str:
 def _threads(cfg: DictConfig, device: torch.device, profile) -> str:
     """What ``threads`` resolves to for this run: adaptive or fixed (``auto``: adaptive where it
     can run)."""
-    from selfspec.decoding.threads import adaptive_possible
+    from selfspec.decoding.threads import why_not_adaptive
 
     value = str(cfg.threads)
     if value == "auto":
-        return "fixed" if adaptive_possible(device, profile) else "adaptive"
+        return "fixed" if why_not_adaptive(device, profile) else "adaptive"
     return value
 
 
