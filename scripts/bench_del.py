@@ -76,7 +76,7 @@ def main() -> None:
                 a["tokens"] += g.new_tokens
                 a["steps"] += g.steps
                 a["drafted"] += sum(g.drafted_per_step)
-                a["accepted"] += sum(max(x - 1, 0) for x, dd in zip(g.accepted_per_step, g.drafted_per_step) if dd)
+                a["accepted"] += g.accepted_drafts
                 a["parity"] &= g.tokens == ref
                 a["exit"] += g.stats.get("exit_layer_mean", 0) / len(prompts)
                 a["gamma"] += g.stats.get("draft_len_mean", 0) / len(prompts)

@@ -105,12 +105,15 @@ class Generation:
         return self.new_tokens / self.steps if self.steps else 0.0
 
     @property
+    def accepted_drafts(self) -> int:
+        """Draft tokens accepted over the steps that drafted (each step's bonus token left out)."""
+        return sum(max(a - 1, 0) for a, d in zip(self.accepted_per_step, self.drafted_per_step) if d)
+
+    @property
     def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens (LayerSkip's definition); None when nothing was drafted."""
         drafted = sum(self.drafted_per_step)
-        if not drafted:
-            return None
-        accepted = sum(max(a - 1, 0) for a, d in zip(self.accepted_per_step, self.drafted_per_step) if d)
-        return accepted / drafted
+        return self.accepted_drafts / drafted if drafted else None
 
     def summary(self) -> dict[str, Any]:
         out = {

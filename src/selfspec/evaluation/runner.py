@@ -373,7 +373,7 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int, sample: int,
     """The results line of one generation; ``seed`` is null under greedy decoding (no randomness)."""
     text = tokenizer.decode(gen.tokens, skip_special_tokens=True)
     drafted = sum(gen.drafted_per_step)
-    accepted = sum(max(a - 1, 0) for a, d in zip(gen.accepted_per_step, gen.drafted_per_step) if d)
+    accepted = gen.accepted_drafts
     return {
         "id": ex.id,
         "method": run.name,

@@ -178,7 +178,7 @@ def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
         secs += g.seconds - g.stats["prefill_seconds"]
         toks += g.new_tokens - 1
         drafted += sum(g.drafted_per_step)
-        accepted += sum(max(a - 1, 0) for a, d in zip(g.accepted_per_step, g.drafted_per_step) if d)
+        accepted += g.accepted_drafts
     return secs, toks, drafted, accepted
 
 
