@@ -29,9 +29,9 @@ def pair():
 
 
 def test_buckets_and_modes():
-    assert [capture.bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33, 63, 65, 120, 128)] == \
-        [1, 2, 4, 8, 8, 16, 32, 32, 64, 64, 128, 128, 128]
-    assert capture.bucket(129) is None
+    assert [capture.bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33, 63, 65, 120, 128, 129, 256)] == \
+        [1, 2, 4, 8, 8, 16, 32, 32, 64, 64, 128, 128, 128, 256, 256]
+    assert capture.bucket(257) is None
     assert capture.resolve("auto", torch.device("cpu")) == "off"
     assert capture.resolve("static", torch.device("cpu")) == "static"
     with pytest.raises(capture.CaptureUnavailable, match="capture=graphs needs a CUDA device.*static"):
@@ -77,22 +77,22 @@ def test_passes_outside_the_static_shapes_take_the_dynamic_path(pair):
     pass (after cached positions) that does is counted, whatever its size, by kind and width."""
     _, static = pair
     cache = static.new_cache(300)  # room for 300 positions (+ the padding, up to the model's context)
-    ids = torch.zeros(1, 200, dtype=torch.long)
+    ids = torch.zeros(1, 300, dtype=torch.long)
     steps = static.steps
     with torch.inference_mode():
         before, missed = steps.routed, steps.missed
-        static.forward(ids[:, :140], cache, start=0)  # a prefill of 140 > the largest bucket: dynamic, not missed
+        static.forward(ids[:, :270], cache, start=0)  # a prefill of 270 > the largest bucket: dynamic, not missed
         assert steps.routed == before and steps.missed == missed
-        static.forward(ids[:, :20], cache)  # 140 + 32 <= the cache with its padding: routed
-        assert steps.routed == before + 1 and cache.lengths[0] == 160
-        static.forward(ids[:, :5], cache)  # 160 + 8
+        static.forward(ids[:, :20], cache)  # 270 + 32 <= the cache with its padding: routed
+        assert steps.routed == before + 1 and cache.lengths[0] == 290
+        static.forward(ids[:, :5], cache)  # 290 + 8
         assert steps.routed == before + 2
-        cache.truncate(150)
-        static.forward(ids[:, :3], cache, start=cache.length(0))  # 145 + 4
+        cache.truncate(280)
+        static.forward(ids[:, :3], cache, start=cache.length(0))  # 280 + 4
         assert steps.routed == before + 3
-        static.forward(ids[:, :129], cache)  # a decoding pass wider than the largest bucket: missed
+        static.forward(ids[:, :257], cache)  # a decoding pass wider than the largest bucket: missed
         assert steps.routed == before + 3 and steps.missed == missed + 1
-        assert steps.missed_kinds["chain 129"] == 1
+        assert steps.missed_kinds["chain 257"] == 1
     # outside inference mode (training) nothing is routed
     with torch.no_grad():
         static.forward(ids[:, :1], static.new_cache(8), start=0)
@@ -113,13 +113,14 @@ def test_decoders_give_the_same_tokens_static_and_dynamic(pair, prompt_ids):
             DraftVerify(dyn, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens
 
 
-@pytest.mark.parametrize("nodes", [16, 24, 30])
+@pytest.mark.parametrize("nodes", [16, 24, 48, 64])
 def test_ppd_trees_of_the_papers_sizes_take_the_static_shapes(pair, prompt_ids, nodes):
     """Issue 38: PPD's trees at the paper's sizes (tree lengths 60-120) were wider than the largest
     bucket (32 rows), took the dynamic path, and nothing counted them (``missed`` counted passes of
     a bucket's size only), so a GPU ran them eagerly at 0.21-0.33x vanilla with "none missed". Now
-    every tree pass of up to 128 rows routes, each wider one is counted in ``missed`` with its
-    width (30 nodes with 3 prompt tokens: passes of 131-155 rows), and the tokens are the dynamic
+    every tree pass of up to 256 rows routes: the paper's sizes and the ppd_tree job's largest (48
+    candidates; 3 prompt tokens of 2 tokens each here: passes of up to 203 rows). Each wider one is
+    counted in ``missed`` with its width (64 nodes: 257-287 rows), and the tokens are the dynamic
     path's, greedy (vanilla's) and sampled."""
     import random
 
@@ -154,7 +155,7 @@ def test_ppd_trees_of_the_papers_sizes_take_the_static_shapes(pair, prompt_ids, 
         del static.steps.run
     wide = [w for w in widths if w > capture.BUCKETS[-1]]
     assert max(widths) > 32, widths  # the paper's sizes: wider than the old largest bucket
-    assert bool(wide) == (nodes == 30), widths
+    assert bool(wide) == (nodes == 64), widths
     assert static.steps.missed - missed == len(wide), static.steps.missed_kinds
     assert static.steps.kinds["tree"] - routed == len(widths) - len(wide)
 

@@ -470,7 +470,7 @@ def test_eager_passes_are_priced_apart_and_withheld_without_eager_prices():
     trace = [{"source": "prefill", "ops": [["prefill", "L", 4, 4, 4, 0]]},
              {"source": "plain", "ops": [["plain", "L", 1, 4, 4, 100]]},
              {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 2, 4, 4, 100, 1]]},  # flagged eager
-             {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 129, 4, 4, 100]]}]  # a CPU trace: too wide
+             {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 257, 4, 4, 100]]}]  # a CPU trace: too wide
     p = synthetic_profile(**captured)
     assert [p.eager(s["ops"][0]) for s in trace] == [False, False, True, True]
     assert p.unpriced(trace) == 2 and synthetic_profile().unpriced(trace) == 0  # a CPU profile: the same pass
@@ -512,18 +512,18 @@ def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger():
     own = load_model(model_config("tiny-random")).model  # its own weights: wrapping the shared one re-fuses them
     static = LayeredModel(own.hf, name="tiny-static", linear_kernel=own.linear_kernel,
                           passes=capture.StepRunner("static"))
-    cache = static.new_cache(400)
-    ids = torch.zeros(1, 200, dtype=torch.long)
+    cache = static.new_cache(600)
+    ids = torch.zeros(1, 300, dtype=torch.long)
     static.ledger = Ledger(torch.device("cpu"))
     try:
         with torch.inference_mode():
-            static.forward(ids[:, :140], cache, start=0)  # a prefill: eager on every machine, not flagged
+            static.forward(ids[:, :270], cache, start=0)  # a prefill: eager on every machine, not flagged
             static.forward(ids[:, :20], cache)  # routed
-            static.forward(ids[:, :129], cache)  # wider than every bucket: eager
+            static.forward(ids[:, :257], cache)  # wider than every bucket: eager
         ops = static.ledger.take_ops()
     finally:
         static.ledger = None
-    assert [(op[2], len(op) > 6) for op in ops if op[1] == "L"] == [(140, False), (20, False), (129, True)]
+    assert [(op[2], len(op) > 6) for op in ops if op[1] == "L"] == [(270, False), (20, False), (257, True)]
 
 
 def test_a_projection_re_decides_the_gate_of_an_always_speculating_run(tiny, tmp_path):

@@ -34,9 +34,11 @@ Three kinds of pass go through here, keyed by (layer range, skip set, bucket, in
 
 A pass qualifies (:meth:`StepRunner.run` says when) inside ``torch.inference_mode()``, with every
 layer run at the same cache length, at most the largest bucket's rows and room in the cache for
-the padding. The buckets reach 128 rows so that PPD's trees at the paper's sizes (tree lengths
-60-120: a tree of 16 nodes with 3 prompt tokens is a pass of 63 rows) replay as graphs too; with
-32 rows as the largest, such passes ran eagerly at 0.21-0.33x vanilla on an H100/H200. Anything
+the padding. The buckets reach 256 rows so that PPD's trees at the paper's sizes (tree lengths
+60-120: a tree of 16 nodes with 3 prompt tokens is a pass of 63 rows), and the largest the
+``ppd_tree`` job builds (48 candidates: passes of up to ~200 rows with two tokens per prompt
+token), replay as graphs too; with 32 rows as the largest, such passes ran eagerly at 0.21-0.33x
+vanilla on an H100/H200. Anything
 else — a long prefill, a training pass — takes the dynamic path; the outputs are the same either
 way (docs/design.md §4), only the speed differs. A decoding pass (one after the prompt: the cache
 already holds positions) that takes the dynamic path, whatever its size, is counted in
@@ -56,8 +58,8 @@ from selfspec.models.cache import LayerCache
 
 MODES = ("auto", "graphs", "static", "off")
 #: padded sizes of k; a pass of k new tokens runs at the smallest bucket >= k (PPD's paper trees:
-#: up to 120 rows)
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: up to 120 rows; the ppd_tree job's largest, 48 candidates: ~200)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: captured graphs kept (least recently used dropped first): AdaDecode's per-layer passes alone
 #: take layers × buckets of them
 MAX_GRAPHS = 384
@@ -232,7 +234,7 @@ class StepRunner:
         self.missed = 0
         #: routed passes by kind: chain or tree, ``+keep``, ``/partial`` (a layer range short of the model)
         self.kinds: Counter[str] = Counter()
-        #: routed and missed passes by the same kinds, with their widths: ``"tree 117"``, ``"tree 129"``
+        #: routed and missed passes by the same kinds, with their widths: ``"tree 117"``, ``"tree 257"``
         self.routed_rows: Counter[str] = Counter()
         self.missed_kinds: Counter[str] = Counter()
 

@@ -552,7 +552,7 @@ class LayeredModel:
         (training): each layer is run again in backward instead of keeping its activations
         (gradient checkpointing), and the pass reads the cache without writing to it. Returns the last
         hidden states ``[1, n, d]`` (before the final norm). Under ``capture=static|graphs`` a pass
-        of at most 128 rows runs as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
+        of at most 256 rows runs as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
         """
         layers = range(self.num_layers) if layers is None else layers
         if start is None:
