@@ -110,31 +110,18 @@ def model_present(name: str) -> str | None:
 def capture_decoders(model, p: dict) -> dict:
     """name -> a function building that method's decoder on ``model`` (a LayeredModel), with
     artefacts that need no training, always speculating (``never_slower: false``)."""
-    import random
-
-    import torch
-
     from selfspec.config import method_config as config
-    from selfspec.decoding import build_decoder, check_method
-    from selfspec.decoding.ppd import PPD
-    from selfspec.decoding.tree import random_trees
+    from selfspec.decoding import build_decoder
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.prompts import PromptTokens
+    from selfspec.evaluation.profiling import untrained_ppd
 
     L = model.num_layers
 
     def method(name: str, **overrides):
         return lambda m: build_decoder(config(name, never_slower=False, **overrides), m)
 
-    ppd_options = check_method(config("ppd"))
-    g = torch.Generator().manual_seed(0)
-    prompts = PromptTokens((torch.randn(3, 2, model.hidden_size, generator=g) * 0.5).to(model.device, model.dtype))
-
     def ppd(nodes: int):
-        trees = random_trees(3, nodes, 10, random.Random(nodes))
-        return lambda m: PPD(m, prompts, trees, posterior_threshold=ppd_options["posterior_threshold"],
-                             posterior_alpha=ppd_options["posterior_alpha"], state_zero=ppd_options["state_zero"],
-                             ngram=None)
+        return lambda m: untrained_ppd(m, nodes)
 
     out = {
         "vanilla": lambda m: Vanilla(m),
@@ -248,8 +235,8 @@ def ledger_section(loaded, p: dict, profile_data: dict | None, deadline: float) 
         runs = sorted((dec.generate(prompt, c["new_tokens"]) for _ in range(max(c["repeats"], 3))),
                       key=lambda g: g.seconds)
         g = runs[len(runs) // 2]
-        predicted = profile.predict([t.row() for t in g.trace])
-        unpriced = profile.unpriced([t.row() for t in g.trace])
+        trace = [t.row() for t in g.trace]
+        predicted, unpriced = profile.predict(trace), profile.unpriced(trace)
         out["methods"][name] = {"seconds": g.seconds, "predicted": sum(predicted.values()),
                                 "measured_over_predicted": g.seconds / sum(predicted.values()),
                                 "tau": g.new_tokens / max(g.steps, 1), "unpriced_passes": unpriced,

@@ -5,6 +5,7 @@ docstring and fails on the code before the issue."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -193,13 +194,8 @@ def test_a_read_only_run_directory_is_refused_with_its_name():
     loads. Root may write anywhere, so as root the check runs as nobody: in a forked child that
     drops to nobody's user and groups, with selfspec already imported, so a checkout nobody cannot
     read (one cloned into a 0700 directory, as ``.ci/run`` does) is no obstacle."""
-    # pytest's tmp_path lies in a 0700 directory of root's: the other user reaches this one
-    base = Path(tempfile.mkdtemp(prefix="selfspec-ro-"))
-    try:
-        base.chmod(0o755)
-        ro = base / "ro"
-        ro.mkdir()
-        ro.chmod(0o555)
+    with read_only_dir() as ro:
+        base = ro.parent
 
         def check():
             assert os.access(ro, os.R_OK | os.X_OK), "the directory must be reachable: only writing is denied"
@@ -210,6 +206,19 @@ def test_a_read_only_run_directory_is_refused_with_its_name():
                            "directory for the run directory (hydra.run.dir=...)")
         check_writable(base, "x")  # a writable one passes, leaving nothing behind
         assert sorted(p.name for p in base.iterdir()) == ["ro"]
+
+
+@contextlib.contextmanager
+def read_only_dir():
+    """A directory ``ro`` that another user may enter and read but not write, in a world-traversable
+    temporary directory (pytest's tmp_path lies in a 0700 directory of root's); removed after."""
+    base = Path(tempfile.mkdtemp(prefix="selfspec-ro-"))
+    try:
+        base.chmod(0o755)
+        ro = base / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        yield ro
     finally:
         shutil.rmtree(base)
 
@@ -343,17 +352,10 @@ def test_a_directory_that_cannot_be_made_is_refused_by_key_before_anything_is_wr
         check_directory(afile / "run", "hydra.run.dir")
     check_directory(tmp_path / "new" / "deeper", "artefact_dir")  # makes nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
-    base = Path(tempfile.mkdtemp(prefix="selfspec-ro-"))
-    try:
-        base.chmod(0o755)
-        ro = base / "ro"
-        ro.mkdir()
-        ro.chmod(0o555)
+    with read_only_dir() as ro:
         message = as_another_user(lambda: check_directory(ro / "A" / "B", "artefact_dir"))
         assert message == (f"PermissionError: cannot write to {ro} (Permission denied): choose a writable "
                            "directory for artefact_dir")
-    finally:
-        shutil.rmtree(base)
 
 
 def test_training_into_a_file_is_refused_before_the_lock_or_the_model(tmp_path, monkeypatch):

@@ -336,9 +336,8 @@ class Decoder:
             state.count("plain_steps_gated")
             state.trace_step = StepTrace(gated=True)
         ledger = self.model.ledger
-        step = state.trace_step.row() if state.trace_step is not None else None
-        gate.record(speculated, len(new), gate.price(ledger.ops, step) if gate.deterministic and ledger is not None
-                    else time.perf_counter() - t0)
+        gate.record(speculated, len(new), gate.price(ledger.ops, state.trace_step.source)
+                    if gate.deterministic and ledger is not None else time.perf_counter() - t0)
         return new
 
     def plain_step(self, state: DecodeState) -> list[int]:

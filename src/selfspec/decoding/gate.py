@@ -190,10 +190,10 @@ class SpeculationGate(TwoArms):
         spec, plain = self.cost[True], self.cost[False]
         return spec is None or plain is None or spec < plain * (1 - self.margin)
 
-    def price(self, ops: list[list], step: dict[str, Any] | None = None) -> float:
-        """Predicted seconds of a step from its ledger ops, its overhead included (and its own host
-        work by its source, ``step`` a :class:`~selfspec.decoding.base.StepTrace` row: PPD's tree)."""
-        return self.profile.price(ops) + (self.profile.host_step(step) if step else 0.0)
+    def price(self, ops: list[list], source: str | None = None) -> float:
+        """Predicted seconds of a step from its ledger ops, its overhead included, and its own host
+        work by its ``source`` (:attr:`~selfspec.decoding.base.StepTrace.source`: PPD's tree)."""
+        return self.profile.price(ops) + self.profile.host_step(source)
 
     def speculate(self) -> bool:
         """Whether the next step speculates (:meth:`TwoArms.choose`)."""
@@ -225,7 +225,7 @@ def replay(trace: list[dict[str, Any]], gate: SpeculationGate) -> list[dict[str,
                     "ops": [["plain", "L", 1, L, L, context], ["plain", "H", 1, vocab]]}
             speculated = False
         step["committed"] = min(step.get("committed", 0), total - done)
-        gate.record(speculated, step["committed"], gate.price(step["ops"], step))
+        gate.record(speculated, step["committed"], gate.price(step["ops"], step["source"]))
         done += step["committed"]
         context += step["committed"]
         out.append(step)

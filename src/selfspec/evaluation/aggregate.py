@@ -189,10 +189,9 @@ def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profi
         return {"ledger": None, "predicted_speedup": None}
     measured = {k: v / tokens / base_spt for k, v in _sum_components(r["ledger"] for r in rs).items()}
     ledger = {"unit": "vanilla steps per committed token", "measured": measured, "predicted": None}
-    unpriced = 0 if profile is None else sum(profile.unpriced(r.get("trace") or ()) for r in rs)
-    if unpriced:  # a captured profile with no eager prices: withheld, not priced as captured
-        ledger["unpriced"] = (f"{unpriced} eager decoding passes: profile {profile.name} was measured with CUDA "
-                              "graphs and has no eager prices (measure it again with this selfspec)")
+    why = None if profile is None else profile.why_unpriced(step for r in rs for step in r.get("trace") or ())
+    if why:  # a GPU profile that cannot price what ran: withheld, not extrapolated or priced as captured
+        ledger["unpriced"] = why
         return {"ledger": ledger, "predicted_speedup": None}
     predicted = _predicted(rs, profile)
     speedup = None

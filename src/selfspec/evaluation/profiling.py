@@ -17,7 +17,7 @@ import torch
 from selfspec.models.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
                                      WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
 
-__all__ = ["measure_profile"]
+__all__ = ["measure_profile", "untrained_ppd"]
 
 
 def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable[int] = PREFILL_ROWS,
@@ -26,38 +26,31 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
     from selfspec.decoding import Sampling
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.models.costs import context_cache, time_forward
-    from selfspec.models.layered import SkipSet
+    from selfspec.models.costs import time_forward
 
     started = time.time()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    L = model.num_layers
-    no_mlp = SkipSet.of(mlp=range(L))
     limit = model.max_context - max(max(rows), 1) - 2
     contexts = sorted({min(int(c), limit) for c in contexts if c >= 0})
     rows, prefill_rows = list(rows), [r for r in prefill_rows if r < model.max_context - 2]
     pass_context = min(contexts, key=lambda c: abs(c - 512))
-    attention: dict[int, dict[int, float]] = {}
-    mlp: dict[int, list[float]] = {}
     whole: dict[int, dict[int, float]] = {}
-    for context in contexts:
-        widths = rows + (prefill_rows if context == 0 else [])
-        cache = context_cache(model, context, max(widths))
-        attention[context] = {}
-        if context == pass_context:
-            whole[context] = {}
-        for n in widths:
-            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
-            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
-            attention[context][n] = attn / L
-            mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
-            if n in rows and context == pass_context:
-                whole[context][n] = time_forward(model, cache, context, n, repeats=repeats)
+
+    def whole_pass(cache, context: int, n: int) -> None:  # the L_fp(n) curve, kept for reading
+        if n in rows and context == pass_context:
+            whole.setdefault(context, {})[n] = time_forward(model, cache, context, n, repeats=repeats)
+
+    attention, mlp = _sublayers(model, {c: sorted({*rows, *(prefill_rows if c == 0 else ())}) for c in contexts}, repeats,
+                                log, also=whole_pass)
+    eager = None
+    if model.capture == "graphs":  # the same sublayers with the static-pass runner off, at decoding contexts
+        steps, model.steps = model.steps, None
+        try:
+            eager = dict(zip(("attention", "mlp"), _sublayers(model, {c: rows for c in contexts if c > 0}, repeats)))
+        finally:
+            model.steps = steps
         if log:
-            log(f"context {context}: attention and MLP sublayers for {len(widths)} row counts")
-    eager = _measure_eager(model, rows, contexts, repeats) if model.capture == "graphs" else None
-    if log and eager:
-        log("eager attention and MLP sublayers (the static-pass runner off)")
+            log("eager attention and MLP sublayers (the static-pass runner off)")
     head = _measure_heads(model, rows + prefill_rows[:1], repeats)
     linear = _measure_linear(model, rows, repeats)
     tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
@@ -70,8 +63,8 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "load_average": load,
         "seconds_to_measure": None,
-        "attention": {str(c): {str(n): t for n, t in row.items()} for c, row in attention.items()},
-        "mlp": {str(n): statistics.median(v) for n, v in mlp.items()},
+        "attention": attention,
+        "mlp": mlp,
         "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()},
         "linear": {str(n): t for n, t in linear.items()},
         "tree": {str(n): t for n, t in tree.items()},
@@ -103,28 +96,32 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     return profile
 
 
-def _measure_eager(model, rows: list[int], contexts: list[int], repeats: int) -> dict[str, dict]:
-    """The ``eager`` tables (module docstring): attention and MLP sublayers at decoding contexts,
-    with the static-pass runner off, as a decoding pass no bucket holds runs."""
+def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None
+               ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.models.profile`):
+    per context, whole passes of each row count in ``widths[context]`` with and without the MLPs,
+    divided by the layer count (the MLP: the median over contexts of the difference). ``also(cache,
+    context, rows)`` times anything else on the same cache."""
     from selfspec.models.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
 
-    L, no_mlp, steps = model.num_layers, SkipSet.of(mlp=range(model.num_layers)), model.steps
+    L = model.num_layers
+    no_mlp = SkipSet.of(mlp=range(L))
     attention: dict[str, dict[str, float]] = {}
     mlp: dict[int, list[float]] = {}
-    model.steps = None
-    try:
-        for context in [c for c in contexts if c > 0]:
-            cache = context_cache(model, context, max(rows))
-            attention[str(context)] = {}
-            for n in rows:
-                full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
-                attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
-                attention[str(context)][str(n)] = attn / L
-                mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
-    finally:
-        model.steps = steps
-    return {"attention": attention, "mlp": {str(n): statistics.median(v) for n, v in mlp.items()}}
+    for context, rows in widths.items():
+        cache = context_cache(model, context, max(rows))
+        attention[str(context)] = {}
+        for n in rows:
+            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
+            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
+            attention[str(context)][str(n)] = attn / L
+            mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
+            if also is not None:
+                also(cache, context, n)
+        if log:
+            log(f"context {context}: attention and MLP sublayers for {len(rows)} row counts")
+    return attention, {str(n): statistics.median(v) for n, v in mlp.items()}
 
 
 def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int) -> dict[str, Any]:
@@ -132,13 +129,8 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
     ``host``: the median over generations of PPD with random prompt tokens and random trees of
     :data:`HOST_TREE_NODES` candidates, and of the n-gram lookup on a prompt that repeats itself
     (so it drafts)."""
-    import random
-
     from selfspec.config import method_config
-    from selfspec.decoding import Sampling, build_decoder, check_method
-    from selfspec.decoding.ppd import PPD
-    from selfspec.decoding.tree import random_trees
-    from selfspec.prompts import PromptTokens
+    from selfspec.decoding import Sampling, build_decoder
 
     def extra(decoder, tokens: list[int], source: str) -> list[float]:
         decoder.generate(tokens, new, Sampling())  # warm-up (under graphs: the captures)
@@ -156,15 +148,9 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
             per_step.append(max(0.0, (seconds - priced) / len(drafting)))
         return per_step
 
-    options = check_method(method_config("ppd"))
-    g = torch.Generator().manual_seed(0)
-    prompts = PromptTokens((torch.randn(3, 2, model.hidden_size, generator=g) * 0.5).to(model.device, model.dtype))
     tree: list[float] = []
     for nodes in HOST_TREE_NODES:
-        ppd = PPD(model, prompts, random_trees(3, nodes, 10, random.Random(nodes)), ngram=None,
-                  posterior_threshold=options["posterior_threshold"], posterior_alpha=options["posterior_alpha"],
-                  state_zero=options["state_zero"])
-        tree += extra(ppd, prompt, "tree")
+        tree += extra(untrained_ppd(model, nodes), prompt, "tree")
     out: dict[str, Any] = {"tree": statistics.median(tree)} if tree else {}
     segment = prompt[: max(4, len(prompt) // 8)]
     ngram = build_decoder(method_config("ngram", never_slower=False, draft_schedule="adaptive"), model)
@@ -172,6 +158,26 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
     if context:
         out["context"] = statistics.median(context)
     return out
+
+
+def untrained_ppd(model, nodes: int):
+    """PPD with nothing trained (``make gpu-check``'s capture section, ``host_steps``): 3 random
+    prompt tokens of 2 tokens each, and random trees of ``nodes`` candidates (top-10 ranks), with
+    conf/method/ppd.yaml's acceptance settings and no n-gram chain."""
+    import random
+
+    from selfspec.config import method_config
+    from selfspec.decoding import check_method
+    from selfspec.decoding.ppd import PPD
+    from selfspec.decoding.tree import random_trees
+    from selfspec.prompts import PromptTokens
+
+    options = check_method(method_config("ppd"))
+    g = torch.Generator().manual_seed(0)
+    prompts = PromptTokens((torch.randn(3, 2, model.hidden_size, generator=g) * 0.5).to(model.device, model.dtype))
+    return PPD(model, prompts, random_trees(3, nodes, 10, random.Random(nodes)), ngram=None,
+               posterior_threshold=options["posterior_threshold"], posterior_alpha=options["posterior_alpha"],
+               state_zero=options["state_zero"])
 
 
 def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:

@@ -54,15 +54,13 @@ import functools
 import hashlib
 import json
 import math
-import os
 import platform
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
+from selfspec.models.capture import BUCKETS
 from selfspec.models.ledger import COMPONENTS
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
@@ -264,6 +262,10 @@ class Profile:
             {int(c): Curve(num(row)) for c, row in eager["attention"].items()}, Curve(num(eager["mlp"])))
         #: seconds a drafting step's host work adds, by the step's source (``host_steps``)
         self.host_steps = {k: float(v) for k, v in (data.get("host_steps") or {}).items()}
+        #: the most rows measured at a decoding context (after cached positions); a profile's wider
+        #: rows at context 0 are prefills, measured as those run
+        self.decoding_rows = max((max(row) for c, row in self.attention.items() if c > 0),
+                                 default=max(self.attention[0]))
         if not self.plain_step() > 0:  # a priced schedule divides by what a pass costs
             raise ValueError(f"profile {where}: it prices a plain step at {self.plain_step()!r} s: measure it again "
                              "(make profile) or pick another profile")
@@ -308,12 +310,6 @@ class Profile:
         table = self._eager[0] if eager else self._attention
         return Curve({c: curve(rows) for c, curve in table.items()}, past="slope")(context)
 
-    @property
-    def decoding_rows(self) -> int:
-        """The most rows measured at a decoding context (after cached positions): wider passes are
-        extrapolated (a profile's wider rows at context 0 are prefills, measured as those run)."""
-        return max((max(row) for c, row in self.attention.items() if c > 0), default=max(self.attention[0]))
-
     def eager(self, op: list) -> bool:
         """Whether a layer walk ``op`` is priced as an eager pass apart from the captured tables: the
         profile captures, and the walk ran eagerly (flagged in the ledger) or, in a trace recorded
@@ -322,20 +318,49 @@ class Profile:
             return False
         if len(op) > 6:
             return bool(op[6])
-        from selfspec.models.capture import BUCKETS
-
         return op[5] > 0 and op[2] > BUCKETS[-1]
 
-    def unpriced(self, trace: Iterable[dict[str, Any]]) -> int:
-        """Layer walks of ``trace`` this profile cannot price: eager passes, measured by a profile
-        that captures and has no eager tables (a format-3 GPU profile)."""
-        if self._eager is not None or not self.captures:
-            return 0
-        return sum(1 for step in trace for op in step.get("ops") or () if op[1] == "L" and self.eager(op))
+    def _unpriced(self, trace: Iterable[dict[str, Any]]) -> tuple[int, int, int]:
+        """Decoding walks of ``trace`` a profile that captures cannot price: ``(eager, wide, widest)``,
+        the eager ones when it has no eager tables, and the captured ones wider than
+        :attr:`decoding_rows` with the widest of them. A CPU profile prices every walk."""
+        eager = wide = widest = 0
+        if not self.captures:
+            return eager, wide, widest
+        for step in trace:
+            for op in step.get("ops") or ():
+                if op[1] != "L":
+                    continue
+                if self.eager(op):
+                    eager += self._eager is None
+                elif op[5] > 0 and op[2] > self.decoding_rows:
+                    wide, widest = wide + 1, max(widest, op[2])
+        return eager, wide, widest
 
-    def host_step(self, step: dict[str, Any]) -> float:
-        """What a step's own host work adds to :attr:`host` (``host_steps``), by its source."""
-        return self.host_steps.get(step.get("source"), 0.0)
+    def unpriced(self, trace: Iterable[dict[str, Any]]) -> int:
+        """How many walks of ``trace`` this profile cannot price (:meth:`why_unpriced`)."""
+        eager, wide, _ = self._unpriced(trace)
+        return eager + wide
+
+    def why_unpriced(self, trace: Iterable[dict[str, Any]]) -> str | None:
+        """Why this profile cannot price ``trace`` (None: it can). A format-3 GPU profile, measured
+        with CUDA graphs before eager tables and decoding rows past 32 existed, has no price for an
+        eager pass, and its wider rows are context-0 prefills run eagerly then (they price a 64-row
+        MLP below a 32-row one): a prediction from either is withheld, not extrapolated."""
+        eager, _, widest = self._unpriced(trace)
+        why = []
+        if eager:
+            why.append(f"{eager} eager decoding passes: profile {self.name} was measured with CUDA graphs and has "
+                       "no eager prices")
+        if widest:
+            why.append(f"passes of {widest} rows: profile {self.name} measured decoding passes up to "
+                       f"{self.decoding_rows} rows")
+        return "; ".join(why) + " (measure it again with this selfspec)" if why else None
+
+    def host_step(self, source: str | None) -> float:
+        """What a step's own host work adds to :attr:`host` (``host_steps``), by its source
+        (:attr:`~selfspec.decoding.base.StepTrace.source`)."""
+        return self.host_steps.get(source, 0.0)
 
     def head(self, rows: int, vocab: int) -> float:
         return Curve({v: cost(rows) for v, cost in self._head.items()})(vocab)
@@ -383,7 +408,7 @@ class Profile:
             # a step's own overhead (selecting the token, the host sync) follows its last pass
             last = next((op[0] for op in reversed(ops) if op[1] == "L"), "host")
             out[last] += host
-            out["host"] += self.host_step(step)
+            out["host"] += self.host_step(step.get("source"))
         return out
 
     def pass_cost(self, rows: int, context: int = 512) -> float:

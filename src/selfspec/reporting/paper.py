@@ -114,13 +114,9 @@ def paper_projections(record: Record, trace: dict[str, Any]) -> dict[str, dict[s
         gpu = PAPER_GPU.get(record.table)
         entry = {"paper_trace": ", ".join(f"{k} {v}" for k, v in {**figures, **trace}.items() if v is not None)
                  + (f"; the paper measured on an {gpu}, the profile on {profile.machine['hardware']}" if gpu else "")}
-        widest = max(op[2] for op in ops if op[1] == "L")
-        if widest > profile.decoding_rows:
-            # a format-3 GPU profile measured decoding passes up to 32 rows; its wider rows are
-            # prefills (context 0, run eagerly then) and price a 60-row MLP below a 32-row one
-            entry["unpriced"] = (f"passes of {widest} rows: profile {name} measured decoding passes up to "
-                                 f"{profile.decoding_rows} rows (measure it again with this selfspec: up to 128)")
-            entry["predicted_speedup"] = None
+        why = profile.why_unpriced([{"ops": ops}])
+        if why:
+            entry["unpriced"], entry["predicted_speedup"] = why, None
         else:
             entry["predicted_speedup"] = tokens * profile.plain_step(int(trace["context"])) / profile.price(ops)
         out[name] = entry

@@ -192,15 +192,13 @@ def check_finished(out: Path, job: Job, cfg) -> None:
     from (:attr:`Job.extendable`). The same settings train it again."""
     from selfspec.artefacts import ArtefactError, read_meta
     from selfspec.tracking import to_jsonable
-    from selfspec.training.loop import RESUMABLE
+    from selfspec.training.loop import RESUMABLE, changed_settings
 
     if not (out / "meta.json").exists():
         return
     meta = read_meta(out)
     now = to_jsonable(OmegaConf.to_container(cfg.job, resolve=True))
-    before = meta.get("train_config") or {}
-    changed = [f"job.{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
-               if k not in RESUMABLE + job.extendable and before.get(k) != now.get(k)]
+    changed = changed_settings(meta.get("train_config") or {}, now, RESUMABLE + job.extendable, "job.")
     if meta.get("model") != str(cfg.model.name):
         changed.insert(0, f"model: {meta.get('model')!r} -> {str(cfg.model.name)!r}")
     if changed:

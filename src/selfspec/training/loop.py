@@ -152,12 +152,19 @@ def load_checkpoint(ckpt_dir: str | Path) -> dict[str, Any] | None:
 _UNSET = "<unset>"
 
 
+def changed_settings(before: dict[str, Any], now: dict[str, Any], may_change: tuple[str, ...] = RESUMABLE,
+                     prefix: str = "") -> list[str]:
+    """``"<prefix><key>: <old> -> <new>"`` for each setting that differs, but for ``may_change``: what
+    a refused resume or rerun names (:func:`check_resume`, the job driver's finished artefacts)."""
+    return [f"{prefix}{k}: {before.get(k, _UNSET)!r} -> {now.get(k, _UNSET)!r}"
+            for k in sorted(set(before) | set(now))
+            if k not in may_change and before.get(k, _UNSET) != now.get(k, _UNSET)]
+
+
 def check_resume(ckpt_dir: Path, saved: dict[str, Any], settings: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint whose settings differ from ``settings`` (but for
     :data:`RESUMABLE`), naming each changed key with its old and new value."""
-    changed = [f"{k}: {saved.get(k, _UNSET)!r} -> {settings.get(k, _UNSET)!r}"
-               for k in sorted(set(saved) | set(settings))
-               if k not in RESUMABLE and saved.get(k, _UNSET) != settings.get(k, _UNSET)]
+    changed = changed_settings(saved, settings)
     if changed:
         raise CheckpointMismatch(
             f"{ckpt_dir / CHECKPOINT} was written by a run with other settings ({'; '.join(changed)}). "
