@@ -10,7 +10,9 @@ have passed (a section started is finished; the JSON names what the budget left 
 (``--out``, default ``outputs/gpu_check/<time>.json``) is written after every section, so what was
 measured survives a check that is cut off. Each section runs for every model (SmolLM2-135M when its
 weights are here, else SmolLM2's shape with random weights; the Llama-3-8B shape with random
-weights; both kept loaded) before the next section starts:
+weights; both kept loaded) before the next section starts. Where SmolLM2's GGUF file is absent, the
+random models have no tokenizer to borrow: they run on their own vocabularies and the two sections
+that decode task text (``training``, ``methods``) say so instead of running:
 
 1. ``capture``: every method (vanilla, Draft & Verify, early exit, DEL, AdaDecode, n-gram, PPD with a
    small tree and with trees of the paper's sizes) built directly with artefacts that need no
@@ -348,6 +350,9 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
 
 #: the sections, in order of value (module docstring); each runs for every model before the next starts
 SECTIONS = ("capture", "profile", "ledger", "runtime", "training", "methods")
+#: the sections that decode task text, left out for a model with no tokenizer (random weights on a
+#: machine without SmolLM2's GGUF file, whose tokenizer the random models borrow)
+TEXT_SECTIONS = ("training", "methods")
 
 
 def load_entry(model: str, overrides: list[str], p: dict) -> tuple[dict, object]:
@@ -435,14 +440,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model}: skipped ({why})", flush=True)
             continue
         key = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.name=")), model)
-        entries.append(({"key": key, "model_name": model, "overrides": overrides}, None))
+        entry = {"key": key, "model_name": model, "overrides": overrides, "no_text": None}
+        borrowed = [o for o in overrides if o.startswith("+model.tokenizer=")]
+        why_no_text = borrowed and model_present(borrowed[0].split("=", 1)[1])
+        if why_no_text:  # a random model then runs on its own vocabulary: no text, so no task prompts
+            entry["overrides"] = [o for o in overrides if o not in borrowed]
+            entry["no_text"] = f"no tokenizer ({borrowed[0]} cannot load: {why_no_text})"
+            print(f"{key}: {entry['no_text']}; the sections that need text are left out", flush=True)
+        entries.append((entry, None))
     for section in SECTIONS:
         for i, (entry, loaded) in enumerate(entries):
             key = entry["key"]
-            if time.perf_counter() > deadline:
-                report["models"].setdefault(key, {"sections": {}})["sections"][section] = \
-                    "not run: the budget was spent"
-                print(f"{key}: {section} left out (budget)", flush=True)
+            why_not = ("the budget was spent" if time.perf_counter() > deadline
+                       else entry["no_text"] if section in TEXT_SECTIONS else None)
+            if why_not:
+                report["models"].setdefault(key, {"sections": {}})["sections"][section] = f"not run: {why_not}"
+                print(f"{key}: {section} left out ({why_not})", flush=True)
                 continue
             if loaded is None:
                 record, loaded = load_entry(entry["model_name"], entry["overrides"], p)

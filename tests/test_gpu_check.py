@@ -96,3 +96,28 @@ def test_gpu_check_starts_no_section_past_its_budget(tmp_path, monkeypatch):
                                                            for s in gpu_check.SECTIONS}
     with pytest.raises(SystemExit, match="--budget must be a positive number of seconds"):
         gpu_check.main(["--dry-run", "--budget", "0", "--out", str(out)])
+
+
+def test_gpu_check_without_a_tokenizer_leaves_out_the_text_sections(tmp_path, monkeypatch):
+    """A GPU machine without SmolLM2's GGUF file: the random models whose tokenizer it lends run on
+    their own vocabularies, and the sections that decode task text say why they did not run."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
+    import gpu_check
+
+    dry = gpu_check.plan(True)
+    dry["models"] = {"tiny-random": [*dry["models"]["tiny-random"], "+model.tokenizer=smollm2-135m"]}
+    monkeypatch.setattr(gpu_check, "plan", lambda dry_run: dry)
+    monkeypatch.setattr(gpu_check, "model_present",
+                        lambda name: "AssetMissingError: not fetched" if name == "smollm2-135m" else None)
+    loaded = []
+    monkeypatch.setattr(gpu_check, "run_section", lambda section, result, model, *a: loaded.append(
+        (section, result["model"]["overrides"])) or model)
+    monkeypatch.setattr(gpu_check, "load_entry", lambda name, overrides, p: ({"model": {"overrides": overrides}}, "m"))
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
+    sections = json.loads(out.read_text())["models"]["tiny-random"]["sections"]
+    why = ("not run: no tokenizer (+model.tokenizer=smollm2-135m cannot load: AssetMissingError: not fetched)")
+    assert {s: sections[s] for s in gpu_check.TEXT_SECTIONS} == {s: why for s in gpu_check.TEXT_SECTIONS}
+    assert [s for s, _ in loaded] == [s for s in gpu_check.SECTIONS if s not in gpu_check.TEXT_SECTIONS]
+    assert all("+model.tokenizer=smollm2-135m" not in o for _, o in loaded)
