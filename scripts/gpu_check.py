@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                  # on a GPU (make gpu-check): at most --budget seconds (300)
     python scripts/gpu_check.py --budget 120     # the most valuable sections that fit in 2 minutes
+    python scripts/gpu_check.py --sections profile,ledger   # only these (in the check's order)
     python scripts/gpu_check.py --dry-run        # the same code on tiny-random on the CPU (capture=static)
 
 A GPU for checking this project is lent for 15 minutes at a time, machine start included, so the
@@ -399,7 +400,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="the JSON (default outputs/gpu_check/<time>.json)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which no new section starts (default 300 on a GPU, none with --dry-run)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"the sections to run, comma-separated, in the check's order (default: all of {','.join(SECTIONS)}; "
+                         "ledger needs profile)")
     args = ap.parse_args(argv)
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown or not chosen:
+        raise SystemExit(f"--sections {args.sections!r}: {', '.join(unknown) or 'none given'} not among "
+                         f"{', '.join(SECTIONS)}")
+    if "ledger" in chosen and "profile" not in chosen:
+        raise SystemExit("--sections: ledger prices the step traces on the profile the same check measures; "
+                         "add profile")
     budget = args.budget if args.budget is not None else (None if args.dry_run else 300.0)
     if budget is not None and budget <= 0:
         raise SystemExit(f"--budget must be a positive number of seconds, got {args.budget}")
@@ -419,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     p = plan(args.dry_run)
     t0 = time.perf_counter()
     deadline = t0 + budget if budget is not None else float("inf")
-    report = {"dry_run": args.dry_run, "settings": p, "budget_seconds": budget, "run_info": run_info(),
+    report = {"dry_run": args.dry_run, "settings": p, "sections_chosen": chosen, "budget_seconds": budget, "run_info": run_info(),
               "load_average": [os.getloadavg()[0]], "models": {}, "skipped": {}}
 
     def save() -> None:  # what is done so far survives a failure or a machine taken back
@@ -448,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["no_text"] = f"no tokenizer ({borrowed[0]} cannot load: {why_no_text})"
             print(f"{key}: {entry['no_text']}; the sections that need text are left out", flush=True)
         entries.append((entry, None))
-    for section in SECTIONS:
+    for section in (s for s in SECTIONS if s in chosen):
         for i, (entry, loaded) in enumerate(entries):
             key = entry["key"]
             why_not = ("the budget was spent" if time.perf_counter() > deadline
