@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 #: per method: the overrides every run gets (PPD, AdaDecode, Draft & Verify read the artefacts trained in step 2).
 #: These runs compare capture modes with profile=null (no cost pricing), so the n-gram lookup takes the
-#: adaptive draft schedule: its default, priced, needs a profile
-METHODS = {"draft_verify": [], "adadecode": [], "ppd": [], "del": [], "early_exit": [],
+#: adaptive draft schedule and DEL the parameter count: their defaults, priced, need a profile
+METHODS = {"draft_verify": [], "adadecode": [], "ppd": [], "del": ["method.cost_model=parameters"], "early_exit": [],
            "ngram": ["method.draft_schedule=adaptive"]}
 JOB_ORDER = ("heads", "prompts", "ppd_tree", "skips", "draft_vocab")  # the tree needs the prompts
 

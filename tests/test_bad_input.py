@@ -216,6 +216,7 @@ EVAL_BAD = [
     (["method=del_heads", "method.candidate_layers=[1]"], r"method\.candidate_layers=\[1\] is not allowed: set "
                                                           r"only with exit_head=lm_head"),
     (["method=ngram", "profile=null"], r"profile=null with method ngram's draft_schedule=priced: .*set profile=auto"),
+    (["method=del", "profile=null"], r"profile=null with method del's cost_model=measured: .*cost_model=parameters"),
     (["method=draft_verify", "profile=null", "+method.ngram={max_ngram:3,min_ngram:1,max_draft:4,draft_schedule:priced}"],
      r"profile=null with method draft_verify's ngram\.draft_schedule=priced"),
     (["method=ppd", "method.posterior_threshold=0"], r"method\.posterior_threshold=0 is not allowed"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import rolled_back_steps, method_config
+from conftest import cpu_like_profile, method_config, rolled_back_steps
 
 from selfspec.checks import ConfigError
 from selfspec.decoding import Sampling, build_decoder, check_method
@@ -28,6 +28,8 @@ def decoder(loaded, method: str, ngram=NGRAM, **kw):
     cfg = dict(METHODS[method], ngram=ngram)
     if method != "adadecode":
         cfg["never_slower"] = False
+    if method == "del":  # its TPL is priced by a profile (cost_model: measured)
+        kw.setdefault("profile", cpu_like_profile(loaded.model))
     return build_decoder(OmegaConf.create(cfg), loaded.model, **kw)
 
 

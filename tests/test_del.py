@@ -8,6 +8,8 @@ from omegaconf import OmegaConf
 
 from selfspec.decoding import DecodeState, Sampling, build_decoder
 from selfspec.decoding.early_exit import DEL, ShadowStats, round_cost, tpl_argmax
+from selfspec.models.profile import Profile
+from conftest import cpu_like_profile
 from test_early_exit import agreeing_model, compose_method, vanilla
 
 
@@ -16,9 +18,13 @@ def agree():
     return agreeing_model()
 
 
-def del_decoder(loaded, **over):
-    cfg = OmegaConf.load("conf/method/del.yaml")
-    return build_decoder(OmegaConf.merge(cfg, over), loaded.model)
+def del_decoder(loaded, profile=None, **over):
+    """DEL from conf/method/del.yaml with ``over``; ``cost_model: measured`` (the default) priced by
+    ``profile``, else by :func:`cpu_like_profile` (the same choices on every machine)."""
+    cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), over)
+    if cfg.cost_model == "measured" and profile is None:
+        profile = cpu_like_profile(loaded.model)
+    return build_decoder(cfg, loaded.model, profile=profile)
 
 
 @pytest.mark.parametrize("over", [{}, {"draft_stop": None}, {"min_draft": 0, "max_draft": 6},
@@ -133,35 +139,40 @@ def test_tpl_argmax_matches_brute_force(head_cost, measured):
             assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
 
 
-def test_measured_costs_come_from_the_models_cost_curve(tiny, prompt_ids):
-    """cost_model=measured reads the runtime's cost curve (one measurement per loaded model):
-    an expensive verification pass makes the controller stop drafting; parameters keeps DEL's count."""
-    from selfspec.models.costs import CostCurve
+def test_measured_costs_come_from_the_runs_profile(tiny, prompt_ids):
+    """cost_model=measured prices TPL with the run's cost profile (issue 40: one cost model; before, DEL
+    timed a benchmark in its constructor and ignored the profile): v(γ+1) is the profile's pass of γ+1
+    rows over its pass of one, the head its price over a layer's. An expensive verification pass makes
+    the controller stop drafting; parameters keeps DEL's count; no profile is refused by name."""
+    from selfspec.decoding.early_exit import MEASURED_NEEDS_PROFILE
 
     m = tiny.model
-    saved = m.cost_curve
-    steep = {1: 1.0, 2: 3.0, 4: 6.0, 8: 12.0, 16: 24.0, 32: 48.0}  # v(k) = 3k/2 for k >= 2
-    m.cost_curve = CostCurve("tiny", "cpu", "float32", "torch", {512: steep}, layer=0.25, head=0.5)
-    try:
-        d = del_decoder(tiny, min_draft=0, max_draft=8)
-        assert d.head_cost == pytest.approx(2.0)
-        assert d.verify.tolist() == pytest.approx([1.0, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 13.5])
-        state = DecodeState([], 0, None, Sampling(), None, example=d.new_example(None))
-        state.example.shadow.update(torch.ones(len(d.candidates), 1, dtype=torch.bool),
-                                    torch.ones(len(d.candidates), 1))
-        assert d.plan(state).max_draft == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
-        g = d.generate(prompt_ids, 16)
-        assert g.tokens == vanilla(tiny, prompt_ids, 16)
-        p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
-        assert p.verify is None and p.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
-    finally:
-        m.cost_curve = saved
+    steep = cpu_like_profile(m)
+    steep.data["mlp"] = {"1": 1e-3, "2": 3e-3, "4": 6e-3, "8": 12e-3, "16": 24e-3, "32": 48e-3}  # v(k) = 3k/2, k >= 2
+    vocab = str(steep.shape["vocab_size"])
+    steep.data["head"] = {vocab: {k: 2 * t for k, t in steep.data["mlp"].items()}}  # 2 layers' worth, alike in k
+    steep = Profile(steep.data)
+    d = del_decoder(tiny, steep, min_draft=0, max_draft=8)
+    assert d.head_cost == pytest.approx(2.0)
+    assert d.verify.tolist() == pytest.approx([1.0, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 13.5])
+    state = DecodeState([], 0, None, Sampling(), None, example=d.new_example(None))
+    state.example.shadow.update(torch.ones(len(d.candidates), 1, dtype=torch.bool),
+                                torch.ones(len(d.candidates), 1))
+    assert d.plan(state).max_draft == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
+    g = d.generate(prompt_ids, 16)
+    assert g.tokens == vanilla(tiny, prompt_ids, 16)
+    p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
+    assert p.verify is None and p.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
+    with pytest.raises(ValueError, match="cost_model=measured prices TPL's costs with this machine's cost profile"):
+        build_decoder(OmegaConf.load("conf/method/del.yaml"), m)
+    assert "cost_model=parameters" in MEASURED_NEEDS_PROFILE
 
 
 def test_config_composes_and_bad_values_stop(tiny):
     cfg = compose_method("del")
-    d = build_decoder(cfg, tiny.model)
-    assert isinstance(d, DEL) and d.candidates == [0, 1, 2] and d.head_cost > 0
+    d = build_decoder(cfg, tiny.model, profile=cpu_like_profile(tiny.model))
+    assert isinstance(d, DEL) and d.candidates == [0, 1, 2] and d.verify is not None
+    assert d.head_cost == 0.0  # cpu_like_profile's head costs nothing
     with pytest.raises(ValueError, match="omega"):
         del_decoder(tiny, omega=1.0)
     with pytest.raises(ValueError, match="min_draft"):

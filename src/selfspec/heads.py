@@ -280,16 +280,6 @@ class DraftVocab:
         or skip-set draft: Draft & Verify)."""
         return self.logits(self.model.final_norm(h))
 
-    def head_layers(self) -> float:
-        """This head's measured cost in decoder layers (:func:`selfspec.models.costs.time_head` over
-        the layer of :func:`~selfspec.models.costs.model_curve`), measured once."""
-        if getattr(self, "_head_layers", None) is None:
-            from selfspec.models.costs import model_curve, time_head
-
-            layer = model_curve(self.model, max_k=2).layer
-            self._head_layers = time_head(self.model, self.model_logits) / layer if layer > 0 else float("inf")
-        return self._head_layers
-
     def stats(self) -> dict:
         """What a run records per generation: the size and the artefact's held-out coverage."""
         return {"draft_vocab_size": self.size, "draft_vocab_coverage": self.meta.get("coverage")}

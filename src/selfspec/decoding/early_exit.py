@@ -47,8 +47,9 @@ drafting when a draft's confidence falls below the per-layer dynamic threshold
 statistics are per example (:class:`EarlyExitExample`, created by ``begin``). TPL's denominator
 (``cost_model``): ``layers`` — DEL's count, ``γ·(ℓ+1) + L - ℓ - 1`` (:func:`layer_count`,
 ``del_paper``); ``parameters`` — also the last draft's lower pass and the heads
-(:func:`round_cost`); ``measured`` — that, with this machine's cost curve (``del``; a controller
-that reads the clock cannot be reproduced step for step). The step trace's ``controller`` holds
+(:func:`round_cost`); ``measured`` — that, priced by the run's cost profile
+(:class:`~selfspec.models.profile.Profile`: ``v(γ+1)`` and the exit head in layers; ``del``), so the
+controller's choices are those of the profile, step for step, whatever the machine's load. The step trace's ``controller`` holds
 the round's plan and the per-layer statistics after it (:meth:`DEL.controller`).
 
 Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``draft_stops``.
@@ -66,7 +67,6 @@ from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select
 from selfspec.heads import build_draft_vocab, draft_vocab_options
-from selfspec.models.costs import model_curve
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
 
@@ -115,19 +115,31 @@ def exit_head_options(cfg, prefix: str) -> dict:
             **draft_vocab_options(cfg, prefix)}
 
 
-def head_cost_in_layers(model: LayeredModel, heads, lm_head: float | None = None) -> float:
+#: what ``cost_model: measured`` needs and the run lacks (refused before the model loads: evaluate's checks)
+MEASURED_NEEDS_PROFILE = ("cost_model=measured prices TPL's costs with this machine's cost profile, and the run has "
+                          "none: set profile=auto (evaluate finds or measures it) or a profile file, or give the "
+                          "method cost_model=parameters (or layers)")
+
+
+def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int = 512) -> float:
     """Cost of one exit-head application in units of one decoder layer.
 
     DEL's TPL counts layers (memory-bound decoding loads each layer's weights once per pass);
     on a small model an LM head is several layers' worth (SmolLM2-135M: ~8), so it is counted.
-    ``lm_head``: the LM head's measured cost in layers (default: from parameters read); a
-    trained linear head adds its ``d×d`` weight.
+    With ``profile`` (:class:`~selfspec.models.profile.Profile`): the head's price on one row (a
+    truncated draft vocabulary's at its size) over one layer's at ``context``, and a trained linear
+    head's ``d×d`` product priced too; without: parameters read, the head's rows (a truncated draft
+    head's) against a layer's, and ``d×d`` for a linear head.
     """
+    vocab = getattr(heads, "vocab", None)  # a truncated draft head: its rows
+    rows = vocab.size if vocab is not None else model.vocab_size
+    if profile is not None:
+        layer = profile.layer_cost(1, context)
+        cost = profile.head(1, rows) / layer
+        d = model.hidden_size
+        return cost + (profile.op(["heads", "X", 1, d, d]) / layer if heads.kind == "linear" else 0.0)
     layer = model.layer_numel()
-    vocab = getattr(heads, "vocab", None)  # a truncated draft head: its rows (parameters) or its measured cost
-    if vocab is not None:
-        lm_head = vocab.size * model.hidden_size / layer if lm_head is None else vocab.head_layers()
-    cost = model.lm_head_weight.numel() / layer if lm_head is None else float(lm_head)
+    cost = (rows * model.hidden_size if vocab is not None else model.lm_head_weight.numel()) / layer
     if heads.kind == "linear":
         cost += model.hidden_size**2 / layer
     return cost
@@ -413,7 +425,7 @@ def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head
     models). With ``γ = 0`` this is one plain decoding step, ``L + h``.
 
     ``verify`` (``[G]``, default all 1) is the measured cost of scoring ``γ+1`` tokens in one
-    pass in units of one token's, ``v(γ+1)`` of the runtime's cost curve: the verification pass
+    pass in units of one token's, ``v(γ+1)`` of the run's cost profile: the verification pass
     (the layers above ``ℓ`` and the final head) is then charged ``(L-ℓ-1+h)·v(γ+1)``. DEL's
     count assumes a memory-bound machine where ``v ≈ 1``; on a CPU it is not (docs/design.md §4).
     """
@@ -462,18 +474,24 @@ class DEL(EarlyExit):
         self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
         #: ``layers``: DEL's count as the authors' code has it (:func:`layer_count`); ``measured``:
-        #: TPL's costs from the runtime's cost curve on this machine; ``parameters``: the full count
-        #: of :func:`round_cost` with heads from parameter counts and v(k) = 1
+        #: TPL's costs priced by the run's cost profile; ``parameters``: the full count of
+        #: :func:`round_cost` with heads from parameter counts and v(k) = 1
         self.cost_model = cost_model
         self.verify = None
         self._layer_ids = torch.tensor(self.candidates)
         if cost_model == "layers" and head_cost is not None:
             raise ValueError("head_cost is not part of DEL's layer count (cost_model=layers): set it null")
         if cost_model == "measured":
-            curve = model_curve(model, max_k=int(max_draft) + 1)
-            self.verify = torch.tensor([curve.v(int(g) + 1) for g in self.gammas], dtype=torch.float64)
-            measured = head_cost_in_layers(model, heads, lm_head=curve.head_in_layers)
-            self.head_cost = measured if head_cost is None else float(head_cost)
+            profile = common.get("profile")
+            if profile is None:
+                raise ValueError(MEASURED_NEEDS_PROFILE)
+            # v(γ+1) and the heads at a decoding context the model holds (512 where it can)
+            context = max(1, min(512, model.max_context - int(max_draft) - 3))
+            one = profile.pass_cost(1, context)
+            self.verify = torch.tensor([profile.pass_cost(int(g) + 1, context) / one for g in self.gammas],
+                                       dtype=torch.float64)
+            priced = head_cost_in_layers(model, heads, profile, context)
+            self.head_cost = priced if head_cost is None else float(head_cost)
         elif cost_model == "parameters":
             self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
         else:

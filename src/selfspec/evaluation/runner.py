@@ -252,20 +252,26 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
             raise checks.ConfigError(f"{err} (in conf/method/{name}.yaml, run as baseline or compare)") from None
 
 
-def _check_priced_drafts(cfg: DictConfig, method_cfgs: dict[str, DictConfig]) -> None:
-    """A context drafter whose ``draft_schedule`` is ``priced`` prices drafts with the run's cost
-    profile (:mod:`selfspec.decoding.ngram`): with ``profile=null`` it is refused before the model
-    loads, naming the method."""
+def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig]) -> None:
+    """Choices a method prices with the run's cost profile — a context drafter's ``draft_schedule:
+    priced`` (:mod:`selfspec.decoding.ngram`), DEL's ``cost_model: measured``
+    (:mod:`selfspec.decoding.early_exit`) — are refused with ``profile=null`` before the model loads,
+    naming the method and the key."""
     if _profile_spec(cfg) is not None:
         return
+    from selfspec.decoding.early_exit import MEASURED_NEEDS_PROFILE
+    from selfspec.decoding.ngram import PRICED_NEEDS_PROFILE
+
     for name, m in method_cfgs.items():
         sub = m.get("ngram")
-        for key, schedule in (("draft_schedule", m.get("draft_schedule")),
-                              ("ngram.draft_schedule", sub.get("draft_schedule") if hasattr(sub, "get") else None)):
-            if schedule == "priced":
-                from selfspec.decoding.ngram import PRICED_NEEDS_PROFILE
-
-                raise checks.ConfigError(f"profile=null with method {name}'s {key}=priced: {PRICED_NEEDS_PROFILE}")
+        for key, value, priced, why in (
+                ("draft_schedule", m.get("draft_schedule"), "priced", PRICED_NEEDS_PROFILE),
+                ("ngram.draft_schedule", sub.get("draft_schedule") if hasattr(sub, "get") else None, "priced",
+                 PRICED_NEEDS_PROFILE),
+                ("cost_model", m.get("cost_model") if m.get("name") == "del" else None, "measured",
+                 MEASURED_NEEDS_PROFILE)):
+            if value == priced:
+                raise checks.ConfigError(f"profile=null with method {name}'s {key}={priced}: {why}")
 
 
 @dataclass
@@ -294,7 +300,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     under_test = label or method_label(cfg)
     method_cfgs = method_configs(cfg, under_test)
     check_methods(method_cfgs, under_test)
-    _check_priced_drafts(cfg, method_cfgs)
+    _check_priced_choices(cfg, method_cfgs)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)

@@ -25,7 +25,7 @@ import torch
 from selfspec.models.layered import LayeredModel, SkipSet
 
 __all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_call",
-           "time_forward", "time_head", "weight_bytes"]
+           "time_forward", "time_head", "time_layer", "weight_bytes"]
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -205,6 +205,14 @@ def measure_curve(model: LayeredModel, ks=(1, 2, 4, 8, 16, 32), contexts=(512,),
                      seconds, layer, head)
 
 
+def time_layer(model: LayeredModel, context: int = 64, repeats: int = 7) -> float:
+    """Seconds of one decoder layer on one token: a one-token pass through every layer without a
+    head (median of ``repeats``), over the layer count (:class:`CostCurve`'s ``layer``)."""
+    context = max(1, min(context, model.max_context - 2))
+    cache = context_cache(model, context, 1)
+    return time_forward(model, cache, context, 1, repeats=repeats, logits_rows=0) / model.num_layers
+
+
 def time_head(model: LayeredModel, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
               context: int = 64, repeats: int = 7) -> float:
     """Seconds of embedding one token + ``head`` (default the final norm + LM head) on it, no
@@ -212,21 +220,3 @@ def time_head(model: LayeredModel, head: Callable[[torch.Tensor], torch.Tensor] 
     context = max(1, min(context, model.max_context - 2))
     cache = context_cache(model, context, 1)
     return time_forward(model, cache, context, 1, repeats=repeats, logits_rows=1, layers=range(0), head=head)
-
-
-def model_curve(model: LayeredModel, max_k: int = 32, context: int = 512, repeats: int = 3) -> CostCurve:
-    """The model's cost curve on this machine, measured once per loaded model and kept on it
-    (:attr:`LayeredModel.cost_curve`), so every hardware-aware controller reads the same figures.
-
-    ``k`` runs over the powers of two up to the first at least ``max_k``;
-    ``context`` is capped by the model's context. A few seconds on a CPU for a small model.
-    """
-    ks = [1, 2]
-    while ks[-1] < max_k:
-        ks.append(2 * ks[-1])
-    context = max(1, min(context, model.max_context - max(ks) - 2))
-    curve = getattr(model, "cost_curve", None)
-    if curve is not None and max(curve.seconds[next(iter(curve.seconds))]) >= max(ks):
-        return curve
-    model.cost_curve = measure_curve(model, ks, (context,), repeats)
-    return model.cost_curve

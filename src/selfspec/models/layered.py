@@ -178,8 +178,6 @@ class LayeredModel:
         self._causal: tuple = (None, None)  # the last causal mask (:meth:`causal_mask`)
         self.capture = passes.mode if passes is not None else "off"
         self._pooled: LayerCache | None = None
-        #: measured forward costs (:func:`selfspec.models.costs.model_curve`), once asked for
-        self.cost_curve = None
         #: the cost ledger the model records its work into (:class:`selfspec.models.ledger.Ledger`,
         #: set by the decoding loop for one generation), or None
         self.ledger = None

@@ -310,6 +310,10 @@ class Profile:
         table = self._eager[0] if eager else self._attention
         return Curve({c: curve(rows) for c, curve in table.items()}, past="slope")(context)
 
+    def layer_cost(self, rows: int, context: int) -> float:
+        """Seconds of one decoder layer (attention and MLP) on ``rows`` new tokens after ``context``."""
+        return self.attention_cost(rows, context) + self._mlp(rows)
+
     def eager(self, op: list) -> bool:
         """Whether a layer walk ``op`` is priced as an eager pass apart from the captured tables: the
         profile captures, and the walk ran eagerly (flagged in the ledger) or, in a trace recorded
@@ -414,8 +418,7 @@ class Profile:
     def pass_cost(self, rows: int, context: int = 512) -> float:
         """Seconds of a full pass of ``rows`` new tokens after ``context`` cached ones: every layer,
         the head on every row, the host (a verification of ``rows - 1`` drafts)."""
-        n = self.shape["num_layers"]
-        return (n * (self.attention_cost(rows, context) + self._mlp(rows))
+        return (self.shape["num_layers"] * self.layer_cost(rows, context)
                 + self.head(rows, self.shape["vocab_size"]) + self.host)
 
     def plain_step(self, context: int = 512) -> float:

@@ -11,7 +11,7 @@ small part of its vocabulary. The job
   (ties: lower token id first; tokens never seen follow in id order);
 * measures the **head cost** at each candidate size with the runtime's cost functions
   (:func:`selfspec.models.costs.time_head`, in units of one decoder layer from
-  :func:`~selfspec.models.costs.model_curve`) and the held-out **coverage** (share of the held-out
+  :func:`~selfspec.models.costs.time_layer`) and the held-out **coverage** (share of the held-out
   continuations' tokens inside the kept set);
 * keeps ``job.size`` tokens when given (exactly), else the candidate maximising
   ``coverage(s) / (draft_layers + head_layers(s))``: a draft token outside the kept set is always
@@ -100,9 +100,9 @@ def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list
     """Held-out coverage and measured head cost (seconds, decoder layers) of each size, the full
     vocabulary included; returns ``(candidates, layer_seconds, full_head_seconds)``."""
     from selfspec.heads import DraftVocab
-    from selfspec.models.costs import model_curve, time_head
+    from selfspec.models.costs import time_head, time_layer
 
-    layer = model_curve(model, max_k=2).layer
+    layer = time_layer(model, repeats=repeats)
     full = time_head(model, repeats=repeats)
     out = []
     for s in sorted(set(sizes)):
