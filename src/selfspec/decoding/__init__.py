@@ -14,7 +14,8 @@ from selfspec import checks
 from selfspec.decoding.base import Decoder, DecodeState, Generation, register, registered
 from selfspec.decoding.sampling import Sampling
 
-#: method name -> module that defines it (imported on first use)
+#: method name -> module that defines it (imported on first use); the order is the tables' row order
+#: (:func:`method_rank`), each method's title its class's (:func:`method_title`)
 METHOD_MODULES = {
     "vanilla": "selfspec.decoding.vanilla",
     "draft_verify": "selfspec.decoding.draft_verify",
@@ -39,6 +40,17 @@ def decoder_class(name: str) -> type[Decoder]:
         )
     importlib.import_module(METHOD_MODULES[name])
     return registered()[name]
+
+
+def method_title(name: str) -> str:
+    """A method's title in tables and figures (its class's :attr:`~Decoder.title`); another name
+    (a paper's own row, e.g. Medusa) as it is."""
+    return decoder_class(name).title if name in METHOD_MODULES else name
+
+
+def method_rank(name: str) -> int:
+    """A method's place in tables (:data:`METHOD_MODULES`' order); other names after every method."""
+    return list(METHOD_MODULES).index(name) if name in METHOD_MODULES else len(METHOD_MODULES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,4 +110,4 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", **
 
 
 __all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "check_method", "decoder_class",
-           "register"]
+           "method_rank", "method_title", "register"]

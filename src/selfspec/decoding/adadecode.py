@@ -104,6 +104,7 @@ class AdaDecode(Decoder):
     may be an end-of-sequence token (the paper)."""
 
     name = "adadecode"
+    title = "AdaDecode"
     lossless = True
     verify = True
     context_first = True
@@ -312,5 +313,6 @@ class AdaDecodeNoVerify(AdaDecode):
     Lossy: its output may differ from vanilla; report the consistency ratio."""
 
     name = "adadecode_noverify"
+    title = "AdaDecode w/o verification"
     lossless = False
     verify = False

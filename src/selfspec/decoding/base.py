@@ -179,6 +179,8 @@ class Decoder:
     """
 
     name: ClassVar[str] = "base"
+    #: the method's title in tables, figures and the report (its paper's name)
+    title: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
     #: extra cache positions a step may write beyond the committed tokens (drafts, trees)
     lookahead: int = 0

@@ -141,6 +141,7 @@ class DraftVerify(ChainDecoder):
     """Self-speculative decoding with a skip set and an adaptive draft-exit threshold."""
 
     name = "draft_verify"
+    title = "Draft & Verify"
     lossless = True
 
     def __init__(

@@ -179,6 +179,7 @@ class EarlyExit(ChainDecoder):
     """Early-exit self-speculation with a fixed ``(ℓ, max_draft)`` and an optional draft-stop rule."""
 
     name = "early_exit"
+    title = "Early exit (LayerSkip)"
     lossless = True
 
     def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int,
@@ -461,6 +462,7 @@ class DEL(EarlyExit):
     """DEL: context-aware dynamic exit layer and speculation length (DEL §4, Algorithm 1)."""
 
     name = "del"
+    title = "DEL"
 
     def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int, omega: float,
                  draft_stop: DraftStop | None, prefill_shadow: int, shadow_rows: int | None,

@@ -332,6 +332,7 @@ class NgramLookup(ChainDecoder):
     drafts nothing and is one plain step."""
 
     name = "ngram"
+    title = "N-gram lookup (beyond the papers)"
     lossless = True
     context_first = False  # its keys are the lookup's own; there is no self-drafter to go after
 

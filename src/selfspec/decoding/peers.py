@@ -38,6 +38,7 @@ class HFPeer(Decoder):
     """``transformers.GenerationMixin.generate`` behind the Decoder interface."""
 
     name = "hf_generate"
+    title = "HF generate"
     lossless = True
     own_loop = False
     #: whether generate drafts candidates (assisted decoding); plain generate commits 1 per step
@@ -171,6 +172,7 @@ class HFPromptLookup(HFPeer):
     n-gram (``max_matching_ngram_size``) earlier in the context, ``prompt_lookup_num_tokens`` of them."""
 
     name = "hf_prompt_lookup"
+    title = "HF prompt lookup"
     speculative = True
 
     @classmethod
@@ -237,6 +239,7 @@ class HFEarlyExit(_AssistantSchedule):
     trained with early-exit loss (``layerskip-*`` configs); any model works, with low acceptance."""
 
     name = "hf_early_exit"
+    title = "HF early exit"
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
@@ -264,6 +267,7 @@ class HFAssisted(_AssistantSchedule):
     name, e.g. a Qwen2.5-Coder 0.5B drafting for 1.5B); target and draft share a tokenizer."""
 
     name = "hf_assisted"
+    title = "HF assisted"
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:

@@ -83,6 +83,7 @@ class PPD(Decoder):
     """PPD decoder over a dynamic sparse tree (one :class:`SparseTree` per state ``0…m``)."""
 
     name = "ppd"
+    title = "PPD"
     #: greedy PPD is lossless (exact match); under sampling typical acceptance is NOT, and
     #: :meth:`finish` records ``lossless: False`` in the statistics of such generations.
     lossless = True

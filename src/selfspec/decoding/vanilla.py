@@ -12,6 +12,7 @@ from selfspec.decoding.base import DecodeState, Decoder, register
 @register
 class Vanilla(Decoder):
     name = "vanilla"
+    title = "Vanilla"
     lossless = True
 
     def step(self, state: DecodeState, budget: int) -> list[int]:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from selfspec.reporting.fields import dotted as _cfg
 from selfspec.reporting.fields import label_under_test
+from selfspec.tasks import TASKS
 
 
 def adadecode_ablation_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
@@ -91,17 +92,14 @@ def draft_vocab_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | N
 
 
 #: quality metric per task, as the papers report it
-TASK_SCORE = {
-    "xsum": ("rouge2", "ROUGE-2"),
-    "cnndm": ("rouge2", "ROUGE-2"),
-    "humaneval": ("pass@1", "pass@1"),
-    "gsm8k": ("accuracy", "Acc."),
-}
+#: tasks the papers report that selfspec does not run (their rows come from paper_figures.yaml)
+PAPER_TASKS = {"alpaca": "Alpaca"}
+#: each task's title, in the papers' order: the task classes' own (:data:`selfspec.tasks.TASKS`), then
+#: :data:`PAPER_TASKS`
+TASK_TITLE = {**{name: cls.title for name, cls in TASKS.items()}, **PAPER_TASKS}
+#: task -> (the score's key, its column title): the task classes' ``score_column``
+TASK_SCORE = {name: cls.score_column for name, cls in TASKS.items() if cls.score_column}
 
-TASK_TITLE = {
-    "xsum": "XSum", "cnndm": "CNN/DM", "humaneval": "HumanEval", "gsm8k": "GSM8K",
-    "mtbench": "MT-Bench", "alpaca": "Alpaca",
-}
 
 def task_order(task: str | None) -> int:
     """A task's place in the papers' order (:data:`TASK_TITLE`); unknown tasks last."""

@@ -13,20 +13,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from selfspec.decoding import method_rank as rank_of, method_title as title_of
 from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
 from selfspec.reporting.ledger import LOADED, contention_warning, in_words
 from selfspec.reporting.records import Record
 
 #: row order by decoder family: the reference first, selfspec's methods (the papers', then those
 #: beyond the papers), then the transformers peers
-METHOD_ORDER = ("vanilla", "draft_verify", "adadecode", "ppd", "early_exit", "del", "ngram",
-                "hf_generate", "hf_prompt_lookup", "hf_early_exit", "hf_assisted")
-METHOD_TITLE = {
-    "vanilla": "Vanilla", "draft_verify": "Draft & Verify", "adadecode": "AdaDecode", "ppd": "PPD",
-    "early_exit": "Early exit (LayerSkip)", "del": "DEL", "ngram": "N-gram lookup (beyond the papers)",
-    "hf_generate": "HF generate",
-    "hf_prompt_lookup": "HF prompt lookup", "hf_early_exit": "HF early exit", "hf_assisted": "HF assisted",
-}
 MISSING = "–"
 #: the consistency cell of a sampling row: token-level consistency does not apply there
 NOT_APPLICABLE = "n/a"
@@ -44,15 +37,15 @@ UNGATED = "‡"
 
 
 def method_rank(record: Record) -> tuple[int, str, str]:
-    """Row order: by decoder family (:data:`METHOD_ORDER`), then by label."""
-    family = record.family
-    return (METHOD_ORDER.index(family) if family in METHOD_ORDER else len(METHOD_ORDER), family, record.method)
+    """Row order: by decoder family (the method registry's order, :func:`selfspec.decoding.method_rank`),
+    then by label."""
+    return (rank_of(record.family), record.family, record.method)
 
 
 def method_title(record: Record) -> str:
     """The family's title, with the label when the label is a variant of it:
     ``Draft & Verify``, ``Draft & Verify (draft_verify_static)``."""
-    title = METHOD_TITLE.get(record.family, record.family)
+    title = title_of(record.family)
     return title if record.method == record.family else f"{title} ({record.method})"
 
 

@@ -17,6 +17,8 @@ from selfspec.tasks.summarization import SummarisationTask
 @register
 class CnnDm(SummarisationTask):
     name = "cnndm"
+    title = "CNN/DM"
+    score_column = ("rouge2", "ROUGE-2")
     hub_id = "abisee/cnn_dailymail"
     hub_config = "3.0.0"
     document_field = "article"

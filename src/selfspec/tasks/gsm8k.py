@@ -41,6 +41,8 @@ STDLIB_IMPORTS = {"math", "fractions", "random", "typing"}
 @register
 class GSM8K(Task):
     name = "gsm8k"
+    title = "GSM8K"
+    score_column = ("accuracy", "Acc.")
     hub_id = "openai/gsm8k"
     hub_config = "main"
     required = {"question": str, "answer": str}

@@ -109,6 +109,8 @@ class HumanEvalConfig(TaskConfig):
 @register
 class HumanEval(Task):
     name = "humaneval"
+    title = "HumanEval"
+    score_column = ("pass@1", "pass@1")
     hub_id = "openai/openai_humaneval"
     required = {"task_id": str, "prompt": str, "test": str, "entry_point": str}
     config_class = HumanEvalConfig

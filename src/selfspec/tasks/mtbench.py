@@ -18,6 +18,7 @@ from selfspec.tasks.task import Example, Task, read_jsonl, register
 @register
 class MTBench(Task):
     name = "mtbench"
+    title = "MT-Bench"
     hub_id = "HuggingFaceH4/mt_bench_prompts"
     hub_split = "train"
     hub_rename = {"prompt": "turns", "prompt_id": "question_id"}

@@ -76,6 +76,7 @@ class Example:
     messages: list[dict[str, str]] | None = None
 
 
+#: the tasks, in the papers' order (tables, figures): :mod:`selfspec.tasks` imports their modules in it
 TASKS: dict[str, type[Task]] = {}
 
 
@@ -342,6 +343,10 @@ class Task:
     """
 
     name: ClassVar[str]
+    #: the task's title in tables and figures, and its quality metric as (key of :meth:`score`'s
+    #: result, column title); None where the report shows no score (MT-Bench's judge is not run)
+    title: ClassVar[str]
+    score_column: ClassVar[tuple[str, str] | None] = None
     hub_id: ClassVar[str]
     hub_config: ClassVar[str | None] = None
     hub_split: ClassVar[str] = "test"

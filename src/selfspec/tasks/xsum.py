@@ -16,6 +16,8 @@ from selfspec.tasks.summarization import SummarisationTask
 @register
 class XSum(SummarisationTask):
     name = "xsum"
+    title = "XSum"
+    score_column = ("rouge2", "ROUGE-2")
     hub_id = "EdinburghNLP/xsum"
     document_field = "document"
     summary_field = "summary"
