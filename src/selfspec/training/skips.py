@@ -41,10 +41,9 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec import checks
-from selfspec.decoding.base import DecodeState
 from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.models.costs import synchronizer, time_forward
+from selfspec.models.costs import time_forward
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.training.bars import bar
 from selfspec.training.driver import Job, Result, job_keys, task_names
@@ -136,28 +135,6 @@ def dev_prompts(tasks, tokenizer) -> tuple[list[list[int]], list[str]]:
 
 
 # --- timing helpers -------------------------------------------------------------------------
-class _PrefillClock:
-    """Mixin: record ``stats['prefill_seconds']`` so decode time can exclude the prompt pass."""
-
-    def begin(self, state: DecodeState) -> None:
-        super().begin(state)
-        self._t_begin = time.perf_counter()
-
-    def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
-        token = super().prefill(state, prompt)
-        synchronizer(self.model.device)()
-        state.stats["prefill_seconds"] = time.perf_counter() - self._t_begin
-        return token
-
-
-class _TimedDraftVerify(_PrefillClock, DraftVerify):
-    pass
-
-
-class _TimedVanilla(_PrefillClock, Vanilla):
-    pass
-
-
 def decoding_options(jc) -> dict[str, Any]:
     """``conf/method/draft_verify.yaml`` with ``job.decoding`` overrides, checked, as DraftVerify kwargs."""
     from selfspec.config import conf_dir
@@ -171,11 +148,12 @@ def decoding_options(jc) -> dict[str, Any]:
 
 
 def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
-    """(decode seconds without prefill, decoded tokens, drafted, accepted drafts) over the prompts."""
+    """(decode seconds without prefill, decoded tokens, drafted, accepted drafts) over the prompts;
+    the prompt's pass is the generation's ledger's ``prefill`` (:mod:`selfspec.models.ledger`)."""
     secs, toks, drafted, accepted = 0.0, 0, 0, 0
     for ids in prompts:
         g = decoder.generate(ids, n_new)
-        secs += g.seconds - g.stats["prefill_seconds"]
+        secs += g.seconds - g.ledger["prefill"]
         toks += g.new_tokens - 1
         drafted += sum(g.drafted_per_step)
         accepted += g.accepted_drafts
@@ -190,16 +168,16 @@ class TimedObjective:
     def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, repeats: int = 1):
         self.model, self.prompts, self.n_new = model, prompts, n_new
         self.decoding, self.repeats = decoding, max(1, int(repeats))
-        _TimedVanilla(model).generate(prompts[0], min(8, n_new))  # warm-up
+        Vanilla(model).generate(prompts[0], min(8, n_new))  # warm-up
         self.vanilla_spt = self.baseline()
 
     def baseline(self) -> float:
-        van = _TimedVanilla(self.model)
+        van = Vanilla(self.model)
         runs = [_decode_time(van, self.prompts, self.n_new) for _ in range(max(2, self.repeats))]
         return statistics.median(s / t for s, t, _, _ in runs)
 
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
-        dec = _TimedDraftVerify(self.model, skip, **self.decoding)
+        dec = DraftVerify(self.model, skip, **self.decoding)
         runs = []
         for _ in range(self.repeats):
             dec.reset_gamma()
