@@ -26,3 +26,26 @@ def test_every_task_has_its_title_and_score_from_its_class():
     assert TASK_SCORE == {n: c.score_column for n, c in TASKS.items() if c.score_column}
     assert TASK_SCORE["gsm8k"] == ("accuracy", "Acc.") and "mtbench" not in TASK_SCORE
     assert [task_order(t) for t in ("xsum", "mtbench", "alpaca", "unknown")] == [0, 4, 5, 6]
+
+
+def test_an_evaluation_checks_each_method_once(tmp_path, monkeypatch):
+    """Issue 40: each method's options were checked twice per run (before the model loaded, then
+    again when its decoder was built); the decoders are now built from the options checked first."""
+    import selfspec.decoding as decoding
+    import selfspec.evaluation.runner as runner
+    from selfspec.config import compose
+    from selfspec.evaluation import evaluate
+
+    checked = []
+    real = decoding.check_method
+
+    def counting(cfg, *a, **k):
+        checked.append(str(cfg.name))
+        return real(cfg, *a, **k)
+
+    monkeypatch.setattr(decoding, "check_method", counting)
+    monkeypatch.setattr(runner, "check_method", counting)
+    evaluate(compose(["model=tiny-random", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
+                      "logger=none", "method=draft_verify", "method.skip_set=null", "+method.skip_attn=[1]",
+                      "+method.skip_mlp=[2]"]), tmp_path / "run")
+    assert sorted(checked) == ["draft_verify", "vanilla"]

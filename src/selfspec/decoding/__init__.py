@@ -83,7 +83,8 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     return options
 
 
-def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", **common) -> Decoder:
+def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", options: dict[str, Any] | None = None,
+                  **common) -> Decoder:
     """Build the decoder a ``method`` config group names (``method.name``) from its parts, all at
     construction (:class:`~selfspec.decoding.base.Decoder`): a speculation gate
     (:meth:`Decoder.new_gate`) when its ``never_slower`` is on — pricing steps with ``profile``
@@ -91,9 +92,11 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", **
     them — and a context drafter (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its
     ``ngram`` is set; with ``threads="adaptive"``, a thread policy
     (:class:`~selfspec.decoding.threads.ThreadPolicy`, pricing with ``profile``) for a decoder
-    whose steps run in :meth:`Decoder.generate`'s loop."""
+    whose steps run in :meth:`Decoder.generate`'s loop. ``options``: the config's options as
+    :func:`check_method` returned them already (an evaluation checks every method before its model
+    loads), else they are checked here."""
     cls = decoder_class(str(method_cfg.name))
-    options = check_method(method_cfg)
+    options = dict(options) if options is not None else check_method(method_cfg)
     gate = cls.new_gate(profile) if options.pop("never_slower", False) else None
     if threads not in ("adaptive", "fixed"):
         raise ValueError(f"threads must be adaptive or fixed here, got {threads!r}")

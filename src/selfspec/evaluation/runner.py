@@ -240,16 +240,19 @@ def _profile(cfg: DictConfig, model):
     return profile
 
 
-def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> None:
-    """Every method config's options (:func:`~selfspec.decoding.check_method`), without a model; an
+def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[str, dict[str, Any]]:
+    """Every method config's checked options (:func:`~selfspec.decoding.check_method`), by label,
+    without a model (the run builds its decoders from them: each method is checked once per run); an
     error in a baseline / compare method names its config file."""
+    options = {}
     for name, m in method_cfgs.items():
         try:
-            check_method(m)
+            options[name] = check_method(m)
         except checks.ConfigError as err:
             if name == under_test:
                 raise
             raise checks.ConfigError(f"{err} (in conf/method/{name}.yaml, run as baseline or compare)") from None
+    return options
 
 
 def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig]) -> None:
@@ -285,6 +288,8 @@ class RunPlan:
     under_test: str
     method_cfgs: dict[str, DictConfig]
     n_samples: int
+    #: each method's options as :func:`check_methods` checked them, by label
+    method_options: dict[str, dict[str, Any]]
 
 
 def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
@@ -299,12 +304,12 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     budget = _budget(cfg, task)
     under_test = label or method_label(cfg)
     method_cfgs = method_configs(cfg, under_test)
-    check_methods(method_cfgs, under_test)
+    method_options = check_methods(method_cfgs, under_test)
     _check_priced_choices(cfg, method_cfgs)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
-    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples)
+    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options)
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -460,7 +465,8 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     threads = _threads(cfg, loaded.model.device, profile)
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
     # build every decoder before the loop: a missing artefact fails here, with the method's message
-    runs = [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads, **common))
+    runs = [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads,
+                                             options=plan.method_options[name], **common))
             for name, m in method_cfgs.items()]
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
