@@ -40,7 +40,9 @@ def main() -> None:
     args = ap.parse_args()
 
     loaded = load_model(model_config(args.model))
-    common = dict(eos_token_ids=loaded.eos_token_ids)
+    from selfspec.evaluation.profiling import machine_profile
+
+    common = dict(eos_token_ids=loaded.eos_token_ids, profile=machine_profile(loaded.model))  # DEL prices TPL with it
     methods = {"vanilla": OmegaConf.create({"name": "vanilla"})}
     base = OmegaConf.load("conf/method/early_exit.yaml")
     heads_layers = None

@@ -40,15 +40,15 @@ def main(argv=None) -> int:
 
     from selfspec.config import load_method_config, model_config
     from selfspec.decoding import Sampling, build_decoder
+    from selfspec.evaluation.profiling import machine_profile
     from selfspec.models.ledger import Ledger, phase
     from selfspec.models.loading import load_model
 
     ledger = Ledger(torch.device("cpu"))
     ledger.start()
-    holder = type("Holder", (), {"ledger": ledger})()
 
     def one_phase(_):
-        with phase(holder, "draft"):
+        with phase(ledger, "draft"):
             pass
 
     switch = per_call(one_phase, args.calls) / 2  # a phase is two switches
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     loaded = load_model(model_config(args.model))
     text = "Article: The quick brown fox jumps over the lazy dog. " * 20 + "\nSummary:"
     ids = loaded.tokenizer(text)["input_ids"]
+    profile = machine_profile(loaded.model)  # DEL's TPL is priced with it (cost_model: measured)
     counts: dict[str, int] = {}
     for name in ("switch", "layers", "head", "linear"):
         original = getattr(Ledger, name)
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     for label in [m.strip() for m in args.methods.split(",") if m.strip()]:
         try:
             dec = build_decoder(load_method_config(label), loaded.model, eos_token_ids=loaded.eos_token_ids,
-                                tokenizer=loaded.tokenizer)
+                                tokenizer=loaded.tokenizer, profile=profile)
         except (FileNotFoundError, ValueError) as err:
             print(f"{label:18s} skipped: {str(err).splitlines()[0][:100]}")
             continue

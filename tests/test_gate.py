@@ -145,7 +145,8 @@ GATED = {
     "ngram": method_config("ngram", draft_schedule="adaptive"),
     "draft_verify": method_config("draft_verify", **{"skip_attn": [1], "skip_mlp": [0]}),
     "early_exit": method_config("early_exit", **{"exit_layer": 0, "max_draft": 3}),
-    "del": None,  # its conf/method/del.yaml as composed
+    # DEL's conf/method/del.yaml as composed, but for its TPL costs: measured ones need a profile
+    "del": None,
     "adadecode": method_config("adadecode", **{"head_kind": "lm_head", "layers": [1, 2], "threshold": 0.05}),
 }
 
@@ -170,7 +171,8 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
         from selfspec.config import compose
 
         cfg = GATED[method] and OmegaConf.create(GATED[method])
-        dec = build_decoder(cfg or compose(["model=tiny-random", f"method={method}"]).method, model)
+        over = ["method.cost_model=parameters"] if method == "del" else []
+        dec = build_decoder(cfg or compose(["model=tiny-random", f"method={method}", *over]).method, model)
     assert isinstance(dec.gate, SpeculationGate), "never_slower is on by default"
     # the arm the gate prefers, set by hand: plain decoding "measured" far cheaper, or far dearer
     dec.gate.seconds = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}

@@ -514,15 +514,12 @@ def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger():
                           passes=capture.StepRunner("static"))
     cache = static.new_cache(600)
     ids = torch.zeros(1, 300, dtype=torch.long)
-    static.ledger = Ledger(torch.device("cpu"))
-    try:
-        with torch.inference_mode():
-            static.forward(ids[:, :270], cache, start=0)  # a prefill: eager on every machine, not flagged
-            static.forward(ids[:, :20], cache)  # routed
-            static.forward(ids[:, :257], cache)  # wider than every bucket: eager
-        ops = static.ledger.take_ops()
-    finally:
-        static.ledger = None
+    ledger = Ledger(torch.device("cpu"))
+    with torch.inference_mode():
+        static.forward(ids[:, :270], cache, start=0, ledger=ledger)  # a prefill: eager on every machine, not flagged
+        static.forward(ids[:, :20], cache, ledger=ledger)  # routed
+        static.forward(ids[:, :257], cache, ledger=ledger)  # wider than every bucket: eager
+    ops = ledger.take_ops()
     assert [(op[2], len(op) > 6) for op in ops if op[1] == "L"] == [(270, False), (20, False), (257, True)]
 
 

@@ -35,7 +35,7 @@ from typing import Iterable
 import torch
 
 from selfspec.artefacts import load_artefact, save_artefact
-from selfspec.models.ledger import phase
+from selfspec.models.ledger import Ledger, phase
 
 KINDS = ("linear", "full", "lm_head")
 ARTEFACT_KIND = "heads"
@@ -102,30 +102,30 @@ class IntermediateHeads(torch.nn.Module):
     def __contains__(self, layer: int) -> bool:
         return layer in self.heads or (self.kind == "lm_head" and layer in self.layers)
 
-    def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``; with a
-        draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``."""
-        with phase(self.model, "heads"):
-            return self._logits(layer, h)
+        draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``.
+        ``ledger``: the generation's cost ledger, charged with the head under ``heads``."""
+        with phase(ledger, "heads"):
+            return self._logits(layer, h, ledger)
 
-    def _logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None) -> torch.Tensor:
         m, vocab = self.model, self.vocab
         x = m.final_norm(h)
         if self.kind == "lm_head":
-            return m.head(x).float() if vocab is None else vocab.logits(x)
+            return m.head(x, ledger=ledger).float() if vocab is None else vocab.logits(x, ledger=ledger)
         lin = self.heads[str(layer)]
-        ledger = m.ledger
         if self.kind == "full":
             x = x.to(lin.weight.dtype)
             if vocab is not None:
-                return vocab.logits(x, lin.weight)
+                return vocab.logits(x, lin.weight, ledger)
             if ledger is not None:
                 ledger.head(x.numel() // x.shape[-1], lin.out_features)
             return lin(x).float()
         if ledger is not None:
             ledger.linear(x.numel() // x.shape[-1], lin.in_features, lin.out_features)
         x = lin(x.to(lin.weight.dtype)).to(m.dtype)
-        return m.head(x).float() if vocab is None else vocab.logits(x)
+        return m.head(x, ledger=ledger).float() if vocab is None else vocab.logits(x, ledger=ledger)
 
     def forward(self, hiddens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{layer: hidden}`` -> ``{layer: logits}`` for all heads (training)."""
@@ -262,33 +262,33 @@ class DraftVocab:
         """The kept rows of a ``|V|×d`` head, contiguous (the skinny kernel reads them in order)."""
         return weight.detach()[self.ids.to(weight.device)].contiguous()
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of normalised states ``x [..., d]`` (``weight``: another
         ``|V|×d`` head to truncate, e.g. a full-parameter AdaDecode head; default the LM head):
-        the kept rows' scores, ``-inf`` elsewhere."""
+        the kept rows' scores, ``-inf`` elsewhere (the head recorded in ``ledger`` when given)."""
         rows = self.weight
         if weight is not None and weight is not self.model.lm_head_weight:
             rows = self._other.get(id(weight))
             if rows is None:
                 rows = self._other[id(weight)] = self._rows(weight)
-        sub = self.model.head(x.to(rows.dtype), rows).float()
+        sub = self.model.head(x.to(rows.dtype), rows, ledger).float()
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
 
-    def model_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:
         """The model's final norm and the truncated LM head on hidden states ``h`` (a full-depth
         or skip-set draft: Draft & Verify)."""
-        return self.logits(self.model.final_norm(h))
+        return self.logits(self.model.final_norm(h), ledger=ledger)
 
     def stats(self) -> dict:
         """What a run records per generation: the size and the artefact's held-out coverage."""
         return {"draft_vocab_size": self.size, "draft_vocab_coverage": self.meta.get("coverage")}
 
 
-def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None) -> torch.Tensor:
+def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None, ledger: Ledger | None = None) -> torch.Tensor:
     """Final norm + LM head on ``h``, truncated to ``vocab`` when one is given (the one place a
-    final-head draft is scored: Draft & Verify's drafts)."""
-    return model.logits(h) if vocab is None else vocab.model_logits(h)
+    final-head draft is scored: Draft & Verify's drafts), recorded in ``ledger`` when given."""
+    return model.logits(h, ledger) if vocab is None else vocab.model_logits(h, ledger)
 
 
 def draft_vocab_tensors(ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:

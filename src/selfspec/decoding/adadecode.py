@@ -208,7 +208,7 @@ class AdaDecode(Decoder):
         token = state.pending
         while True:
             # a token's pass drafts until it reaches the last layer; that pass is the verification
-            with phase(self.model, "draft") as p:
+            with phase(state.ledger, "draft") as p:
                 logits = self.advance(state, ss, token)
                 if logits is not None:
                     p.relabel("verify" if len(ss.draft) else "plain")
@@ -244,22 +244,23 @@ class AdaDecode(Decoder):
             n = h.shape[1]
             start = pos + 1 - n
             h = m.forward(None, cache, start=start, layers=range(j, j + 1), h=h,
-                          rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base))
+                          rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base), ledger=state.ledger)
             if allow_exit and j in self.exit_layers:
                 if self._early(state, ss, j, h[:, -1]):
                     ss.stack.append(_Segment(j + 1, h))
                     ss.exit_layers.append(j)
                     return None
-        return m.logits(h[0])
+        return m.logits(h[0], state.ledger)
 
-    def draft_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """The head's logits at ``layer`` for the last position's state ``h``."""
-        return self.heads.logits(layer, h)[0]
+    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None) -> torch.Tensor:
+        """The head's logits at ``layer`` for the last position's state ``h`` (recorded in ``ledger``
+        when given)."""
+        return self.heads.logits(layer, h, ledger)[0]
 
     def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> bool:
         """§3.2: predict early (append to ``ss.draft``) if the head's top probability exceeds the
         threshold and, unless ``early_eos``, the token is not EOS."""
-        token, conf, q = pick(self.draft_logits(layer, h_last), state)
+        token, conf, q = pick(self.draft_logits(layer, h_last, state.ledger), state)
         if conf <= self.threshold or (not self.early_eos and token in self.eos_token_ids):
             return False
         ss.draft.append(token, conf, q)

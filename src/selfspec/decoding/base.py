@@ -293,8 +293,8 @@ class Decoder:
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Run the prompt through the model; return the first new token."""
-        h = self.model.forward(prompt, state.cache, start=0)
-        return int(select(self.model.logits(h[:, -1]), state.sampling, state.generator, state.ledger)[0])
+        h = self.model.forward(prompt, state.cache, start=0, ledger=state.ledger)
+        return int(select(self.model.logits(h[:, -1], state.ledger), state.sampling, state.generator, state.ledger)[0])
 
     def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
         """The step that reads the prompt (traced as ``prefill``): default :meth:`prefill`, which
@@ -337,7 +337,7 @@ class Decoder:
             speculated = False
             state.count("plain_steps_gated")
             state.trace_step = StepTrace(gated=True)
-        ledger = self.model.ledger
+        ledger = state.ledger
         gate.record(speculated, len(new), gate.price(ledger.ops, state.trace_step.source)
                     if gate.deterministic and ledger is not None else time.perf_counter() - t0)
         return new
@@ -347,10 +347,12 @@ class Decoder:
         selected from its logits (vanilla's step; a gated method's step when speculation does not
         pay). Scratch K/V past the committed tokens (drafts, trees) is dropped first. Charged to
         the ledger's ``plain`` component."""
-        with phase(self.model, "plain"):
+        with phase(state.ledger, "plain"):
             state.cache.truncate(state.n_cached)
-            h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached)
-            return [int(select(self.model.logits(h[:, -1]), state.sampling, state.generator, state.ledger)[0])]
+            h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached,
+                                   ledger=state.ledger)
+            return [int(select(self.model.logits(h[:, -1], state.ledger), state.sampling, state.generator,
+                               state.ledger)[0])]
 
     # --- state carried across examples -------------------------------------------------------
     def _carried_owner(self, name: str) -> tuple[Any, str]:
@@ -402,7 +404,7 @@ class Decoder:
         cache = self.model.new_cache(n_prompt + max_new_tokens + self.room + 1, reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
-        ledger = self.model.ledger = state.ledger = Ledger(self.model.device)
+        ledger = state.ledger = Ledger(self.model.device)  # passed to the passes that record into it
         threads = self.threads
         try:
             if threads is not None:
@@ -413,7 +415,7 @@ class Decoder:
             self.begin(state)
             with torch.inference_mode():
                 state.trace_step = StepTrace("prefill", width=n_prompt)
-                with phase(self.model, "prefill"):
+                with phase(ledger, "prefill"):
                     first = self.first_step(state, prompt, max_new_tokens)
                 reason = self._commit(state, first, max_new_tokens)
                 while reason is None:
@@ -430,7 +432,6 @@ class Decoder:
             seconds = time.perf_counter() - t0
             ledger.seconds["host"] += seconds - sum(ledger.seconds.values())  # the loop's own edges
         finally:
-            self.model.ledger = None
             if threads is not None:
                 threads.full()
         self.finish(state)
@@ -480,8 +481,8 @@ class Decoder:
         state.drafted_per_step.append(state.drafted)
         step = state.trace_step
         step.drafted, step.committed = state.drafted, len(state.tokens) - start
-        if self.model.ledger is not None:
-            step.ops = self.model.ledger.take_ops()
+        if state.ledger is not None:
+            step.ops = state.ledger.take_ops()
         state.trace.append(step)
         return reason
 

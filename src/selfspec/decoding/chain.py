@@ -135,7 +135,7 @@ class Drafter:
         model = self.model
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
-        return model.logits(model.forward(ids, state.cache, start=state.n_cached))[0]
+        return model.logits(model.forward(ids, state.cache, start=state.n_cached, ledger=state.ledger), state.ledger)[0]
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         """Learn from a verification: ``accepted`` of ``len(draft)`` drafts, ``committed`` the
@@ -194,12 +194,12 @@ def context_step(decoder: Decoder, state: DecodeState, budget: int) -> list[int]
     if drafter is None or budget < 2:
         return None
     limit = drafter.draft_length(state)
-    with phase(decoder.model, "draft"):
+    with phase(state.ledger, "draft"):
         draft = drafter.propose(state, min(limit, budget - 1))
     if not len(draft):
         return None
     draft.limit = limit
-    with phase(decoder.model, "verify"):
+    with phase(state.ledger, "verify"):
         logits = drafter.score(state, draft)
     return settle(state, draft, logits, drafter, source="context")
 
@@ -233,10 +233,10 @@ class ChainDecoder(Drafter, Decoder):
         """The chain step with the method's own drafts (no context drafts first)."""
         limit = self.draft_length(state)
         k_max = self.draft_room(limit, budget)
-        with phase(self.model, "draft"):
+        with phase(state.ledger, "draft"):
             draft = self.propose(state, k_max) if k_max > 0 else Draft()
         draft.limit = limit
-        with phase(self.model, "verify" if len(draft) else "plain"):
+        with phase(state.ledger, "verify" if len(draft) else "plain"):
             logits = self.score(state, draft)
         return settle(state, draft, logits, self)
 

@@ -238,10 +238,11 @@ class DraftVerify(ChainDecoder):
         room = super().draft_room(limit, budget)
         return max(room, 1) if self.last_token == "draft" else room
 
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, h: torch.Tensor, ledger=None) -> torch.Tensor:
         """The draft distribution's logits: the model's own head on the skip-set pass, truncated to
-        the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.heads.draft_logits`)."""
-        return draft_logits(self.model, h[:, -1], self.draft_vocab)[0]
+        the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.heads.draft_logits`);
+        recorded in ``ledger`` when given."""
+        return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger)[0]
 
     def propose(self, state: DecodeState, k_max: int) -> Draft:
         """§3.2-3.4: draft with the skip set until K, the threshold or, with ``eos_draft: stop``, an
@@ -254,8 +255,8 @@ class DraftVerify(ChainDecoder):
         token = state.pending
         for j in range(k_max):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=self.skip_set)
-            if not draft.add(self.draft_logits(h), state, self.gamma, eos):
+            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=self.skip_set, ledger=state.ledger)
+            if not draft.add(self.draft_logits(h, state.ledger), state, self.gamma, eos):
                 break
             token = draft.tokens[-1]
         return draft

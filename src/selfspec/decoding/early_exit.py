@@ -271,7 +271,7 @@ class EarlyExit(ChainDecoder):
         m, hs = self.model, state.example.hs
         n = h.shape[1]
         keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
-        return m.forward(None, state.cache, start=start, layers=layers, h=h, keep=keep)
+        return m.forward(None, state.cache, start=start, layers=layers, h=h, keep=keep, ledger=state.ledger)
 
     def _lower(self, state: DecodeState, tokens: list[int], i: int) -> torch.Tensor:
         """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query
@@ -291,9 +291,9 @@ class EarlyExit(ChainDecoder):
         ``prefill: draft``'s first round)."""
         return state.example.opening or [state.pending]
 
-    def draft_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """The exit head's logits for the layer-``ℓ`` state ``h``."""
-        return self.heads.logits(layer, h)
+    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None) -> torch.Tensor:
+        """The exit head's logits for the layer-``ℓ`` state ``h`` (recorded in ``ledger`` when given)."""
+        return self.heads.logits(layer, h, ledger)
 
     def draft_length(self, state: DecodeState) -> int:
         state.example.plan = self.plan(state)
@@ -306,7 +306,7 @@ class EarlyExit(ChainDecoder):
         tokens = self._x0(state)
         for i in range(k_max):
             h = self._lower(state, tokens, i)
-            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1]), state, plan.threshold,
+            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state.ledger), state, plan.threshold,
                              self.eos_token_ids):
                 break
             tokens = draft.tokens[-1:]
@@ -324,7 +324,7 @@ class EarlyExit(ChainDecoder):
             h, start = torch.cat([ex.prefix, h], dim=1), start - ex.prefix.shape[1]
         ex.opening = ex.prefix = None  # later rounds start from the pending token
         h = self._layers(h, upper, state, start, 0)
-        return m.logits(h[0, -(k + 1):])
+        return m.logits(h[0, -(k + 1):], state.ledger)
 
     def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
         """``prefill: draft`` (LayerSkip's code): the first round drafts from the prompt, which is
@@ -578,11 +578,12 @@ class DEL(EarlyExit):
         n = prompt.shape[1]
         rows = min(self.prefill_shadow, n)
         kept = torch.empty(len(self.slot), rows, m.hidden_size, dtype=m.dtype, device=m.device)  # the candidate layers' last rows, in layer order
-        h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in self.slot.items()})
+        h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in self.slot.items()},
+                      ledger=state.ledger)
         state.example.seed = (kept, h[0, n - rows :].clone())
         if self.gate is None:
             state.trace_step.controller = self.shadow_stats(state).state()
-        return int(select(m.logits(h[:, n - 1])[0], state.sampling, state.generator, state.ledger))
+        return int(select(m.logits(h[:, n - 1], state.ledger)[0], state.sampling, state.generator, state.ledger))
 
     def shadow_stats(self, state: DecodeState) -> "ShadowStats":
         """The example's shadow statistics, seeded first from the prompt's kept states where the
@@ -593,16 +594,17 @@ class DEL(EarlyExit):
         if ex.seed is not None:
             kept, final = ex.seed
             ex.seed = None
-            with phase(self.model, "heads"):
-                self._shadow(state, kept, self.model.logits(final).argmax(-1))
+            with phase(state.ledger, "heads"):
+                self._shadow(state, kept, self.model.logits(final, state.ledger).argmax(-1))
         return ex.shadow
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
         if self.heads.kind == "lm_head":  # one batched head for all layers
-            logits = self.heads.logits(self.candidates[0], hs)
+            logits = self.heads.logits(self.candidates[0], hs, state.ledger)
         else:
-            logits = torch.stack([self.heads.logits(layer, hs[j]) for j, layer in enumerate(self.candidates)])
+            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger)
+                                  for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
         state.example.shadow.update(tok == committed.view(1, -1), conf)
 

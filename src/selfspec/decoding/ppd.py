@@ -193,27 +193,28 @@ class PPD(Decoder):
         read, so that pass is not run."""
         m, ex, k = self.model, state.example, self.prompts.m
         n = prompt.shape[1]
-        h = m.forward(prompt, state.cache, start=0)
-        first = int(select(m.logits(h[:, n - 1]), state.sampling, state.generator, state.ledger)[0])
+        h = m.forward(prompt, state.cache, start=0, ledger=state.ledger)
+        first = int(select(m.logits(h[:, n - 1], state.ledger), state.sampling, state.generator, state.ledger)[0])
         if self.trees[k].nodes:
             lay = layout(SparseTree((), (k,)), self.prompts.n_ept, m.device)
             # the prompt tokens hang off the prompt's last token (cached at n - 1): a tree without its root
             extra = m.forward(None, state.cache, start=n, tree=(lay.offsets[1:] - 1, lay.mask[1:, 1:]),
-                              h=self.prompts.chain().unsqueeze(0))
+                              h=self.prompts.chain().unsqueeze(0), ledger=state.ledger)
             state.cache.truncate(n)
-            self._next_candidates(ex, extra[0], lay.prompt_rows[0] - 1)
+            self._next_candidates(ex, extra[0], lay.prompt_rows[0] - 1, state.ledger)
         else:
             ex.cands, ex.tree_state = None, k
         state.trace_step.controller = {"state": ex.tree_state}
         return first
 
-    def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor) -> None:
-        """Top-k guesses of the accepted node's prompt tokens (EPT logits averaged, PPD §3.2)."""
+    def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor, ledger=None) -> None:
+        """Top-k guesses of the accepted node's prompt tokens (EPT logits averaged, PPD §3.2; the head
+        recorded in ``ledger`` when given)."""
         ex.tree_state = int(rows.shape[0])
         if ex.tree_state == 0:
             ex.cands = None
             return
-        logits = PromptTokens.ensemble(self.model.logits(hidden[rows.reshape(-1)]).view(*rows.shape, -1))
+        logits = PromptTokens.ensemble(self.model.logits(hidden[rows.reshape(-1)], ledger).view(*rows.shape, -1))
         ex.cands = logits.topk(self.top_k, dim=-1).indices
 
     @classmethod
@@ -235,7 +236,7 @@ class PPD(Decoder):
     def step(self, state: DecodeState, budget: int) -> list[int]:
         m, ex = self.model, state.example
         n_cached = state.n_cached
-        with phase(m, "tree"):  # the step's tree: context drafts, layout, candidates, inputs
+        with phase(state.ledger, "tree"):  # the step's tree: context drafts, layout, candidates, inputs
             drafts = ex.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if ex.index else []
             lay = self._layout(ex.tree_state, len(drafts))
             root = state.pending_ids(m.device)[0]
@@ -244,14 +245,14 @@ class PPD(Decoder):
             h = m.embed(tokens.unsqueeze(0))
             if lay.size > lay.n_nodes:
                 h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
-        with phase(m, "verify"):  # one pass verifies the candidates and runs the prompt tokens
-            h = m.forward(None, state.cache, start=n_cached, tree=(lay.offsets, lay.mask), h=h)[0]
-            node_logits = m.logits(h[: lay.n_nodes])
+        with phase(state.ledger, "verify"):  # one pass verifies the candidates and runs the prompt tokens
+            h = m.forward(None, state.cache, start=n_cached, tree=(lay.offsets, lay.mask), h=h, ledger=state.ledger)[0]
+            node_logits = m.logits(h[: lay.n_nodes], state.ledger)
             best, bonus = self._verify(lay, tokens, node_logits, state)
         path = lay.path_rows[best]
         state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
-        with phase(m, "draft"):  # the next step's guesses: the prompt tokens' logits
-            self._next_candidates(ex, h, lay.prompt_rows[best])
+        with phase(state.ledger, "draft"):  # the next step's guesses: the prompt tokens' logits
+            self._next_candidates(ex, h, lay.prompt_rows[best], state.ledger)
         state.drafted = lay.n_nodes - 1
         step = state.trace_step
         step.source, step.tree_size, step.width, step.accepted = "tree", lay.n_nodes, lay.size, len(path)

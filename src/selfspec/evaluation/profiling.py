@@ -7,9 +7,11 @@ evaluation, which uses both the runtime (``models/``) and the decoders (``decodi
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -17,7 +19,9 @@ import torch
 from selfspec.models.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
                                      WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
 
-__all__ = ["measure_profile", "untrained_ppd"]
+__all__ = ["machine_profile", "measure_profile", "untrained_ppd"]
+
+log = logging.getLogger(__name__)
 
 
 def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable[int] = PREFILL_ROWS,
@@ -158,6 +162,40 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
     if context:
         out["context"] = statistics.median(context)
     return out
+
+
+def machine_profile(model) -> Profile:
+    """This machine's cost profile of ``model`` (evaluate's ``profile=auto``): the one kept in the
+    asset cache (:func:`~selfspec.models.profile.default_path`), else a shipped one of the same CPU,
+    threads and libraries, else measured once (:func:`measure_profile`) and kept there."""
+    from selfspec.models.profile import default_path, matching_shipped
+
+    path = default_path(model, model.device)
+    profile = _cached_profile(path)
+    if profile is not None:
+        return profile
+    profile = matching_shipped(model)
+    if profile is not None:
+        log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "
+                 "this machine's own", profile.name)
+        return profile
+    log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
+    profile = measure_profile(model)
+    profile.save(path)
+    return profile
+
+
+def _cached_profile(path: Path):
+    """This machine's cached profile at ``path``, or None when there is none or it is of an older
+    format (measured again then: a cache holds nothing a user wrote)."""
+    if not path.is_file():
+        return None
+    try:
+        return Profile.load(path)
+    except (ValueError, KeyError) as err:
+        log.warning("the cached profile %s is unreadable or of another format than %d (%s): measuring it again",
+                    path, FORMAT, err)
+        return None
 
 
 def untrained_ppd(model, nodes: int):

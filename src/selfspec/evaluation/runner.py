@@ -201,41 +201,16 @@ def _profile_spec(cfg: DictConfig) -> str | None:
     return str(path)
 
 
-def _cached_profile(path: Path):
-    """This machine's cached profile at ``path``, or None when there is none or it is of an older
-    format (measured again then: a cache holds nothing a user wrote)."""
-    from selfspec.models.profile import FORMAT, Profile
-
-    if not path.is_file():
-        return None
-    try:
-        return Profile.load(path)
-    except (ValueError, KeyError) as err:
-        log.warning("the cached profile %s is unreadable or of another format than %d (%s): measuring it again",
-                    path, FORMAT, err)
-        return None
-
-
 def _profile(cfg: DictConfig, model):
-    """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto``
-    loads this machine's from the asset cache, else a shipped one of the same CPU, threads and
-    libraries, else measures it once (:func:`~selfspec.evaluation.profiling.measure_profile`)."""
-    from selfspec.evaluation.profiling import measure_profile
-    from selfspec.models.profile import Profile, default_path, matching_shipped
+    """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto`` is
+    :func:`~selfspec.evaluation.profiling.machine_profile` (this machine's, found or measured once)."""
+    from selfspec.evaluation.profiling import machine_profile
+    from selfspec.models.profile import Profile
 
     spec = _profile_spec(cfg)
     if spec is None:
         return None
-    if spec != "auto":
-        profile = Profile.load(spec)
-    elif (profile := _cached_profile(path := default_path(model, model.device))) is None:
-        if (profile := matching_shipped(model)) is not None:
-            log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "
-                     "this machine's own", profile.name)
-        else:
-            log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
-            profile = measure_profile(model)
-            profile.save(path)
+    profile = machine_profile(model) if spec == "auto" else Profile.load(spec)
     profile.check_shape(model_shape(model), f"model {model.name}")
     return profile
 

@@ -168,13 +168,10 @@ class _Pass:
         positions = self.start + self.offsets  # [size]
         mask = m.prepare_mask(self.mask(positions))
         writes = _Writes(cache, self.start + self.rows, self.slots, tree=self.tree is not None)
-        ledger, m.ledger = m.ledger, None  # the caller records the pass once, captured or not
-        try:
-            h = m.embed(self.ids) if self.ids is not None else self.h
-            keep = {layer: self.kept[j] for j, layer in enumerate(self.keep)} if self.keep else None
-            return m.run_layers(h, self.layers, writes, m.rope(positions.unsqueeze(0), h), mask, self.skip, keep)
-        finally:
-            m.ledger = ledger
+        # no ledger here: the caller (LayeredModel.forward) records the pass once, captured or not
+        h = m.embed(self.ids) if self.ids is not None else self.h
+        keep = {layer: self.kept[j] for j, layer in enumerate(self.keep)} if self.keep else None
+        return m.run_layers(h, self.layers, writes, m.rope(positions.unsqueeze(0), h), mask, self.skip, keep)
 
     def capture(self, cache: LayerCache, pool) -> None:
         """Record :meth:`body` on ``cache`` as a CUDA graph, after two warm-up runs on a side stream

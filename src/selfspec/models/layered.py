@@ -44,6 +44,7 @@ import torch
 from selfspec.models import kernels
 from selfspec.models.cache import Appended, LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
+from selfspec.models.ledger import Ledger
 
 __all__ = ["KV", "LayeredModel", "Rope", "SkipSet", "UnsupportedModelError", "fuse_rows"]
 
@@ -178,9 +179,6 @@ class LayeredModel:
         self._causal: tuple = (None, None)  # the last causal mask (:meth:`causal_mask`)
         self.capture = passes.mode if passes is not None else "off"
         self._pooled: LayerCache | None = None
-        #: the cost ledger the model records its work into (:class:`selfspec.models.ledger.Ledger`,
-        #: set by the decoding loop for one generation), or None
-        self.ledger = None
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -468,18 +466,18 @@ class LayeredModel:
 
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
                    skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None,
-                   eager: bool = False) -> torch.Tensor:
+                   eager: bool = False, ledger: Ledger | None = None) -> torch.Tensor:
         """The layer primitive: run ``layers`` (a range or any increasing subset) over the rows of
         ``h [1, n, d]`` at the positions ``rope`` encodes, writing K/V to ``kv`` and attending under
         ``mask``; ``skip`` leaves sublayers out (Draft & Verify); ``keep`` ``{layer: out}`` copies
         the last ``len(out)`` rows of the state after each of those layers into ``out`` (early
         exit's exit-query cache, DEL's shadow tokens). Returns the states after the last layer run.
-        The walk is recorded in the :attr:`ledger` when there is one (``eager``: as a decoding pass
-        that a capturing model ran eagerly)."""
-        if self.ledger is not None:
+        The walk is recorded in ``ledger`` when one is given (``eager``: as a decoding pass that a
+        capturing model ran eagerly)."""
+        if ledger is not None:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
-            self._record_walk(h.shape[1], layers, skip, context, eager)
+            _record_walk(ledger, h.shape[1], layers, skip, context, eager)
         out = self._walk_in_cpp(h, layers, kv, rope, mask, keep, skip)
         if out is not None:
             return out
@@ -493,33 +491,20 @@ class LayeredModel:
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
 
-    def _record_walk(self, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False) -> None:
-        """A layer walk in the ledger: its rows, the sublayers run and the cached positions they
-        attend to. A sliding layer is recorded at the whole context too: the profile's attention
-        cost per context is measured over every layer, windows included, so it already averages the
-        windowed layers' cheaper attention in."""
-        attention = mlp = len(layers)
-        if not attention:
-            return
-        if skip is not None:
-            attention -= sum(i in skip.attn for i in layers)
-            mlp -= sum(i in skip.mlp for i in layers)
-        self.ledger.layers(int(rows), attention, mlp, int(context), eager)
-
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(self.family.norm, h)
 
-    def head(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def head(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None) -> torch.Tensor:
         """The LM head (or another ``|rows|×d`` head ``weight``) on normalised states, in the
-        model's dtype (recorded in the :attr:`ledger` when there is one)."""
+        model's dtype (recorded in ``ledger`` when one is given)."""
         weight = self.family.lm_head.weight if weight is None else weight
-        if self.ledger is not None:
-            self.ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]))
+        if ledger is not None:
+            ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]))
         return self.linear(x, weight)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head (float32 logits)."""
-        return self.head(self.final_norm(h)).float()
+    def logits(self, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:
+        """Final norm + LM head (float32 logits; recorded in ``ledger`` when one is given)."""
+        return self.head(self.final_norm(h), ledger=ledger).float()
 
     # --- whole passes ----------------------------------------------------------------------
     def forward(
@@ -536,6 +521,7 @@ class LayeredModel:
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
         rope: Rope | None = None,
         checkpoint: bool = False,
+        ledger: Ledger | None = None,
     ) -> torch.Tensor:
         """Run ``layers`` (default all) over ``ids`` (or given hidden states ``h``): every pass of a
         decoder goes through here.
@@ -551,6 +537,8 @@ class LayeredModel:
         (gradient checkpointing), and the pass reads the cache without writing to it. Returns the last
         hidden states ``[1, n, d]`` (before the final norm). Under ``capture=static|graphs`` a pass
         of at most 256 rows runs as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
+        ``ledger``: the generation's cost ledger (:mod:`selfspec.models.ledger`), which records the
+        pass's walk; None records nothing.
         """
         layers = range(self.num_layers) if layers is None else layers
         if start is None:
@@ -558,8 +546,8 @@ class LayeredModel:
         if self.steps is not None and mask is None and positions is None:
             out = self.steps.run(self, ids, h, cache, start, layers, skip, tree, keep)
             if out is not None:
-                if self.ledger is not None:
-                    self._record_walk(out.shape[1], layers, skip, start)
+                if ledger is not None:
+                    _record_walk(ledger, out.shape[1], layers, skip, start)
                 return out
         if h is None:
             h = self.embed(ids)
@@ -580,7 +568,7 @@ class LayeredModel:
         # a decoding pass (the cache holds positions) that a capturing model (static or graphs) runs
         # here ran eagerly: a profile measured with graphs prices it apart (selfspec.models.profile)
         eager = self.steps is not None and start > 0
-        return self.run_layers(h, layers, cache, rope, mask, skip, keep, eager)
+        return self.run_layers(h, layers, cache, rope, mask, skip, keep, eager, ledger)
 
     def _checkpointed(self, h, layers, cache: LayerCache | None, start: int, rope, mask, skip) -> torch.Tensor:
         """:meth:`run_layers` one layer at a time under ``torch.utils.checkpoint``: backward keeps each
@@ -592,3 +580,17 @@ class LayeredModel:
         for i in layers:
             h = checkpoint(self.run_layers, h, range(i, i + 1), kv, rope, mask, skip, use_reentrant=False)
         return h
+
+
+def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False) -> None:
+    """A layer walk in ``ledger``: its rows, the sublayers run and the cached positions they attend
+    to. A sliding layer is recorded at the whole context too: the profile's attention cost per
+    context is measured over every layer, windows included, so it already averages the windowed
+    layers' cheaper attention in."""
+    attention = mlp = len(layers)
+    if not attention:
+        return
+    if skip is not None:
+        attention -= sum(i in skip.attn for i in layers)
+        mlp -= sum(i in skip.mlp for i in layers)
+    ledger.layers(int(rows), attention, mlp, int(context), eager)

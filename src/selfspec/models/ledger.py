@@ -145,11 +145,10 @@ class Ledger:
         return ops
 
 
-def phase(model, component: str):
-    """``with phase(model, "draft") as p: ...`` charges the time and the model's ops inside to
+def phase(ledger: "Ledger | None", component: str):
+    """``with phase(state.ledger, "draft") as p: ...`` charges the time and the model's ops inside to
     ``component``; ``p.relabel(other)`` charges what ran inside so far to ``other`` after all
-    (nothing is recorded when the model keeps no ledger)."""
-    ledger = getattr(model, "ledger", None)
+    (nothing is recorded without a ledger: a decoder used outside :meth:`Decoder.generate`)."""
     if ledger is None:
         return _NO_PHASE
     return _Phase(ledger, component)
