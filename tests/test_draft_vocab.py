@@ -119,8 +119,7 @@ def test_truncated_logits_are_the_kept_rows_and_minus_inf_elsewhere(tiny):
     mask = torch.ones(m.vocab_size, dtype=torch.bool)
     mask[ids] = False
     assert torch.isneginf(trunc[..., mask]).all()
-    heads = IntermediateHeads(m, [1], "lm_head")
-    heads.vocab = vocab
+    heads = IntermediateHeads(m, [1], "lm_head", vocab=vocab)
     q = heads.logits(1, h).softmax(-1)  # the truncated softmax: a distribution over the kept tokens
     torch.testing.assert_close(q[..., ids].sum(-1), torch.ones(2, 5))
     with pytest.raises(ValueError, match="distinct token ids"):

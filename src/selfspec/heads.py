@@ -61,11 +61,13 @@ class IntermediateHeads(torch.nn.Module):
     frozen and never part of this module's parameters or state dict.
     """
 
-    def __init__(self, model, layers: Iterable[int], kind: str = "linear") -> None:
+    def __init__(self, model, layers: Iterable[int], kind: str = "linear", *, vocab: "DraftVocab | None" = None,
+                 path: Path | None = None, meta: dict | None = None) -> None:
         super().__init__()
-        self.path = None  # the artefact directory, when loaded by load_heads
+        #: the artefact directory and its ``meta.json``, when loaded by :func:`load_heads`
+        self.path, self.meta = path, meta or {}
         #: a truncated draft vocabulary (:class:`DraftVocab`); None = every head scores the full vocabulary
-        self.vocab: DraftVocab | None = None
+        self.vocab = vocab
         if kind not in KINDS:
             raise ValueError(f"head kind must be one of {', '.join(KINDS)}, got {kind!r}")
         layers = [int(i) for i in layers]
@@ -95,9 +97,9 @@ class IntermediateHeads(torch.nn.Module):
                 self.heads[str(i)] = lin
 
     @classmethod
-    def identity(cls, model, layers, kind: str = "linear") -> "IntermediateHeads":
+    def identity(cls, model, layers, kind: str = "linear", vocab: "DraftVocab | None" = None) -> "IntermediateHeads":
         """Untrained heads: each equals the final norm + LM head applied to its layer."""
-        return cls(model, layers, kind)
+        return cls(model, layers, kind, vocab=vocab)
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.heads or (self.kind == "lm_head" and layer in self.layers)
@@ -153,9 +155,9 @@ def save_heads(path, heads: IntermediateHeads, loaded_model, **meta) -> Path:
                          train_config=train_config, metrics=metrics, extra={**fields, **meta})
 
 
-def load_heads(path, model) -> IntermediateHeads:
-    """Load a head set saved by :func:`save_heads`; ``model`` (LoadedModel or LayeredModel) is
-    checked against the artefact's fingerprint. The tensors are named by their layer (``T.<layer>``,
+def load_heads(path, model, vocab: "DraftVocab | None" = None) -> IntermediateHeads:
+    """Load a head set saved by :func:`save_heads` (scoring ``vocab``'s rows where one is given);
+    ``model`` (LoadedModel or LayeredModel) is checked against the artefact's fingerprint. The tensors are named by their layer (``T.<layer>``,
     ``W.<layer>``): ``meta.json``'s ``layers`` must be increasing and name exactly the tensors
     the file holds, so no tensor is ever read as another layer's."""
     from selfspec.artefacts import ArtefactError, rebuild_hint
@@ -174,7 +176,7 @@ def load_heads(path, model) -> IntermediateHeads:
     if set(art.tensors) != want:
         raise ArtefactError(f"heads artefact {path}: its tensors {sorted(art.tensors)} are not the layers of meta.json "
                             f"({sorted(want)}); {fix}")
-    heads = IntermediateHeads(layered, layers, kind)
+    heads = IntermediateHeads(layered, layers, kind, vocab=vocab, path=art.path, meta=art.meta)
     with torch.no_grad():
         for i in heads.layers if kind != "lm_head" else []:
             weight, saved = heads.heads[str(i)].weight, art.tensors[f"{prefix}.{i}"]
@@ -182,8 +184,6 @@ def load_heads(path, model) -> IntermediateHeads:
                 raise ArtefactError(f"heads artefact {path}: tensor {prefix}.{i} has shape {tuple(saved.shape)}, the "
                                     f"model needs {tuple(weight.shape)}; {fix}")
             weight.copy_(saved)
-    heads.meta = art.meta
-    heads.path = art.path
     heads.requires_grad_(False)
     return heads
 

@@ -178,18 +178,18 @@ class AdaDecode(Decoder):
     def from_config(cls, model, options: dict, **common) -> "AdaDecode":
         """Load (or build) the heads :meth:`options` name and check them against the model."""
         kind = options["head_kind"]
+        vocab = build_draft_vocab(model, options)
         if kind == "lm_head":
             layers = options["layers"] or default_layers(model.num_layers)
-            heads = IntermediateHeads.identity(model, layers, kind="lm_head")
+            heads = IntermediateHeads.identity(model, layers, kind="lm_head", vocab=vocab)
         else:
             path = find_heads(model.name, options["heads_dir"], options["heads_task"], kind)
-            heads = load_heads(path, model)
+            heads = load_heads(path, model, vocab)
             if heads.kind != kind:
                 raise ValueError(f"heads artefact {path} holds {heads.kind!r} heads but method.head_kind={kind!r}")
         exit_layers = options["exit_layers"]
         if exit_layers == "middle":
             exit_layers = [heads.layers[len(heads.layers) // 2]]
-        heads.vocab = build_draft_vocab(model, options)
         return cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
                    exit_layers=exit_layers, early_eos=options["early_eos"], draft_vocab=heads.vocab, **common)
 

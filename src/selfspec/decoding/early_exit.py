@@ -78,8 +78,10 @@ PREFILLS = ("full", "draft")
 
 
 # --- exit heads ------------------------------------------------------------------------------
-def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, data: str | None = None):
-    """The :class:`~selfspec.heads.IntermediateHeads` a method config asks for.
+def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, data: str | None = None,
+                     vocab=None):
+    """The :class:`~selfspec.heads.IntermediateHeads` a method config asks for (scoring the draft
+    vocabulary ``vocab``'s rows where one is given).
 
     ``lm_head``: parameter-free heads (final norm + LM head) at ``layers``; ``heads``: the
     trained artefact at ``heads_path`` (null = the one ``job=heads`` wrote for this model and the
@@ -89,15 +91,14 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, da
     from selfspec.heads import IntermediateHeads, find_heads, load_heads
 
     if exit_head == "lm_head":
-        return IntermediateHeads(model, layers, "lm_head")
-    return load_heads(find_heads(model.name, heads_path, data), model)
+        return IntermediateHeads(model, layers, "lm_head", vocab=vocab)
+    return load_heads(find_heads(model.name, heads_path, data), model, vocab)
 
 
 def exit_heads(model: LayeredModel, options: dict, layers):
     """:func:`build_exit_heads` for a method's options, with its draft vocabulary (``method.draft_vocab``)."""
-    heads = build_exit_heads(model, options["exit_head"], options["heads"], layers, options["heads_task"])
-    heads.vocab = build_draft_vocab(model, options)
-    return heads
+    return build_exit_heads(model, options["exit_head"], options["heads"], layers, options["heads_task"],
+                            build_draft_vocab(model, options))
 
 
 def exit_head_options(cfg, prefix: str) -> dict:
