@@ -467,27 +467,46 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         if todo:
             _warmup(runs, [prompts[ex.id] for ex in examples], int(cfg.warmup),
                     min(int(cfg.warmup_max_new_tokens), budget), sampling)
-        _loop(runs, todo, prompts, done, budget, sampling, n_samples, task, tok, results, tracker,
-              under_test, baseline, bool(cfg.progress))
+        _loop(plan, runs, todo, prompts, done, tok, results, tracker, baseline, bool(cfg.progress))
     finally:
         results.close()
 
     rows = [r for r in results.rows() if str(r["id"]) in ids]
+    summary = _summary(cfg, plan, out_dir, loaded, runs, rows, profile, threads, info, artefacts)
+    write_json(out_dir / SUMMARY, summary)
+    per_method = summary["methods"]
+    tracker.summary({"method": under_test, "methods": per_method, "method_configs": summary["method_configs"],
+                     "run_info": info})
+    tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
+                               for r in rows if r.get("method") in names])
+    if own_tracker:
+        tracker.finish()
+    _log_summary(per_method, baseline)
+    return summary
+
+
+def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, profile, threads, info,
+             artefacts) -> dict[str, Any]:
+    """summary.json of a finished run: every method's figures over ``rows`` (:func:`summarize`), the
+    samples files written beside it, and what produced it (model, config, machine, profile, contention)."""
+    sampling, task, budget, examples = plan.sampling, plan.task, plan.budget, plan.examples
+    names = [r.name for r in runs]
+    baseline = names[0]
     refs = {ex.id: ex.reference for ex in examples}
     per_method = summarize(rows, names, baseline, score=task.score_samples, references=refs, greedy=sampling.greedy,
                            profile=profile)
     finished = common_rows(rows, names, baseline)
     samples_files = _write_samples(out_dir, task, finished)
     here = machine(loaded.model.device)
-    summary = {
+    return {
         "model": loaded.name,
         "task": task.name,
-        "method": under_test,
+        "method": plan.under_test,
         "baseline": baseline,
         "methods": per_method,
         "greedy": sampling.greedy,
-        "n_samples": n_samples,
-        "sample_seeds": None if sampling.greedy else [sample_sampling(sampling, i).seed for i in range(n_samples)],
+        "n_samples": plan.n_samples,
+        "sample_seeds": None if sampling.greedy else [sample_sampling(sampling, i).seed for i in range(plan.n_samples)],
         "samples_files": samples_files,
         "max_new_tokens": budget,
         "n_examples": len(examples),
@@ -502,15 +521,6 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         "artefacts": artefacts,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    write_json(out_dir / SUMMARY, summary)
-    tracker.summary({"method": under_test, "methods": per_method, "method_configs": summary["method_configs"],
-                     "run_info": info})
-    tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
-                               for r in rows if r.get("method") in names])
-    if own_tracker:
-        tracker.finish()
-    _log_summary(per_method, baseline)
-    return summary
 
 
 def _capture_summary(model) -> dict[str, Any]:
@@ -558,16 +568,16 @@ def _write_samples(out_dir: Path, task, rows: dict[str, list[dict[str, Any]]]) -
     return written
 
 
-def _loop(runs, todo, prompts, done, budget, sampling, n_samples, task, tok, results, tracker, under_test,
-          baseline, progress: bool) -> None:
+def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, baseline: str, progress: bool) -> None:
     """Per example, per sample, every method back to back; each row appended as it finishes."""
     from tqdm.auto import tqdm
 
+    budget, sampling, task, under_test = plan.budget, plan.sampling, plan.task, plan.under_test
     totals = {r.name: [0, 0.0] for r in runs}  # new tokens, seconds (this session)
     bar = tqdm(todo, desc=f"{task.name} {under_test}", unit="ex", disable=not progress, dynamic_ncols=True)
     for step, ex in enumerate(bar):
         ids = prompts[ex.id]
-        for i in range(n_samples):
+        for i in range(plan.n_samples):
             s = sample_sampling(sampling, i)
             for run in runs:
                 if (ex.id, i, run.name) in done:
