@@ -54,6 +54,9 @@ def test_greedy_equals_vanilla_and_both_draft_sources_run(tiny, looping, prompt_
         assert sum(g.accepted_per_step) == len(g.tokens) and len(g.drafted_per_step) == g.steps
     looped = decoder(tiny, method).generate(looping, 40)
     assert looped.stats["ngram_steps"] > 0 and looped.stats["ngram_accepted"] > 0
+    # the step trace says which steps drafted from the context: the methods count their own rounds
+    # from it (DecodeState.steps_from), not from another feature's statistic (issue 40)
+    assert looped.stats["ngram_steps"] == sum(t.source == "context" for t in looped.trace)
     # the method's own drafts run where the context does not match: more drafting steps than context ones
     drafting = sum(1 for d in looped.drafted_per_step if d)
     assert drafting > looped.stats["ngram_steps"], looped.stats

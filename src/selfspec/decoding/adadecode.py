@@ -300,7 +300,7 @@ class AdaDecode(Decoder):
         s = state.stats
         generated = len(state.tokens) - state.prompt_len
         # a context draft's verification and a step the gate made plain are full passes too
-        s["full_passes"] += s.get("ngram_steps", 0) + s.get("plain_steps_gated", 0)
+        s["full_passes"] += state.steps_from("context") + state.gated_steps()
         verified = s["accepted_early"] + s["rejected"]
         s["early_prediction_rate"] = s["accepted_early"] / generated if generated else 0.0
         s["rejection_rate"] = s["rejected"] / verified if verified else 0.0

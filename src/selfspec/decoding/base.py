@@ -168,6 +168,15 @@ class DecodeState:
     def count(self, key: str, value: float = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + value
 
+    def steps_from(self, source: str) -> int:
+        """Finished steps whose drafts came from ``source`` (:attr:`StepTrace.source`: ``context``
+        for the n-gram drafts a self-drafting method verifies first)."""
+        return sum(t.source == source for t in self.trace)
+
+    def gated_steps(self) -> int:
+        """Finished steps the speculation gate made plain (:attr:`StepTrace.gated`)."""
+        return sum(t.gated for t in self.trace)
+
 
 class Decoder:
     """Base of every decoding method (docs/design.md §2.3).

@@ -252,8 +252,8 @@ class EarlyExit(ChainDecoder):
 
     def finish(self, state: DecodeState) -> None:
         # rounds that drafted from the exit head (not a full prefill, context drafts or gated plain steps)
-        rounds = len(state.accepted_per_step) - (self.prefill_kind == "full") - state.stats.get("ngram_steps", 0)
-        rounds = max(rounds - state.stats.get("plain_steps_gated", 0), 1)
+        rounds = len(state.trace) - (self.prefill_kind == "full") - state.steps_from("context")
+        rounds = max(rounds - state.gated_steps(), 1)
         state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
         state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
         state.stats.setdefault("draft_stops", 0)
