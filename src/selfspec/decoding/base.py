@@ -286,6 +286,19 @@ class Decoder:
         return cls(model, **common)
 
     @classmethod
+    def needs_profile(cls, options: dict[str, Any]) -> tuple[str, str] | None:
+        """The first of the method's checked ``options`` (:func:`~selfspec.decoding.check_method`) that
+        prices its choices with the run's cost profile, as ``("key=value", why)``, or None; evaluate
+        refuses it with ``profile=null`` before the model loads. Default: drafts from the context
+        first with ``ngram.draft_schedule: priced``; a method with a priced choice of its own adds it."""
+        context = options.get("ngram")
+        if context and context.get("draft_schedule") == "priced":
+            from selfspec.decoding.ngram import PRICED_NEEDS_PROFILE
+
+            return "ngram.draft_schedule=priced", PRICED_NEEDS_PROFILE
+        return None
+
+    @classmethod
     def new_gate(cls, profile=None):
         """The speculation gate ``never_slower`` gives this method (default settings; ``profile``:
         price steps with it, :mod:`selfspec.decoding.gate`)."""

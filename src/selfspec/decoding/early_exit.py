@@ -132,7 +132,7 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
     head's ``d×d`` product priced too; without: parameters read, the head's rows (a truncated draft
     head's) against a layer's, and ``d×d`` for a linear head.
     """
-    vocab = getattr(heads, "vocab", None)  # a truncated draft head: its rows
+    vocab = heads.vocab  # a truncated draft head: its rows
     rows = vocab.size if vocab is not None else model.vocab_size
     if profile is not None:
         layer = profile.layer_cost(1, context)
@@ -502,6 +502,14 @@ class DEL(EarlyExit):
         #: ``[C, G]``: TPL's denominator per candidate layer and speculation length
         self.cost = (layer_count(self._layer_ids, self.gammas, model.num_layers) if cost_model == "layers" else
                      round_cost(self._layer_ids, self.gammas, model.num_layers, self.head_cost, self.verify))
+
+    @classmethod
+    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
+        """``cost_model: measured`` prices TPL with the run's profile (and drafts from the context first
+        may, :meth:`Decoder.needs_profile`)."""
+        if options["cost_model"] == "measured":
+            return "cost_model=measured", MEASURED_NEEDS_PROFILE
+        return super().needs_profile(options)
 
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:

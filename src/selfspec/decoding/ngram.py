@@ -336,6 +336,11 @@ class NgramLookup(ChainDecoder):
     lossless = True
     context_first = False  # its keys are the lookup's own; there is no self-drafter to go after
 
+    @classmethod
+    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
+        """``draft_schedule: priced`` prices each draft's length with the run's profile."""
+        return ("draft_schedule=priced", PRICED_NEEDS_PROFILE) if options["draft_schedule"] == "priced" else None
+
     def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
                  **common) -> None:
         super().__init__(model, **common)

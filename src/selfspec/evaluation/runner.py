@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from selfspec import checks
 from selfspec.config import load_method_config
-from selfspec.decoding import Decoder, Sampling, build_decoder, check_method
+from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
 from selfspec.models.capture import BUCKETS
 from selfspec.models.profile import machine, model_shape
@@ -230,26 +230,18 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[s
     return options
 
 
-def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig]) -> None:
-    """Choices a method prices with the run's cost profile — a context drafter's ``draft_schedule:
-    priced`` (:mod:`selfspec.decoding.ngram`), DEL's ``cost_model: measured``
-    (:mod:`selfspec.decoding.early_exit`) — are refused with ``profile=null`` before the model loads,
-    naming the method and the key."""
+def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig],
+                          options: dict[str, dict[str, Any]]) -> None:
+    """A choice a method prices with the run's cost profile (its class's
+    :meth:`~selfspec.decoding.base.Decoder.needs_profile`: a context drafter's ``draft_schedule:
+    priced``, DEL's ``cost_model: measured``) is refused with ``profile=null`` before the model
+    loads, naming the method and the key."""
     if _profile_spec(cfg) is not None:
         return
-    from selfspec.decoding.early_exit import MEASURED_NEEDS_PROFILE
-    from selfspec.decoding.ngram import PRICED_NEEDS_PROFILE
-
     for name, m in method_cfgs.items():
-        sub = m.get("ngram")
-        for key, value, priced, why in (
-                ("draft_schedule", m.get("draft_schedule"), "priced", PRICED_NEEDS_PROFILE),
-                ("ngram.draft_schedule", sub.get("draft_schedule") if hasattr(sub, "get") else None, "priced",
-                 PRICED_NEEDS_PROFILE),
-                ("cost_model", m.get("cost_model") if m.get("name") == "del" else None, "measured",
-                 MEASURED_NEEDS_PROFILE)):
-            if value == priced:
-                raise checks.ConfigError(f"profile=null with method {name}'s {key}={priced}: {why}")
+        need = decoder_class(str(m.name)).needs_profile(options[name])
+        if need is not None:
+            raise checks.ConfigError(f"profile=null with method {name}'s {need[0]}: {need[1]}")
 
 
 @dataclass
@@ -280,7 +272,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     under_test = label or method_label(cfg)
     method_cfgs = method_configs(cfg, under_test)
     method_options = check_methods(method_cfgs, under_test)
-    _check_priced_choices(cfg, method_cfgs)
+    _check_priced_choices(cfg, method_cfgs, method_options)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
