@@ -59,6 +59,32 @@ def tiny_profile(tiny):
     return cpu_like_profile(tiny.model)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module, then torch's setting back: a reference loop runs transformers'
+    forward op by op, and on the shared 2-core machine its OpenMP threads waited on each other (15x
+    slower at load 8). Modules use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def peaked_llama():
+    """A random Llama whose distributions are peaked (initializer range 0.6, 256 tokens, 6 layers,
+    no tokenizer), so a draft's top probability is spread around the thresholds; the tiny models'
+    are all near 1/V. The reference tests of Draft & Verify, KnapSpec and CLaSp run on it."""
+    from omegaconf import OmegaConf
+
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {
+        "vocab_size": 256, "num_hidden_layers": 6, "seed": 3, "initializer_range": 0.6}})
+    return load_model(cfg).model
+
+
 @pytest.fixture
 def prompt_ids(tiny):
     return tiny.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]

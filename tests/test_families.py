@@ -85,6 +85,8 @@ def test_vanilla_equals_transformers_generate(family):
     {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
     {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.3},
     {"name": "ngram", "never_slower": False},
+    {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False},
+    {"name": "clasp", "interval": 4, "never_slower": False},
 ], ids=lambda m: m["name"])
 def test_lossless_methods_equal_vanilla(family, method):
     _, model = family
@@ -95,6 +97,7 @@ def test_lossless_methods_equal_vanilla(family, method):
                       profile=cpu_like_profile(model)).generate(ids, N_NEW)
     assert g.tokens == ref
     assert sum(g.drafted_per_step) > 0, f"{name} drafted nothing: the test would not see its verification"
+    assert g.stats.get("skip_searches", 1) > 0, f"{name} searched no skip set: the test would not see the search"
 
 
 def test_qwen3_norms_q_and_k_per_head():
@@ -124,7 +127,8 @@ def test_sliding_windows_past_the_window_equal_transformers(model_type, window):
     ref = hf_tokens(model, ids, N_NEW)
     assert Vanilla(model).generate(ids, N_NEW).tokens == ref
     for method in ({"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4,
-                    "never_slower": False}, {"name": "ngram", "never_slower": False}):
+                    "never_slower": False}, {"name": "ngram", "never_slower": False},
+                   {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False}):
         cfg = method_config(method["name"], **{k: v for k, v in method.items() if k != "name"})
         assert build_decoder(cfg, model, profile=cpu_like_profile(model)).generate(ids, N_NEW).tokens == ref
     # the logits themselves, past the window: a prefill, then a 6-token pass after 20 cached positions

@@ -12,14 +12,12 @@ documented deviations only: the reference, with exactly those switched on by nam
 from __future__ import annotations
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from reference import draft_verify as reference
 from reference.traces import first_difference, totals
-from selfspec.config import compose, model_config
+from selfspec.config import compose
 from selfspec.decoding import build_decoder
-from selfspec.models.loading import load_model
 
 #: selfspec's deviation (a name the reference knows) -> the ``method`` key and value that make it;
 #: ``draft_verify_paper`` sets the other value of each (the authors' loop)
@@ -39,23 +37,12 @@ TINY_BUDGETS = [40, 22, 47, 29]
 TINY_EOS = 27
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The reference runs transformers' forward op by op; on the shared 2-core machine its OpenMP
-    threads waited on each other (15x slower at load 8). One thread, then torch's setting back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def peaked():
-    """A random Llama whose distributions are peaked (initializer range 0.6, 256 tokens), so a
-    draft's top probability is spread around the thresholds; the tiny models' are all near 1/V."""
-    cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {
-        "vocab_size": 256, "num_hidden_layers": 6, "seed": 3, "initializer_range": 0.6}})
-    return load_model(cfg).model
+def peaked(peaked_llama):
+    return peaked_llama
 
 
 def tiny_prompts() -> list[list[int]]:

@@ -86,7 +86,9 @@ def controller_differences(a: dict | None, b: dict | None) -> list[str]:
     out = sorted(set(a) ^ set(b))
     for key in sorted(set(a) & set(b)):
         x, y = a[key], b[key]
-        if isinstance(x, list):
+        if isinstance(x, dict):  # a part's own state (a search's choice): compared key by key
+            same = isinstance(y, dict) and not controller_differences(x, y)
+        elif isinstance(x, list):
             same = len(x) == len(y) and all(_close(u, v, key) for u, v in zip(x, y))
         else:
             same = _close(x, y, key)

@@ -24,6 +24,8 @@ METHOD_MODULES = {
     "ppd": "selfspec.decoding.ppd",
     "early_exit": "selfspec.decoding.early_exit",
     "del": "selfspec.decoding.early_exit",
+    "knapspec": "selfspec.decoding.knapspec",
+    "clasp": "selfspec.decoding.knapspec",
     "ngram": "selfspec.decoding.ngram",
     "hf_generate": "selfspec.decoding.peers",
     "hf_prompt_lookup": "selfspec.decoding.peers",

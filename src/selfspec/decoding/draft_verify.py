@@ -244,6 +244,11 @@ class DraftVerify(ChainDecoder):
         recorded in ``ledger`` when given."""
         return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger)[0]
 
+    def skips(self, state: DecodeState) -> SkipSet:
+        """The skip set the step drafts with: the searched one, fixed (KnapSpec and CLaSp choose
+        theirs while decoding, :mod:`selfspec.decoding.knapspec`)."""
+        return self.skip_set
+
     def propose(self, state: DecodeState, k_max: int) -> Draft:
         """§3.2-3.4: draft with the skip set until K, the threshold or, with ``eos_draft: stop``, an
         EOS draft (the skip-set pass writes scratch K/V past the committed tokens; :meth:`score`
@@ -252,10 +257,10 @@ class DraftVerify(ChainDecoder):
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
         eos = self.eos_token_ids if self.eos_draft == "stop" else frozenset()
-        token = state.pending
+        token, skip = state.pending, self.skips(state)
         for j in range(k_max):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=self.skip_set, ledger=state.ledger)
+            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=skip, ledger=state.ledger)
             if not draft.add(self.draft_logits(h, state.ledger), state, self.gamma, eos):
                 break
             token = draft.tokens[-1]

@@ -491,6 +491,56 @@ class LayeredModel:
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
 
+    def block_states(self, ids: torch.Tensor, cache: LayerCache, start: int, ledger: Ledger | None = None
+                     ) -> list[torch.Tensor]:
+        """A full pass of ``ids`` ``[1, n]`` after ``start`` cached positions, writing the cache as
+        :meth:`forward` does, that keeps the state of every row after every sublayer: ``2L + 1``
+        states ``[n, d]``, the embedding first, then after layer ``i``'s attention (``2i + 1``) and
+        after its MLP (``2i + 2``); the last is the input of the final norm. The skip searches of
+        CLaSp and KnapSpec compare their candidates with these (:mod:`selfspec.decoding.knapspec`).
+        Each sublayer is a walk of its own (:meth:`run_layers` with the other left out), so the
+        operators and their order are a plain pass's."""
+        h = self.embed(ids)
+        n = h.shape[1]
+        rope = self.rope(self.positions(start, n), h)
+        mask = self.causal_mask(n, start)
+        states = [h[0]]
+        for i in range(self.num_layers):
+            for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
+                h = self.run_layers(h, [i], cache, rope, mask, skip, ledger=ledger)
+                states.append(h[0])
+        return states
+
+    def run_branches(self, x: torch.Tensor, layer: int, block: str, cache: LayerCache, context: int,
+                     ledger: Ledger | None = None) -> torch.Tensor:
+        """One ``block`` (``attn``, ``mlp`` or ``layer``: both) of decoder layer ``layer`` over ``B``
+        candidate states of the same ``T`` tokens at once, ``x`` ``[B, T, d]``: the batched pass of the
+        layer-skip searches (CLaSp §3.3's "sequence parallel" evaluation, KnapSpec's
+        branch-parallel one). The branches are laid out as one sequence of ``B·T`` rows; branch
+        ``b``'s row ``t`` sits at position ``context + t``, attends to the cache's first ``context``
+        positions and to rows ``0..t`` of its own branch (the branch-parallel mask), and nothing is
+        written to the cache (:class:`~selfspec.models.cache.Appended`). Returns ``[B, T, d]``;
+        recorded in ``ledger`` as one walk of ``B·T`` rows."""
+        b, t, d = x.shape
+        h = x.reshape(1, b * t, d)
+        attn, mlp = block in ("attn", "layer"), block in ("mlp", "layer")
+        if block not in ("attn", "mlp", "layer"):
+            raise ValueError(f"run_branches: block must be attn, mlp or layer, got {block!r}")
+        if ledger is not None:
+            ledger.layers(b * t, int(attn), int(mlp), int(context))
+        if attn:
+            dev = self.device
+            offsets = torch.arange(t, device=dev)
+            rope = self.rope((context + offsets).repeat(b).unsqueeze(0), h)
+            branch = torch.arange(b, device=dev).repeat_interleave(t)
+            own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.repeat(b).unsqueeze(1)
+                                                                   >= offsets.repeat(b).unsqueeze(0))
+            past = torch.ones(b * t, context, dtype=torch.bool, device=dev)
+            h = self.attention(layer, h, rope, Appended(cache, context), self.prepare_mask(torch.cat([past, own], 1)))
+        if mlp:
+            h = self.mlp(layer, h)
+        return h.view(b, t, d)
+
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(self.family.norm, h)
 

@@ -19,7 +19,8 @@ Components (:data:`COMPONENTS`): ``prefill`` (the prompt's step), ``plain`` (a s
 drafts: vanilla's, or one the speculation gate made plain), ``draft`` (the drafter's own work:
 skip-set or early-exit layers, a draft head, a context lookup), ``heads`` (intermediate exit
 heads: early exit, DEL, AdaDecode), ``verify`` (the verification pass and its scoring), ``tree``
-(PPD's choice and layout of the candidate tree) and ``host`` (the rest).
+(PPD's choice and layout of the candidate tree), ``search`` (a skip set searched while decoding:
+KnapSpec's and CLaSp's batched candidate passes) and ``host`` (the rest).
 
 An op is a short list, for a compact trace: ``[component, "L", rows, attention sublayers, MLP
 sublayers, context]`` (with a seventh entry, 1, when a model that captures its passes ran this
@@ -39,10 +40,10 @@ import torch
 __all__ = ["COMPONENTS", "LABELS", "Ledger", "phase"]
 
 #: the components of a step's cost, in the order charts stack them
-COMPONENTS = ("prefill", "plain", "draft", "heads", "verify", "tree", "host")
+COMPONENTS = ("prefill", "plain", "draft", "heads", "verify", "tree", "search", "host")
 #: what a reader calls each component
 LABELS = {"prefill": "prefill", "plain": "plain steps", "draft": "drafting", "heads": "exit heads",
-          "verify": "verification", "tree": "tree building", "host": "bookkeeping"}
+          "verify": "verification", "tree": "tree building", "search": "skip search", "host": "bookkeeping"}
 
 
 class Ledger:

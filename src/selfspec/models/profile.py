@@ -310,9 +310,13 @@ class Profile:
         table = self._eager[0] if eager else self._attention
         return Curve({c: curve(rows) for c, curve in table.items()}, past="slope")(context)
 
+    def mlp_cost(self, rows: int) -> float:
+        """Seconds of one MLP sublayer on ``rows`` rows."""
+        return self._mlp(rows)
+
     def layer_cost(self, rows: int, context: int) -> float:
         """Seconds of one decoder layer (attention and MLP) on ``rows`` new tokens after ``context``."""
-        return self.attention_cost(rows, context) + self._mlp(rows)
+        return self.attention_cost(rows, context) + self.mlp_cost(rows)
 
     def eager(self, op: list) -> bool:
         """Whether a layer walk ``op`` is priced as an eager pass apart from the captured tables: the

@@ -5,7 +5,7 @@ A method's entry in an evaluation's ``summary.json`` carries (HF peers: None)::
 
     "predicted_speedup": 1.05,
     "ledger": {"unit": "vanilla steps per committed token",
-               "measured":  {"prefill": .., "plain": .., "draft": .., "heads": .., "verify": .., "tree": .., "host": ..},
+               "measured":  {"prefill": .., "plain": .., "draft": .., "heads": .., "verify": .., "tree": .., "search": .., "host": ..},
                "predicted": {... the same keys ...} | None}
 
 ``measured``: each component's seconds per committed token ÷ vanilla's seconds per committed token
@@ -31,7 +31,7 @@ from selfspec.models.ledger import LABELS as LABEL  # what each is called in the
 
 #: one colour per component, the same in every chart (Okabe–Ito: told apart with colour blindness)
 COLOUR = {"prefill": "#CC79A7", "plain": "#56B4E9", "draft": "#E69F00", "heads": "#F0E442",
-          "verify": "#0072B2", "tree": "#009E73", "host": "#999999"}
+          "verify": "#0072B2", "tree": "#009E73", "search": "#D55E00", "host": "#999999"}
 #: the colour of a component the format does not name (a newer runtime's)
 OTHER_COLOUR = "#444444"
 #: the ledger's unit, as its ``unit`` field says it
