@@ -227,6 +227,17 @@ LAYOUTS: dict[str, Layout] = {
             cells=("tps_speedup", "tau", "acceptance_rate", "score"),
         ),
         Layout(
+            id="knapspec_main",
+            title="KnapSpec and CLaSp: skip sets searched while decoding",
+            paper="KnapSpec (ICML 2026) main comparison, with CLaSp (ACL 2025) as its baseline",
+            column_order=("cnndm", "xsum", "gsm8k", "humaneval", "mtbench"),
+            cells=("tps_speedup", "tau", "acceptance_rate", "consistency", "score"),
+            notes=("The paper measures long inputs (PG19, GovReport, BookSum) and long generations (AIME, GPQA, "
+                   "MMLU-Pro), which selfspec does not run; these are selfspec's tasks. KnapSpec reports up to "
+                   "1.47× over autoregressive decoding on Qwen3 and Llama-3.x (abstract), CLaSp 1.3–1.7× on Llama-3 "
+                   "(abstract); their per-table figures are not in the papers selfspec reads.",),
+        ),
+        Layout(
             id="draft_vocab",
             title="Truncated-vocabulary draft heads (beyond the papers): coverage, acceptance, speedup",
             paper="beyond the papers (after FR-Spec arXiv 2502.14856, VocabTrim arXiv 2506.22694)",
