@@ -85,6 +85,38 @@ def peaked_llama():
     return load_model(cfg).model
 
 
+def first_two_tokens_tv(dec, ids: list[int], sampling, n: int = 400, seed: int = 1) -> float:
+    """Total variation between the first two tokens ``dec``'s steps emit after ``ids`` (a step from
+    the last prompt token, then another if it emitted one token), over ``n`` draws, and the target's
+    exact distribution of them, p(a)·p(b|a), under ``sampling`` (a top-k one keeps it small)."""
+    from selfspec.decoding import DecodeState
+    from selfspec.decoding.sampling import warp
+
+    m = dec.model
+    with torch.inference_mode():
+        p1 = warp(m.logits(m.forward(torch.tensor([ids]), None, start=0)[0, -1]), sampling)
+        exact = {}
+        for a in p1.nonzero().view(-1).tolist():
+            p2 = warp(m.logits(m.forward(torch.tensor([ids + [a]]), None, start=0)[0, -1]), sampling)
+            for b in p2.nonzero().view(-1).tolist():
+                exact[(a, b)] = float(p1[a] * p2[b])
+    gen = torch.Generator().manual_seed(seed)
+    counts: dict = {}
+    cache = m.new_cache(len(ids) + dec.room + 16)
+    with torch.inference_mode():
+        m.forward(torch.tensor([ids[:-1]]), cache, start=0)
+        for _ in range(n):
+            cache.truncate(len(ids) - 1)
+            state = DecodeState(list(ids), len(ids), cache, sampling, gen)
+            dec.begin(state)
+            new = dec.step(state, 8)
+            if len(new) < 2:
+                state.tokens.extend(new)
+                new = new + dec.step(state, 8)
+            counts[tuple(new[:2])] = counts.get(tuple(new[:2]), 0) + 1
+    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
+
+
 @pytest.fixture
 def prompt_ids(tiny):
     return tiny.tokenizer("Article: The quick brown fox jumps over the lazy dog.\nSummary:")["input_ids"]

@@ -4,12 +4,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import method_config
+from conftest import first_two_tokens_tv, method_config
 from selfspec.config import model_config
 from selfspec.decoding import DecodeState, Sampling, build_decoder
 from selfspec.decoding.draft_exit import AdaptiveThreshold
 from selfspec.decoding.early_exit import EarlyExit
-from selfspec.decoding.sampling import warp
 from selfspec.models.loading import load_model
 
 
@@ -149,35 +148,7 @@ def test_sampling_preserves_target_distribution(disagreeing, prompt_ids):
     """Pairs of the first two tokens after the prompt under top-k sampling vs the exact target
     distribution p(a)·p(b|a): total variation below 0.12 (an unbiased sampler: ~0.055 with 400
     draws over 9 pairs; the draft's distribution at layer 0 is 0.45 away on the first token alone)."""
-    m = disagreeing.model
-    s = Sampling(temperature=0.05, top_k=3, seed=0)
-    ids = prompt_ids
-    with torch.inference_mode():
-        p1 = warp(m.logits(m.forward(torch.tensor([ids]), None, start=0)[0, -1]), s)
-        exact = {}
-        for a in p1.nonzero().view(-1).tolist():
-            p2 = warp(m.logits(m.forward(torch.tensor([ids + [a]]), None, start=0)[0, -1]), s)
-            for b in p2.nonzero().view(-1).tolist():
-                exact[(a, b)] = float(p1[a] * p2[b])
-    dec = ee(disagreeing, 0, 3)
-    gen = torch.Generator().manual_seed(1)
-    counts: dict = {}
-    n = 400
-    prompt = torch.tensor([ids])
-    cache = m.new_cache(len(ids) + 16)
-    with torch.inference_mode():
-        m.forward(prompt[:, :-1], cache, start=0)
-        for _ in range(n):
-            cache.truncate(len(ids) - 1)
-            state = DecodeState(list(ids), len(ids), cache, s, gen)
-            dec.begin(state)
-            new = dec.step(state, 8)  # a step from the last prompt token: new[0] ~ p1
-            if len(new) < 2:
-                state.tokens.extend(new)
-                new = new + dec.step(state, 8)
-            counts[tuple(new[:2])] = counts.get(tuple(new[:2]), 0) + 1
-    keys = set(exact) | set(counts)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+    tv = first_two_tokens_tv(ee(disagreeing, 0, 3), prompt_ids, Sampling(temperature=0.05, top_k=3, seed=0))
     assert tv < 0.12, f"total variation {tv:.4f}"
 
 

@@ -24,6 +24,7 @@ METHOD_MODULES = {
     "ppd": "selfspec.decoding.ppd",
     "early_exit": "selfspec.decoding.early_exit",
     "del": "selfspec.decoding.early_exit",
+    "swift": "selfspec.decoding.swift",
     "knapspec": "selfspec.decoding.knapspec",
     "clasp": "selfspec.decoding.knapspec",
     "ngram": "selfspec.decoding.ngram",

@@ -53,7 +53,7 @@ from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
-from selfspec.decoding.tree import (SparseTree, TreeLayout, candidate_tokens, check_trees, layout,
+from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
                                     paper_states)
 from selfspec.models.ledger import phase
 from selfspec.prompts import PromptTokens
@@ -310,14 +310,11 @@ class PPD(Decoder):
             rows, of_parent = torch.unique(parents, return_inverse=True)
             probs = warp(logits[rows], s, state.ledger)
             ok = typical_accept(probs[of_parent], cand, self.threshold, self.alpha)
-        ok = torch.cat([ok.new_ones(1), ok])
-        accepted = ~(lay.ancestors & ~ok.unsqueeze(0)).any(-1)  # every node on the path matched
-        score = torch.where(accepted, lay.depths, lay.depths.new_full((), -1))
-        if s.greedy:
-            # first deepest (siblings carry different tokens, except a context draft that repeats a
-            # guess: both paths then hold the same verified tokens); one host sync
-            best = score.argmax()
+        # first deepest (siblings carry different tokens, except a context draft that repeats a
+        # guess: both paths then hold the same verified tokens)
+        best = accepted_node(lay, ok)
+        if s.greedy:  # one host sync
             best, bonus = torch.stack([best, target[best]]).tolist()
             return best, bonus
-        best = int(score.argmax())
+        best = int(best)
         return best, int(select(logits[best], s, state.generator, state.ledger))

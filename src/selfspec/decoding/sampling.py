@@ -208,6 +208,32 @@ def speculative_verify(
     return n, _resample(n, k, target_probs[n], draft_probs, generator)
 
 
+def multi_candidate_verify(p: torch.Tensor, candidates: list[int], q: torch.Tensor,
+                           generator: torch.Generator | None) -> tuple[int | None, torch.Tensor]:
+    """Recursive rejection sampling over sibling candidates (SpecInfer §4.2; SWIFT's tree, §3.3):
+    ``candidates`` were drawn one after another *without replacement* from the draft distribution
+    ``q`` ``[V]``, and ``p`` ``[V]`` is the target distribution at their parent. Candidate ``j`` is
+    accepted with probability ``min(1, p_j(x)/q_j(x))``, where ``q_j`` is ``q`` without the
+    candidates before it, renormalised (the distribution ``x`` was drawn from), and ``p_j`` the
+    target left after the rejections before it: each rejection replaces it with
+    ``normalize(max(0, p_j − q_j))``. Returns ``(index of the accepted candidate or None, the target
+    distribution left)``: after a rejection of every candidate the next token is drawn from the
+    distribution left, and the token emitted is distributed exactly as ``p``."""
+    q = q.clone()
+    for j, x in enumerate(candidates):
+        qx = q[x]
+        if qx <= 0:  # could not have been drawn: nothing to learn from it
+            continue
+        if bool(torch.rand((), generator=generator, device=p.device) * qx <= p[x]):
+            return j, p
+        residual = (p - q).clamp_min(0)
+        total = residual.sum()
+        p = residual / total if total > 0 else p
+        q[x] = 0
+        q = q / q.sum() if q.sum() > 0 else q
+    return None, p
+
+
 def _resample(n: int, k: int, p: torch.Tensor, draft_probs: torch.Tensor | None,
               generator: torch.Generator | None) -> int:
     """The token after ``n`` accepted of ``k`` drafts: from the residual ``normalize(max(0, p -

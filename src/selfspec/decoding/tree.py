@@ -197,6 +197,23 @@ def layout(tree: SparseTree, n_ept: int, device: torch.device | str = "cpu") -> 
     )
 
 
+def chain_tree(widths: Iterable[int]) -> SparseTree:
+    """A draft chain with siblings (SWIFT §3.3): the draft's top-1 at every depth, and at depth
+    ``d`` the ranks ``0 … widths[d] − 1`` of the draft's distribution there as leaves beside it,
+    children of the top-1 node of depth ``d − 1``. No prompt tokens."""
+    nodes = [(0,) * d + (r,) for d, k in enumerate(widths) for r in range(k)]
+    return SparseTree(tuple(nodes), (0,) * (1 + len(nodes)))
+
+
+def accepted_node(lay: TreeLayout, ok: torch.Tensor) -> torch.Tensor:
+    """The deepest node whose whole path was accepted, ``ok`` ``[n_nodes − 1]`` saying per
+    candidate whether it matched at its parent (the first deepest on ties; a 0-d tensor, the
+    root when nothing matched). Greedy tree verification's walk, on the device (PPD, SWIFT)."""
+    ok = torch.cat([ok.new_ones(1), ok])
+    accepted = ~(lay.ancestors & ~ok.unsqueeze(0)).any(-1)  # every node on the path matched
+    return torch.where(accepted, lay.depths, lay.depths.new_full((), -1)).argmax()
+
+
 def candidate_tokens(lay: TreeLayout, candidates: torch.Tensor) -> torch.Tensor:
     """Tokens of the candidate nodes from ``candidates`` ``[depths, ranks]`` (top-k per prompt token)."""
     return candidates[lay.cand_depth, lay.cand_rank]

@@ -1,0 +1,364 @@
+"""SWIFT: on-the-fly self-speculative decoding with a layer set optimised as it decodes (Xia et al.,
+ICLR 2025, arXiv 2410.06916; code hemingkx/SWIFT).
+
+**Draft model** (§3.1): the target with attention and MLP sublayers skipped separately, never in the
+first or the last layer; it starts with both sublayers of every odd layer skipped (1, 3, …, L − 3;
+the authors' initialisation), or with ``skip_attn`` / ``skip_mlp`` when given (their cached sets).
+
+**Layer set optimisation** (§3.2, ``swift_optimization``): after a step, once more than
+``context_window + 1`` tokens have been generated and while the optimisation is on, every
+``opt_interval``-th step proposes one candidate set of ``int(2·(L − 2)·skip_ratio)`` sublayers, by
+random search or, every ``bayes_interval``-th iteration, by Bayesian optimisation (a Gaussian
+process with UCB, κ = 2.5, over one coordinate per sublayer in [0, 1]; the set is the largest
+coordinates), and scores it by its *matchness*: one teacher-forced pass of the draft model over the
+first ``context_window + 1`` generated tokens, after the prompt's cache, counting the positions where
+its argmax is the token that followed. A candidate that scores higher than the best so far replaces
+the set, else the set stays. The optimisation stops for good when the score passes ``max_score``,
+after more than ``max_tolerance_iter`` iterations without improvement, or after more than
+``max_opt_iter``. The authors keep this state over the prompts of a task stream
+(``search_state: stream``, their default; ``example`` starts it again at every example); the random
+search draws from ``np.random.RandomState(seed)``, the authors' seeded global stream.
+
+**Drafting and verification** (§3.3): from the pending token, a top-1 chain of at most ``max_draft``
+drafts with the draft model, stopping after a draft whose confidence (the unwarped probability of
+the chain's token) is below the draft-stop threshold (0.8), and, as the authors' loop does, once
+the drafts reach the token budget (at least one draft). The verification tree puts beside the
+chain's token at each depth its draft's next-ranked tokens, as many as that depth's confidence asks
+for (greedy: 3, 5, 8, 10 tokens for > 0.95, > 0.8, > 0.5, else; sampling: 1, 3, 5, 10), and the full
+model verifies every node in one tree-attention pass (:func:`~selfspec.decoding.tree.chain_tree`).
+Greedy: the deepest path whose tokens are the target's argmax, then the target's next token, so
+the output is vanilla's. Sampling: the siblings are drawn without replacement from the warped
+draft distribution and verified by recursive rejection sampling
+(:func:`~selfspec.decoding.sampling.multi_candidate_verify`), which keeps the target distribution.
+The authors draw the token after a fully accepted path from the *unwarped* target distribution;
+selfspec draws it from the warped one (the target distribution the run asked for).
+
+The optimisation is charged to the ledger's ``search`` component, the tree's layout to ``tree``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from selfspec import checks
+from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
+from selfspec.decoding.sampling import multi_candidate_verify, warp
+from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
+from selfspec.models.cache import Appended
+from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.ledger import phase
+
+#: candidates per draft depth, read at the depth's top-1 confidence (``get_choices_list``)
+TOPK = 10
+GREEDY_WIDTHS = ((0.95, 3), (0.8, 5), (0.5, 8), (-math.inf, 10))
+SAMPLING_WIDTHS = ((0.95, 1), (0.8, 3), (0.5, 5), (-math.inf, 10))
+#: ``search_state`` values: the optimisation carries over the examples of a run, or restarts at each
+SEARCH_STATES = ("stream", "example")
+#: the keys of the layer set optimisation
+SEARCH_KEYS = ("skip_ratio", "context_window", "opt_interval", "bayes_interval", "max_opt_iter",
+               "max_tolerance_iter", "max_score", "seed", "search_state", "optimize", "skip_attn", "skip_mlp")
+
+
+def tree_width(confidence: float, greedy: bool) -> int:
+    """How many candidates a draft depth of top-1 ``confidence`` gets (module docstring)."""
+    return next(k for floor, k in (GREEDY_WIDTHS if greedy else SAMPLING_WIDTHS) if confidence > floor)
+
+
+def initial_skip(num_layers: int) -> SkipSet:
+    """The authors' starting set: both sublayers of every odd layer but the last."""
+    odd = range(1, num_layers - 1, 2)
+    return SkipSet.of(odd, odd)
+
+
+def set_of_point(point: dict[str, float], count: int, num_layers: int) -> SkipSet:
+    """The skip set of a Bayesian optimisation point: its ``count`` largest coordinates (``x_i``,
+    ``i < L − 2``: layer ``i + 1``'s attention; after: its MLP; ``layer_bayes_search``)."""
+    chosen = {k for k, _ in sorted(point.items(), reverse=True, key=lambda item: item[1])[:count]}
+    inner = num_layers - 2
+    return SkipSet.of([i + 1 for i in range(inner) if f"x{i}" in chosen],
+                      [i + 1 for i in range(inner) if f"x{inner + i}" in chosen])
+
+
+def point_of_set(skip: SkipSet, num_layers: int) -> dict[str, float]:
+    """A skip set as a Bayesian optimisation point (``get_next_point_to_probe``)."""
+    inner = num_layers - 2
+    return {**{f"x{i}": float(i + 1 in skip.attn) for i in range(inner)},
+            **{f"x{inner + i}": float(i + 1 in skip.mlp) for i in range(inner)}}
+
+
+@dataclass
+class LayerSearch:
+    """The layer set optimisation's state (§3.2): the set in use, the best matchness so far, the
+    iteration counters, and the random and Bayesian proposers."""
+
+    skip: SkipSet
+    rng: np.random.RandomState
+    bayes: Any
+    best: float = 0.0
+    iteration: int = 0
+    tolerance: int = 0
+    active: bool = True
+    #: the latest iteration, for the step trace
+    last: dict | None = field(default=None, compare=False)
+
+
+@dataclass
+class SwiftExample:
+    """One example's state: its steps so far (the authors' ``idx``)."""
+
+    steps: int = 0
+
+
+@register
+class Swift(Decoder):
+    """SWIFT (module docstring)."""
+
+    name = "swift"
+    title = "SWIFT"
+    lossless = True
+    gated = True
+    carried = (*Decoder.carried, "search", "draft_stop")
+
+    def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, skip_ratio: float,
+                 context_window: int, opt_interval: int, bayes_interval: int | None, max_opt_iter: int,
+                 max_tolerance_iter: int, max_score: float, seed: int, search_state: str, optimize: bool,
+                 skip_attn=None, skip_mlp=None, **common) -> None:
+        super().__init__(model, **common)
+        if model.num_layers < 3:
+            raise ValueError(f"SWIFT never skips the first or the last layer: the model has {model.num_layers}")
+        self.max_draft = int(max_draft)
+        self.draft_stop_config = draft_stop_config(draft_stop)
+        self.draft_stop: DraftStop = draft_stop_from_config(self.draft_stop_config)
+        self.skip_ratio, self.context_window = float(skip_ratio), int(context_window)
+        self.opt_interval, self.bayes_interval = int(opt_interval), bayes_interval
+        self.max_opt_iter, self.max_tolerance_iter, self.max_score = int(max_opt_iter), int(max_tolerance_iter), max_score
+        self.seed, self.search_state, self.optimize = int(seed), search_state, bool(optimize)
+        inner = list(range(1, model.num_layers - 1))
+        if skip_attn is None and skip_mlp is None:
+            self.start = initial_skip(model.num_layers)
+        else:
+            self.start = SkipSet.of(skip_attn or (), skip_mlp or ())
+            bad = sorted(i for i in self.start.attn | self.start.mlp if i not in inner)
+            if bad:
+                raise checks.refuse("method.skip_attn / method.skip_mlp", bad, f"layers 1..{model.num_layers - 2}",
+                                    "SWIFT never skips the first or the last layer")
+        self.skip_count = int((model.num_layers - 2) * 2 * self.skip_ratio)
+        self.search = self.new_search()
+        self.lookahead = 1 + TOPK * self.max_draft  # the drafts' scratch K/V, then the tree's rows
+        self._layouts: dict[tuple[int, ...], TreeLayout] = {}
+
+    @classmethod
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/swift*.yaml): ``max_draft`` (25), ``draft_stop`` (the shared sub-config;
+        static 0.8), and the optimisation's :data:`SEARCH_KEYS` (module docstring; ``bayes_interval``
+        null = random search only, ``optimize: false`` = keep the starting set)."""
+        key = f"{prefix}.{{}}".format
+        return {
+            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="the longest draft chain"),
+            "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
+            "skip_ratio": checks.number(key("skip_ratio"), cfg.get("skip_ratio"), 0.0, 1.0,
+                                        why="share of the 2(L - 2) inner sublayers a candidate set skips"),
+            "context_window": checks.integer(key("context_window"), cfg.get("context_window"), 1,
+                                             why="generated tokens the matchness is scored on, less one"),
+            "opt_interval": checks.integer(key("opt_interval"), cfg.get("opt_interval"), 1,
+                                           why="steps between optimisation iterations"),
+            "bayes_interval": checks.optional(checks.integer, key("bayes_interval"), cfg.get("bayes_interval"), 1,
+                                              why="every n-th iteration proposes by Bayesian optimisation"),
+            "max_opt_iter": checks.integer(key("max_opt_iter"), cfg.get("max_opt_iter"), 0),
+            "max_tolerance_iter": checks.integer(key("max_tolerance_iter"), cfg.get("max_tolerance_iter"), 0),
+            "max_score": checks.number(key("max_score"), cfg.get("max_score"), 0.0, 1.0,
+                                       why="matchness at which the optimisation stops"),
+            "seed": checks.seed(key("seed"), cfg.get("seed")),
+            "search_state": checks.choice(key("search_state"), cfg.get("search_state"), SEARCH_STATES,
+                                          why="stream: carried over the examples (the authors'); example: "
+                                          "restarted at each"),
+            "optimize": checks.flag(key("optimize"), cfg.get("optimize"), why="search the layer set while decoding"),
+            "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
+            "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "Swift":
+        return cls(model, **options, **common)
+
+    # --- the layer set optimisation (§3.2) -------------------------------------------------------
+    def new_search(self) -> LayerSearch:
+        """A fresh optimisation from the starting set."""
+        bayes = None
+        if self.bayes_interval is not None:
+            from bayes_opt import BayesianOptimization
+            from bayes_opt.acquisition import UpperConfidenceBound
+
+            inner = self.model.num_layers - 2
+            bayes = BayesianOptimization(f=None, pbounds={f"x{i}": (0.0, 1.0) for i in range(2 * inner)},
+                                         acquisition_function=UpperConfidenceBound(kappa=2.5), random_state=1,
+                                         verbose=0, allow_duplicate_points=True)
+            bayes.set_gp_params(alpha=1e-2)
+        return LayerSearch(self.start, np.random.RandomState(self.seed), bayes)
+
+    def propose(self, search: LayerSearch) -> tuple[SkipSet, dict[str, float], str]:
+        """The iteration's candidate set, its point for the Gaussian process, and how it came."""
+        n_layers = self.model.num_layers
+        if self.bayes_interval is not None and (search.iteration + 1) % self.bayes_interval == 0:
+            point = search.bayes.suggest()
+            return set_of_point(point, self.skip_count, n_layers), point, "bayes"
+        inner = n_layers - 2
+        chosen = set(search.rng.choice(2 * inner, self.skip_count, replace=False).tolist())
+        skip = SkipSet.of([i + 1 for i in range(inner) if i in chosen],
+                          [i + 1 for i in range(inner) if inner + i in chosen])
+        return skip, point_of_set(skip, n_layers), "random"
+
+    def matchness(self, state: DecodeState, generated: list[int], skip: SkipSet) -> float:
+        """The share of the first ``context_window`` generated tokens after the first that the draft
+        model with ``skip`` predicts, teacher-forced, reading the prompt's cache only."""
+        model, start = self.model, state.prompt_len
+        ids = torch.tensor([generated[: self.context_window + 1]], device=model.device)
+        h = model.embed(ids)
+        n = ids.shape[1]
+        h = model.run_layers(h, range(model.num_layers), Appended(state.cache, start),
+                             model.rope(model.positions(start, n), h), model.causal_mask(n, start), skip,
+                             ledger=state.ledger)
+        predicted = model.head(model.final_norm(h), ledger=state.ledger)[0].argmax(-1)
+        return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
+
+    def optimise(self, state: DecodeState, generated: list[int]) -> None:
+        """One iteration (module docstring), after a step."""
+        search = self.search
+        skip, point, how = self.propose(search)
+        score = self.matchness(state, generated, skip)
+        if search.bayes is not None:  # a set seen before is registered again (the authors'), quietly
+            with contextlib.redirect_stdout(io.StringIO()):
+                search.bayes.register(params=point, target=score)
+        if score > search.best:
+            search.best, search.tolerance, search.skip = score, 0, skip
+            if score > self.max_score:
+                search.active = False
+        else:
+            search.tolerance += 1
+        search.iteration += 1
+        if search.tolerance > self.max_tolerance_iter or search.iteration > self.max_opt_iter:
+            search.active = False
+        search.last = {"iteration": search.iteration, "proposal": how, "matchness": score, "best": search.best,
+                       "skip_attn": sorted(search.skip.attn), "skip_mlp": sorted(search.skip.mlp),
+                       "active": search.active}
+
+    # --- a step (§3.3) -------------------------------------------------------------------------
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        self.draft_stop.start_example()
+        if self.search_state == "example":
+            self.search = self.new_search()
+        state.example = SwiftExample()
+
+    def draft(self, state: DecodeState, budget: int
+              ) -> tuple[torch.Tensor, list[float], list[torch.Tensor], list[int]]:
+        """The top-1 chain from the pending token with the current set: per depth its ``TOPK``
+        candidates (greedy: the top ranks; sampling: drawn without replacement from the warped
+        draft distribution, whose rows are returned, as many as its support holds), the chain
+        token's confidence, and how many candidates each depth has."""
+        model, ledger, greedy = self.model, state.ledger, state.sampling.greedy
+        skip, threshold = self.search.skip, self.draft_stop.threshold()
+        ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
+        token, rows, confidences, qs, drawn = state.pending, [], [], [], []
+        width = min(TOPK, model.vocab_size)
+        for j in range(min(self.max_draft, max(budget, 1))):
+            ids.fill_(token)
+            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=skip, ledger=ledger)
+            logits = model.logits(h[:, -1], ledger)[0]
+            if greedy:
+                top = logits.topk(width).indices
+                n = width
+            else:  # as many as the warped distribution's support holds (top-k, top-p)
+                q = warp(logits, state.sampling, ledger)
+                n = min(width, int((q > 0).sum()))
+                top = torch.multinomial(q, n, replacement=False, generator=state.generator)
+                top = torch.cat([top, top[-1:].expand(width - n)])  # padding no tree reads
+                qs.append(q)
+            conf, token = torch.stack([logits.softmax(-1)[top[0]], top[0].to(logits.dtype)]).tolist()
+            token = int(token)
+            rows.append(top)
+            confidences.append(conf)
+            drawn.append(n)
+            if conf < threshold:
+                break
+        return torch.stack(rows), confidences, qs, drawn
+
+    def tree(self, widths: tuple[int, ...]) -> TreeLayout:
+        if widths not in self._layouts:
+            self._layouts[widths] = layout(chain_tree(widths), 1, self.model.device)
+        return self._layouts[widths]
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        model, ledger, example = self.model, state.ledger, state.example
+        n_cached, greedy = state.n_cached, state.sampling.greedy
+        with phase(ledger, "draft"):
+            table, confidences, qs, drawn = self.draft(state, budget)
+        with phase(ledger, "tree"):
+            lay = self.tree(tuple(min(tree_width(c, greedy), n) for c, n in zip(confidences, drawn)))
+            tokens = torch.cat([state.pending_ids(model.device)[0], candidate_tokens(lay, table)])
+        with phase(ledger, "verify"):
+            state.cache.truncate(n_cached)  # the drafts' scratch K/V
+            h = model.forward(None, state.cache, start=n_cached, tree=(lay.offsets, lay.mask),
+                              h=model.embed(tokens.unsqueeze(0)), ledger=ledger)[0]
+            best, bonus = self.verify(lay, tokens, model.logits(h, ledger), qs, state)
+        path = lay.path_rows[best]
+        state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
+        accepted = tokens[path].tolist()
+        self.draft_stop.update(len(confidences), len(path), len(confidences) == self.max_draft)
+        state.drafted = lay.n_nodes - 1
+        step = state.trace_step
+        step.source, step.tree_size, step.width, step.accepted = "self", lay.n_nodes, lay.n_nodes, len(path)
+        step.draft_limit = self.max_draft
+        search = self.search
+        if (self.optimize and search.active and example.steps % self.opt_interval == 0
+                and len(state.tokens) - state.prompt_len + len(path) > self.context_window + 1):
+            with phase(ledger, "search"):
+                self.optimise(state, state.tokens[state.prompt_len:] + accepted)
+        example.steps += 1
+        step.controller = {"chain": len(confidences), "skipped": len(search.skip),
+                           **({"search": search.last} if search.last else {}), **(self.draft_stop.state() or {})}
+        search.last = None
+        return accepted + [bonus]
+
+    def verify(self, lay: TreeLayout, tokens: torch.Tensor, logits: torch.Tensor, qs: list[torch.Tensor],
+               state: DecodeState) -> tuple[int, int]:
+        """The accepted node and the token after it: greedy, the deepest path of target argmaxes;
+        sampling, recursive rejection sampling of each depth's siblings (module docstring)."""
+        s = state.sampling
+        if s.greedy:
+            target = logits.argmax(-1)
+            best = accepted_node(lay, target[lay.parent[1:]] == tokens[1:])
+            best, bonus = torch.stack([best, target[best]]).tolist()
+            return best, bonus
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(lay.parent.tolist()[1:], start=1):
+            children.setdefault(parent, []).append(node)
+        node = 0
+        while True:
+            p = warp(logits[node: node + 1], s, state.ledger)[0]
+            kids = children.get(node)
+            if not kids:
+                return node, int(select_from(p, state.generator))
+            depth = int(lay.depths[node])
+            j, p = multi_candidate_verify(p, [int(tokens[k]) for k in kids], qs[depth], state.generator)
+            if j is None:
+                return node, int(select_from(p, state.generator))
+            node = kids[j]
+
+    def finish(self, state: DecodeState) -> None:
+        search = self.search
+        state.stats.update({"swift_best_matchness": search.best, "swift_iterations": search.iteration,
+                            "swift_optimising": search.active, "skipped": len(search.skip)})
+
+
+def select_from(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn from the distribution ``p`` ``[V]``."""
+    return int(torch.multinomial(p.unsqueeze(0), 1, generator=generator))
