@@ -227,6 +227,16 @@ LAYOUTS: dict[str, Layout] = {
             cells=("tps_speedup", "tau", "acceptance_rate", "score"),
         ),
         Layout(
+            id="swift_main",
+            title="SWIFT: on-the-fly self-speculative decoding",
+            paper="SWIFT (ICLR 2025) main results",
+            column_order=("cnndm", "gsm8k", "humaneval"),
+            cells=("tps_speedup", "tau", "acceptance_rate", "consistency", "score"),
+            notes=("SWIFT reports 1.3–1.6× on Llama-2-13B/70B and CodeLlama (abstract); its per-table figures are not in "
+                   "the papers selfspec reads. AdaDecode's Table 1 measured SWIFT on CodeLlama-13B (adadecode_main). "
+                   "The paper's GSM8K is 5-shot; the preset runs every task with one shots value.",),
+        ),
+        Layout(
             id="knapspec_main",
             title="KnapSpec and CLaSp: skip sets searched while decoding",
             paper="KnapSpec (ICML 2026) main comparison, with CLaSp (ACL 2025) as its baseline",
