@@ -275,6 +275,13 @@ def test_a_burst_of_load_in_one_generation_is_caught_per_generation(tiny, tmp_pa
     assert [(g["method"], g["id"]) for g in spoiled] == [("vanilla", slow["id"])]
     assert spoiled[0]["excess"] == pytest.approx(1.5)
     assert spoiled_generations(finished, profile, here, 1.6, min_seconds=0) == []
+    # a skip search's unpriced host work (a Bayesian proposal) in one generation is the method's, not load
+    searching = copy.deepcopy(finished)
+    searching["vanilla"][2]["seconds"] /= 1.5
+    searched = searching["ngram"][3]
+    searched["ledger"] = {**searched["ledger"], "search": 2.0}
+    searched["seconds"] += 2.0
+    assert spoiled_generations(searching, profile, here, 1.2, min_seconds=0) == []
     # the HF peers have no trace and are not judged; another machine's profile cannot tell
     assert spoiled_generations(finished, profile, here | {"hardware": "Another CPU"}, 1.2) is None
     # with three methods an example every method found slow is the example's (its prompt), not a burst

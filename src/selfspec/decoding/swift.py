@@ -60,6 +60,8 @@ from selfspec.models.ledger import phase
 TOPK = 10
 GREEDY_WIDTHS = ((0.95, 3), (0.8, 5), (0.5, 8), (-math.inf, 10))
 SAMPLING_WIDTHS = ((0.95, 1), (0.8, 3), (0.5, 5), (-math.inf, 10))
+#: tree layouts a decoder keeps (:meth:`Swift.tree`)
+KEPT_LAYOUTS = 256
 #: ``search_state`` values: the optimisation carries over the examples of a run, or restarts at each
 SEARCH_STATES = ("stream", "example")
 #: the keys of the layer set optimisation
@@ -225,7 +227,7 @@ class Swift(Decoder):
         n = ids.shape[1]
         h = model.run_layers(h, range(model.num_layers), Appended(state.cache, start),
                              model.rope(model.positions(start, n), h), model.causal_mask(n, start), skip,
-                             ledger=state.ledger)
+                             eager=True, ledger=state.ledger)  # never captured: an explicit mask and KV
         predicted = model.head(model.final_norm(h), ledger=state.ledger)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
@@ -292,9 +294,13 @@ class Swift(Decoder):
         return torch.stack(rows), confidences, qs, drawn
 
     def tree(self, widths: tuple[int, ...]) -> TreeLayout:
-        if widths not in self._layouts:
-            self._layouts[widths] = layout(chain_tree(widths), 1, self.model.device)
-        return self._layouts[widths]
+        """The layout of the tree of ``widths`` (kept: a few shapes recur; at most
+        :data:`KEPT_LAYOUTS` of them, the oldest dropped first)."""
+        lay = self._layouts.pop(widths, None) or layout(chain_tree(widths), 1, self.model.device)
+        self._layouts[widths] = lay
+        if len(self._layouts) > KEPT_LAYOUTS:
+            del self._layouts[next(iter(self._layouts))]
+        return lay
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
         model, ledger, example = self.model, state.ledger, state.example

@@ -214,6 +214,9 @@ CONTENTION_MIN_SECONDS = 2.0
 GENERATION_MIN_SECONDS = 1.0
 #: the least generations of a method the per-generation check needs for its median
 GENERATION_MIN_COUNT = 3
+#: ledger components with host work no profile prices (a skip search's programme, SWIFT's Bayesian
+#: proposal: seconds at some steps only), left out of the per-generation load check on both sides
+UNPRICED_COMPONENTS = ("search",)
 
 
 def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict[str, Any],
@@ -246,8 +249,9 @@ def spoiled_generations(finished: dict[str, list[dict[str, Any]]], profile, here
     interleaved per example, and moves a whole run's ratio too little for :func:`contention`'s
     threshold; one that outlasts most of an example's generations still leaves the one it missed as
     that example's measure (an example's median would count such a burst as the example's own). Generations under
-    ``min_seconds`` are within the timers' noise and not judged. None where the profile cannot tell
-    (another machine's, none)."""
+    ``min_seconds`` are within the timers' noise and not judged; the time of
+    :data:`UNPRICED_COMPONENTS` is left out of both sides (it comes at some steps only, so the method's
+    median does not cancel it). None where the profile cannot tell (another machine's, none)."""
     if profile is None or not profile.describes(here):
         return None
     ratios: dict[str, dict[tuple, tuple[dict[str, Any], float]]] = {}
@@ -256,9 +260,11 @@ def spoiled_generations(finished: dict[str, list[dict[str, Any]]], profile, here
         for r in rows:
             if not r.get("trace") or r["seconds"] < min_seconds:
                 continue
-            predicted = sum(profile.predict(r["trace"], sampled=r.get("seed") is not None).values())
+            by_component = profile.predict(r["trace"], sampled=r.get("seed") is not None)
+            predicted = sum(v for k, v in by_component.items() if k not in UNPRICED_COMPONENTS)
+            seconds = r["seconds"] - sum((r.get("ledger") or {}).get(k, 0.0) for k in UNPRICED_COMPONENTS)
             if predicted > 0:
-                judged[generation_key(r)] = (r, r["seconds"] / predicted)
+                judged[generation_key(r)] = (r, seconds / predicted)
         if len(judged) >= GENERATION_MIN_COUNT:
             ratios[method] = judged
     relative = {m: {k: x / statistics.median(v for _, v in judged.values()) for k, (_, x) in judged.items()}

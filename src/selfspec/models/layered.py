@@ -502,7 +502,8 @@ class LayeredModel:
         after its MLP (``2i + 2``); the last is the input of the final norm. The skip searches of
         CLaSp and KnapSpec compare their candidates with these (:mod:`selfspec.decoding.knapspec`).
         Each sublayer is a walk of its own (:meth:`run_layers` with the other left out), so the
-        operators and their order are a plain pass's."""
+        operators and their order are a plain pass's; the walks are recorded as eager (no static
+        runner takes them)."""
         h = self.embed(ids)
         n = h.shape[1]
         rope = self.rope(self.positions(start, n), h)
@@ -510,7 +511,7 @@ class LayeredModel:
         states = [h[0]]
         for i in range(self.num_layers):
             for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
-                h = self.run_layers(h, [i], cache, rope, mask, skip, ledger=ledger)
+                h = self.run_layers(h, [i], cache, rope, mask, skip, eager=True, ledger=ledger)
                 states.append(h[0])
         return states
 
@@ -523,14 +524,15 @@ class LayeredModel:
         ``b``'s row ``t`` sits at position ``context + t``, attends to the cache's first ``context``
         positions and to rows ``0..t`` of its own branch (the branch-parallel mask), and nothing is
         written to the cache (:class:`~selfspec.models.cache.Appended`). Returns ``[B, T, d]``;
-        recorded in ``ledger`` as one walk of ``B·T`` rows."""
+        recorded in ``ledger`` as one walk of ``B·T`` rows, eager (its rows vary with the
+        candidates, so no static shape holds it: a search runs once per interval)."""
         b, t, d = x.shape
         h = x.reshape(1, b * t, d)
         attn, mlp = block in ("attn", "layer"), block in ("mlp", "layer")
         if block not in ("attn", "mlp", "layer"):
             raise ValueError(f"run_branches: block must be attn, mlp or layer, got {block!r}")
-        if ledger is not None:
-            ledger.layers(b * t, int(attn), int(mlp), int(context))
+        if ledger is not None:  # never captured (its rows vary with the candidates): eager on any machine
+            ledger.layers(b * t, int(attn), int(mlp), int(context), eager=True)
         if attn:
             dev = self.device
             offsets = torch.arange(t, device=dev)
