@@ -80,7 +80,8 @@ SEARCH_KEYS = ("selection", "interval", "search_at", "window", "skip_layers", "s
 
 
 def cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed cosine similarity over the rows of ``x`` ``[..., T, d]`` to ``y`` ``[T, d]`` (float32)."""
+    """Summed cosine similarity over the rows of ``x`` ``[..., T, d]`` to ``y`` ``[T, d]``, in float32
+    (the authors compute it in the model's dtype: on a bfloat16 model a near tie may go otherwise)."""
     x, y = torch.nn.functional.normalize(x.float(), dim=-1), torch.nn.functional.normalize(y.float(), dim=-1)
     return (x * y).sum(-1).sum(-1)
 
@@ -156,7 +157,25 @@ def knapspec_search(model: LayeredModel, xs: list[torch.Tensor], cache, context:
     after each sublayer (``2L + 1``, :meth:`~selfspec.models.layered.LayeredModel.block_states`),
     their tokens at positions ``context…``; ``weights`` and ``costs`` the attention and MLP
     sublayers' (:func:`sublayer_weights`, seconds); ``floor`` the mean similarity below which a
-    state is pruned."""
+    state is pruned. The surviving end states' skip sets, then the one with the most tokens per time."""
+    t = int(xs[0].shape[0])
+    ends, parent = _knapsack(model, xs, cache, context, weights, floor, ledger)
+    if not ends:
+        return Chosen(SkipSet(), t, 0, None, weights)
+    final = torch.stack(list(ends.values()))
+    top = model.head(model.final_norm(final), ledger=ledger).argmax(-1)
+    teacher = model.head(model.final_norm(xs[-1]), ledger=ledger).argmax(-1)
+    alphas = ((top == teacher).sum(-1).float() / t).tolist()
+    skips = [_backtrack(parent, j) for j in ends]
+    pick = _most_tokens_per_time(skips, alphas, costs, model.num_layers)
+    return Chosen(skips[pick], t, len(ends), alphas[pick], weights)
+
+
+def _knapsack(model: LayeredModel, xs: list[torch.Tensor], cache, context: int, weights: tuple[int, int],
+              floor: float, ledger=None) -> tuple[dict[int, torch.Tensor], list[dict[int, tuple[int, bool]]]]:
+    """The programme over sublayers: per saved weight ``j``, the candidate states most similar to
+    ``xs`` (summed cosine over the window), each block's candidates in one batched pass. Returns the
+    end states by ``j`` (ascending) and every state's parent ``(j before, skipped)``."""
     n_layers, t = model.num_layers, int(xs[0].shape[0])
     blocks = 2 * n_layers
     budget = sum(weights) * n_layers // 2
@@ -180,31 +199,35 @@ def knapspec_search(model: LayeredModel, xs: list[torch.Tensor], cache, context:
             for (j, s), state in zip(zip(prev, cosine(states, xs[i]).tolist()), states):
                 if j + w <= budget and s / t >= floor and s > best.get(j + w, -float("inf")):
                     best[j + w], g[i][j + w], parent[i][j + w] = s, state, (j, True)
-    ends = sorted(g[blocks])
-    if not ends:
-        return Chosen(SkipSet(), t, 0, None, weights)
-    final = torch.stack([g[blocks][j] for j in ends])
-    top = model.head(model.final_norm(final), ledger=ledger).argmax(-1)
-    teacher = model.head(model.final_norm(xs[-1]), ledger=ledger).argmax(-1)
-    alphas = ((top == teacher).sum(-1).float() / t).tolist()
-    skips = []
-    for j in ends:
-        attn, mlp = [], []
-        for i in range(blocks, 2, -1):
-            j, skipped = parent[i][j]
-            if skipped:
-                (attn if (i - 1) % 2 == 0 else mlp).append((i - 1) // 2)
-        skips.append(SkipSet.of(attn, mlp))
+    return {j: g[blocks][j] for j in sorted(g[blocks])}, parent
+
+
+def _backtrack(parent: list[dict[int, tuple[int, bool]]], j: int) -> SkipSet:
+    """The sublayers skipped on the way to end state ``j`` (block ``b``: layer ``b // 2``'s attention
+    when ``b`` is even, its MLP when odd)."""
+    attn, mlp = [], []
+    for i in range(len(parent) - 1, 2, -1):
+        j, skipped = parent[i][j]
+        if skipped:
+            (attn if (i - 1) % 2 == 0 else mlp).append((i - 1) // 2)
+    return SkipSet.of(attn, mlp)
+
+
+def _most_tokens_per_time(skips: list[SkipSet], alphas: list[float], costs: tuple[float, float],
+                          n_layers: int) -> int:
+    """KnapSpec §4's choice: the set and draft length ``d < 18`` with the most expected tokens per
+    time, ``E[tokens](α, d) / (t_attn·(n_attn·d + L) + t_mlp·(n_mlp·d + L))``; the authors' loop starts
+    at the second set (the first is taken only when alone: index −1)."""
     t_attn, t_mlp = costs
     best_tpt, pick = -1.0, -1
-    for c in range(1, len(ends)):  # the authors' loop starts at the second end state
+    for c in range(1, len(skips)):
         ran_attn, ran_mlp = n_layers - len(skips[c].attn), n_layers - len(skips[c].mlp)
         for d in range(TPT_LENGTHS):
             cost = t_attn * (ran_attn * d + n_layers) + t_mlp * (ran_mlp * d + n_layers)
             tpt = expected_tokens(alphas[c], d) / cost if cost > 0 else 0.0
             if tpt > best_tpt:
                 best_tpt, pick = tpt, c
-    return Chosen(skips[pick], t, len(ends), alphas[pick], weights)
+    return pick
 
 
 @dataclass
