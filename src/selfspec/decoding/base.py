@@ -36,6 +36,13 @@ from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import Ledger, phase
 
 
+#: why the n-gram drafts' ``priced`` schedule (:mod:`selfspec.decoding.ngram`) needs the run's cost profile:
+#: here, where :meth:`Decoder.needs_profile` reads it for every method that drafts from the context first
+PRICED_NEEDS_PROFILE = ("draft_schedule=priced chooses each draft's length from this machine's cost profile, and "
+                        "the run has none: set profile=auto (evaluate finds or measures it) or a profile file, or "
+                        "give the method draft_schedule=adaptive")
+
+
 @dataclass
 class StepTrace:
     """The shape of one step (module docstring). A method fills in what its step did on
@@ -293,8 +300,6 @@ class Decoder:
         first with ``ngram.draft_schedule: priced``; a method with a priced choice of its own adds it."""
         context = options.get("ngram")
         if context and context.get("draft_schedule") == "priced":
-            from selfspec.decoding.ngram import PRICED_NEEDS_PROFILE
-
             return "ngram.draft_schedule=priced", PRICED_NEEDS_PROFILE
         return None
 

@@ -76,7 +76,7 @@ from typing import Sequence
 import torch
 
 from selfspec import checks
-from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.base import PRICED_NEEDS_PROFILE, DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 
 SCHEDULES = ("adaptive", "constant", "priced")
@@ -136,9 +136,6 @@ class NgramIndex:
 
 
 LOOKUP_KEYS = ("max_ngram", "min_ngram", "max_draft")
-PRICED_NEEDS_PROFILE = ("draft_schedule=priced chooses each draft's length from this machine's cost profile, and "
-                        "the run has none: set profile=auto (evaluate finds or measures it) or a profile file, or "
-                        "give the method draft_schedule=adaptive")
 
 
 def lookup_options(cfg, prefix: str) -> dict:
