@@ -237,7 +237,8 @@ class Search:
     skip: SkipSet = field(default_factory=SkipSet)
     #: the method's steps since the prefill (1 = the first)
     steps: int = 0
-    #: per window step, the full model's states of its accepted rows (one list per block)
+    #: per window step, the full model's states of its accepted rows (one per sublayer, KnapSpec; one
+    #: per layer, CLaSp; the embedding first)
     window: list[list[torch.Tensor]] = field(default_factory=list)
     #: the states of the step in progress, kept by its verification
     verified: list[torch.Tensor] | None = None
@@ -331,15 +332,24 @@ class KnapSpec(DraftVerify):
         state.example.window.clear()
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        """The chain's verification pass; in a window step, one that keeps every sublayer's states."""
+        """The chain's verification pass; in a window step, one that keeps the full model's states:
+        KnapSpec's after every sublayer (:meth:`~selfspec.models.layered.LayeredModel.block_states`),
+        CLaSp's after every layer (the plain pass keeping each layer's rows, which a capturing model
+        runs static), the embedding first."""
         search = state.example
         if not self.collects(search.steps):
             return super().score(state, draft)
         model = self.model
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
-        search.verified = model.block_states(ids, state.cache, state.n_cached, state.ledger)
-        return model.logits(search.verified[-1].unsqueeze(0), state.ledger)[0]
+        if self.selection == "knapspec":
+            search.verified = model.block_states(ids, state.cache, state.n_cached, state.ledger)
+            return model.logits(search.verified[-1].unsqueeze(0), state.ledger)[0]
+        keep = {i: torch.empty(ids.shape[1], model.hidden_size, dtype=model.dtype, device=model.device)
+                for i in range(model.num_layers)}
+        h = model.forward(ids, state.cache, start=state.n_cached, keep=keep, ledger=state.ledger)
+        search.verified = [model.embed(ids)[0], *keep.values()]
+        return model.logits(h, state.ledger)[0]
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         """The draft-stop rule's update; in a window step, its accepted rows' states join the window,
@@ -361,7 +371,7 @@ class KnapSpec(DraftVerify):
         context = state.cache.length(0) - int(blocks[0].shape[0])
         model, ledger = self.model, state.ledger
         if self.selection == "clasp":
-            last = [b[-1:] for b in blocks[::2]]  # the last accepted token, after each layer
+            last = [b[-1:] for b in blocks]  # the last accepted token, after each layer
             return clasp_search(model, last, state.cache, context + int(blocks[0].shape[0]) - 1, self.skip_layers,
                                 ledger)
         n = state.cache.length(0)
