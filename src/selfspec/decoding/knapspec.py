@@ -47,8 +47,9 @@ target token and accept on equality (also lossless, accepting less often).
 
 The search is charged to the ledger's ``search`` component (:mod:`selfspec.models.ledger`): its
 batched block passes are recorded as walks, and the report shows what the online optimisation
-costs. The verification passes of the window's steps keep their states block by block
-(:meth:`~selfspec.models.layered.LayeredModel.block_states`) and stay ``verify``.
+costs. The verification passes of the window's steps keep the full model's states (KnapSpec's
+after every sublayer, :meth:`~selfspec.models.layered.LayeredModel.block_states`; CLaSp's after every
+layer, the plain pass's ``keep``) and stay ``verify``.
 """
 
 from __future__ import annotations
