@@ -109,9 +109,12 @@ def model_present(name: str) -> str | None:
     return None
 
 
-def capture_decoders(model, p: dict) -> dict:
+def capture_decoders(model, p: dict, profile=None) -> dict:
     """name -> a function building that method's decoder on ``model`` (a LayeredModel), with
-    artefacts that need no training, always speculating (``never_slower: false``)."""
+    artefacts that need no training, always speculating (``never_slower: false``). The methods that
+    search their skip sets while decoding come last (a budget cut leaves them out first), searching
+    within the check's short generations; KnapSpec only with a cost ``profile`` (it weighs its
+    sublayers with one)."""
     from selfspec.config import method_config as config
     from selfspec.decoding import build_decoder
     from selfspec.decoding.vanilla import Vanilla
@@ -137,6 +140,12 @@ def capture_decoders(model, p: dict) -> dict:
     }
     for nodes in p["capture"]["ppd_nodes"]:
         out[f"ppd_{nodes}_nodes"] = ppd(nodes)
+    window = max(4, p["capture"]["new_tokens"] // 4)
+    out["swift"] = method("swift", context_window=window)
+    out["clasp"] = method("clasp", interval=window)
+    if profile is not None:
+        out["knapspec"] = lambda m: build_decoder(config("knapspec", never_slower=False, interval=max(window, 8)), m,
+                                                  profile=profile)  # its search after step 6 of each interval
     return out
 
 
@@ -228,7 +237,7 @@ def ledger_section(loaded, p: dict, profile_data: dict | None, deadline: float) 
     segment = list(range(10, 10 + c["prompt_segment"]))
     prompt = segment * c["prompt_repeats"]
     out: dict = {"profile": profile.name, "methods": {}, "skipped": []}
-    for name, make in capture_decoders(model, p).items():
+    for name, make in capture_decoders(model, p, profile).items():
         if time.perf_counter() > deadline:
             out["skipped"].append(name)
             continue

@@ -64,7 +64,7 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
     ledger = tiny["ledger"]  # every method's measured seconds beside the profile's prediction from its trace
     assert ledger["profile"] == profile["name"] and not ledger["skipped"]
     assert set(ledger["methods"]) == {"vanilla", "draft_verify", "adadecode", "del", "early_exit", "ngram",
-                                      "ppd_24_nodes"}
+                                      "ppd_24_nodes", "swift", "clasp", "knapspec"}
     for name, r in ledger["methods"].items():
         assert positive(r["measured_over_predicted"]) and r["unpriced_passes"] == 0, name
         assert r["predicted"] == pytest.approx(sum(r["predicted_ledger"].values())), name
@@ -73,7 +73,7 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
     capture = tiny["capture"]
     assert capture["mode"] == "static" and not capture["skipped"]
     assert set(capture["methods"]) == {"vanilla", "draft_verify", "adadecode", "del", "early_exit", "ngram",
-                                       "ppd_24_nodes"}
+                                       "ppd_24_nodes", "swift", "clasp"}  # KnapSpec needs a profile: ledger only
     for name, r in capture["methods"].items():
         assert r["same_tokens_captured_and_eager"] and r["same_sampled_tokens_captured_and_eager"], name
         assert r["consistency"] == {"captured": 1.0, "eager": 1.0}, name
