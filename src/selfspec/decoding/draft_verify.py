@@ -62,6 +62,23 @@ RENAMED = {"gamma0": "draft_stop.threshold", "alpha": "draft_stop.target", "epsi
            "beta1": "draft_stop.beta1", "beta2": "draft_stop.beta2"}
 
 
+def decoding_options(cfg, prefix: str = "method") -> dict:
+    """The checked decoding settings :data:`DECODING_KEYS` and the draft vocabulary's keys: what a
+    method drafting with skipped sublayers reads besides where its skip set comes from (Draft &
+    Verify's searched set; KnapSpec's and CLaSp's, searched while decoding)."""
+    key = f"{prefix}.{{}}".format
+    return {
+        "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="K, the most draft tokens per step"),
+        "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
+        "last_token": checks.choice(key("last_token"), cfg.get("last_token"), LAST_TOKEN,
+                                    why="one token of budget left: a plain step, or draft and verify one "
+                                    "token anyway (the authors' code)"),
+        "eos_draft": checks.choice(key("eos_draft"), cfg.get("eos_draft"), EOS_DRAFT,
+                                   why="after an EOS draft: stop drafting, or go on (the authors' code)"),
+        **draft_vocab_options(cfg, prefix),
+    }
+
+
 def skip_set_tensors(skip: SkipSet, num_layers: int) -> dict[str, torch.Tensor]:
     """The artefact form of a skip set: ``attn`` and ``mlp`` int8 masks of length L (1 = skip)."""
     attn = torch.zeros(num_layers, dtype=torch.int8)
@@ -182,15 +199,7 @@ class DraftVerify(ChainDecoder):
             "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
             "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
             "task": checks.optional(checks.text, key("task"), cfg.get("task")),
-            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1,
-                                        why="K, the most draft tokens per step"),
-            "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
-            "last_token": checks.choice(key("last_token"), cfg.get("last_token"), LAST_TOKEN,
-                                        why="one token of budget left: a plain step, or draft and verify one "
-                                        "token anyway (the authors' code)"),
-            "eos_draft": checks.choice(key("eos_draft"), cfg.get("eos_draft"), EOS_DRAFT,
-                                       why="after an EOS draft: stop drafting, or go on (the authors' code)"),
-            **draft_vocab_options(cfg, prefix),
+            **decoding_options(cfg, prefix),
         }
 
     @classmethod

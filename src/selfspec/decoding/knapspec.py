@@ -61,9 +61,8 @@ import torch
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import Draft
-from selfspec.decoding.draft_exit import draft_stop_config
-from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, LAST_TOKEN, EOS_DRAFT
-from selfspec.heads import build_draft_vocab, draft_vocab_options
+from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, decoding_options
+from selfspec.heads import build_draft_vocab
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import phase
 
@@ -274,7 +273,7 @@ class KnapSpec(DraftVerify):
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict:
         """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
-        (:data:`~selfspec.decoding.draft_verify.DECODING_KEYS`) and the search's
+        (:func:`~selfspec.decoding.draft_verify.decoding_options`) and the search's
         (:data:`SEARCH_KEYS`): ``selection`` (:data:`SELECTIONS`), ``interval`` (steps between
         searches), ``search_at`` (the step of each interval after which the search runs, 1 = the
         first after the prefill), ``window`` (verification steps whose tokens it compares, ending
@@ -285,10 +284,7 @@ class KnapSpec(DraftVerify):
         search_at = checks.integer(key("search_at"), cfg.get("search_at"), 1, interval,
                                    why="the step of each interval after which the skip set is searched")
         return {
-            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="γ, the most draft tokens per step"),
-            "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
-            "last_token": checks.choice(key("last_token"), cfg.get("last_token"), LAST_TOKEN),
-            "eos_draft": checks.choice(key("eos_draft"), cfg.get("eos_draft"), EOS_DRAFT),
+            **decoding_options(cfg, prefix),
             "selection": checks.choice(key("selection"), cfg.get("selection"), SELECTIONS,
                                        why="knapspec: sublayers weighed by cost; clasp: whole layers"),
             "interval": interval,
@@ -299,7 +295,6 @@ class KnapSpec(DraftVerify):
                                            why="CLaSp's M, layers skipped"),
             "similarity_floor": checks.number(key("similarity_floor"), cfg.get("similarity_floor"), -1.0, 1.0,
                                               why="mean cosine similarity below which KnapSpec prunes a state"),
-            **draft_vocab_options(cfg, prefix),
         }
 
     @classmethod

@@ -230,8 +230,14 @@ def multi_candidate_verify(p: torch.Tensor, candidates: list[int], q: torch.Tens
         total = residual.sum()
         p = residual / total if total > 0 else p
         q[x] = 0
-        q = q / q.sum() if q.sum() > 0 else q
+        left = q.sum()
+        q = q / left if left > 0 else q
     return None, p
+
+
+def sample_from(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn from the distribution ``p`` ``[V]``."""
+    return int(torch.multinomial(p.unsqueeze(0), 1, generator=generator))
 
 
 def _resample(n: int, k: int, p: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -244,4 +250,4 @@ def _resample(n: int, k: int, p: torch.Tensor, draft_probs: torch.Tensor | None,
         dist = residual / total if total > 0 else p
     else:
         dist = p
-    return int(torch.multinomial(dist.unsqueeze(0), 1, generator=generator))
+    return sample_from(dist, generator)

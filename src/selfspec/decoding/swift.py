@@ -50,7 +50,7 @@ import torch
 from selfspec import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
-from selfspec.decoding.sampling import multi_candidate_verify, warp
+from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
 from selfspec.models.cache import Appended
 from selfspec.models.layered import LayeredModel, SkipSet
@@ -344,6 +344,7 @@ class Swift(Decoder):
             best = accepted_node(lay, target[lay.parent[1:]] == tokens[1:])
             best, bonus = torch.stack([best, target[best]]).tolist()
             return best, bonus
+        ids, depths = tokens.tolist(), lay.depths.tolist()  # read once, not per node
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(lay.parent.tolist()[1:], start=1):
             children.setdefault(parent, []).append(node)
@@ -352,19 +353,13 @@ class Swift(Decoder):
             p = warp(logits[node: node + 1], s, state.ledger)[0]
             kids = children.get(node)
             if not kids:
-                return node, int(select_from(p, state.generator))
-            depth = int(lay.depths[node])
-            j, p = multi_candidate_verify(p, [int(tokens[k]) for k in kids], qs[depth], state.generator)
+                return node, sample_from(p, state.generator)
+            j, p = multi_candidate_verify(p, [ids[k] for k in kids], qs[depths[node]], state.generator)
             if j is None:
-                return node, int(select_from(p, state.generator))
+                return node, sample_from(p, state.generator)
             node = kids[j]
 
     def finish(self, state: DecodeState) -> None:
         search = self.search
         state.stats.update({"swift_best_matchness": search.best, "swift_iterations": search.iteration,
                             "swift_optimising": search.active, "skipped": len(search.skip)})
-
-
-def select_from(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn from the distribution ``p`` ``[V]``."""
-    return int(torch.multinomial(p.unsqueeze(0), 1, generator=generator))

@@ -146,12 +146,16 @@ class Appended:
     second time in backward; appending to the cache would then write its rows twice."""
 
     def __init__(self, cache: LayerCache, length: int) -> None:
-        self.cache, self.length = cache, length
+        self.cache, self.context = cache, length
         self._positions: dict[int, torch.Tensor] = {}
+
+    def length(self, layer_idx: int) -> int:
+        """Cached positions a pass reads before its own rows (every layer: the same ``length``)."""
+        return self.context
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.length
+        n = self.context
         keys = torch.cat([self.cache.keys[layer_idx][:, :, :n], key_states], dim=2)
         values = torch.cat([self.cache.values[layer_idx][:, :, :n], value_states], dim=2)
         if positions is not None:

@@ -476,10 +476,7 @@ class LayeredModel:
         capturing model ran eagerly)."""
         if ledger is not None:
             first = next(iter(layers), None)
-            if isinstance(kv, Appended):  # a pass reading the cache's first positions (SWIFT's scoring pass)
-                context = kv.length
-            else:
-                context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
+            context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             _record_walk(ledger, h.shape[1], layers, skip, context, eager)
         out = self._walk_in_cpp(h, layers, kv, rope, mask, keep, skip)
         if out is not None:
