@@ -125,11 +125,11 @@ def test_sampling_is_reproducible_and_searches(peaked):
 def test_the_search_is_its_own_ledger_component(peaked):
     dec = build_decoder(paper("knapspec_paper"), peaked, profile=linear_profile(peaked))
     g = dec.generate(PROMPTS[0], 40)
-    ops = [op for t in g.trace for op in (t.ops or ()) if op[0] == "search"]
+    ops = [op for t in g.trace for op in (t.ops or ()) if op.component == "search"]
     assert g.ledger["search"] > 0 and ops
-    assert {op[1] for op in ops} == {"L", "H"}  # the batched block passes and the α heads
+    assert {op.kind for op in ops} == {"L", "H"}  # the batched block passes and the α heads
     searched = [t for t in g.trace if "search" in (t.controller or {})]
-    assert all(any(op[0] == "search" for op in t.ops) for t in searched)
+    assert all(any(op.component == "search" for op in t.ops) for t in searched)
     assert linear_profile(peaked).predict([t.row() for t in g.trace])["search"] > 0
 
 

@@ -15,7 +15,7 @@ from selfspec.decoding import Sampling
 from selfspec.evaluation import RESULTS, SUMMARY, evaluate, summarize
 from selfspec.evaluation.aggregate import contention
 from selfspec.evaluation.profiling import measure_profile
-from selfspec.models.ledger import COMPONENTS
+from selfspec.models.ledger import COMPONENTS, HeadOp, LayerOp, LinearOp, WarpOp, as_op
 from selfspec.models.profile import FORMAT, Profile, ProfileMismatch, model_shape
 from selfspec.project import project_run
 from selfspec.tracking import ResultsFile
@@ -139,6 +139,17 @@ def test_a_profile_of_another_model_shape_is_refused_by_name(tiny):
         synthetic_profile(format=FORMAT + 1)
 
 
+def test_a_ledger_op_is_a_typed_record_stored_as_the_compact_list():
+    ops = [LayerOp("verify", 4, 30, 30, 100), LayerOp("tree", 60, 30, 30, 100, eager=True), HeadOp("draft", 1, 49152),
+           LinearOp("heads", 1, 576, 576), WarpOp("plain", 2, 49152, True)]
+    rows = [op.row() for op in ops]
+    assert rows == [["verify", "L", 4, 30, 30, 100], ["tree", "L", 60, 30, 30, 100, 1], ["draft", "H", 1, 49152],
+                    ["heads", "X", 1, 576, 576], ["plain", "W", 2, 49152, 1]]
+    assert [as_op(r) for r in json.loads(json.dumps(rows))] == ops
+    with pytest.raises(ValueError, match="unknown ledger op"):
+        as_op(["verify", "Q", 1])
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_the_ledger_adds_up_to_the_measured_time(tiny, prompt_ids, name):
     g = _decoder(name, tiny).generate(prompt_ids + prompt_ids, 24, Sampling())
@@ -146,17 +157,17 @@ def test_the_ledger_adds_up_to_the_measured_time(tiny, prompt_ids, name):
     assert sum(g.ledger.values()) == pytest.approx(g.seconds, rel=1e-9, abs=1e-9)
     assert all(v >= 0 for v in g.ledger.values())
     ops = [op for step in g.trace for op in step.ops]
-    assert ops and {op[0] for op in ops} <= set(COMPONENTS) - {"host"}
+    assert ops and {op.component for op in ops} <= set(COMPONENTS) - {"host"}
     # every component that ran model work took time, and the prompt is the first step's work
-    for c in {op[0] for op in ops}:
+    for c in {op.component for op in ops}:
         assert g.ledger[c] > 0, c
-    assert g.trace[0].ops[0][:3] in (["prefill", "L", len(prompt_ids) * 2], ["draft", "L", len(prompt_ids) * 2])
+    assert g.trace[0].ops[0][:2] in (("prefill", len(prompt_ids) * 2), ("draft", len(prompt_ids) * 2))
     if name == "vanilla":
-        assert {op[0] for op in ops} == {"prefill", "plain"} and g.ledger["draft"] == g.ledger["verify"] == 0
+        assert {op.component for op in ops} == {"prefill", "plain"} and g.ledger["draft"] == g.ledger["verify"] == 0
     if name in ("early_exit", "del", "adadecode"):
-        assert any(op[0] == "heads" for op in ops)
+        assert any(op.component == "heads" for op in ops)
     if name == "ppd":
-        assert g.ledger["tree"] > 0 and any(op[0] == "verify" and op[2] > 1 for op in ops)
+        assert g.ledger["tree"] > 0 and any(op.component == "verify" and op.rows > 1 for op in ops)
 
 
 def test_the_ledger_charges_each_layer_walk_its_sublayers(tiny, prompt_ids):
@@ -165,10 +176,10 @@ def test_the_ledger_charges_each_layer_walk_its_sublayers(tiny, prompt_ids):
     layers = tiny.model.num_layers
     for step in g.trace[1:]:
         for op in step.ops:
-            if op[1] == "L" and op[0] == "draft":
-                assert op[2:5] == [1, layers - 1, layers - 1]  # skip_attn [1], skip_mlp [2]
-            if op[1] == "L" and op[0] == "verify":
-                assert op[2] == step.width and op[3:5] == [layers, layers]
+            if op.kind == "L" and op.component == "draft":
+                assert (op.rows, op.attention, op.mlp) == (1, layers - 1, layers - 1)  # skip_attn [1], skip_mlp [2]
+            if op.kind == "L" and op.component == "verify":
+                assert op.rows == step.width and (op.attention, op.mlp) == (layers, layers)
 
 
 def test_measured_profile_of_the_tiny_model(tiny):
@@ -479,7 +490,7 @@ def test_eager_passes_are_priced_apart_and_withheld_without_eager_prices():
              {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 2, 4, 4, 100, 1]]},  # flagged eager
              {"source": "tree", "tree_size": 60, "ops": [["verify", "L", 257, 4, 4, 100]]}]  # a CPU trace: too wide
     p = synthetic_profile(**captured)
-    assert [p.eager(s["ops"][0]) for s in trace] == [False, False, True, True]
+    assert [p.eager(as_op(s["ops"][0])) for s in trace] == [False, False, True, True]
     assert p.unpriced(trace) == 2 and synthetic_profile().unpriced(trace) == 0  # a CPU profile: the same pass
     rows = [{"ledger": {"verify": 1.0}, "trace": trace, "seconds": 1.0}]
     withheld = _ledger(rows, 10, 0.01, p, 0.01)
@@ -527,7 +538,7 @@ def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger():
         static.forward(ids[:, :20], cache, ledger=ledger)  # routed
         static.forward(ids[:, :257], cache, ledger=ledger)  # wider than every bucket: eager
     ops = ledger.take_ops()
-    assert [(op[2], len(op) > 6) for op in ops if op[1] == "L"] == [(270, False), (20, False), (257, True)]
+    assert [(op.rows, op.eager) for op in ops if op.kind == "L"] == [(270, False), (20, False), (257, True)]
 
 
 def test_a_projection_re_decides_the_gate_of_an_always_speculating_run(tiny, tmp_path):

@@ -159,7 +159,7 @@ def test_the_tree_and_the_starting_set():
 def test_the_search_is_charged_to_its_own_component(peaked):
     g = build_decoder(paper(context_window=8), peaked).generate(PROMPTS[0], 40)
     assert g.ledger["search"] > 0 and g.ledger["tree"] > 0
-    assert any(op[0] == "search" and op[1] == "L" for t in g.trace for op in t.ops)
+    assert any(op.component == "search" and op.kind == "L" for t in g.trace for op in t.ops)
 
 
 def test_bad_settings_are_refused(tiny):

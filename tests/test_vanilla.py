@@ -120,8 +120,8 @@ def test_lazy_chain_verification_equals_warping_every_row_first():
         eager = speculative_verify(draft, q if k else target[:0], warp(target, s), g2)
         assert lazy == eager, case
         assert torch.equal(g1.get_state(), g2.get_state()), case
-        assert sum(op[2] for op in ledger.ops if op[1] == "W") == lazy[0] + 1
-        assert all(op[3] == V and op[4] == (s.top_p < 1) for op in ledger.ops)
+        assert sum(op.rows for op in ledger.ops if op.kind == "W") == lazy[0] + 1
+        assert all(op.vocab == V and op.nucleus == (s.top_p < 1) for op in ledger.ops)
         seen.add((k > 0, lazy[0] < k))
     assert seen == {(False, False), (True, True), (True, False)}  # no drafts, a rejection, all accepted
     with pytest.raises(ValueError, match="without the distributions"):

@@ -33,7 +33,7 @@ from selfspec.decoding.sampling import Sampling, select
 from selfspec.models.cache import LayerCache
 from selfspec.models.costs import synchronizer
 from selfspec.models.layered import LayeredModel
-from selfspec.models.ledger import Ledger, phase
+from selfspec.models.ledger import Ledger, Op, phase
 
 
 #: why the n-gram drafts' ``priced`` schedule (:mod:`selfspec.decoding.ngram`) needs the run's cost profile:
@@ -74,11 +74,15 @@ class StepTrace:
     controller: dict[str, Any] | None = None
     #: the model work of the step, per component (:mod:`selfspec.models.ledger`): what a machine
     #: profile costs (:mod:`selfspec.models.profile`)
-    ops: list[list] | None = None
+    ops: list[Op] | None = None
 
     def row(self) -> dict[str, Any]:
-        """The trace as a plain dict without the fields left at their defaults."""
-        return {k: v for k, v in vars(self).items() if k == "source" or v != _TRACE_DEFAULTS[k]}
+        """The trace as a plain dict without the fields left at their defaults (its ops as the
+        ledger's compact lists, :meth:`~selfspec.models.ledger.LayerOp.row`)."""
+        out = {k: v for k, v in vars(self).items() if k == "source" or v != _TRACE_DEFAULTS[k]}
+        if self.ops is not None:
+            out["ops"] = [op.row() for op in self.ops]
+        return out
 
 
 _TRACE_DEFAULTS = vars(StepTrace())

@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from selfspec.models.ledger import HeadOp, LayerOp, Op
 
 @dataclass
 class TwoArms:
@@ -190,7 +191,7 @@ class SpeculationGate(TwoArms):
         spec, plain = self.cost[True], self.cost[False]
         return spec is None or plain is None or spec < plain * (1 - self.margin)
 
-    def price(self, ops: list[list], source: str | None = None) -> float:
+    def price(self, ops: "list[Op | list]", source: str | None = None) -> float:
         """Predicted seconds of a step from its ledger ops, its overhead included, and its own host
         work by its ``source`` (:attr:`~selfspec.decoding.base.StepTrace.source`: PPD's tree)."""
         return self.profile.price(ops) + self.profile.host_step(source)
@@ -222,7 +223,7 @@ def replay(trace: list[dict[str, Any]], gate: SpeculationGate) -> list[dict[str,
             speculated = step.get("drafted", 0) > 0 or step.get("source") == "tree"
         else:
             step = {"source": "plain", "committed": 1, "gated": True,
-                    "ops": [["plain", "L", 1, L, L, context], ["plain", "H", 1, vocab]]}
+                    "ops": [LayerOp("plain", 1, L, L, context).row(), HeadOp("plain", 1, vocab).row()]}
             speculated = False
         step["committed"] = min(step.get("committed", 0), total - done)
         gate.record(speculated, step["committed"], gate.price(step["ops"], step["source"]))

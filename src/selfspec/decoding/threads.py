@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from selfspec.decoding.gate import TwoArms
+from selfspec.models.ledger import Op
 
 #: the evaluate key's values
 THREADS = ("auto", "adaptive", "fixed")
@@ -101,7 +102,7 @@ class ThreadPolicy:
         self._t0 = time.perf_counter()
         return self._arm
 
-    def record(self, ops: list[list]) -> None:
+    def record(self, ops: "list[Op]") -> None:
         """The step just taken: its measured seconds over what its ``ops`` (a sampled step's warps
         among them) cost on the profile."""
         seconds = time.perf_counter() - self._t0

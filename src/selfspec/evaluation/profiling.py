@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
+from selfspec.models.ledger import as_op
 from selfspec.models.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
                                      WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
 
@@ -148,7 +149,8 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
             # the time outside the passes' own components (verification, plain steps), less the
             # model work inside it (a draft head's product): what the method does on the host
             seconds = sum(g.ledger[k] for k in HOST_WORK)
-            priced = sum(profile.op(op) for st in steps for op in st["ops"] if op[0] in HOST_WORK)
+            priced = sum(profile.op(op) for st in steps for op in map(as_op, st["ops"])
+                         if op.component in HOST_WORK)
             per_step.append(max(0.0, (seconds - priced) / len(drafting)))
         return per_step
 

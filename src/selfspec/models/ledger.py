@@ -22,28 +22,106 @@ heads: early exit, DEL, AdaDecode), ``verify`` (the verification pass and its sc
 (PPD's choice and layout of the candidate tree), ``search`` (a skip set searched while decoding:
 KnapSpec's and CLaSp's batched candidate passes) and ``host`` (the rest).
 
-An op is a short list, for a compact trace: ``[component, "L", rows, attention sublayers, MLP
-sublayers, context]`` (with a seventh entry, 1, when a model that captures its passes ran this
-walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`), ``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows,
-in features, out features]`` or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``:
-logit rows warped into the target distribution (:func:`selfspec.decoding.sampling.warp`;
-``nucleus`` 1 when top-p sorts the vocabulary). Greedy selection (an argmax) is no op: it is part
-of a step's host time.
+An op is a small typed record (:class:`LayerOp`, :class:`HeadOp`, :class:`LinearOp`,
+:class:`WarpOp`), read by its field names. A step trace stores it as a short list, for a compact
+trace (:meth:`~LayerOp.row`; :func:`as_op` reads one back): ``[component, "L", rows, attention
+sublayers, MLP sublayers, context]`` (with a seventh entry, 1, when a model that captures its passes
+ran this walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`),
+``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows, in features, out features]``
+or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``: logit rows warped into the
+target distribution (:func:`selfspec.decoding.sampling.warp`; ``nucleus`` 1 when top-p sorts the
+vocabulary). Greedy selection (an argmax) is no op: it is part of a step's host time.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple, Union
 
 import torch
 
-__all__ = ["COMPONENTS", "LABELS", "Ledger", "phase"]
+__all__ = ["COMPONENTS", "LABELS", "HeadOp", "LayerOp", "Ledger", "LinearOp", "Op", "WarpOp", "as_op", "phase"]
 
 #: the components of a step's cost, in the order charts stack them
 COMPONENTS = ("prefill", "plain", "draft", "heads", "verify", "tree", "search", "host")
 #: what a reader calls each component
 LABELS = {"prefill": "prefill", "plain": "plain steps", "draft": "drafting", "heads": "exit heads",
           "verify": "verification", "tree": "tree building", "search": "skip search", "host": "bookkeeping"}
+
+
+
+class LayerOp(NamedTuple):
+    """A layer walk: ``rows`` new rows through ``attention`` and ``mlp`` sublayers, attending to
+    ``context`` cached positions; ``eager``: a model that captures its passes ran it eagerly."""
+
+    component: str
+    rows: int
+    attention: int
+    mlp: int
+    context: int
+    eager: bool = False
+    kind = "L"
+
+    def row(self) -> list:
+        return [self.component, "L", self.rows, self.attention, self.mlp, self.context] + ([1] if self.eager else [])
+
+
+class HeadOp(NamedTuple):
+    """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""
+
+    component: str
+    rows: int
+    vocab: int
+    kind = "H"
+
+    def row(self) -> list:
+        return [self.component, "H", self.rows, self.vocab]
+
+
+class LinearOp(NamedTuple):
+    """A small head transform (an exit head's ``d_in × d_out`` map before the LM head)."""
+
+    component: str
+    rows: int
+    d_in: int
+    d_out: int
+    kind = "X"
+
+    def row(self) -> list:
+        return [self.component, "X", self.rows, self.d_in, self.d_out]
+
+
+class WarpOp(NamedTuple):
+    """Sampled selection: ``rows`` logit rows of ``vocab`` entries warped (``nucleus``: top-p sorts)."""
+
+    component: str
+    rows: int
+    vocab: int
+    nucleus: bool
+    kind = "W"
+
+    def row(self) -> list:
+        return [self.component, "W", self.rows, self.vocab, int(self.nucleus)]
+
+
+Op = Union[LayerOp, HeadOp, LinearOp, WarpOp]
+_RECORDS = (LayerOp, HeadOp, LinearOp, WarpOp)
+_KINDS = {cls.kind: cls for cls in _RECORDS}
+
+
+def as_op(op: "Op | list") -> Op:
+    """The record of ``op``: itself, or a step trace's stored list (module docstring)."""
+    if isinstance(op, _RECORDS):
+        return op
+    try:
+        cls = _KINDS[op[1]]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"unknown ledger op {op!r}") from None
+    if cls is LayerOp:
+        return LayerOp(op[0], *op[2:6], eager=len(op) > 6 and bool(op[6]))
+    if cls is WarpOp:
+        return WarpOp(op[0], op[2], op[3], bool(op[4]))
+    return cls(op[0], *op[2:])
 
 
 class Ledger:
@@ -55,7 +133,7 @@ class Ledger:
         #: the component now charged (``host`` outside every phase)
         self.current = "host"
         #: ops of the step in progress (:meth:`take_ops` hands them to the step's trace)
-        self.ops: list[list] = []
+        self.ops: list[Op] = []
         #: phase switches: (component from here on, perf_counter seconds or a CUDA event)
         self._marks: list[tuple[str, object]] = []
         self.seconds: dict[str, float] = {}
@@ -101,9 +179,9 @@ class Ledger:
         after all (AdaDecode: a token's pass is a draft until it reaches the last layer, where it is
         the verification pass); other components' ops and time inside stay theirs."""
         ops, marks = since
-        for op in self.ops[ops:]:
-            if op[0] == old:
-                op[0] = component
+        for i in range(ops, len(self.ops)):
+            if self.ops[i].component == old:
+                self.ops[i] = self.ops[i]._replace(component=component)
         for j in range(marks, len(self._marks)):
             if self._marks[j][0] == old:
                 self._marks[j] = (component, self._marks[j][1])
@@ -116,32 +194,31 @@ class Ledger:
         ``context`` cached positions (consecutive walks of the same shape merge). ``eager``: the
         model captures its passes, and this one ran eagerly (a profile prices the two apart)."""
         last = self.ops[-1] if self.ops else None
-        if (last is not None and last[1] == "L" and last[0] == self.current and last[2] == rows
-                and last[5] == context and (len(last) > 6) == eager):
-            last[3] += attention
-            last[4] += mlp
+        if (type(last) is LayerOp and last.component == self.current and last.rows == rows
+                and last.context == context and last.eager == eager):
+            self.ops[-1] = last._replace(attention=last.attention + attention, mlp=last.mlp + mlp)
         else:
-            self.ops.append([self.current, "L", rows, attention, mlp, context] + ([1] if eager else []))
+            self.ops.append(LayerOp(self.current, rows, attention, mlp, context, eager))
 
     def head(self, rows: int, vocab: int) -> None:
         """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""
-        self.ops.append([self.current, "H", rows, vocab])
+        self.ops.append(HeadOp(self.current, rows, vocab))
 
     def linear(self, rows: int, d_in: int, d_out: int) -> None:
         """A small head transform (an exit head's ``d × d`` map before the LM head)."""
-        self.ops.append([self.current, "X", rows, d_in, d_out])
+        self.ops.append(LinearOp(self.current, rows, d_in, d_out))
 
     def warp(self, rows: int, vocab: int, nucleus: bool) -> None:
         """Sampled token selection: ``rows`` logit rows of ``vocab`` entries warped (temperature,
         top-k, top-p when ``nucleus``); consecutive warps of the same kind merge."""
         last = self.ops[-1] if self.ops else None
-        if (last is not None and last[1] == "W" and last[0] == self.current and last[3] == vocab
-                and last[4] == int(nucleus)):
-            last[2] += rows
+        if (type(last) is WarpOp and last.component == self.current and last.vocab == vocab
+                and last.nucleus == bool(nucleus)):
+            self.ops[-1] = last._replace(rows=last.rows + rows)
         else:
-            self.ops.append([self.current, "W", rows, vocab, int(nucleus)])
+            self.ops.append(WarpOp(self.current, rows, vocab, bool(nucleus)))
 
-    def take_ops(self) -> list[list]:
+    def take_ops(self) -> list[Op]:
         ops, self.ops = self.ops, []
         return ops
 

@@ -61,7 +61,7 @@ from typing import Any, Iterable
 import torch
 
 from selfspec.models.capture import BUCKETS
-from selfspec.models.ledger import COMPONENTS
+from selfspec.models.ledger import COMPONENTS, LayerOp, Op, as_op
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
 
@@ -318,15 +318,13 @@ class Profile:
         """Seconds of one decoder layer (attention and MLP) on ``rows`` new tokens after ``context``."""
         return self.attention_cost(rows, context) + self.mlp_cost(rows)
 
-    def eager(self, op: list) -> bool:
+    def eager(self, op: LayerOp) -> bool:
         """Whether a layer walk ``op`` is priced as an eager pass apart from the captured tables: the
         profile captures, and the walk ran eagerly (flagged in the ledger) or, in a trace recorded
         without capture, is a decoding pass wider than the largest bucket (it would run eagerly)."""
         if not self.captures:
             return False
-        if len(op) > 6:
-            return bool(op[6])
-        return op[5] > 0 and op[2] > BUCKETS[-1]
+        return op.eager or (op.context > 0 and op.rows > BUCKETS[-1])
 
     def _unpriced(self, trace: Iterable[dict[str, Any]]) -> tuple[int, int, int]:
         """Decoding walks of ``trace`` a profile that captures cannot price: ``(eager, wide, widest)``,
@@ -336,13 +334,13 @@ class Profile:
         if not self.captures:
             return eager, wide, widest
         for step in trace:
-            for op in step.get("ops") or ():
-                if op[1] != "L":
+            for op in map(as_op, step.get("ops") or ()):
+                if op.kind != "L":
                     continue
                 if self.eager(op):
                     eager += self._eager is None
-                elif op[5] > 0 and op[2] > self.decoding_rows:
-                    wide, widest = wide + 1, max(widest, op[2])
+                elif op.context > 0 and op.rows > self.decoding_rows:
+                    wide, widest = wide + 1, max(widest, op.rows)
         return eager, wide, widest
 
     def unpriced(self, trace: Iterable[dict[str, Any]]) -> int:
@@ -373,24 +371,21 @@ class Profile:
     def head(self, rows: int, vocab: int) -> float:
         return Curve({v: cost(rows) for v, cost in self._head.items()})(vocab)
 
-    def op(self, op: list) -> float:
-        """Seconds of one ledger op (:mod:`selfspec.models.ledger`)."""
-        kind = op[1]
-        if kind == "L":
-            rows, attention, mlp, context = op[2:6]
+    def op(self, op: "Op | list") -> float:
+        """Seconds of one ledger op (:mod:`selfspec.models.ledger`; a record or a trace's stored list)."""
+        op = as_op(op)
+        if op.kind == "L":
             eager = self._eager is not None and self.eager(op)
-            return (attention * self.attention_cost(rows, context, eager)
-                    + mlp * (self._eager[1] if eager else self._mlp)(rows))
-        if kind == "H":
-            return self.head(op[2], op[3])
-        if kind == "X":
-            return self._linear(op[2])
-        if kind == "W":
-            by_vocab = self._warp[int(op[4])]
-            return Curve({v: cost(op[2]) for v, cost in by_vocab.items()})(op[3])
-        raise ValueError(f"unknown ledger op {op!r}")
+            return (op.attention * self.attention_cost(op.rows, op.context, eager)
+                    + op.mlp * (self._eager[1] if eager else self._mlp)(op.rows))
+        if op.kind == "H":
+            return self.head(op.rows, op.vocab)
+        if op.kind == "X":
+            return self._linear(op.rows)
+        by_vocab = self._warp[int(op.nucleus)]
+        return Curve({v: cost(op.rows) for v, cost in by_vocab.items()})(op.vocab)
 
-    def price(self, ops: list[list]) -> float:
+    def price(self, ops: "Iterable[Op | list]") -> float:
         """Predicted seconds of one step from its ledger ops, the step's plain host time included."""
         return sum(self.op(op) for op in ops) + self.host
 
@@ -408,13 +403,14 @@ class Profile:
             if ops is None:
                 raise ValueError("a step of the trace has no ops: the run was recorded before the cost ledger; "
                                  "evaluate it again to predict its time")
-            if sampled and not any(op[1] == "W" for op in ops):
+            ops = [as_op(op) for op in ops]
+            if sampled and not any(op.kind == "W" for op in ops):
                 raise ValueError("a sampled step of the trace has no warp op: the run was recorded before sampled "
                                  "selection was in the cost ledger; evaluate it again to predict its time")
             for op in ops:
-                out[op[0]] += self.op(op)
+                out[op.component] += self.op(op)
             # a step's own overhead (selecting the token, the host sync) follows its last pass
-            last = next((op[0] for op in reversed(ops) if op[1] == "L"), "host")
+            last = next((op.component for op in reversed(ops) if op.kind == "L"), "host")
             out[last] += host
             out["host"] += self.host_step(step.get("source"))
         return out

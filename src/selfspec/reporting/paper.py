@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from selfspec.reporting.records import Record
+from selfspec.models.ledger import HeadOp, LayerOp, Op
 
 DATA = Path(__file__).with_name("paper_figures.yaml")
 _SETTING = ("table", "source", "paper_model", "model", "method", "task", "variant", "temperature", "trace")
@@ -75,7 +76,7 @@ def paper_records(table: str | None = None) -> list[Record]:
     return records
 
 
-def paper_step(trace: dict[str, Any], shape: dict[str, Any]) -> tuple[list[list], float]:
+def paper_step(trace: dict[str, Any], shape: dict[str, Any]) -> tuple[list[Op], float]:
     """The ledger ops of one step a paper's figures imply (``paper_figures.yaml``'s ``trace``) and
     the tokens it commits, for a model of ``shape``:
 
@@ -88,10 +89,10 @@ def paper_step(trace: dict[str, Any], shape: dict[str, Any]) -> tuple[list[list]
     L, vocab, context = shape["num_layers"], shape["vocab_size"], int(trace["context"])
     if "width" in trace:
         w = int(trace["width"])
-        return [["verify", "L", w, L, L, context], ["verify", "H", w, vocab]], float(trace["tau"])
+        return [LayerOp("verify", w, L, L, context), HeadOp("verify", w, vocab)], float(trace["tau"])
     k, (attn, mlp), alpha = int(trace["drafts"]), trace["skipped"], float(trace["acceptance_rate"])
-    ops = [["draft", "L", 1, L - attn, L - mlp, context + i] for i in range(k)]
-    ops += [["draft", "H", 1, vocab]] * k + [["verify", "L", k + 1, L, L, context], ["verify", "H", k + 1, vocab]]
+    ops: list[Op] = [LayerOp("draft", 1, L - attn, L - mlp, context + i) for i in range(k)]
+    ops += [HeadOp("draft", 1, vocab)] * k + [LayerOp("verify", k + 1, L, L, context), HeadOp("verify", k + 1, vocab)]
     return ops, (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
