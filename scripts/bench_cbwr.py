@@ -32,7 +32,7 @@ def measure(model: str, context: int, repeats: int) -> dict:
 
     from selfspec import numerics
     from selfspec.config import compose
-    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.loading import load_model
 
     loaded = load_model(compose([f"model={model}"]).model)

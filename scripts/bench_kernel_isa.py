@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     from selfspec.config import compose
     from selfspec.models import kernels
-    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.loading import load_model
 
     loaded = load_model(compose([f"model={args.model}", *args.overrides]).model)

@@ -9,7 +9,7 @@ See :mod:`selfspec.evaluation.runtime` for what each figure means. llama.cpp joi
 decoding peer when llama-cpp-python is installed (``make llamacpp``); otherwise one line says so.
 ``--out`` writes the figures as JSON (the demo's report shows them).
 
-It also measures this machine's cost profile of the model (:mod:`selfspec.models.profile`: what
+It also measures this machine's cost profile of the model (:mod:`selfspec.measure.profile`: what
 every op of a step costs here, the file ``python -m selfspec.project`` re-costs runs with) and
 writes it to the asset cache, where ``evaluate`` (``profile=auto``) finds it, and to
 ``--profile-out`` (default ``outputs/profiles/<name>.json``). ``--profile-only`` (``make profile``)
@@ -77,7 +77,7 @@ def write_profile(model, out: Path | None) -> None:
     import os
 
     from selfspec.evaluation.profiling import measure_profile
-    from selfspec.models.profile import default_path
+    from selfspec.measure.profile import default_path
 
     load = os.getloadavg()[0]
     if load > 0.5:

@@ -9,7 +9,7 @@ compose (``selfspec.config.compose`` with the same Hydra overrides, small budget
 source of truth per step and no interpreter start-up between steps. The model is loaded once and
 handed to every step (``run_job(cfg, loaded)``, ``evaluate(cfg, out, loaded)``):
 
-1. fetch the offline assets                     selfspec.assets.fetch_all      (make assets)
+1. fetch the offline assets                     selfspec.store.assets.fetch_all      (make assets)
 2. AdaDecode heads (mixed-domain data)          selfspec.train.run_job         (job=heads job.data=mixed)
 3. Draft & Verify skip set (CNN/DM + XSum dev)  selfspec.train.run_job         (job=skips job.tasks=[cnndm,xsum]
                                                 job.search=bo_model: BO on the cost model, nothing timed
@@ -186,7 +186,7 @@ class Demo:
             self.loaded = load_model(model_config(self.args.model))
 
     def fetch(self) -> None:
-        from selfspec import assets
+        from selfspec.store import assets
 
         with self.step("fetch assets", "python scripts/fetch_assets.py"):
             for name, path in assets.fetch_all().items():
@@ -262,7 +262,7 @@ class Demo:
         """The evaluation runs projected onto every shipped profile of their model's shape (the GPU
         profiles among them), which the report shows beside the measured speedups."""
         from selfspec.config import compose
-        from selfspec.models.profile import SHIPPED
+        from selfspec.measure.profile import SHIPPED
         from selfspec.project import run_projection
 
         overrides = [f"inputs=[{sweep}]", f"profile={SHIPPED}"]

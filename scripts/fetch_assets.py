@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from selfspec import assets
+from selfspec.store import assets
 
 
 def main(argv: list[str] | None = None) -> int:

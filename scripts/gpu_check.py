@@ -228,7 +228,7 @@ def ledger_section(loaded, p: dict, profile_data: dict | None, deadline: float) 
     and per component (module docstring, section 3)."""
     import statistics
 
-    from selfspec.models.profile import Profile
+    from selfspec.measure.profile import Profile
 
     if profile_data is None:
         return {"skipped": "no profile: the profile section did not run"}
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    from selfspec.runinfo import run_info
+    from selfspec.store.runinfo import run_info
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("scripts/gpu_check.py needs a CUDA device (none is visible); --dry-run runs the same "

@@ -37,7 +37,7 @@ def cpu_like_profile(model):
     """A cost profile of ``model``'s shape with fixed prices shaped like the 2-core CPU's (a pass of
     2, 4, 8 and 16 rows costs 1.1, 1.3, 2 and 3.5 steps): decisions priced with it are the same
     on every machine (the ``priced`` draft schedule's tests; ``method=ngram`` needs a profile)."""
-    from selfspec.models.profile import FORMAT, Profile, model_shape
+    from selfspec.measure.profile import FORMAT, Profile, model_shape
 
     rows = {"1": 1.0, "2": 1.1, "4": 1.3, "8": 2.0, "16": 3.5, "32": 6.5}
     ms = {k: v * 1e-3 for k, v in rows.items()}

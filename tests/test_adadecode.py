@@ -12,7 +12,7 @@ from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.adadecode import AdaDecode, AdaDecodeNoVerify
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.sampling import warp
-from selfspec.heads import IntermediateHeads
+from selfspec.models.heads import IntermediateHeads
 from selfspec.models.loading import load_model
 
 HEAD_LAYERS = [1, 2, 4]

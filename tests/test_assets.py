@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import flip_last_byte
-from selfspec import assets
-from selfspec.assets import Asset, AssetDamagedError, AssetError, AssetMissingError, Part
+from selfspec.store import assets
+from selfspec.store.assets import Asset, AssetDamagedError, AssetError, AssetMissingError, Part
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -115,7 +115,7 @@ def test_flipped_byte_is_refetched_naming_the_file(fake, caplog):
     flip_last_byte(path)
     with pytest.raises(AssetDamagedError, match=r"fake/file\.txt has sha256 .*--only fake"):
         assets.asset_path("fake", cache)
-    with caplog.at_level(logging.WARNING, logger="selfspec.assets"):
+    with caplog.at_level(logging.WARNING, logger="selfspec.store.assets"):
         assert assets.fetch("fake", cache).read_bytes() == b"hello"
     assert calls == ["fake", "fake"]
     assert re.search(r"offline asset 'fake' is damaged: .*fake/file\.txt has sha256 \w+, not its pinned \w+ \(its "
@@ -348,7 +348,7 @@ def test_no_index_lists_the_file_names_every_index(served, monkeypatch):
 def test_file_index_and_pip_precedence(tmp_path):
     """A ``file://`` index (a folder of ``index.html`` pages, as pip reads it); environment
     beats the ``download`` section, which beats ``global``; ``no-index`` empties the list."""
-    from selfspec import simple_index
+    from selfspec.store import simple_index
 
     (tmp_path / "simple" / "served-pkg").mkdir(parents=True)
     (tmp_path / "files").mkdir()

@@ -16,12 +16,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import flip_last_byte, method_config
-from selfspec.artefacts import ArtefactError, META
-from selfspec.checks import ConfigError
+from selfspec.store.artefacts import ArtefactError, META
+from selfspec.config.checks import ConfigError
 from selfspec.config import compose, group_options, model_config
 from selfspec.decoding import build_decoder, check_method
 from selfspec.evaluation import evaluate, method_configs, prepare
-from selfspec.heads import IntermediateHeads, load_heads, save_heads
+from selfspec.models.heads import IntermediateHeads, load_heads, save_heads
 from selfspec.models.families import UnsupportedModelError
 from selfspec.models.loading import ModelLoadError, load_model
 from selfspec.tasks import TaskDataError, build_task
@@ -365,8 +365,8 @@ def test_every_shipped_task_and_experiment_passes(no_model_load):
 
 
 def test_every_shipped_job_config_passes(tiny, tmp_path, monkeypatch):
-    from selfspec.artefacts import default_artefact_dir
-    from selfspec.prompts import PromptTokens, save_prompts
+    from selfspec.store.artefacts import default_artefact_dir
+    from selfspec.models.prompts import PromptTokens, save_prompts
 
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))  # ppd_tree needs a prompts artefact
     save_prompts(default_artefact_dir("prompts", "tiny-random"), PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
@@ -503,7 +503,7 @@ def test_gguf_file_with_one_byte_changed_is_converted_again(tmp_path, conversion
     the last byte of its last tensor in place (size kept, mtime restored) and load it again: before,
     the second load read the first conversion; now the cache entry is named by the file's sha256, so
     the changed file gets its own. The same bytes under another path share the conversion."""
-    from selfspec.assets import sha256_of
+    from selfspec.store.assets import sha256_of
 
     path = write_gguf(tmp_path / "tiny.gguf")
     first = sha256_of(path)
@@ -526,7 +526,7 @@ def test_damaged_asset_gguf_is_refused_before_dequantising(tmp_path, request):
     asset into a fresh cache, flip its last byte (size kept, mtime restored), load the embedded
     default: before, it was dequantised; now it is refused by name before anything is read, and the
     genuine file's conversion is named by its pinned sha256."""
-    from selfspec.assets import ASSETS, AssetDamagedError, asset_path
+    from selfspec.store.assets import ASSETS, AssetDamagedError, asset_path
     from selfspec.models.loading import Source, _cache_name
 
     source = asset_path("smollm2-gguf")  # the shared cache's, before the test's cache replaces it
@@ -572,7 +572,7 @@ def test_inconsistent_gguf_metadata_is_one_error_naming_the_file(tmp_path, conve
 
 @pytest.mark.slow
 def test_smollm2_gguf_path_decodes_like_the_embedded_default(smol, tmp_path, monkeypatch):
-    from selfspec.assets import asset_path
+    from selfspec.store.assets import asset_path
     from selfspec.decoding.vanilla import Vanilla
 
     path = asset_path("smollm2-gguf")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DV_KEYS, cpu_like_profile
-from selfspec.checks import ConfigError
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import Sampling
 from selfspec.decoding.draft_verify import DraftVerify
 from selfspec.decoding.vanilla import Vanilla
@@ -127,7 +127,7 @@ def test_ppd_trees_of_the_papers_sizes_take_the_static_shapes(pair, prompt_ids, 
     from conftest import PPD_KEYS
     from selfspec.decoding.ppd import PPD
     from selfspec.decoding.tree import random_trees
-    from selfspec.prompts import PromptTokens
+    from selfspec.models.prompts import PromptTokens
 
     dyn, static = pair
     g = torch.Generator().manual_seed(0)
@@ -240,7 +240,7 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
     from selfspec.decoding import build_decoder
     from selfspec.decoding.ppd import PPD
     from selfspec.decoding.tree import random_trees
-    from selfspec.prompts import PromptTokens
+    from selfspec.models.prompts import PromptTokens
     from test_families import N_NEW, PROMPT, tiny_family
 
     dyn = tiny_family(family)

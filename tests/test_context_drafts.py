@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from conftest import cpu_like_profile, method_config, rolled_back_steps
 
-from selfspec.checks import ConfigError
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.ngram import ContextDrafter
 

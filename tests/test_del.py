@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from selfspec.decoding import DecodeState, Sampling, build_decoder
 from selfspec.decoding.early_exit import DEL, ShadowStats, round_cost, tpl_argmax
-from selfspec.models.profile import Profile
+from selfspec.measure.profile import Profile
 from conftest import cpu_like_profile
 from test_early_exit import agreeing_model, compose_method, vanilla
 

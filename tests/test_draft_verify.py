@@ -175,7 +175,7 @@ def test_adaptive_gamma_update_rule_and_carry_over(tiny8, prompt_ids):
 
 
 def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
-    from selfspec.artefacts import save_artefact
+    from selfspec.store.artefacts import save_artefact
 
     skip = SkipSet.of(attn=[1, 7], mlp=[0])
     save_artefact(tmp_path / "sk", "skip_set", skip_set_tensors(skip, 8), tiny8)

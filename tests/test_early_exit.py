@@ -168,7 +168,7 @@ def test_adaptive_threshold_follows_draft_and_verify_rule():
 
 
 def test_trained_heads_as_exit_heads(agree, tiny, prompt_ids, tmp_path):
-    from selfspec.heads import IntermediateHeads, save_heads
+    from selfspec.models.heads import IntermediateHeads, save_heads
 
     heads = IntermediateHeads(agree.model, [1, 3], "linear")
     with torch.no_grad():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.artefacts import ArtefactError
+from selfspec.store.artefacts import ArtefactError
 from selfspec.config import compose
 from selfspec.decoding.peers import HFGenerate
 from selfspec.evaluation import RESULTS, SUMMARY, ResumeMismatch, consistency, evaluate, method_configs, summarize

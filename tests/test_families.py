@@ -254,7 +254,7 @@ def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch)
 def test_a_random_model_of_an_unsupported_family_is_refused_before_loading():
     from omegaconf import OmegaConf
 
-    from selfspec.checks import ConfigError
+    from selfspec.config.checks import ConfigError
     from selfspec.config import model_config
     from selfspec.models.loading import check_model_config
 
@@ -279,7 +279,7 @@ def test_a_random_model_with_impossible_sizes_is_refused_before_loading(fields, 
     raw inside transformers (or in the memory check's arithmetic). Now refused by key."""
     from omegaconf import OmegaConf
 
-    from selfspec.checks import ConfigError
+    from selfspec.config.checks import ConfigError
     from selfspec.config import model_config
     from selfspec.models.loading import check_model_config
 

@@ -136,7 +136,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from conftest import PPD_KEYS, method_config  # noqa: E402
-from selfspec.checks import ConfigError  # noqa: E402
+from selfspec.config.checks import ConfigError  # noqa: E402
 from selfspec.decoding import build_decoder, check_method  # noqa: E402
 from selfspec.decoding.sampling import Sampling  # noqa: E402
 
@@ -154,7 +154,7 @@ GATED = {
 def _ppd(model):
     from selfspec.decoding.ppd import PPD
     from selfspec.decoding.tree import random_trees
-    from selfspec.prompts import PromptTokens
+    from selfspec.models.prompts import PromptTokens
 
     g = torch.Generator().manual_seed(0)
     return PPD(model, PromptTokens(torch.randn(3, 1, model.hidden_size, generator=g) * 0.5),

@@ -8,9 +8,9 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import method_config
-from selfspec.artefacts import ArtefactError
+from selfspec.store.artefacts import ArtefactError
 from selfspec.config import compose, conf_dir, model_config
-from selfspec.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
+from selfspec.models.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
 from selfspec.models.loading import load_model
 from selfspec.training import head_distillation as job_heads
 from selfspec.training.continuations import Sequence
@@ -196,7 +196,7 @@ def test_a_finished_artefact_is_not_replaced_by_a_run_with_other_settings(tiny, 
     """Issue 39's probe: ``job.steps=2 artefact_dir=A`` then ``job.steps=2 job.lr=0.05 artefact_dir=A``
     replaced the finished artefact without a word. Like a resumed run, a finished one is kept when
     the settings differ, and the message names each change; the same settings train it again."""
-    from selfspec.artefacts import ArtefactError
+    from selfspec.store.artefacts import ArtefactError
     from selfspec.train import run_job
 
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))

@@ -22,7 +22,7 @@ from selfspec.decoding import build_decoder, check_method
 from selfspec.decoding.knapspec import KNAPSPEC_NEEDS_PROFILE, sublayer_weights
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.layered import SkipSet
-from selfspec.models.profile import FORMAT, Profile, model_shape
+from selfspec.measure.profile import FORMAT, Profile, model_shape
 
 #: the authors' (c1, c2, c3): t_mlp = c1, t_attn = c2·context + c3; over the tiny contexts (20-80) attention
 #: goes from as dear as the MLP (weights 1, 1) to about twice as dear (2, 1), so the weights change mid-run
@@ -181,7 +181,7 @@ def test_sublayer_weights_follow_the_authors():
 
 
 def test_bad_settings_are_refused_before_a_model_loads(tiny):
-    from selfspec.checks import ConfigError
+    from selfspec.config.checks import ConfigError
 
     with pytest.raises(ConfigError, match="method.window"):
         check_method(method_config("knapspec", window=7))

@@ -16,7 +16,7 @@ from selfspec.evaluation import RESULTS, SUMMARY, evaluate, summarize
 from selfspec.evaluation.aggregate import contention
 from selfspec.evaluation.profiling import measure_profile
 from selfspec.models.ledger import COMPONENTS, HeadOp, LayerOp, LinearOp, WarpOp, as_op
-from selfspec.models.profile import FORMAT, Profile, ProfileMismatch, model_shape
+from selfspec.measure.profile import FORMAT, Profile, ProfileMismatch, model_shape
 from selfspec.project import project_run
 from selfspec.tracking import ResultsFile
 
@@ -111,7 +111,7 @@ def test_synthetic_trace_gives_the_exact_prediction():
 
 def test_every_shipped_profile_is_of_this_format_and_prices_every_op():
     """A profile shipped in an older format would be refused at every run on its machine."""
-    from selfspec.models.profile import shipped
+    from selfspec.measure.profile import shipped
 
     assert shipped()
     for name, path in shipped().items():
@@ -225,7 +225,7 @@ def test_no_profile_leaves_the_prediction_out(tiny, tmp_path):
 
 
 def test_a_missing_profile_file_stops_before_the_model_loads(tmp_path):
-    from selfspec import checks
+    from selfspec.config import checks
 
     with pytest.raises(checks.ConfigError, match="profile="):
         evaluate(compose(["model=tiny-random", f"profile={tmp_path / 'nope.json'}"]), tmp_path / "run")
@@ -466,7 +466,7 @@ def test_projection_onto_a_folder_of_profiles_takes_those_of_the_runs_shape(tiny
 
 
 def test_an_older_cached_profile_is_measured_again(tiny, tmp_path, monkeypatch):
-    import selfspec.models.profile as profiles
+    import selfspec.measure.profile as profiles
 
     path = tmp_path / "cache" / "profiles" / "tiny.json"
     monkeypatch.setattr(profiles, "default_path", lambda model, device: path)
@@ -576,7 +576,7 @@ def test_the_papers_figures_are_priced_on_the_profile_of_their_shape():
     three-row verification commit (1 - α³) / (1 - α) tokens. PPD Table 1's trees (105 and 60 rows)
     are one verification pass each, priced within the 128 rows the shipped H100 profiles measured at a
     decoding context (those measured before, to 32 rows, withheld them: tests of Profile.why_unpriced)."""
-    from selfspec.models.profile import resolve
+    from selfspec.measure.profile import resolve
     from selfspec.reporting.paper import paper_records
 
     name = "cuda-nvidia-h100-80gb-hbm3__llama2-13b__bfloat16"
@@ -604,7 +604,7 @@ def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkey
     """Issue 39's probe: profile=auto cached a profile by the model's name, so a random model reshaped
     under the same name (model.random.intermediate_size=...) was refused with advice to measure a
     profile, which is what auto does. The cache is keyed by the shape too."""
-    from selfspec.assets import cache_dir
+    from selfspec.store.assets import cache_dir
 
     cache = tmp_path / "cache"  # the assets, with a profile cache of its own
     cache.mkdir()

@@ -5,8 +5,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import method_config
-from selfspec.artefacts import ArtefactError, load_artefact, save_artefact
-from selfspec.checks import ConfigError
+from selfspec.store.artefacts import ArtefactError, load_artefact, save_artefact
+from selfspec.config.checks import ConfigError
 from selfspec.config import model_config
 from selfspec.models.families import UnsupportedModelError
 from selfspec.models.layered import LayeredModel
@@ -72,7 +72,7 @@ def test_smollm2_saved_as_a_directory_decodes_and_shares_artefacts_with_the_gguf
     real prompt token for token like the GGUF path, and heads saved from one load into the other."""
     from selfspec.config import compose
     from selfspec.decoding import build_decoder
-    from selfspec.heads import IntermediateHeads, load_heads, save_heads
+    from selfspec.models.heads import IntermediateHeads, load_heads, save_heads
 
     directory = tmp_path / "smollm2-dir"
     smol.model.hf.save_pretrained(directory)

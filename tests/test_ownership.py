@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.artefacts import ArtefactError, read_meta
+from selfspec.store.artefacts import ArtefactError, read_meta
 from selfspec.config import compose
 from selfspec.evaluation import RESULTS, ResumeMismatch, evaluate
 from selfspec.evaluation.runner import RUN_CONFIG
-from selfspec.locks import DirectoryBusy
-from selfspec.tracking import ResultsFile, ResultsFileError, check_writable
+from selfspec.store.locks import DirectoryBusy
+from selfspec.tracking import ResultsFile, ResultsFileError
+from selfspec.store.files import check_writable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny-random", "n_examples=2", "max_new_tokens=8", "warmup=0", "progress=false"]
@@ -33,11 +34,11 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def holder(tmp_path):
-    """Another process holding a directory's lock (selfspec.locks.hold) until the test ends."""
+    """Another process holding a directory's lock (selfspec.store.locks.hold) until the test ends."""
     procs = []
 
     def start(target: Path) -> subprocess.Popen:
-        code = (f"import sys, time\nfrom selfspec.locks import hold\nwith hold({str(target)!r}, 'x'):\n"
+        code = (f"import sys, time\nfrom selfspec.store.locks import hold\nwith hold({str(target)!r}, 'x'):\n"
                 "    print('held', flush=True)\n    time.sleep(600)\n")
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         procs.append(proc)
@@ -74,7 +75,7 @@ def test_a_second_training_job_into_a_busy_artefact_directory_is_refused_before_
     """Reproduction: two training runs with different ``job.lr`` into one artefact directory both
     reported success and one result was silently lost. Now the second is refused at once (before
     its model loads), naming the holder."""
-    from selfspec.locks import artefact_lock
+    from selfspec.store.locks import artefact_lock
     from selfspec.models import loading
     from selfspec.train import run_job
 
@@ -268,7 +269,7 @@ def test_a_refused_rerun_through_the_entry_point_leaves_the_directory_untouched(
 # --- artefacts --------------------------------------------------------------------------------
 @pytest.fixture
 def heads_artefact(tiny, tmp_path):
-    from selfspec.heads import IntermediateHeads, save_heads
+    from selfspec.models.heads import IntermediateHeads, save_heads
 
     heads = IntermediateHeads(tiny.model, [0, 1, 2])
     return save_heads(tmp_path / "heads", heads, tiny, metrics={"kl": float("nan")})
@@ -277,7 +278,7 @@ def heads_artefact(tiny, tmp_path):
 def test_a_truncated_artefact_is_refused_naming_it_and_how_to_rebuild(tiny, heads_artefact):
     """Reproduction: a heads artefact with truncated safetensors gave a raw ``SafetensorError``
     that did not name the artefact."""
-    from selfspec.heads import load_heads
+    from selfspec.models.heads import load_heads
 
     tensors = heads_artefact / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:200])
@@ -289,7 +290,7 @@ def test_a_truncated_artefact_is_refused_naming_it_and_how_to_rebuild(tiny, head
 def test_head_tensors_are_tied_to_their_layers(tiny, heads_artefact):
     """Reproduction: a heads artefact whose meta.json layers were permuted (``[2, 1, 0]``) was
     accepted. Tensors are named by layer; meta.json must list exactly those layers, increasing."""
-    from selfspec.heads import load_heads
+    from selfspec.models.heads import load_heads
 
     meta = json.loads((heads_artefact / "meta.json").read_text())
     for layers, why in (([2, 1, 0], "not distinct and increasing"), ([0, 1, 3], r"tensors .* are not the layers")):
@@ -342,7 +343,7 @@ def test_a_directory_that_cannot_be_made_is_refused_by_key_before_anything_is_wr
     """Issue 39's probe: a run or artefact directory at an existing file, or under a read-only
     parent, gave a raw FileExistsError / OSError naming no key; the artefact's lock file was created
     before the writability check. Now the directory is checked first, by key, and nothing is left."""
-    from selfspec.tracking import check_directory
+    from selfspec.store.files import check_directory
 
     afile = tmp_path / "afile"
     afile.write_text("mine")
@@ -404,7 +405,7 @@ def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
     lost, and the run resumed). Each write now names its file; what was there stays."""
     import errno
 
-    from selfspec.tracking import write_json
+    from selfspec.store.files import write_json
 
     results = ResultsFile(tmp_path / "results.jsonl")
     results.append({"id": "a"})
@@ -432,8 +433,8 @@ def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
     unavailable with a message that names the folder (the callers fall back to torch's ops)."""
     import torch
 
-    import selfspec.assets  # noqa: F401  the child as another user may not read the checkout
-    import selfspec.locks  # noqa: F401
+    import selfspec.store.assets  # noqa: F401  the child as another user may not read the checkout
+    import selfspec.store.locks  # noqa: F401
     import torch.utils.cpp_extension  # noqa: F401
     from selfspec.models import kernels
 

@@ -11,7 +11,7 @@ from selfspec.decoding.ppd import PPD, typical_accept
 from selfspec.decoding.sampling import Sampling
 from selfspec.decoding.tree import SparseTree, random_trees
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.prompts import PromptTokens
+from selfspec.models.prompts import PromptTokens
 
 N_NEW = 24
 
@@ -121,8 +121,8 @@ def test_typical_accept_rule():
 
 
 def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tmp_path):
-    from selfspec.artefacts import save_artefact
-    from selfspec.prompts import save_prompts
+    from selfspec.store.artefacts import save_artefact
+    from selfspec.models.prompts import save_prompts
 
     m = tiny.model
     save_prompts(tmp_path / "p", _prompts(m, 2, 1, 0), tiny)
@@ -164,7 +164,7 @@ def test_context_drafts_join_the_tree_and_keep_vanilla_output(tiny, seed):
 
 
 def test_ngram_sub_config_is_checked_before_loading():
-    from selfspec.checks import ConfigError
+    from selfspec.config.checks import ConfigError
 
     keys = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}  # every key: the lookup has no Python defaults
     assert check_method(method_config("ppd", ngram=keys))["ngram"] == keys

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.artefacts import ArtefactError
+from selfspec.store.artefacts import ArtefactError
 from selfspec.decoding.tree import prompt_chain_mask
-from selfspec.prompts import PromptTokens, load_prompts, save_prompts
+from selfspec.models.prompts import PromptTokens, load_prompts, save_prompts
 from selfspec.training.prompt_tuning import distillation_loss, sample_batch, student_teacher, topk_accuracy
 
 
@@ -90,7 +90,7 @@ def test_job_trains_and_writes_artefact(tmp_path):
                    "job.ckpt_every=2", f"artefact_dir={tmp_path / 'art'}"], config_name="train")
     out = run_job(cfg)
     assert {"top1@1", "top5@3", "kl@2", "train_seconds"} <= set(out)
-    from selfspec.artefacts import read_meta
+    from selfspec.store.artefacts import read_meta
     meta = read_meta(tmp_path / "art")
     assert meta["kind"] == "prompts" and meta["m"] == 3 and meta["n_ept"] == 1
     assert not (tmp_path / ".art.ckpt").exists()

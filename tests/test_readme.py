@@ -62,7 +62,7 @@ GGUF_PLACEHOLDER = "/path/to/file.gguf"
 def gguf_file() -> Path:
     """The GGUF file that stands in for :data:`GGUF_PLACEHOLDER`: the SmolLM2 asset's (the same bytes
     as the embedded default, so its conversion is the default's)."""
-    from selfspec.assets import asset_path
+    from selfspec.store.assets import asset_path
 
     return asset_path("smollm2-gguf")
 

@@ -34,7 +34,7 @@ from selfspec.config import load_method_config
 from selfspec.decoding import check_method
 from selfspec.decoding.adadecode import AdaDecode
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.heads import IntermediateHeads, save_heads
+from selfspec.models.heads import IntermediateHeads, save_heads
 
 from reference import adadecode_paper
 from reference.traces import check_kv, totals

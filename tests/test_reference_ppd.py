@@ -31,14 +31,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.artefacts import save_artefact
+from selfspec.store.artefacts import save_artefact
 from selfspec.config import load_method_config, model_config
 from selfspec.decoding import check_method
 from selfspec.decoding.ppd import PPD
 from selfspec.decoding.tree import SparseTree, paper_states
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.loading import load_model
-from selfspec.prompts import PromptTokens, save_prompts
+from selfspec.models.prompts import PromptTokens, save_prompts
 
 from reference import ppd_authors
 from reference.traces import check_kv, totals

@@ -12,7 +12,7 @@ import pytest
 
 from selfspec.config import compose
 from selfspec.evaluation import evaluate
-from selfspec.heads import IntermediateHeads, save_heads
+from selfspec.models.heads import IntermediateHeads, save_heads
 from selfspec.reporting import build_report, collect, get_layout, read_run
 from selfspec.reporting.answer import answers
 from selfspec.reporting.artefact_figures import bo_traces, find_artefacts, tree_curves
@@ -390,9 +390,9 @@ def sampling_runs(tiny, tmp_path_factory):
     text setting): Draft & Verify with HF generate, and PPD (typical acceptance under sampling)."""
     import torch
 
-    from selfspec.artefacts import save_artefact
+    from selfspec.store.artefacts import save_artefact
     from selfspec.decoding.tree import SparseTree
-    from selfspec.prompts import PromptTokens, save_prompts
+    from selfspec.models.prompts import PromptTokens, save_prompts
 
     root = tmp_path_factory.mktemp("sampling")
     g = torch.Generator().manual_seed(0)
@@ -458,7 +458,7 @@ def test_a_wide_legend_and_long_labels_are_not_clipped(tmp_path):
     import matplotlib.image
     import matplotlib.pyplot as plt
 
-    from selfspec.reporting.figure import DPI, legend_columns, save_figure
+    from selfspec.store.figure import DPI, legend_columns, save_figure
 
     fig, ax = plt.subplots(figsize=(5.0, 3.6))
     for j in range(25):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.models import kernels
-from selfspec.models.costs import CostCurve, context_cache, time_forward, weight_bytes
+from selfspec.measure.costs import CostCurve, context_cache, time_forward, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,7 +141,7 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
     (library.parent / "lock").touch()  # what a build killed midway leaves
     build(checkouts[0], timeout=120)
     assert library.stat().st_mtime_ns == built and not (library.parent / "lock").exists()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from selfspec.locks import hold\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from selfspec.store.locks import hold\n"
                                f"with hold({str(library.parent / 'selfspec-build.lock')!r}, 'x'):\n"
                                "    print('held', flush=True); time.sleep(12)"],
                               env={**env, "PYTHONPATH": str(checkouts[1])}, stdout=subprocess.PIPE, text=True)
@@ -586,7 +586,7 @@ def test_decode_rates_pair_each_ratio_within_a_moment(tiny, monkeypatch):
 
 def test_the_bandwidth_roof_reads_the_working_set_once_per_repeat():
     """The roof is the rate of reading a buffer of the given size: its bytes over a read's time."""
-    from selfspec.models.costs import measure_bandwidth
+    from selfspec.measure.costs import measure_bandwidth
 
     roof = measure_bandwidth(torch.device("cpu"), 1 << 22, repeats=3)
     assert 1e8 < roof < 1e13

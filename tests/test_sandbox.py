@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from selfspec import metrics
-from selfspec.checks import ConfigError
+from selfspec.config.checks import ConfigError
 from selfspec.config import compose
 from selfspec.evaluation import prepare
 from selfspec.evaluation.aggregate import summarize

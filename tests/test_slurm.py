@@ -77,7 +77,7 @@ def job_cache(tmp_path_factory):
     """``SELFSPEC_CACHE`` for the jobs: the machine's assets (links), its own kernel build folder. The
     jobs build the CPU kernels once for the module instead of waiting on a shared folder that other
     checkouts on this machine may be rebuilding (minutes on a busy machine)."""
-    from selfspec.assets import cache_dir
+    from selfspec.store.assets import cache_dir
 
     cache = tmp_path_factory.mktemp("selfspec-cache")
     shared = cache_dir()

@@ -52,7 +52,7 @@ def test_humaneval_keeps_the_first_function():
 
 
 def test_humaneval_canonical_solution_passes():
-    from selfspec.assets import asset_path
+    from selfspec.store.assets import asset_path
     from selfspec.metrics import sandbox
     from selfspec.tasks.task import read_jsonl
 
@@ -304,7 +304,7 @@ REPLIES = [  # (a chat reply, what its completion must hold / must not hold)
 @pytest.mark.parametrize("reply,holds,lacks", REPLIES)
 def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
     """The canonical solution inside a chat reply, extracted, passes the tests after the prompt."""
-    from selfspec.assets import asset_path
+    from selfspec.store.assets import asset_path
     from selfspec.metrics import sandbox
     from selfspec.tasks.task import read_jsonl
 

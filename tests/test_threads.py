@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import cpu_like_profile, method_config
 from selfspec import numerics
-from selfspec.checks import ConfigError
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import build_decoder
 from selfspec.decoding import threads as threads_module
 from selfspec.decoding.threads import ThreadPolicy, why_not_adaptive
@@ -144,7 +144,7 @@ def test_mkl_runs_strict_once_selfspec_is_imported():
     """The prefill's GEMM is MKL's, whose bits depend on the thread count on Intel Xeons (AVX-512)
     unless its reproducibility mode is strict: importing selfspec asks for it before MKL's first
     call, and every run records the mode MKL runs."""
-    from selfspec.runinfo import hardware
+    from selfspec.store.runinfo import hardware
 
     assert numerics.mode() == numerics.DEFAULT == "AUTO,STRICT"
     assert numerics.thread_dependence() is None

@@ -14,8 +14,8 @@ from selfspec.decoding.adadecode import AdaDecode
 from selfspec.decoding.base import StepTrace
 from selfspec.decoding.ppd import PPD
 from selfspec.decoding.tree import random_trees
-from selfspec.heads import IntermediateHeads
-from selfspec.prompts import PromptTokens
+from selfspec.models.heads import IntermediateHeads
+from selfspec.models.prompts import PromptTokens
 
 N_NEW = 24
 SOURCES = {"prefill", "plain", "self", "context", "tree"}

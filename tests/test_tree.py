@@ -198,7 +198,7 @@ def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
     from selfspec.config import compose
     from selfspec.decoding import build_decoder
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.prompts import PromptTokens, save_prompts
+    from selfspec.models.prompts import PromptTokens, save_prompts
     from selfspec.train import run_job
 
     save_prompts(tmp_path / "p", PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)

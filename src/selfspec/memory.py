@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 
 GB = 1e9
 MB = 2**20

@@ -15,7 +15,7 @@ with results bitwise independent of the thread count) removes it. MKL reads the 
 environment once, at its first call, and refuses to change it afterwards, so :func:`set_default`
 runs when the package is imported (``selfspec/__init__.py``), before any matrix product. A value
 the user set is kept as it is; :func:`mode` reports the mode MKL actually runs, every run records
-it (:func:`selfspec.runinfo.hardware`), and ``threads=adaptive`` refuses to switch thread counts
+it (:func:`selfspec.store.runinfo.hardware`), and ``threads=adaptive`` refuses to switch thread counts
 under a mode that is not strict (:func:`selfspec.decoding.threads.why_not_adaptive`).
 
 What strict mode costs was measured on the Intel machine (``scripts/bench_cbwr.py``; README, "On each kind

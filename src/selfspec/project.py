@@ -2,7 +2,7 @@
 
 Re-costs recorded evaluation runs on another machine's cost profile of the same model shape (PPD
 §4: the acceptance length is the algorithm's, the forward latency the machine's): every step's
-trace (:mod:`selfspec.models.ledger`) is costed with the profile (:mod:`selfspec.models.profile`)
+trace (:mod:`selfspec.models.ledger`) is costed with the profile (:mod:`selfspec.measure.profile`)
 and each method's projected speedup and ledger are written into the run's ``summary.json`` under
 ``projections.<profile name>`` (atomically, holding the run directory), where the report shows
 them beside the speedup measured here. A profile of another model shape is refused by name; one of
@@ -29,7 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.config import conf_dir
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,9 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
     and records it in the run's ``summary.json``."""
     from selfspec.evaluation.aggregate import summarize
     from selfspec.evaluation.runner import RESULTS, ROW_KEYS, SUMMARY
-    from selfspec.locks import hold
+    from selfspec.store.locks import hold
     from selfspec.tracking import ResultsFile
-    from selfspec.tracking.local import write_json
+    from selfspec.store.files import write_json
 
     with hold(run_dir, f"run directory {run_dir}"):
         summary = _summary(run_dir)
@@ -117,7 +117,7 @@ def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
     shipped name; a run of another model shape is refused), or a folder of profiles (each run onto
     every one of its model shape, in any dtype; a run with none is named and left as it is).
     ``{run dir: {profile name: projection}}``."""
-    from selfspec.models.profile import Profile, resolve
+    from selfspec.measure.profile import Profile, resolve
     from selfspec.reporting.records import find_runs
 
     spec = checks.text("profile", cfg.profile, why="a profile file, a shipped profile's name or a folder of profiles")

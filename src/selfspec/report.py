@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.config import conf_dir
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,8 @@ def run_report(cfg: DictConfig):
     from selfspec.reporting.build import build_report
     from selfspec.reporting.wandb_source import enabled, wandb_records
 
-    from selfspec.tracking import check_writable, open_run_log
+    from selfspec.tracking import open_run_log
+    from selfspec.store.files import check_writable
 
     flags = {key: checks.flag(key, cfg[key]) for key in ("paper", "plots", "newest_only")}
     out = Path(str(cfg.output_dir))

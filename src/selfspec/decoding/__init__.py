@@ -10,7 +10,7 @@ import functools
 import importlib
 from typing import Any
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import Decoder, DecodeState, Generation, register, registered
 from selfspec.decoding.sampling import Sampling
 
@@ -68,7 +68,7 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
 
     Every key of the decoder's own YAML (``conf/method/<name>.yaml``, where each default is
     written, and only there) must be present, and a key the decoder does not read is refused
-    (:class:`~selfspec.checks.ConfigError`)."""
+    (:class:`~selfspec.config.checks.ConfigError`)."""
     from selfspec.config import conf_dir
 
     cls = decoder_class(str(method_cfg.name))
@@ -91,7 +91,7 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", op
     """Build the decoder a ``method`` config group names (``method.name``) from its parts, all at
     construction (:class:`~selfspec.decoding.base.Decoder`): a speculation gate
     (:meth:`Decoder.new_gate`) when its ``never_slower`` is on — pricing steps with ``profile``
-    (a :class:`~selfspec.models.profile.Profile` of this model) when one is given, else timing
+    (a :class:`~selfspec.measure.profile.Profile` of this model) when one is given, else timing
     them — and a context drafter (:class:`~selfspec.decoding.ngram.ContextDrafter`) when its
     ``ngram`` is set; with ``threads="adaptive"``, a thread policy
     (:class:`~selfspec.decoding.threads.ThreadPolicy`, pricing with ``profile``) for a decoder

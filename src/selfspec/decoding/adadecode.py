@@ -3,7 +3,7 @@
 Follows AdaDecode (ICML 2025, arXiv 2506.03700):
 
 * §3.1 — lightweight heads ``E_l = E* · T_l`` at intermediate layers
-  (:class:`selfspec.heads.IntermediateHeads`).
+  (:class:`selfspec.models.heads.IntermediateHeads`).
 * §3.2 **adaptive layer parallelism** — a token runs layer by layer; at a layer with a head,
   if the head's top probability exceeds ``threshold`` (the paper's γ) the next token is
   *predicted early* and its pass starts at once. The skipped deeper layers of the early token are **deferred**: when a
@@ -65,13 +65,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.chain import Draft, context_step, pick, settle
 from selfspec.models.layered import Rope
 from selfspec.models.ledger import phase
-from selfspec.heads import KINDS as HEAD_KINDS
-from selfspec.heads import (IntermediateHeads, build_draft_vocab, default_layers,
+from selfspec.models.heads import KINDS as HEAD_KINDS
+from selfspec.models.heads import (IntermediateHeads, build_draft_vocab, default_layers,
                             draft_vocab_options, find_heads, load_heads)
 
 
@@ -142,9 +142,9 @@ class AdaDecode(Decoder):
         (null = every head, a list of head layers, or ``middle``), ``head_kind`` (``linear`` /
         ``full``: load the trained artefact of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head"
         ablation), ``heads_dir`` (null = the default artefact directory, see
-        :func:`selfspec.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
+        :func:`selfspec.models.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
         task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced)."""
-        from selfspec.artefacts import artefact_option
+        from selfspec.store.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {"gamma": "threshold"})

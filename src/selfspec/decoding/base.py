@@ -31,7 +31,7 @@ import torch
 
 from selfspec.decoding.sampling import Sampling, select
 from selfspec.models.cache import LayerCache
-from selfspec.models.costs import synchronizer
+from selfspec.measure.costs import synchronizer
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import Ledger, Op, phase
 
@@ -73,7 +73,7 @@ class StepTrace:
     #: plan, PPD's tree state), None for methods without one
     controller: dict[str, Any] | None = None
     #: the model work of the step, per component (:mod:`selfspec.models.ledger`): what a machine
-    #: profile costs (:mod:`selfspec.models.profile`)
+    #: profile costs (:mod:`selfspec.measure.profile`)
     ops: list[Op] | None = None
 
     def row(self) -> dict[str, Any]:
@@ -244,13 +244,13 @@ class Decoder:
           skip search);
         * ``context``: the context drafter (:class:`selfspec.decoding.ngram.ContextDrafter`) when
           the method's ``ngram`` sub-config is set (only for :attr:`context_first` methods);
-        * ``draft_vocab``: a truncated draft vocabulary (:class:`selfspec.heads.DraftVocab`,
+        * ``draft_vocab``: a truncated draft vocabulary (:class:`selfspec.models.heads.DraftVocab`,
           ``method.draft_vocab``); None = the full head;
         * ``reads``: the trained artefacts the method itself reads (name -> directory);
         * ``threads``: the thread policy (:class:`~selfspec.decoding.threads.ThreadPolicy`) when
           the evaluation's ``threads`` is adaptive; None = torch's threads throughout;
         * ``profile``: this machine's cost profile of the model
-          (:class:`~selfspec.models.profile.Profile`) when the run has one; None = none. The gate
+          (:class:`~selfspec.measure.profile.Profile`) when the run has one; None = none. The gate
           and the thread policy are built with it; a decoder that builds its own context drafter
           (``method=ngram``) hands it on, for the ``priced`` draft schedule.
         """
@@ -285,7 +285,7 @@ class Decoder:
     # --- hooks -----------------------------------------------------------------------------
     @classmethod
     def options(cls, cfg, prefix: str = "method") -> dict[str, Any]:
-        """Every key of the method config this decoder reads, checked with :mod:`selfspec.checks`
+        """Every key of the method config this decoder reads, checked with :mod:`selfspec.config.checks`
         and named ``<prefix>.<key>``. Needs no model: the entry points call it (through
         :func:`selfspec.decoding.check_method`) before loading one. Default: no keys."""
         return {}

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from selfspec import checks
+from selfspec.config import checks
 
 
 class DraftStop:

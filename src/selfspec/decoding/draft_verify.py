@@ -44,11 +44,11 @@ from pathlib import Path
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
-from selfspec.heads import build_draft_vocab, draft_logits, draft_vocab_options
+from selfspec.models.heads import build_draft_vocab, draft_logits, draft_vocab_options
 from selfspec.models.layered import LayeredModel, SkipSet
 
 #: the decoding settings of a config (what the constructor takes besides the skip set)
@@ -113,7 +113,7 @@ def load_skip_set(path: str | Path, model: LayeredModel, tokenizer=None) -> Skip
 
     The model's fingerprint (config + vocabulary), layer count and hidden size are checked.
     """
-    from selfspec.artefacts import load_artefact
+    from selfspec.store.artefacts import load_artefact
 
     art = load_artefact(path, "skip_set", model)
     return skip_set_from_tensors(art.tensors, model.num_layers, str(path))
@@ -134,7 +134,7 @@ def resolve_skip_set(cfg, model: LayeredModel, tokenizer=None) -> SkipSet:
 
 def skip_set_path(cfg, model: LayeredModel) -> Path | None:
     """The skip-set artefact a config reads (None for inline ``skip_attn`` / ``skip_mlp`` lists)."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     if cfg.get("skip_attn") is not None or cfg.get("skip_mlp") is not None:
         return None
@@ -189,7 +189,7 @@ class DraftVerify(ChainDecoder):
         sub-config of :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft``, module
         docstring). The paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused,
         naming their ``draft_stop`` keys."""
-        from selfspec.artefacts import artefact_option
+        from selfspec.store.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
         checks.renamed(prefix, cfg, {**RENAMED, "draft_exit": f"{key('draft_stop')} ({{rule: adaptive}}, "
@@ -249,7 +249,7 @@ class DraftVerify(ChainDecoder):
 
     def draft_logits(self, h: torch.Tensor, ledger=None) -> torch.Tensor:
         """The draft distribution's logits: the model's own head on the skip-set pass, truncated to
-        the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.heads.draft_logits`);
+        the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.models.heads.draft_logits`);
         recorded in ``ledger`` when given."""
         return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger)[0]
 

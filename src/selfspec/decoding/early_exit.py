@@ -4,7 +4,7 @@ Both are drafters of the shared chain step (:mod:`selfspec.decoding.chain`): thi
 how they draft and score, the chain step verifies, rolls back and updates.
 
 **Early exit** (``method=early_exit``; LayerSkip self-speculation, DEL §2-3). Exit layer ``ℓ``
-(0-based, the convention of :mod:`selfspec.heads`: the head at ``ℓ`` reads the hidden state
+(0-based, the convention of :mod:`selfspec.models.heads`: the head at ``ℓ`` reads the hidden state
 *after* layer ``ℓ``; LayerSkip's ``E`` is ``ℓ + 1``). One round:
 
 1. **draft** (:meth:`EarlyExit.propose`) — the pending token ``x_0`` and then each draft ``d_i``
@@ -30,7 +30,7 @@ taken (``early_exit_paper``; docs/design.md, "Fidelity to the authors' code").
 
 Exit heads (``exit_head``): ``lm_head`` — the model's own final norm + LM head, as LayerSkip
 checkpoints (``model=layerskip-llama3-8b``) expect; ``heads`` — the AdaDecode heads trained by
-``job=heads`` (:func:`selfspec.heads.load_heads`), so models without LayerSkip training draft
+``job=heads`` (:func:`selfspec.models.heads.load_heads`), so models without LayerSkip training draft
 well too. Draft-stop rules (``draft_stop``): none (fixed ``(ℓ, γ)``, LayerSkip's baseline), a
 static confidence threshold, or Draft & Verify's adaptive threshold (Draft & Verify §3.3), the
 "DV" baseline of DEL's Table 1.
@@ -48,7 +48,7 @@ statistics are per example (:class:`EarlyExitExample`, created by ``begin``). TP
 (``cost_model``): ``layers`` — DEL's count, ``γ·(ℓ+1) + L - ℓ - 1`` (:func:`layer_count`,
 ``del_paper``); ``parameters`` — also the last draft's lower pass and the heads
 (:func:`round_cost`); ``measured`` — that, priced by the run's cost profile
-(:class:`~selfspec.models.profile.Profile`: ``v(γ+1)`` and the exit head in layers; ``del``), so the
+(:class:`~selfspec.measure.profile.Profile`: ``v(γ+1)`` and the exit head in layers; ``del``), so the
 controller's choices are those of the profile, step for step, whatever the machine's load. The step trace's ``controller`` holds
 the round's plan and the per-layer statistics after it (:meth:`DEL.controller`).
 
@@ -61,12 +61,12 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select
-from selfspec.heads import build_draft_vocab, draft_vocab_options
+from selfspec.models.heads import build_draft_vocab, draft_vocab_options
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
 
@@ -80,15 +80,15 @@ PREFILLS = ("full", "draft")
 # --- exit heads ------------------------------------------------------------------------------
 def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, data: str | None = None,
                      vocab=None):
-    """The :class:`~selfspec.heads.IntermediateHeads` a method config asks for (scoring the draft
+    """The :class:`~selfspec.models.heads.IntermediateHeads` a method config asks for (scoring the draft
     vocabulary ``vocab``'s rows where one is given).
 
     ``lm_head``: parameter-free heads (final norm + LM head) at ``layers``; ``heads``: the
     trained artefact at ``heads_path`` (null = the one ``job=heads`` wrote for this model and the
-    task ``data``, else its mixed-domain heads: :func:`selfspec.heads.find_heads`), checked
+    task ``data``, else its mixed-domain heads: :func:`selfspec.models.heads.find_heads`), checked
     against the model's fingerprint.
     """
-    from selfspec.heads import IntermediateHeads, find_heads, load_heads
+    from selfspec.models.heads import IntermediateHeads, find_heads, load_heads
 
     if exit_head == "lm_head":
         return IntermediateHeads(model, layers, "lm_head", vocab=vocab)
@@ -104,7 +104,7 @@ def exit_heads(model: LayeredModel, options: dict, layers):
 def exit_head_options(cfg, prefix: str) -> dict:
     """The exit-head keys early exit and DEL share: ``exit_head``, ``heads`` (a heads artefact,
     ``exit_head=heads`` only) and ``heads_task``."""
-    from selfspec.artefacts import artefact_option
+    from selfspec.store.artefacts import artefact_option
 
     key = f"{prefix}.{{}}".format
     exit_head = checks.choice(key("exit_head"), cfg.get("exit_head"), EXIT_HEADS)
@@ -127,7 +127,7 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
 
     DEL's TPL counts layers (memory-bound decoding loads each layer's weights once per pass);
     on a small model an LM head is several layers' worth (SmolLM2-135M: ~8), so it is counted.
-    With ``profile`` (:class:`~selfspec.models.profile.Profile`): the head's price on one row (a
+    With ``profile`` (:class:`~selfspec.measure.profile.Profile`): the head's price on one row (a
     truncated draft vocabulary's at its size) over one layer's at ``context``, and a trained linear
     head's ``d×d`` product priced too; without: parameters read, the head's rows (a truncated draft
     head's) against a layer's, and ``d×d`` for a linear head.

@@ -7,7 +7,7 @@ slower than plain decoding, while the same method on a GPU is faster. The papers
 (Draft & Verify's threshold, DEL's TPL) steer the draft *length* from acceptance alone or from a
 cost model; this gate checks the outcome itself, per decoder — each step's cost either priced
 from the model work it did (its cost-ledger ops, :mod:`selfspec.models.ledger`, costed with a
-profile of this machine, :mod:`selfspec.models.profile`: what ``evaluate`` does when it has a
+profile of this machine, :mod:`selfspec.measure.profile`: what ``evaluate`` does when it has a
 profile) or timed on the wall clock (a gate built without a profile):
 
 * two arms — **speculate** (the method's step) and **plain** (a step with no drafts: one
@@ -172,7 +172,7 @@ class SpeculationGate(TwoArms):
     step's units are its committed tokens. :meth:`speculate` before a step, :meth:`record` after
     (``speculated`` = it verified at least one draft)."""
 
-    #: a cost profile of this model (:class:`~selfspec.models.profile.Profile`): steps are priced
+    #: a cost profile of this model (:class:`~selfspec.measure.profile.Profile`): steps are priced
     #: from their ledger ops with it instead of timed (module docstring)
     profile: Any = None
 

@@ -9,8 +9,8 @@ until the next search. Nothing is trained.
 **KnapSpec** (Cha et al., ICML 2026, arXiv 2602.20217, §3-4; ``selection: knapspec``). The items are
 the attention and MLP sublayers ("blocks") of every layer but the first and the last. Skipping
 one saves its *weight*: the cheaper kind weighs 1, the dearer ``round(t_dear / t_cheap)``, at
-most 5, from this machine's cost profile (:meth:`~selfspec.models.profile.Profile.attention_cost`
-at the current context and :meth:`~selfspec.models.profile.Profile.mlp_cost`: attention weighs
+most 5, from this machine's cost profile (:meth:`~selfspec.measure.profile.Profile.attention_cost`
+at the current context and :meth:`~selfspec.measure.profile.Profile.mlp_cost`: attention weighs
 more as the context grows); the budget is half the total weight. A dynamic programme over blocks
 keeps, per saved weight ``j``, the candidate hidden states of a *window* of recent tokens whose
 summed cosine similarity to the full model's states at that block is highest (§3.2: a proxy for
@@ -58,11 +58,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, register
 from selfspec.decoding.chain import Draft
 from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, decoding_options
-from selfspec.heads import build_draft_vocab
+from selfspec.models.heads import build_draft_vocab
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import phase
 

@@ -46,7 +46,7 @@ seen rarely takes the one before it as its prior, since a copy that held for ``i
 hold on, so a length not tried yet is tried once the shorter ones are seen to pay.
 A draft of ``k`` tokens then commits ``E(k) = 1 + Σ_{j≤k} Π_{i≤j} α(n, i)`` tokens in expectation
 and costs a pass of ``k + 1`` rows at the current context, priced with the run's cost profile
-(:meth:`selfspec.models.profile.Profile.pass_cost`); the step drafts the ``k`` of the highest
+(:meth:`selfspec.measure.profile.Profile.pass_cost`); the step drafts the ``k`` of the highest
 ``E(k) / cost(k + 1)``, and ``k = 0`` (a plain step) where no draft beats one plain step's
 ``1 / cost(1)``. Both the costs and the counts are deterministic, so a seeded run makes the same
 choices on any load, greedy or sampled. The table carries over between examples
@@ -75,7 +75,7 @@ from typing import Sequence
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import PRICED_NEEDS_PROFILE, DecodeState, register
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 

@@ -28,9 +28,9 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, Decoder, Generation, register
-from selfspec.models.costs import synchronizer
+from selfspec.measure.costs import synchronizer
 from selfspec.decoding.sampling import Sampling
 
 

@@ -49,14 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
                                     paper_states)
 from selfspec.models.ledger import phase
-from selfspec.prompts import PromptTokens
+from selfspec.models.prompts import PromptTokens
 
 
 def typical_accept(probs: torch.Tensor, tokens: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
@@ -131,7 +131,7 @@ class PPD(Decoder):
         ``posterior_alpha`` > 0, ``tree_size`` (>= 1, or null = the size the ppd_tree job chose),
         ``ngram`` (null, or the n-gram lookup's keys: :func:`~selfspec.decoding.ngram.context_drafts_option`)
         and ``state_zero`` (true / false, module docstring)."""
-        from selfspec.artefacts import artefact_option
+        from selfspec.store.artefacts import artefact_option
 
         key = f"{prefix}.{{}}".format
         return {
@@ -151,9 +151,9 @@ class PPD(Decoder):
 
     @classmethod
     def from_config(cls, model, options: dict, **common) -> "PPD":
-        from selfspec.artefacts import default_artefact_dir
+        from selfspec.store.artefacts import default_artefact_dir
         from selfspec.decoding.tree import load_trees
-        from selfspec.prompts import load_prompts
+        from selfspec.models.prompts import load_prompts
 
         prompts_path = options["prompts"] or default_artefact_dir("prompts", model.name)
         tree_path = options["tree"] or default_artefact_dir("ppd_tree", model.name)
@@ -166,7 +166,7 @@ class PPD(Decoder):
         prompts = load_prompts(prompts_path, model=model)
         trees, meta = load_trees(tree_path, model)
         if options["tree_size"] is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
-            from selfspec.artefacts import load_artefact
+            from selfspec.store.artefacts import load_artefact
             from selfspec.decoding.tree_builder import trees_for_size
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]

@@ -24,7 +24,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, Decoder, register
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp

@@ -11,7 +11,7 @@ spoil"). Neither count is right for both, and the load comes and goes within a r
 :class:`ThreadPolicy` chooses per step between the two arms with the speculation gate's schedule
 (:class:`~selfspec.decoding.gate.TwoArms`: the cheaper arm preferred, the other probed at doubling
 intervals). A step's cost is its measured seconds over its predicted seconds, its cost-ledger ops
-priced with this machine's profile (:meth:`selfspec.models.profile.Profile.price`), so steps of
+priced with this machine's profile (:meth:`selfspec.measure.profile.Profile.price`), so steps of
 every shape (a plain step, a verification pass, AdaDecode's layer-by-layer walk) compare on one
 scale. While the configured count is preferred and its steps take at most ``slack`` (1.25×) what
 the profile predicts, nothing suggests contention and one thread is not tried, so a quiet machine

@@ -270,7 +270,7 @@ def check_trees(trees: dict[int, SparseTree], m: int) -> None:
 
 def load_trees(path, model=None) -> tuple[dict[int, SparseTree], dict]:
     """Load a ``ppd_tree`` artefact -> (trees by state, meta)."""
-    from selfspec.artefacts import ArtefactError, load_artefact
+    from selfspec.store.artefacts import ArtefactError, load_artefact
 
     art = load_artefact(path, TREE_KIND)
     if model is not None and art.meta.get("model") != model.name:

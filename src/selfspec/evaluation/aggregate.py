@@ -26,7 +26,7 @@ sample with the same seed, and the figures below pool all samples:
                         *vanilla steps per committed token*: the component's seconds per
                         committed token over the baseline's seconds per committed token.
                         ``measured`` adds up to 1 / ``speedup``; ``predicted`` (the traces costed
-                        with a machine profile, :mod:`selfspec.models.profile`) adds up to
+                        with a machine profile, :mod:`selfspec.measure.profile`) adds up to
                         1 / ``predicted_speedup``
                         ``unmodelled``: measured minus predicted per component (at least 0.005),
                         largest first: where a prediction misses, the part the profile leaves out
@@ -108,7 +108,7 @@ def summarize(
     applied to each method's post-processed predictions (``prediction``) on the common
     generations: per example the list of its samples' predictions, in sample order. Its dict is
     the entry's ``metrics`` as it is (HumanEval's includes ``isolation``, how the programs ran).
-    ``profile``: a :class:`~selfspec.models.profile.Profile` to predict each method's time with.
+    ``profile``: a :class:`~selfspec.measure.profile.Profile` to predict each method's time with.
     ``greedy=False`` (a sampling run): ``consistency`` and ``prefix_agreement`` are None, since
     lossless sampling keeps vanilla's output distribution, not its tokens.
     """
@@ -225,7 +225,7 @@ def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict
     """Whether the run was measured under load: the baseline's measured seconds over what the
     profile predicts for its traces (``ratio``), flagged above ``threshold``, or when any
     generation was spoiled by a burst of other load (``spoiled``, :func:`spoiled_generations`). Only
-    a profile of this machine (``here``: :func:`selfspec.models.profile.machine`) can tell, and only
+    a profile of this machine (``here``: :func:`selfspec.measure.profile.machine`) can tell, and only
     on at least ``min_seconds`` of the baseline's generations; None otherwise."""
     if profile is None or not profile.describes(here):
         return None

@@ -1,4 +1,4 @@
-"""Measuring a machine's cost profile (:mod:`selfspec.models.profile` holds what a profile is, reads
+"""Measuring a machine's cost profile (:mod:`selfspec.measure.profile` holds what a profile is, reads
 it and prices a trace with it): every table timed on the loaded model, and the host work of a plain
 step and of drafting steps, measured by running the decoders themselves. It lives beside the
 evaluation, which uses both the runtime (``models/``) and the decoders (``decoding/``), so that
@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 
 from selfspec.models.ledger import as_op
-from selfspec.models.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
+from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
                                      WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
 
 __all__ = ["machine_profile", "measure_profile", "untrained_ppd"]
@@ -31,7 +31,7 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
     from selfspec.decoding import Sampling
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.models.costs import time_forward
+    from selfspec.measure.costs import time_forward
 
     started = time.time()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -103,11 +103,11 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
 
 def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None
                ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.models.profile`):
+    """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.measure.profile`):
     per context, whole passes of each row count in ``widths[context]`` with and without the MLPs,
     divided by the layer count (the MLP: the median over contexts of the difference). ``also(cache,
     context, rows)`` times anything else on the same cache."""
-    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
 
     L = model.num_layers
@@ -168,9 +168,9 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
 
 def machine_profile(model) -> Profile:
     """This machine's cost profile of ``model`` (evaluate's ``profile=auto``): the one kept in the
-    asset cache (:func:`~selfspec.models.profile.default_path`), else a shipped one of the same CPU,
+    asset cache (:func:`~selfspec.measure.profile.default_path`), else a shipped one of the same CPU,
     threads and libraries, else measured once (:func:`measure_profile`) and kept there."""
-    from selfspec.models.profile import default_path, matching_shipped
+    from selfspec.measure.profile import default_path, matching_shipped
 
     path = default_path(model, model.device)
     profile = _cached_profile(path)
@@ -210,7 +210,7 @@ def untrained_ppd(model, nodes: int):
     from selfspec.decoding import check_method
     from selfspec.decoding.ppd import PPD
     from selfspec.decoding.tree import random_trees
-    from selfspec.prompts import PromptTokens
+    from selfspec.models.prompts import PromptTokens
 
     options = check_method(method_config("ppd"))
     g = torch.Generator().manual_seed(0)
@@ -222,7 +222,7 @@ def untrained_ppd(model, nodes: int):
 
 def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:
     """LM-head products by rows, for the full vocabulary and truncated ones."""
-    from selfspec.models.costs import time_call
+    from selfspec.measure.costs import time_call
 
     weight = model.lm_head_weight
     out: dict[int, dict[int, float]] = {}
@@ -241,7 +241,7 @@ def _measure_warps(model, repeats: int) -> dict[int, dict[int, dict[int, float]]
     logits shaped like the model's (a peaked distribution, as a language model's usually is)."""
     from selfspec.decoding import Sampling
     from selfspec.decoding.sampling import warp
-    from selfspec.models.costs import time_call
+    from selfspec.measure.costs import time_call
 
     generator = torch.Generator(device=model.device).manual_seed(0)
     out: dict[int, dict[int, dict[int, float]]] = {}
@@ -259,7 +259,7 @@ def _measure_warps(model, repeats: int) -> dict[int, dict[int, dict[int, float]]
 
 def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
     """An exit head's ``d × d`` transform by rows."""
-    from selfspec.models.costs import time_call
+    from selfspec.measure.costs import time_call
 
     d = model.hidden_size
     lin = torch.nn.Linear(d, d, bias=False, dtype=model.dtype, device=model.device)
@@ -272,7 +272,7 @@ def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
 
 def _measure_tree(model, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
     """Whole tree passes (the rows' positions and ancestor mask given, the head on every node) by size."""
-    from selfspec.models.costs import context_cache, time_forward
+    from selfspec.measure.costs import context_cache, time_forward
 
     cache = context_cache(model, context, max(sizes))
     out = {}

@@ -34,15 +34,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
 from selfspec.models.capture import BUCKETS
-from selfspec.models.profile import machine, model_shape
-from selfspec.locks import hold
-from selfspec.tracking import (ResultsFile, Tracker, check_directory, check_writable, open_run_log, save_hydra_files, start_run,
-                               to_jsonable, write_json)
+from selfspec.measure.profile import machine, model_shape
+from selfspec.store.locks import hold
+from selfspec.tracking import ResultsFile, Tracker, open_run_log, save_hydra_files, start_run
+from selfspec.store.files import check_directory, check_writable, to_jsonable, write_json
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def _profile_spec(cfg: DictConfig) -> str | None:
     spec = checks.optional(checks.text, "profile", cfg.profile)
     if spec in (None, "auto"):
         return spec
-    from selfspec.models.profile import resolve
+    from selfspec.measure.profile import resolve
 
     try:
         path = resolve(spec)
@@ -205,7 +205,7 @@ def _profile(cfg: DictConfig, model):
     """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto`` is
     :func:`~selfspec.evaluation.profiling.machine_profile` (this machine's, found or measured once)."""
     from selfspec.evaluation.profiling import machine_profile
-    from selfspec.models.profile import Profile
+    from selfspec.measure.profile import Profile
 
     spec = _profile_spec(cfg)
     if spec is None:
@@ -283,7 +283,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     """Refuse a run directory this run may not write to. Reads only: a refused rerun leaves the
     directory exactly as it was.
 
-    The files the runner writes must be regular files with one link (:func:`~selfspec.tracking.not_plain`):
+    The files the runner writes must be regular files with one link (:func:`~selfspec.store.files.not_plain`):
     appending through a symlink or a hard link would change a file the framework did not write, and
     reading a FIFO waits forever. A non-empty ``results.jsonl`` is resumed only
     with the framework's own record of the run that wrote it (``run_config.json``), and only when
@@ -291,7 +291,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     import json
     import os
 
-    from selfspec.tracking import not_plain
+    from selfspec.store.files import not_plain
 
     for name in (RESULTS, RUN_CONFIG, SUMMARY):
         path = out_dir / name
@@ -401,7 +401,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with hold(out_dir, f"run directory {out_dir}"):  # one owner at a time (selfspec.locks)
+        with hold(out_dir, f"run directory {out_dir}"):  # one owner at a time (selfspec.store.locks)
             return _run(cfg, plan, out_dir, loaded, tracker)
     except BaseException:
         if created and not any(out_dir.iterdir()):  # refused or failed before it wrote anything
@@ -411,7 +411,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
 def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker | None) -> dict[str, Any]:
     """:func:`evaluate` once the run owns ``out_dir``."""
-    from selfspec.runinfo import run_info
+    from selfspec.store.runinfo import run_info
 
     sampling, task, examples, budget = plan.sampling, plan.task, plan.examples, plan.budget
     under_test, method_cfgs, n_samples = plan.under_test, plan.method_cfgs, plan.n_samples

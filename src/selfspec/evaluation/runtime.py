@@ -3,7 +3,7 @@
 ``make bench-runtime`` (``scripts/bench_runtime.py``) prints, for one model on one device:
 
 * ``v(k)`` = t(forward of k new tokens, head on each) / t(one token), at a few context lengths
-  (:func:`selfspec.models.costs.measure_curve`): a speculative method must commit more than
+  (:func:`selfspec.measure.costs.measure_curve`): a speculative method must commit more than
   ``v(k)`` tokens per verification pass of k tokens to beat plain decoding;
 * prefill tokens/s;
 * vanilla's and transformers ``generate``'s decoding tokens/s on the same prompt and their ratio
@@ -19,7 +19,7 @@
 * achieved memory bandwidth, following gpt-fast: (weight bytes read per token, a tied head once,
   plus the KV cache bytes read) / seconds per token, as a fraction of the rate at which this
   machine reads a buffer of that size, measured in the same process
-  (:func:`~selfspec.models.costs.measure_bandwidth`: a roof that a working set held partly in the
+  (:func:`~selfspec.measure.costs.measure_bandwidth`: a roof that a working set held partly in the
   last-level cache cannot exceed, as it could a large copy's bandwidth).
 
 Every figure is a ratio or a median from one process, so it can be compared across runs on a
@@ -37,7 +37,7 @@ import torch
 
 from selfspec.evaluation.aggregate import common_prefix
 from selfspec.models import arena
-from selfspec.models.costs import context_cache, measure_bandwidth, measure_curve, time_forward, weight_bytes
+from selfspec.measure.costs import context_cache, measure_bandwidth, measure_curve, time_forward, weight_bytes
 
 __all__ = ["format_report", "runtime_report"]
 

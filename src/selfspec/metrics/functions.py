@@ -58,7 +58,7 @@ def humaneval_pass_at_k(completions: Sequence[Sequence[str]], problems: Sequence
 
     ``problems`` carry ``task_id``, ``prompt``, ``test`` and ``entry_point``. Each program runs
     with ``isolation`` (:func:`selfspec.metrics.sandbox.run_program`: ``"bubblewrap"``, refused
-    with a :class:`~selfspec.checks.ConfigError` where it cannot start, or ``"rlimits-only"``, NOT
+    with a :class:`~selfspec.config.checks.ConfigError` where it cannot start, or ``"rlimits-only"``, NOT
     isolated, which warns), ``timeout`` seconds and ``memory_mb`` of address space, ``n_workers``
     at a time. A k larger than a problem's number of samples is left out of the result; the
     result's ``isolation`` names how the programs ran.

@@ -4,7 +4,7 @@ Each program runs in its own process, in its own temporary working directory, wi
 its caller chose (:data:`ISOLATIONS`):
 
 - ``"bubblewrap"`` (the default): under bubblewrap (``bwrap``). Where it is missing or cannot
-  start a sandbox, running programs is refused (a :class:`~selfspec.checks.ConfigError` that says
+  start a sandbox, running programs is refused (a :class:`~selfspec.config.checks.ConfigError` that says
   how to install it, or how to opt in to no isolation); :func:`check_isolation` finds this before any
   program, or model, is needed. There is no silent fallback.
 - ``"rlimits-only"``: resource limits and the in-process audit hooks below only, on this
@@ -93,7 +93,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from selfspec import checks
+from selfspec.config import checks
 
 __all__ = ["BUBBLEWRAP", "ISOLATIONS", "NOT_PREVENTED_WITHOUT_BUBBLEWRAP", "RLIMITS_ONLY", "Limits", "Outcome",
            "bubblewrap_problem", "check_isolation", "run_program"]
@@ -149,7 +149,7 @@ class _Launcher:
 def check_isolation(isolation: str = BUBBLEWRAP, key: str = "isolation") -> str:
     """``isolation`` if programs can run with it here; check it before anything depends on it.
 
-    Raises :class:`~selfspec.checks.ConfigError` naming ``key`` (the caller's name for the
+    Raises :class:`~selfspec.config.checks.ConfigError` naming ``key`` (the caller's name for the
     choice, e.g. ``task.isolation``) for a value not in :data:`ISOLATIONS`, and for
     ``"bubblewrap"`` where bubblewrap is missing or cannot start a sandbox: the message says how
     to install it, or how to opt in to ``rlimits-only`` and what that leaves open.

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from selfspec import assets
+from selfspec.store import assets
 
 log = logging.getLogger(__name__)
 

@@ -75,14 +75,14 @@ class KernelUnavailable(RuntimeError):
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
     """12 hex digits naming the operators' sources, torch's version and the compiler flags: a
-    build, and a cost profile measured with it (:func:`selfspec.models.profile.machine`), belong
+    build, and a cost profile measured with it (:func:`selfspec.measure.profile.machine`), belong
     to one digest."""
     return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + HEADER.read_bytes()
                           + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
 
 
 def _build_dir() -> Path:
-    from selfspec.assets import cache_dir
+    from selfspec.store.assets import cache_dir
 
     return cache_dir() / "kernels" / f"skinny-{source_digest()}"
 
@@ -112,7 +112,7 @@ def load() -> None:
     ``torch.ops.selfspec.rowwise_attention``, ``torch.ops.selfspec.rms_norm``,
     ``torch.ops.selfspec.rotary`` and ``torch.ops.selfspec.layer_walk``.
 
-    One process builds at a time: an OS-level lock on the build folder (:mod:`selfspec.locks`),
+    One process builds at a time: an OS-level lock on the build folder (:mod:`selfspec.store.locks`),
     which dies with its holder; a process that finds it held says in a line what it waits for.
     Holding it, a ``lock`` file of torch's builder can only be a leftover of an interrupted build
     (torch's builder would wait for it forever), so it is removed.
@@ -122,7 +122,7 @@ def load() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise KernelUnavailable(f"the skinny linear kernel needs AVX2; this CPU reports {capability}")
-    from selfspec.locks import hold
+    from selfspec.store.locks import hold
 
     folder = _build_dir()
     with contextlib.ExitStack() as held:

@@ -618,7 +618,7 @@ class LayeredModel:
                 raise ValueError("forward: checkpoint=True keeps no states (keep=...): a training pass has none to keep")
             return self._checkpointed(h, layers, cache, start, rope, mask, skip)
         # a decoding pass (the cache holds positions) that a capturing model (static or graphs) runs
-        # here ran eagerly: a profile measured with graphs prices it apart (selfspec.models.profile)
+        # here ran eagerly: a profile measured with graphs prices it apart (selfspec.measure.profile)
         eager = self.steps is not None and start > 0
         return self.run_layers(h, layers, cache, rope, mask, skip, keep, eager, ledger)
 

@@ -9,7 +9,7 @@ ledger does that for every method and every part of a step:
   sublayers run, the context they attend to), LM-head products (rows, vocabulary rows) and the
   exit heads' own transforms (rows). Each op carries the *component* it was run for. Under
   greedy decoding the ops depend on the algorithm only, not on the machine, so a recorded run can
-  be re-costed with another machine's profile (:mod:`selfspec.models.profile`).
+  be re-costed with another machine's profile (:mod:`selfspec.measure.profile`).
 * **phase times** — the wall time of the generation split by component, from timers at phase
   switches only (a few per step: perf_counter on a CPU, CUDA events on a GPU), so the timers cost
   next to nothing. Time outside every labelled phase is ``host``: the loop's bookkeeping, draft

@@ -9,7 +9,7 @@ Config keys (``conf/model/*.yaml``; any other key is refused):
                         is read as ``gguf_path``
 ``gguf_file``           with ``name_or_path``: the GGUF file inside that hub repo or directory
 ``gguf_path``           a local GGUF file (``model.gguf_path=/path/to/file.gguf``)
-``gguf_asset``          offline asset holding a GGUF file (``selfspec.assets``): the embedded default,
+``gguf_asset``          offline asset holding a GGUF file (``selfspec.store.assets``): the embedded default,
                         used when neither ``name_or_path`` nor ``gguf_path`` is given
 ``random``              a seeded random model (``tiny-random``): ``model_type`` (its family), ``seed``, the family
                         config's fields and optionally ``norm_noise`` (uniform noise of that half-width added to
@@ -56,7 +56,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from selfspec import assets, checks
+from selfspec.store import assets
+from selfspec.config import checks
 from selfspec.models.families import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 
@@ -125,7 +126,7 @@ def _get(cfg, key):
 # --- checking a config without loading -----------------------------------------------------
 def check_model_config(cfg) -> Source:
     """Check every key of a ``model`` config (see the module docstring) without loading anything;
-    return the :class:`Source` it names. Raises :class:`~selfspec.checks.ConfigError`."""
+    return the :class:`Source` it names. Raises :class:`~selfspec.config.checks.ConfigError`."""
     plain = dict(cfg.items()) if hasattr(cfg, "items") else dict(vars(cfg))
     checks.known_keys("model", plain, MODEL_KEYS, "a model config (conf/model/)")
     checks.required_keys("model", plain, RUNTIME_KEYS, "a model config of conf/model/ (e.g. smollm2-135m.yaml)")
@@ -184,7 +185,7 @@ def model_source(cfg) -> Source:
         return _named_source(checks.text("model.name_or_path", _get(cfg, "name_or_path")), _get(cfg, "gguf_file"))
     asset = _get(cfg, "gguf_asset")
     if asset is not None:
-        from selfspec.assets import ASSETS, asset_path
+        from selfspec.store.assets import ASSETS, asset_path
 
         if asset not in ASSETS:
             hint = "; for a GGUF file use model.gguf_path=<file>" if str(asset).endswith(".gguf") else ""
@@ -407,7 +408,7 @@ def _load_pretrained(path: str, attn: str, name: str):
 def _gguf_path(source: Source) -> Path:
     """The local GGUF file of a ``gguf``, ``hub_gguf`` (downloaded) or ``asset`` source."""
     if source.kind == "asset":
-        from selfspec.assets import asset_path
+        from selfspec.store.assets import asset_path
 
         return asset_path(source.where)
     if source.kind == "hub_gguf":
@@ -443,7 +444,7 @@ def source_sha256(gguf: Path) -> str:
 
 def _cache_name(source: Source, gguf: Path) -> str:
     """The conversion cache entry of a GGUF file: its name and the sha256 of its bytes, the pinned
-    one for an offline asset (:func:`~selfspec.assets.asset_path` verified the file against it), the
+    one for an offline asset (:func:`~selfspec.store.assets.asset_path` verified the file against it), the
     file's own (:func:`source_sha256`) otherwise. A file with one byte changed gets another entry."""
     digest = assets.ASSETS[source.where].files[gguf.name] if source.kind == "asset" else source_sha256(gguf)
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gguf.stem)}-{digest[:16]}"

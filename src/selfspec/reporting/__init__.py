@@ -13,7 +13,8 @@ experiment preset set (``conf/experiment/``); and writes ``outputs/report/``:
 Modules: :mod:`~selfspec.reporting.records` (reading runs), :mod:`~selfspec.reporting.layouts`
 (one layout per paper table), :mod:`~selfspec.reporting.paper` (the papers' figures,
 ``paper_figures.yaml``), :mod:`~selfspec.reporting.tables`, :mod:`~selfspec.reporting.plots`,
-:mod:`~selfspec.reporting.figure` (a PNG with its caption and axis labels),
+:mod:`~selfspec.store.figure` (a PNG with its caption and axis labels; in ``store/``, where the
+training jobs write their own plots too),
 :mod:`~selfspec.reporting.answer` (per task, the fastest lossless method),
 :mod:`~selfspec.reporting.ledger` (the cost ledger's components, its sentence, runs measured under load),
 :mod:`~selfspec.reporting.artefact_figures`, :mod:`~selfspec.reporting.html`,

@@ -1,7 +1,7 @@
 """Training artefacts as report inputs: BO traces, head-training histories, tree latency curves,
 PPD prompt-token accuracy by distance.
 
-Every artefact directory holds ``meta.json`` (:mod:`selfspec.artefacts`: kind, model, task,
+Every artefact directory holds ``meta.json`` (:mod:`selfspec.store.artefacts`: kind, model, task,
 training config, metrics). Series are read from JSON-lines files next to it (the skip-set search
 writes its BO trace there, one line per evaluated candidate) or from list-valued entries of
 ``meta.json``'s metrics. What each kind's job writes:

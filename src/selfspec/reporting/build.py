@@ -32,7 +32,7 @@ from selfspec.reporting import artefact_figures as art
 from selfspec.reporting import plots
 from selfspec.reporting.answer import Answer, answers
 from selfspec.reporting.answer import to_markdown as to_answer_markdown
-from selfspec.reporting.figure import Plot
+from selfspec.store.figure import Plot
 from selfspec.reporting.html import TaskSection, write_index
 from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout, task_order
 from selfspec.reporting.ledger import LOADED

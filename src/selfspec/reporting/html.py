@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.reporting import answer as ans
-from selfspec.reporting.figure import Plot
+from selfspec.store.figure import Plot
 from selfspec.reporting.tables import TASK_TITLE, Table, source_line
 
 _STYLE = """

@@ -100,7 +100,7 @@ def paper_projections(record: Record, trace: dict[str, Any]) -> dict[str, dict[s
     """``{profile name: {"predicted_speedup", "paper_trace"}}``: the step a paper row's figures
     imply (:func:`paper_step`) priced on every shipped bfloat16 profile of its model's shape, over
     vanilla's one-row step at the same context (the profile's host time once per step each)."""
-    from selfspec.models.profile import Profile, shipped, shipped_models
+    from selfspec.measure.profile import Profile, shipped, shipped_models
 
     model = trace.get("shape_of") or record.model
     figures = {"tau": record.metric("tau"), "acceptance_rate": record.metric("acceptance_rate")}
@@ -126,14 +126,14 @@ def paper_projections(record: Record, trace: dict[str, Any]) -> dict[str, dict[s
 
 def profile_note(record: Record) -> str | None:
     """For a paper row that reports τ or an acceptance rate beside its speedup: which profile its
-    projection needs (PPD §4: speedup = τ / L_fp; :mod:`selfspec.models.profile`). A τ alone
+    projection needs (PPD §4: speedup = τ / L_fp; :mod:`selfspec.measure.profile`). A τ alone
     does not fix the passes' widths, so the projection runs the paper's method on the profiled
     model shape (``python -m selfspec.project``); the note names the profile that is missing."""
     if record.metric("tau") is None and record.metric("acceptance_rate") is None:
         return None
     if record.method == "vanilla":
         return None
-    from selfspec.models.profile import shipped_models
+    from selfspec.measure.profile import shipped_models
 
     model = record.model
     have = [name for name, of in shipped_models().items() if model and of == model]

@@ -11,7 +11,7 @@
 ``heads_training`` intermediate-head training loss per step (AdaDecode heads artefact)
 ``tree_latency``   forward latency and accepted length against tree size (PPD Figure 8)
 
-Each function returns the written :class:`~selfspec.reporting.figure.Plot` (the PNG, a caption
+Each function returns the written :class:`~selfspec.store.figure.Plot` (the PNG, a caption
 saying what to see in it, the axis labels), or None when there is nothing to plot. Every axis
 label names its quantity and unit.
 """
@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from selfspec.reporting.figure import Plot, legend_columns, save_figure  # noqa: E402
+from selfspec.store.figure import Plot, legend_columns, save_figure  # noqa: E402
 from selfspec.reporting import ledger  # noqa: E402
 from selfspec.reporting.layouts import TASK_TITLE, task_order  # noqa: E402
 from selfspec.reporting.ledger import LOADED  # noqa: E402

@@ -29,7 +29,7 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
-from selfspec.assets import asset_path
+from selfspec.store.assets import asset_path
 from selfspec.metrics import extract_number
 from selfspec.tasks.task import Example, Task, TaskDataError, register
 

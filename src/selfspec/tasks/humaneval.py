@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from selfspec import checks
-from selfspec.assets import asset_path
+from selfspec.config import checks
+from selfspec.store.assets import asset_path
 from selfspec.metrics import sandbox
 from selfspec.tasks.task import Example, Task, TaskConfig, read_jsonl, register
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from selfspec.assets import asset_path
+from selfspec.store.assets import asset_path
 from selfspec.tasks.task import Example, Task, read_jsonl, register
 
 

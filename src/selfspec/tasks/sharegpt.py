@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from selfspec.assets import asset_path
+from selfspec.store.assets import asset_path
 
 CHUNK = 1 << 20
 

@@ -7,7 +7,7 @@ generations and scores them. Records come from one of three sources:
 ``hub``      ``datasets.load_dataset(hub_id, hub_config, split=split)`` (needs the hub);
 ``local``    ``data_files``: JSON-lines files or JSON arrays of records (what ``datasets``' json
              loader reads; ``.gz`` too, globs expanded), same schema as the hub set;
-``offline``  the package-shipped asset of :mod:`selfspec.assets` (the default here).
+``offline``  the package-shipped asset of :mod:`selfspec.store.assets` (the default here).
 
 Every record is checked when it is read (:func:`check_record`: the task's ``required`` fields and
 types, then :meth:`Task.record_problem`), so a malformed file stops with one
@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 
 __all__ = [
     "Example",
@@ -436,7 +436,7 @@ class Task:
         raise NotImplementedError
 
     def check_scoring(self) -> None:
-        """Refuse (:class:`~selfspec.checks.ConfigError`), before a model loads, a scoring this
+        """Refuse (:class:`~selfspec.config.checks.ConfigError`), before a model loads, a scoring this
         machine cannot do as configured; the evaluation runner calls it when it prepares a run
         (default: nothing to check)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from selfspec.assets import asset_path
+from selfspec.store.assets import asset_path
 from selfspec.tasks.task import read_jsonl, register
 from selfspec.tasks.summarization import SummarisationTask
 

@@ -29,15 +29,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from selfspec import checks
-from selfspec.tracking.local import (ResultsFile, ResultsFileError, RunLogHandler, check_directory, check_writable, not_plain,
-                                     open_run_log, to_jsonable, write_json, write_text)
+from selfspec.config import checks
+from selfspec.store.files import to_jsonable, write_text
+from selfspec.tracking.local import ResultsFile, ResultsFileError, RunLogHandler, open_run_log
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Tracker", "WandbTracker", "ResultsFile", "ResultsFileError", "RunLogHandler", "artifact_name",
-           "check_directory", "check_run_dir_argument", "check_writable", "not_plain", "open_run_log", "check_logger", "hydra_output_dir",
-           "save_hydra_files", "start_run", "to_jsonable", "wandb_mode", "write_json", "write_text"]
+           "open_run_log", "check_logger", "hydra_output_dir", "save_hydra_files", "start_run", "wandb_mode"]
 
 
 class Tracker:
@@ -178,20 +177,6 @@ def wandb_mode(mode: str) -> str:
     if env:
         return "offline" if env == "dryrun" else env
     return "online" if _api_key_configured() else "offline"
-
-
-def check_run_dir_argument(argv: list[str]) -> None:
-    """Before Hydra makes the run directory a command line names (``hydra.run.dir=...``), refuse one
-    that cannot be made or written with :func:`check_directory`'s message, and exit (Hydra would
-    fail with a raw FileExistsError). A sweep's directories and interpolated paths are left to Hydra."""
-    import sys
-
-    for arg in argv:
-        if arg.startswith("hydra.run.dir=") and "${" not in arg:
-            try:
-                check_directory(arg.split("=", 1)[1], "hydra.run.dir")
-            except OSError as err:
-                sys.exit(f"{type(err).__name__}: {err}")
 
 
 def hydra_output_dir() -> Path | None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.training.bars import bar
 from selfspec.training.driver import task_names
 
@@ -129,7 +129,7 @@ def greedy_continuations(loaded, prompts: list[list[int]], gen_tokens: int, batc
 def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequence], list[Sequence], str, dict]:
     """Train / held-out sequences for :func:`prepare`'s options (cached on disk), the data tag,
     and data info; ``progress``: a bar over the prompts whose continuations are generated."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     tasks = opts["tasks"]
     tag = tasks[0].task.name if opts["data"] == "task" else "mixed"

@@ -10,8 +10,8 @@ small part of its vocabulary. The job
 * **counts** the generated tokens of the training continuations and ranks the vocabulary by count
   (ties: lower token id first; tokens never seen follow in id order);
 * measures the **head cost** at each candidate size with the runtime's cost functions
-  (:func:`selfspec.models.costs.time_head`, in units of one decoder layer from
-  :func:`~selfspec.models.costs.time_layer`) and the held-out **coverage** (share of the held-out
+  (:func:`selfspec.measure.costs.time_head`, in units of one decoder layer from
+  :func:`~selfspec.measure.costs.time_layer`) and the held-out **coverage** (share of the held-out
   continuations' tokens inside the kept set);
 * keeps ``job.size`` tokens when given (exactly), else the candidate maximising
   ``coverage(s) / (draft_layers + head_layers(s))``: a draft token outside the kept set is always
@@ -21,7 +21,7 @@ small part of its vocabulary. The job
 Output: a ``draft_vocab`` artefact (``ids`` in rank order and their ``counts``) whose ``meta.json``
 records the size and how it was chosen (every candidate's coverage and cost), the data it was
 counted on, the tokens counted and the held-out coverage. Methods read it through
-``method.draft_vocab`` (:mod:`selfspec.heads`).
+``method.draft_vocab`` (:mod:`selfspec.models.heads`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from selfspec import checks
-from selfspec.heads import draft_vocab_tensors
+from selfspec.config import checks
+from selfspec.models.heads import draft_vocab_tensors
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
 
@@ -99,8 +99,8 @@ def prepare(cfg) -> dict:
 def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list[list[int]], repeats: int) -> tuple:
     """Held-out coverage and measured head cost (seconds, decoder layers) of each size, the full
     vocabulary included; returns ``(candidates, layer_seconds, full_head_seconds)``."""
-    from selfspec.heads import DraftVocab
-    from selfspec.models.costs import time_head, time_layer
+    from selfspec.models.heads import DraftVocab
+    from selfspec.measure.costs import time_head, time_layer
 
     layer = time_layer(model, repeats=repeats)
     full = time_head(model, repeats=repeats)
@@ -115,7 +115,7 @@ def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list
 
 def default_dir(cfg, opts: dict) -> Path:
     """``draft_vocab/<model>-<task|mixed>``."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     return default_artefact_dir("draft_vocab", str(cfg.model.name), data_tag(opts))
 

@@ -9,12 +9,12 @@ artefacts it reads, and its ``objective`` (training, a search or statistics):
    config value checked and the job's data read — so a typo never costs a model load; then the
    job's estimated peak memory against the device's (:func:`selfspec.memory.check_fits`: a job
    that cannot fit is refused before its model loads; ``memory_check=false`` skips it);
-2. **lock**: the artefact directory is owned for the whole job (:mod:`selfspec.locks`: a second
+2. **lock**: the artefact directory is owned for the whole job (:mod:`selfspec.store.locks`: a second
    job into it is refused at once), its parent checked writable, the Hydra job log opened;
 3. **load**: the model of ``cfg.model`` (or the one the caller loaded from it: the demo shares one);
 4. **track**: a tracker run (``job.tracker_job``), with the artefacts it reads declared (lineage);
 5. **objective**: the job's own work, returning a :class:`Result`;
-6. **save**: ``Result.tensors`` and ``meta.json`` (:func:`selfspec.artefacts.save_artefact`, the
+6. **save**: ``Result.tensors`` and ``meta.json`` (:func:`selfspec.store.artefacts.save_artefact`, the
    job config as ``train_config``), ``Result.files`` copied in, ``Result.checkpoint`` removed;
 7. **report**: tracker tables, summary and the artefact (output lineage), one log line, and the
    summary returned: ``{"artefact": <path>, **Result.summary}``.
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 from omegaconf import OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,10 @@ def artefact_dir(job: Job, cfg, opts: dict) -> Path:
 # --- run -------------------------------------------------------------------------------------
 def run(job: Job, cfg, loaded=None) -> dict:
     """Prepare, lock, load, track, run the objective, save, report; the job's summary."""
-    from selfspec.locks import artefact_lock, hold
+    from selfspec.store.locks import artefact_lock, hold
     from selfspec.models.loading import model_for
-    from selfspec.tracking import check_directory, check_writable, hydra_output_dir, open_run_log, start_run
+    from selfspec.tracking import hydra_output_dir, open_run_log, start_run
+    from selfspec.store.files import check_directory, check_writable
 
     from selfspec.memory import check_fits
 
@@ -190,8 +191,8 @@ def check_finished(out: Path, job: Job, cfg) -> None:
     does (:func:`selfspec.training.loop.check_resume`): the model and every job setting but those that
     only change the logging (:data:`~selfspec.training.loop.RESUMABLE`) and those the job continues
     from (:attr:`Job.extendable`). The same settings train it again."""
-    from selfspec.artefacts import ArtefactError, read_meta
-    from selfspec.tracking import to_jsonable
+    from selfspec.store.artefacts import ArtefactError, read_meta
+    from selfspec.store.files import to_jsonable
     from selfspec.training.loop import RESUMABLE, changed_settings
 
     if not (out / "meta.json").exists():
@@ -209,7 +210,7 @@ def check_finished(out: Path, job: Job, cfg) -> None:
 
 def save(job: Job, ctx: Context, result: Result) -> Path:
     """Write the artefact (atomically), copy the result's files into it, remove its checkpoint."""
-    from selfspec.artefacts import save_artefact
+    from selfspec.store.artefacts import save_artefact
 
     path = save_artefact(ctx.out, job.kind, result.tensors, ctx.loaded, task=result.task,
                          train_config=ctx.cfg.job, metrics=result.metrics, extra=result.meta)

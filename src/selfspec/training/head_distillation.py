@@ -1,7 +1,7 @@
 """``job=heads``: train AdaDecode's intermediate heads (AdaDecode §3.1).
 
 * Heads ``E_l = E* · T_l`` at ``job.layers`` (default three evenly spaced), ``T_l`` initialised to
-  the identity (:class:`selfspec.heads.IntermediateHeads`); the base model is frozen, only the
+  the identity (:class:`selfspec.models.heads.IntermediateHeads`); the base model is frozen, only the
   ``T_l`` train (``job.kind=full``: an own ``d×|V|`` head each, the §4.3 ablation).
 * Loss (§3.1): ``Σ_l KL(p* ‖ p_l)`` between the final layer's next-token distribution and head
   ``l``'s, averaged over positions.
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from selfspec import checks
-from selfspec.heads import IntermediateHeads, default_layers, heads_artefact_dir, heads_contents
+from selfspec.config import checks
+from selfspec.models.heads import IntermediateHeads, default_layers, heads_artefact_dir, heads_contents
 from selfspec.training.continuations import Sequence, build_data, data_tag, data_tasks, generation_options
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train

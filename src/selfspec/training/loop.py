@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.training.bars import bar
 
 log = logging.getLogger(__name__)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.tree import TREE_KIND, SparseTree, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
-from selfspec.models.costs import context_cache, time_forward
+from selfspec.measure.costs import context_cache, time_forward
 from selfspec.training.driver import Job, Result, job_keys
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_
 def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, cache, context: int, repeats: int) -> float:
     """Seconds (min over repeats) of one PPD forward (tree of the deepest state, its node logits included)
     after ``context`` cached tokens: ``L_fp(n)`` of PPD §4 on this machine (timed by
-    :func:`selfspec.models.costs.time_forward`, the runtime benchmark's timing loop)."""
+    :func:`selfspec.measure.costs.time_forward`, the runtime benchmark's timing loop)."""
     tree = trees[max(trees)]
     lay = layout(tree, n_ept, model.device)
     h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
@@ -101,13 +101,13 @@ def validation_prompts(tokenizer, chat: bool, n: int, skip: int) -> list[list[in
 
 def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int):
     """Latency, τ and the theoretical speedup against tree size (PPD Figure 8); the written
-    :class:`~selfspec.reporting.figure.Plot` (caption drawn under the axes)."""
+    :class:`~selfspec.store.figure.Plot` (caption drawn under the axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from selfspec.reporting.figure import save_standalone
+    from selfspec.store.figure import save_standalone
 
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot(sizes, [1000 * x for x in latency], "o-")
@@ -128,8 +128,8 @@ def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int):
 def prepare(cfg) -> dict:
     """Every key of conf/job/ppd_tree.yaml checked, the prompts artefact found and the ShareGPT asset
     present — all that can fail without the model (the driver calls it first)."""
-    from selfspec.artefacts import artefact_option, default_artefact_dir
-    from selfspec.assets import asset_path
+    from selfspec.store.artefacts import artefact_option, default_artefact_dir
+    from selfspec.store.assets import asset_path
 
     job, key = cfg.job, "job.{}".format
     sizes = sorted(set(checks.listed(checks.integer, key("sizes"), job.sizes, 1, why="tokens per forward")))
@@ -161,7 +161,7 @@ def prepare(cfg) -> dict:
 
 def default_dir(cfg, opts: dict) -> Path:
     """``ppd_tree/<model>``."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     return default_artefact_dir(TREE_KIND, str(cfg.model.name))
 
@@ -214,7 +214,7 @@ def size_curve(model, p: torch.Tensor, m: int, n_ept: int, opts: dict, tracker) 
 
 def objective(ctx) -> Result:
     """Build the tree :func:`prepare` checked: statistics, the size curve, the fastest size."""
-    from selfspec.prompts import load_prompts
+    from selfspec.models.prompts import load_prompts
 
     opts, loaded = ctx.opts, ctx.loaded
     model = loaded.model

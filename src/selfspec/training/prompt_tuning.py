@@ -1,6 +1,6 @@
 """``job=prompts``: train PPD's prompt-token embeddings by knowledge distillation (PPD §3.3).
 
-* Only the ``[m, n_ept, hidden]`` prompt embeddings train (:class:`selfspec.prompts.PromptTokens`,
+* Only the ``[m, n_ept, hidden]`` prompt embeddings train (:class:`selfspec.models.prompts.PromptTokens`,
   initialised from ordinary token embeddings); the base model is frozen.
 * **Random insertion** (PPD §3.3): each micro-batch is one ShareGPT conversation, truncated
   randomly to ``context_length`` tokens, with ``inserts`` random insertion points ``i``; after
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from selfspec import checks
-from selfspec.prompts import PromptTokens, prompts_contents
+from selfspec.config import checks
+from selfspec.models.prompts import PromptTokens, prompts_contents
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
 
@@ -192,7 +192,7 @@ def topk_accuracy(student: torch.Tensor, teacher: torch.Tensor, ks=(1, 5)) -> di
 # --- the job -------------------------------------------------------------------------------------
 def default_dir(cfg, opts: dict) -> Path:
     """``prompts/<model>``."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     return default_artefact_dir("prompts", str(cfg.model.name))
 

@@ -40,10 +40,10 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.models.costs import time_forward
+from selfspec.measure.costs import time_forward
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.training.bars import bar
 from selfspec.training.driver import Job, Result, job_keys, task_names
@@ -515,13 +515,13 @@ def search_greedy(objective: CostModel, trace: Trace, L: int, opts: dict) -> Non
 # --- plot -----------------------------------------------------------------------------------
 def plot_trace(rows: list[dict], path: Path, title: str):
     """Figure 4: speedup against the number of skipped sublayers, one point per evaluation; the
-    written :class:`~selfspec.reporting.figure.Plot` (caption drawn under the axes)."""
+    written :class:`~selfspec.store.figure.Plot` (caption drawn under the axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from selfspec.reporting.figure import save_standalone
+    from selfspec.store.figure import save_standalone
 
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["n_skipped"] for r in rows]
@@ -550,7 +550,7 @@ def task_label(cfg, opts: dict) -> str:
 
 def default_dir(cfg, opts: dict) -> Path:
     """``skip_set/<model>`` (``job.tasks``) or ``skip_set/<model>-<task>``."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     return default_artefact_dir("skip_set", str(cfg.model.name), None if opts["tasks"] else task_label(cfg, opts))
 

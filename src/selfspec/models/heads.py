@@ -34,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-from selfspec.artefacts import load_artefact, save_artefact
+from selfspec.store.artefacts import load_artefact, save_artefact
 from selfspec.models.ledger import Ledger, phase
 
 KINDS = ("linear", "full", "lm_head")
@@ -160,7 +160,7 @@ def load_heads(path, model, vocab: "DraftVocab | None" = None) -> IntermediateHe
     ``model`` (LoadedModel or LayeredModel) is checked against the artefact's fingerprint. The tensors are named by their layer (``T.<layer>``,
     ``W.<layer>``): ``meta.json``'s ``layers`` must be increasing and name exactly the tensors
     the file holds, so no tensor is ever read as another layer's."""
-    from selfspec.artefacts import ArtefactError, rebuild_hint
+    from selfspec.store.artefacts import ArtefactError, rebuild_hint
 
     layered = getattr(model, "model", model)
     art = load_artefact(path, ARTEFACT_KIND, model, device=layered.device)
@@ -191,7 +191,7 @@ def load_heads(path, model, vocab: "DraftVocab | None" = None) -> IntermediateHe
 def heads_artefact_dir(model_name: str, data: str | None, kind: str = "linear") -> Path:
     """Where ``job=heads`` saves: ``outputs/artefacts/heads/<model>-<data>`` (``data`` = the task
     the heads were trained on, or ``mixed``), ``-full`` appended for the full-parameter heads."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     tag = (data or "") + ("-full" if kind == "full" else "")
     return default_artefact_dir("heads", model_name, tag or None)
@@ -309,7 +309,7 @@ def save_draft_vocab(path, ids: torch.Tensor, counts: torch.Tensor, loaded_model
 def load_draft_vocab(path, model, key: str = "method.draft_vocab") -> DraftVocab:
     """Load a draft vocabulary, checked against ``model`` (LoadedModel or LayeredModel) before its
     tensors are read; a mismatch names the config ``key`` that chose the artefact."""
-    from selfspec.artefacts import ArtefactError
+    from selfspec.store.artefacts import ArtefactError
 
     layered = getattr(model, "model", model)
     try:
@@ -327,7 +327,7 @@ def load_draft_vocab(path, model, key: str = "method.draft_vocab") -> DraftVocab
 def find_draft_vocab(model_name: str, data: str | None = None) -> Path:
     """The artefact ``draft_vocab: auto`` reads: the first that exists of
     ``draft_vocab/<model>-<data>``, ``<model>-mixed``, ``<model>``."""
-    from selfspec.artefacts import default_artefact_dir
+    from selfspec.store.artefacts import default_artefact_dir
 
     found, tried = first_artefact(lambda d: default_artefact_dir(VOCAB_KIND, model_name, d), data)
     if found is not None:
@@ -343,8 +343,8 @@ def draft_vocab_options(cfg, prefix: str = "method") -> dict:
     """The keys every self-drafting method shares: ``draft_vocab`` (null = the full LM head;
     ``auto`` = the artefact ``job=draft_vocab`` wrote for this model and ``draft_vocab_task``;
     else an artefact directory, checked here without the model) and ``draft_vocab_task``."""
-    from selfspec import checks
-    from selfspec.artefacts import artefact_option
+    from selfspec.config import checks
+    from selfspec.store.artefacts import artefact_option
 
     key = f"{prefix}.{{}}".format
     value = cfg.get("draft_vocab")

@@ -13,7 +13,7 @@ import torch
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str | None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         if out.returncode != 0:
@@ -29,7 +29,6 @@ def hardware() -> dict[str, Any]:
     """The machine: platform, CPU (its model name and the instruction set torch's kernels use),
     threads, MKL's reproducibility mode (:mod:`selfspec.numerics`: on some CPUs the bits of torch's
     GEMM depend on the thread count unless it is strict) and the GPU."""
-    from selfspec.models.profile import cpu_name
     from selfspec.numerics import mode
 
     info: dict[str, Any] = {
@@ -78,3 +77,14 @@ def run_info(seed: int | None = None, device: str | None = None, dtype: str | No
     if dtype is not None:
         info["dtype"] = dtype
     return info
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -4,7 +4,7 @@ Every speedup a speculative method can reach is its tokens per verification pass
 what drafting plus that pass cost, so the methods' hardware-aware parts need the same curve:
 PPD's tree builder (the forward latency ``L_fp(n)`` of PPD §4), Draft & Verify's skip-search
 cost model (per-sublayer and verification costs, §3.3), the runtime benchmark
-(``scripts/bench_runtime.py``) and the machine profiles (:mod:`selfspec.models.profile`). They
+(``scripts/bench_runtime.py``) and the machine profiles (:mod:`selfspec.measure.profile`). They
 all time through :func:`time_forward`, the one timing loop for forwards outside decoding, and
 :func:`time_call` for an op outside a pass (decoding itself is timed by the decoder loop).
 
@@ -55,7 +55,7 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
     The pass runs ``layers`` (default all; ``skip`` sublayers left out) and the final norm + LM
     head on ``logits_rows`` rows (default all ``n``: a verification pass scores every token;
     0 = no head; ``head``: another head on the final states, e.g. a truncated draft vocabulary's
-    :meth:`~selfspec.heads.DraftVocab.model_logits`), then one host sync on the result, as a
+    :meth:`~selfspec.models.heads.DraftVocab.model_logits`), then one host sync on the result, as a
     decoding step has. ``h`` and ``tree`` (:meth:`~selfspec.models.layered.LayeredModel.forward`'s)
     are given for tree passes (PPD), which take the path a decoder's tree takes. The cache is rolled back to ``context``
     before every run. ``reduce``: ``median`` (default) or ``min`` of ``repeats`` timed runs.

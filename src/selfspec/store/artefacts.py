@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.tracking.local import disk_space, to_jsonable
+from selfspec.store.files import disk_space, to_jsonable
 
 META = "meta.json"
 TENSORS = "tensors.safetensors"
@@ -68,7 +68,7 @@ def save_artefact(
     ``loaded_model`` is a :class:`~selfspec.models.loading.LoadedModel` (its name, fingerprint and
     weights digest go into the metadata).
     """
-    from selfspec.runinfo import run_info
+    from selfspec.store.runinfo import run_info
 
     path = Path(path)
     model = loaded_model.model
@@ -138,7 +138,7 @@ JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_se
 def artefact_option(key: str, value: Any, kind: str) -> Path | None:
     """A config value naming an artefact directory of ``kind`` (``null``: the method's default
     location), checked without a model: the directory must hold a ``kind`` artefact."""
-    from selfspec import checks
+    from selfspec.config import checks
 
     if value is None:
         return None
@@ -203,5 +203,5 @@ def check_model(meta: dict[str, Any], path: Path, model) -> None:
 
 def default_artefact_dir(kind: str, model_name: str, task: str | None = None) -> Path:
     """``outputs/artefacts/<kind>/<model>[-<task>]`` under the project (or ``SELFSPEC_OUTPUTS``)."""
-    root = Path(os.environ.get("SELFSPEC_OUTPUTS", Path(__file__).resolve().parents[2] / "outputs"))
+    root = Path(os.environ.get("SELFSPEC_OUTPUTS", Path(__file__).resolve().parents[3] / "outputs"))
     return root / "artefacts" / kind / (f"{model_name}-{task}" if task else model_name)

@@ -54,7 +54,6 @@ import functools
 import hashlib
 import json
 import math
-import platform
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -62,6 +61,7 @@ import torch
 
 from selfspec.models.capture import BUCKETS
 from selfspec.models.ledger import COMPONENTS, LayerOp, Op, as_op
+from selfspec.store.runinfo import cpu_name
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
 
@@ -103,17 +103,6 @@ def model_shape(model) -> dict[str, Any]:
         "vocab_size": int(model.vocab_size),
         "dtype": str(model.dtype).replace("torch.", ""),
     }
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -439,7 +428,7 @@ class Profile:
         return cls(data, str(path))
 
     def save(self, path) -> Path:
-        from selfspec.tracking.local import write_json
+        from selfspec.store.files import write_json
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -490,7 +479,7 @@ def matching_shipped(model) -> "Profile | None":
 def default_path(model, device: torch.device) -> Path:
     """Where this machine's profile of ``model`` is kept: the asset cache, keyed by machine, model
     (its name and its shape's digest) and runtime (kernel, capture), and the library versions."""
-    from selfspec.assets import cache_dir
+    from selfspec.store.assets import cache_dir
 
     info = machine(device)
     tag = "-".join(f"{k}{v}" for k, v in sorted(info["versions"].items()))

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec import checks
+from selfspec.config import checks
 
 
 def conf_dir() -> Path:
     """The ``conf/`` directory (``SELFSPEC_CONF`` overrides; default: the repository's)."""
     env = os.environ.get("SELFSPEC_CONF")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+    path = Path(env) if env else Path(__file__).resolve().parents[3] / "conf"
     if not path.is_dir():
         raise FileNotFoundError(f"config directory {path} not found; set SELFSPEC_CONF to selfspec's conf/")
     return path
@@ -88,13 +88,13 @@ def check_launcher(launcher) -> None:
 
 def check_command_line(argv: list[str], config_name: str) -> None:
     """What an entry point's command line asks of Hydra itself, checked before Hydra acts on it, with
-    one message and exit status 1: the run directory (:func:`selfspec.tracking.check_run_dir_argument`)
+    one message and exit status 1: the run directory (:func:`selfspec.store.files.check_run_dir_argument`)
     and, for a multirun, the launcher's settings (a Hydra callback cannot stop a sweep: Hydra turns
     its exceptions into warnings). Only the launcher's own overrides are composed for that, so a
     sweep's lists need no expanding."""
     import sys
 
-    from selfspec.tracking import check_run_dir_argument
+    from selfspec.store.files import check_run_dir_argument
 
     check_run_dir_argument(argv)
     if not {"-m", "--multirun"} & set(argv):

@@ -5,7 +5,7 @@ stays frozen. They are fed to the layered model as hidden states (``forward(...,
 as vocabulary ids. Prompt tokens are initialised from ordinary token embeddings (PPD §5,
 "Training"). The guess of prompt token ``p`` is the average of its EPTs' logits (PPD §3.2).
 
-Saved and loaded as a ``kind="prompts"`` artefact (:mod:`selfspec.artefacts`).
+Saved and loaded as a ``kind="prompts"`` artefact (:mod:`selfspec.store.artefacts`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def prompts_contents(prompts: PromptTokens) -> tuple[dict[str, torch.Tensor], di
 
 def save_prompts(path: str | Path, prompts: PromptTokens, loaded_model, *, train_config=None,
                  metrics=None, task: str | None = None) -> Path:
-    from selfspec.artefacts import save_artefact
+    from selfspec.store.artefacts import save_artefact
 
     tensors, fields = prompts_contents(prompts)
     return save_artefact(path, KIND, tensors, loaded_model, task=task, train_config=train_config,
@@ -85,7 +85,7 @@ def save_prompts(path: str | Path, prompts: PromptTokens, loaded_model, *, train
 def load_prompts(path: str | Path, loaded_model=None, model=None) -> PromptTokens:
     """Load a ``prompts`` artefact; checks it was trained for ``loaded_model`` (fingerprint) or,
     given only the layered ``model``, its name, hidden size and layer count."""
-    from selfspec.artefacts import ArtefactError, load_artefact
+    from selfspec.store.artefacts import ArtefactError, load_artefact
 
     art = load_artefact(path, KIND, loaded_model)
     model = model if model is not None else (loaded_model.model if loaded_model is not None else None)

@@ -1,6 +1,6 @@
 """Find and stream one distribution file through the package indexes pip is configured with.
 
-Used by :mod:`selfspec.assets` when ``pip download`` itself cannot fetch a file (bigbench's sdist
+Used by :mod:`selfspec.store.assets` when ``pip download`` itself cannot fetch a file (bigbench's sdist
 declares a direct-URL dependency, which pip refuses even with ``--no-deps`` because it builds the
 sdist's metadata). The indexes are pip's own: ``index-url`` then every ``extra-index-url``, read
 from pip's configuration and ``PIP_INDEX_URL`` / ``PIP_EXTRA_INDEX_URL`` (``pip config list``), so

@@ -1,0 +1,140 @@
+"""Files on disk written so that nothing is lost: atomic writes (a temporary file in the same
+directory, then a rename), a full disk's error naming the file, strict JSON values, and the checks
+that a directory can be made and written before a run writes into it (issue 39).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Plain JSON values for configs, tensors, numpy scalars; NaN/inf become ``None``."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(obj):
+            return to_jsonable(OmegaConf.to_container(obj, resolve=True))
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "tolist"):  # torch / numpy
+        return to_jsonable(obj.tolist())
+    if hasattr(obj, "item"):
+        return to_jsonable(obj.item())
+    return str(obj)
+
+
+
+def not_plain(info: os.stat_result) -> str | None:
+    """Why a file with this ``lstat`` / ``fstat`` is not one selfspec reads or appends ("is a FIFO",
+    "has 2 hard links (...)"), or None for a regular file with one link."""
+    mode = info.st_mode
+    if stat.S_ISREG(mode):
+        return None if info.st_nlink == 1 else \
+            f"has {info.st_nlink} hard links (it shares its lines with another file)"
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return f"is {name}"
+    return "is not a regular file"
+
+
+
+def check_writable(directory: str | Path, what: str) -> None:
+    """Raise :class:`PermissionError` naming ``what`` unless a file can be created in ``directory``
+    (an unnamed temporary file: nothing is left behind)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise PermissionError(f"cannot write to {directory} ({err.strerror or err}): choose a writable "
+                              f"directory for {what}") from None
+
+
+
+def check_directory(path: str | Path, key: str) -> None:
+    """Refuse, naming ``key``, a directory that cannot be made or written (issue 39: an existing file
+    there, or a read-only parent, gave a raw FileExistsError or OSError naming no key, after a lock
+    file had been created): ``path`` must be a directory or not exist yet, and the nearest existing
+    directory on its way must take a new file. Nothing is created."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{key}={path} is an existing file, not a directory: choose a directory")
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{key}={path} lies under the file {ancestor}: choose a directory")
+    check_writable(ancestor, key)
+
+
+
+@contextlib.contextmanager
+def disk_space(path: str | Path) -> Iterator[None]:
+    """Name ``path`` in a full disk's error (issue 39: a raw ``OSError [Errno 28]`` named no file).
+    What was written before stays: a run resumes where it stopped once there is space."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(err.errno, f"no space left on the device writing {path} ({os.strerror(err.errno)}): free "
+                                 "some space and run the same command again (a run resumes where it stopped)",
+                      str(path)) from None
+
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` atomically (temporary file in the same directory + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with disk_space(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return path
+
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON atomically (:func:`write_text`)."""
+    return write_text(path, json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
+
+
+
+def check_run_dir_argument(argv: list[str]) -> None:
+    """Before Hydra makes the run directory a command line names (``hydra.run.dir=...``), refuse one
+    that cannot be made or written with :func:`check_directory`'s message, and exit (Hydra would
+    fail with a raw FileExistsError). A sweep's directories and interpolated paths are left to Hydra."""
+    import sys
+
+    for arg in argv:
+        if arg.startswith("hydra.run.dir=") and "${" not in arg:
+            try:
+                check_directory(arg.split("=", 1)[1], "hydra.run.dir")
+            except OSError as err:
+                sys.exit(f"{type(err).__name__}: {err}")
