@@ -29,7 +29,7 @@ that decode task text (``training``, ``methods``) say so instead of running:
    apart: issue 38's target is measured / predicted within 10% for every method), per component;
 4. ``runtime``: the runtime benchmark's figures (:func:`selfspec.evaluation.runtime.runtime_report`);
 5. ``training``: every training job for a few steps, with its peak memory, seconds and the memory
-   model's estimate (:func:`selfspec.memory.estimate`);
+   model's estimate (:func:`selfspec.measure.peak.estimate`);
 6. ``methods``: every method evaluated against vanilla with the artefacts just trained, captured and
    eager, by the evaluation runner (seconds per token, consistency, ``passes``).
 
@@ -285,23 +285,24 @@ def training_section(loaded, model: str, overrides: list[str], p: dict) -> dict:
 
     from measure_memory import BASE, COMMON
     from selfspec import memory
+    from selfspec.measure import peak
     from selfspec.config import compose
     from selfspec.train import run_job
 
-    peak = memory.Peak(loaded.model.device)
-    shape = memory.shape_of(compose([f"model={model}", *overrides], config_name="train").model)
+    meter = peak.Peak(loaded.model.device)
+    shape = peak.shape_of(compose([f"model={model}", *overrides], config_name="train").model)
     out = {}
     for job in JOB_ORDER:
         cfg = compose([f"model={model}", *overrides, *COMMON, f"job={job}", *BASE[job], *p["train_extra"]],
                       config_name="train")
-        est = memory.estimate(job, shape, cfg, loaded.model.dtype, loaded.model.device)
+        est = memory.job_estimate(job, shape, cfg, loaded.model.dtype, loaded.model.device)
         if loaded.model.device.type == "cuda":
             torch.cuda.empty_cache()
-        peak.reset()
+        meter.reset()
         t0 = time.perf_counter()
         summary = run_job(cfg, loaded)
         seconds = time.perf_counter() - t0
-        measured = peak.read()
+        measured = meter.read()
         steps = summary.get("steps")
         out[job] = {"peak_bytes": measured, "estimate_bytes": est.total, "estimate_error": est.total / measured - 1,
                     "estimate_parts": {"weights": est.weights, "runtime": est.runtime,
@@ -367,7 +368,7 @@ TEXT_SECTIONS = ("training", "methods")
 def load_entry(model: str, overrides: list[str], p: dict) -> tuple[dict, object]:
     """Load one model of the check: its record (name, shape, dtype, device, load time) and the model."""
     from selfspec.config import compose
-    from selfspec.memory import shape_of
+    from selfspec.measure.peak import shape_of
     from selfspec.models.loading import load_model
 
     t0 = time.perf_counter()

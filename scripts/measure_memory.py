@@ -6,13 +6,13 @@
 
 Each point runs in its own process (``--child``): it composes the job's config, loads the model, and runs
 the job (``selfspec.train.run_job`` or the evaluation runner) on that model, recording with
-:class:`selfspec.memory.Peak` the resident memory after the imports, the peak through the load, and the peak
+:class:`selfspec.measure.peak.Peak` the resident memory after the imports, the peak through the load, and the peak
 from the loaded model to the job's end (the high-water mark reset after the load: a random model is built in
 float32 first, a transient a real checkpoint does not have). The parent also records the child's whole peak
 (``os.wait4``'s ``ru_maxrss``) and the load average. Every point's outputs go to a temporary
 ``SELFSPEC_OUTPUTS``, so the continuations the heads and draft-vocabulary jobs generate are never reused
 from a cache. The settings are small (a few steps, short sequences); batch and sequence vary at SmolLM2 so
-the activation terms can be fitted (:mod:`selfspec.memory`).
+the activation terms can be fitted (:mod:`selfspec.measure.peak`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def overrides(shape: str, job: str, extra: list[str], prompts_dir: Path | None) 
 
 def child(job: str, args: list[str]) -> dict:
     """Run one point in this process; its memory figures (bytes) and seconds."""
-    from selfspec.memory import Peak, _status_kb
+    from selfspec.measure.peak import Peak, _status_kb
 
     started = _status_kb("VmRSS") * 1024  # before selfspec's heavy imports
     import torch
@@ -126,13 +126,14 @@ def model_parts(point: dict) -> tuple[float, float]:
     import torch
 
     from selfspec import memory
+    from selfspec.measure import peak
     from selfspec.config import compose
 
     job = point["job"]
     cfg = compose(point["overrides"], config_name="evaluate" if job == "evaluate" else "train")
-    shape = memory.shape_of(cfg.model)
-    b = memory.dtype_bytes(getattr(torch, point["dtype"]))
-    context = point.get("context", memory.EVAL_CONTEXT)
+    shape = peak.shape_of(cfg.model)
+    b = peak.dtype_bytes(getattr(torch, point["dtype"]))
+    context = point.get("context", peak.EVAL_CONTEXT)
     phases = memory.terms(job, shape, cfg, b, context)
     fixed = shape.params * b
     # the phase that is largest at s = 1 (the estimator takes the largest after scaling: the same order here)
@@ -146,7 +147,7 @@ FITTED_S = ("heads", "prompts")
 
 
 def fit(points: list[dict]) -> dict:
-    """Per job, ``runtime`` and ``s`` of :data:`selfspec.memory.FIT` by least squares of the relative error
+    """Per job, ``runtime`` and ``s`` of each job's :class:`selfspec.measure.peak.MemoryModel` by least squares of the relative error
     of the CPU peak (``job_peak``) over its points (``s`` >= 0; 1 for jobs not in :data:`FITTED_S`), and
     every point's estimate."""
     import numpy as np

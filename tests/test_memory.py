@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from selfspec import memory
+from selfspec.measure import peak
 from selfspec.config import compose, model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,37 +20,37 @@ MEASURED = json.loads((ROOT / "docs" / "memory_measured.json").read_text())["poi
 
 def test_shapes_count_the_public_parameter_counts():
     # Llama-3.2-1B: 1,235,814,400 parameters (tied); Llama-3-8B: 8,030,261,248; SmolLM2-135M: 134,515,008
-    assert memory.shape_of(model_config("llama3.2-1b-random")).params == 1_235_814_400
-    assert memory.shape_of(model_config("llama3-8b-random")).params == 8_030_261_248
-    assert memory.SIZES["1B"].params == 1_235_814_400 and memory.SIZES["8B"].params == 8_030_261_248
-    assert memory.shape_of(model_config("smollm2-135m")).params == 134_515_008
+    assert peak.shape_of(model_config("llama3.2-1b-random")).params == 1_235_814_400
+    assert peak.shape_of(model_config("llama3-8b-random")).params == 8_030_261_248
+    assert peak.SIZES["1B"].params == 1_235_814_400 and peak.SIZES["8B"].params == 8_030_261_248
+    assert peak.shape_of(model_config("smollm2-135m")).params == 134_515_008
 
 
 @pytest.mark.parametrize("point", MEASURED, ids=lambda p: f"{p['shape']}-{p['job']}-{'_'.join(p['settings'])}")
 def test_estimate_within_the_stated_error_of_every_measured_point(point):
     cfg = compose(point["overrides"], config_name="evaluate" if point["job"] == "evaluate" else "train")
-    est = memory.estimate(point["job"], memory.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
+    est = memory.job_estimate(point["job"], peak.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
                           torch.device("cpu"))
-    assert abs(est.total / point["job_peak"] - 1) <= memory.ERROR + 1e-9
+    assert abs(est.total / point["job_peak"] - 1) <= peak.ERROR + 1e-9
 
 
 def test_the_stated_error_is_the_largest_over_the_points():
     errors = []
     for point in MEASURED:
         cfg = compose(point["overrides"], config_name="evaluate" if point["job"] == "evaluate" else "train")
-        est = memory.estimate(point["job"], memory.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
+        est = memory.job_estimate(point["job"], peak.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
                               torch.device("cpu"))
         errors.append(abs(est.total / point["job_peak"] - 1))
-    assert max(errors) == pytest.approx(memory.ERROR, abs=0.005)
+    assert max(errors) == pytest.approx(peak.ERROR, abs=0.005)
 
 
 def test_activation_terms_grow_with_batch_and_sequence():
-    shape = memory.SIZES["8B"]
+    shape = peak.SIZES["8B"]
     small = compose(["model=tiny-random", "job=prompts", "job.inserts=4"], config_name="train")
     large = compose(["model=tiny-random", "job=prompts", "job.inserts=64"], config_name="train")
     cuda = torch.device("cuda")
-    a = memory.estimate("prompts", shape, small, torch.bfloat16, cuda)
-    b = memory.estimate("prompts", shape, large, torch.bfloat16, cuda)
+    a = memory.job_estimate("prompts", shape, small, torch.bfloat16, cuda)
+    b = memory.job_estimate("prompts", shape, large, torch.bfloat16, cuda)
     assert b.total > a.total and a.weights == b.weights == shape.params * 2 and a.runtime == 0.0
 
 
@@ -58,29 +59,29 @@ def test_a_job_that_cannot_fit_is_refused_before_the_model_loads(monkeypatch, tm
     from selfspec.train import run_job
 
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
-    monkeypatch.setattr(memory, "device_memory", lambda device: (100 * 2**20, "a fake 100 MB device"))
+    monkeypatch.setattr(peak, "device_memory", lambda device: (100 * 2**20, "a fake 100 MB device"))
 
     def no_load(cfg):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(loading, "load_model", no_load)
     cfg = compose(["model=tiny-random", "job=heads", "logger=none", "progress=false"], config_name="train")
-    with pytest.raises(memory.MemoryRefused) as err:
+    with pytest.raises(peak.MemoryRefused) as err:
         run_job(cfg)
     message = str(err.value)
-    est = memory.estimate("heads", memory.shape_of(cfg.model), cfg, torch.float32, torch.device("cpu"))
+    est = memory.job_estimate("heads", peak.shape_of(cfg.model), cfg, torch.float32, torch.device("cpu"))
     assert f"{est.total / 1e9:.1f} GB" in message and "a fake 100 MB device" in message
     assert re.search(r"Lower job\.\w+", message) and est.largest().setting in message
     assert "memory_check=false" in message
     # memory_check=false skips the check (the model would then load)
     off = compose(["model=tiny-random", "job=heads", "memory_check=false"], config_name="train")
-    assert memory.check_fits("heads", off) is None
+    assert peak.check_fits("heads", memory.memory_model("heads"), off) is None
 
 
 def test_a_job_that_fits_passes():
     cfg = compose(["model=tiny-random", "job=heads"], config_name="train")
-    est = memory.check_fits("heads", cfg)
-    assert est is not None and est.total < memory.device_memory(torch.device("cpu"))[0]
+    est = peak.check_fits("heads", memory.memory_model("heads"), cfg)
+    assert est is not None and est.total < peak.device_memory(torch.device("cpu"))[0]
 
 
 def test_readme_table_is_the_generated_one():
@@ -90,7 +91,7 @@ def test_readme_table_is_the_generated_one():
 
 def test_checkpointing_and_chunking_shrink_their_terms():
     """The two settings that bound activations without changing the result lower the term they name."""
-    shape = memory.SIZES["8B"]
+    shape = peak.SIZES["8B"]
 
     def term(job, name, *overrides):
         cfg = compose(["model=tiny-random", f"job={job}", *overrides], config_name="train")
@@ -106,10 +107,10 @@ def test_an_evaluation_that_cannot_fit_is_refused_before_the_model_loads(monkeyp
     from selfspec.evaluation import runner
     from selfspec.models import loading
 
-    monkeypatch.setattr(memory, "device_memory", lambda device: (100 * 2**20, "a fake 100 MB device"))
+    monkeypatch.setattr(peak, "device_memory", lambda device: (100 * 2**20, "a fake 100 MB device"))
     monkeypatch.setattr(loading, "load_model", lambda cfg: (_ for _ in ()).throw(AssertionError("loaded")))
     cfg = compose(["model=tiny-random", "task=xsum", "n_examples=1", "logger=none", "progress=false"])
-    with pytest.raises(memory.MemoryRefused, match=r"job=evaluate .*a fake 100 MB device.*memory_check=false"):
+    with pytest.raises(peak.MemoryRefused, match=r"job=evaluate .*a fake 100 MB device.*memory_check=false"):
         runner.evaluate(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
@@ -146,7 +147,7 @@ def _gguf(path, drop=(), **meta):
 
 def test_a_gguf_files_shape_is_read_from_its_metadata(tmp_path):
     cfg = compose(["model=smollm2-135m", f"model.gguf_path={_gguf(tmp_path / 'ok.gguf')}"]).model
-    assert memory.shape_of(cfg) == memory.Shape(2, 64, 128, 4, 2, 16, 100, True)
+    assert peak.shape_of(cfg) == peak.Shape(2, 64, 128, 4, 2, 16, 100, True)
 
 
 @pytest.mark.parametrize("drop,meta,message", [
@@ -163,16 +164,16 @@ def test_a_gguf_file_with_bad_metadata_is_refused_by_name_before_the_model_loads
     path = _gguf(tmp_path / "bad.gguf", drop, **meta)
     cfg = compose(["model=smollm2-135m", f"model.gguf_path={path}"]).model
     with pytest.raises(ValueError, match=f"GGUF file {path}: {message}"):
-        memory.shape_of(cfg)
+        peak.shape_of(cfg)
 
 
 def test_weights_that_cannot_fit_are_not_blamed_on_the_prompts(monkeypatch):
     """Issue 39: a model whose weights alone exceed the device was told to lower the task's prompts,
     and a huge max_new_tokens was too; each now names what would help."""
-    monkeypatch.setattr(memory, "device_memory", lambda device: (2 * 2**20, "a fake 2 MB device"))
+    monkeypatch.setattr(peak, "device_memory", lambda device: (2 * 2**20, "a fake 2 MB device"))
     cfg = compose(["model=tiny-random", "task=xsum"])
-    with pytest.raises(memory.MemoryRefused, match=r"the weights alone .* more than a fake 2 MB device.*model\.dtype"):
-        memory.check_fits("evaluate", cfg, 100, prompt=64)
-    monkeypatch.setattr(memory, "device_memory", lambda device: (60 * 2**20, "a fake 60 MB device"))
-    with pytest.raises(memory.MemoryRefused, match=r"Lower max_new_tokens"):
-        memory.check_fits("evaluate", cfg, 64 + 1_000_000, prompt=64)
+    with pytest.raises(peak.MemoryRefused, match=r"the weights alone .* more than a fake 2 MB device.*model\.dtype"):
+        peak.check_fits("evaluate", memory.memory_model("evaluate"), cfg, 100, prompt=64)
+    monkeypatch.setattr(peak, "device_memory", lambda device: (60 * 2**20, "a fake 60 MB device"))
+    with pytest.raises(peak.MemoryRefused, match=r"Lower max_new_tokens"):
+        peak.check_fits("evaluate", memory.memory_model("evaluate"), cfg, 64 + 1_000_000, prompt=64)

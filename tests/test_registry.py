@@ -28,6 +28,26 @@ def test_every_task_has_its_title_and_score_from_its_class():
     assert [task_order(t) for t in ("xsum", "mtbench", "alpaca", "unknown")] == [0, 4, 5, 6]
 
 
+def test_every_job_says_its_own_memory_and_the_memory_model_knows_no_job():
+    """A job's memory terms, fitted factors and fallbacks live with it (``JOB.memory``; an
+    evaluation's ``runner.MEMORY``); the memory model names no job, and the README's table (the
+    command, selfspec.memory) gathers them from the job registry."""
+    import inspect
+
+    from selfspec import memory
+    from selfspec.evaluation import runner
+    from selfspec.measure import peak
+    from selfspec.train import JOBS, job_named
+
+    assert memory.jobs() == (*JOBS, "evaluate")
+    for name in JOBS:
+        assert isinstance(job_named(name).memory, peak.MemoryModel)
+        assert memory.memory_model(name) is job_named(name).memory
+    assert memory.memory_model("evaluate") is runner.MEMORY
+    source = inspect.getsource(peak)
+    assert not [n for n in memory.jobs() if f'"{n}"' in source]
+
+
 def test_an_evaluation_checks_each_method_once(tmp_path, monkeypatch):
     """Issue 40: each method's options were checked twice per run (before the model loaded, then
     again when its decoder was built); the decoders are now built from the options checked first."""

@@ -29,12 +29,16 @@ JOBS = {
 }
 
 
-def job_of(cfg: DictConfig) -> driver.Job:
-    """The :class:`~selfspec.training.driver.Job` of ``cfg.job.name``."""
-    name = str(cfg.job.name)
+def job_named(name: str) -> driver.Job:
+    """The :class:`~selfspec.training.driver.Job` of the job ``name`` (``conf/job/<name>.yaml``)."""
     if name not in JOBS:
         raise ValueError(f"unknown job {name!r}; choose one of {', '.join(sorted(JOBS))} (conf/job/)")
     return importlib.import_module(JOBS[name]).JOB
+
+
+def job_of(cfg: DictConfig) -> driver.Job:
+    """The :class:`~selfspec.training.driver.Job` of ``cfg.job.name``."""
+    return job_named(str(cfg.job.name))
 
 
 def prepare_job(cfg: DictConfig) -> dict:

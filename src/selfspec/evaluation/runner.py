@@ -39,6 +39,7 @@ from selfspec.config import load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
 from selfspec.models.capture import BUCKETS
+from selfspec.measure.peak import EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes
 from selfspec.measure.profile import machine, model_shape
 from selfspec.store.locks import hold
 from selfspec.tracking import ResultsFile, Tracker, open_run_log, save_hydra_files, start_run
@@ -55,6 +56,23 @@ ROW_KEYS = ("id", "method", "tokens", "seconds")
 _RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples")
 #: the value of a resume key in a run directory recorded before the key existed
 _RESUME_DEFAULTS = {"n_samples": 1}
+
+
+# --- memory (selfspec.measure.peak) ----------------------------------------------------------------
+def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """The cache of the longest sequence (``context``: prompt and new tokens) and the prompt's prefill
+    (``prompt`` rows; the whole context when not given)."""
+    prompt = context if prompt is None else min(prompt, context)
+    return [[
+        Term("cache", context * s.kv_per_token * b,
+             "max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)"),
+        Term("prefill", layer_bytes(s, prompt, b) + scores_bytes(s, prompt, prompt, b) + s.vocab * 4,
+             "the task's prompts"),
+    ]]
+
+
+#: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)
+MEMORY = MemoryModel(memory_terms, s=1.0, runtime=497863884.8)
 
 
 class ResumeMismatch(ValueError):
@@ -392,10 +410,8 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     """
     plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
     if loaded is None:  # its estimated peak against the device's memory, before the model loads
-        from selfspec.memory import EVAL_CONTEXT, check_fits
-
         prompt = getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT
-        check_fits("evaluate", cfg, prompt + plan.budget, prompt)
+        check_fits("evaluate", MEMORY, cfg, prompt + plan.budget, prompt)
     out_dir = Path(out_dir)
     check_directory(out_dir, "hydra.run.dir")
     created = not out_dir.exists()

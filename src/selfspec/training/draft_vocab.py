@@ -36,6 +36,7 @@ from selfspec.config import checks
 from selfspec.models.heads import draft_vocab_tensors
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
+from selfspec.measure.peak import MemoryModel, Shape, Term, generation_bytes
 
 log = logging.getLogger(__name__)
 
@@ -177,4 +178,24 @@ def objective(ctx) -> Result:
                   tables={"draft_vocab_candidates": candidates})
 
 
-JOB = Job(kind="draft_vocab", tracker_job="draft-vocab", prepare=prepare, default_dir=default_dir, objective=objective)
+# --- memory (selfspec.measure.peak) ----------------------------------------------------------------
+def _job_terms(s: Shape, j, b: int) -> list[list[Term]]:
+    new = int(j.gen_tokens) + 1
+    prompt = int(j.max_prompt_tokens or 4096)
+    sizes = [int(x) for x in j.sizes if int(x) < s.vocab] + ([int(j.size)] if j.size is not None else [])
+    return [
+        [Term("generation", generation_bytes(s, int(j.gen_batch), prompt, new, b), "job.gen_batch / job.max_prompt_tokens")],
+        [Term("truncated head", max(sizes, default=0) * s.hidden * b + s.vocab * 4, "job.sizes / job.size")],
+    ]
+
+
+def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """This job's memory terms beside the weights, by phase (:class:`~selfspec.measure.peak.MemoryModel`)."""
+    return _job_terms(shape, cfg.job, b)
+
+
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+MEMORY = MemoryModel(memory_terms, s=1.0, runtime=502267904.0,
+                     fallbacks=((), ("job.gen_batch=2",)))
+
+JOB = Job(memory=MEMORY, kind="draft_vocab", tracker_job="draft-vocab", prepare=prepare, default_dir=default_dir, objective=objective)

@@ -7,7 +7,7 @@ artefacts it reads, and its ``objective`` (training, a search or statistics):
 
 1. **prepare**: the keys every job shares (:func:`check_run`), then ``job.prepare(cfg)`` — every
    config value checked and the job's data read — so a typo never costs a model load; then the
-   job's estimated peak memory against the device's (:func:`selfspec.memory.check_fits`: a job
+   job's estimated peak memory against the device's (:func:`selfspec.measure.peak.check_fits`: a job
    that cannot fit is refused before its model loads; ``memory_check=false`` skips it);
 2. **lock**: the artefact directory is owned for the whole job (:mod:`selfspec.store.locks`: a second
    job into it is refused at once), its parent checked writable, the Hydra job log opened;
@@ -33,6 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
+from selfspec.measure.peak import MemoryModel
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class Job:
     default_dir: Callable[[Any, dict], Path]
     #: ``objective(ctx) -> Result``: the job's own work on the loaded model
     objective: Callable[["Context"], "Result"]
+    #: what the job says about its peak memory (its terms, fitted factors, fallbacks), checked
+    #: against the device's before the model loads (:func:`selfspec.measure.peak.check_fits`)
+    memory: MemoryModel
     #: ``inputs(opts) -> [(path, kind)]``: the artefacts it reads (input lineage)
     inputs: Callable[[dict], list[tuple[Path, str]]] = no_inputs
     #: ``job.*`` keys a rerun may change over a finished artefact because the job continues from it
@@ -153,12 +157,11 @@ def run(job: Job, cfg, loaded=None) -> dict:
     from selfspec.models.loading import model_for
     from selfspec.tracking import hydra_output_dir, open_run_log, start_run
     from selfspec.store.files import check_directory, check_writable
-
-    from selfspec.memory import check_fits
+    from selfspec.measure.peak import check_fits
 
     opts = prepare(job, cfg)  # config and data checked before anything is locked or loaded
     if loaded is None:  # its estimated peak checked against the device's memory before the model loads
-        check_fits(str(cfg.job.name), cfg)
+        check_fits(str(cfg.job.name), job.memory, cfg)
     out = artefact_dir(job, cfg, opts)
     check_directory(out, "artefact_dir")  # before its lock file is made beside it
     with hold(artefact_lock(out), f"artefact directory {out}"):

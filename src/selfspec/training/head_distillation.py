@@ -38,6 +38,7 @@ from selfspec.models.heads import IntermediateHeads, default_layers, heads_artef
 from selfspec.training.continuations import Sequence, build_data, data_tag, data_tasks, generation_options
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
+from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, generation_bytes, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 
@@ -273,4 +274,35 @@ def objective(ctx) -> Result:
         checkpoint=ctx.ckpt_dir)
 
 
-JOB = Job(kind="heads", tracker_job="train-heads", prepare=prepare, default_dir=default_dir, objective=objective)
+# --- memory (selfspec.measure.peak) ----------------------------------------------------------------
+def _job_terms(s: Shape, j, b: int) -> list[list[Term]]:
+    n_heads = len(j.layers) if j.layers is not None else int(j.n_heads)
+    new = int(j.gen_tokens) + 1
+    positions = int(j.batch_size) * new
+    if j.max_positions is not None:
+        positions = min(positions, int(j.max_positions))
+    trained = n_heads * s.hidden * (s.hidden if j.kind == "linear" else s.vocab)
+    cached = (int(j.n_prompts) if j.cache_features else int(j.batch_size)) + int(j.n_heldout)
+    sequence = int(j.max_prompt_tokens or 4096) + new
+    train = [
+        Term("optimizer", trained * 4 * OPTIMIZER_COPIES, "job.kind / job.n_heads", activation=False),
+        Term("features", cached * new * (n_heads + 1) * s.hidden * b, "job.cache_features / job.n_prompts"),
+        Term("kl", n_heads * min(positions, j.get("kl_chunk") or positions) * s.vocab * (b + 24),
+             "job.kl_chunk / job.max_positions"),
+        Term("frozen pass", layer_bytes(s, sequence, b) + scores_bytes(s, sequence, sequence, b), "job.max_prompt_tokens"),
+    ]
+    gen = [Term("generation", generation_bytes(s, int(j.gen_batch), sequence - new, new, b),
+                "job.gen_batch / job.max_prompt_tokens")]
+    return [train, gen]
+
+
+def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """This job's memory terms beside the weights, by phase (:class:`~selfspec.measure.peak.MemoryModel`)."""
+    return _job_terms(shape, cfg.job, b)
+
+
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+MEMORY = MemoryModel(memory_terms, s=0.606, runtime=550712115.2,
+                     fallbacks=((), ("job.kl_chunk=16",), ("job.kl_chunk=16", "job.gen_batch=2", "job.max_prompt_tokens=512")))
+
+JOB = Job(memory=MEMORY, kind="heads", tracker_job="train-heads", prepare=prepare, default_dir=default_dir, objective=objective)

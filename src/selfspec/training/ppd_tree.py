@@ -35,6 +35,7 @@ from selfspec.decoding.tree import TREE_KIND, SparseTree, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
 from selfspec.measure.costs import context_cache, time_forward
 from selfspec.training.driver import Job, Result, job_keys
+from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 
@@ -255,5 +256,52 @@ def objective(ctx) -> Result:
         metrics=metrics, summary=metrics, tables={"latency_vs_size": rows}, files=files)
 
 
-JOB = Job(kind=TREE_KIND, tracker_job="ppd-tree", prepare=prepare, default_dir=default_dir, objective=objective,
+# --- memory (selfspec.measure.peak) ----------------------------------------------------------------
+#: a validation prompt's tokens (ShareGPT first turns, not clipped by the job)
+TREE_PROMPT = 512
+
+
+def _job_terms(s: Shape, j, b: int, prompt_tokens) -> list[list[Term]]:
+    m, e = int(prompt_tokens["m"]), int(prompt_tokens["n_ept"])
+    new = int(j.max_new_tokens)
+    seq = TREE_PROMPT + new
+    rows = new * m * e
+    size = max(int(x) for x in j.sizes)
+    return [[
+        Term("statistics", (seq + rows) * s.kv_per_token * b + layer_bytes(s, seq, b) + scores_bytes(s, seq, seq + rows, b)
+             + (new * m + rows) * s.vocab * b, "job.max_new_tokens"),
+        Term("latency", (int(j.latency_context) + size) * s.kv_per_token * b + size * s.vocab * 4,
+             "job.sizes / job.latency_context"),
+    ]]
+
+
+def _tree_prompts(cfg) -> dict:
+    """The prompt tokens' ``m`` and ``n_ept`` of the artefact a tree is built for (its ``meta.json``;
+    the prompts job's config when there is none yet)."""
+    import json
+
+    path = cfg.job.get("prompts")
+    meta = Path(str(path)) / "meta.json" if path else None
+    if meta is not None and meta.exists():
+        data = json.loads(meta.read_text())
+        train = data.get("train_config") or {}
+        return {"m": data.get("m", train.get("m", 3)), "n_ept": data.get("n_ept", train.get("n_ept", 1))}
+    from omegaconf import OmegaConf
+
+    from selfspec.config import conf_dir
+
+    job = OmegaConf.load(conf_dir() / "job" / "prompts.yaml")
+    return {"m": job.m, "n_ept": job.n_ept}
+
+
+def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """This job's memory terms beside the weights, by phase (:class:`~selfspec.measure.peak.MemoryModel`)."""
+    return _job_terms(shape, cfg.job, b, _tree_prompts(cfg))
+
+
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+MEMORY = MemoryModel(memory_terms, s=1.0, runtime=486748979.2,
+                     fallbacks=((),))
+
+JOB = Job(memory=MEMORY, kind=TREE_KIND, tracker_job="ppd-tree", prepare=prepare, default_dir=default_dir, objective=objective,
           inputs=inputs)

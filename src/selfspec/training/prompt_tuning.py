@@ -33,6 +33,7 @@ from selfspec.config import checks
 from selfspec.models.prompts import PromptTokens, prompts_contents
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
+from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, backward_bytes, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 
@@ -253,4 +254,28 @@ def objective(ctx) -> Result:
                   checkpoint=ctx.ckpt_dir)
 
 
-JOB = Job(kind="prompts", tracker_job="train-prompts", prepare=prepare, default_dir=default_dir, objective=objective)
+# --- memory (selfspec.measure.peak) ----------------------------------------------------------------
+def _job_terms(s: Shape, j, b: int) -> list[list[Term]]:
+    m, e, k, ctx = int(j.m), int(j.n_ept), int(j.inserts), int(j.context_length)
+    rows = k * m * e
+    return [[
+        Term("optimizer", m * e * s.hidden * b * OPTIMIZER_COPIES, "job.m / job.n_ept", activation=False),
+        Term("cache", (ctx + rows) * s.kv_per_token * b, "job.context_length"),
+        Term("frozen pass", layer_bytes(s, ctx, b) + scores_bytes(s, ctx, ctx, b), "job.context_length"),
+        Term("logits", (k * m + rows) * s.vocab * (b + 16), "job.inserts / job.n_ept"),
+        Term("backward through the model", backward_bytes(s, rows, ctx + rows, b, bool(j.get("gradient_checkpointing"))),
+             "job.gradient_checkpointing / job.inserts"),
+    ]]
+
+
+def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """This job's memory terms beside the weights, by phase (:class:`~selfspec.measure.peak.MemoryModel`)."""
+    return _job_terms(shape, cfg.job, b)
+
+
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+MEMORY = MemoryModel(memory_terms, s=0.805, runtime=502058188.8,
+                     fallbacks=((), ("job.gradient_checkpointing=true",),
+              ("job.gradient_checkpointing=true", "job.inserts=8", "job.context_length=256")))
+
+JOB = Job(memory=MEMORY, kind="prompts", tracker_job="train-prompts", prepare=prepare, default_dir=default_dir, objective=objective)

@@ -47,6 +47,7 @@ from selfspec.measure.costs import time_forward
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.training.bars import bar
 from selfspec.training.driver import Job, Result, job_keys, task_names
+from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 
@@ -652,5 +653,28 @@ def search(ctx) -> Result:
                   files=files)
 
 
-JOB = Job(kind="skip_set", tracker_job="skips", prepare=prepare, default_dir=default_dir, objective=search,
+# --- memory (selfspec.measure.peak) ----------------------------------------------------------------
+def _job_terms(s: Shape, j, b: int) -> list[list[Term]]:
+    n, new = int(j.n_prompts), int(j.max_new_tokens)
+    block = int(j.max_prompt_tokens or 4096) + new
+    queries = n * (new - 1)
+    keys = n * block + queries
+    return [[
+        Term("cache", keys * s.kv_per_token * b, "job.n_prompts / job.max_prompt_tokens"),
+        Term("dev pass", layer_bytes(s, block, b) + scores_bytes(s, block, keys, b) + block * keys * b,
+             "job.n_prompts / job.max_prompt_tokens"),
+        Term("draft agreement", queries * s.vocab * 2 * b + scores_bytes(s, queries, keys, b), "job.n_prompts / job.max_new_tokens"),
+    ]]
+
+
+def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
+    """This job's memory terms beside the weights, by phase (:class:`~selfspec.measure.peak.MemoryModel`)."""
+    return _job_terms(shape, cfg.job, b)
+
+
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+MEMORY = MemoryModel(memory_terms, s=1.0, runtime=588985139.2,
+                     fallbacks=((), ("job.n_prompts=4", "job.max_prompt_tokens=256")))
+
+JOB = Job(memory=MEMORY, kind="skip_set", tracker_job="skips", prepare=prepare, default_dir=default_dir, objective=search,
           extendable=("iterations",))  # a rerun with more iterations continues the search's trace
