@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     import torch
 
     from selfspec.config import compose
-    from selfspec.models import kernels
     from selfspec.measure.costs import context_cache, time_forward
+    from selfspec.models import kernels
     from selfspec.models.loading import load_model
 
     loaded = load_model(compose([f"model={args.model}", *args.overrides]).model)

@@ -51,8 +51,8 @@ def main(argv=None) -> int:
 
     from selfspec.config import load_method_config, model_config
     from selfspec.decoding import Sampling, build_decoder
-    from selfspec.models.loading import load_model
     from selfspec.measure.profile import Profile, default_path, matching_shipped
+    from selfspec.models.loading import load_model
 
     loaded = load_model(model_config(args.model))
     model = loaded.model

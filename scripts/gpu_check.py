@@ -285,8 +285,8 @@ def training_section(loaded, model: str, overrides: list[str], p: dict) -> dict:
 
     from measure_memory import BASE, COMMON
     from selfspec import memory
-    from selfspec.measure import peak
     from selfspec.config import compose
+    from selfspec.measure import peak
     from selfspec.train import run_job
 
     meter = peak.Peak(loaded.model.device)

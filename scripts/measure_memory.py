@@ -126,8 +126,8 @@ def model_parts(point: dict) -> tuple[float, float]:
     import torch
 
     from selfspec import memory
-    from selfspec.measure import peak
     from selfspec.config import compose
+    from selfspec.measure import peak
 
     job = point["job"]
     cfg = compose(point["overrides"], config_name="evaluate" if job == "evaluate" else "train")

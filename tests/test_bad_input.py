@@ -16,14 +16,14 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import flip_last_byte, method_config
-from selfspec.store.artefacts import ArtefactError, META
-from selfspec.config.checks import ConfigError
 from selfspec.config import compose, group_options, model_config
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import build_decoder, check_method
 from selfspec.evaluation import evaluate, method_configs, prepare
-from selfspec.models.heads import IntermediateHeads, load_heads, save_heads
 from selfspec.models.families import UnsupportedModelError
+from selfspec.models.heads import IntermediateHeads, load_heads, save_heads
 from selfspec.models.loading import ModelLoadError, load_model
+from selfspec.store.artefacts import ArtefactError, META
 from selfspec.tasks import TaskDataError, build_task
 from selfspec.train import prepare_job, run_job
 
@@ -365,8 +365,8 @@ def test_every_shipped_task_and_experiment_passes(no_model_load):
 
 
 def test_every_shipped_job_config_passes(tiny, tmp_path, monkeypatch):
-    from selfspec.store.artefacts import default_artefact_dir
     from selfspec.models.prompts import PromptTokens, save_prompts
+    from selfspec.store.artefacts import default_artefact_dir
 
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))  # ppd_tree needs a prompts artefact
     save_prompts(default_artefact_dir("prompts", "tiny-random"), PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
@@ -526,8 +526,8 @@ def test_damaged_asset_gguf_is_refused_before_dequantising(tmp_path, request):
     asset into a fresh cache, flip its last byte (size kept, mtime restored), load the embedded
     default: before, it was dequantised; now it is refused by name before anything is read, and the
     genuine file's conversion is named by its pinned sha256."""
-    from selfspec.store.assets import ASSETS, AssetDamagedError, asset_path
     from selfspec.models.loading import Source, _cache_name
+    from selfspec.store.assets import ASSETS, AssetDamagedError, asset_path
 
     source = asset_path("smollm2-gguf")  # the shared cache's, before the test's cache replaces it
     conversions = request.getfixturevalue("conversions")
@@ -572,8 +572,8 @@ def test_inconsistent_gguf_metadata_is_one_error_naming_the_file(tmp_path, conve
 
 @pytest.mark.slow
 def test_smollm2_gguf_path_decodes_like_the_embedded_default(smol, tmp_path, monkeypatch):
-    from selfspec.store.assets import asset_path
     from selfspec.decoding.vanilla import Vanilla
+    from selfspec.store.assets import asset_path
 
     path = asset_path("smollm2-gguf")
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # its own conversion, not the default's

@@ -33,8 +33,8 @@ def test_demo_small_pipeline_regenerates_tables(demo_run, tmp_path):
     head = printed.index("Headline speedups (vs vanilla, same examples):")
     assert all(line.startswith("  tiny-random · ") for line in printed[head + 1:]) and printed[head + 1:]
     # before them, per run and method with a cost ledger, its speedup in words (none without ledgers)
-    from selfspec.reporting.tables import LINES_HEADING, ledger_lines
     from selfspec.reporting.records import collect, latest_only
+    from selfspec.reporting.tables import LINES_HEADING, ledger_lines
 
     spent = ledger_lines(latest_only(collect([run_dir / "eval"])))
     if spent:

@@ -10,14 +10,14 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import cpu_like_profile, method_config
-from selfspec.store.artefacts import ArtefactError
-from selfspec.config.checks import ConfigError
 from selfspec.config import compose
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.sampling import warp
 from selfspec.models.heads import DraftVocab, IntermediateHeads, load_draft_vocab, save_draft_vocab
-from selfspec.training.draft_vocab import choose_size, count_tokens, coverage, generated, rank
+from selfspec.store.artefacts import ArtefactError
 from selfspec.training.continuations import Sequence
+from selfspec.training.draft_vocab import choose_size, count_tokens, coverage, generated, rank
 from test_draft_verify import first_step, first_token_counts
 from test_early_exit import agreeing_model, vanilla
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.store.artefacts import ArtefactError
 from selfspec.config import compose
 from selfspec.decoding.peers import HFGenerate
-from selfspec.evaluation import RESULTS, SUMMARY, ResumeMismatch, consistency, evaluate, method_configs, summarize
+from selfspec.evaluation import RESULTS, ResumeMismatch, SUMMARY, consistency, evaluate, method_configs, summarize
+from selfspec.store.artefacts import ArtefactError
 from selfspec.tracking import ResultsFile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,13 +8,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import method_config
-from selfspec.store.artefacts import ArtefactError
 from selfspec.config import compose, conf_dir, model_config
-from selfspec.models.heads import KINDS, IntermediateHeads, default_layers, load_heads, save_heads
+from selfspec.models.heads import IntermediateHeads, KINDS, default_layers, load_heads, save_heads
 from selfspec.models.loading import load_model
-from selfspec.training import head_distillation as job_heads
+from selfspec.store.artefacts import ArtefactError
+from selfspec.training import head_distillation as job_heads, loop
 from selfspec.training.continuations import Sequence
-from selfspec.training import loop
 from selfspec.training.loop import CheckpointMismatch, TrainConfig, train
 
 

@@ -21,8 +21,8 @@ from selfspec.config import compose
 from selfspec.decoding import build_decoder, check_method
 from selfspec.decoding.knapspec import KNAPSPEC_NEEDS_PROFILE, sublayer_weights
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.models.layered import SkipSet
 from selfspec.measure.profile import FORMAT, Profile, model_shape
+from selfspec.models.layered import SkipSet
 
 #: the authors' (c1, c2, c3): t_mlp = c1, t_attn = c2·context + c3; over the tiny contexts (20-80) attention
 #: goes from as dear as the MLP (weights 1, 1) to about twice as dear (2, 1), so the weights change mid-run

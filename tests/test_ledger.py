@@ -15,8 +15,8 @@ from selfspec.decoding import Sampling
 from selfspec.evaluation import RESULTS, SUMMARY, evaluate, summarize
 from selfspec.evaluation.aggregate import contention
 from selfspec.evaluation.profiling import measure_profile
-from selfspec.models.ledger import COMPONENTS, HeadOp, LayerOp, LinearOp, WarpOp, as_op
 from selfspec.measure.profile import FORMAT, Profile, ProfileMismatch, model_shape
+from selfspec.models.ledger import COMPONENTS, HeadOp, LayerOp, LinearOp, WarpOp, as_op
 from selfspec.project import project_run
 from selfspec.tracking import ResultsFile
 

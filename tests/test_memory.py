@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from selfspec import memory
-from selfspec.measure import peak
 from selfspec.config import compose, model_config
+from selfspec.measure import peak
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = json.loads((ROOT / "docs" / "memory_measured.json").read_text())["points"]

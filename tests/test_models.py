@@ -5,12 +5,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import method_config
-from selfspec.store.artefacts import ArtefactError, load_artefact, save_artefact
-from selfspec.config.checks import ConfigError
 from selfspec.config import model_config
+from selfspec.config.checks import ConfigError
 from selfspec.models.families import UnsupportedModelError
 from selfspec.models.layered import LayeredModel
 from selfspec.models.loading import ModelLoadError, load_model
+from selfspec.store.artefacts import ArtefactError, load_artefact, save_artefact
 
 
 def test_unknown_model_lists_known_ones():

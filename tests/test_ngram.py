@@ -6,8 +6,8 @@ from omegaconf import OmegaConf
 
 from conftest import cpu_like_profile, method_config, rolled_back_steps
 
-from selfspec.config.checks import ConfigError
 from selfspec.config import compose, model_config
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.ngram import AcceptanceTable, NgramIndex, NgramLookup

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.store.artefacts import ArtefactError, read_meta
 from selfspec.config import compose
 from selfspec.evaluation import RESULTS, ResumeMismatch, evaluate
 from selfspec.evaluation.runner import RUN_CONFIG
+from selfspec.store.artefacts import ArtefactError, read_meta
+from selfspec.store.files import check_writable
 from selfspec.store.locks import DirectoryBusy
 from selfspec.tracking import ResultsFile, ResultsFileError
-from selfspec.store.files import check_writable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny-random", "n_examples=2", "max_new_tokens=8", "warmup=0", "progress=false"]
@@ -75,8 +75,8 @@ def test_a_second_training_job_into_a_busy_artefact_directory_is_refused_before_
     """Reproduction: two training runs with different ``job.lr`` into one artefact directory both
     reported success and one result was silently lost. Now the second is refused at once (before
     its model loads), naming the holder."""
-    from selfspec.store.locks import artefact_lock
     from selfspec.models import loading
+    from selfspec.store.locks import artefact_lock
     from selfspec.train import run_job
 
     out = tmp_path / "heads"

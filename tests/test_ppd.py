@@ -121,8 +121,8 @@ def test_typical_accept_rule():
 
 
 def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tmp_path):
-    from selfspec.store.artefacts import save_artefact
     from selfspec.models.prompts import save_prompts
+    from selfspec.store.artefacts import save_artefact
 
     m = tiny.model
     save_prompts(tmp_path / "p", _prompts(m, 2, 1, 0), tiny)

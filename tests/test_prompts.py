@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.store.artefacts import ArtefactError
 from selfspec.decoding.tree import prompt_chain_mask
 from selfspec.models.prompts import PromptTokens, load_prompts, save_prompts
+from selfspec.store.artefacts import ArtefactError
 from selfspec.training.prompt_tuning import distillation_loss, sample_batch, student_teacher, topk_accuracy
 
 

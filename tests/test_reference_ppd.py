@@ -31,7 +31,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.store.artefacts import save_artefact
 from selfspec.config import load_method_config, model_config
 from selfspec.decoding import check_method
 from selfspec.decoding.ppd import PPD
@@ -39,6 +38,7 @@ from selfspec.decoding.tree import SparseTree, paper_states
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.loading import load_model
 from selfspec.models.prompts import PromptTokens, save_prompts
+from selfspec.store.artefacts import save_artefact
 
 from reference import ppd_authors
 from reference.traces import check_kv, totals

@@ -1,21 +1,46 @@
-"""Issue 40: what a method or a task says about itself lives with it. A method's class carries its
-title, the registry (``METHOD_MODULES``) its place in tables; a task's class its title and its score
-column, the task registry its place. Nothing else keyed by their names defines them."""
+"""Issue 40: one registry style, and what a method, task, job or family says about itself lives with
+it. A method's class carries its title, the registry (``METHODS``) its place in tables; a task's class
+its title and its score column, the task registry its place; a job its memory model. Nothing else
+keyed by their names defines them."""
 
 from __future__ import annotations
 
-from selfspec.decoding import METHOD_MODULES, decoder_class, method_rank, method_title
+from selfspec.decoding import METHODS, decoder_class, method_rank, method_title
 from selfspec.reporting.layouts import PAPER_TASKS, TASK_SCORE, TASK_TITLE, task_order
 from selfspec.tasks import TASKS
 
 
+def test_methods_tasks_jobs_and_families_share_one_registry_style():
+    import pytest
+
+    from selfspec.config.registry import Registry
+    from selfspec.models.families import FAMILIES
+    from selfspec.train import JOBS
+
+    for registry in (METHODS, TASKS, JOBS, FAMILIES):
+        assert isinstance(registry, Registry) and len(registry) > 0
+        for name in registry:
+            assert registry[name] is not None, (registry.what, name)
+    assert METHODS.rank("ppd") == list(METHODS).index("ppd") and METHODS.rank("medusa") == len(METHODS)
+    # the names are listed without importing what they name, and an unknown name is refused by the
+    # registry's own message, naming the known ones
+    with pytest.raises(ValueError, match=r"unknown method 'medusa'; choose one of .*vanilla \(conf/method/\)"):
+        decoder_class("medusa")
+    with pytest.raises(ValueError, match=r"unknown job 'sft'; choose one of draft_vocab, heads"):
+        JOBS.lookup("sft")
+    with pytest.raises(KeyError, match=r"unknown task 'squad'; known tasks: cnndm, gsm8k"):
+        TASKS.lookup("squad")
+    with pytest.raises(ValueError, match="not 'module:attribute'"):
+        Registry("thing", {"a": "selfspec.decoding"})
+
+
 def test_every_method_has_its_title_and_place_from_the_registry():
-    for i, name in enumerate(METHOD_MODULES):
+    for i, name in enumerate(METHODS):
         cls = decoder_class(name)
         assert cls.name == name and cls.title, name
         assert method_title(name) == cls.title and method_rank(name) == i
     assert method_title("Medusa") == "Medusa"  # a paper's own row keeps its name, after every method
-    assert method_rank("Medusa") == len(METHOD_MODULES)
+    assert method_rank("Medusa") == len(METHODS)
     assert [method_title(n) for n in ("vanilla", "draft_verify", "del", "hf_generate")] == [
         "Vanilla", "Draft & Verify", "DEL", "HF generate"]
 

@@ -372,8 +372,8 @@ def test_answer_leaves_out_lossy_runs_and_says_when_none_is_faster():
 
 def test_training_plots_label_axes_and_caption(tmp_path):
     """The skip search's Figure 4 and the PPD tree's curves: units on every axis, a caption drawn in."""
-    from selfspec.training.skips import plot_trace
     from selfspec.training.ppd_tree import plot_curves
+    from selfspec.training.skips import plot_trace
 
     rows = [{"iteration": i, "n_skipped": i + 1, "speedup": 0.8 + i / 10, "n_attn": i, "n_mlp": 1} for i in range(4)]
     plots = [plot_trace(rows, tmp_path / "skips.png", "m skip-set search"),
@@ -390,9 +390,9 @@ def sampling_runs(tiny, tmp_path_factory):
     text setting): Draft & Verify with HF generate, and PPD (typical acceptance under sampling)."""
     import torch
 
-    from selfspec.store.artefacts import save_artefact
     from selfspec.decoding.tree import SparseTree
     from selfspec.models.prompts import PromptTokens, save_prompts
+    from selfspec.store.artefacts import save_artefact
 
     root = tmp_path_factory.mktemp("sampling")
     g = torch.Generator().manual_seed(0)

@@ -13,9 +13,9 @@ from test_report import assert_plots_explained, entry, write_run
 
 from selfspec.reporting import build_report, read_run
 from selfspec.reporting.ledger import COLOUR, LOADED, in_words
-from selfspec.reporting.tables import ledger_lines
 from selfspec.reporting.plots import PANEL_SERIES, ledger_figure
 from selfspec.reporting.records import Record
+from selfspec.reporting.tables import ledger_lines
 
 TAU = 1.21
 #: AdaDecode's measured cost of one step, in vanilla steps, per component (sum 1.68)

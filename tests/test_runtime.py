@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfspec.models import kernels
 from selfspec.measure.costs import CostCurve, context_cache, time_forward, weight_bytes
+from selfspec.models import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 

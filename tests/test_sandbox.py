@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from selfspec import metrics
-from selfspec.config.checks import ConfigError
 from selfspec.config import compose
+from selfspec.config.checks import ConfigError
 from selfspec.evaluation import prepare
 from selfspec.evaluation.aggregate import summarize
 from selfspec.metrics import sandbox

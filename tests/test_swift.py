@@ -18,8 +18,8 @@ import torch
 from conftest import first_two_tokens_tv, method_config
 from reference import swift as reference
 from reference.traces import first_difference
-from selfspec.config.checks import ConfigError
 from selfspec.config import compose
+from selfspec.config.checks import ConfigError
 from selfspec.decoding import Sampling, build_decoder, check_method
 from selfspec.decoding.sampling import multi_candidate_verify
 from selfspec.decoding.swift import initial_skip, tree_width

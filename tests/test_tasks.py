@@ -52,8 +52,8 @@ def test_humaneval_keeps_the_first_function():
 
 
 def test_humaneval_canonical_solution_passes():
-    from selfspec.store.assets import asset_path
     from selfspec.metrics import sandbox
+    from selfspec.store.assets import asset_path
     from selfspec.tasks.task import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2})
@@ -304,8 +304,8 @@ REPLIES = [  # (a chat reply, what its completion must hold / must not hold)
 @pytest.mark.parametrize("reply,holds,lacks", REPLIES)
 def test_humaneval_chat_reply_becomes_a_passing_completion(reply, holds, lacks):
     """The canonical solution inside a chat reply, extracted, passes the tests after the prompt."""
-    from selfspec.store.assets import asset_path
     from selfspec.metrics import sandbox
+    from selfspec.store.assets import asset_path
     from selfspec.tasks.task import read_jsonl
 
     task = build_task({"name": "humaneval", "n_examples": 2}, model_chat=True)

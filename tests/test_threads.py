@@ -16,8 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import cpu_like_profile, method_config
 from selfspec import numerics
 from selfspec.config.checks import ConfigError
-from selfspec.decoding import build_decoder
-from selfspec.decoding import threads as threads_module
+from selfspec.decoding import build_decoder, threads as threads_module
 from selfspec.decoding.threads import ThreadPolicy, why_not_adaptive
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.layered import LayeredModel

@@ -5,8 +5,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from selfspec.tracking import ResultsFile, Tracker, artifact_name, start_run, wandb_mode
 from selfspec.store.files import write_json
+from selfspec.tracking import ResultsFile, Tracker, artifact_name, start_run, wandb_mode
 
 
 def _cfg(**logger):

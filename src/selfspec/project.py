@@ -29,8 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from selfspec.config import checks
-from selfspec.config import conf_dir
+from selfspec.config import checks, conf_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +39,9 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
     and records it in the run's ``summary.json``."""
     from selfspec.evaluation.aggregate import summarize
     from selfspec.evaluation.runner import RESULTS, ROW_KEYS, SUMMARY
+    from selfspec.store.files import write_json
     from selfspec.store.locks import hold
     from selfspec.tracking import ResultsFile
-    from selfspec.store.files import write_json
 
     with hold(run_dir, f"run directory {run_dir}"):
         summary = _summary(run_dir)

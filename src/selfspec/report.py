@@ -13,8 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.config import checks
-from selfspec.config import conf_dir
+from selfspec.config import checks, conf_dir
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +23,8 @@ def run_report(cfg: DictConfig):
     from selfspec.reporting.build import build_report
     from selfspec.reporting.wandb_source import enabled, wandb_records
 
-    from selfspec.tracking import open_run_log
     from selfspec.store.files import check_writable
+    from selfspec.tracking import open_run_log
 
     flags = {key: checks.flag(key, cfg[key]) for key in ("paper", "plots", "newest_only")}
     out = Path(str(cfg.output_dir))

@@ -8,32 +8,31 @@ and objective); :func:`run_job` hands it to the one driver, :func:`selfspec.trai
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import hydra
 from omegaconf import DictConfig
 
 from selfspec.config import conf_dir
+from selfspec.config.registry import Registry
 from selfspec.training import driver
 
 log = logging.getLogger(__name__)
 
-#: job name (conf/job/<name>.yaml) -> the module whose ``JOB`` it runs
-JOBS = {
-    "heads": "selfspec.training.head_distillation",
-    "prompts": "selfspec.training.prompt_tuning",
-    "skips": "selfspec.training.skips",
-    "ppd_tree": "selfspec.training.ppd_tree",
-    "draft_vocab": "selfspec.training.draft_vocab",
-}
+#: job name (conf/job/<name>.yaml) -> the ``JOB`` it runs (imported on first use; the one registry
+#: style, :mod:`selfspec.config.registry`); its order is the memory table's
+JOBS = Registry("job", {
+    "heads": "selfspec.training.head_distillation:JOB",
+    "prompts": "selfspec.training.prompt_tuning:JOB",
+    "skips": "selfspec.training.skips:JOB",
+    "ppd_tree": "selfspec.training.ppd_tree:JOB",
+    "draft_vocab": "selfspec.training.draft_vocab:JOB",
+}, lambda name, known: ValueError(f"unknown job {name!r}; choose one of {', '.join(known)} (conf/job/)"))
 
 
 def job_named(name: str) -> driver.Job:
     """The :class:`~selfspec.training.driver.Job` of the job ``name`` (``conf/job/<name>.yaml``)."""
-    if name not in JOBS:
-        raise ValueError(f"unknown job {name!r}; choose one of {', '.join(sorted(JOBS))} (conf/job/)")
-    return importlib.import_module(JOBS[name]).JOB
+    return JOBS.lookup(name)
 
 
 def job_of(cfg: DictConfig) -> driver.Job:

@@ -1,59 +1,53 @@
 """Decoding methods behind one :class:`~selfspec.decoding.base.Decoder` interface.
 
-``build_decoder(cfg.method, model, ...)`` builds the method a config names; each method module
-registers its class with :func:`~selfspec.decoding.base.register`.
+``build_decoder(cfg.method, model, ...)`` builds the method a config names; :data:`METHODS` (the
+one registry style, :mod:`selfspec.config.registry`) names each method's class.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 from selfspec.config import checks
-from selfspec.decoding.base import Decoder, DecodeState, Generation, register, registered
+from selfspec.config.registry import Registry
+from selfspec.decoding.base import DecodeState, Decoder, Generation
 from selfspec.decoding.sampling import Sampling
 
-#: method name -> module that defines it (imported on first use); the order is the tables' row order
+#: method name -> its decoder class (imported on first use); the order is the tables' row order
 #: (:func:`method_rank`), each method's title its class's (:func:`method_title`)
-METHOD_MODULES = {
-    "vanilla": "selfspec.decoding.vanilla",
-    "draft_verify": "selfspec.decoding.draft_verify",
-    "adadecode": "selfspec.decoding.adadecode",
-    "adadecode_noverify": "selfspec.decoding.adadecode",
-    "ppd": "selfspec.decoding.ppd",
-    "early_exit": "selfspec.decoding.early_exit",
-    "del": "selfspec.decoding.early_exit",
-    "swift": "selfspec.decoding.swift",
-    "knapspec": "selfspec.decoding.knapspec",
-    "clasp": "selfspec.decoding.knapspec",
-    "ngram": "selfspec.decoding.ngram",
-    "hf_generate": "selfspec.decoding.peers",
-    "hf_prompt_lookup": "selfspec.decoding.peers",
-    "hf_early_exit": "selfspec.decoding.peers",
-    "hf_assisted": "selfspec.decoding.peers",
-}
+METHODS = Registry("method", {
+    "vanilla": "selfspec.decoding.vanilla:Vanilla",
+    "draft_verify": "selfspec.decoding.draft_verify:DraftVerify",
+    "adadecode": "selfspec.decoding.adadecode:AdaDecode",
+    "adadecode_noverify": "selfspec.decoding.adadecode:AdaDecodeNoVerify",
+    "ppd": "selfspec.decoding.ppd:PPD",
+    "early_exit": "selfspec.decoding.early_exit:EarlyExit",
+    "del": "selfspec.decoding.early_exit:DEL",
+    "swift": "selfspec.decoding.swift:Swift",
+    "knapspec": "selfspec.decoding.knapspec:KnapSpec",
+    "clasp": "selfspec.decoding.knapspec:CLaSp",
+    "ngram": "selfspec.decoding.ngram:NgramLookup",
+    "hf_generate": "selfspec.decoding.peers:HFGenerate",
+    "hf_prompt_lookup": "selfspec.decoding.peers:HFPromptLookup",
+    "hf_early_exit": "selfspec.decoding.peers:HFEarlyExit",
+    "hf_assisted": "selfspec.decoding.peers:HFAssisted",
+}, lambda name, known: ValueError(f"unknown method {name!r}; choose one of {', '.join(known)} (conf/method/)"))
 
 
 def decoder_class(name: str) -> type[Decoder]:
-    if name not in METHOD_MODULES:
-        raise ValueError(
-            f"unknown method {name!r}; choose one of {', '.join(sorted(METHOD_MODULES))} "
-            "(conf/method/)"
-        )
-    importlib.import_module(METHOD_MODULES[name])
-    return registered()[name]
+    return METHODS.lookup(name)
 
 
 def method_title(name: str) -> str:
     """A method's title in tables and figures (its class's :attr:`~Decoder.title`); another name
     (a paper's own row, e.g. Medusa) as it is."""
-    return decoder_class(name).title if name in METHOD_MODULES else name
+    return METHODS[name].title if name in METHODS else name
 
 
 def method_rank(name: str) -> int:
-    """A method's place in tables (:data:`METHOD_MODULES`' order); other names after every method."""
-    return list(METHOD_MODULES).index(name) if name in METHOD_MODULES else len(METHOD_MODULES)
+    """A method's place in tables (:data:`METHODS`' order); other names after every method."""
+    return METHODS.rank(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,4 +110,4 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", op
 
 
 __all__ = ["Decoder", "DecodeState", "Generation", "Sampling", "build_decoder", "check_method", "decoder_class",
-           "method_rank", "method_title", "register"]
+           "method_rank", "method_title", "METHODS"]

@@ -66,13 +66,13 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.chain import Draft, context_step, pick, settle
-from selfspec.models.layered import Rope
-from selfspec.models.ledger import phase
 from selfspec.models.heads import KINDS as HEAD_KINDS
 from selfspec.models.heads import (IntermediateHeads, build_draft_vocab, default_layers,
                             draft_vocab_options, find_heads, load_heads)
+from selfspec.models.layered import Rope
+from selfspec.models.ledger import phase
 
 
 @dataclass
@@ -95,7 +95,6 @@ class _StepState:
     stack: list[_Segment] = field(default_factory=list)
 
 
-@register
 class AdaDecode(Decoder):
     """AdaDecode decoding (see module docstring). ``heads``: the intermediate heads; ``threshold``:
     exit threshold on the head's top probability (the paper's γ); ``max_early``: most unverified
@@ -307,7 +306,6 @@ class AdaDecode(Decoder):
         s["tokens_per_full_pass"] = generated / s["full_passes"]
 
 
-@register
 class AdaDecodeNoVerify(AdaDecode):
     """Ablation "w/o verification" (AdaDecode §4.3): early predictions are committed unchecked.
 

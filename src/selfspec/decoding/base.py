@@ -30,8 +30,8 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 
 from selfspec.decoding.sampling import Sampling, select
-from selfspec.models.cache import LayerCache
 from selfspec.measure.costs import synchronizer
+from selfspec.models.cache import LayerCache
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import Ledger, Op, phase
 
@@ -529,17 +529,3 @@ class Decoder:
             if any(s in text for s in self.stop_strings):
                 return end
         return None
-
-
-# --- registry ------------------------------------------------------------------------------
-_REGISTRY: dict[str, type[Decoder]] = {}
-
-
-def register(cls: type[Decoder]) -> type[Decoder]:
-    """Class decorator: make a decoder available as ``method=<cls.name>``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registered() -> dict[str, type[Decoder]]:
-    return dict(_REGISTRY)

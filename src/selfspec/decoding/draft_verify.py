@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
 from selfspec.models.heads import build_draft_vocab, draft_logits, draft_vocab_options
@@ -153,7 +153,6 @@ def skip_set_path(cfg, model: LayeredModel) -> Path | None:
     return Path(path)
 
 
-@register
 class DraftVerify(ChainDecoder):
     """Self-speculative decoding with a skip set and an adaptive draft-exit threshold."""
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select
@@ -175,7 +175,6 @@ class EarlyExitExample:
     seed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-@register
 class EarlyExit(ChainDecoder):
     """Early-exit self-speculation with a fixed ``(ℓ, max_draft)`` and an optional draft-stop rule."""
 
@@ -458,7 +457,6 @@ def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor,
     return int(layers[c]), int(gammas[g]), float(tpl.view(-1)[flat])
 
 
-@register
 class DEL(EarlyExit):
     """DEL: context-aware dynamic exit layer and speculation length (DEL §4, Algorithm 1)."""
 

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, register
+from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import Draft
 from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, decoding_options
 from selfspec.models.heads import build_draft_vocab
@@ -246,7 +246,6 @@ class Search:
     chosen: Chosen | None = None
 
 
-@register
 class KnapSpec(DraftVerify):
     """Layer skipping with the skip set searched while decoding (module docstring)."""
 
@@ -390,7 +389,6 @@ class KnapSpec(DraftVerify):
         state.stats["skip_searches"] = sum(1 for t in state.trace if (t.controller or {}).get("search"))
 
 
-@register
 class CLaSp(KnapSpec):
     """CLaSp: :class:`KnapSpec` with ``selection: clasp`` (module docstring)."""
 

@@ -76,7 +76,7 @@ from typing import Sequence
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import PRICED_NEEDS_PROFILE, DecodeState, register
+from selfspec.decoding.base import DecodeState, PRICED_NEEDS_PROFILE
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 
 SCHEDULES = ("adaptive", "constant", "priced")
@@ -322,7 +322,6 @@ class ContextDrafter(Drafter):
         ex.draft_len = max(1, min(self.max_draft, ex.draft_len + step))
 
 
-@register
 class NgramLookup(ChainDecoder):
     """Self-speculative decoding with model-free n-gram drafts (module docstring): a chain method
     whose only draft source is the context (:class:`ContextDrafter`); a step without a match

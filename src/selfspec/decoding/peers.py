@@ -29,9 +29,9 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, Decoder, Generation, register
-from selfspec.measure.costs import synchronizer
+from selfspec.decoding.base import DecodeState, Decoder, Generation
 from selfspec.decoding.sampling import Sampling
+from selfspec.measure.costs import synchronizer
 
 
 class HFPeer(Decoder):
@@ -159,14 +159,12 @@ class HFPeer(Decoder):
         raise NotImplementedError(f"{self.name} decodes through transformers' generate")
 
 
-@register
 class HFGenerate(HFPeer):
     """Plain ``generate``: the runtime check of selfspec's vanilla (same tokens, its own speed)."""
 
     name = "hf_generate"
 
 
-@register
 class HFPromptLookup(HFPeer):
     """Prompt lookup decoding (Saxena 2023): drafts are the tokens that followed the last
     n-gram (``max_matching_ngram_size``) earlier in the context, ``prompt_lookup_num_tokens`` of them."""
@@ -232,7 +230,6 @@ class _AssistantSchedule(HFPeer):
             gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = saved
 
 
-@register
 class HFEarlyExit(_AssistantSchedule):
     """LayerSkip-style self-speculation (Elhoushi et al. 2024, §4): the first
     ``assistant_early_exit`` layers + LM head draft, the full model verifies. Meant for models
@@ -261,7 +258,6 @@ class HFEarlyExit(_AssistantSchedule):
         return peer
 
 
-@register
 class HFAssisted(_AssistantSchedule):
     """Assisted generation with a separate draft model (``method.assistant``: a model config
     name, e.g. a Qwen2.5-Coder 0.5B drafting for 1.5B); target and draft share a tokenizer."""

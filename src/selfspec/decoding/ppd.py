@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.ngram import NgramIndex, context_drafts_option
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
@@ -78,7 +78,6 @@ class PPDExample:
     index: NgramIndex | None = None
 
 
-@register
 class PPD(Decoder):
     """PPD decoder over a dynamic sparse tree (one :class:`SparseTree` per state ``0…m``)."""
 
@@ -151,9 +150,9 @@ class PPD(Decoder):
 
     @classmethod
     def from_config(cls, model, options: dict, **common) -> "PPD":
-        from selfspec.store.artefacts import default_artefact_dir
         from selfspec.decoding.tree import load_trees
         from selfspec.models.prompts import load_prompts
+        from selfspec.store.artefacts import default_artefact_dir
 
         prompts_path = options["prompts"] or default_artefact_dir("prompts", model.name)
         tree_path = options["tree"] or default_artefact_dir("ppd_tree", model.name)
@@ -166,8 +165,8 @@ class PPD(Decoder):
         prompts = load_prompts(prompts_path, model=model)
         trees, meta = load_trees(tree_path, model)
         if options["tree_size"] is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
-            from selfspec.store.artefacts import load_artefact
             from selfspec.decoding.tree_builder import trees_for_size
+            from selfspec.store.artefacts import load_artefact
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
             trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept, options["state_zero"])

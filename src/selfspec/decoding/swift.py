@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
@@ -119,7 +119,6 @@ class SwiftExample:
     steps: int = 0
 
 
-@register
 class Swift(Decoder):
     """SWIFT (module docstring)."""
 

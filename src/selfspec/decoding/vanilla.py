@@ -6,10 +6,9 @@ so speedups compare methods, not runtimes (docs/design.md §3: Spec-Bench's base
 
 from __future__ import annotations
 
-from selfspec.decoding.base import DecodeState, Decoder, register
+from selfspec.decoding.base import DecodeState, Decoder
 
 
-@register
 class Vanilla(Decoder):
     name = "vanilla"
     title = "Vanilla"

@@ -16,9 +16,9 @@ from typing import Any, Iterable
 
 import torch
 
-from selfspec.models.ledger import as_op
 from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
                                      WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
+from selfspec.models.ledger import as_op
 
 __all__ = ["machine_profile", "measure_profile", "untrained_ppd"]
 
@@ -29,8 +29,6 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
                     contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None) -> Profile:
     """Measure this machine's profile of ``model`` (module docstring). About a minute for
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
-    from selfspec.decoding import Sampling
-    from selfspec.decoding.vanilla import Vanilla
     from selfspec.measure.costs import time_forward
 
     started = time.time()
@@ -47,15 +45,7 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
 
     attention, mlp = _sublayers(model, {c: sorted({*rows, *(prefill_rows if c == 0 else ())}) for c in contexts}, repeats,
                                 log, also=whole_pass)
-    eager = None
-    if model.capture == "graphs":  # the same sublayers with the static-pass runner off, at decoding contexts
-        steps, model.steps = model.steps, None
-        try:
-            eager = dict(zip(("attention", "mlp"), _sublayers(model, {c: rows for c in contexts if c > 0}, repeats)))
-        finally:
-            model.steps = steps
-        if log:
-            log("eager attention and MLP sublayers (the static-pass runner off)")
+    eager = _measure_eager(model, rows, contexts, repeats, log) if model.capture == "graphs" else None
     head = _measure_heads(model, rows + prefill_rows[:1], repeats)
     linear = _measure_linear(model, rows, repeats)
     tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
@@ -80,11 +70,37 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
     } | ({"eager": eager} if eager else {})
     data["name"] = f"{machine_name(data['machine'])}__{model.name}"
     profile = Profile(data)
-    # the host time of a plain step: vanilla's measured greedy steps less what their ops cost (a
-    # sampled step's warp is an op of its own)
-    decoder = Vanilla(model)
     prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
     new = max(2, min(48, model.max_context - len(prompt) - 2))
+    data["host"] = profile.host = _measure_plain_host(model, profile, prompt, new, repeats)
+    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, repeats)
+    profile.host_steps = dict(data["host_steps"])
+    if log:
+        log(f"host work of drafting steps: {data['host_steps']}")
+    data["seconds_to_measure"] = round(time.time() - started, 1)
+    return profile
+
+
+def _measure_eager(model, rows: list[int], contexts: list[int], repeats: int, log=None) -> dict:
+    """A capturing model's attention and MLP sublayers run eagerly (the static-pass runner off), at
+    the decoding contexts: what a pass no bucket holds costs."""
+    steps, model.steps = model.steps, None
+    try:
+        eager = dict(zip(("attention", "mlp"), _sublayers(model, {c: rows for c in contexts if c > 0}, repeats)))
+    finally:
+        model.steps = steps
+    if log:
+        log("eager attention and MLP sublayers (the static-pass runner off)")
+    return eager
+
+
+def _measure_plain_host(model, profile: Profile, prompt: list[int], new: int, repeats: int) -> float:
+    """The host time of a plain step: vanilla's measured greedy steps less what their ops cost (a
+    sampled step's warp is an op of its own); the median over ``repeats // 2`` generations."""
+    from selfspec.decoding import Sampling
+    from selfspec.decoding.vanilla import Vanilla
+
+    decoder = Vanilla(model)
     decoder.generate(prompt, new, Sampling())  # warm-up
     hosts = []
     for _ in range(max(1, repeats // 2)):
@@ -92,13 +108,7 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         steps = [t.row() for t in g.trace[1:]]
         model_time = sum(profile.op(op) for s in steps for op in s["ops"])
         hosts.append(max(0.0, (g.ledger["plain"] + g.ledger["host"] - model_time) / len(steps)))
-    data["host"] = profile.host = statistics.median(hosts)
-    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, repeats)
-    profile.host_steps = dict(data["host_steps"])
-    if log:
-        log(f"host work of drafting steps: {data['host_steps']}")
-    data["seconds_to_measure"] = round(time.time() - started, 1)
-    return profile
+    return statistics.median(hosts)
 
 
 def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None

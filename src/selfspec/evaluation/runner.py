@@ -34,16 +34,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.config import checks
-from selfspec.config import load_method_config
+from selfspec.config import checks, load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
-from selfspec.models.capture import BUCKETS
 from selfspec.measure.peak import EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes
 from selfspec.measure.profile import machine, model_shape
+from selfspec.models.capture import BUCKETS
+from selfspec.store.files import check_directory, check_writable, to_jsonable, write_json
 from selfspec.store.locks import hold
 from selfspec.tracking import ResultsFile, Tracker, open_run_log, save_hydra_files, start_run
-from selfspec.store.files import check_directory, check_writable, to_jsonable, write_json
 
 log = logging.getLogger(__name__)
 
@@ -434,9 +433,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     torch.manual_seed(int(cfg.seed))
     names = list(method_cfgs)
     baseline = names[0]
-    identity = to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
-                            | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": budget,
-                            "baseline": baseline, "methods": method_cfgs, "n_samples": n_samples})
+    identity = _identity(cfg, plan)
     _check_resume(out_dir, identity)
     check_writable(out_dir, "the run directory (hydra.run.dir=...)")
 
@@ -482,15 +479,29 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     rows = [r for r in results.rows() if str(r["id"]) in ids]
     summary = _summary(cfg, plan, out_dir, loaded, runs, rows, profile, threads, info, artefacts)
     write_json(out_dir / SUMMARY, summary)
-    per_method = summary["methods"]
-    tracker.summary({"method": under_test, "methods": per_method, "method_configs": summary["method_configs"],
+    _track_summary(tracker, summary, rows, names, under_test, info)
+    if own_tracker:
+        tracker.finish()
+    _log_summary(summary["methods"], baseline)
+    return summary
+
+
+def _identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
+    """What a run directory's results depend on (``run_config.json``): a rerun into it must match
+    (:func:`_check_resume`); ``n_examples`` is left out, so a run may grow or shrink its selection."""
+    return to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
+                        | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": plan.budget,
+                        "baseline": next(iter(plan.method_cfgs)), "methods": plan.method_cfgs,
+                        "n_samples": plan.n_samples})
+
+
+def _track_summary(tracker: Tracker, summary: dict[str, Any], rows: list[dict], names: list[str], under_test: str,
+                   info: dict[str, Any]) -> None:
+    """The run's summary and its examples' rows (the methods of this run) in the tracker."""
+    tracker.summary({"method": under_test, "methods": summary["methods"], "method_configs": summary["method_configs"],
                      "run_info": info})
     tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
                                for r in rows if r.get("method") in names])
-    if own_tracker:
-        tracker.finish()
-    _log_summary(per_method, baseline)
-    return summary
 
 
 def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, profile, threads, info,

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from selfspec.evaluation.aggregate import common_prefix
-from selfspec.models import arena
 from selfspec.measure.costs import context_cache, measure_bandwidth, measure_curve, time_forward, weight_bytes
+from selfspec.models import arena
 
 __all__ = ["format_report", "runtime_report"]
 
@@ -104,7 +104,7 @@ def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
     """The llama.cpp peer for ``loaded`` at ``n_ctx`` tokens on torch's threads, or None and the
     one line the report prints instead (not installed, a model the GGUF writer does not cover, or
     llama.cpp refusing the file, with its message: the other peers are still measured)."""
-    from selfspec.evaluation.llamacpp import NOT_INSTALLED, LlamaCppPeer, import_llama_cpp
+    from selfspec.evaluation.llamacpp import LlamaCppPeer, NOT_INSTALLED, import_llama_cpp
     from selfspec.models.gguf_export import ExportUnsupported
 
     if import_llama_cpp() is None:

@@ -30,6 +30,8 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
+from selfspec.config.registry import Registry
+
 #: what an adapter needs, said when a family is refused
 ADAPTER_NEEDS = ("where the embedding, decoder layers, final norm, rotary embedding and LM head live; each "
                  "layer's norms, q/k/v, output, gate/up and down projections; the family's rotary and attention "
@@ -47,7 +49,6 @@ class Llama:
     (q/k/v_proj, o_proj) → residual → post_attention_layernorm → mlp (gate/up_proj, act_fn,
     down_proj) → residual``."""
 
-    model_types: tuple[str, ...] = ("llama",)
     #: the family's modeling module: its ``apply_rotary_pos_emb`` and ``eager_attention_forward``
     modeling: ModuleType = modeling_llama
 
@@ -138,7 +139,6 @@ class Mistral(Llama):
     """Mistral: the Llama layout with a sliding attention window on every layer (``sliding_window``),
     which the runtime's masks enforce (:meth:`Llama.window`), so contexts may be longer."""
 
-    model_types = ("mistral",)
     modeling = modeling_mistral
 
     def window(self, i: int) -> int | None:
@@ -150,7 +150,6 @@ class Qwen2(Llama):
     sliding window on the layers the config makes sliding (``use_sliding_window``, from
     ``max_window_layers`` on), which the runtime's masks enforce."""
 
-    model_types = ("qwen2",)
     modeling = modeling_qwen2
 
     def window(self, i: int) -> int | None:
@@ -162,7 +161,6 @@ class Qwen3(Qwen2):
     k before the rotary embedding (``self_attn.q_norm``, ``k_norm``; the library's modules run
     them, the CPU kernels do not fuse them)."""
 
-    model_types = ("qwen3",)
     modeling = modeling_qwen3
     normalises_qk = True
 
@@ -184,7 +182,6 @@ class Gemma3(Llama):
     positions behind (the runtime's masks, so contexts may be longer). Logit soft-capping and
     bidirectional attention, which Gemma 3 checkpoints leave off, are refused by name."""
 
-    model_types = ("gemma3_text",)
     modeling = modeling_gemma3
     normalises_qk = True
     unit_offset_norms = True
@@ -221,8 +218,15 @@ class Gemma3(Llama):
         return self.layers[i].self_attn.sliding_window
 
 
-#: every adapter, by the model types it drives
-FAMILIES: dict[str, type[Llama]] = {t: cls for cls in (Llama, Mistral, Qwen2, Qwen3, Gemma3) for t in cls.model_types}
+#: every adapter, by the model type it drives (a checkpoint's ``config.model_type``; the one registry
+#: style, :mod:`selfspec.config.registry`)
+FAMILIES = Registry("model family", {
+    "llama": "selfspec.models.families:Llama",
+    "mistral": "selfspec.models.families:Mistral",
+    "qwen2": "selfspec.models.families:Qwen2",
+    "qwen3": "selfspec.models.families:Qwen3",
+    "gemma3_text": "selfspec.models.families:Gemma3",
+})
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 #: a GGUF file's ``general.architecture`` where it is not the model type transformers builds from it
 GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}

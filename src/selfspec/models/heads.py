@@ -34,8 +34,8 @@ from typing import Iterable
 
 import torch
 
-from selfspec.store.artefacts import load_artefact, save_artefact
 from selfspec.models.ledger import Ledger, phase
+from selfspec.store.artefacts import load_artefact, save_artefact
 
 KINDS = ("linear", "full", "lm_head")
 ARTEFACT_KIND = "heads"

@@ -56,10 +56,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from selfspec.store import assets
 from selfspec.config import checks
 from selfspec.models.families import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
+from selfspec.store import assets
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from selfspec.reporting import artefact_figures as art
-from selfspec.reporting import plots
-from selfspec.reporting.answer import Answer, answers
-from selfspec.reporting.answer import to_markdown as to_answer_markdown
-from selfspec.store.figure import Plot
+from selfspec.reporting import artefact_figures as art, plots
+from selfspec.reporting.answer import Answer, answers, to_markdown as to_answer_markdown
 from selfspec.reporting.html import TaskSection, write_index
 from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout, task_order
 from selfspec.reporting.ledger import LOADED
@@ -40,6 +37,7 @@ from selfspec.reporting.paper import paper_records
 from selfspec.reporting.records import Record, collect, find_runs, latest_only
 from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title, to_latex,
                                        to_markdown)
+from selfspec.store.figure import Plot
 
 log = logging.getLogger(__name__)
 
@@ -112,43 +110,9 @@ def build_report(
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"report formats {unknown}: choose from {list(FORMATS)}")
-    wanted = list(tables) if tables is not None else None
-    for t in wanted or []:
-        get_layout(t)  # an unknown id stops here, naming the known ones
-    runs = find_runs(inputs)
-    records = collect(runs) + list(extra_records)
-    if not records:
-        log.warning("nothing to report: no readable evaluation summary (summary.json) under %s%s; run "
-                    "`python -m selfspec.evaluate ...` first, or point inputs=[...] at its run directories",
-                    ", ".join(map(str, inputs)), f" ({len(runs)} found, none usable)" if runs else "")
-    if newest_only:
-        records = latest_only(records)
-    by_table = group_by_table(records)
-    if wanted is not None:
-        by_table = {t: by_table[t] for t in wanted if t in by_table}
-        missing = [t for t in wanted if t not in by_table]
-        if missing:
-            log.warning("no results for table(s) %s under %s", ", ".join(missing), ", ".join(map(str, inputs)))
+    runs, records, by_table = _records_by_table(inputs, tables, newest_only, extra_records)
     result = ReportResult(out_dir=out_dir, index=None, records=records)
-    (out_dir / "tables").mkdir(parents=True, exist_ok=True)
-    order = list(LAYOUTS) + [DEFAULT.id]
-    rendered = []
-    all_md = []
-    for table_id in sorted(by_table, key=lambda t: order.index(t) if t in order else len(order)):
-        layout = get_layout(table_id)
-        refs = paper_records(table_id) if paper and table_id in LAYOUTS else []
-        table = build_table(layout, by_table[table_id], refs)
-        result.tables[table_id] = table
-        files = {}
-        md = to_markdown(table)
-        all_md.append(md)
-        writers = {"md": lambda: md, "tex": lambda: to_latex(table)}
-        for fmt in formats:
-            path = out_dir / "tables" / f"{table_id}.{fmt}"
-            path.write_text(writers[fmt](), encoding="utf-8")
-            result.files.append(path)
-            files[fmt] = path.relative_to(out_dir).as_posix()
-        rendered.append((table, files))
+    rendered, all_md = _write_tables(result, by_table, formats, paper)
     result.answers = answers(r for recs in by_table.values() for r in recs)
     if all_md:
         (out_dir / "report.md").write_text("\n".join([to_answer_markdown(result.answers), *all_md]),
@@ -167,6 +131,56 @@ def build_report(
                                loaded_warnings([r for recs in by_table.values() for r in recs]))
     result.plots += [s.plot for s in result.sections if s.plot is not None]
     return result
+
+
+def _records_by_table(inputs: list[Path], tables: Iterable[str] | None, newest_only: bool,
+                      extra_records: Iterable[Record]) -> tuple[list, list[Record], dict[str, list[Record]]]:
+    """The runs under ``inputs``, their records (the newest per configuration when ``newest_only``)
+    and the records per table (``tables``: only those, an unknown id refused by name)."""
+    wanted = list(tables) if tables is not None else None
+    for t in wanted or []:
+        get_layout(t)  # an unknown id stops here, naming the known ones
+    runs = find_runs(inputs)
+    records = collect(runs) + list(extra_records)
+    if not records:
+        log.warning("nothing to report: no readable evaluation summary (summary.json) under %s%s; run "
+                    "`python -m selfspec.evaluate ...` first, or point inputs=[...] at its run directories",
+                    ", ".join(map(str, inputs)), f" ({len(runs)} found, none usable)" if runs else "")
+    if newest_only:
+        records = latest_only(records)
+    by_table = group_by_table(records)
+    if wanted is not None:
+        by_table = {t: by_table[t] for t in wanted if t in by_table}
+        missing = [t for t in wanted if t not in by_table]
+        if missing:
+            log.warning("no results for table(s) %s under %s", ", ".join(missing), ", ".join(map(str, inputs)))
+    return runs, records, by_table
+
+
+def _write_tables(result: ReportResult, by_table: dict[str, list[Record]], formats: list[str],
+                  paper: bool) -> tuple[list, list[str]]:
+    """Build each table (in the layouts' order, with the papers' rows when ``paper``) and write it
+    in ``formats`` under ``result.out_dir / "tables"``; the (table, files) pairs and the markdown."""
+    out_dir = result.out_dir
+    (out_dir / "tables").mkdir(parents=True, exist_ok=True)
+    order = list(LAYOUTS) + [DEFAULT.id]
+    rendered, all_md = [], []
+    for table_id in sorted(by_table, key=lambda t: order.index(t) if t in order else len(order)):
+        layout = get_layout(table_id)
+        refs = paper_records(table_id) if paper and table_id in LAYOUTS else []
+        table = build_table(layout, by_table[table_id], refs)
+        result.tables[table_id] = table
+        files = {}
+        md = to_markdown(table)
+        all_md.append(md)
+        writers = {"md": lambda: md, "tex": lambda: to_latex(table)}
+        for fmt in formats:
+            path = out_dir / "tables" / f"{table_id}.{fmt}"
+            path.write_text(writers[fmt](), encoding="utf-8")
+            result.files.append(path)
+            files[fmt] = path.relative_to(out_dir).as_posix()
+        rendered.append((table, files))
+    return rendered, all_md
 
 
 def task_sections(by_table: dict[str, list[Record]], plot_dir: Path | None) -> list[TaskSection]:

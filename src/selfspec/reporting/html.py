@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.reporting import answer as ans
-from selfspec.store.figure import Plot
 from selfspec.reporting.tables import TASK_TITLE, Table, source_line
+from selfspec.store.figure import Plot
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}

@@ -26,8 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from selfspec.reporting.fields import dotted as _cfg
-from selfspec.reporting.fields import label_under_test
+from selfspec.reporting.fields import dotted as _cfg, label_under_test
 from selfspec.tasks import TASKS
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from selfspec.reporting.records import Record
 from selfspec.models.ledger import HeadOp, LayerOp, Op
+from selfspec.reporting.records import Record
 
 DATA = Path(__file__).with_name("paper_figures.yaml")
 _SETTING = ("table", "source", "paper_model", "model", "method", "task", "variant", "temperature", "trace")

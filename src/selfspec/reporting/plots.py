@@ -31,12 +31,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from selfspec.store.figure import Plot, legend_columns, save_figure  # noqa: E402
 from selfspec.reporting import ledger  # noqa: E402
 from selfspec.reporting.layouts import TASK_TITLE, task_order  # noqa: E402
 from selfspec.reporting.ledger import LOADED  # noqa: E402
 from selfspec.reporting.records import Record  # noqa: E402
 from selfspec.reporting.tables import method_rank, method_title, setting_title  # noqa: E402
+from selfspec.store.figure import Plot, legend_columns, save_figure  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -168,21 +168,7 @@ def ledger_figure(records: list[Record], title: str):
     widest, used = 1.0, set()
     for ax, (name, ms) in zip(axes[:, 0], panels):
         for y, m in enumerate(ms):
-            r = by_title[m]
-            sides = [("measured", y - 0.1, 0.5, {})]
-            if isinstance(r.ledger.get("predicted"), dict):
-                sides.append(("predicted", y + 0.3, 0.2, {"hatch": "////", "alpha": 0.7}))
-            for side, at, thick, style in sides:
-                left = 0.0
-                for k, v in ledger.parts(r.ledger[side]).items():
-                    if v > 0:
-                        ax.barh(at, v, thick, left=left, color=ledger.colour(k), edgecolor="#333", lw=0.3, **style)
-                        used.add(k)
-                        left += v
-                widest = max(widest, left)
-                speed = f"{1 / left:.2f}×" if left > 0 else "–"
-                note = f" {LOADED}" if side == "measured" and r.loaded else " predicted" if side == "predicted" else ""
-                ax.annotate(f" {speed}{note}", (left, at), va="center", ha="left", fontsize=7)
+            widest = max(widest, _ledger_bars(ax, by_title[m], y, used))
         ax.axvline(1.0, color="black", lw=1.0, ls="--")
         ax.set_yticks(range(len(ms)), ms, fontsize=8)
         ax.set_ylim(len(ms) - 0.4, -0.6)  # the first method on top
@@ -194,12 +180,7 @@ def ledger_figure(records: list[Record], title: str):
     axes[0, 0].set_xlim(0.0, 1.25 * widest)
     profiles = sorted({str((r.profile or {}).get("name")) for r in recs
                        if r.profile and isinstance(r.ledger.get("predicted"), dict)})
-    handles = [Patch(facecolor=ledger.colour(k), edgecolor="#333", lw=0.3, label=ledger.label(k))
-               for k in [*ledger.COMPONENTS, *sorted(used - set(ledger.COMPONENTS))] if k in used]
-    if any(isinstance(r.ledger.get("predicted"), dict) for r in recs):
-        on = f", {', '.join(profiles)}" if profiles else ""
-        handles.append(Patch(facecolor="white", edgecolor="#333", hatch="////", label=f"predicted (thin{on})"))
-    handles.append(Line2D([], [], color="black", lw=1.0, ls="--", label="vanilla (1.0)"))
+    handles = _ledger_legend(recs, used, profiles)
     axes[0, 0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if len(panels) > 1:
         fig.suptitle(title, fontsize=11)
@@ -216,6 +197,40 @@ def ledger_figure(records: list[Record], title: str):
         + (f" Marked {LOADED}: measured under load (the run's contention check flagged it), not clean figures."
            if loaded else ""))
     return fig, caption
+
+
+def _ledger_bars(ax, r: Record, y: int, used: set[str]) -> float:
+    """One method's bars at row ``y`` of :func:`ledger_figure`: the measured cost per token stacked by
+    component, and the predicted one thin and hatched under it where the ledger has one, each with its
+    speedup after it; the components drawn are added to ``used``. Returns the longer bar's length."""
+    sides = [("measured", y - 0.1, 0.5, {})]
+    if isinstance(r.ledger.get("predicted"), dict):
+        sides.append(("predicted", y + 0.3, 0.2, {"hatch": "////", "alpha": 0.7}))
+    widest = 0.0
+    for side, at, thick, style in sides:
+        left = 0.0
+        for k, v in ledger.parts(r.ledger[side]).items():
+            if v > 0:
+                ax.barh(at, v, thick, left=left, color=ledger.colour(k), edgecolor="#333", lw=0.3, **style)
+                used.add(k)
+                left += v
+        widest = max(widest, left)
+        speed = f"{1 / left:.2f}×" if left > 0 else "–"
+        note = f" {LOADED}" if side == "measured" and r.loaded else " predicted" if side == "predicted" else ""
+        ax.annotate(f" {speed}{note}", (left, at), va="center", ha="left", fontsize=7)
+    return widest
+
+
+def _ledger_legend(recs: list[Record], used: set[str], profiles: list[str]) -> list:
+    """:func:`ledger_figure`'s legend: the components drawn (in the ledger's order), the predicted
+    bar (with the profiles that priced it) where there is one, and vanilla's line."""
+    handles = [Patch(facecolor=ledger.colour(k), edgecolor="#333", lw=0.3, label=ledger.label(k))
+               for k in [*ledger.COMPONENTS, *sorted(used - set(ledger.COMPONENTS))] if k in used]
+    if any(isinstance(r.ledger.get("predicted"), dict) for r in recs):
+        on = f", {', '.join(profiles)}" if profiles else ""
+        handles.append(Patch(facecolor="white", edgecolor="#333", hatch="////", label=f"predicted (thin{on})"))
+    handles.append(Line2D([], [], color="black", lw=1.0, ls="--", label="vanilla (1.0)"))
+    return handles
 
 
 def ledger_plot(records: list[Record], path: Path, title: str) -> Plot | None:

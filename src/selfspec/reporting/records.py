@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from selfspec.reporting.fields import dotted as _get
-from selfspec.reporting.fields import label_under_test
+from selfspec.reporting.fields import dotted as _get, label_under_test
 from selfspec.reporting.ledger import is_loaded
 
 log = logging.getLogger(__name__)

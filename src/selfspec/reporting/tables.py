@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from selfspec.decoding import method_rank as rank_of, method_title as title_of
-from selfspec.reporting.layouts import CELL_TITLE, TASK_SCORE, TASK_TITLE, Layout
+from selfspec.reporting.layouts import CELL_TITLE, Layout, TASK_SCORE, TASK_TITLE
 from selfspec.reporting.ledger import LOADED, contention_warning, in_words
 from selfspec.reporting.records import Record
 
@@ -299,29 +299,37 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
         sources = sorted({p.provenance["source"] for p in recs})
         table.blocks.append(Block(f"paper ({paper_model}), reference only: {'; '.join(sources)}", rows))
 
-    if matching:
-        table.notes.append("paper: " + "; ".join(sorted({p.provenance['source'] for p in matching})))
-    if any(losslessness_mark(r).endswith(DISTRIBUTION) for r in measured):
-        table.notes.append(f"{DISTRIBUTION}: a sampling row; speculative (rejection) sampling keeps vanilla's "
-                           "output distribution, so token-level consistency does not apply (n/a)")
-    if any(r.metrics.get("lossless") is False for r in measured):
-        table.notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
-    projections = [p for r in measured + reference for p in r.projections.values()]
-    if any(r.projections for r in reference):
-        table.notes.append("projected (paper rows): the step the paper's τ or acceptance rate implies, priced on "
-                           "the shipped profile of its model's shape (random weights of the shape, measured by "
-                           "scripts/gpu_check.py's profile section): " + "; ".join(
-                               sorted({f"{r.paper_model}: {p['paper_trace']}" for r in reference
-                                       for p in r.projections.values()})))
-    if any(str(p.get("gate", "")).startswith("replayed") for p in projections):
-        table.notes.append(f"{UNGATED} projected as it ran: the speculation gate's choices were made on the machine "
-                           "that ran it, not re-decided on the profile (project a never_slower=false run for that)")
-    if any(p.get("unpriced") for p in projections):
-        reasons = sorted({p["unpriced"] for p in projections if p.get("unpriced")})
-        table.notes.append(f"not priced{UNGATED}: " + "; ".join(reasons))
+    table.notes += _notes(measured, matching, reference)
     table.notes += list(layout.notes)
     table.warnings = loaded_warnings(measured)
     return table
+
+
+def _notes(measured: list[Record], matching: list[Record], reference: list[Record]) -> list[str]:
+    """What a table's marks mean, for the marks it holds: the papers' sources, sampling rows, lossy
+    rows, the paper rows' projections and what a projection could not price."""
+    notes: list[str] = []
+    if matching:
+        notes.append("paper: " + "; ".join(sorted({p.provenance['source'] for p in matching})))
+    if any(losslessness_mark(r).endswith(DISTRIBUTION) for r in measured):
+        notes.append(f"{DISTRIBUTION}: a sampling row; speculative (rejection) sampling keeps vanilla's "
+                     "output distribution, so token-level consistency does not apply (n/a)")
+    if any(r.metrics.get("lossless") is False for r in measured):
+        notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
+    projections = [p for r in measured + reference for p in r.projections.values()]
+    if any(r.projections for r in reference):
+        notes.append("projected (paper rows): the step the paper's τ or acceptance rate implies, priced on "
+                     "the shipped profile of its model's shape (random weights of the shape, measured by "
+                     "scripts/gpu_check.py's profile section): " + "; ".join(
+                         sorted({f"{r.paper_model}: {p['paper_trace']}" for r in reference
+                                 for p in r.projections.values()})))
+    if any(str(p.get("gate", "")).startswith("replayed") for p in projections):
+        notes.append(f"{UNGATED} projected as it ran: the speculation gate's choices were made on the machine "
+                     "that ran it, not re-decided on the profile (project a never_slower=false run for that)")
+    if any(p.get("unpriced") for p in projections):
+        reasons = sorted({p["unpriced"] for p in projections if p.get("unpriced")})
+        notes.append(f"not priced{UNGATED}: " + "; ".join(reasons))
+    return notes
 
 
 def loaded_warnings(records: list[Record]) -> list[str]:

@@ -8,12 +8,9 @@
     task.score([task.postprocess(g) for g in generations], [ex.reference for ex in task])
 """
 
-# registered in the papers' order, the order of tables and figures (tasks.task.TASKS)
-from selfspec.tasks import xsum, cnndm, humaneval, gsm8k, mtbench  # noqa: F401,I001  (register)
-from selfspec.tasks.task import (TASKS, Example, Task, TaskConfig, TaskDataError, build_task,
-                                 cut_at, get_task, model_chat, read_jsonl, read_records, register,
-                                 render)
 from selfspec.tasks.sharegpt import iter_sharegpt
+from selfspec.tasks.task import (TASKS, Example, Task, TaskConfig, TaskDataError, build_task,
+                                 cut_at, get_task, model_chat, read_jsonl, read_records, render)
 
 __all__ = ["TASKS", "Example", "Task", "TaskConfig", "TaskDataError", "build_task", "cut_at",
-           "get_task", "iter_sharegpt", "model_chat", "read_jsonl", "read_records", "register", "render"]
+           "get_task", "iter_sharegpt", "model_chat", "read_jsonl", "read_records", "render"]

@@ -29,16 +29,15 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
-from selfspec.store.assets import asset_path
 from selfspec.metrics import extract_number
-from selfspec.tasks.task import Example, Task, TaskDataError, register
+from selfspec.store.assets import asset_path
+from selfspec.tasks.task import Example, Task, TaskDataError
 
 GSM_SYMBOLIC_SEED = 42
 GSM_SYMBOLIC_SIZE = 1319  # the size of the GSM8K test split
 STDLIB_IMPORTS = {"math", "fractions", "random", "typing"}
 
 
-@register
 class GSM8K(Task):
     name = "gsm8k"
     title = "GSM8K"

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfspec.config import checks
-from selfspec.store.assets import asset_path
 from selfspec.metrics import sandbox
-from selfspec.tasks.task import Example, Task, TaskConfig, read_jsonl, register
+from selfspec.store.assets import asset_path
+from selfspec.tasks.task import Example, Task, TaskConfig, read_jsonl
 
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 PASS_AT = (1, 10, 100)
@@ -106,7 +106,6 @@ class HumanEvalConfig(TaskConfig):
                       why="bubblewrap: isolated, the default; rlimits-only: NOT isolated, resource limits only")
 
 
-@register
 class HumanEval(Task):
     name = "humaneval"
     title = "HumanEval"

@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from selfspec.store.assets import asset_path
-from selfspec.tasks.task import Example, Task, read_jsonl, register
+from selfspec.tasks.task import Example, Task, read_jsonl
 
 
-@register
 class MTBench(Task):
     name = "mtbench"
     title = "MT-Bench"

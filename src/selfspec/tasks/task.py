@@ -43,6 +43,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.config import checks
+from selfspec.config.registry import Registry
 
 __all__ = [
     "Example",
@@ -56,7 +57,6 @@ __all__ = [
     "get_task",
     "read_jsonl",
     "read_records",
-    "register",
     "render",
 ]
 
@@ -76,22 +76,20 @@ class Example:
     messages: list[dict[str, str]] | None = None
 
 
-#: the tasks, in the papers' order (tables, figures): :mod:`selfspec.tasks` imports their modules in it
-TASKS: dict[str, type[Task]] = {}
-
-
-def register(cls: type[Task]) -> type[Task]:
-    """Class decorator adding a task to :data:`TASKS` under ``cls.name``."""
-    TASKS[cls.name] = cls
-    return cls
+#: task name -> its class (imported on first use), in the papers' order (tables, figures); each
+#: task's title and score column its class's (the one registry style, :mod:`selfspec.config.registry`)
+TASKS = Registry("task", {
+    "xsum": "selfspec.tasks.xsum:XSum",
+    "cnndm": "selfspec.tasks.cnndm:CnnDm",
+    "humaneval": "selfspec.tasks.humaneval:HumanEval",
+    "gsm8k": "selfspec.tasks.gsm8k:GSM8K",
+    "mtbench": "selfspec.tasks.mtbench:MTBench",
+}, lambda name, known: KeyError(f"unknown task {name!r}; known tasks: {', '.join(known)}"))
 
 
 def get_task(name: str) -> type[Task]:
-    """The task class registered as ``name``."""
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+    """The task class named ``name``."""
+    return TASKS.lookup(name)
 
 
 def model_chat(cfg: Any) -> bool:

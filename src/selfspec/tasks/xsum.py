@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from selfspec.store.assets import asset_path
-from selfspec.tasks.task import read_jsonl, register
 from selfspec.tasks.summarization import SummarisationTask
+from selfspec.tasks.task import read_jsonl
 
 
-@register
 class XSum(SummarisationTask):
     name = "xsum"
     title = "XSum"

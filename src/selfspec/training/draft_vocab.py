@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from selfspec.config import checks
-from selfspec.models.heads import draft_vocab_tensors
-from selfspec.training.driver import Job, Result, job_keys
-from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
 from selfspec.measure.peak import MemoryModel, Shape, Term, generation_bytes
+from selfspec.models.heads import draft_vocab_tensors
+from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
+from selfspec.training.driver import Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ def prepare(cfg) -> dict:
 def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list[list[int]], repeats: int) -> tuple:
     """Held-out coverage and measured head cost (seconds, decoder layers) of each size, the full
     vocabulary included; returns ``(candidates, layer_seconds, full_head_seconds)``."""
-    from selfspec.models.heads import DraftVocab
     from selfspec.measure.costs import time_head, time_layer
+    from selfspec.models.heads import DraftVocab
 
     layer = time_layer(model, repeats=repeats)
     full = time_head(model, repeats=repeats)

@@ -153,11 +153,11 @@ def artefact_dir(job: Job, cfg, opts: dict) -> Path:
 # --- run -------------------------------------------------------------------------------------
 def run(job: Job, cfg, loaded=None) -> dict:
     """Prepare, lock, load, track, run the objective, save, report; the job's summary."""
-    from selfspec.store.locks import artefact_lock, hold
-    from selfspec.models.loading import model_for
-    from selfspec.tracking import hydra_output_dir, open_run_log, start_run
-    from selfspec.store.files import check_directory, check_writable
     from selfspec.measure.peak import check_fits
+    from selfspec.models.loading import model_for
+    from selfspec.store.files import check_directory, check_writable
+    from selfspec.store.locks import artefact_lock, hold
+    from selfspec.tracking import hydra_output_dir, open_run_log, start_run
 
     opts = prepare(job, cfg)  # config and data checked before anything is locked or loaded
     if loaded is None:  # its estimated peak checked against the device's memory before the model loads

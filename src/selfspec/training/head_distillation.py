@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
+from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, generation_bytes, layer_bytes, scores_bytes
 from selfspec.models.heads import IntermediateHeads, default_layers, heads_artefact_dir, heads_contents
 from selfspec.training.continuations import Sequence, build_data, data_tag, data_tasks, generation_options
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
-from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, generation_bytes, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from selfspec.config import checks
-from selfspec.decoding.tree import TREE_KIND, SparseTree, layout
+from selfspec.decoding.tree import SparseTree, TREE_KIND, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
 from selfspec.measure.costs import context_cache, time_forward
-from selfspec.training.driver import Job, Result, job_keys
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
+from selfspec.training.driver import Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
+from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, backward_bytes, layer_bytes, scores_bytes
 from selfspec.models.prompts import PromptTokens, prompts_contents
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
-from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, backward_bytes, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 

@@ -44,10 +44,10 @@ from selfspec.config import checks
 from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.costs import time_forward
+from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.training.bars import bar
 from selfspec.training.driver import Job, Result, job_keys, task_names
-from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 
 log = logging.getLogger(__name__)
 
