@@ -74,8 +74,8 @@ def test_context_drafts_do_not_move_the_method_policy(tiny, looping):
     per self-drafted step, never after a step whose drafts came from the context."""
     dec = decoder(tiny, "draft_verify")
     updates = []
-    real = dec.draft_stop.update
-    dec.draft_stop.update = lambda *a: updates.append(a) or real(*a)
+    real = dec.drafter.draft_stop.update
+    dec.drafter.draft_stop.update = lambda *a: updates.append(a) or real(*a)
     g = dec.generate(looping, 40)
     assert g.stats["ngram_steps"] > 0
     assert len(updates) == g.stats["verifications"] - g.stats["ngram_steps"] > 0

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.decoding import DecodeState, Sampling, build_decoder
-from selfspec.decoding.early_exit import DEL, ShadowStats, round_cost, tpl_argmax
+from selfspec.decoding.early_exit import DEL, DELDrafter, ShadowStats, round_cost, tpl_argmax
 from selfspec.measure.profile import Profile
 from conftest import cpu_like_profile
 from test_early_exit import agreeing_model, compose_method, vanilla
@@ -44,8 +44,8 @@ def test_controller_moves_exit_and_gamma(agree, prompt_ids):
     machine's timings (a loaded machine measured other v(k) and the gate took plain steps)."""
     d = del_decoder(agree, head_cost=0.0, cost_model="parameters", never_slower=False)
     seen = set()
-    plan = d.plan
-    d.plan = lambda state: seen.add((plan(state).exit_layer, plan(state).max_draft)) or plan(state)
+    plan = d.drafter.plan
+    d.drafter.plan = lambda state: seen.add((plan(state).exit_layer, plan(state).max_draft)) or plan(state)
     g = d.generate(prompt_ids, 48)
     assert g.tokens == vanilla(agree, prompt_ids, 48)
     assert g.acceptance_rate > 0.3 and len(seen) > 1, seen
@@ -73,12 +73,12 @@ def test_shadow_hidden_states_equal_recomputation(agree, prompt_ids):
         mask = m.causal_mask(len(seq), 0)
         for i in range(m.num_layers - 1):
             h = m.mlp(i, m.attention(i, h, rope, None, mask))
-            torch.testing.assert_close(state.example.hs[d.slot[i], :n], h[0, start : start + n], rtol=1e-4,
+            torch.testing.assert_close(state.example.hs[d.drafter.slot[i], :n], h[0, start : start + n], rtol=1e-4,
                                        atol=1e-4)
         checked.append((state.example.plan.exit_layer, n))
-        DEL.observe(d, state, committed)
+        DELDrafter.observe(d.drafter, state, committed)
 
-    d.observe = observe
+    d.drafter.observe = observe
     d.generate(prompt_ids, 24)
     assert any(n > 1 for _, n in checked) and len({e for e, _ in checked}) >= 1
 
@@ -153,16 +153,16 @@ def test_measured_costs_come_from_the_runs_profile(tiny, prompt_ids):
     steep.data["head"] = {vocab: {k: 2 * t for k, t in steep.data["mlp"].items()}}  # 2 layers' worth, alike in k
     steep = Profile(steep.data)
     d = del_decoder(tiny, steep, min_draft=0, max_draft=8)
-    assert d.head_cost == pytest.approx(2.0)
-    assert d.verify.tolist() == pytest.approx([1.0, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 13.5])
-    state = DecodeState([], 0, None, Sampling(), None, example=d.new_example(None))
-    state.example.shadow.update(torch.ones(len(d.candidates), 1, dtype=torch.bool),
-                                torch.ones(len(d.candidates), 1))
-    assert d.plan(state).max_draft == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
+    assert d.drafter.head_cost == pytest.approx(2.0)
+    assert d.drafter.verify.tolist() == pytest.approx([1.0, 3.0, 4.5, 6.0, 7.5, 9.0, 10.5, 12.0, 13.5])
+    state = DecodeState([], 0, None, Sampling(), None, example=d.drafter.new_example(None))
+    state.example.shadow.update(torch.ones(len(d.drafter.candidates), 1, dtype=torch.bool),
+                                torch.ones(len(d.drafter.candidates), 1))
+    assert d.drafter.plan(state).max_draft == 0  # even perfect agreement cannot pay v(2) = 3: plain decoding
     g = d.generate(prompt_ids, 16)
     assert g.tokens == vanilla(tiny, prompt_ids, 16)
     p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
-    assert p.verify is None and p.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
+    assert p.drafter.verify is None and p.drafter.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
     with pytest.raises(ValueError, match="cost_model=measured prices TPL's costs with this machine's cost profile"):
         build_decoder(OmegaConf.load("conf/method/del.yaml"), m)
     assert "cost_model=parameters" in MEASURED_NEEDS_PROFILE
@@ -171,8 +171,8 @@ def test_measured_costs_come_from_the_runs_profile(tiny, prompt_ids):
 def test_config_composes_and_bad_values_stop(tiny):
     cfg = compose_method("del")
     d = build_decoder(cfg, tiny.model, profile=cpu_like_profile(tiny.model))
-    assert isinstance(d, DEL) and d.candidates == [0, 1, 2] and d.verify is not None
-    assert d.head_cost == 0.0  # cpu_like_profile's head costs nothing
+    assert isinstance(d, DEL) and d.drafter.candidates == [0, 1, 2] and d.drafter.verify is not None
+    assert d.drafter.head_cost == 0.0  # cpu_like_profile's head costs nothing
     with pytest.raises(ValueError, match="omega"):
         del_decoder(tiny, omega=1.0)
     with pytest.raises(ValueError, match="min_draft"):
@@ -200,11 +200,11 @@ def test_a_gate_defers_the_prompts_shadow_tokens_to_the_first_plan(agree, prompt
     def first_plan(d):
         def plan(state):
             pending = state.example.seed is not None
-            got = DEL.plan(d, state)
+            got = DELDrafter.plan(d.drafter, state)
             if len(firsts) < 2 and not any(f[0] is d for f in firsts):
                 firsts.append((d, pending, state.example.shadow.state(), got))
             return got
-        d.plan = plan
+        d.drafter.plan = plan
         return d
 
     gated = first_plan(del_decoder(agree, cost_model="parameters"))
@@ -220,6 +220,6 @@ def test_a_gate_defers_the_prompts_shadow_tokens_to_the_first_plan(agree, prompt
     plain = del_decoder(agree, cost_model="parameters")
     plain.gate.speculate = lambda: False
     calls = []
-    logits = plain.heads.logits
-    plain.heads.logits = lambda *a: calls.append(1) or logits(*a)
+    logits = plain.drafter.heads.logits
+    plain.drafter.heads.logits = lambda *a: calls.append(1) or logits(*a)
     assert plain.generate(prompt_ids, 16).tokens == vanilla(agree, prompt_ids, 16) and not calls

@@ -105,7 +105,7 @@ def first_step(s: Sampling):
         p = warp(model.logits(model.forward(torch.tensor([prompt_ids + [first]]), model.new_cache(64), start=0)[:, -1])[0], s)
         q_cache = model.new_cache(64)
         model.forward(prompt, q_cache, start=0)
-        h_draft = model.forward(torch.tensor([[first]]), q_cache, start=state.n_cached, skip=dec.skip_set)[:, -1]
+        h_draft = model.forward(torch.tensor([[first]]), q_cache, start=state.n_cached, skip=dec.drafter.skip_set)[:, -1]
     return dec, state, p, h_draft
 
 
@@ -150,28 +150,28 @@ def test_sampling_is_seeded_and_lossless_path_runs(tiny8, prompt_ids):
 def test_adaptive_gamma_update_rule_and_carry_over(tiny8, prompt_ids):
     dec = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop={"rule": "adaptive", "threshold": 0.6, "target": 0.9})
     # Eq. 2-4 by hand: first stage AR = AR_1 (beta1 = 0)
-    dec.update_gamma(accepted=1, drafted=4, hit_max=False)  # AR 0.25 <= 0.9 -> raise
-    assert dec.ar == 0.25 and dec.gamma == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
-    g1 = dec.gamma
-    dec.update_gamma(accepted=4, drafted=4, hit_max=False)  # AR 0.625 -> raise again
-    assert dec.ar == pytest.approx(0.625) and dec.gamma == pytest.approx(0.9 * g1 + 0.1 * (g1 + 0.01))
-    dec.ar, g2 = 0.95, dec.gamma
-    dec.update_gamma(accepted=12, drafted=12, hit_max=True)  # above target but hit K: not lowered
-    assert dec.gamma == g2
-    dec.update_gamma(accepted=3, drafted=3, hit_max=False)  # above target -> lower
-    assert dec.gamma == pytest.approx(0.9 * g2 + 0.1 * (g2 - 0.01))
+    dec.drafter.update_gamma(accepted=1, drafted=4, hit_max=False)  # AR 0.25 <= 0.9 -> raise
+    assert dec.drafter.ar == 0.25 and dec.drafter.gamma == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
+    g1 = dec.drafter.gamma
+    dec.drafter.update_gamma(accepted=4, drafted=4, hit_max=False)  # AR 0.625 -> raise again
+    assert dec.drafter.ar == pytest.approx(0.625) and dec.drafter.gamma == pytest.approx(0.9 * g1 + 0.1 * (g1 + 0.01))
+    dec.drafter.ar, g2 = 0.95, dec.drafter.gamma
+    dec.drafter.update_gamma(accepted=12, drafted=12, hit_max=True)  # above target but hit K: not lowered
+    assert dec.drafter.gamma == g2
+    dec.drafter.update_gamma(accepted=3, drafted=3, hit_max=False)  # above target -> lower
+    assert dec.drafter.gamma == pytest.approx(0.9 * g2 + 0.1 * (g2 - 0.01))
     # state carries over between generate calls; reset restores gamma0
-    dec.reset_gamma()
+    dec.drafter.reset_gamma()
     g = dec.generate(prompt_ids, 30)
-    assert g.stats["gamma"] == dec.gamma != 0.6 and g.stats["verifications"] > 0
-    before = dec.gamma
+    assert g.stats["gamma"] == dec.drafter.gamma != 0.6 and g.stats["verifications"] > 0
+    before = dec.drafter.gamma
     dec.generate(prompt_ids, 30)
-    assert dec.gamma != before
-    dec.reset_gamma()
-    assert dec.gamma == 0.6 and dec.ar is None
+    assert dec.drafter.gamma != before
+    dec.drafter.reset_gamma()
+    assert dec.drafter.gamma == 0.6 and dec.drafter.ar is None
     static = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop={"rule": "static", "threshold": 0.6})
     static.generate(prompt_ids, 30)
-    assert static.gamma == 0.6
+    assert static.drafter.gamma == 0.6
 
 
 def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
@@ -182,7 +182,7 @@ def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
     cfg = method_config("draft_verify", **{"skip_set": str(tmp_path / "sk")})
     assert resolve_skip_set(cfg, tiny8.model, tiny8.tokenizer) == skip
     dec = build_decoder(cfg, tiny8.model, tokenizer=tiny8.tokenizer)
-    assert isinstance(dec, DraftVerify) and dec.skip_set == skip
+    assert isinstance(dec, DraftVerify) and dec.drafter.skip_set == skip
     with pytest.raises(ValueError, match="layers"):
         dv(tiny8, [8], [])
     with pytest.raises(ValueError, match=r"method\.draft_stop\.rule=sometimes"):
@@ -259,7 +259,7 @@ def test_authors_budget_and_eos_drafting_stay_lossless(tiny8, prompt_ids):
     free = vanilla_tokens(tiny8, prompt_ids, 25)
     paper = dv(tiny8, [1, 2], [6], draft_stop={"rule": "adaptive", "threshold": 0.0}, max_draft=3,
                last_token="draft", eos_draft="continue", never_slower=False)
-    assert paper.draft_room(3, 1) == 1 and dv(tiny8, [1, 2], [6]).draft_room(3, 1) == 0
+    assert paper.drafter.draft_room(3, 1) == 1 and dv(tiny8, [1, 2], [6]).drafter.draft_room(3, 1) == 0
     for n in (1, 2, 7, 25):
         g = paper.generate(prompt_ids, n)
         assert g.tokens == free[:n] and all(s.drafted for s in g.trace[1:])
@@ -312,13 +312,13 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
     for label in ("paper", "default", "gated"):
         dec, fresh = build(label), build(label)
         before = dec.carried_state()
-        assert set(before) == {"gate", "threads", "draft_stop"} and before["threads"] is None and (before["gate"] is None) == (label != "gated")
+        assert set(before) == {"gate", "threads", "drafter.draft_stop"} and before["threads"] is None and (before["gate"] is None) == (label != "gated")
         _warmup([SimpleNamespace(decoder=dec)], [prompt_ids], 2, 16, Sampling())
-        assert dec.gamma == 0.05 and dec.draft_stop == before["draft_stop"] and dec.gate == before["gate"]
+        assert dec.drafter.gamma == 0.05 and dec.drafter.draft_stop == before["drafter.draft_stop"] and dec.gate == before["gate"]
         if label != "gated":  # the gate's choices follow the wall clock
             assert dec.generate(prompt_ids, 24).trace == fresh.generate(prompt_ids, 24).trace, label
     with_warmup = build("paper")
     with with_warmup.kept_state():
         with_warmup.generate(prompt_ids, 16)
-        assert with_warmup.gamma != 0.05
-    assert with_warmup.gamma == 0.05
+        assert with_warmup.drafter.gamma != 0.05
+    assert with_warmup.drafter.gamma == 0.05

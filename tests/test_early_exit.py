@@ -176,7 +176,7 @@ def test_trained_heads_as_exit_heads(agree, tiny, prompt_ids, tmp_path):
     save_heads(tmp_path / "h", heads, agree)
     ref = vanilla(agree, prompt_ids, 30)
     d = ee(agree, 1, 4, exit_head="heads", heads=str(tmp_path / "h"))
-    assert d.heads.kind == "linear" and d.generate(prompt_ids, 30).tokens == ref
+    assert d.drafter.heads.kind == "linear" and d.generate(prompt_ids, 30).tokens == ref
     with pytest.raises(ValueError, match="no exit head"):
         ee(agree, 2, 4, exit_head="heads", heads=str(tmp_path / "h"))
     with pytest.raises(ValueError, match="trained for model"):  # heads of another model
@@ -207,5 +207,5 @@ def test_method_configs_build(tiny, name):
     cfg = compose_method(name)
     cfg.exit_layer = 1
     d = build_decoder(cfg, tiny.model)
-    assert isinstance(d, EarlyExit) and d.max_draft == cfg.max_draft
-    assert (name == "early_exit_dv_threshold") == isinstance(d.draft_stop, AdaptiveThreshold)
+    assert isinstance(d, EarlyExit) and d.drafter.max_draft == cfg.max_draft
+    assert (name == "early_exit_dv_threshold") == isinstance(d.drafter.draft_stop, AdaptiveThreshold)

@@ -198,7 +198,7 @@ def test_bad_settings_are_refused_before_a_model_loads(tiny):
         build_decoder(method_config("knapspec"), tiny.model)
     with pytest.raises(ValueError, match="method.skip_layers"):
         build_decoder(method_config("clasp", skip_layers=4), tiny.model)
-    assert build_decoder(method_config("clasp"), tiny.model).skip_layers == 1  # a quarter of 4 layers
+    assert build_decoder(method_config("clasp"), tiny.model).drafter.skip_layers == 1  # a quarter of 4 layers
 
 
 @pytest.mark.slow

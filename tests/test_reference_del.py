@@ -57,7 +57,7 @@ def test_layer_count_is_dels_denominator(tiny):
     d = del_paper(tiny)
     L = tiny.model.num_layers
     expect = [[g * (ell + 1) + L - ell - 1 for g in range(1, 19)] for ell in range(L - 1)]
-    assert d.cost.tolist() == expect
+    assert d.drafter.cost.tolist() == expect
     assert layer_count(torch.tensor([2]), torch.tensor([0, 3]), 10).tolist() == [[7.0, 16.0]]
     with pytest.raises(ValueError, match=r"method\.head_cost.*cost_model=layers"):
         del_paper(tiny, head_cost=1.0)

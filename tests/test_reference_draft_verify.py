@@ -107,7 +107,7 @@ def test_paper_config_is_the_authors_loop(peaked, tiny_authors, setting):
     assert_same(theirs, ours)
     # every step after prefill verified a draft, the last token of a budget included
     assert all(s.drafted for g in ours for s in g.trace[1:])
-    assert dec.gamma == theirs[-1].threshold
+    assert dec.drafter.gamma == theirs[-1].threshold
 
 
 def test_the_tiny_data_exercises_the_authors_loop(tiny_authors):

@@ -213,7 +213,7 @@ class Decoder:
     #: attributes holding the policy state that carries over from one example to the next: the
     #: speculation gate's measurements, the thread policy's, the context drafter's acceptance per
     #: match length (its ``priced`` schedule, :mod:`selfspec.decoding.ngram`); chain methods add
-    #: their draft-stop rule (Draft & Verify's adaptive threshold). A dotted name is an attribute
+    #: their drafter's draft-stop rule (Draft & Verify's adaptive threshold). A dotted name is an attribute
     #: of a part (left out while the part is None). Everything else on a decoder is fixed by its
     #: config, and what belongs to one example lives on ``DecodeState``. :meth:`kept_state`
     #: restores it (the warm-up).

@@ -8,19 +8,29 @@ the chain (the upper layers over kept exit-layer states). The split follows the 
 ``transformers``' ``CandidateGenerator`` (propose candidates; update the strategy from the number
 of matches):
 
-* :class:`Drafter` — what a method implements: :meth:`~Drafter.new_example` (per-example state,
-  held on ``DecodeState.example``), :meth:`~Drafter.propose` (a :class:`Draft`),
+* :class:`Drafter` — a **proposer** and its **scorer**, a part a decoder is composed of:
+  :meth:`~Drafter.new_example` (per-example state, held on ``DecodeState.example``),
+  :meth:`~Drafter.draft_length` (the step's plan), :meth:`~Drafter.propose` (a :class:`Draft`),
   :meth:`~Drafter.score` (target logits of the chain; default one full forward pass) and
   :meth:`~Drafter.update` (the policy update, e.g. Draft & Verify's adaptive threshold, DEL's
-  shadow-token statistics, the n-gram draft-length controller);
-* :func:`settle` — verify, roll back, update, count: written once, used by :class:`ChainDecoder`
+  shadow-token statistics, the n-gram draft-length controller). Draft & Verify's skip-set drafter
+  (:class:`~selfspec.decoding.draft_verify.SkipSetDrafter`), KnapSpec's and CLaSp's searched one,
+  early exit's and DEL's exit-head drafters and the context drafter
+  (:class:`~selfspec.decoding.ngram.ContextDrafter`) are each one;
+* :func:`chain_step` — one step of one drafter: plan, propose, score, :func:`settle`;
+* :func:`settle` — verify, roll back, update, count: written once, used by :func:`chain_step`
   and by AdaDecode (whose passes interleave drafting and scoring, so it is no plain chain);
-* :class:`ChainDecoder` — a :class:`~selfspec.decoding.base.Decoder` whose step is
-  ``propose → score → settle``;
-* :func:`context_step` — drafts from the context first (beyond the papers): a decoder with a
-  context drafter (the n-gram lookup, a method's ``ngram`` sub-config) verifies the tokens that
-  followed the longest matching n-gram of the prompt and the generated text when there is a
-  match, and self-drafts only when there is none. Every chain method and AdaDecode take it.
+* :class:`ChainDecoder` — a :class:`~selfspec.decoding.base.Decoder` composed of its drafters,
+  whose step is the **first of** them that drafts (:attr:`ChainDecoder.proposers`): the context
+  drafter when the method has one (drafts from the context first, beyond the papers: the tokens
+  that followed the longest matching n-gram of the prompt and the generated text, verified when
+  there is a match), then the method's own drafter, which always takes the step (a plain one when
+  it drafts nothing);
+* :func:`context_step` — the context drafter's step alone, for a decoder that is no chain
+  (AdaDecode).
+
+A method that only drafts differently is one :class:`Drafter` and one YAML: the decoder class
+around it reads the YAML's keys (``options``) and builds the drafter (``from_config``).
 
 **Draft-stop rule** (one for every method; Draft & Verify §3.4): :meth:`Draft.add` takes the
 drafter's logits for the next position, picks the draft token (argmax, or a sample of the warped
@@ -31,7 +41,7 @@ that token **is still verified** — and after an EOS draft (nothing after it ca
 Draft & Verify's ``eos_draft: continue`` drafts past it, as its authors' code does).
 
 Policy state (a draft-stop rule such as :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`)
-lives on the decoder and carries over between examples (``Decoder.carried``; Draft & Verify's
+lives on the drafter and carries over between examples (``Decoder.carried``; Draft & Verify's
 evaluation carries its threshold from one example to the next, docs/design.md §6); the rule is told
 when an example starts (:meth:`~selfspec.decoding.draft_exit.DraftStop.start_example`), so what
 it keeps per example starts again. Everything else that belongs to one example lives in the object
@@ -48,6 +58,7 @@ import torch
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.draft_exit import DraftStop
 from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
 
 
@@ -109,10 +120,18 @@ def pick(logits: torch.Tensor, state: DecodeState) -> tuple[int, float, torch.Te
 
 
 class Drafter:
-    """A draft source for :class:`ChainDecoder` (module docstring). ``draft_stop`` is the
-    method's draft-stop rule (decoder-level policy state; never stopping by default)."""
+    """A proposer and its scorer, a part of a :class:`ChainDecoder` (module docstring), over
+    :attr:`model`. ``draft_stop`` is its draft-stop rule (policy state carried between examples;
+    never stopping by default)."""
 
     draft_stop: DraftStop = DraftStop()
+    model: LayeredModel
+
+    def draft_room(self, limit: int, budget: int) -> int:
+        """Most drafts a step may propose with ``budget`` tokens left: ``limit``, cut so that the
+        accepted drafts and the bonus token fit the budget (0 with one token left: a plain step).
+        The loop cuts what a step commits to the budget, so a drafter may draft beyond it."""
+        return min(limit, budget - 1)
 
     def new_example(self, state: DecodeState) -> Any:
         """Per-example drafter state, created before prefill (``state.example``); default None."""
@@ -185,63 +204,71 @@ def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Draf
     return committed
 
 
+def chain_step(state: DecodeState, drafter: Drafter, budget: int, source: str = "self",
+               optional: bool = False) -> list[int] | None:
+    """One step of ``drafter``: its plan (:meth:`~Drafter.draft_length`), its drafts within the
+    budget's room, its score and :func:`settle`. ``optional``: a step that drafts nothing is not
+    taken (None: the next proposer goes); otherwise it is a plain step, scored by the drafter."""
+    limit = drafter.draft_length(state)
+    k_max = drafter.draft_room(limit, budget)
+    if optional and k_max < 1:
+        return None
+    with phase(state.ledger, "draft"):
+        draft = drafter.propose(state, k_max) if k_max > 0 else Draft()
+    if optional and not len(draft):
+        return None
+    draft.limit = limit
+    with phase(state.ledger, "verify" if len(draft) else "plain"):
+        logits = drafter.score(state, draft)
+    return settle(state, draft, logits, drafter, source=source)
+
+
 def context_step(decoder: Decoder, state: DecodeState, budget: int) -> list[int] | None:
     """One step with drafts from the context (module docstring), or None when the decoder has no
     context drafter, the budget leaves no room for a draft or nothing matches (the method then
-    self-drafts). The context drafter scores with one full pass and learns from the outcome
+    drafts itself). The context drafter scores with one full pass and learns from the outcome
     itself; the method's own policy (threshold, statistics) sees only its own drafts."""
-    drafter = decoder.context
-    if drafter is None or budget < 2:
+    if decoder.context is None:
         return None
-    limit = drafter.draft_length(state)
-    with phase(state.ledger, "draft"):
-        draft = drafter.propose(state, min(limit, budget - 1))
-    if not len(draft):
-        return None
-    draft.limit = limit
-    with phase(state.ledger, "verify"):
-        logits = drafter.score(state, draft)
-    return settle(state, draft, logits, drafter, source="context")
+    return chain_step(state, decoder.context, budget, source="context", optional=True)
 
 
-class ChainDecoder(Drafter, Decoder):
-    """A decoder whose step is the shared chain step: ``propose → score → settle``, after drafts
-    from the context when the method has a context drafter (:func:`context_step`)."""
+class ChainDecoder(Decoder):
+    """A decoder composed of its drafters, whose step is the first of them that drafts (module
+    docstring). A subclass builds its own :attr:`drafter` at construction."""
 
     context_first = True
-    #: the draft-stop rule carries over between examples too (module docstring)
-    carried = (*Decoder.carried, "draft_stop")
+    #: the drafter's draft-stop rule carries over between examples too (module docstring)
+    carried = (*Decoder.carried, "drafter.draft_stop")
+    #: ``never_slower``: the step may give way to a plain one (:mod:`selfspec.decoding.gate`)
+    gated = True
+    #: the method's own proposer and scorer
+    drafter: Drafter
+
+    @property
+    def proposers(self) -> tuple[tuple[Drafter, str], ...]:
+        """The drafters a step tries in order, each with the source its steps are traced as: the
+        context drafter when the method has one, then its own."""
+        own = (self.drafter, "self")
+        return (own,) if self.context is None else ((self.context, "context"), own)
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
-        self.draft_stop.start_example()
-        state.example = self.new_example(state)
-
-    #: ``never_slower``: the step may give way to a plain one (:mod:`selfspec.decoding.gate`)
-    gated = True
+        self.drafter.draft_stop.start_example()
+        state.example = self.drafter.new_example(state)
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        """One chain step: propose → score → settle. (With a speculation gate the loop may take a
-        plain step instead; the drafter's per-example state holds nothing across rounds that a
-        plain step would leave stale: each round drafts from the pending token.)"""
-        new = context_step(self, state, budget)
-        if new is not None:
-            return new
-        return self.self_step(state, budget)
+        """The first of :attr:`proposers` that drafts takes the step; the last always does. (With a
+        speculation gate the loop may take a plain step instead; the drafter's per-example state
+        holds nothing across rounds that a plain step would leave stale: each round drafts from
+        the pending token.)"""
+        *first, (last, source) = self.proposers
+        for drafter, name in first:
+            new = chain_step(state, drafter, budget, name, optional=True)
+            if new is not None:
+                return new
+        return chain_step(state, last, budget, source)
 
     def self_step(self, state: DecodeState, budget: int) -> list[int]:
-        """The chain step with the method's own drafts (no context drafts first)."""
-        limit = self.draft_length(state)
-        k_max = self.draft_room(limit, budget)
-        with phase(state.ledger, "draft"):
-            draft = self.propose(state, k_max) if k_max > 0 else Draft()
-        draft.limit = limit
-        with phase(state.ledger, "verify" if len(draft) else "plain"):
-            logits = self.score(state, draft)
-        return settle(state, draft, logits, self)
-
-    def draft_room(self, limit: int, budget: int) -> int:
-        """Most drafts a step may propose with ``budget`` tokens left: ``limit``, cut so that the
-        accepted drafts and the bonus token fit the budget (0 with one token left: a plain step).
-        The loop cuts what a step commits to the budget, so a method may draft beyond it."""
-        return min(limit, budget - 1)
+        """The step of the method's own drafter alone (no context drafts first)."""
+        return chain_step(state, self.drafter, budget)

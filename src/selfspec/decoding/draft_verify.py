@@ -3,7 +3,7 @@
 One step (Draft & Verify §3.2, Algorithm 2 / Appendix K Algorithms 3-4), a drafter of the shared
 chain step (:mod:`selfspec.decoding.chain`):
 
-1. **Draft** (:meth:`DraftVerify.propose`) up to ``K`` tokens with the model itself, skipping
+1. **Draft** (:meth:`SkipSetDrafter.propose`) up to ``K`` tokens with the model itself, skipping
    the attention and MLP sublayers of the *skip set* (§3.3). Drafting shares the layer cache: the
    drafted tokens' keys/values are written past the committed tokens (scratch) at every layer
    whose attention runs.
@@ -34,7 +34,7 @@ after the example), ``verifications`` and ``draft_stops`` (steps ended by the th
 Carried across examples (``Decoder.carried``): the draft-stop rule. Its threshold θ always carries
 over, as the authors' evaluation passes each example's final threshold to the next one; the
 acceptance-rate average carries over with it unless ``draft_stop.ar_per_example`` (the authors'
-code keeps it for one call). :meth:`DraftVerify.reset_gamma` restores ``gamma_0`` and a fresh
+code keeps it for one call). :meth:`SkipSetDrafter.reset_gamma` restores ``gamma_0`` and a fresh
 average. ``method=draft_verify_paper`` is the authors' loop step for step (docs/design.md §8).
 """
 
@@ -46,7 +46,7 @@ import torch
 
 from selfspec.config import checks
 from selfspec.decoding.base import DecodeState
-from selfspec.decoding.chain import ChainDecoder, Draft
+from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
 from selfspec.models.heads import build_draft_vocab, draft_logits, draft_vocab_options
 from selfspec.models.layered import LayeredModel, SkipSet
@@ -153,59 +153,25 @@ def skip_set_path(cfg, model: LayeredModel) -> Path | None:
     return Path(path)
 
 
-class DraftVerify(ChainDecoder):
-    """Self-speculative decoding with a skip set and an adaptive draft-exit threshold."""
+class SkipSetDrafter(Drafter):
+    """Draft & Verify's drafter (module docstring, steps 1-2): the model itself with the sublayers
+    of a skip set left out, until ``max_draft`` drafts, the draft-stop rule's threshold or (with
+    ``eos_draft: stop``) an EOS draft; scored by the default full pass. ``draft_vocab``: the
+    draft head's truncated vocabulary (None = the full head); ``eos``: the tokens that end a
+    generation."""
 
-    name = "draft_verify"
-    title = "Draft & Verify"
-    lossless = True
-
-    def __init__(
-        self,
-        model: LayeredModel,
-        skip_set: SkipSet,
-        max_draft: int,
-        draft_stop: dict | None,
-        last_token: str,
-        eos_draft: str,
-        **common,
-    ) -> None:
-        super().__init__(model, **common)
+    def __init__(self, model: LayeredModel, skip_set: SkipSet, max_draft: int, draft_stop: dict | None,
+                 last_token: str, eos_draft: str, *, draft_vocab=None, eos: frozenset[int] = frozenset()) -> None:
+        self.model = model
         self.skip_set = check_skip_set(skip_set, model.num_layers)
         self.max_draft = int(max_draft)
         self.last_token = checks.choice("method.last_token", last_token, LAST_TOKEN)
         self.eos_draft = checks.choice("method.eos_draft", eos_draft, EOS_DRAFT)
+        self.draft_vocab = draft_vocab
+        self.eos = frozenset(eos)
         #: the ``draft_stop`` sub-config (checked plain data); :meth:`reset_gamma` builds the rule from it
         self.draft_stop_config = draft_stop_config(draft_stop)
-        self.lookahead = self.max_draft  # drafted K/V are written past the committed tokens
         self.reset_gamma()
-
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
-        lists, else the ``skip_set`` artefact, else the default one for ``task``) and the decoding
-        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1; ``draft_stop``, the shared
-        sub-config of :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft``, module
-        docstring). The paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused,
-        naming their ``draft_stop`` keys."""
-        from selfspec.store.artefacts import artefact_option
-
-        key = f"{prefix}.{{}}".format
-        checks.renamed(prefix, cfg, {**RENAMED, "draft_exit": f"{key('draft_stop')} ({{rule: adaptive}}, "
-                                     "{rule: static, threshold: p}, or null: always max_draft drafts)"})
-        return {
-            "skip_set": artefact_option(key("skip_set"), cfg.get("skip_set"), "skip_set"),
-            "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
-            "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
-            "task": checks.optional(checks.text, key("task"), cfg.get("task")),
-            **decoding_options(cfg, prefix),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "DraftVerify":
-        skip = resolve_skip_set(options, model, common.get("tokenizer"))
-        return cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, draft_vocab=build_draft_vocab(model, options),
-                   reads={"skip_set": skip_set_path(options, model)}, **common)
 
     # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
     def reset_gamma(self) -> None:
@@ -236,7 +202,7 @@ class DraftVerify(ChainDecoder):
         """Eq. 2-4 (:class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`); no-op for the others."""
         self.draft_stop.update(drafted, accepted, hit_max)
 
-    # --- the drafter (chain step: selfspec.decoding.chain) -------------------------------------
+    # --- the proposer ------------------------------------------------------------------------
     def draft_length(self, state: DecodeState) -> int:
         return self.max_draft
 
@@ -264,7 +230,7 @@ class DraftVerify(ChainDecoder):
         model = self.model
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
-        eos = self.eos_token_ids if self.eos_draft == "stop" else frozenset()
+        eos = self.eos if self.eos_draft == "stop" else frozenset()
         token, skip = state.pending, self.skips(state)
         for j in range(k_max):
             ids.fill_(token)
@@ -274,6 +240,62 @@ class DraftVerify(ChainDecoder):
             token = draft.tokens[-1]
         return draft
 
+
+class DraftVerify(ChainDecoder):
+    """Self-speculative decoding with a skip set and an adaptive draft-exit threshold: a chain of
+    :class:`SkipSetDrafter`."""
+
+    name = "draft_verify"
+    title = "Draft & Verify"
+    lossless = True
+
+    def __init__(
+        self,
+        model: LayeredModel,
+        skip_set: SkipSet,
+        max_draft: int,
+        draft_stop: dict | None,
+        last_token: str,
+        eos_draft: str,
+        **common,
+    ) -> None:
+        super().__init__(model, **common)
+        self.drafter = self.new_drafter(skip_set, max_draft, draft_stop, last_token, eos_draft)
+        self.lookahead = self.drafter.max_draft  # drafted K/V are written past the committed tokens
+
+    def new_drafter(self, skip_set: SkipSet, max_draft: int, draft_stop: dict | None, last_token: str,
+                    eos_draft: str) -> SkipSetDrafter:
+        """The method's drafter (KnapSpec and CLaSp: one whose skip set is searched)."""
+        return SkipSetDrafter(self.model, skip_set, max_draft, draft_stop, last_token, eos_draft,
+                              draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
+
+    @classmethod
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
+        lists, else the ``skip_set`` artefact, else the default one for ``task``) and the decoding
+        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1; ``draft_stop``, the shared
+        sub-config of :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft``, module
+        docstring). The paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused,
+        naming their ``draft_stop`` keys."""
+        from selfspec.store.artefacts import artefact_option
+
+        key = f"{prefix}.{{}}".format
+        checks.renamed(prefix, cfg, {**RENAMED, "draft_exit": f"{key('draft_stop')} ({{rule: adaptive}}, "
+                                     "{rule: static, threshold: p}, or null: always max_draft drafts)"})
+        return {
+            "skip_set": artefact_option(key("skip_set"), cfg.get("skip_set"), "skip_set"),
+            "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
+            "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
+            "task": checks.optional(checks.text, key("task"), cfg.get("task")),
+            **decoding_options(cfg, prefix),
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "DraftVerify":
+        skip = resolve_skip_set(options, model, common.get("tokenizer"))
+        return cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, draft_vocab=build_draft_vocab(model, options),
+                   reads={"skip_set": skip_set_path(options, model)}, **common)
+
     def finish(self, state: DecodeState) -> None:
         state.stats.setdefault("draft_stops", 0)
-        state.stats["gamma"] = self.gamma
+        state.stats["gamma"] = self.drafter.gamma

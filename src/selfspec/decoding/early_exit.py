@@ -63,7 +63,7 @@ import torch
 
 from selfspec.config import checks
 from selfspec.decoding.base import DecodeState
-from selfspec.decoding.chain import ChainDecoder, Draft
+from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
 from selfspec.decoding.sampling import select
 from selfspec.models.heads import build_draft_vocab, draft_vocab_options
@@ -175,25 +175,19 @@ class EarlyExitExample:
     seed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-class EarlyExit(ChainDecoder):
-    """Early-exit self-speculation with a fixed ``(ℓ, max_draft)`` and an optional draft-stop rule."""
+class ExitDrafter(Drafter):
+    """Early exit's drafter (module docstring, steps 1-3): layers ``0..ℓ`` and the exit head of
+    layer ``ℓ`` draft, up to ``max_draft`` drafts, the draft-stop rule's threshold or an EOS draft
+    (``eos``); the scorer runs layers ``ℓ+1..L-1`` over the kept exit-query states. ``keep_layers``:
+    layers whose states are kept for shadow tokens (DEL's candidates; none for fixed early exit)."""
 
-    name = "early_exit"
-    title = "Early exit (LayerSkip)"
-    lossless = True
-
-    def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int,
-                 draft_stop: DraftStop | None, keep_layers: list[int] = (), *, prefill: str,
-                 **common) -> None:
-        super().__init__(model, reads={"heads": heads.path}, **common)
-        if prefill not in PREFILLS or (prefill == "draft" and keep_layers):
-            raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL only full")
-        #: ``full`` or ``draft`` (module docstring)
-        self.prefill_kind = prefill
+    def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int, draft_stop: DraftStop | None,
+                 keep_layers: list[int] = (), *, eos: frozenset[int] = frozenset()) -> None:
+        self.model = model
         self.heads = heads
         self.max_draft = int(max_draft)
-        self.lookahead = self.max_draft + 1
         self.draft_stop = draft_stop or DraftStop()
+        self.eos = frozenset(eos)
         self.exit_layer = self._check_exit(exit_layer)
         #: layers whose hidden states are kept for shadow tokens (DEL; none for fixed early exit)
         self.slot = {layer: j for j, layer in enumerate(keep_layers)}
@@ -207,57 +201,12 @@ class EarlyExit(ChainDecoder):
             )
         return layer
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
-        with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length
-        γ), the exit head (:func:`exit_head_options`), ``draft_stop``
-        (:func:`draft_stop_from_config`) and ``prefill`` (``full`` or ``draft``, module docstring).
-        The old key ``gamma`` is refused, naming ``max_draft``."""
-        key = f"{prefix}.{{}}".format
-        checks.renamed(prefix, cfg, {"gamma": "max_draft"})
-        return {
-            "exit_layer": checks.integer(key("exit_layer"), cfg.get("exit_layer"), 0, why="0-based exit layer ℓ"),
-            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1,
-                                        why="speculation length γ: most drafts per round"),
-            **exit_head_options(cfg, prefix),
-            "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
-            "prefill": checks.choice(key("prefill"), cfg.get("prefill"), PREFILLS,
-                                     why="full: a full pass commits the first token; draft: the first round "
-                                         "drafts from the prompt (LayerSkip's code)"),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "EarlyExit":
-        exit_layer = options["exit_layer"]
-        if not exit_layer < model.num_layers - 1:
-            raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
-                             f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
-        heads = exit_heads(model, options, [exit_layer])
-        return cls(model, heads, exit_layer, options["max_draft"], options["draft_stop"], prefill=options["prefill"],
-                   draft_vocab=heads.vocab, **common)
-
-    # --- per-example state -----------------------------------------------------------------
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
         m = self.model
         new = lambda rows: torch.empty(rows, self.max_draft + 1, m.hidden_size, dtype=m.dtype,  # noqa: E731
                                        device=m.device)
         return EarlyExitExample(hq=new(1), hs=new(len(self.slot)))
 
-    def begin(self, state: DecodeState) -> None:
-        super().begin(state)
-        state.stats.setdefault("exit_layer_sum", 0)
-        state.stats.setdefault("draft_len_sum", 0)
-
-    def finish(self, state: DecodeState) -> None:
-        # rounds that drafted from the exit head (not a full prefill, context drafts or gated plain steps)
-        rounds = len(state.trace) - (self.prefill_kind == "full") - state.steps_from("context")
-        rounds = max(rounds - state.gated_steps(), 1)
-        state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
-        state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
-        state.stats.setdefault("draft_stops", 0)
-
-    # --- the controller's hooks (fixed here; DEL overrides) ---------------------------------
     def plan(self, state: DecodeState) -> RoundPlan:
         """The next round's :class:`RoundPlan`."""
         return RoundPlan(self.exit_layer, self.max_draft, self.draft_stop.threshold(self.exit_layer))
@@ -265,7 +214,6 @@ class EarlyExit(ChainDecoder):
     def observe(self, state: DecodeState, committed: list[int]) -> None:
         """After verification: ``committed`` are the tokens the verified rows produced."""
 
-    # --- one round: the drafter of the shared chain step (selfspec.decoding.chain) ---------
     def _layers(self, h, layers: range, state: DecodeState, start: int, row: int) -> torch.Tensor:
         """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
         m, hs = self.model, state.example.hs
@@ -307,7 +255,7 @@ class EarlyExit(ChainDecoder):
         for i in range(k_max):
             h = self._lower(state, tokens, i)
             if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state.ledger), state, plan.threshold,
-                             self.eos_token_ids):
+                             self.eos):
                 break
             tokens = draft.tokens[-1:]
         return draft
@@ -326,6 +274,78 @@ class EarlyExit(ChainDecoder):
         h = self._layers(h, upper, state, start, 0)
         return m.logits(h[0, -(k + 1):], state.ledger)
 
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        state.trace_step.exit_layer = state.example.plan.exit_layer
+        state.count("exit_layer_sum", state.example.plan.exit_layer)
+        state.count("draft_len_sum", len(draft))
+        super().update(state, draft, accepted, committed)
+        self.observe(state, committed)
+
+
+
+
+class EarlyExit(ChainDecoder):
+    """Early-exit self-speculation with a fixed ``(ℓ, max_draft)`` and an optional draft-stop rule:
+    a chain of :class:`ExitDrafter`."""
+
+    name = "early_exit"
+    title = "Early exit (LayerSkip)"
+    lossless = True
+
+    def __init__(self, model: LayeredModel, drafter: ExitDrafter, *, prefill: str, **common) -> None:
+        super().__init__(model, reads={"heads": drafter.heads.path}, **common)
+        if prefill not in PREFILLS or (prefill == "draft" and drafter.slot):
+            raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL only full")
+        #: ``full`` or ``draft`` (module docstring)
+        self.prefill_kind = prefill
+        self.drafter = drafter
+        self.lookahead = drafter.max_draft + 1
+
+    @classmethod
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
+        with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length
+        γ), the exit head (:func:`exit_head_options`), ``draft_stop``
+        (:func:`draft_stop_from_config`) and ``prefill`` (``full`` or ``draft``, module docstring).
+        The old key ``gamma`` is refused, naming ``max_draft``."""
+        key = f"{prefix}.{{}}".format
+        checks.renamed(prefix, cfg, {"gamma": "max_draft"})
+        return {
+            "exit_layer": checks.integer(key("exit_layer"), cfg.get("exit_layer"), 0, why="0-based exit layer ℓ"),
+            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1,
+                                        why="speculation length γ: most drafts per round"),
+            **exit_head_options(cfg, prefix),
+            "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
+            "prefill": checks.choice(key("prefill"), cfg.get("prefill"), PREFILLS,
+                                     why="full: a full pass commits the first token; draft: the first round "
+                                         "drafts from the prompt (LayerSkip's code)"),
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "EarlyExit":
+        exit_layer = options["exit_layer"]
+        if not exit_layer < model.num_layers - 1:
+            raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
+                             f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
+        heads = exit_heads(model, options, [exit_layer])
+        drafter = ExitDrafter(model, heads, exit_layer, options["max_draft"], options["draft_stop"],
+                              eos=frozenset(common.get("eos_token_ids", ())))
+        return cls(model, drafter, prefill=options["prefill"], draft_vocab=heads.vocab, **common)
+
+    # --- per-example statistics and the first step -------------------------------------------
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        state.stats.setdefault("exit_layer_sum", 0)
+        state.stats.setdefault("draft_len_sum", 0)
+
+    def finish(self, state: DecodeState) -> None:
+        # rounds that drafted from the exit head (not a full prefill, context drafts or gated plain steps)
+        rounds = len(state.trace) - (self.prefill_kind == "full") - state.steps_from("context")
+        rounds = max(rounds - state.gated_steps(), 1)
+        state.stats["exit_layer_mean"] = state.stats.pop("exit_layer_sum") / rounds
+        state.stats["draft_len_mean"] = state.stats.pop("draft_len_sum") / rounds
+        state.stats.setdefault("draft_stops", 0)
+
     def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
         """``prefill: draft`` (LayerSkip's code): the first round drafts from the prompt, which is
         its ``x_0`` (module docstring); traced as ``prefill`` over the prompt and the drafts.
@@ -337,13 +357,6 @@ class EarlyExit(ChainDecoder):
         step = state.trace_step
         step.source, step.width = "prefill", prompt.shape[1] + state.drafted
         return committed
-
-    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
-        state.trace_step.exit_layer = state.example.plan.exit_layer
-        state.count("exit_layer_sum", state.example.plan.exit_layer)
-        state.count("draft_len_sum", len(draft))
-        super().update(state, draft, accepted, committed)
-        self.observe(state, committed)
 
 
 # --- DEL -----------------------------------------------------------------------------------------
@@ -457,22 +470,19 @@ def tpl_argmax(alpha: torch.Tensor, layers: torch.Tensor, gammas: torch.Tensor,
     return int(layers[c]), int(gammas[g]), float(tpl.view(-1)[flat])
 
 
-class DEL(EarlyExit):
-    """DEL: context-aware dynamic exit layer and speculation length (DEL §4, Algorithm 1)."""
-
-    name = "del"
-    title = "DEL"
+class DELDrafter(ExitDrafter):
+    """DEL's drafter: :class:`ExitDrafter` whose round plan (exit layer ℓ, speculation length γ,
+    stop threshold) maximises tokens per layer from the shadow-token statistics (DEL §4,
+    Algorithm 1), priced by ``cost_model`` (``measured``: the run's ``profile``)."""
 
     def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int, omega: float,
-                 draft_stop: DraftStop | None, prefill_shadow: int, shadow_rows: int | None,
-                 head_cost: float | None, cost_model: str, **common) -> None:
+                 draft_stop: DraftStop | None, shadow_rows: int | None, head_cost: float | None, cost_model: str,
+                 *, profile=None, eos: frozenset[int] = frozenset()) -> None:
         self.gammas = torch.arange(int(min_draft), int(max_draft) + 1)  # the speculation lengths γ
         self.candidates = list(heads.layers)
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_draft,
-                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates,
-                         prefill="full", **common)
+                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates, eos=eos)
         self.omega = float(omega)
-        self.prefill_shadow = int(prefill_shadow)
         self.shadow_rows = shadow_rows
         #: ``layers``: DEL's count as the authors' code has it (:func:`layer_count`); ``measured``:
         #: TPL's costs priced by the run's cost profile; ``parameters``: the full count of
@@ -483,7 +493,6 @@ class DEL(EarlyExit):
         if cost_model == "layers" and head_cost is not None:
             raise ValueError("head_cost is not part of DEL's layer count (cost_model=layers): set it null")
         if cost_model == "measured":
-            profile = common.get("profile")
             if profile is None:
                 raise ValueError(MEASURED_NEEDS_PROFILE)
             # v(γ+1) and the heads at a decoding context the model holds (512 where it can)
@@ -500,6 +509,72 @@ class DEL(EarlyExit):
         #: ``[C, G]``: TPL's denominator per candidate layer and speculation length
         self.cost = (layer_count(self._layer_ids, self.gammas, model.num_layers) if cost_model == "layers" else
                      round_cost(self._layer_ids, self.gammas, model.num_layers, self.head_cost, self.verify))
+
+    def new_example(self, state: DecodeState | None) -> EarlyExitExample:
+        ex = super().new_example(state)
+        ex.shadow = ShadowStats(len(self.candidates), self.omega)
+        return ex
+
+    def shadow_stats(self, state: DecodeState) -> "ShadowStats":
+        """The example's shadow statistics, seeded first from the prompt's kept states where the
+        seed still waits (:meth:`prefill`). Every reader of the statistics comes after a plan, which
+        reads them through here: a round's :meth:`observe` and :meth:`controller`; context drafts
+        and gated plain steps read none."""
+        ex = state.example
+        if ex.seed is not None:
+            kept, final = ex.seed
+            ex.seed = None
+            with phase(state.ledger, "heads"):
+                self._shadow(state, kept, self.model.logits(final, state.ledger).argmax(-1))
+        return ex.shadow
+
+    def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
+        """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
+        if self.heads.kind == "lm_head":  # one batched head for all layers
+            logits = self.heads.logits(self.candidates[0], hs, state.ledger)
+        else:
+            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger)
+                                  for j, layer in enumerate(self.candidates)])
+        conf, tok = logits.softmax(-1).max(-1)
+        state.example.shadow.update(tok == committed.view(1, -1), conf)
+
+    def observe(self, state: DecodeState, committed: list[int]) -> None:
+        n = len(committed)  # verified rows 0..n-1 produced the committed tokens
+        rows = n if self.shadow_rows is None else min(n, self.shadow_rows)
+        target = torch.tensor(committed[:rows], device=self.model.device)
+        self._shadow(state, state.example.hs[:, :rows], target)
+
+    def controller(self, state: DecodeState) -> dict:
+        """The step's plan (DEL §4.1-4.2: exit layer ℓ, speculation length γ, stop threshold) and
+        the shadow statistics after its update (:meth:`ShadowStats.state`, per candidate layer);
+        the prefill's trace carries the seeded statistics alone where no gate defers them."""
+        plan = state.example.plan
+        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
+                **state.example.shadow.state()}
+
+    def plan(self, state: DecodeState) -> RoundPlan:
+        """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
+        of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
+        shadow = self.shadow_stats(state)
+        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.cost)
+        if isinstance(self.draft_stop, DynamicThreshold):
+            threshold = float(shadow.threshold()[self.candidates.index(ell)])
+        else:
+            threshold = self.draft_stop.threshold(ell)
+        return RoundPlan(ell, gamma, threshold)
+
+
+class DEL(EarlyExit):
+    """DEL: context-aware dynamic exit layer and speculation length (DEL §4, Algorithm 1): a chain
+    of :class:`DELDrafter`, whose prefill seeds the shadow statistics from the prompt's last
+    ``prefill_shadow`` positions."""
+
+    name = "del"
+    title = "DEL"
+
+    def __init__(self, model: LayeredModel, drafter: DELDrafter, prefill_shadow: int, **common) -> None:
+        super().__init__(model, drafter, prefill="full", **common)
+        self.prefill_shadow = int(prefill_shadow)
 
     @classmethod
     def needs_profile(cls, options: dict) -> tuple[str, str] | None:
@@ -559,14 +634,10 @@ class DEL(EarlyExit):
         if layers is None:
             layers = range(model.num_layers - 1)
         heads = exit_heads(model, options, list(layers))
-        return cls(model, heads, options["max_draft"], options["min_draft"], options["omega"], options["draft_stop"],
-                   options["prefill_shadow"], options["shadow_rows"], options["head_cost"], options["cost_model"],
-                   draft_vocab=heads.vocab, **common)
-
-    def new_example(self, state: DecodeState | None) -> EarlyExitExample:
-        ex = super().new_example(state)
-        ex.shadow = ShadowStats(len(self.candidates), self.omega)
-        return ex
+        drafter = DELDrafter(model, heads, options["max_draft"], options["min_draft"], options["omega"],
+                             options["draft_stop"], options["shadow_rows"], options["head_cost"], options["cost_model"],
+                             profile=common.get("profile"), eos=frozenset(common.get("eos_token_ids", ())))
+        return cls(model, drafter, options["prefill_shadow"], draft_vocab=heads.vocab, **common)
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Full pass over the prompt; shadow tokens of its last positions seed the statistics.
@@ -575,7 +646,7 @@ class DEL(EarlyExit):
         with the final layer's argmax (the token the model itself would commit greedily). The
         first token comes from the last position's logits alone, as vanilla's prefill takes it.
         With a speculation gate the seed waits, kept as hidden states, until the first round
-        plans (:meth:`shadow_stats`): an example whose steps the gate makes plain never pays for
+        plans (:meth:`DELDrafter.shadow_stats`): an example whose steps the gate makes plain never pays for
         ``prefill_shadow`` rows of every candidate's exit head and of the LM head, and an
         example that drafts gets the same statistics, since nothing updates them before its
         first plan. Without a gate the prefill seeds them, as DEL's code does, and its trace
@@ -584,58 +655,11 @@ class DEL(EarlyExit):
         m = self.model
         n = prompt.shape[1]
         rows = min(self.prefill_shadow, n)
-        kept = torch.empty(len(self.slot), rows, m.hidden_size, dtype=m.dtype, device=m.device)  # the candidate layers' last rows, in layer order
-        h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in self.slot.items()},
+        slot = self.drafter.slot
+        kept = torch.empty(len(slot), rows, m.hidden_size, dtype=m.dtype, device=m.device)  # the candidate layers' last rows, in layer order
+        h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in slot.items()},
                       ledger=state.ledger)
         state.example.seed = (kept, h[0, n - rows :].clone())
         if self.gate is None:
-            state.trace_step.controller = self.shadow_stats(state).state()
+            state.trace_step.controller = self.drafter.shadow_stats(state).state()
         return int(select(m.logits(h[:, n - 1], state.ledger)[0], state.sampling, state.generator, state.ledger))
-
-    def shadow_stats(self, state: DecodeState) -> "ShadowStats":
-        """The example's shadow statistics, seeded first from the prompt's kept states where the
-        seed still waits (:meth:`prefill`). Every reader of the statistics comes after a plan, which
-        reads them through here: a round's :meth:`observe` and :meth:`controller`; context drafts
-        and gated plain steps read none."""
-        ex = state.example
-        if ex.seed is not None:
-            kept, final = ex.seed
-            ex.seed = None
-            with phase(state.ledger, "heads"):
-                self._shadow(state, kept, self.model.logits(final, state.ledger).argmax(-1))
-        return ex.shadow
-
-    def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
-        """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
-        if self.heads.kind == "lm_head":  # one batched head for all layers
-            logits = self.heads.logits(self.candidates[0], hs, state.ledger)
-        else:
-            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger)
-                                  for j, layer in enumerate(self.candidates)])
-        conf, tok = logits.softmax(-1).max(-1)
-        state.example.shadow.update(tok == committed.view(1, -1), conf)
-
-    def observe(self, state: DecodeState, committed: list[int]) -> None:
-        n = len(committed)  # verified rows 0..n-1 produced the committed tokens
-        rows = n if self.shadow_rows is None else min(n, self.shadow_rows)
-        target = torch.tensor(committed[:rows], device=self.model.device)
-        self._shadow(state, state.example.hs[:, :rows], target)
-
-    def controller(self, state: DecodeState) -> dict:
-        """The step's plan (DEL §4.1-4.2: exit layer ℓ, speculation length γ, stop threshold) and
-        the shadow statistics after its update (:meth:`ShadowStats.state`, per candidate layer);
-        the prefill's trace carries the seeded statistics alone where no gate defers them."""
-        plan = state.example.plan
-        return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
-                **state.example.shadow.state()}
-
-    def plan(self, state: DecodeState) -> RoundPlan:
-        """DEL §4.1-4.2: ``(ℓ, γ) = argmax TPL`` and, under ``{rule: dynamic}``, the stop threshold
-        of layer ``ℓ`` from the shadow statistics (another rule: that rule's threshold)."""
-        shadow = self.shadow_stats(state)
-        ell, gamma, _ = tpl_argmax(shadow.alpha(), self._layer_ids, self.gammas, self.cost)
-        if isinstance(self.draft_stop, DynamicThreshold):
-            threshold = float(shadow.threshold()[self.candidates.index(ell)])
-        else:
-            threshold = self.draft_stop.threshold(ell)
-        return RoundPlan(ell, gamma, threshold)

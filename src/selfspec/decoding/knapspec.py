@@ -61,7 +61,7 @@ import torch
 from selfspec.config import checks
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import Draft
-from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, decoding_options
+from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, SkipSetDrafter, decoding_options
 from selfspec.models.heads import build_draft_vocab
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import phase
@@ -246,19 +246,16 @@ class Search:
     chosen: Chosen | None = None
 
 
-class KnapSpec(DraftVerify):
-    """Layer skipping with the skip set searched while decoding (module docstring)."""
-
-    name = "knapspec"
-    title = "KnapSpec"
-    lossless = True
-    #: the window's tokens must be consecutive: no context drafts in between
-    context_first = False
+class SearchedSkipDrafter(SkipSetDrafter):
+    """Draft & Verify's drafter whose skip set is searched while decoding (module docstring):
+    KnapSpec's knapsack over sublayers (``selection: knapspec``, priced with ``profile``) or CLaSp's
+    layer programme (``selection: clasp``), every ``interval`` steps on the states of a window of
+    verification steps."""
 
     def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, last_token: str,
-                 eos_draft: str, selection: str, interval: int, search_at: int, window: int,
-                 skip_layers: int | None, similarity_floor: float, **common) -> None:
-        super().__init__(model, SkipSet(), max_draft, draft_stop, last_token, eos_draft, **common)
+                 eos_draft: str, *, selection: str, interval: int, search_at: int, window: int,
+                 skip_layers: int | None, similarity_floor: float, profile=None, **parts) -> None:
+        super().__init__(model, SkipSet(), max_draft, draft_stop, last_token, eos_draft, **parts)
         self.selection = checks.choice("method.selection", selection, SELECTIONS)
         self.interval, self.search_at, self.window = int(interval), int(search_at), int(window)
         self.skip_layers = model.num_layers // 4 if skip_layers is None else int(skip_layers)
@@ -266,48 +263,10 @@ class KnapSpec(DraftVerify):
             raise checks.refuse("method.skip_layers", skip_layers, f"at most {model.num_layers - 1}",
                                 f"the model has {model.num_layers} layers")
         self.similarity_floor = float(similarity_floor)
-        if self.selection == "knapspec" and self.profile is None:
+        self.profile = profile
+        if self.selection == "knapspec" and profile is None:
             raise ValueError(KNAPSPEC_NEEDS_PROFILE)
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
-        (:func:`~selfspec.decoding.draft_verify.decoding_options`) and the search's
-        (:data:`SEARCH_KEYS`): ``selection`` (:data:`SELECTIONS`), ``interval`` (steps between
-        searches), ``search_at`` (the step of each interval after which the search runs, 1 = the
-        first after the prefill), ``window`` (verification steps whose tokens it compares, ending
-        there; at most ``search_at``), ``skip_layers`` (CLaSp's M; null = a quarter of the layers,
-        the authors' 8 of 32) and ``similarity_floor`` (KnapSpec's pruning)."""
-        key = f"{prefix}.{{}}".format
-        interval = checks.integer(key("interval"), cfg.get("interval"), 1, why="verification steps between searches")
-        search_at = checks.integer(key("search_at"), cfg.get("search_at"), 1, interval,
-                                   why="the step of each interval after which the skip set is searched")
-        return {
-            **decoding_options(cfg, prefix),
-            "selection": checks.choice(key("selection"), cfg.get("selection"), SELECTIONS,
-                                       why="knapspec: sublayers weighed by cost; clasp: whole layers"),
-            "interval": interval,
-            "search_at": search_at,
-            "window": checks.integer(key("window"), cfg.get("window"), 1, search_at,
-                                     why=f"steps whose tokens the search compares, ending at search_at={search_at}"),
-            "skip_layers": checks.optional(checks.integer, key("skip_layers"), cfg.get("skip_layers"), 0,
-                                           why="CLaSp's M, layers skipped"),
-            "similarity_floor": checks.number(key("similarity_floor"), cfg.get("similarity_floor"), -1.0, 1.0,
-                                              why="mean cosine similarity below which KnapSpec prunes a state"),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "KnapSpec":
-        return cls(model, **{k: options[k] for k in (*DECODING_KEYS, *SEARCH_KEYS)},
-                   draft_vocab=build_draft_vocab(model, options), **common)
-
-    @classmethod
-    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
-        if options.get("selection") == "knapspec":
-            return "selection=knapspec", KNAPSPEC_NEEDS_PROFILE
-        return super().needs_profile(options)
-
-    # --- the schedule ----------------------------------------------------------------------------
     def new_example(self, state: DecodeState) -> Search:
         return Search()
 
@@ -317,14 +276,6 @@ class KnapSpec(DraftVerify):
     def collects(self, step: int) -> bool:
         """Whether step ``step``'s verification is one of a window's (module docstring)."""
         return (self.search_at - step) % self.interval < self.window
-
-    def step(self, state: DecodeState, budget: int) -> list[int]:
-        state.example.steps += 1
-        return super().step(state, budget)
-
-    def after_plain_step(self, state: DecodeState) -> None:
-        """A gated plain step breaks the window's consecutive tokens: it starts again."""
-        state.example.window.clear()
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """The chain's verification pass; in a window step, one that keeps the full model's states:
@@ -384,9 +335,82 @@ class KnapSpec(DraftVerify):
             search.chosen = None
         return out
 
+
+
+class KnapSpec(DraftVerify):
+    """Layer skipping with the skip set searched while decoding (module docstring): a chain of
+    :class:`SearchedSkipDrafter`."""
+
+    name = "knapspec"
+    title = "KnapSpec"
+    lossless = True
+    #: the window's tokens must be consecutive: no context drafts in between
+    context_first = False
+
+    def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, last_token: str,
+                 eos_draft: str, selection: str, interval: int, search_at: int, window: int,
+                 skip_layers: int | None, similarity_floor: float, **common) -> None:
+        #: the search's settings, for :meth:`new_drafter`
+        self.search_settings = {"selection": selection, "interval": interval, "search_at": search_at,
+                                "window": window, "skip_layers": skip_layers, "similarity_floor": similarity_floor}
+        super().__init__(model, SkipSet(), max_draft, draft_stop, last_token, eos_draft, **common)
+
+    def new_drafter(self, skip_set: SkipSet, max_draft: int, draft_stop: dict | None, last_token: str,
+                    eos_draft: str) -> SearchedSkipDrafter:
+        return SearchedSkipDrafter(self.model, max_draft, draft_stop, last_token, eos_draft, **self.search_settings,
+                                   profile=self.profile, draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
+
+    @classmethod
+    def options(cls, cfg, prefix: str = "method") -> dict:
+        """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
+        (:func:`~selfspec.decoding.draft_verify.decoding_options`) and the search's
+        (:data:`SEARCH_KEYS`): ``selection`` (:data:`SELECTIONS`), ``interval`` (steps between
+        searches), ``search_at`` (the step of each interval after which the search runs, 1 = the
+        first after the prefill), ``window`` (verification steps whose tokens it compares, ending
+        there; at most ``search_at``), ``skip_layers`` (CLaSp's M; null = a quarter of the layers,
+        the authors' 8 of 32) and ``similarity_floor`` (KnapSpec's pruning)."""
+        key = f"{prefix}.{{}}".format
+        interval = checks.integer(key("interval"), cfg.get("interval"), 1, why="verification steps between searches")
+        search_at = checks.integer(key("search_at"), cfg.get("search_at"), 1, interval,
+                                   why="the step of each interval after which the skip set is searched")
+        return {
+            **decoding_options(cfg, prefix),
+            "selection": checks.choice(key("selection"), cfg.get("selection"), SELECTIONS,
+                                       why="knapspec: sublayers weighed by cost; clasp: whole layers"),
+            "interval": interval,
+            "search_at": search_at,
+            "window": checks.integer(key("window"), cfg.get("window"), 1, search_at,
+                                     why=f"steps whose tokens the search compares, ending at search_at={search_at}"),
+            "skip_layers": checks.optional(checks.integer, key("skip_layers"), cfg.get("skip_layers"), 0,
+                                           why="CLaSp's M, layers skipped"),
+            "similarity_floor": checks.number(key("similarity_floor"), cfg.get("similarity_floor"), -1.0, 1.0,
+                                              why="mean cosine similarity below which KnapSpec prunes a state"),
+        }
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: dict, **common) -> "KnapSpec":
+        return cls(model, **{k: options[k] for k in (*DECODING_KEYS, *SEARCH_KEYS)},
+                   draft_vocab=build_draft_vocab(model, options), **common)
+
+    @classmethod
+    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
+        if options.get("selection") == "knapspec":
+            return "selection=knapspec", KNAPSPEC_NEEDS_PROFILE
+        return super().needs_profile(options)
+
+    # --- the schedule ----------------------------------------------------------------------------
+    def step(self, state: DecodeState, budget: int) -> list[int]:
+        state.example.steps += 1
+        return super().step(state, budget)
+
+    def after_plain_step(self, state: DecodeState) -> None:
+        """A gated plain step breaks the window's consecutive tokens: it starts again."""
+        state.example.window.clear()
+
     def finish(self, state: DecodeState) -> None:
         super().finish(state)
         state.stats["skip_searches"] = sum(1 for t in state.trace if (t.controller or {}).get("search"))
+
 
 
 class CLaSp(KnapSpec):

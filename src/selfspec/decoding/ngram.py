@@ -322,6 +322,20 @@ class ContextDrafter(Drafter):
         ex.draft_len = max(1, min(self.max_draft, ex.draft_len + step))
 
 
+class NoDrafts(Drafter):
+    """``method=ngram``'s own drafter: none. The context drafter goes first; a step it leaves is one
+    plain step (step 3: no match), counted as ``plain_steps``."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def draft_length(self, state: DecodeState) -> int:
+        return 0
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        state.count("plain_steps")
+
+
 class NgramLookup(ChainDecoder):
     """Self-speculative decoding with model-free n-gram drafts (module docstring): a chain method
     whose only draft source is the context (:class:`ContextDrafter`); a step without a match
@@ -341,6 +355,7 @@ class NgramLookup(ChainDecoder):
                  **common) -> None:
         super().__init__(model, **common)
         self.context = ContextDrafter(model, max_ngram, min_ngram, max_draft, draft_schedule, profile=self.profile)
+        self.drafter = NoDrafts(model)
         self.lookahead = self.context.max_draft  # verification writes k + 1 positions past the committed ones
 
     @classmethod
@@ -352,13 +367,6 @@ class NgramLookup(ChainDecoder):
     @classmethod
     def from_config(cls, model, options: dict, **common) -> "NgramLookup":
         return cls(model, **options, **common)
-
-    # --- the chain step's own drafter: nothing (the context drafter goes first) --------------
-    def draft_length(self, state: DecodeState) -> int:
-        return 0
-
-    def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
-        state.count("plain_steps")  # step 3: no match
 
     def finish(self, state: DecodeState) -> None:
         ex = state.context

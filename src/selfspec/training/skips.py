@@ -41,7 +41,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
-from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, skip_set_tensors
+from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, SkipSetDrafter, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.costs import time_forward
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
@@ -181,7 +181,7 @@ class TimedObjective:
         dec = DraftVerify(self.model, skip, **self.decoding)
         runs = []
         for _ in range(self.repeats):
-            dec.reset_gamma()
+            dec.drafter.reset_gamma()
             runs.append(_decode_time(dec, self.prompts, self.n_new))
         secs, toks, drafted, accepted = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
         spt = secs / toks
@@ -206,7 +206,7 @@ class CostModel:
     sublayers — query ``c_j`` attends to the full model's K/V of its prefix and to its own draft
     K/V — gives the draft's top-1 token and confidence at every position, i.e. exactly the
     first draft of every step. Decoding is then simulated with the real draft-exit rule
-    (:meth:`DraftVerify.update_gamma`): drafts continue while confident, are accepted while
+    (:meth:`SkipSetDrafter.update_gamma`): drafts continue while confident, are accepted while
     they match ``c``. Approximations: drafts after the first in a step see exact rather than
     drafted K/V of their predecessors, and confidences after a mismatch are teacher-forced.
     """
@@ -310,7 +310,7 @@ class CostModel:
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
         match, conf = self.draft_agreement(skip)
         match, conf = match.tolist(), conf.tolist()
-        sim = DraftVerify(self.model, skip, **self.decoding)
+        sim = SkipSetDrafter(self.model, skip, **self.decoding)  # the drafter alone: its draft-stop rule
         c_draft = self.draft_cost(skip)
         T, per = self.n_new, self.n_new - 1
         cost, drafted_all, accepted_all, steps = 0.0, 0, 0, 0
