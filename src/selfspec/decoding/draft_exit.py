@@ -116,7 +116,7 @@ class AdaptiveThreshold(DraftStop):
 class DynamicThreshold(DraftStop):
     """DEL §4.2 (``method=del`` only): the threshold at exit layer ``ℓ`` is (mean confidence of the
     layer's matched shadow tokens + mean of its mismatched ones) / 2, read from the example's
-    shadow statistics by :meth:`selfspec.decoding.early_exit.DEL.plan` (0, no stop, until both
+    shadow statistics by :meth:`selfspec.decoding.early_exit.DELDrafter.plan` (0, no stop, until both
     kinds were seen)."""
 
 

@@ -7,12 +7,12 @@ how they draft and score, the chain step verifies, rolls back and updates.
 (0-based, the convention of :mod:`selfspec.models.heads`: the head at ``ℓ`` reads the hidden state
 *after* layer ``ℓ``; LayerSkip's ``E`` is ``ℓ + 1``). One round:
 
-1. **draft** (:meth:`EarlyExit.propose`) — the pending token ``x_0`` and then each draft ``d_i``
+1. **draft** (:meth:`ExitDrafter.propose`) — the pending token ``x_0`` and then each draft ``d_i``
    runs layers ``0..ℓ`` alone (their K/V go into the shared layer cache) and the exit head turns
    the layer-``ℓ`` state into the next draft; at most ``max_draft`` drafts (the papers' speculation
    length γ), fewer when the draft-stop rule fires (the draft below the threshold is still
    verified, Draft & Verify §3.4) or a draft is EOS;
-2. **exit-query cache** (:meth:`EarlyExit.score`) — the layer-``ℓ`` states of ``x_0 … x_k`` are
+2. **exit-query cache** (:meth:`ExitDrafter.score`) — the layer-``ℓ`` states of ``x_0 … x_k`` are
    kept, so verification runs only layers ``ℓ+1..L-1`` for them; layers ``0..ℓ`` keep the draft
    K/V, which are exact (they *are* the full model's first layers). The last draft ``d_k`` has
    not been through layers ``0..ℓ`` when it is drafted: scoring runs them for it first;
@@ -50,7 +50,7 @@ statistics are per example (:class:`EarlyExitExample`, created by ``begin``). TP
 (:func:`round_cost`); ``measured`` — that, priced by the run's cost profile
 (:class:`~selfspec.measure.profile.Profile`: ``v(γ+1)`` and the exit head in layers; ``del``), so the
 controller's choices are those of the profile, step for step, whatever the machine's load. The step trace's ``controller`` holds
-the round's plan and the per-layer statistics after it (:meth:`DEL.controller`).
+the round's plan and the per-layer statistics after it (:meth:`DELDrafter.controller`).
 
 Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``draft_stops``.
 """
@@ -158,7 +158,7 @@ class RoundPlan:
 
 @dataclass
 class EarlyExitExample:
-    """Per-example state (:meth:`EarlyExit.new_example`): the exit-query cache ``hq`` (layer-``ℓ``
+    """Per-example state (:meth:`ExitDrafter.new_example`): the exit-query cache ``hq`` (layer-``ℓ``
     states of ``x_0 … x_k``), the kept candidate-layer states ``hs`` of the verified positions
     (DEL's shadow tokens), the current round's :class:`RoundPlan` and DEL's :class:`ShadowStats`."""
 
