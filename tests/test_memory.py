@@ -1,5 +1,5 @@
-"""The memory model (selfspec.memory): shapes, the estimate against the measured CPU points, the refusal
-before the model loads, and the README's table."""
+"""The memory model (selfspec.measure.peak; the table of selfspec.memory): shapes, the estimate against
+the measured CPU points, the refusal before the model loads, and the README's table."""
 
 from __future__ import annotations
 

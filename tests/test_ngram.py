@@ -316,4 +316,3 @@ def test_config_lacking_a_key_is_refused_by_name():
     """The lookup's values are written once, in the YAML: a config without one names it."""
     with pytest.raises(ConfigError, match=r"lacks method\.max_draft.*conf/method/ngram\.yaml"):
         check_method(OmegaConf.create({"name": "ngram", "max_ngram": 3, "min_ngram": 1, "draft_schedule": "constant"}))
-

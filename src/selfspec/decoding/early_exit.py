@@ -282,8 +282,6 @@ class ExitDrafter(Drafter):
         self.observe(state, committed)
 
 
-
-
 class EarlyExit(ChainDecoder):
     """Early-exit self-speculation with a fixed ``(ℓ, max_draft)`` and an optional draft-stop rule:
     a chain of :class:`ExitDrafter`."""

@@ -336,7 +336,6 @@ class SearchedSkipDrafter(SkipSetDrafter):
         return out
 
 
-
 class KnapSpec(DraftVerify):
     """Layer skipping with the skip set searched while decoding (module docstring): a chain of
     :class:`SearchedSkipDrafter`."""
@@ -410,7 +409,6 @@ class KnapSpec(DraftVerify):
     def finish(self, state: DecodeState) -> None:
         super().finish(state)
         state.stats["skip_searches"] = sum(1 for t in state.trace if (t.controller or {}).get("search"))
-
 
 
 class CLaSp(KnapSpec):

@@ -293,4 +293,3 @@ class HFAssisted(_AssistantSchedule):
         peer.assistant_hf = draft.model.hf
         peer._set_schedule(options)
         return peer
-

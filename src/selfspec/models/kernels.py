@@ -316,4 +316,3 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
 
 __all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "linear", "load", "resolve", "rms_norm", "rotary",
            "rowwise_attention", "skinny_linear"]
-

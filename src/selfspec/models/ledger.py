@@ -49,7 +49,6 @@ LABELS = {"prefill": "prefill", "plain": "plain steps", "draft": "drafting", "he
           "verify": "verification", "tree": "tree building", "search": "skip search", "host": "bookkeeping"}
 
 
-
 class LayerOp(NamedTuple):
     """A layer walk: ``rows`` new rows through ``attention`` and ``mlp`` sublayers, attending to
     ``context`` cached positions; ``eager``: a model that captures its passes ran it eagerly."""

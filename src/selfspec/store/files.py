@@ -42,7 +42,6 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-
 def not_plain(info: os.stat_result) -> str | None:
     """Why a file with this ``lstat`` / ``fstat`` is not one selfspec reads or appends ("is a FIFO",
     "has 2 hard links (...)"), or None for a regular file with one link."""
@@ -58,7 +57,6 @@ def not_plain(info: os.stat_result) -> str | None:
     return "is not a regular file"
 
 
-
 def check_writable(directory: str | Path, what: str) -> None:
     """Raise :class:`PermissionError` naming ``what`` unless a file can be created in ``directory``
     (an unnamed temporary file: nothing is left behind)."""
@@ -68,7 +66,6 @@ def check_writable(directory: str | Path, what: str) -> None:
     except OSError as err:
         raise PermissionError(f"cannot write to {directory} ({err.strerror or err}): choose a writable "
                               f"directory for {what}") from None
-
 
 
 def check_directory(path: str | Path, key: str) -> None:
@@ -87,7 +84,6 @@ def check_directory(path: str | Path, key: str) -> None:
     check_writable(ancestor, key)
 
 
-
 @contextlib.contextmanager
 def disk_space(path: str | Path) -> Iterator[None]:
     """Name ``path`` in a full disk's error (issue 39: a raw ``OSError [Errno 28]`` named no file).
@@ -100,7 +96,6 @@ def disk_space(path: str | Path) -> Iterator[None]:
         raise OSError(err.errno, f"no space left on the device writing {path} ({os.strerror(err.errno)}): free "
                                  "some space and run the same command again (a run resumes where it stopped)",
                       str(path)) from None
-
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -119,11 +114,9 @@ def write_text(path: str | Path, text: str) -> Path:
     return path
 
 
-
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON atomically (:func:`write_text`)."""
     return write_text(path, json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
-
 
 
 def check_run_dir_argument(argv: list[str]) -> None:

@@ -171,5 +171,3 @@ def open_run_log(directory: str | Path) -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, RunLogHandler) and Path(handler.filename).resolve().parent == directory:
             handler.open()
-
-

@@ -43,8 +43,6 @@ from selfspec.training.loop import TrainConfig, final_metrics, train
 log = logging.getLogger(__name__)
 
 
-
-
 # --- config and data (before the model loads) --------------------------------------------------
 
 
@@ -75,16 +73,6 @@ def prepare(cfg) -> dict:
     opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
     opts["tasks"] = data_tasks(cfg, opts["data"], opts["mixed_tasks"])
     return opts
-
-
-
-
-
-
-
-
-
-
 
 
 # --- features, loss, evaluation --------------------------------------------------------------
