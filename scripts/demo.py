@@ -73,14 +73,13 @@ BUDGETS = {
         # optimiser: ~4x cheaper per suggestion at 2L = 60); the timed BO: job.iterations=8 and
         # job.max_new_tokens=16 fit the budget (--skip-search bo)
         "skips": ["job.iterations=30", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256",
-                  "job.acq_n_random=2000", "job.acq_n_smart=2", "job.calibration_repeats=3"],
+                  "job.acq_n_random=2000", "job.acq_n_smart=2"],
         "skips_bo": ["job.iterations=8", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256"],
         # 40 steps: a step costs ~12 CPU-s on 2 cores (backward through the whole model at 192 tokens);
         # at 80 steps this was the demo's most expensive step (README: measured step times)
         "prompts": ["job.steps=40", "job.n_conversations=200", "job.held_out=8", "job.context_length=192",
                     "job.eval_every=20", "job.ckpt_every=20"],
-        "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24",
-                     "job.latency_repeats=3"],
+        "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24"],
         # 32 tokens: nine methods and peers (hf_early_exit alone ~4x vanilla's time here) on five
         # tasks, greedy, then six methods sampled on two tasks, fit the 20-minute budget; warm-up
         # generations only need to touch every code path once (8 tokens)
@@ -90,16 +89,16 @@ BUDGETS = {
         "heads": ["job.n_prompts=4", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4", "job.steps=4",
                   "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2", "job.max_prompt_tokens=64"],
         "skips": ["job.iterations=2", "job.n_prompts=2", "job.max_new_tokens=6", "job.max_prompt_tokens=64",
-                  "job.plot=false", "job.acq_n_random=200", "job.acq_n_smart=0", "job.calibration_repeats=1"],
+                  "job.plot=false", "job.acq_n_random=200", "job.acq_n_smart=0"],
         "skips_bo": ["job.iterations=2", "job.n_prompts=2", "job.max_new_tokens=6", "job.max_prompt_tokens=64",
                      "job.plot=false"],
         "prompts": ["job.steps=4", "job.n_conversations=12", "job.held_out=2", "job.context_length=64",
                     "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
-        "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6", "job.latency_repeats=1",
+        "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6",
                      "job.latency_context=32", "job.plot=false"],
         # not a demo step: the README test's budget for `make draft-vocab`
         "draft_vocab": ["job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4",
-                        "job.max_prompt_tokens=64", "job.sizes=[64,1024]", "job.cost_repeats=1"],
+                        "job.max_prompt_tokens=64", "job.sizes=[64,1024]"],
         "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0, "warmup_max_new_tokens": 8},
     },
 }

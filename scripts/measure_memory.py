@@ -39,12 +39,12 @@ BASE = {
     "prompts": [*STEPS, "job.n_conversations=4", "job.held_out=1", "job.context_length=128", "job.inserts=4",
                 "job.eval_inserts=4"],
     "skips": ["job.search=bo_model", "job.iterations=2", "job.n_prompts=2", "job.max_new_tokens=8",
-              "job.max_prompt_tokens=64", "job.calibration_repeats=1", "job.probe_fractions=[]", "job.plot=false",
+              "job.max_prompt_tokens=64", "job.probe_fractions=[]", "job.plot=false",
               "job.acq_n_random=100", "job.acq_n_smart=1"],
     "ppd_tree": ["job.n_prompts=2", "job.max_new_tokens=8", "job.sizes=[1,2,4]", "job.latency_context=64",
-                 "job.latency_repeats=1", "job.plot=false"],
+                 "job.plot=false"],
     "draft_vocab": ["job.n_prompts=2", "job.n_heldout=1", "job.gen_tokens=8", "job.gen_batch=2",
-                    "job.max_prompt_tokens=64", "job.cost_repeats=1", "job.sizes=[512]"],
+                    "job.max_prompt_tokens=64", "job.sizes=[512]"],
     "evaluate": ["method=vanilla", "n_examples=1", "max_new_tokens=8", "warmup=0", "profile=null", "task=xsum"],
 }
 SHAPES = ["tiny-random", "smollm2-135m", "llama3.2-1b-random"]

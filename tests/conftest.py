@@ -170,13 +170,13 @@ SMALL_JOBS = {
               "job.eval_every": 0, "job.max_prompt_tokens": 48, "job.layers": "[1,2]"},
     "prompts": {"job.steps": 2, "job.n_conversations": 6, "job.held_out": 2, "job.context_length": 48,
                 "job.inserts": 4, "job.eval_inserts": 4},
-    "ppd_tree": {"job.n_prompts": 2, "job.max_new_tokens": 10, "job.latency_repeats": 1, "job.sizes": "[1,3,5]",
+    "ppd_tree": {"job.n_prompts": 2, "job.max_new_tokens": 10, "job.sizes": "[1,3,5]",
                  "job.plot": "false"},
     "skips": {"task": "xsum", "job.n_prompts": 2, "job.max_new_tokens": 8, "job.max_prompt_tokens": 48,
-              "job.iterations": 2, "job.calibration_repeats": 1, "job.probe_fractions": "[0.5]", "job.plot": "false",
+              "job.iterations": 2, "job.probe_fractions": "[0.5]", "job.plot": "false",
               "+job.decoding.max_draft": 4},
     "draft_vocab": {"task": "gsm8k", "job.n_prompts": 3, "job.n_heldout": 2, "job.gen_tokens": 8,
-                    "job.max_prompt_tokens": 48, "job.cost_repeats": 1, "job.size": 12},
+                    "job.max_prompt_tokens": 48, "job.size": 12},
 }
 #: where each job's artefact goes under the folder ``train_every_job`` writes into
 JOB_DIRS = {"heads": "h", "prompts": "p", "ppd_tree": "t", "skips": "s", "draft_vocab": "v"}

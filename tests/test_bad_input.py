@@ -335,7 +335,13 @@ JOB_BAD = [
     (["job=skips", "job.iterations=0", "job.probe_fractions=[]"], r"job\.iterations=0 is not allowed: the search "
                                                                    r"would evaluate nothing"),
     (["job=ppd_tree", "job.sizes=[1]"], r"job\.sizes=\[1\] is not allowed: must hold a size > 1"),
-    (["job=ppd_tree", "job.latency_repeats=0"], r"job\.latency_repeats=0 is not allowed"),
+    (["job=ppd_tree", "+job.latency_repeats=5"], r"job\.latency_repeats was renamed: set profile \(the job prices"),
+    (["job=skips", "+job.calibration_repeats=5"], r"job\.calibration_repeats was renamed: set profile"),
+    (["job=draft_vocab", "+job.cost_repeats=7"], r"job\.cost_repeats was renamed: set profile"),
+    (["job=ppd_tree", "profile=null"], r"profile=null is not allowed: auto, a profile file .*job=ppd_tree"),
+    (["job=skips", "job.search=greedy", "profile=null"], r"profile=null is not allowed: .*job\.search=greedy prices"),
+    (["job=draft_vocab", "profile=null"], r"profile=null is not allowed: .*job=draft_vocab"),
+    (["job=skips", "profile=nonexistent-profile"], r"profile=nonexistent-profile is not allowed"),
     (["job=ppd_tree", "job.prompts=/nonexistent"], r"job\.prompts=/nonexistent is not allowed: no artefact there"),
 ]
 

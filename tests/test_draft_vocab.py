@@ -54,7 +54,7 @@ def test_size_choice_follows_the_stated_objective():
 
 # --- the job ------------------------------------------------------------------------------------------
 JOB = ["job=draft_vocab", "model=tiny-random", "task=gsm8k", "job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8",
-       "job.max_prompt_tokens=48", "job.cost_repeats=1", "progress=false"]
+       "job.max_prompt_tokens=48", "progress=false"]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,14 @@ def test_job_writes_artefact_with_meta(job_artefact, tiny):
     sizes = [c["size"] for c in meta["selection"]["candidates"]]
     assert sizes == [12, tiny.model.vocab_size]  # the given size, and the full head for reference
     assert all(c["head_seconds"] > 0 for c in meta["selection"]["candidates"])
+    # the head costs are this machine's cost profile's (issue 40: one cost model), in its layers
+    from selfspec.evaluation.profiling import machine_profile
+    from selfspec.training.draft_vocab import CONTEXT
+
+    profile = machine_profile(tiny.model)
+    for c in meta["selection"]["candidates"]:
+        assert c["head_seconds"] == profile.head(1, c["size"])
+        assert c["head_layers"] == pytest.approx(profile.head(1, c["size"]) / profile.layer_cost(1, CONTEXT))
 
 
 def test_job_auto_size_is_a_candidate_and_given_size_is_honoured(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from conftest import cpu_like_profile
 from selfspec.config import compose
 from selfspec.decoding.draft_verify import resolve_skip_set
 from selfspec.models.layered import SkipSet
@@ -25,8 +26,7 @@ def reuse_tiny(tiny, monkeypatch):
 def job_cfg(tmp_path, *extra):
     return compose([
         "job=skips", "model=tiny-random", "task=xsum", f"artefact_dir={tmp_path / 'sk'}",
-        "job.n_prompts=2", "job.max_new_tokens=8", "job.max_prompt_tokens=48", "job.iterations=2",
-        "job.calibration_repeats=1", "job.probe_fractions=[0.5]", "job.plot=true",
+        "job.n_prompts=2", "job.max_new_tokens=8", "job.max_prompt_tokens=48", "job.iterations=2", "job.probe_fractions=[0.5]", "job.plot=true",
         "+job.decoding.max_draft=4", *extra], config_name="train")
 
 
@@ -35,7 +35,8 @@ def test_cost_model_drafts_equal_real_first_drafts(tiny, prompt_ids):
     make from that prefix (full model K/V of the prefix + the skipped model on the pending token)."""
     model = tiny.model
     prompts = [prompt_ids, prompt_ids[3:] + [42]]
-    cm = skips.CostModel(model, prompts, 6, OPTS, repeats=1)
+    profile = cpu_like_profile(model)
+    cm = skips.CostModel(model, prompts, 6, OPTS, profile)
     skip = SkipSet.of(attn=[1, 2], mlp=[0, 3])
     match, conf = cm.draft_agreement(skip)
     q = 0
@@ -53,6 +54,14 @@ def test_cost_model_drafts_equal_real_first_drafts(tiny, prompt_ids):
     full = cm(SkipSet())
     assert full["agreement"] == 1.0 and full["acceptance_rate"] == 1.0
     assert cm(SkipSet.of(attn=range(4), mlp=range(4)))["agreement"] < 1.0
+    # the costs are the run's profile's (issue 40: one cost model), at the first prompt's context
+    context = len(prompts[0])
+    assert cm.calibration["attn"] == profile.attention_cost(1, context) and cm.calibration["mlp"] == profile.mlp_cost(1)
+    assert cm.verify_cost(1) == profile.pass_cost(1, context)
+    assert cm.draft_cost(skip) == pytest.approx(profile.pass_cost(1, context) - 2 * profile.attention_cost(1, context)
+                                                - 2 * profile.mlp_cost(1))
+    with pytest.raises(ValueError, match="set profile=auto"):
+        skips.CostModel(model, prompts, 6, OPTS)
 
 
 @pytest.mark.parametrize("search", ["greedy", "bo_model", "bo"])

@@ -203,10 +203,23 @@ def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
 
     save_prompts(tmp_path / "p", PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
     cfg = compose(["job=ppd_tree", "model=tiny-random", f"job.prompts={tmp_path / 'p'}", "job.n_prompts=2",
-                   "job.max_new_tokens=10", "job.latency_repeats=1", "job.sizes=[1,3,5]", "job.plot=false",
+                   "job.max_new_tokens=10", "job.sizes=[1,3,5]", "job.plot=false",
                    f"artefact_dir={tmp_path / 't'}"], config_name="train")
     out = run_job(cfg)
     assert out["chosen_size"] in (1, 3, 5) and out["best_ppd_size"] in (3, 5)
+    # L_fp(n) is priced with this machine's cost profile (issue 40: one cost model): vanilla's step
+    # is one row's pass; a tree's, its rows through every layer, the head on its nodes and the tree's host work
+    import json
+
+    from selfspec.evaluation.profiling import machine_profile
+
+    profile = machine_profile(tiny.model)
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    context = int(cfg.job.latency_context)
+    assert meta["metrics"]["vanilla_latency_s"] == profile.plain_step(context)
+    curve = {r["size"]: r for r in meta["curve"]}
+    assert curve[1]["latency_s"] == profile.plain_step(context)
+    assert all(r["latency_s"] > profile.plain_step(context) for n, r in curve.items() if n > 1)
     cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
                             "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None, "state_zero": True})
     ref = Vanilla(tiny.model).generate(prompt_ids, 10).tokens

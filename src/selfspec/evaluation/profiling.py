@@ -176,6 +176,35 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
     return out
 
 
+def profile_spec(cfg) -> str | None:
+    """A run's or a training job's ``profile``: ``auto``, None, or the file of a named / given profile
+    (which must exist); checked before the model loads."""
+    from selfspec.config import checks
+    from selfspec.measure.profile import resolve
+
+    spec = checks.optional(checks.text, "profile", cfg.profile)
+    if spec in (None, "auto"):
+        return spec
+    try:
+        path = resolve(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"no profile file at {path}")
+    except FileNotFoundError as err:
+        raise checks.refuse("profile", spec, "auto, null, a profile file or a shipped profile's name", str(err)) from None
+    return str(path)
+
+
+def run_profile(cfg, model) -> Profile | None:
+    """The cost profile ``profile`` names, checked against the loaded model's shape: ``auto`` is
+    :func:`machine_profile` (this machine's, found or measured once); None for ``profile=null``."""
+    spec = profile_spec(cfg)
+    if spec is None:
+        return None
+    profile = machine_profile(model) if spec == "auto" else Profile.load(spec)
+    profile.check_shape(model_shape(model), f"model {model.name}")
+    return profile
+
+
 def machine_profile(model) -> Profile:
     """This machine's cost profile of ``model`` (evaluate's ``profile=auto``): the one kept in the
     asset cache (:func:`~selfspec.measure.profile.default_path`), else a shipped one of the same CPU,

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.config import checks, load_method_config
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
+from selfspec.evaluation.profiling import profile_spec, run_profile
 from selfspec.measure.peak import EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes
 from selfspec.measure.profile import machine, model_shape
 from selfspec.models.capture import BUCKETS
@@ -181,7 +182,7 @@ def _threads_spec(cfg: DictConfig) -> str:
     from selfspec.decoding.threads import THREADS, why_not_adaptive
 
     value = checks.choice("threads", cfg.threads, THREADS, why="CPU threads per decoding step")
-    profile = _profile_spec(cfg)
+    profile = profile_spec(cfg)
     if value == "adaptive":
         from selfspec.models.loading import resolve_device
 
@@ -200,36 +201,6 @@ def _threads(cfg: DictConfig, device: torch.device, profile) -> str:
     if value == "auto":
         return "fixed" if why_not_adaptive(device, profile) else "adaptive"
     return value
-
-
-def _profile_spec(cfg: DictConfig) -> str | None:
-    """``profile``: ``auto``, None, or the file of a named / given profile (which must exist)."""
-    spec = checks.optional(checks.text, "profile", cfg.profile)
-    if spec in (None, "auto"):
-        return spec
-    from selfspec.measure.profile import resolve
-
-    try:
-        path = resolve(spec)
-        if not path.is_file():
-            raise FileNotFoundError(f"no profile file at {path}")
-    except FileNotFoundError as err:
-        raise checks.refuse("profile", spec, "auto, null, a profile file or a shipped profile's name", str(err)) from None
-    return str(path)
-
-
-def _profile(cfg: DictConfig, model):
-    """The run's cost profile (``profile``), checked against the loaded model's shape: ``auto`` is
-    :func:`~selfspec.evaluation.profiling.machine_profile` (this machine's, found or measured once)."""
-    from selfspec.evaluation.profiling import machine_profile
-    from selfspec.measure.profile import Profile
-
-    spec = _profile_spec(cfg)
-    if spec is None:
-        return None
-    profile = machine_profile(model) if spec == "auto" else Profile.load(spec)
-    profile.check_shape(model_shape(model), f"model {model.name}")
-    return profile
 
 
 def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[str, dict[str, Any]]:
@@ -253,7 +224,7 @@ def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig],
     :meth:`~selfspec.decoding.base.Decoder.needs_profile`: a context drafter's ``draft_schedule:
     priced``, DEL's ``cost_model: measured``) is refused with ``profile=null`` before the model
     loads, naming the method and the key."""
-    if _profile_spec(cfg) is not None:
+    if profile_spec(cfg) is not None:
         return
     for name, m in method_cfgs.items():
         need = decoder_class(str(m.name)).needs_profile(options[name])
@@ -440,7 +411,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     from selfspec.models.loading import model_for
 
     loaded = model_for(cfg.model, loaded)
-    profile = _profile(cfg, loaded.model)  # a profile of another model shape stops here
+    profile = run_profile(cfg, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
     threads = _threads(cfg, loaded.model.device, profile)
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)

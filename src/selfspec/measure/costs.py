@@ -25,7 +25,7 @@ import torch
 from selfspec.models.layered import LayeredModel, SkipSet
 
 __all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_call",
-           "time_forward", "time_head", "time_layer", "weight_bytes"]
+           "time_forward", "weight_bytes"]
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
@@ -203,23 +203,3 @@ def measure_curve(model: LayeredModel, ks=(1, 2, 4, 8, 16, 32), contexts=(512,),
             layer = max(seconds[context][1] - head, 0.0) / model.num_layers
     return CostCurve(model.name, str(model.device), str(model.dtype).replace("torch.", ""), model.linear_kernel,
                      seconds, layer, head)
-
-
-def time_layer(model: LayeredModel, context: int = 64, repeats: int = 7) -> float:
-    """Seconds of one decoder layer on one token: a one-token pass through every layer without a
-    head (median of ``repeats``), over the layer count (:class:`CostCurve`'s ``layer``)."""
-    return _one_token(model, context, repeats, logits_rows=0) / model.num_layers
-
-
-def _one_token(model: LayeredModel, context: int, repeats: int, **pass_kw) -> float:
-    """Median seconds of a one-token pass after ``context`` cached tokens (capped by the model's
-    context), :func:`time_forward` with ``pass_kw``."""
-    context = max(1, min(context, model.max_context - 2))
-    return time_forward(model, context_cache(model, context, 1), context, 1, repeats=repeats, **pass_kw)
-
-
-def time_head(model: LayeredModel, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              context: int = 64, repeats: int = 7) -> float:
-    """Seconds of embedding one token + ``head`` (default the final norm + LM head) on it, no
-    decoder layer: :class:`CostCurve`'s ``head`` for any head (median of ``repeats``)."""
-    return _one_token(model, context, repeats, logits_rows=1, layers=range(0), head=head)

@@ -9,10 +9,10 @@ small part of its vocabulary. The job
   (:func:`selfspec.training.continuations.build_data`), from the end of each task's pool;
 * **counts** the generated tokens of the training continuations and ranks the vocabulary by count
   (ties: lower token id first; tokens never seen follow in id order);
-* measures the **head cost** at each candidate size with the runtime's cost functions
-  (:func:`selfspec.measure.costs.time_head`, in units of one decoder layer from
-  :func:`~selfspec.measure.costs.time_layer`) and the held-out **coverage** (share of the held-out
-  continuations' tokens inside the kept set);
+* prices the **head cost** at each candidate size with the run's cost profile (its head table by
+  vocabulary rows, in units of one decoder layer at the context the draft pass sees,
+  :data:`CONTEXT`) and measures the held-out **coverage** (share of the held-out continuations'
+  tokens inside the kept set);
 * keeps ``job.size`` tokens when given (exactly), else the candidate maximising
   ``coverage(s) / (draft_layers + head_layers(s))``: a draft token outside the kept set is always
   rejected, so coverage bounds the acceptance a draft can keep, and one draft pass costs its layers
@@ -36,11 +36,14 @@ from selfspec.config import checks
 from selfspec.measure.peak import MemoryModel, Shape, Term, generation_bytes
 from selfspec.models.heads import draft_vocab_tensors
 from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
-from selfspec.training.driver import Job, Result, job_keys
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced
 
 log = logging.getLogger(__name__)
 
 OBJECTIVE = "coverage / (draft_layers + head_layers)"
+#: cached tokens at which a decoder layer is priced (the unit of the head's cost; DEL prices its
+#: exit heads at the same context)
+CONTEXT = 512
 
 
 # --- counting and selection (no model) ------------------------------------------------------------
@@ -80,15 +83,16 @@ def choose_size(candidates: list[dict], draft_layers: float) -> dict:
 def prepare(cfg) -> dict:
     """Every key of conf/job/draft_vocab.yaml checked and the prompt tasks read, without the model."""
     job, key = cfg.job, "job.{}".format
+    checks.renamed("job", job, {"cost_repeats": TIMED_BY_PROFILE})
+    priced(cfg, "job=draft_vocab (each candidate's head cost)")
     sizes = checks.integers(key("sizes"), job.sizes, 1, distinct=True)
     opts = {
         "size": checks.optional(checks.integer, key("size"), job.size, 1,
-                                why="tokens kept; null = chosen from the measured head costs"),
+                                why="tokens kept; null = chosen from the priced head costs"),
         "sizes": sizes,
         "draft_layers": checks.optional(checks.number, key("draft_layers"), job.draft_layers, 0,
                                         low_open=True, why="null = a quarter of the model's layers"),
         **generation_options(job),
-        "cost_repeats": checks.integer(key("cost_repeats"), job.cost_repeats, 1),
     }
     if opts["size"] is None and not sizes:
         raise checks.refuse(key("sizes"), job.sizes, "needs at least one candidate size when job.size is null")
@@ -97,18 +101,15 @@ def prepare(cfg) -> dict:
     return opts
 
 
-def measure_candidates(model, ranked: torch.Tensor, sizes: list[int], held: list[list[int]], repeats: int) -> tuple:
-    """Held-out coverage and measured head cost (seconds, decoder layers) of each size, the full
-    vocabulary included; returns ``(candidates, layer_seconds, full_head_seconds)``."""
-    from selfspec.measure.costs import time_head, time_layer
-    from selfspec.models.heads import DraftVocab
-
-    layer = time_layer(model, repeats=repeats)
-    full = time_head(model, repeats=repeats)
+def measure_candidates(profile, model, ranked: torch.Tensor, sizes: list[int], held: list[list[int]]) -> tuple:
+    """Held-out coverage and priced head cost (seconds, decoder layers) of each size, the full
+    vocabulary included, from the run's cost profile; returns ``(candidates, layer_seconds,
+    full_head_seconds)``."""
+    layer = profile.layer_cost(1, CONTEXT)
+    full = profile.head(1, model.vocab_size)
     out = []
     for s in sorted(set(sizes)):
-        seconds = full if s == model.vocab_size else time_head(model, DraftVocab(model, ranked[:s]).model_logits,
-                                                               repeats=repeats)
+        seconds = full if s == model.vocab_size else profile.head(1, s)
         out.append({"size": s, "coverage": coverage(ranked[:s].tolist(), held), "head_seconds": seconds,
                     "head_layers": seconds / layer if layer > 0 else float("inf")})
     return out, layer, full
@@ -148,7 +149,7 @@ def objective(ctx) -> Result:
     ranked = rank(counts)
     draft_layers = opts["draft_layers"] or max(1.0, model.num_layers / 4)
     sizes, choice = candidate_sizes(opts, v)
-    candidates, layer_s, full_s = measure_candidates(model, ranked, sizes, held_tokens, opts["cost_repeats"])
+    candidates, layer_s, full_s = measure_candidates(ctx.profile, model, ranked, sizes, held_tokens)
     best = choose_size(candidates, draft_layers)
     chosen = next(c for c in candidates if c["size"] == opts["size"]) if choice == "given" else best
     size = chosen["size"]

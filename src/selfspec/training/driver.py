@@ -22,6 +22,7 @@ artefacts it reads, and its ``objective`` (training, a search or statistics):
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -83,6 +84,19 @@ class Context:
     def seed(self) -> int:
         return int(self.cfg.seed)
 
+    @functools.cached_property
+    def profile(self):
+        """The run's cost profile (``profile``: this machine's for ``auto``, found or measured once,
+        :func:`selfspec.evaluation.profiling.run_profile`): what a job that prices passes reads (the
+        skip search's cost model, the PPD tree job's ``L_fp(n)``, the draft vocabulary's head costs).
+        A job that needs it refuses ``profile=null`` in its ``prepare``, before the model loads."""
+        from selfspec.evaluation.profiling import run_profile
+
+        profile = run_profile(self.cfg, self.loaded.model)
+        if profile is None:
+            raise ValueError(f"job={self.cfg.job.name} prices its passes with a cost profile: set profile=auto")
+        return profile
+
     @property
     def ckpt_dir(self) -> Path:
         """A training loop's checkpoints: ``.<artefact name>.ckpt`` beside the artefact."""
@@ -111,10 +125,12 @@ def shows_progress(cfg) -> bool:
 
 def check_run(cfg) -> None:
     """The keys every job shares: conf/train.yaml's own, the model config and the logger."""
+    from selfspec.evaluation.profiling import profile_spec
     from selfspec.models.loading import check_model_config
     from selfspec.tracking import check_logger
 
     checks.seed("seed", cfg.seed)
+    profile_spec(cfg)  # a profile that is not there stops every job, whether it prices passes or not
     checks.optional(checks.text, "artefact_dir", cfg.artefact_dir,
                     why="null = outputs/artefacts/<kind>/<model>[-<task>]")
     check_model_config(cfg.model)
@@ -126,6 +142,20 @@ def check_run(cfg) -> None:
 def job_keys(job, keys: Iterable[str]) -> None:
     """Refuse keys of a job config that the job does not read (``keys``, and ``name``)."""
     checks.known_keys("job", job, [*keys, "name"], f"job {job.name} (conf/job/{job.name}.yaml)")
+
+
+def priced(cfg, what: str) -> None:
+    """Refuse ``profile=null`` for a job that prices its passes with the run's cost profile
+    (:attr:`Context.profile`), before the model loads; ``what`` names the job's setting."""
+    from selfspec.evaluation.profiling import profile_spec
+
+    if profile_spec(cfg) is None:
+        raise checks.refuse("profile", None, "auto, a profile file or a shipped profile's name",
+                            f"{what} prices its passes with this machine's cost profile")
+
+
+#: a timing key a job no longer reads, refused with what replaced it: the run's cost profile
+TIMED_BY_PROFILE = "profile (the job prices its passes with this machine's cost profile, measured once)"
 
 
 def task_names(key: str, value: Any) -> list[str]:

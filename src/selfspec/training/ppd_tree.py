@@ -16,8 +16,9 @@
    ``state_zero`` (beyond the paper) a node may lose its last prompt token and the root any of
    its own (state 0 follows such a node); without it, as the paper (Prop. 4.3 assumes ``i > 1``)
    and the authors' builder, a candidate keeps at least one and the root all ``m``.
-4. **Hardware awareness**: the forward latency ``L_fp(n)`` of each size is measured on this
-   machine; the chosen size maximises ``τ(n) / L_fp(n)``. The trees are saved as a
+4. **Hardware awareness**: the forward latency ``L_fp(n)`` of each size is priced with this
+   machine's cost profile (the run's ``profile``, as a recorded PPD step is priced:
+   :func:`tree_latency`); the chosen size maximises ``τ(n) / L_fp(n)``. The trees are saved as a
    ``ppd_tree`` artefact with the curves (and a plot).
 """
 
@@ -33,9 +34,9 @@ import torch
 from selfspec.config import checks
 from selfspec.decoding.tree import SparseTree, TREE_KIND, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
-from selfspec.measure.costs import context_cache, time_forward
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
-from selfspec.training.driver import Job, Result, job_keys
+from selfspec.models.ledger import HeadOp, LayerOp
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,16 @@ def rank_statistics(model, prompts, sequences: list[tuple[list[int], int]], top_
     return (counts / counts.sum(-1, keepdim=True))[:, :top_k]
 
 
-def measure_latency(model, trees: dict[int, SparseTree], n_ept: int, cache, context: int, repeats: int) -> float:
-    """Seconds (min over repeats) of one PPD forward (tree of the deepest state, its node logits included)
-    after ``context`` cached tokens: ``L_fp(n)`` of PPD §4 on this machine (timed by
-    :func:`selfspec.measure.costs.time_forward`, the runtime benchmark's timing loop)."""
+def tree_latency(profile, model, trees: dict[int, SparseTree], n_ept: int, context: int) -> float:
+    """Seconds of one PPD step (tree of the deepest state) after ``context`` cached tokens, priced
+    with the run's cost profile as a recorded PPD step is: one pass of the tree's rows through every
+    layer, the head on its nodes, the step's host work and the tree's own (``host_steps["tree"]``):
+    ``L_fp(n)`` of PPD §4 on this machine. A plain step (no tree) is one row's pass."""
     tree = trees[max(trees)]
     lay = layout(tree, n_ept, model.device)
-    h = torch.randn(1, lay.size, model.hidden_size, device=model.device, dtype=model.dtype) * 0.02
-    return time_forward(model, cache, context, h=h, tree=(lay.offsets, lay.mask), logits_rows=lay.n_nodes,
-                        repeats=repeats, reduce="min")
+    L, vocab = model.num_layers, model.vocab_size
+    ops = [LayerOp("verify", lay.size, L, L, context), HeadOp("verify", lay.n_nodes, vocab)]
+    return profile.price(ops) + profile.host_step("tree")
 
 
 def validation_prompts(tokenizer, chat: bool, n: int, skip: int) -> list[list[int]]:
@@ -121,7 +123,7 @@ def plot_curves(path: Path, sizes, tau, latency, speedup, chosen: int):
     ax[2].set(xlabel="tree size (tokens per forward)", ylabel="τ(n)·L(1) / L(n) (×)",
               title=f"theoretical speedup (chosen n={chosen})")
     return save_standalone(fig, path, (
-        "Left: the forward latency measured on this machine per tree size. Middle: the expected tokens per "
+        "Left: the forward latency per tree size, priced with this machine's cost profile. Middle: the expected tokens per "
         "step τ the tree's acceptance statistics give. Right: their ratio against plain decoding; the dashed "
         "line marks the size kept (the highest ratio; size 1 = plain decoding)."))
 
@@ -133,6 +135,8 @@ def prepare(cfg) -> dict:
     from selfspec.store.assets import asset_path
 
     job, key = cfg.job, "job.{}".format
+    checks.renamed("job", job, {"latency_repeats": TIMED_BY_PROFILE})
+    priced(cfg, "job=ppd_tree (L_fp(n) of each tree size)")
     sizes = sorted(set(checks.listed(checks.integer, key("sizes"), job.sizes, 1, why="tokens per forward")))
     if not any(n > 1 for n in sizes):
         raise checks.refuse(key("sizes"), job.sizes, "must hold a size > 1 (size 1 is plain decoding)")
@@ -143,8 +147,8 @@ def prepare(cfg) -> dict:
         "skip_conversations": checks.integer(key("skip_conversations"), job.skip_conversations, 0),
         "max_new_tokens": checks.integer(key("max_new_tokens"), job.max_new_tokens, 1),
         "sizes": sizes,
-        "latency_context": checks.integer(key("latency_context"), job.latency_context, 1),
-        "latency_repeats": checks.integer(key("latency_repeats"), job.latency_repeats, 1),
+        "latency_context": checks.integer(key("latency_context"), job.latency_context, 1,
+                                          why="cached tokens before the priced forward"),
         "plot": checks.flag(key("plot"), job.plot),
         "state_zero": checks.flag(key("state_zero"), job.get("state_zero"),
                                   why="false = the paper's states 1..m (the root keeps every prompt token, "
@@ -188,13 +192,12 @@ def acceptance_statistics(loaded, prompts, opts: dict) -> torch.Tensor:
     return p
 
 
-def size_curve(model, p: torch.Tensor, m: int, n_ept: int, opts: dict, tracker) -> tuple[list[dict], dict, float]:
-    """For each feasible size of ``job.sizes``: the best trees, expected τ, the measured latency and
+def size_curve(model, profile, p: torch.Tensor, m: int, n_ept: int, opts: dict, tracker) -> tuple[list[dict], dict, float]:
+    """For each feasible size of ``job.sizes``: the best trees, expected τ, the priced latency and
     the theoretical speedup; returns ``(rows, trees by size, vanilla latency)``."""
     plist = p.tolist()
-    context, repeats = opts["latency_context"], opts["latency_repeats"]
-    cache = context_cache(model, context, max(opts["sizes"]))
-    base = measure_latency(model, {0: SparseTree((), (0,))}, 1, cache, context, repeats)
+    context = opts["latency_context"]
+    base = profile.plain_step(context)
     rows, candidates = [], {}
     state_zero = opts["state_zero"]
     for n in opts["sizes"]:
@@ -202,7 +205,7 @@ def size_curve(model, p: torch.Tensor, m: int, n_ept: int, opts: dict, tracker) 
             continue
         trees = trees_for_size(p, n, m, n_ept, state_zero)
         r = amortized_tokens(trees, plist, m)
-        lat = measure_latency(model, trees, n_ept, cache, context, repeats) if n > 1 else base
+        lat = tree_latency(profile, model, trees, n_ept, context) if n > 1 else base
         rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
                      "candidates": max(t.num_candidates for t in trees.values()),
                      "prompt_tokens": max(t.num_prompts for t in trees.values())})
@@ -224,7 +227,7 @@ def objective(ctx) -> Result:
     m, n_ept = prompts.m, prompts.n_ept
     t0 = time.perf_counter()
     p = acceptance_statistics(loaded, prompts, opts)
-    rows, candidates, base = size_curve(model, p, m, n_ept, opts, ctx.tracker)
+    rows, candidates, base = size_curve(model, ctx.profile, p, m, n_ept, opts, ctx.tracker)
     ppd_rows = [row for row in rows if row["size"] > 1]
     if not ppd_rows:
         raise ValueError(f"no feasible tree size in job.sizes={sizes}; give sizes > 1")

@@ -43,11 +43,10 @@ from omegaconf import OmegaConf
 from selfspec.config import checks
 from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, SkipSetDrafter, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
-from selfspec.measure.costs import time_forward
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.training.bars import bar
-from selfspec.training.driver import Job, Result, job_keys, task_names
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced, task_names
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,10 @@ def prepare(cfg) -> dict:
     """Every key of conf/job/skips.yaml checked and the development tasks' data read — all that can
     fail without the model (the driver calls it first)."""
     jc, key = cfg.job, "job.{}".format
+    checks.renamed("job", jc, {"calibration_repeats": TIMED_BY_PROFILE})
     search = checks.choice(key("search"), jc.search, SEARCHES)
+    if search != "bo":  # the cost model's searches price candidates with the run's profile
+        priced(cfg, f"job.search={search}")
     tasks = checks.optional(task_names, key("tasks"), jc.tasks)
     n_prompts = checks.integer(key("n_prompts"), jc.n_prompts, max(1, len(tasks or ())),
                                why="dev prompts, split over job.tasks: at least one per task")
@@ -80,7 +82,6 @@ def prepare(cfg) -> dict:
         "max_prompt_tokens": checks.optional(checks.integer, key("max_prompt_tokens"), jc.max_prompt_tokens, 1),
         "decoding": decoding_options(jc),
         "repeats": checks.integer(key("repeats"), jc.repeats, 1),
-        "calibration_repeats": checks.integer(key("calibration_repeats"), jc.calibration_repeats, 1),
         "patience": checks.integer(key("patience"), jc.patience, 0, why="0 = try every prefix length"),
         "refine": checks.flag(key("refine"), jc.refine),
         "plot": checks.flag(key("plot"), jc.plot),
@@ -194,13 +195,35 @@ class TimedObjective:
 
 
 # --- the deterministic cost model ----------------------------------------------------------
+def profile_calibration(profile, num_layers: int, k1: int, context: int) -> dict[str, float]:
+    """The cost model's prices from the run's cost profile (:class:`~selfspec.measure.profile.Profile`),
+    at ``context`` cached tokens: a one-token pass (``full``), one attention and one MLP sublayer,
+    a pass with every sublayer skipped (``bare``: the embedding, the head and the host), and the
+    verification pass of ``n`` tokens as a line through ``n`` = 1, 2, ``(k1 + 1) // 2`` and ``k1``
+    (``K + 1``): the same quantities the profile prices a recorded run's ledger with."""
+    attn, mlp = profile.attention_cost(1, context), profile.mlp_cost(1)
+    full = profile.pass_cost(1, context)
+    verify = {n: profile.pass_cost(n, context) for n in sorted({1, 2, (k1 + 1) // 2, k1})}
+    ns = list(verify)
+    mean_n, mean_t = statistics.fmean(ns), statistics.fmean(verify.values())
+    slope = sum((n - mean_n) * (verify[n] - mean_t) for n in ns) / max(1e-12, sum((n - mean_n) ** 2 for n in ns))
+    return {
+        "full": full,
+        "attn": attn,
+        "mlp": mlp,
+        "bare": max(0.0, full - num_layers * (attn + mlp)),
+        "verify_intercept": mean_t - slope * mean_n,
+        "verify_slope": max(0.0, slope),
+    }
+
+
 class CostModel:
     """Predicted time per verified token of a skip set, without decoding it.
 
     Set-up (once): greedy vanilla continuations ``c_1..c_T`` of the dev prompts; the full
     model's K/V of every ``prompt + c_1..c_{T-1}`` in one layer cache (blocks side by side, a
-    block-diagonal mask); per-sublayer, head and verification costs timed once
-    (``calibration_repeats`` medians; or read from a resumed trace).
+    block-diagonal mask); per-sublayer, head and verification costs priced once with the run's cost
+    profile (:func:`profile_calibration`; or read from a resumed trace).
 
     Per candidate: ONE forward over all ``n_prompts x (T-1)`` pending tokens with the skipped
     sublayers — query ``c_j`` attends to the full model's K/V of its prefix and to its own draft
@@ -213,10 +236,12 @@ class CostModel:
 
     kind = "predicted"
 
-    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, repeats: int = 5,
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, profile=None,
                  calibration: dict | None = None):
         if n_new < 3:
             raise ValueError("job.max_new_tokens must be >= 3 for the cost model (drafts need room)")
+        if profile is None and calibration is None:
+            raise ValueError("the skip search's cost model prices candidates with a cost profile: set profile=auto")
         self.model, self.decoding, self.n_new = model, decoding, n_new
         van = Vanilla(model)
         self.targets: list[list[int]] = []
@@ -251,42 +276,11 @@ class CostModel:
         self.q_pos = torch.tensor([q_pos], device=model.device)
         self.q_mask = model.prepare_mask(allow)
         self.q_target = torch.tensor([c for cont in self.targets for c in cont[1:]], device=model.device)
-        self.calibration = calibration or self.calibrate(prompts[0], repeats)
+        self.calibration = calibration or profile_calibration(profile, model.num_layers,
+                                                              int(decoding["max_draft"]) + 1, len(prompts[0]))
         self.vanilla_spt = self.verify_cost(1)
 
     # -- costs ---------------------------------------------------------------------------
-    def calibrate(self, prompt: list[int], repeats: int) -> dict[str, float]:
-        """Time (median of ``repeats``) one-token passes with all attention / all MLP / all
-        sublayers skipped and full passes of 1..K+1 tokens, after ``prompt`` in the cache."""
-        model, L = self.model, self.model.num_layers
-        k1 = int(self.decoding["max_draft"]) + 1
-        cache = model.new_cache(len(prompt) + k1 + 1)
-        with torch.inference_mode():
-            model.forward(torch.tensor([prompt], device=model.device), cache, start=0)
-        p = len(prompt)
-
-        def timed(n, skip=None, rows=1):  # the runtime benchmark's timing loop (models.costs)
-            return time_forward(model, cache, p, n, skip=skip, logits_rows=rows, repeats=repeats)
-
-        everything = range(L)
-        full = timed(1)
-        no_attn = timed(1, SkipSet.of(attn=everything))
-        no_mlp = timed(1, SkipSet.of(mlp=everything))
-        bare = timed(1, SkipSet.of(attn=everything, mlp=everything))
-        verify = {n: timed(n, rows=n) for n in sorted({1, 2, (k1 + 1) // 2, k1})}
-        ns = list(verify)
-        mean_n, mean_t = statistics.fmean(ns), statistics.fmean(verify.values())
-        slope = sum((n - mean_n) * (verify[n] - mean_t) for n in ns) / max(
-            1e-12, sum((n - mean_n) ** 2 for n in ns))
-        return {
-            "full": full,
-            "attn": max(0.0, (full - no_attn) / L),
-            "mlp": max(0.0, (full - no_mlp) / L),
-            "bare": bare,
-            "verify_intercept": mean_t - slope * mean_n,
-            "verify_slope": max(0.0, slope),
-        }
-
     def draft_cost(self, skip: SkipSet) -> float:
         c, L = self.calibration, self.model.num_layers
         return c["bare"] + (L - len(skip.attn)) * c["attn"] + (L - len(skip.mlp)) * c["mlp"]
@@ -567,6 +561,8 @@ def search_settings(ctx, prompts: list[list[int]]) -> dict[str, Any]:
         "max_new_tokens": opts["max_new_tokens"], "decoding": opts["decoding"], "seed": ctx.seed,
         "gp_alpha": opts["gp_alpha"], "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
         "warm_start": OmegaConf.to_container(jc.warm_start) if jc.warm_start else [],
+        # the cost model's searches price candidates with the run's profile: another profile, another search
+        "costs": None if opts["search"] == "bo" else ctx.profile.name,
     }
 
 
@@ -608,7 +604,7 @@ def search(ctx) -> Result:
         if kind == "bo":
             objective = TimedObjective(model, prompts, n_new, decoding, opts["repeats"])
         else:
-            objective = CostModel(model, prompts, n_new, decoding, opts["calibration_repeats"], previous)
+            objective = CostModel(model, prompts, n_new, decoding, None if previous else ctx.profile, previous)
     t_setup = time.perf_counter() - t_start
     header = {"key": key, "settings": settings, "calibration": None if kind == "bo" else objective.calibration,
               "vanilla_seconds_per_token": objective.vanilla_spt}
