@@ -68,7 +68,7 @@ from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop
 from selfspec.decoding.sampling import select
 from selfspec.models.heads import build_draft_vocab, draft_vocab_options
 from selfspec.models.layered import LayeredModel
-from selfspec.models.ledger import phase
+from selfspec.models.ledger import LinearOp, phase
 
 EXIT_HEADS = ("lm_head", "heads")
 #: where DEL's TPL takes its costs (:class:`DEL`)
@@ -138,7 +138,7 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
         layer = profile.layer_cost(1, context)
         cost = profile.head(1, rows) / layer
         d = model.hidden_size
-        return cost + (profile.op(["heads", "X", 1, d, d]) / layer if heads.kind == "linear" else 0.0)
+        return cost + (profile.op(LinearOp("heads", 1, d, d)) / layer if heads.kind == "linear" else 0.0)
     layer = model.layer_numel()
     cost = (rows * model.hidden_size if vocab is not None else model.lm_head_weight.numel()) / layer
     if heads.kind == "linear":
