@@ -56,7 +56,7 @@ def test_cost_model_drafts_equal_real_first_drafts(tiny, prompt_ids):
     assert cm(SkipSet.of(attn=range(4), mlp=range(4)))["agreement"] < 1.0
     # the costs are the run's profile's (issue 40: one cost model), at the first prompt's context
     context = len(prompts[0])
-    assert cm.calibration["attn"] == profile.attention_cost(1, context) and cm.calibration["mlp"] == profile.mlp_cost(1)
+    assert cm.sublayer_cost("attn") == profile.attention_cost(1, context) and cm.sublayer_cost("mlp") == profile.mlp_cost(1)
     assert cm.verify_cost(1) == profile.pass_cost(1, context)
     assert cm.draft_cost(skip) == pytest.approx(profile.pass_cost(1, context) - 2 * profile.attention_cost(1, context)
                                                 - 2 * profile.mlp_cost(1))
@@ -90,10 +90,10 @@ def test_resumed_search_continues_its_trace(tmp_path):
     run_job(job_cfg(tmp_path, "job.search=bo_model", "job.iterations=3"))  # the "interrupted" run, resumed
     resumed = trace.read_text().splitlines()
     assert resumed[: len(first)] == first and len(resumed) == len(first) + 2
-    # uninterrupted, with the same (once-timed) calibration, the seeded search proposes the same sets
+    # uninterrupted, priced by the same profile, the seeded search proposes the same sets
     fresh = tmp_path / "fresh" / "sk.search-bo_model" / "trace.jsonl"
     fresh.parent.mkdir(parents=True)
-    fresh.write_text(first[0] + "\n")  # header only: the calibration, no evaluations
+    fresh.write_text(first[0] + "\n")  # header only: no evaluations
     run_job(job_cfg(tmp_path / "fresh", "job.search=bo_model", "job.iterations=3"))
     keys = lambda lines: [json.loads(x)["key"] for x in lines[1:]]
     assert keys(resumed) == keys(fresh.read_text().splitlines())

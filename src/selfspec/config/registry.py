@@ -58,7 +58,3 @@ class Registry(Mapping[str, Any]):
     def rank(self, name: str) -> int:
         """``name``'s place in the registry's order; a name it does not hold comes after every entry."""
         return list(self._entries).index(name) if name in self._entries else len(self._entries)
-
-    def module(self, name: str) -> str:
-        """The module that defines ``name``'s entry (no import)."""
-        return self._entries[name].split(":")[0]

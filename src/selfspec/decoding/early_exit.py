@@ -57,6 +57,7 @@ Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``dra
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -182,7 +183,7 @@ class ExitDrafter(Drafter):
     layers whose states are kept for shadow tokens (DEL's candidates; none for fixed early exit)."""
 
     def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int, draft_stop: DraftStop | None,
-                 keep_layers: list[int] = (), *, eos: frozenset[int] = frozenset()) -> None:
+                 keep_layers: list[int] = (), *, eos: Iterable[int] = ()) -> None:
         self.model = model
         self.heads = heads
         self.max_draft = int(max_draft)
@@ -327,7 +328,7 @@ class EarlyExit(ChainDecoder):
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = exit_heads(model, options, [exit_layer])
         drafter = ExitDrafter(model, heads, exit_layer, options["max_draft"], options["draft_stop"],
-                              eos=frozenset(common.get("eos_token_ids", ())))
+                              eos=common.get("eos_token_ids", ()))
         return cls(model, drafter, prefill=options["prefill"], draft_vocab=heads.vocab, **common)
 
     # --- per-example statistics and the first step -------------------------------------------
@@ -475,7 +476,7 @@ class DELDrafter(ExitDrafter):
 
     def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int, omega: float,
                  draft_stop: DraftStop | None, shadow_rows: int | None, head_cost: float | None, cost_model: str,
-                 *, profile=None, eos: frozenset[int] = frozenset()) -> None:
+                 *, profile=None, eos: Iterable[int] = ()) -> None:
         self.gammas = torch.arange(int(min_draft), int(max_draft) + 1)  # the speculation lengths γ
         self.candidates = list(heads.layers)
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_draft,
@@ -634,7 +635,7 @@ class DEL(EarlyExit):
         heads = exit_heads(model, options, list(layers))
         drafter = DELDrafter(model, heads, options["max_draft"], options["min_draft"], options["omega"],
                              options["draft_stop"], options["shadow_rows"], options["head_cost"], options["cost_model"],
-                             profile=common.get("profile"), eos=frozenset(common.get("eos_token_ids", ())))
+                             profile=common.get("profile"), eos=common.get("eos_token_ids", ()))
         return cls(model, drafter, options["prefill_shadow"], draft_vocab=heads.vocab, **common)
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:

@@ -45,6 +45,7 @@ from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, SkipSetDr
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.bars import bar
 from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced, task_names
 
@@ -195,35 +196,15 @@ class TimedObjective:
 
 
 # --- the deterministic cost model ----------------------------------------------------------
-def profile_calibration(profile, num_layers: int, k1: int, context: int) -> dict[str, float]:
-    """The cost model's prices from the run's cost profile (:class:`~selfspec.measure.profile.Profile`),
-    at ``context`` cached tokens: a one-token pass (``full``), one attention and one MLP sublayer,
-    a pass with every sublayer skipped (``bare``: the embedding, the head and the host), and the
-    verification pass of ``n`` tokens as a line through ``n`` = 1, 2, ``(k1 + 1) // 2`` and ``k1``
-    (``K + 1``): the same quantities the profile prices a recorded run's ledger with."""
-    attn, mlp = profile.attention_cost(1, context), profile.mlp_cost(1)
-    full = profile.pass_cost(1, context)
-    verify = {n: profile.pass_cost(n, context) for n in sorted({1, 2, (k1 + 1) // 2, k1})}
-    ns = list(verify)
-    mean_n, mean_t = statistics.fmean(ns), statistics.fmean(verify.values())
-    slope = sum((n - mean_n) * (verify[n] - mean_t) for n in ns) / max(1e-12, sum((n - mean_n) ** 2 for n in ns))
-    return {
-        "full": full,
-        "attn": attn,
-        "mlp": mlp,
-        "bare": max(0.0, full - num_layers * (attn + mlp)),
-        "verify_intercept": mean_t - slope * mean_n,
-        "verify_slope": max(0.0, slope),
-    }
-
-
 class CostModel:
     """Predicted time per verified token of a skip set, without decoding it.
 
     Set-up (once): greedy vanilla continuations ``c_1..c_T`` of the dev prompts; the full
     model's K/V of every ``prompt + c_1..c_{T-1}`` in one layer cache (blocks side by side, a
-    block-diagonal mask); per-sublayer, head and verification costs priced once with the run's cost
-    profile (:func:`profile_calibration`; or read from a resumed trace).
+    block-diagonal mask). Costs are the run's cost profile's prices at the first prompt's context,
+    as a recorded step is priced: a draft pass is one row through the sublayers the skip set keeps
+    and the head, a verification of ``n`` tokens one pass of ``n`` rows (:meth:`draft_cost`,
+    :meth:`verify_cost`, :meth:`sublayer_cost`).
 
     Per candidate: ONE forward over all ``n_prompts x (T-1)`` pending tokens with the skipped
     sublayers — query ``c_j`` attends to the full model's K/V of its prefix and to its own draft
@@ -236,13 +217,13 @@ class CostModel:
 
     kind = "predicted"
 
-    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, profile=None,
-                 calibration: dict | None = None):
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, profile=None):
         if n_new < 3:
             raise ValueError("job.max_new_tokens must be >= 3 for the cost model (drafts need room)")
-        if profile is None and calibration is None:
+        if profile is None:
             raise ValueError("the skip search's cost model prices candidates with a cost profile: set profile=auto")
         self.model, self.decoding, self.n_new = model, decoding, n_new
+        self.profile, self.context = profile, len(prompts[0])
         van = Vanilla(model)
         self.targets: list[list[int]] = []
         blocks, q_tok, q_pos, q_allow = [], [], [], []
@@ -276,20 +257,22 @@ class CostModel:
         self.q_pos = torch.tensor([q_pos], device=model.device)
         self.q_mask = model.prepare_mask(allow)
         self.q_target = torch.tensor([c for cont in self.targets for c in cont[1:]], device=model.device)
-        self.calibration = calibration or profile_calibration(profile, model.num_layers,
-                                                              int(decoding["max_draft"]) + 1, len(prompts[0]))
         self.vanilla_spt = self.verify_cost(1)
 
-    # -- costs ---------------------------------------------------------------------------
+    # -- costs (the profile's prices) ------------------------------------------------------
     def draft_cost(self, skip: SkipSet) -> float:
-        c, L = self.calibration, self.model.num_layers
-        return c["bare"] + (L - len(skip.attn)) * c["attn"] + (L - len(skip.mlp)) * c["mlp"]
+        """One draft: a row through the sublayers ``skip`` keeps, the head and the host."""
+        L = self.model.num_layers
+        return self.profile.price([LayerOp("draft", 1, L - len(skip.attn), L - len(skip.mlp), self.context),
+                                   HeadOp("draft", 1, self.model.vocab_size)])
 
     def verify_cost(self, n: int) -> float:
-        c = self.calibration
-        if n == 1:
-            return c["full"]
-        return max(c["full"], c["verify_intercept"] + c["verify_slope"] * n)
+        """The verification of ``n - 1`` drafts: a pass of ``n`` rows (one row: vanilla's step)."""
+        return self.profile.pass_cost(n, self.context)
+
+    def sublayer_cost(self, kind: str) -> float:
+        """What skipping one ``attn`` or ``mlp`` sublayer saves a draft."""
+        return self.profile.attention_cost(1, self.context) if kind == "attn" else self.profile.mlp_cost(1)
 
     # -- drafts --------------------------------------------------------------------------
     def draft_agreement(self, skip: SkipSet) -> tuple[torch.Tensor, torch.Tensor]:
@@ -485,11 +468,10 @@ def search_greedy(objective: CostModel, trace: Trace, L: int, opts: dict) -> Non
     def skip_of(us):
         return SkipSet.of(attn=[i for k, i in us if k == "attn"], mlp=[i for k, i in us if k == "mlp"])
 
-    c = objective.calibration
     score = {}
     for u in units:
         row = trace.evaluate(skip_of([u]), objective, "importance")
-        score[u] = (1.0 - row["agreement"]) / max(c[u[0]], 1e-9)
+        score[u] = (1.0 - row["agreement"]) / max(objective.sublayer_cost(u[0]), 1e-9)
     ranking = sorted(units, key=lambda u: (score[u], u))
     best_n, best = 0, objective.vanilla_spt
     patience = opts["patience"]
@@ -566,16 +548,6 @@ def search_settings(ctx, prompts: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def saved_calibration(trace_path: Path) -> dict | None:
-    """The cost model's calibration in an earlier run's trace header (a resumed search reuses it)."""
-    from selfspec.tracking import ResultsFile
-
-    if not trace_path.exists():
-        return None
-    first = next(iter(ResultsFile(trace_path)), None)
-    return (first or {}).get("header", {}).get("calibration")
-
-
 def report_row(kind: str, tracker, row: dict[str, Any]) -> None:
     """Log a new evaluation of the trace and send it to the tracker."""
     log.info("iter %d %s: %d attn + %d mlp skipped, %s %.4f ms/token, speedup %.3f, AR %s",
@@ -598,16 +570,14 @@ def search(ctx) -> Result:
     settings = search_settings(ctx, prompts)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     trace_path = work / "trace.jsonl"
-    previous = saved_calibration(trace_path)
     t_start = time.perf_counter()
     with torch.inference_mode():
         if kind == "bo":
             objective = TimedObjective(model, prompts, n_new, decoding, opts["repeats"])
         else:
-            objective = CostModel(model, prompts, n_new, decoding, None if previous else ctx.profile, previous)
+            objective = CostModel(model, prompts, n_new, decoding, ctx.profile)
     t_setup = time.perf_counter() - t_start
-    header = {"key": key, "settings": settings, "calibration": None if kind == "bo" else objective.calibration,
-              "vanilla_seconds_per_token": objective.vanilla_spt}
+    header = {"key": key, "settings": settings, "vanilla_seconds_per_token": objective.vanilla_spt}
     # BO's length is known (probes + random points + iterations); greedy's depends on the ranking
     total = None if kind == "greedy" else len(probe_sets(L, opts)) + opts["init_points"] + opts["iterations"]
     with bar(total=total, enabled=ctx.progress, desc=f"skip search ({kind})", unit="eval") as evals:
