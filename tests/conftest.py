@@ -135,7 +135,7 @@ def decoding_keys(name: str, keys) -> dict:
     from selfspec.decoding import check_method
 
     options = check_method(method_config(name))
-    return {k: options[k] for k in keys}
+    return {k: getattr(options, k) for k in keys}
 
 
 #: PPD's decoding keys as conf/method/ppd.yaml sets them (no context drafts)

@@ -64,7 +64,7 @@ def test_shadow_hidden_states_equal_recomputation(agree, prompt_ids):
     d = del_decoder(agree, head_cost=0.0)
     checked = []
 
-    def observe(state, committed):
+    def observe(state, draft, committed):
         n = len(committed)
         start = state.n_cached  # position of x_0 (the pending token of this round)
         seq = state.tokens + committed[:-1]  # x_0 … x_{n-1}: the verified positions that were committed
@@ -75,8 +75,8 @@ def test_shadow_hidden_states_equal_recomputation(agree, prompt_ids):
             h = m.mlp(i, m.attention(i, h, rope, None, mask))
             torch.testing.assert_close(state.example.hs[d.drafter.slot[i], :n], h[0, start : start + n], rtol=1e-4,
                                        atol=1e-4)
-        checked.append((state.example.plan.exit_layer, n))
-        DELDrafter.observe(d.drafter, state, committed)
+        checked.append((draft.plan.exit_layer, n))
+        DELDrafter.observe(d.drafter, state, draft, committed)
 
     d.drafter.observe = observe
     d.generate(prompt_ids, 24)

@@ -1,5 +1,6 @@
 """Draft & Verify decoding: lossless against vanilla, exact cache rollback, target distribution."""
 
+import copy
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from conftest import rolled_back_steps, method_config
 from selfspec.config import compose, model_config
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.base import DecodeState
+from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_verify import DraftVerify, resolve_skip_set, skip_set_tensors
 from selfspec.decoding.sampling import warp
 from selfspec.models.layered import SkipSet
@@ -208,8 +210,8 @@ def test_method_configs_compose(method):
     assert m.name == "draft_verify" and m.task == cfg.task.name
     rule = None if m.draft_stop is None else m.draft_stop.rule
     assert rule == {"draft_verify": "adaptive", "draft_verify_static": "static", "draft_verify_fixed_k": None}[method]
-    options = DraftVerify.options(m)
-    assert options["draft_stop"] == (None if rule is None else {"rule": rule, "threshold": 0.6})
+    options = DraftVerify.Options.read(m)
+    assert options.draft_stop == (None if rule is None else {"rule": rule, "threshold": 0.6})
 
 
 def test_acceptance_average_start_and_scope():
@@ -277,7 +279,7 @@ def test_paper_config_and_presets_run_the_authors_loop():
     from selfspec.config import compose
 
     def options(overrides):
-        return DraftVerify.options(compose(["model=tiny-random", *overrides]).method)
+        return DraftVerify.Options.read(compose(["model=tiny-random", *overrides]).method).values()
 
     runs = [["method=draft_verify_paper"], ["experiment=dv_text"], ["experiment=dv_code"],
             ["experiment=dv_fixed_k"], ["experiment=dv_static", "method=draft_verify_static"],
@@ -311,10 +313,11 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
 
     for label in ("paper", "default", "gated"):
         dec, fresh = build(label), build(label)
-        before = dec.carried_state()
-        assert set(before) == {"gate", "threads", "drafter.draft_stop"} and before["threads"] is None and (before["gate"] is None) == (label != "gated")
+        carrying = [p for p in dec.parts if isinstance(p, Carries)]
+        assert carrying == ([dec.gate] if label == "gated" else []) + [dec.drafter] and dec.carries == ()
+        stop, gate = copy.deepcopy(dec.drafter.draft_stop), copy.deepcopy(dec.gate)
         _warmup([SimpleNamespace(decoder=dec)], [prompt_ids], 2, 16, Sampling())
-        assert dec.drafter.gamma == 0.05 and dec.drafter.draft_stop == before["drafter.draft_stop"] and dec.gate == before["gate"]
+        assert dec.drafter.gamma == 0.05 and dec.drafter.draft_stop == stop and dec.gate == gate
         if label != "gated":  # the gate's choices follow the wall clock
             assert dec.generate(prompt_ids, 24).trace == fresh.generate(prompt_ids, 24).trace, label
     with_warmup = build("paper")
@@ -322,3 +325,14 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
         with_warmup.generate(prompt_ids, 16)
         assert with_warmup.drafter.gamma != 0.05
     assert with_warmup.drafter.gamma == 0.05
+
+
+def test_a_part_whose_whole_state_carries_is_put_back_whole():
+    """A part whose whole state carries (the gate) loses, on restore, state it created as it ran."""
+    from selfspec.decoding.gate import SpeculationGate
+
+    gate = SpeculationGate()
+    snapshot = gate.snapshot()
+    gate.interval, gate._since_probe, gate.created_later = 99, 5, True
+    gate.restore(snapshot)
+    assert gate == SpeculationGate() and not hasattr(gate, "created_later")

@@ -197,7 +197,7 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
 
 
 def test_never_slower_key_is_checked():
-    assert check_method(method_config("ngram", never_slower=False))["never_slower"] is False
+    assert check_method(method_config("ngram", never_slower=False)).never_slower is False
     with pytest.raises(ConfigError, match=r"method\.never_slower=yes is not allowed: must be true or false"):
         check_method(method_config("ngram", never_slower="yes"))
     # a method with no plain-step fallback does not take the key
@@ -210,9 +210,9 @@ def test_paper_configs_turn_the_gate_off(tiny):
 
     for label in ("draft_verify_paper", "early_exit_paper", "del_paper", "ppd_paper", "adadecode_paper"):
         options = check_method(compose(["model=tiny-random", f"method={label}"]).method)
-        assert options["never_slower"] is False, label
-    assert check_method(compose(["model=tiny-random", "method=del_paper"]).method)["cost_model"] == "layers"
-    assert check_method(compose(["model=tiny-random", "method=early_exit_paper"]).method)["prefill"] == "draft"
+        assert options.never_slower is False, label
+    assert check_method(compose(["model=tiny-random", "method=del_paper"]).method).cost_model == "layers"
+    assert check_method(compose(["model=tiny-random", "method=early_exit_paper"]).method).prefill == "draft"
     dec = build_decoder(OmegaConf.create({**GATED["ngram"], "never_slower": False}), tiny.model)
     assert dec.gate is None
 

@@ -294,7 +294,7 @@ def test_sampling_is_seeded_and_drafts(tiny):
 # --- configuration ---------------------------------------------------------------------------------
 def test_method_config_composes_and_is_checked():
     cfg = compose(["model=tiny-random", "method=ngram"])
-    assert check_method(cfg.method) == {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "priced",
+    assert check_method(cfg.method).values() == {"max_ngram": 3, "min_ngram": 1, "max_draft": 8, "draft_schedule": "priced",
                                         "never_slower": True}
 
 

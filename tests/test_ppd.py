@@ -167,8 +167,8 @@ def test_ngram_sub_config_is_checked_before_loading():
     from selfspec.config.checks import ConfigError
 
     keys = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}  # every key: the lookup has no Python defaults
-    assert check_method(method_config("ppd", ngram=keys))["ngram"] == keys
-    assert check_method(method_config("ppd"))["ngram"] is None
+    assert check_method(method_config("ppd", ngram=keys)).ngram == keys
+    assert check_method(method_config("ppd")).ngram is None
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_draf is not a key"):
         check_method(method_config("ppd", ngram={**keys, "max_draf": 4}))
     with pytest.raises(ConfigError, match=r"method\.ngram\.min_ngram=5 is not allowed"):

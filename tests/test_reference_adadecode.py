@@ -75,7 +75,7 @@ def run(name: str, loaded, heads_dir, ids, eos=(), n_new: int = N_NEW, **keys):
     :func:`~selfspec.decoding.build_decoder` does (no context drafts in these configs)."""
     cfg = OmegaConf.merge(load_method_config(name), {"heads_dir": str(heads_dir), "heads_task": None, **keys})
     options = check_method(cfg)
-    assert options.pop("ngram") is None
+    assert options.ngram is None
     dec = Keep.from_config(loaded.model, options, eos_token_ids=eos)
     return dec, dec.generate(ids, n_new)
 

@@ -116,7 +116,7 @@ def run(cfg, model, ids, n_new):
     """Build the decoder from ``cfg``'s checked options (as :func:`~selfspec.decoding.build_decoder`
     does; no speculation gate in these configs) and decode ``ids``."""
     options = check_method(cfg)
-    assert options.pop("never_slower") is False
+    assert options.never_slower is False
     dec = Keep.from_config(model, options)
     return dec, dec.generate(ids, n_new)
 

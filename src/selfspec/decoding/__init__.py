@@ -7,11 +7,12 @@ one registry style, :mod:`selfspec.config.registry`) names each method's class.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from selfspec.config import checks
+from selfspec.config.options import Options
 from selfspec.config.registry import Registry
 from selfspec.decoding.base import DecodeState, Decoder, Generation
+from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.decoding.sampling import Sampling
 
 #: method name -> its decoder class (imported on first use); the order is the tables' row order
@@ -57,8 +58,9 @@ def _yaml_keys(conf: str, name: str) -> tuple[str, ...]:
     return tuple(load_method_config(name))
 
 
-def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
-    """The checked options of a ``method`` config (:meth:`Decoder.options`), without a model.
+def check_method(method_cfg, prefix: str = "method") -> Options:
+    """The checked options of a ``method`` config (the decoder's :attr:`~Decoder.Options`), without
+    a model.
 
     Every key of the decoder's own YAML (``conf/method/<name>.yaml``, where each default is
     written, and only there) must be present, and a key the decoder does not read is refused
@@ -68,19 +70,13 @@ def check_method(method_cfg, prefix: str = "method") -> dict[str, Any]:
     cls = decoder_class(str(method_cfg.name))
     checks.required_keys(prefix, method_cfg, _yaml_keys(str(conf_dir()), cls.name),
                          f"conf/method/{cls.name}.yaml (or a method config whose defaults list names it)")
-    options = cls.options(method_cfg, prefix)
-    if cls.gated:  # every method whose step can give way to a plain step (selfspec.decoding.gate)
-        options["never_slower"] = checks.flag(f"{prefix}.never_slower", method_cfg.get("never_slower"),
-                                              why="plain steps where speculation does not pay on this machine")
-    if cls.context_first:  # every self-drafting method may draft from the context first
-        from selfspec.decoding.ngram import context_drafts_option
-
-        options["ngram"] = context_drafts_option(method_cfg, prefix, schedule=True)
-    checks.known_keys(prefix, [k for k in method_cfg if k != "name"], [*options, "name"], f"method {cls.name}")
+    options = cls.Options.read(method_cfg, prefix)
+    checks.known_keys(prefix, [k for k in method_cfg if k != "name"], [*cls.Options.keys(), "name"],
+                      f"method {cls.name}")
     return options
 
 
-def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", options: dict[str, Any] | None = None,
+def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", options: Options | None = None,
                   **common) -> Decoder:
     """Build the decoder a ``method`` config group names (``method.name``) from its parts, all at
     construction (:class:`~selfspec.decoding.base.Decoder`): a speculation gate
@@ -93,15 +89,15 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", op
     :func:`check_method` returned them already (an evaluation checks every method before its model
     loads), else they are checked here."""
     cls = decoder_class(str(method_cfg.name))
-    options = dict(options) if options is not None else check_method(method_cfg)
-    gate = cls.new_gate(profile) if options.pop("never_slower", False) else None
+    options = options if options is not None else check_method(method_cfg)
+    gate = cls.new_gate(profile) if isinstance(options, Gated) and options.never_slower else None
     if threads not in ("adaptive", "fixed"):
         raise ValueError(f"threads must be adaptive or fixed here, got {threads!r}")
     if threads == "adaptive" and cls.own_loop:
         from selfspec.decoding.threads import ThreadPolicy
 
         common["threads"] = ThreadPolicy(profile)
-    context = options.pop("ngram") if cls.context_first else None
+    context = options.ngram if isinstance(options, ContextFirst) else None
     if context is not None:
         from selfspec.decoding.ngram import ContextDrafter
 

@@ -62,17 +62,60 @@ at the token budget (the shared loop's budget; the paper's algorithm has none).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.chain import Draft, context_step, pick, settle
+from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.models.heads import KINDS as HEAD_KINDS
-from selfspec.models.heads import (IntermediateHeads, build_draft_vocab, default_layers,
-                            draft_vocab_options, find_heads, load_heads)
+from selfspec.models.heads import (DraftVocabOptions, IntermediateHeads, build_draft_vocab, default_layers, find_heads,
+                                   load_heads)
+from selfspec.store.artefacts import artefact_option
 from selfspec.models.layered import Rope
 from selfspec.models.ledger import phase
+
+
+def exit_layers_option(name: str, value) -> list[int] | str | None:
+    """``exit_layers``: null (every head), a list of head layers, or ``middle``."""
+    if value == "middle":
+        return value
+    return checks.optional(checks.integers, name, value, distinct=True, why="null = every head, or middle")
+
+
+@dataclass(frozen=True)
+class AdaDecodeOptions(DraftVocabOptions, Gated, ContextFirst):
+    """Keys (conf/method/adadecode*.yaml): ``threshold`` (the paper's γ: exit when a head's top
+    probability exceeds it, so in [0, 1); the old key ``gamma`` is refused, naming it),
+    ``max_early`` (>= 1, or null = no bound), ``early_eos`` (true / false), ``exit_layers``
+    (:func:`exit_layers_option`), ``head_kind`` (``linear`` / ``full``: load the trained artefact
+    of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head" ablation),
+    ``heads_dir`` (null = the default artefact directory, see
+    :func:`selfspec.models.heads.find_heads`), ``heads_task`` (the data the heads were trained on:
+    a task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced), the
+    draft vocabulary's keys and the parts' (``never_slower``, ``ngram``)."""
+
+    renamed = {"gamma": "threshold"}
+
+    head_kind: str = key(checks.choice, HEAD_KINDS)
+    exit_layers: list[int] | str | None = key(exit_layers_option)
+    threshold: float = key(checks.probability, high_open=True,
+                           why="exit threshold on a head's top probability: at 1 or more no token ever exits")
+    max_early: int | None = key(nullable(checks.integer), 1,
+                                why="unverified early tokens per full pass (null = no bound, the paper); 0 would "
+                                    "never exit")
+    early_eos: bool = key(checks.flag, why="true = an end-of-sequence token may be predicted early (the paper)")
+    heads_dir: Path | None = key(artefact_option, "heads")
+    heads_task: str | None = key(nullable(checks.text))
+    layers: list[int] | None = key(nullable(checks.integers), distinct=True)
+
+    def validate(self, prefix: str) -> None:
+        if self.layers is not None and self.head_kind != "lm_head":
+            raise checks.refuse(f"{prefix}.layers", self.layers, f"set only with head_kind=lm_head; {self.head_kind} "
+                                "heads sit at the layers of their artefact (choose among them with exit_layers)")
 
 
 @dataclass
@@ -106,7 +149,7 @@ class AdaDecode(Decoder):
     title = "AdaDecode"
     lossless = True
     verify = True
-    context_first = True
+    Options = AdaDecodeOptions
 
     def __init__(
         self,
@@ -134,63 +177,23 @@ class AdaDecode(Decoder):
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/adadecode*.yaml): ``threshold`` (the paper's γ: exit when a head's top
-        probability exceeds it, so in [0, 1); the old key ``gamma`` is refused, naming it),
-        ``max_early`` (>= 1, or null = no bound), ``early_eos`` (true / false), ``exit_layers``
-        (null = every head, a list of head layers, or ``middle``), ``head_kind`` (``linear`` /
-        ``full``: load the trained artefact of that kind; ``lm_head``: untrained final norm + head, the "w/ original LM head"
-        ablation), ``heads_dir`` (null = the default artefact directory, see
-        :func:`selfspec.models.heads.find_heads`), ``heads_task`` (the data the heads were trained on: a
-        task name or ``mixed``), ``layers`` (``lm_head`` only; null = three evenly spaced)."""
-        from selfspec.store.artefacts import artefact_option
-
-        key = f"{prefix}.{{}}".format
-        checks.renamed(prefix, cfg, {"gamma": "threshold"})
-        kind = checks.choice(key("head_kind"), cfg.get("head_kind"), HEAD_KINDS)
-        exit_layers = cfg.get("exit_layers")
-        if exit_layers != "middle":
-            exit_layers = checks.optional(checks.integers, key("exit_layers"), exit_layers, distinct=True,
-                                          why="null = every head, or middle")
-        layers = cfg.get("layers")
-        if layers is not None and kind != "lm_head":
-            raise checks.refuse(key("layers"), layers, f"set only with head_kind=lm_head; {kind} heads sit at "
-                                "the layers of their artefact (choose among them with exit_layers)")
-        return {
-            "threshold": checks.probability(key("threshold"), cfg.get("threshold"), high_open=True,
-                                            why="exit threshold on a head's top probability: at 1 or more "
-                                                "no token ever exits"),
-            "max_early": checks.optional(checks.integer, key("max_early"), cfg.get("max_early"), 1,
-                                         why="unverified early tokens per full pass (null = no bound, the "
-                                             "paper); 0 would never exit"),
-            "early_eos": checks.flag(key("early_eos"), cfg.get("early_eos"),
-                                     why="true = an end-of-sequence token may be predicted early (the paper)"),
-            "exit_layers": exit_layers,
-            "head_kind": kind,
-            "heads_dir": artefact_option(key("heads_dir"), cfg.get("heads_dir"), "heads"),
-            "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task")),
-            "layers": checks.optional(checks.integers, key("layers"), layers, distinct=True),
-            **draft_vocab_options(cfg, prefix),
-        }
-
-    @classmethod
-    def from_config(cls, model, options: dict, **common) -> "AdaDecode":
-        """Load (or build) the heads :meth:`options` name and check them against the model."""
-        kind = options["head_kind"]
+    def from_config(cls, model, options: AdaDecodeOptions, **common) -> "AdaDecode":
+        """Load (or build) the heads ``options`` name and check them against the model."""
+        kind = options.head_kind
         vocab = build_draft_vocab(model, options)
         if kind == "lm_head":
-            layers = options["layers"] or default_layers(model.num_layers)
+            layers = options.layers or default_layers(model.num_layers)
             heads = IntermediateHeads.identity(model, layers, kind="lm_head", vocab=vocab)
         else:
-            path = find_heads(model.name, options["heads_dir"], options["heads_task"], kind)
+            path = find_heads(model.name, options.heads_dir, options.heads_task, kind)
             heads = load_heads(path, model, vocab)
             if heads.kind != kind:
                 raise ValueError(f"heads artefact {path} holds {heads.kind!r} heads but method.head_kind={kind!r}")
-        exit_layers = options["exit_layers"]
+        exit_layers = options.exit_layers
         if exit_layers == "middle":
             exit_layers = [heads.layers[len(heads.layers) // 2]]
-        return cls(model, heads, threshold=options["threshold"], max_early=options["max_early"],
-                   exit_layers=exit_layers, early_eos=options["early_eos"], draft_vocab=heads.vocab, **common)
+        return cls(model, heads, threshold=options.threshold, max_early=options.max_early,
+                   exit_layers=exit_layers, early_eos=options.early_eos, draft_vocab=heads.vocab, **common)
 
     # --- decoding --------------------------------------------------------------------------
     def new_step(self, state: DecodeState, budget: int) -> _StepState:
@@ -278,12 +281,9 @@ class AdaDecode(Decoder):
             state.count("rejected")
             state.count("discarded", k - accepted - 1)
 
-    def controller(self, state: DecodeState) -> None:
+    def controller(self, state: DecodeState, draft: Draft) -> None:
         """AdaDecode's threshold is fixed: no controller state for the step trace."""
         return None
-
-    #: ``never_slower``: a step may give way to a plain one (:mod:`selfspec.decoding.gate`)
-    gated = True
 
     def speculated(self, state: DecodeState) -> bool:
         """An AdaDecode step checks exit heads even when none fires: its cost is speculation's."""
@@ -291,8 +291,8 @@ class AdaDecode(Decoder):
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
-        for key in ("full_passes", "early_predictions", "accepted_early", "rejected", "discarded"):
-            state.stats[key] = 0
+        for stat in ("full_passes", "early_predictions", "accepted_early", "rejected", "discarded"):
+            state.stats[stat] = 0
         state.stats["full_passes"] = 1  # prefill
 
     def finish(self, state: DecodeState) -> None:

@@ -22,13 +22,15 @@ it, and whether the speculation gate made it plain.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 
+from selfspec.config.options import Options
+from selfspec.decoding.carried import Carries
+from selfspec.decoding.part_options import PARTS, ContextFirst, Gated
 from selfspec.decoding.sampling import Sampling, select
 from selfspec.measure.costs import synchronizer
 from selfspec.models.cache import LayerCache
@@ -189,38 +191,44 @@ class DecodeState:
         return sum(t.gated for t in self.trace)
 
 
-class Decoder:
+class Decoder(Carries):
     """Base of every decoding method (docs/design.md §2.3).
 
     Subclasses set :attr:`name`, :attr:`lossless`, implement :meth:`step`, may override
     :meth:`prefill`, :meth:`begin` (per-example state) and :meth:`finish` (per-example
-    statistics), read and check their method config's keys in :meth:`options` (no model
-    needed) and build themselves from those options in :meth:`from_config`.
+    statistics), declare their method config's keys as :attr:`Options` (checked with no model)
+    and build themselves from those options in :meth:`from_config`.
     """
 
     name: ClassVar[str] = "base"
     #: the method's title in tables, figures and the report (its paper's name)
     title: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
+    #: whether the method stays lossless under sampling too (keeps the target distribution)
+    lossless_sampling: ClassVar[bool] = True
     #: extra cache positions a step may write beyond the committed tokens (drafts, trees)
     lookahead: int = 0
+    #: the method config's keys, typed and checked (:mod:`selfspec.config.options`); a method
+    #: whose options derive from :class:`~selfspec.decoding.part_options.Gated` or
+    #: :class:`~selfspec.decoding.part_options.ContextFirst` takes those parts too
+    Options: ClassVar[type[Options]] = Options
     #: whether the method config takes ``never_slower`` (:mod:`selfspec.decoding.gate`): methods
-    #: whose step can give way to a plain step
+    #: whose step can give way to a plain step (set from :attr:`Options`)
     gated: ClassVar[bool] = False
     #: whether the method config takes the ``ngram`` sub-config (drafts from the context first,
-    #: :func:`selfspec.decoding.chain.context_step`): the self-drafting methods
+    #: :func:`selfspec.decoding.chain.context_step`): the self-drafting methods (set from :attr:`Options`)
     context_first: ClassVar[bool] = False
-    #: attributes holding the policy state that carries over from one example to the next: the
-    #: speculation gate's measurements, the thread policy's, the context drafter's acceptance per
-    #: match length (its ``priced`` schedule, :mod:`selfspec.decoding.ngram`); chain methods add
-    #: their drafter's draft-stop rule (Draft & Verify's adaptive threshold). A dotted name is an attribute
-    #: of a part (left out while the part is None). Everything else on a decoder is fixed by its
-    #: config, and what belongs to one example lives on ``DecodeState``. :meth:`kept_state`
-    #: restores it (the warm-up).
-    carried: ClassVar[tuple[str, ...]] = ("gate", "threads", "context.acceptance")
+    #: the decoder's own attributes whose policy state carries over between examples
+    #: (:mod:`selfspec.decoding.carried`; SWIFT's layer search): none by default, its parts' carry
+    carries: ClassVar[tuple[str, ...]] = ()
     #: whether the decoder's steps run in :meth:`generate`'s loop (the thread policy steers those,
     #: :mod:`selfspec.decoding.threads`); the HF peers' steps run in transformers' ``generate``
     own_loop: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.gated = issubclass(cls.Options, Gated)
+        cls.context_first = issubclass(cls.Options, ContextFirst)
 
     def __init__(
         self,
@@ -282,27 +290,27 @@ class Decoder:
         :attr:`lookahead` (drafts, trees) or a context draft's k + 1, whichever is more."""
         return max(self.lookahead, self.context.max_draft + 1 if self.context is not None else 0)
 
+    @classmethod
+    def lossless_under(cls, sampling: Sampling) -> bool:
+        """Whether a generation under ``sampling`` is lossless: vanilla's output under greedy
+        decoding, the target distribution under sampling (PPD's typical acceptance is not)."""
+        return cls.lossless and (sampling.greedy or cls.lossless_sampling)
+
     # --- hooks -----------------------------------------------------------------------------
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict[str, Any]:
-        """Every key of the method config this decoder reads, checked with :mod:`selfspec.config.checks`
-        and named ``<prefix>.<key>``. Needs no model: the entry points call it (through
-        :func:`selfspec.decoding.check_method`) before loading one. Default: no keys."""
-        return {}
+    def from_config(cls, model: LayeredModel, options: Options, **common) -> "Decoder":
+        """Build from the checked :attr:`Options` of the method config (model-dependent checks
+        happen here); ``common`` holds the parts (:meth:`__init__`) and eos/stop/tokenizer.
+        Default: the method's own keys as keyword arguments."""
+        return cls(model, **options.values(without=PARTS), **common)
 
     @classmethod
-    def from_config(cls, model: LayeredModel, options: dict[str, Any], **common) -> "Decoder":
-        """Build from :meth:`options` of the method config (model-dependent checks happen here);
-        ``common`` holds eos/stop/tokenizer."""
-        return cls(model, **common)
-
-    @classmethod
-    def needs_profile(cls, options: dict[str, Any]) -> tuple[str, str] | None:
+    def needs_profile(cls, options: Options) -> tuple[str, str] | None:
         """The first of the method's checked ``options`` (:func:`~selfspec.decoding.check_method`) that
         prices its choices with the run's cost profile, as ``("key=value", why)``, or None; evaluate
         refuses it with ``profile=null`` before the model loads. Default: drafts from the context
         first with ``ngram.draft_schedule: priced``; a method with a priced choice of its own adds it."""
-        context = options.get("ngram")
+        context = options.ngram if isinstance(options, ContextFirst) else None
         if context and context.get("draft_schedule") == "priced":
             return "ngram.draft_schedule=priced", PRICED_NEEDS_PROFILE
         return None
@@ -386,39 +394,24 @@ class Decoder:
                                state.ledger)[0])]
 
     # --- state carried across examples -------------------------------------------------------
-    def _carried_owner(self, name: str) -> tuple[Any, str]:
-        """The object holding the carried attribute ``name`` (dotted: a part's attribute) and the
-        attribute's own name; the owner is None where the part is."""
-        *path, attr = name.split(".")
-        owner = self
-        for part in path:
-            owner = getattr(owner, part) if owner is not None else None
-        return owner, attr
-
-    def carried_state(self) -> dict[str, Any]:
-        """A copy of the policy state that carries over between examples (:attr:`carried`)."""
-        saved = {}
-        for name in self.carried:
-            owner, attr = self._carried_owner(name)
-            if owner is not None:
-                saved[name] = copy.deepcopy(getattr(owner, attr))
-        return saved
-
-    def restore_carried_state(self, saved: dict[str, Any]) -> None:
-        """Put back a :meth:`carried_state` (a copy of it, so it can be restored again)."""
-        for name, value in saved.items():
-            owner, attr = self._carried_owner(name)
-            setattr(owner, attr, copy.deepcopy(value))
+    @property
+    def parts(self) -> tuple[Any, ...]:
+        """The parts the decoder holds (None where it has none): the speculation gate, the thread
+        policy, the context drafter; a chain method adds its drafter."""
+        return (self.gate, self.threads, self.context)
 
     @contextlib.contextmanager
     def kept_state(self) -> Iterator[None]:
-        """Generations inside leave the carried policy state as they found it: the evaluation's
-        warm-up, after which the measured examples start where a fresh decoder starts."""
-        saved = self.carried_state()
+        """Generations inside leave the policy state that carries over between examples
+        (:mod:`selfspec.decoding.carried`: the decoder's own and its parts') as they found it:
+        the evaluation's warm-up, after which the measured examples start where a fresh decoder
+        starts."""
+        saved = [(p, p.snapshot()) for p in (self, *self.parts) if isinstance(p, Carries)]
         try:
             yield
         finally:
-            self.restore_carried_state(saved)
+            for part, snapshot in saved:
+                part.restore(snapshot)
 
     # --- the loop --------------------------------------------------------------------------
     def generate(

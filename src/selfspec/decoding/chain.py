@@ -10,7 +10,8 @@ of matches):
 
 * :class:`Drafter` — a **proposer** and its **scorer**, a part a decoder is composed of:
   :meth:`~Drafter.new_example` (per-example state, held on ``DecodeState.example``),
-  :meth:`~Drafter.draft_length` (the step's plan), :meth:`~Drafter.propose` (a :class:`Draft`),
+  :meth:`~Drafter.plan` (the step's :class:`Plan`, which the draft carries),
+  :meth:`~Drafter.propose` (a :class:`Draft`),
   :meth:`~Drafter.score` (target logits of the chain; default one full forward pass) and
   :meth:`~Drafter.update` (the policy update, e.g. Draft & Verify's adaptive threshold, DEL's
   shadow-token statistics, the n-gram draft-length controller). Draft & Verify's skip-set drafter
@@ -30,7 +31,7 @@ of matches):
   (AdaDecode).
 
 A method that only drafts differently is one :class:`Drafter` and one YAML: the decoder class
-around it reads the YAML's keys (``options``) and builds the drafter (``from_config``).
+around it declares the YAML's keys (its ``Options``) and builds the drafter (``from_config``).
 
 **Draft-stop rule** (one for every method; Draft & Verify §3.4): :meth:`Draft.add` takes the
 drafter's logits for the next position, picks the draft token (argmax, or a sample of the warped
@@ -41,7 +42,7 @@ that token **is still verified** — and after an EOS draft (nothing after it ca
 Draft & Verify's ``eos_draft: continue`` drafts past it, as its authors' code does).
 
 Policy state (a draft-stop rule such as :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`)
-lives on the drafter and carries over between examples (``Decoder.carried``; Draft & Verify's
+lives on the drafter and carries over between examples (:mod:`selfspec.decoding.carried`; Draft & Verify's
 evaluation carries its threshold from one example to the next, docs/design.md §6); the rule is told
 when an example starts (:meth:`~selfspec.decoding.draft_exit.DraftStop.start_example`), so what
 it keeps per example starts again. Everything else that belongs to one example lives in the object
@@ -56,10 +57,21 @@ from typing import Any
 import torch
 
 from selfspec.decoding.base import DecodeState, Decoder
+from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop
 from selfspec.decoding.sampling import select, verify_chain, warp
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a step of a drafter will do, decided once at its start (:meth:`Drafter.plan`): at
+    most ``max_draft`` drafts (before the token budget cuts them). A drafter whose step has more
+    settings returns a subclass (DEL's exit layer and threshold:
+    :class:`~selfspec.decoding.early_exit.RoundPlan`)."""
+
+    max_draft: int
 
 
 @dataclass
@@ -73,8 +85,13 @@ class Draft:
     confidences: list[float | None] = field(default_factory=list)
     #: drafting ended on a draft below the draft-stop threshold (that draft is verified)
     stopped: bool = False
-    #: most drafts the drafter meant to propose (:meth:`Drafter.draft_length`, before the budget)
-    limit: int = 0
+    #: the step's plan (:meth:`Drafter.plan`; None for a draft made outside a chain step: AdaDecode's)
+    plan: Plan | None = None
+
+    @property
+    def limit(self) -> int:
+        """Most drafts the drafter meant to propose (its plan's, before the budget; 0 without one)."""
+        return self.plan.max_draft if self.plan is not None else 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -119,10 +136,12 @@ def pick(logits: torch.Tensor, state: DecodeState) -> tuple[int, float, torch.Te
     return int(tok), conf, q
 
 
-class Drafter:
+class Drafter(Carries):
     """A proposer and its scorer, a part of a :class:`ChainDecoder` (module docstring), over
-    :attr:`model`. ``draft_stop`` is its draft-stop rule (policy state carried between examples;
-    never stopping by default)."""
+    :attr:`model`. ``draft_stop`` is its draft-stop rule (policy state carried between examples,
+    :mod:`selfspec.decoding.carried`; never stopping by default)."""
+
+    carries = ("draft_stop",)
 
     draft_stop: DraftStop = DraftStop()
     model: LayeredModel
@@ -137,13 +156,14 @@ class Drafter:
         """Per-example drafter state, created before prefill (``state.example``); default None."""
         return None
 
-    def draft_length(self, state: DecodeState) -> int:
-        """Most drafts the next step may propose (before the token budget cuts it); called once
-        at the start of every step, so a controller may plan the step here (DEL)."""
+    def plan(self, state: DecodeState) -> Plan:
+        """The next step's :class:`Plan` (most drafts before the token budget cuts them), made
+        once at its start and carried by its draft (``draft.plan``) to :meth:`score`,
+        :meth:`update` and :meth:`controller`, not kept on the drafter or the example."""
         raise NotImplementedError
 
-    def propose(self, state: DecodeState, k_max: int) -> Draft:
-        """Draft up to ``k_max`` (>= 1) tokens after the pending one."""
+    def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
+        """Draft up to ``k_max`` (>= 1) tokens after the pending one, as ``plan`` says."""
         raise NotImplementedError
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
@@ -163,9 +183,9 @@ class Drafter:
         if len(draft):
             self.draft_stop.update(len(draft), accepted, len(draft) == draft.limit)
 
-    def controller(self, state: DecodeState) -> dict[str, Any] | None:
-        """The drafter's policy state after an update, for the step trace (default: the draft-stop
-        rule's, :meth:`~selfspec.decoding.draft_exit.DraftStop.state`)."""
+    def controller(self, state: DecodeState, draft: Draft) -> dict[str, Any] | None:
+        """The drafter's policy state after the update that verified ``draft``, for the step trace
+        (default: the draft-stop rule's, :meth:`~selfspec.decoding.draft_exit.DraftStop.state`)."""
         return self.draft_stop.state()
 
 
@@ -200,24 +220,24 @@ def settle(state: DecodeState, draft: Draft, logits: torch.Tensor, drafter: Draf
     step = state.trace_step
     step.source = source if k else "plain"
     step.accepted, step.width, step.draft_limit = n, k + 1, draft.limit or None
-    step.controller = drafter.controller(state)
+    step.controller = drafter.controller(state, draft)
     return committed
 
 
 def chain_step(state: DecodeState, drafter: Drafter, budget: int, source: str = "self",
                optional: bool = False) -> list[int] | None:
-    """One step of ``drafter``: its plan (:meth:`~Drafter.draft_length`), its drafts within the
-    budget's room, its score and :func:`settle`. ``optional``: a step that drafts nothing is not
-    taken (None: the next proposer goes); otherwise it is a plain step, scored by the drafter."""
-    limit = drafter.draft_length(state)
-    k_max = drafter.draft_room(limit, budget)
+    """One step of ``drafter``: its :meth:`~Drafter.plan`, its drafts within the budget's room, its
+    score and :func:`settle`. ``optional``: a step that drafts nothing is not taken (None: the next
+    proposer goes); otherwise it is a plain step, scored by the drafter."""
+    plan = drafter.plan(state)
+    k_max = drafter.draft_room(plan.max_draft, budget)
     if optional and k_max < 1:
         return None
     with phase(state.ledger, "draft"):
-        draft = drafter.propose(state, k_max) if k_max > 0 else Draft()
+        draft = drafter.propose(state, plan, k_max) if k_max > 0 else Draft()
     if optional and not len(draft):
         return None
-    draft.limit = limit
+    draft.plan = plan
     with phase(state.ledger, "verify" if len(draft) else "plain"):
         logits = drafter.score(state, draft)
     return settle(state, draft, logits, drafter, source=source)
@@ -235,15 +255,16 @@ def context_step(decoder: Decoder, state: DecodeState, budget: int) -> list[int]
 
 class ChainDecoder(Decoder):
     """A decoder composed of its drafters, whose step is the first of them that drafts (module
-    docstring). A subclass builds its own :attr:`drafter` at construction."""
+    docstring). A subclass builds its own :attr:`drafter` at construction, and takes the parts
+    its :attr:`~Decoder.Options` derive from (``never_slower``, ``ngram``)."""
 
-    context_first = True
-    #: the drafter's draft-stop rule carries over between examples too (module docstring)
-    carried = (*Decoder.carried, "drafter.draft_stop")
-    #: ``never_slower``: the step may give way to a plain one (:mod:`selfspec.decoding.gate`)
-    gated = True
     #: the method's own proposer and scorer
     drafter: Drafter
+
+    @property
+    def parts(self) -> tuple[Any, ...]:
+        """The decoder's parts and its own drafter."""
+        return (*super().parts, self.drafter)
 
     @property
     def proposers(self) -> tuple[tuple[Drafter, str], ...]:

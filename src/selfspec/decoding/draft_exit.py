@@ -191,5 +191,11 @@ def draft_stop_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = Fa
     return {str(k): v for k, v in (cfg.items() if hasattr(cfg, "items") else ())}
 
 
+def draft_stop_option(name: str, value, dynamic: bool = False) -> dict | None:
+    """A method's ``draft_stop`` key (:func:`draft_stop_config`), as an option reads a key
+    (:func:`selfspec.config.options.key`): the rule's config, checked, as plain data."""
+    return draft_stop_config(value, name, dynamic)
+
+
 def _value(value, default):
     return default if value is None else value

@@ -31,7 +31,7 @@ Statistics follow :mod:`selfspec.decoding.base`: ``tau`` counts the bonus token;
 acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``gamma`` (the threshold
 after the example), ``verifications`` and ``draft_stops`` (steps ended by the threshold).
 
-Carried across examples (``Decoder.carried``): the draft-stop rule. Its threshold θ always carries
+Carried across examples (:mod:`selfspec.decoding.carried`): the draft-stop rule. Its threshold θ always carries
 over, as the authors' evaluation passes each example's final threshold to the next one; the
 acceptance-rate average carries over with it unless ``draft_stop.ar_per_example`` (the authors'
 code keeps it for one call). :meth:`SkipSetDrafter.reset_gamma` restores ``gamma_0`` and a fresh
@@ -40,19 +40,21 @@ average. ``method=draft_verify_paper`` is the authors' loop step for step (docs/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import Options, key, nullable
 from selfspec.decoding.base import DecodeState
-from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
-from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
-from selfspec.models.heads import build_draft_vocab, draft_logits, draft_vocab_options
+from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
+from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config, draft_stop_option
+from selfspec.decoding.part_options import ContextFirst, Gated
+from selfspec.models.heads import DraftVocabOptions, build_draft_vocab, draft_logits
 from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.store.artefacts import artefact_option
 
-#: the decoding settings of a config (what the constructor takes besides the skip set)
-DECODING_KEYS = ("max_draft", "draft_stop", "last_token", "eos_draft")
 #: ``last_token`` values: with one token of budget left, a plain step or one draft verified anyway
 LAST_TOKEN = ("plain", "draft")
 #: ``eos_draft`` values: drafting stops after an EOS draft, or goes on past it
@@ -62,21 +64,39 @@ RENAMED = {"gamma0": "draft_stop.threshold", "alpha": "draft_stop.target", "epsi
            "beta1": "draft_stop.beta1", "beta2": "draft_stop.beta2"}
 
 
-def decoding_options(cfg, prefix: str = "method") -> dict:
-    """The checked decoding settings :data:`DECODING_KEYS` and the draft vocabulary's keys: what a
-    method drafting with skipped sublayers reads besides where its skip set comes from (Draft &
-    Verify's searched set; KnapSpec's and CLaSp's, searched while decoding)."""
-    key = f"{prefix}.{{}}".format
-    return {
-        "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="K, the most draft tokens per step"),
-        "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
-        "last_token": checks.choice(key("last_token"), cfg.get("last_token"), LAST_TOKEN,
-                                    why="one token of budget left: a plain step, or draft and verify one "
-                                    "token anyway (the authors' code)"),
-        "eos_draft": checks.choice(key("eos_draft"), cfg.get("eos_draft"), EOS_DRAFT,
-                                   why="after an EOS draft: stop drafting, or go on (the authors' code)"),
-        **draft_vocab_options(cfg, prefix),
-    }
+@dataclass(frozen=True)
+class DecodingOptions(Options):
+    """The decoding settings of a method drafting with skipped sublayers, besides where its skip
+    set comes from (Draft & Verify's searched set; KnapSpec's and CLaSp's, searched while
+    decoding): ``max_draft`` K >= 1; ``draft_stop``, the shared sub-config of
+    :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft`` (module docstring). The
+    paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused, naming their
+    ``draft_stop`` keys."""
+
+    renamed = {**RENAMED, "draft_exit": "{prefix}.draft_stop ({rule: adaptive}, {rule: static, threshold: p}, or "
+               "null: always max_draft drafts)"}
+
+    max_draft: int = key(checks.integer, 1, why="K, the most draft tokens per step")
+    draft_stop: dict | None = key(draft_stop_option)
+    last_token: str = key(checks.choice, LAST_TOKEN, why="one token of budget left: a plain step, or draft and verify "
+                          "one token anyway (the authors' code)")
+    eos_draft: str = key(checks.choice, EOS_DRAFT, why="after an EOS draft: stop drafting, or go on (the authors' code)")
+
+
+#: the decoding settings of a config (what the constructor takes besides the skip set)
+DECODING_KEYS = DecodingOptions.keys()
+
+
+@dataclass(frozen=True)
+class DraftVerifyOptions(DecodingOptions, DraftVocabOptions, Gated, ContextFirst):
+    """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
+    lists, else the ``skip_set`` artefact, else the default one for ``task``), the decoding
+    settings (:class:`DecodingOptions`), the draft vocabulary's keys and the parts'."""
+
+    skip_set: Path | None = key(artefact_option, "skip_set")
+    skip_attn: list[int] | None = key(nullable(checks.integers))
+    skip_mlp: list[int] | None = key(nullable(checks.integers))
+    task: str | None = key(nullable(checks.text))
 
 
 def skip_set_tensors(skip: SkipSet, num_layers: int) -> dict[str, torch.Tensor]:
@@ -89,9 +109,9 @@ def skip_set_tensors(skip: SkipSet, num_layers: int) -> dict[str, torch.Tensor]:
 
 
 def skip_set_from_tensors(tensors: dict[str, torch.Tensor], num_layers: int, where: str) -> SkipSet:
-    for key in ("attn", "mlp"):
-        if key not in tensors or tensors[key].numel() != num_layers:
-            raise ValueError(f"{where}: skip set needs '{key}' masks of length {num_layers} (one per layer)")
+    for kind in ("attn", "mlp"):
+        if kind not in tensors or tensors[kind].numel() != num_layers:
+            raise ValueError(f"{where}: skip set needs '{kind}' masks of length {num_layers} (one per layer)")
     return SkipSet.of(
         attn=torch.nonzero(tensors["attn"]).flatten().tolist(),
         mlp=torch.nonzero(tensors["mlp"]).flatten().tolist(),
@@ -203,8 +223,8 @@ class SkipSetDrafter(Drafter):
         self.draft_stop.update(drafted, accepted, hit_max)
 
     # --- the proposer ------------------------------------------------------------------------
-    def draft_length(self, state: DecodeState) -> int:
-        return self.max_draft
+    def plan(self, state: DecodeState) -> Plan:
+        return Plan(self.max_draft)
 
     def draft_room(self, limit: int, budget: int) -> int:
         """The chain step's room for drafts; with ``last_token: draft`` at least one draft, even
@@ -223,7 +243,7 @@ class SkipSetDrafter(Drafter):
         theirs while decoding, :mod:`selfspec.decoding.knapspec`)."""
         return self.skip_set
 
-    def propose(self, state: DecodeState, k_max: int) -> Draft:
+    def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
         """§3.2-3.4: draft with the skip set until K, the threshold or, with ``eos_draft: stop``, an
         EOS draft (the skip-set pass writes scratch K/V past the committed tokens; :meth:`score`
         drops them)."""
@@ -248,6 +268,7 @@ class DraftVerify(ChainDecoder):
     name = "draft_verify"
     title = "Draft & Verify"
     lossless = True
+    Options = DraftVerifyOptions
 
     def __init__(
         self,
@@ -270,31 +291,11 @@ class DraftVerify(ChainDecoder):
                               draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
 
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/draft_verify*.yaml): the skip set (``skip_attn`` / ``skip_mlp`` layer
-        lists, else the ``skip_set`` artefact, else the default one for ``task``) and the decoding
-        settings :data:`DECODING_KEYS` (``max_draft`` K >= 1; ``draft_stop``, the shared
-        sub-config of :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft``, module
-        docstring). The paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused,
-        naming their ``draft_stop`` keys."""
-        from selfspec.store.artefacts import artefact_option
-
-        key = f"{prefix}.{{}}".format
-        checks.renamed(prefix, cfg, {**RENAMED, "draft_exit": f"{key('draft_stop')} ({{rule: adaptive}}, "
-                                     "{rule: static, threshold: p}, or null: always max_draft drafts)"})
-        return {
-            "skip_set": artefact_option(key("skip_set"), cfg.get("skip_set"), "skip_set"),
-            "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
-            "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
-            "task": checks.optional(checks.text, key("task"), cfg.get("task")),
-            **decoding_options(cfg, prefix),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "DraftVerify":
-        skip = resolve_skip_set(options, model, common.get("tokenizer"))
-        return cls(model, skip, **{k: options[k] for k in DECODING_KEYS}, draft_vocab=build_draft_vocab(model, options),
-                   reads={"skip_set": skip_set_path(options, model)}, **common)
+    def from_config(cls, model: LayeredModel, options: DraftVerifyOptions, **common) -> "DraftVerify":
+        where = options.values()
+        skip = resolve_skip_set(where, model, common.get("tokenizer"))
+        return cls(model, skip, **{k: where[k] for k in DECODING_KEYS}, draft_vocab=build_draft_vocab(model, options),
+                   reads={"skip_set": skip_set_path(where, model)}, **common)
 
     def finish(self, state: DecodeState) -> None:
         state.stats.setdefault("draft_stops", 0)

@@ -59,17 +59,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import Ref, key, nullable
 from selfspec.decoding.base import DecodeState
-from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
-from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config
+from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
+from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config, draft_stop_option
+from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.decoding.sampling import select
-from selfspec.models.heads import build_draft_vocab, draft_vocab_options
+from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import LinearOp, phase
+from selfspec.store.artefacts import artefact_option
 
 EXIT_HEADS = ("lm_head", "heads")
 #: where DEL's TPL takes its costs (:class:`DEL`)
@@ -96,25 +100,78 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, da
     return load_heads(find_heads(model.name, heads_path, data), model, vocab)
 
 
-def exit_heads(model: LayeredModel, options: dict, layers):
+def exit_heads(model: LayeredModel, options: "ExitHeadOptions", layers):
     """:func:`build_exit_heads` for a method's options, with its draft vocabulary (``method.draft_vocab``)."""
-    return build_exit_heads(model, options["exit_head"], options["heads"], layers, options["heads_task"],
+    return build_exit_heads(model, options.exit_head, options.heads, layers, options.heads_task,
                             build_draft_vocab(model, options))
 
 
-def exit_head_options(cfg, prefix: str) -> dict:
-    """The exit-head keys early exit and DEL share: ``exit_head``, ``heads`` (a heads artefact,
-    ``exit_head=heads`` only) and ``heads_task``."""
-    from selfspec.store.artefacts import artefact_option
+@dataclass(frozen=True)
+class ExitHeadOptions(DraftVocabOptions, Gated, ContextFirst):
+    """The keys early exit and DEL share: ``exit_head``, ``heads`` (a heads artefact,
+    ``exit_head=heads`` only), ``heads_task``, the draft vocabulary's and the parts'."""
 
-    key = f"{prefix}.{{}}".format
-    exit_head = checks.choice(key("exit_head"), cfg.get("exit_head"), EXIT_HEADS)
-    heads = artefact_option(key("heads"), cfg.get("heads"), "heads")
-    if heads is not None and exit_head != "heads":
-        raise checks.refuse(key("heads"), cfg.get("heads"), "set only with exit_head=heads")
-    return {"exit_head": exit_head, "heads": heads,
-            "heads_task": checks.optional(checks.text, key("heads_task"), cfg.get("heads_task")),
-            **draft_vocab_options(cfg, prefix)}
+    exit_head: str = key(checks.choice, EXIT_HEADS)
+    heads: Path | None = key(artefact_option, "heads")
+    heads_task: str | None = key(nullable(checks.text))
+
+    def validate(self, prefix: str) -> None:
+        if self.heads is not None and self.exit_head != "heads":
+            raise checks.refuse(f"{prefix}.heads", self.heads, "set only with exit_head=heads")
+
+
+@dataclass(frozen=True)
+class EarlyExitOptions(ExitHeadOptions):
+    """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
+    with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length γ),
+    the exit head's (:class:`ExitHeadOptions`), ``draft_stop``
+    (:func:`~selfspec.decoding.draft_exit.draft_stop_from_config`) and ``prefill`` (``full`` or
+    ``draft``, module docstring). The old key ``gamma`` is refused, naming ``max_draft``."""
+
+    renamed = {"gamma": "max_draft"}
+
+    exit_layer: int = key(checks.integer, 0, why="0-based exit layer ℓ")
+    max_draft: int = key(checks.integer, 1, why="speculation length γ: most drafts per round")
+    draft_stop: dict | None = key(draft_stop_option)
+    prefill: str = key(checks.choice, PREFILLS, why="full: a full pass commits the first token; draft: the first "
+                       "round drafts from the prompt (LayerSkip's code)")
+
+
+@dataclass(frozen=True)
+class DELOptions(ExitHeadOptions):
+    """Keys (conf/method/del*.yaml): the exit head's (:class:`ExitHeadOptions`),
+    ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_draft`` >= 1
+    and ``min_draft`` in [0, max_draft] (the speculation lengths γ TPL chooses from), ``omega`` in
+    (0, 1), ``draft_stop`` (:func:`~selfspec.decoding.draft_exit.draft_stop_from_config` with DEL's
+    own rule ``{rule: dynamic}``, §4.2), ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null),
+    ``cost_model`` (``layers``: DEL's count, :func:`layer_count`; ``measured`` or ``parameters``:
+    :func:`round_cost`) and ``head_cost`` (>= 0 or null; null under ``layers``). The old keys
+    ``max_gamma``, ``min_gamma`` and ``dynamic_threshold`` are refused, naming the new."""
+
+    renamed = {"max_gamma": "max_draft", "min_gamma": "min_draft",
+               "dynamic_threshold": "{prefix}.draft_stop={rule: dynamic} (or null: never stop)"}
+
+    candidate_layers: list[int] | None = key(nullable(checks.integers), distinct=True)
+    max_draft: int = key(checks.integer, 1, why="largest speculation length")
+    min_draft: int = key(checks.integer, 0, Ref("max_draft"),
+                         why="smallest speculation length, at most max_draft={max_draft}")
+    omega: float = key(checks.number, 0, 1, low_open=True, high_open=True, why="decay of the shadow-token statistics")
+    draft_stop: dict | None = key(draft_stop_option, dynamic=True)
+    prefill_shadow: int = key(checks.integer, 1, why="prompt positions seeding the statistics")
+    shadow_rows: int | None = key(nullable(checks.integer), 1, why="null = every verified position")
+    cost_model: str = key(checks.choice, COST_MODELS, why="where TPL's costs come from")
+    head_cost: float | None = key(nullable(checks.number), 0, why="null = from the cost model")
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.candidate_layers is not None and self.exit_head == "heads":
+            raise checks.refuse(f"{prefix}.candidate_layers", self.candidate_layers, "set only with exit_head=lm_head; "
+                                "with trained heads the candidates are the layers that have a head (set "
+                                "candidate_layers: null)")
+        if self.head_cost is not None and self.cost_model == "layers":
+            raise checks.refuse(f"{prefix}.head_cost", self.head_cost, "set only with cost_model=measured or "
+                                "parameters; DEL's layer count (cost_model=layers) has no head term (set head_cost: "
+                                "null)")
 
 
 #: what ``cost_model: measured`` needs and the run lacks (refused before the model loads: evaluate's checks)
@@ -149,11 +206,10 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
 
 # --- the decoder -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RoundPlan:
-    """One round's settings: exit layer ``ℓ``, most drafts, draft-stop threshold (0: never stop)."""
+class RoundPlan(Plan):
+    """One round's settings: most drafts, exit layer ``ℓ``, draft-stop threshold (0: never stop)."""
 
     exit_layer: int
-    max_draft: int
     threshold: float
 
 
@@ -161,11 +217,10 @@ class RoundPlan:
 class EarlyExitExample:
     """Per-example state (:meth:`ExitDrafter.new_example`): the exit-query cache ``hq`` (layer-``ℓ``
     states of ``x_0 … x_k``), the kept candidate-layer states ``hs`` of the verified positions
-    (DEL's shadow tokens), the current round's :class:`RoundPlan` and DEL's :class:`ShadowStats`."""
+    (DEL's shadow tokens) and DEL's :class:`ShadowStats`."""
 
     hq: torch.Tensor
     hs: torch.Tensor
-    plan: RoundPlan | None = None
     shadow: "ShadowStats | None" = None
     #: ``prefill: draft``, first round only: the prompt, the input of its lower pass (``x_0`` is its last token)
     opening: list[int] | None = None
@@ -210,10 +265,11 @@ class ExitDrafter(Drafter):
 
     def plan(self, state: DecodeState) -> RoundPlan:
         """The next round's :class:`RoundPlan`."""
-        return RoundPlan(self.exit_layer, self.max_draft, self.draft_stop.threshold(self.exit_layer))
+        return RoundPlan(max_draft=self.max_draft, exit_layer=self.exit_layer,
+                         threshold=self.draft_stop.threshold(self.exit_layer))
 
-    def observe(self, state: DecodeState, committed: list[int]) -> None:
-        """After verification: ``committed`` are the tokens the verified rows produced."""
+    def observe(self, state: DecodeState, draft: Draft, committed: list[int]) -> None:
+        """After verifying ``draft``: ``committed`` are the tokens the verified rows produced."""
 
     def _layers(self, h, layers: range, state: DecodeState, start: int, row: int) -> torch.Tensor:
         """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
@@ -222,14 +278,14 @@ class ExitDrafter(Drafter):
         keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
         return m.forward(None, state.cache, start=start, layers=layers, h=h, keep=keep, ledger=state.ledger)
 
-    def _lower(self, state: DecodeState, tokens: list[int], i: int) -> torch.Tensor:
-        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V), its state kept in the exit-query
-        cache. ``tokens`` is ``[x_i]``, or for ``x_0`` of ``prefill: draft``'s first round the
-        prompt (one pass; the states before ``x_0`` are kept as the round's prefix)."""
+    def _lower(self, state: DecodeState, tokens: list[int], i: int, exit_layer: int) -> torch.Tensor:
+        """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V; ℓ = ``exit_layer``), its state kept
+        in the exit-query cache. ``tokens`` is ``[x_i]``, or for ``x_0`` of ``prefill: draft``'s
+        first round the prompt (one pass; the states before ``x_0`` are kept as the round's prefix)."""
         m, ex = self.model, state.example
         n = len(tokens)
         ids = torch.tensor([tokens], device=m.device)
-        h = self._layers(m.embed(ids), range(0, ex.plan.exit_layer + 1), state, state.n_cached + i - n + 1, i)
+        h = self._layers(m.embed(ids), range(0, exit_layer + 1), state, state.n_cached + i - n + 1, i)
         ex.hq[:, i] = h[:, -1]
         if n > 1:
             ex.prefix = h[:, :-1]
@@ -244,17 +300,12 @@ class ExitDrafter(Drafter):
         """The exit head's logits for the layer-``ℓ`` state ``h`` (recorded in ``ledger`` when given)."""
         return self.heads.logits(layer, h, ledger)
 
-    def draft_length(self, state: DecodeState) -> int:
-        state.example.plan = self.plan(state)
-        return state.example.plan.max_draft
-
-    def propose(self, state: DecodeState, k_max: int) -> Draft:
+    def propose(self, state: DecodeState, plan: RoundPlan, k_max: int) -> Draft:
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
-        plan = state.example.plan
         draft = Draft()
         tokens = self._x0(state)
         for i in range(k_max):
-            h = self._lower(state, tokens, i)
+            h = self._lower(state, tokens, i, plan.exit_layer)
             if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state.ledger), state, plan.threshold,
                              self.eos):
                 break
@@ -265,9 +316,9 @@ class ExitDrafter(Drafter):
         """Steps 2-3: the last draft (``x_0`` when nothing was drafted) through layers ``0..ℓ``,
         then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass (after
         the prompt's, in ``prefill: draft``'s first round)."""
-        m, k, ex = self.model, len(draft), state.example
-        self._lower(state, draft.tokens[-1:] if k else self._x0(state), k)
-        upper = range(ex.plan.exit_layer + 1, m.num_layers)
+        m, k, ex, ell = self.model, len(draft), state.example, draft.plan.exit_layer
+        self._lower(state, draft.tokens[-1:] if k else self._x0(state), k, ell)
+        upper = range(ell + 1, m.num_layers)
         h, start = ex.hq[:, : k + 1], state.n_cached
         if ex.prefix is not None:
             h, start = torch.cat([ex.prefix, h], dim=1), start - ex.prefix.shape[1]
@@ -276,11 +327,11 @@ class ExitDrafter(Drafter):
         return m.logits(h[0, -(k + 1):], state.ledger)
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
-        state.trace_step.exit_layer = state.example.plan.exit_layer
-        state.count("exit_layer_sum", state.example.plan.exit_layer)
+        state.trace_step.exit_layer = draft.plan.exit_layer
+        state.count("exit_layer_sum", draft.plan.exit_layer)
         state.count("draft_len_sum", len(draft))
         super().update(state, draft, accepted, committed)
-        self.observe(state, committed)
+        self.observe(state, draft, committed)
 
 
 class EarlyExit(ChainDecoder):
@@ -290,6 +341,7 @@ class EarlyExit(ChainDecoder):
     name = "early_exit"
     title = "Early exit (LayerSkip)"
     lossless = True
+    Options = EarlyExitOptions
 
     def __init__(self, model: LayeredModel, drafter: ExitDrafter, *, prefill: str, **common) -> None:
         super().__init__(model, reads={"heads": drafter.heads.path}, **common)
@@ -301,35 +353,15 @@ class EarlyExit(ChainDecoder):
         self.lookahead = drafter.max_draft + 1
 
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
-        with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length
-        γ), the exit head (:func:`exit_head_options`), ``draft_stop``
-        (:func:`draft_stop_from_config`) and ``prefill`` (``full`` or ``draft``, module docstring).
-        The old key ``gamma`` is refused, naming ``max_draft``."""
-        key = f"{prefix}.{{}}".format
-        checks.renamed(prefix, cfg, {"gamma": "max_draft"})
-        return {
-            "exit_layer": checks.integer(key("exit_layer"), cfg.get("exit_layer"), 0, why="0-based exit layer ℓ"),
-            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1,
-                                        why="speculation length γ: most drafts per round"),
-            **exit_head_options(cfg, prefix),
-            "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop")),
-            "prefill": checks.choice(key("prefill"), cfg.get("prefill"), PREFILLS,
-                                     why="full: a full pass commits the first token; draft: the first round "
-                                         "drafts from the prompt (LayerSkip's code)"),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "EarlyExit":
-        exit_layer = options["exit_layer"]
+    def from_config(cls, model: LayeredModel, options: EarlyExitOptions, **common) -> "EarlyExit":
+        exit_layer = options.exit_layer
         if not exit_layer < model.num_layers - 1:
             raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
                              f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = exit_heads(model, options, [exit_layer])
-        drafter = ExitDrafter(model, heads, exit_layer, options["max_draft"], options["draft_stop"],
+        drafter = ExitDrafter(model, heads, exit_layer, options.max_draft, draft_stop_from_config(options.draft_stop),
                               eos=common.get("eos_token_ids", ()))
-        return cls(model, drafter, prefill=options["prefill"], draft_vocab=heads.vocab, **common)
+        return cls(model, drafter, prefill=options.prefill, draft_vocab=heads.vocab, **common)
 
     # --- per-example statistics and the first step -------------------------------------------
     def begin(self, state: DecodeState) -> None:
@@ -537,17 +569,17 @@ class DELDrafter(ExitDrafter):
         conf, tok = logits.softmax(-1).max(-1)
         state.example.shadow.update(tok == committed.view(1, -1), conf)
 
-    def observe(self, state: DecodeState, committed: list[int]) -> None:
+    def observe(self, state: DecodeState, draft: Draft, committed: list[int]) -> None:
         n = len(committed)  # verified rows 0..n-1 produced the committed tokens
         rows = n if self.shadow_rows is None else min(n, self.shadow_rows)
         target = torch.tensor(committed[:rows], device=self.model.device)
         self._shadow(state, state.example.hs[:, :rows], target)
 
-    def controller(self, state: DecodeState) -> dict:
+    def controller(self, state: DecodeState, draft: Draft) -> dict:
         """The step's plan (DEL §4.1-4.2: exit layer ℓ, speculation length γ, stop threshold) and
         the shadow statistics after its update (:meth:`ShadowStats.state`, per candidate layer);
         the prefill's trace carries the seeded statistics alone where no gate defers them."""
-        plan = state.example.plan
+        plan = draft.plan
         return {"exit_layer": plan.exit_layer, "max_draft": plan.max_draft, "threshold": plan.threshold,
                 **state.example.shadow.state()}
 
@@ -560,7 +592,7 @@ class DELDrafter(ExitDrafter):
             threshold = float(shadow.threshold()[self.candidates.index(ell)])
         else:
             threshold = self.draft_stop.threshold(ell)
-        return RoundPlan(ell, gamma, threshold)
+        return RoundPlan(max_draft=gamma, exit_layer=ell, threshold=threshold)
 
 
 class DEL(EarlyExit):
@@ -570,73 +602,31 @@ class DEL(EarlyExit):
 
     name = "del"
     title = "DEL"
+    Options = DELOptions
 
     def __init__(self, model: LayeredModel, drafter: DELDrafter, prefill_shadow: int, **common) -> None:
         super().__init__(model, drafter, prefill="full", **common)
         self.prefill_shadow = int(prefill_shadow)
 
     @classmethod
-    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
+    def needs_profile(cls, options: DELOptions) -> tuple[str, str] | None:
         """``cost_model: measured`` prices TPL with the run's profile (and drafts from the context first
         may, :meth:`Decoder.needs_profile`)."""
-        if options["cost_model"] == "measured":
+        if options.cost_model == "measured":
             return "cost_model=measured", MEASURED_NEEDS_PROFILE
         return super().needs_profile(options)
 
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/del*.yaml): the exit head (:func:`exit_head_options`),
-        ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_draft``
-        >= 1 and ``min_draft`` in [0, max_draft] (the speculation lengths γ TPL chooses from),
-        ``omega`` in (0, 1), ``draft_stop`` (:func:`draft_stop_from_config` with DEL's own rule
-        ``{rule: dynamic}``, §4.2), ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null),
-        ``cost_model`` (``layers``: DEL's count, :func:`layer_count`; ``measured`` or ``parameters``:
-        :func:`round_cost`) and ``head_cost`` (>= 0 or null; null under ``layers``). The old
-        keys ``max_gamma``, ``min_gamma`` and ``dynamic_threshold`` are refused, naming the new."""
-        key = f"{prefix}.{{}}".format
-        checks.renamed(prefix, cfg, {"max_gamma": "max_draft", "min_gamma": "min_draft", "dynamic_threshold":
-                                     f"{key('draft_stop')}={{rule: dynamic}} (or null: never stop)"})
-        heads = exit_head_options(cfg, prefix)
-        layers = checks.optional(checks.integers, key("candidate_layers"), cfg.get("candidate_layers"), distinct=True)
-        if layers is not None and heads["exit_head"] == "heads":
-            raise checks.refuse(key("candidate_layers"), layers, "set only with exit_head=lm_head; with trained "
-                                "heads the candidates are the layers that have a head (set candidate_layers: null)")
-        max_draft = checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="largest speculation length")
-        cost_model = checks.choice(key("cost_model"), cfg.get("cost_model"), COST_MODELS,
-                                   why="where TPL's costs come from")
-        head_cost = checks.optional(checks.number, key("head_cost"), cfg.get("head_cost"), 0,
-                                    why="null = from the cost model")
-        if head_cost is not None and cost_model == "layers":
-            raise checks.refuse(key("head_cost"), head_cost, "set only with cost_model=measured or parameters; "
-                                "DEL's layer count (cost_model=layers) has no head term (set head_cost: null)")
-        return {
-            **heads,
-            "candidate_layers": layers,
-            "max_draft": max_draft,
-            "min_draft": checks.integer(key("min_draft"), cfg.get("min_draft"), 0, max_draft,
-                                        why=f"smallest speculation length, at most max_draft={max_draft}"),
-            "omega": checks.number(key("omega"), cfg.get("omega"), 0, 1, low_open=True, high_open=True,
-                                   why="decay of the shadow-token statistics"),
-            "draft_stop": draft_stop_from_config(cfg.get("draft_stop"), key("draft_stop"),
-                                                 dynamic=True),
-            "prefill_shadow": checks.integer(key("prefill_shadow"), cfg.get("prefill_shadow"), 1,
-                                             why="prompt positions seeding the statistics"),
-            "shadow_rows": checks.optional(checks.integer, key("shadow_rows"), cfg.get("shadow_rows"), 1,
-                                           why="null = every verified position"),
-            "head_cost": head_cost,
-            "cost_model": cost_model,
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "DEL":
-        layers = options["candidate_layers"]
+    def from_config(cls, model: LayeredModel, options: DELOptions, **common) -> "DEL":
+        layers = options.candidate_layers
         if layers is None:
             layers = range(model.num_layers - 1)
         heads = exit_heads(model, options, list(layers))
-        drafter = DELDrafter(model, heads, options["max_draft"], options["min_draft"], options["omega"],
-                             options["draft_stop"], options["shadow_rows"], options["head_cost"], options["cost_model"],
-                             profile=common.get("profile"), eos=common.get("eos_token_ids", ()))
-        return cls(model, drafter, options["prefill_shadow"], draft_vocab=heads.vocab, **common)
+        drafter = DELDrafter(model, heads, options.max_draft, options.min_draft, options.omega,
+                             draft_stop_from_config(options.draft_stop, dynamic=True), options.shadow_rows,
+                             options.head_cost, options.cost_model, profile=common.get("profile"),
+                             eos=common.get("eos_token_ids", ()))
+        return cls(model, drafter, options.prefill_shadow, draft_vocab=heads.vocab, **common)
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Full pass over the prompt; shadow tokens of its last positions seed the statistics.

@@ -57,10 +57,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from selfspec.decoding.carried import Carries
 from selfspec.models.ledger import HeadOp, LayerOp, Op
 
 @dataclass
-class TwoArms:
+class TwoArms(Carries):
     """Two arms, each costed as the ratio of two moving averages over the steps it took (a step's
     seconds over its units of work), the cheaper one preferred and the other probed at doubling
     intervals (the module docstring's schedule). The speculation gate's arms are speculate and

@@ -59,10 +59,12 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import Ref, key, nullable
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import Draft
-from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, SkipSetDrafter, decoding_options
-from selfspec.models.heads import build_draft_vocab
+from selfspec.decoding.draft_verify import DECODING_KEYS, DecodingOptions, DraftVerify, SkipSetDrafter
+from selfspec.decoding.part_options import Gated
+from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import phase
 
@@ -325,15 +327,36 @@ class SearchedSkipDrafter(SkipSetDrafter):
         return knapspec_search(model, blocks, state.cache, context, sublayer_weights(*costs), costs,
                                self.similarity_floor, ledger)
 
-    def controller(self, state: DecodeState) -> dict | None:
+    def controller(self, state: DecodeState, draft: Draft) -> dict | None:
         """The draft-stop rule's state, how many sublayers the skip set in force after the step
         leaves out and, on a step that searched, what the search chose."""
         search = state.example
-        out = {**(super().controller(state) or {}), "skipped": len(search.skip)}
+        out = {**(super().controller(state, draft) or {}), "skipped": len(search.skip)}
         if search.chosen is not None:
             out["search"] = search.chosen.row()
             search.chosen = None
         return out
+
+
+@dataclass(frozen=True)
+class KnapSpecOptions(DecodingOptions, DraftVocabOptions, Gated):
+    """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
+    (:class:`~selfspec.decoding.draft_verify.DecodingOptions`), the draft vocabulary's,
+    ``never_slower`` and the search's (:data:`SEARCH_KEYS`): ``selection`` (:data:`SELECTIONS`),
+    ``interval`` (steps between searches), ``search_at`` (the step of each interval after which the
+    search runs, 1 = the first after the prefill), ``window`` (verification steps whose tokens it
+    compares, ending there; at most ``search_at``), ``skip_layers`` (CLaSp's M; null = a quarter of
+    the layers, the authors' 8 of 32) and ``similarity_floor`` (KnapSpec's pruning)."""
+
+    selection: str = key(checks.choice, SELECTIONS, why="knapspec: sublayers weighed by cost; clasp: whole layers")
+    interval: int = key(checks.integer, 1, why="verification steps between searches")
+    search_at: int = key(checks.integer, 1, Ref("interval"),
+                         why="the step of each interval after which the skip set is searched")
+    window: int = key(checks.integer, 1, Ref("search_at"),
+                      why="steps whose tokens the search compares, ending at search_at={search_at}")
+    skip_layers: int | None = key(nullable(checks.integer), 0, why="CLaSp's M, layers skipped")
+    similarity_floor: float = key(checks.number, -1.0, 1.0,
+                                  why="mean cosine similarity below which KnapSpec prunes a state")
 
 
 class KnapSpec(DraftVerify):
@@ -343,8 +366,8 @@ class KnapSpec(DraftVerify):
     name = "knapspec"
     title = "KnapSpec"
     lossless = True
-    #: the window's tokens must be consecutive: no context drafts in between
-    context_first = False
+    #: the window's tokens must be consecutive: no context drafts in between (no ``ngram`` key)
+    Options = KnapSpecOptions
 
     def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, last_token: str,
                  eos_draft: str, selection: str, interval: int, search_at: int, window: int,
@@ -360,40 +383,14 @@ class KnapSpec(DraftVerify):
                                    profile=self.profile, draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
 
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
-        (:func:`~selfspec.decoding.draft_verify.decoding_options`) and the search's
-        (:data:`SEARCH_KEYS`): ``selection`` (:data:`SELECTIONS`), ``interval`` (steps between
-        searches), ``search_at`` (the step of each interval after which the search runs, 1 = the
-        first after the prefill), ``window`` (verification steps whose tokens it compares, ending
-        there; at most ``search_at``), ``skip_layers`` (CLaSp's M; null = a quarter of the layers,
-        the authors' 8 of 32) and ``similarity_floor`` (KnapSpec's pruning)."""
-        key = f"{prefix}.{{}}".format
-        interval = checks.integer(key("interval"), cfg.get("interval"), 1, why="verification steps between searches")
-        search_at = checks.integer(key("search_at"), cfg.get("search_at"), 1, interval,
-                                   why="the step of each interval after which the skip set is searched")
-        return {
-            **decoding_options(cfg, prefix),
-            "selection": checks.choice(key("selection"), cfg.get("selection"), SELECTIONS,
-                                       why="knapspec: sublayers weighed by cost; clasp: whole layers"),
-            "interval": interval,
-            "search_at": search_at,
-            "window": checks.integer(key("window"), cfg.get("window"), 1, search_at,
-                                     why=f"steps whose tokens the search compares, ending at search_at={search_at}"),
-            "skip_layers": checks.optional(checks.integer, key("skip_layers"), cfg.get("skip_layers"), 0,
-                                           why="CLaSp's M, layers skipped"),
-            "similarity_floor": checks.number(key("similarity_floor"), cfg.get("similarity_floor"), -1.0, 1.0,
-                                              why="mean cosine similarity below which KnapSpec prunes a state"),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "KnapSpec":
-        return cls(model, **{k: options[k] for k in (*DECODING_KEYS, *SEARCH_KEYS)},
+    def from_config(cls, model: LayeredModel, options: KnapSpecOptions, **common) -> "KnapSpec":
+        where = options.values()
+        return cls(model, **{k: where[k] for k in (*DECODING_KEYS, *SEARCH_KEYS)},
                    draft_vocab=build_draft_vocab(model, options), **common)
 
     @classmethod
-    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
-        if options.get("selection") == "knapspec":
+    def needs_profile(cls, options: KnapSpecOptions) -> tuple[str, str] | None:
+        if options.selection == "knapspec":
             return "selection=knapspec", KNAPSPEC_NEEDS_PROFILE
         return super().needs_profile(options)
 

@@ -50,7 +50,7 @@ and costs a pass of ``k + 1`` rows at the current context, priced with the run's
 ``E(k) / cost(k + 1)``, and ``k = 0`` (a plain step) where no draft beats one plain step's
 ``1 / cost(1)``. Both the costs and the counts are deterministic, so a seeded run makes the same
 choices on any load, greedy or sampled. The table carries over between examples
-(``Decoder.carried``) and remembers about the last 32 drafts of each match length
+(:mod:`selfspec.decoding.carried`) and remembers about the last 32 drafts of each match length
 (:attr:`AcceptanceTable.memory`). On 2 CPU cores a pass of 2 rows costs ~1.1 steps and one of 8 ~2, so a
 1-gram match drafts little or nothing while a long match drafts several tokens; on a GPU, where
 width is nearly free, the same rule drafts ``max_draft``. It needs the profile: a run without one
@@ -64,7 +64,7 @@ the context drafter's ``ngram_steps`` / ``ngram_accepted``.
 **As a first choice inside other methods.** The lookup, the verification and the controller are
 one drafter, :class:`ContextDrafter`. ``method=ngram`` is a chain method with that drafter and no
 other; Draft & Verify, early exit, DEL and AdaDecode take it through their ``ngram`` sub-config
-(:func:`context_drafts_option`) and try it before self-drafting
+(:class:`~selfspec.decoding.part_options.ContextFirst`) and try it before self-drafting
 (:func:`selfspec.decoding.chain.context_step`); PPD adds its drafts to the tree instead.
 """
 
@@ -75,12 +75,9 @@ from typing import Sequence
 
 import torch
 
-from selfspec.config import checks
 from selfspec.decoding.base import DecodeState, PRICED_NEEDS_PROFILE
-from selfspec.decoding.chain import ChainDecoder, Draft, Drafter
-
-SCHEDULES = ("adaptive", "constant", "priced")
-#: config key -> default (conf/method/ngram.yaml)
+from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
+from selfspec.decoding.part_options import SCHEDULES, Gated, ScheduledLookup
 
 
 class NgramIndex:
@@ -133,57 +130,6 @@ class NgramIndex:
         for j in range(e, e + max(k, 0)):
             drafts.append(tokens[j] if j < size else drafts[j - size])
         return drafts
-
-
-LOOKUP_KEYS = ("max_ngram", "min_ngram", "max_draft")
-
-
-def lookup_options(cfg, prefix: str) -> dict:
-    """The n-gram lookup's keys, read from ``cfg`` (a method config, or the ``ngram`` sub-config of
-    a method that drafts from the context first) and checked as ``<prefix>.<key>``:
-    ``max_ngram`` >= 1 (longest suffix matched), ``min_ngram`` in [1, max_ngram] (shortest),
-    ``max_draft`` >= 1 (most draft tokens per step). Their values are written in the YAML
-    (conf/method/ngram.yaml, the ``ngram`` block of conf/method/*_ngram.yaml); a config lacking one
-    is refused by name."""
-    checks.required_keys(prefix, cfg, LOOKUP_KEYS, "conf/method/ngram.yaml (or a *_ngram.yaml method's ngram block)")
-    value = {k: cfg.get(k) for k in LOOKUP_KEYS}
-    key = f"{prefix}.{{}}".format
-    max_n = checks.integer(key("max_ngram"), value["max_ngram"], 1, why="longest n-gram matched")
-    return {
-        "max_ngram": max_n,
-        "min_ngram": checks.integer(key("min_ngram"), value["min_ngram"], 1, max_n,
-                                    why=f"shortest n-gram matched, at most {key('max_ngram')}"),
-        "max_draft": checks.integer(key("max_draft"), value["max_draft"], 1, why="most draft tokens per step"),
-    }
-
-
-def schedule_option(cfg, prefix: str) -> str:
-    """``<prefix>.draft_schedule``: ``adaptive`` | ``constant`` | ``priced`` (module docstring)."""
-    checks.required_keys(prefix, cfg, ("draft_schedule",), "conf/method/ngram.yaml (or a *_ngram.yaml method's ngram block)")
-    value = cfg.get("draft_schedule")
-    return checks.choice(f"{prefix}.draft_schedule", value, SCHEDULES,
-                         why="adaptive: draft length follows acceptance; constant: max_draft; priced: the length "
-                             "whose expected tokens per pass cost are highest on this machine's cost profile")
-
-
-def context_drafts_option(cfg, prefix: str, schedule: bool = False) -> dict | None:
-    """A method's ``ngram`` sub-config (drafts from the context first, beyond the papers): null =
-    off, else a mapping of :func:`lookup_options`' keys, and ``draft_schedule`` where the method
-    drafts a chain (``schedule``; PPD's context chain has a fixed length). Unknown keys are refused
-    by name."""
-    value = cfg.get("ngram")
-    if value is None:
-        return None
-    key = f"{prefix}.ngram"
-    keys = (*LOOKUP_KEYS, "draft_schedule") if schedule else LOOKUP_KEYS
-    if not hasattr(value, "get") or not hasattr(value, "keys"):
-        raise checks.refuse(key, value, f"give null (off) or a mapping of {', '.join(keys)}",
-                            why="n-gram drafts from the prompt and the generated text")
-    checks.known_keys(key, value, keys, "an ngram sub-config")
-    options = lookup_options(value, key)
-    if schedule:
-        options["draft_schedule"] = schedule_option(value, key)
-    return options
 
 
 @dataclass
@@ -257,6 +203,9 @@ class ContextDrafter(Drafter):
     ``ngram_steps`` (steps that drafted from the context) and ``ngram_accepted`` (their accepted
     drafts), the names PPD's context drafts use."""
 
+    #: the ``priced`` schedule's acceptance per match length carries over between examples
+    carries = ("acceptance",)
+
     def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
                  profile=None) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -285,10 +234,10 @@ class ContextDrafter(Drafter):
     def new_example(self, state: DecodeState | None) -> NgramExample:
         return NgramExample(NgramIndex(self.min_ngram, self.max_ngram), self.max_draft)
 
-    def draft_length(self, state: DecodeState) -> int:
-        return state.context.draft_len
+    def plan(self, state: DecodeState) -> Plan:
+        return Plan(state.context.draft_len)
 
-    def propose(self, state: DecodeState, k_max: int) -> Draft:
+    def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
         """Step 1 (lookup), the ``priced`` schedule choosing the length from the match's; under
         sampling the draft distribution is a point mass on each draft."""
         ex = state.context
@@ -329,8 +278,8 @@ class NoDrafts(Drafter):
     def __init__(self, model) -> None:
         self.model = model
 
-    def draft_length(self, state: DecodeState) -> int:
-        return 0
+    def plan(self, state: DecodeState) -> Plan:
+        return Plan(0)
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         state.count("plain_steps")
@@ -346,10 +295,15 @@ class NgramLookup(ChainDecoder):
     lossless = True
     context_first = False  # its keys are the lookup's own; there is no self-drafter to go after
 
+    @dataclass(frozen=True)
+    class Options(ScheduledLookup, Gated):
+        """Keys (conf/method/ngram.yaml): the lookup's and its ``draft_schedule``
+        (:class:`~selfspec.decoding.part_options.ScheduledLookup`), and ``never_slower``."""
+
     @classmethod
-    def needs_profile(cls, options: dict) -> tuple[str, str] | None:
+    def needs_profile(cls, options: Options) -> tuple[str, str] | None:
         """``draft_schedule: priced`` prices each draft's length with the run's profile."""
-        return ("draft_schedule=priced", PRICED_NEEDS_PROFILE) if options["draft_schedule"] == "priced" else None
+        return ("draft_schedule=priced", PRICED_NEEDS_PROFILE) if options.draft_schedule == "priced" else None
 
     def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
                  **common) -> None:
@@ -358,19 +312,9 @@ class NgramLookup(ChainDecoder):
         self.drafter = NoDrafts(model)
         self.lookahead = self.context.max_draft  # verification writes k + 1 positions past the committed ones
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/ngram.yaml): the lookup's (:func:`lookup_options`) and
-        ``draft_schedule`` (:func:`schedule_option`)."""
-        return {**lookup_options(cfg, prefix), "draft_schedule": schedule_option(cfg, prefix)}
-
-    @classmethod
-    def from_config(cls, model, options: dict, **common) -> "NgramLookup":
-        return cls(model, **options, **common)
-
     def finish(self, state: DecodeState) -> None:
         ex = state.context
-        verifications = state.stats.get("verifications", 0)
+        verifications = state.steps_from("context")  # the steps that drafted (the others drafted nothing)
         state.stats.setdefault("plain_steps", 0)
         state.stats.setdefault("verifications", 0)
         state.stats["match_len"] = ex.match_lens / verifications if verifications else 0.0

@@ -23,12 +23,14 @@ assisted decoding.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any, ClassVar, Sequence
 
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import Options, key, nullable
 from selfspec.decoding.base import DecodeState, Decoder, Generation
 from selfspec.decoding.sampling import Sampling
 from selfspec.measure.costs import synchronizer
@@ -173,19 +175,16 @@ class HFPromptLookup(HFPeer):
     title = "HF prompt lookup"
     speculative = True
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        return {
-            "prompt_lookup_num_tokens": checks.integer(f"{prefix}.prompt_lookup_num_tokens",
-                                                       cfg.get("prompt_lookup_num_tokens"), 1,
-                                                       why="drafted tokens per step"),
-            "max_matching_ngram_size": checks.integer(f"{prefix}.max_matching_ngram_size",
-                                                      cfg.get("max_matching_ngram_size"), 1),
-        }
+    @dataclasses.dataclass(frozen=True)
+    class Options(Options):
+        """Keys (conf/method/hf_prompt_lookup.yaml): ``generate``'s own, both >= 1."""
+
+        prompt_lookup_num_tokens: int = key(checks.integer, 1, why="drafted tokens per step")
+        max_matching_ngram_size: int = key(checks.integer, 1)
 
     @classmethod
-    def from_config(cls, model, options: dict, **common):
-        return cls(model, dict(options), **common)
+    def from_config(cls, model, options: Options, **common):
+        return cls(model, options.values(), **common)
 
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -199,22 +198,19 @@ class _AssistantSchedule(HFPeer):
     num_assistant_tokens: int | None = None
     schedule: str | None = None
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
+    @dataclasses.dataclass(frozen=True)
+    class Options(Options):
         """``num_assistant_tokens`` (>= 1) and ``num_assistant_tokens_schedule``; null = transformers'
         default."""
-        return {
-            "num_assistant_tokens": checks.optional(checks.integer, f"{prefix}.num_assistant_tokens",
-                                                    cfg.get("num_assistant_tokens"), 1,
-                                                    why="drafted tokens per step; null = transformers' default"),
-            "num_assistant_tokens_schedule": checks.optional(
-                checks.choice, f"{prefix}.num_assistant_tokens_schedule", cfg.get("num_assistant_tokens_schedule"),
-                SCHEDULES, why="null = transformers' default"),
-        }
 
-    def _set_schedule(self, options: dict) -> None:
-        self.num_assistant_tokens = options["num_assistant_tokens"]
-        self.schedule = options["num_assistant_tokens_schedule"]
+        num_assistant_tokens: int | None = key(nullable(checks.integer), 1,
+                                               why="drafted tokens per step; null = transformers' default")
+        num_assistant_tokens_schedule: str | None = key(nullable(checks.choice), SCHEDULES,
+                                                        why="null = transformers' default")
+
+    def _set_schedule(self, options: Options) -> None:
+        self.num_assistant_tokens = options.num_assistant_tokens
+        self.schedule = options.num_assistant_tokens_schedule
 
     @contextlib.contextmanager
     def _configured(self):
@@ -238,16 +234,16 @@ class HFEarlyExit(_AssistantSchedule):
     name = "hf_early_exit"
     title = "HF early exit"
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        return {**super().options(cfg, prefix),
-                "assistant_early_exit": checks.integer(f"{prefix}.assistant_early_exit",
-                                                       cfg.get("assistant_early_exit"), 1,
-                                                       why="layers that draft; below the model's layer count")}
+    @dataclasses.dataclass(frozen=True)
+    class Options(_AssistantSchedule.Options):
+        """The schedule's keys and ``assistant_early_exit`` (>= 1; below the layer count, checked
+        with the model)."""
+
+        assistant_early_exit: int = key(checks.integer, 1, why="layers that draft; below the model's layer count")
 
     @classmethod
-    def from_config(cls, model, options: dict, **common):
-        exit_layer = options["assistant_early_exit"]
+    def from_config(cls, model, options: Options, **common):
+        exit_layer = options.assistant_early_exit
         if not exit_layer < model.num_layers:
             raise ValueError(
                 f"method.assistant_early_exit={exit_layer} must be a layer count in [1, "
@@ -258,6 +254,16 @@ class HFEarlyExit(_AssistantSchedule):
         return peer
 
 
+def assistant_option(name: str, value: Any) -> str:
+    """``assistant``: the model config (conf/model/) of the draft model, checked to exist."""
+    from selfspec.config import group_options
+
+    if value is None:
+        raise checks.refuse(name, value, "method=hf_assisted needs method.assistant=<model config name of the draft "
+                            "model> (conf/model/), sharing the target's tokenizer")
+    return checks.choice(name, value, group_options("model"), why="a model config of conf/model/")
+
+
 class HFAssisted(_AssistantSchedule):
     """Assisted generation with a separate draft model (``method.assistant``: a model config
     name, e.g. a Qwen2.5-Coder 0.5B drafting for 1.5B); target and draft share a tokenizer."""
@@ -265,24 +271,18 @@ class HFAssisted(_AssistantSchedule):
     name = "hf_assisted"
     title = "HF assisted"
 
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """``assistant``: the model config (conf/model/) of the draft model, checked to exist."""
-        from selfspec.config import group_options
+    @dataclasses.dataclass(frozen=True)
+    class Options(_AssistantSchedule.Options):
+        """The schedule's keys and ``assistant`` (:func:`assistant_option`)."""
 
-        name = cfg.get("assistant")
-        if name is None:
-            raise checks.refuse(f"{prefix}.assistant", name, "method=hf_assisted needs method.assistant=<model "
-                                "config name of the draft model> (conf/model/), sharing the target's tokenizer")
-        checks.choice(f"{prefix}.assistant", name, group_options("model"), why="a model config of conf/model/")
-        return {**super().options(cfg, prefix), "assistant": name}
+        assistant: str = key(assistant_option)
 
     @classmethod
-    def from_config(cls, model, options: dict, **common):
+    def from_config(cls, model, options: Options, **common):
         from selfspec.config import model_config
         from selfspec.models.loading import load_model
 
-        name = options["assistant"]
+        name = options.assistant
         draft = load_model(model_config(name))
         tok = common.get("tokenizer")
         if tok is not None and draft.tokenizer is not None and draft.tokenizer.get_vocab() != tok.get_vocab():

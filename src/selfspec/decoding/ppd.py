@@ -44,19 +44,22 @@ each (state, chain length) is laid out once and kept.
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
-from selfspec.decoding.ngram import NgramIndex, context_drafts_option
+from selfspec.decoding.ngram import NgramIndex
+from selfspec.decoding.part_options import Gated, context_drafts
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
                                     paper_states)
 from selfspec.models.ledger import phase
 from selfspec.models.prompts import PromptTokens
+from selfspec.store.artefacts import artefact_option
 
 
 def typical_accept(probs: torch.Tensor, tokens: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
@@ -78,17 +81,37 @@ class PPDExample:
     index: NgramIndex | None = None
 
 
+@dataclass(frozen=True)
+class PPDOptions(Gated):
+    """Keys (conf/method/ppd.yaml): the ``prompts`` and ``tree`` artefacts (null = the default
+    ones for the model), typical acceptance's ``posterior_threshold`` in (0, 1] and
+    ``posterior_alpha`` > 0, ``tree_size`` (>= 1, or null = the size the ppd_tree job chose),
+    ``ngram`` (null, or the n-gram lookup's keys:
+    :func:`~selfspec.decoding.part_options.context_drafts`), ``state_zero`` (true / false, module
+    docstring) and ``never_slower``."""
+
+    prompts: Path | None = key(artefact_option, "prompts")
+    tree: Path | None = key(artefact_option, "ppd_tree")
+    posterior_threshold: float = key(checks.probability, low_open=True, why="typical acceptance's ε")
+    posterior_alpha: float = key(checks.number, 0, low_open=True, why="typical acceptance's α")
+    tree_size: int | None = key(nullable(checks.integer), 1,
+                                why="tokens per forward; null = the size the ppd_tree job chose")
+    ngram: dict | None = key(context_drafts)
+    state_zero: bool = key(checks.flag, why="false = the paper's states 1..m: the root carries every prompt token, "
+                                            "each candidate at least one")
+
+
 class PPD(Decoder):
     """PPD decoder over a dynamic sparse tree (one :class:`SparseTree` per state ``0…m``)."""
 
     name = "ppd"
     title = "PPD"
-    #: greedy PPD is lossless (exact match); under sampling typical acceptance is NOT, and
-    #: :meth:`finish` records ``lossless: False`` in the statistics of such generations.
+    #: greedy PPD is lossless (exact match); under sampling typical acceptance is NOT
+    #: (:meth:`~selfspec.decoding.base.Decoder.lossless_under`), and :meth:`begin` records
+    #: ``lossless: False`` in the statistics of such generations.
     lossless = True
     lossless_sampling = False
-    #: ``never_slower``: a step may give way to a plain one (:mod:`selfspec.decoding.gate`)
-    gated = True
+    Options = PPDOptions
 
     def __init__(
         self,
@@ -124,38 +147,13 @@ class PPD(Decoder):
         self._with_chain: dict[tuple[int, int], TreeLayout] = {}
 
     @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/ppd.yaml): the ``prompts`` and ``tree`` artefacts (null = the default
-        ones for the model), typical acceptance's ``posterior_threshold`` in (0, 1] and
-        ``posterior_alpha`` > 0, ``tree_size`` (>= 1, or null = the size the ppd_tree job chose),
-        ``ngram`` (null, or the n-gram lookup's keys: :func:`~selfspec.decoding.ngram.context_drafts_option`)
-        and ``state_zero`` (true / false, module docstring)."""
-        from selfspec.store.artefacts import artefact_option
-
-        key = f"{prefix}.{{}}".format
-        return {
-            "prompts": artefact_option(key("prompts"), cfg.get("prompts"), "prompts"),
-            "tree": artefact_option(key("tree"), cfg.get("tree"), "ppd_tree"),
-            "posterior_threshold": checks.probability(key("posterior_threshold"), cfg.get("posterior_threshold"),
-                                                      low_open=True, why="typical acceptance's ε"),
-            "posterior_alpha": checks.number(key("posterior_alpha"), cfg.get("posterior_alpha"), 0,
-                                             low_open=True, why="typical acceptance's α"),
-            "tree_size": checks.optional(checks.integer, key("tree_size"), cfg.get("tree_size"), 1,
-                                         why="tokens per forward; null = the size the ppd_tree job chose"),
-            "ngram": context_drafts_option(cfg, prefix),
-            "state_zero": checks.flag(key("state_zero"), cfg.get("state_zero"),
-                                      why="false = the paper's states 1..m: the root carries every prompt token, "
-                                          "each candidate at least one"),
-        }
-
-    @classmethod
-    def from_config(cls, model, options: dict, **common) -> "PPD":
+    def from_config(cls, model, options: PPDOptions, **common) -> "PPD":
         from selfspec.decoding.tree import load_trees
         from selfspec.models.prompts import load_prompts
         from selfspec.store.artefacts import default_artefact_dir
 
-        prompts_path = options["prompts"] or default_artefact_dir("prompts", model.name)
-        tree_path = options["tree"] or default_artefact_dir("ppd_tree", model.name)
+        prompts_path = options.prompts or default_artefact_dir("prompts", model.name)
+        tree_path = options.tree or default_artefact_dir("ppd_tree", model.name)
         for what, path, job in (("prompts", prompts_path, "prompts"), ("tree", tree_path, "ppd_tree")):
             if not path.exists():
                 raise FileNotFoundError(
@@ -164,14 +162,14 @@ class PPD(Decoder):
                 )
         prompts = load_prompts(prompts_path, model=model)
         trees, meta = load_trees(tree_path, model)
-        if options["tree_size"] is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
+        if options.tree_size is not None:  # another size than the hardware-aware choice (PPD Fig. 8c)
             from selfspec.decoding.tree_builder import trees_for_size
             from selfspec.store.artefacts import load_artefact
 
             stats = load_artefact(tree_path, "ppd_tree").tensors["accept_probs"]
-            trees = trees_for_size(stats, options["tree_size"], prompts.m, prompts.n_ept, options["state_zero"])
-        return cls(model, prompts, trees, options["posterior_threshold"], options["posterior_alpha"],
-                   options["ngram"], options["state_zero"], reads={"prompts": prompts_path, "tree": tree_path}, **common)
+            trees = trees_for_size(stats, options.tree_size, prompts.m, prompts.n_ept, options.state_zero)
+        return cls(model, prompts, trees, options.posterior_threshold, options.posterior_alpha,
+                   options.ngram, options.state_zero, reads={"prompts": prompts_path, "tree": tree_path}, **common)
 
     # --- hooks ----------------------------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:
@@ -179,7 +177,7 @@ class PPD(Decoder):
         state.example = PPDExample(index=index)
         if index is not None:
             state.stats.update(ngram_steps=0, ngram_accepted=0)
-        state.stats["lossless"] = bool(state.sampling.greedy)
+        state.stats["lossless"] = self.lossless_under(state.sampling)
         state.stats["acceptance"] = "exact" if state.sampling.greedy else "typical"
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:

@@ -48,8 +48,10 @@ import numpy as np
 import torch
 
 from selfspec.config import checks
+from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
-from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config
+from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config, draft_stop_option
+from selfspec.decoding.part_options import Gated
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
 from selfspec.models.cache import Appended
@@ -119,14 +121,40 @@ class SwiftExample:
     steps: int = 0
 
 
+@dataclass(frozen=True)
+class SwiftOptions(Gated):
+    """Keys (conf/method/swift*.yaml): ``max_draft`` (25), ``draft_stop`` (the shared sub-config;
+    static 0.8), the optimisation's :data:`SEARCH_KEYS` (module docstring; ``bayes_interval``
+    null = random search only, ``optimize: false`` = keep the starting set), the starting set
+    (``skip_attn`` / ``skip_mlp``, null = every odd layer) and ``never_slower``."""
+
+    max_draft: int = key(checks.integer, 1, why="the longest draft chain")
+    draft_stop: dict | None = key(draft_stop_option)
+    skip_ratio: float = key(checks.number, 0.0, 1.0, why="share of the 2(L - 2) inner sublayers a candidate set skips")
+    context_window: int = key(checks.integer, 1, why="generated tokens the matchness is scored on, less one")
+    opt_interval: int = key(checks.integer, 1, why="steps between optimisation iterations")
+    bayes_interval: int | None = key(nullable(checks.integer), 1,
+                                     why="every n-th iteration proposes by Bayesian optimisation")
+    max_opt_iter: int = key(checks.integer, 0)
+    max_tolerance_iter: int = key(checks.integer, 0)
+    max_score: float = key(checks.number, 0.0, 1.0, why="matchness at which the optimisation stops")
+    seed: int = key(checks.seed)
+    search_state: str = key(checks.choice, SEARCH_STATES,
+                            why="stream: carried over the examples (the authors'); example: restarted at each")
+    optimize: bool = key(checks.flag, why="search the layer set while decoding")
+    skip_attn: list[int] | None = key(nullable(checks.integers))
+    skip_mlp: list[int] | None = key(nullable(checks.integers))
+
+
 class Swift(Decoder):
     """SWIFT (module docstring)."""
 
     name = "swift"
     title = "SWIFT"
     lossless = True
-    gated = True
-    carried = (*Decoder.carried, "search", "draft_stop")
+    Options = SwiftOptions
+    #: the layer search and the draft-stop rule carry over between examples (:mod:`selfspec.decoding.carried`)
+    carries = ("search", "draft_stop")
 
     def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, skip_ratio: float,
                  context_window: int, opt_interval: int, bayes_interval: int | None, max_opt_iter: int,
@@ -155,40 +183,6 @@ class Swift(Decoder):
         self.search = self.new_search()
         self.lookahead = 1 + TOPK * self.max_draft  # the drafts' scratch K/V, then the tree's rows
         self._layouts: dict[tuple[int, ...], TreeLayout] = {}
-
-    @classmethod
-    def options(cls, cfg, prefix: str = "method") -> dict:
-        """Keys (conf/method/swift*.yaml): ``max_draft`` (25), ``draft_stop`` (the shared sub-config;
-        static 0.8), and the optimisation's :data:`SEARCH_KEYS` (module docstring; ``bayes_interval``
-        null = random search only, ``optimize: false`` = keep the starting set)."""
-        key = f"{prefix}.{{}}".format
-        return {
-            "max_draft": checks.integer(key("max_draft"), cfg.get("max_draft"), 1, why="the longest draft chain"),
-            "draft_stop": draft_stop_config(cfg.get("draft_stop"), key("draft_stop")),
-            "skip_ratio": checks.number(key("skip_ratio"), cfg.get("skip_ratio"), 0.0, 1.0,
-                                        why="share of the 2(L - 2) inner sublayers a candidate set skips"),
-            "context_window": checks.integer(key("context_window"), cfg.get("context_window"), 1,
-                                             why="generated tokens the matchness is scored on, less one"),
-            "opt_interval": checks.integer(key("opt_interval"), cfg.get("opt_interval"), 1,
-                                           why="steps between optimisation iterations"),
-            "bayes_interval": checks.optional(checks.integer, key("bayes_interval"), cfg.get("bayes_interval"), 1,
-                                              why="every n-th iteration proposes by Bayesian optimisation"),
-            "max_opt_iter": checks.integer(key("max_opt_iter"), cfg.get("max_opt_iter"), 0),
-            "max_tolerance_iter": checks.integer(key("max_tolerance_iter"), cfg.get("max_tolerance_iter"), 0),
-            "max_score": checks.number(key("max_score"), cfg.get("max_score"), 0.0, 1.0,
-                                       why="matchness at which the optimisation stops"),
-            "seed": checks.seed(key("seed"), cfg.get("seed")),
-            "search_state": checks.choice(key("search_state"), cfg.get("search_state"), SEARCH_STATES,
-                                          why="stream: carried over the examples (the authors'); example: "
-                                          "restarted at each"),
-            "optimize": checks.flag(key("optimize"), cfg.get("optimize"), why="search the layer set while decoding"),
-            "skip_attn": checks.optional(checks.integers, key("skip_attn"), cfg.get("skip_attn")),
-            "skip_mlp": checks.optional(checks.integers, key("skip_mlp"), cfg.get("skip_mlp")),
-        }
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: dict, **common) -> "Swift":
-        return cls(model, **options, **common)
 
     # --- the layer set optimisation (§3.2) -------------------------------------------------------
     def new_search(self) -> LayerSearch:

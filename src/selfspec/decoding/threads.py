@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from selfspec.decoding.carried import Carries
 from selfspec.decoding.gate import TwoArms
 from selfspec.models.ledger import Op
 
@@ -71,7 +72,7 @@ def why_not_adaptive(device: torch.device, profile) -> str | None:
 
 
 @dataclass
-class ThreadPolicy:
+class ThreadPolicy(Carries):
     """The module docstring's policy for one decoder: :meth:`full` before a prefill,
     :meth:`choose` before a decoding step, :meth:`record` after it."""
 

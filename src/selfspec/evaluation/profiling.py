@@ -255,8 +255,8 @@ def untrained_ppd(model, nodes: int):
     g = torch.Generator().manual_seed(0)
     prompts = PromptTokens((torch.randn(3, 2, model.hidden_size, generator=g) * 0.5).to(model.device, model.dtype))
     return PPD(model, prompts, random_trees(3, nodes, 10, random.Random(nodes)), ngram=None,
-               posterior_threshold=options["posterior_threshold"], posterior_alpha=options["posterior_alpha"],
-               state_zero=options["state_zero"])
+               posterior_threshold=options.posterior_threshold, posterior_alpha=options.posterior_alpha,
+               state_zero=options.state_zero)
 
 
 def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:

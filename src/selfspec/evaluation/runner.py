@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.config import checks, load_method_config
+from selfspec.config.options import Options
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
 from selfspec.evaluation.profiling import profile_spec, run_profile
@@ -87,9 +88,6 @@ class MethodRun:
     cfg: DictConfig
     decoder: Decoder
 
-    @property
-    def lossless(self) -> bool:
-        return bool(type(self.decoder).lossless)
 
 
 def method_label(cfg: DictConfig) -> str:
@@ -203,7 +201,7 @@ def _threads(cfg: DictConfig, device: torch.device, profile) -> str:
     return value
 
 
-def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[str, dict[str, Any]]:
+def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[str, Options]:
     """Every method config's checked options (:func:`~selfspec.decoding.check_method`), by label,
     without a model (the run builds its decoders from them: each method is checked once per run); an
     error in a baseline / compare method names its config file."""
@@ -219,7 +217,7 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[s
 
 
 def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig],
-                          options: dict[str, dict[str, Any]]) -> None:
+                          options: dict[str, Options]) -> None:
     """A choice a method prices with the run's cost profile (its class's
     :meth:`~selfspec.decoding.base.Decoder.needs_profile`: a context drafter's ``draft_schedule:
     priced``, DEL's ``cost_model: measured``) is refused with ``profile=null`` before the model
@@ -244,7 +242,7 @@ class RunPlan:
     method_cfgs: dict[str, DictConfig]
     n_samples: int
     #: each method's options as :func:`check_methods` checked them, by label
-    method_options: dict[str, dict[str, Any]]
+    method_options: dict[str, Options]
 
 
 def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
@@ -346,7 +344,7 @@ def _row(ex, run: MethodRun, gen, tokenizer, task, prompt_len: int, sample: int,
         "sample": sample,
         "seed": None if sampling.greedy else sampling.seed,
         "decoder": str(run.cfg.name),
-        "lossless": bool(gen.stats.get("lossless", run.lossless)),  # PPD sampling: typical acceptance
+        "lossless": run.decoder.lossless_under(sampling),  # PPD sampling: typical acceptance is not
         "prompt_tokens": prompt_len,
         "tokens": gen.tokens,
         "text": text,
@@ -530,7 +528,7 @@ def _capture_summary(model) -> dict[str, Any]:
 def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:
     """``n`` untimed generations per method (Spec-Bench: 3), cycling through the prompts. They warm
     the machine, not the methods: each decoder's policy state carried across examples (its
-    threshold, speculation gate: ``Decoder.carried``) is put back afterwards, so the first measured
+    threshold, speculation gate: :mod:`selfspec.decoding.carried`) is put back afterwards, so the first measured
     example starts where a fresh decoder does (Draft & Verify's evaluation has no warm-up)."""
     if n <= 0 or not prompts:
         return

@@ -28,12 +28,15 @@ Kinds (ablations of AdaDecode §4.3):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
+from selfspec.config import checks
+from selfspec.config.options import Options, key, nullable
 from selfspec.models.ledger import Ledger, phase
 from selfspec.store.artefacts import load_artefact, save_artefact
 
@@ -339,27 +342,29 @@ def find_draft_vocab(model_name: str, data: str | None = None) -> Path:
     )
 
 
-def draft_vocab_options(cfg, prefix: str = "method") -> dict:
-    """The keys every self-drafting method shares: ``draft_vocab`` (null = the full LM head;
-    ``auto`` = the artefact ``job=draft_vocab`` wrote for this model and ``draft_vocab_task``;
-    else an artefact directory, checked here without the model) and ``draft_vocab_task``."""
-    from selfspec.config import checks
+def draft_vocab_option(name: str, value: Any) -> str | Path | None:
+    """``draft_vocab``: null (the full LM head), ``auto`` (the artefact ``job=draft_vocab`` wrote
+    for this model and ``draft_vocab_task``) or an artefact directory, checked without the model."""
     from selfspec.store.artefacts import artefact_option
 
-    key = f"{prefix}.{{}}".format
-    value = cfg.get("draft_vocab")
-    task = checks.optional(checks.text, key("draft_vocab_task"), cfg.get("draft_vocab_task"),
-                           why="the data `draft_vocab: auto` looks for: a task name or mixed")
-    if value == "auto":
-        return {"draft_vocab": "auto", "draft_vocab_task": task}
-    return {"draft_vocab": artefact_option(key("draft_vocab"), value, VOCAB_KIND), "draft_vocab_task": task}
+    return "auto" if value == "auto" else artefact_option(name, value, VOCAB_KIND)
 
 
-def build_draft_vocab(model, options: dict, prefix: str = "method") -> DraftVocab | None:
-    """The :class:`DraftVocab` :func:`draft_vocab_options` name, checked against ``model``."""
-    value = options.get("draft_vocab")
+@dataclasses.dataclass(frozen=True)
+class DraftVocabOptions(Options):
+    """The keys every self-drafting method shares: ``draft_vocab`` (:func:`draft_vocab_option`)
+    and ``draft_vocab_task``."""
+
+    draft_vocab: str | Path | None = key(draft_vocab_option)
+    draft_vocab_task: str | None = key(nullable(checks.text),
+                                       why="the data `draft_vocab: auto` looks for: a task name or mixed")
+
+
+def build_draft_vocab(model, options: DraftVocabOptions, prefix: str = "method") -> DraftVocab | None:
+    """The :class:`DraftVocab` ``options`` name, checked against ``model``."""
+    value = options.draft_vocab
     if value is None:
         return None
     layered = getattr(model, "model", model)
-    path = find_draft_vocab(layered.name, options.get("draft_vocab_task")) if value == "auto" else value
+    path = find_draft_vocab(layered.name, options.draft_vocab_task) if value == "auto" else value
     return load_draft_vocab(path, model, f"{prefix}.draft_vocab")

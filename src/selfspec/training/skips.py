@@ -41,7 +41,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
-from selfspec.decoding.draft_verify import DECODING_KEYS, DraftVerify, SkipSetDrafter, skip_set_tensors
+from selfspec.decoding.draft_verify import DECODING_KEYS, DecodingOptions, DraftVerify, SkipSetDrafter, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 from selfspec.models.layered import LayeredModel, SkipSet
@@ -146,8 +146,7 @@ def decoding_options(jc) -> dict[str, Any]:
     overrides = jc.get("decoding") or {}
     checks.known_keys("job.decoding", overrides, DECODING_KEYS, "the Draft & Verify decoding settings")
     merged = OmegaConf.merge(base, overrides)
-    options = DraftVerify.options({k: merged[k] for k in DECODING_KEYS}, prefix="job.decoding")
-    return {k: options[k] for k in DECODING_KEYS}
+    return DecodingOptions.read({k: merged[k] for k in DECODING_KEYS}, prefix="job.decoding").values()
 
 
 def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
