@@ -182,14 +182,18 @@ SMALL_JOBS = {
 JOB_DIRS = {"heads": "h", "prompts": "p", "ppd_tree": "t", "skips": "s", "draft_vocab": "v"}
 
 
-def train_every_job(model: str, out, loaded=None, **changes) -> None:
+def train_every_job(model: str, out, loaded=None, profile=None, **changes) -> None:
     """Run the five training jobs (:data:`SMALL_JOBS`, with ``changes`` ``{job: {key: value}}`` on
-    top) on ``model`` into ``out/<JOB_DIRS[job]>``; each must write its artefact."""
+    top) on ``model`` into ``out/<JOB_DIRS[job]>``; each must write its artefact. ``profile``: a
+    profile file the jobs price with (default: train.yaml's ``auto``, this machine's, measured once
+    into the asset cache when it is not there)."""
     from selfspec.config import compose
     from selfspec.train import run_job
 
     for job, overrides in SMALL_JOBS.items():
         args = {**overrides, **changes.get(job, {}), "artefact_dir": out / JOB_DIRS[job]}
+        if profile is not None:
+            args["profile"] = profile
         if job == "ppd_tree":
             args["job.prompts"] = out / JOB_DIRS["prompts"]
         summary = run_job(compose([f"model={model}", "progress=false", f"job={job}",

@@ -412,20 +412,13 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     profile = run_profile(cfg, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
     threads = _threads(cfg, loaded.model.device, profile)
-    common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=task.stop, tokenizer=tok)
-    # build every decoder before the loop: a missing artefact fails here, with the method's message
-    runs = [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads,
-                                             options=plan.method_options[name], **common))
-            for name, m in method_cfgs.items()]
+    runs = _decoders(plan, loaded, profile, threads)
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS, ROW_KEYS)
     ids = set(prompts)
-    # rows of examples outside this run's selection (a rerun with a smaller n_examples) stay in the
-    # file but take no part in this summary
-    done = {(*generation_key(r), r["method"]) for r in results if str(r["id"]) in ids}
-    todo = [ex for ex in examples if any((ex.id, i, r.name) not in done for i in range(n_samples) for r in runs)]
+    done, todo = _progress(results, examples, runs, n_samples)
     if done:
         log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
 
@@ -453,6 +446,25 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         tracker.finish()
     _log_summary(summary["methods"], baseline)
     return summary
+
+
+def _decoders(plan: RunPlan, loaded, profile, threads: str) -> list[MethodRun]:
+    """Every method's decoder, built before the loop: a missing artefact fails here, with the
+    method's message."""
+    common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=plan.task.stop, tokenizer=loaded.tokenizer)
+    return [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads,
+                                             options=plan.method_options[name], **common))
+            for name, m in plan.method_cfgs.items()]
+
+
+def _progress(results: ResultsFile, examples, runs: list[MethodRun], n_samples: int) -> tuple[set, list]:
+    """The generations the results file already holds, as ``(id, sample, method)``, and the
+    examples with one still to do. Rows of examples outside this run's selection (a rerun with a
+    smaller ``n_examples``) stay in the file but take no part."""
+    ids = {ex.id for ex in examples}
+    done = {(*generation_key(r), r["method"]) for r in results if str(r["id"]) in ids}
+    todo = [ex for ex in examples if any((ex.id, i, r.name) not in done for i in range(n_samples) for r in runs)]
+    return done, todo
 
 
 def _identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
