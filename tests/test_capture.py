@@ -219,9 +219,9 @@ EVERY_METHOD = [
     {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.3},
     {"name": "ngram", "never_slower": False},
     {"name": "ppd"},
-    # searching while decoding: the drafts and verifications take the static shapes; the searches' own
-    # passes (KnapSpec's and CLaSp's branch passes, window verifications and SWIFT's matchness) are
-    # dynamic by design (their rows vary with the candidates; one search per interval)
+    # searching while decoding: the drafts and verifications take the static shapes, and so do
+    # KnapSpec's block states, the searches' branch passes (test_the_searches_passes_take_static_shapes)
+    # and SWIFT's matchness passes (scratch passes reading the prompt's cache only)
     {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "never_slower": False},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False},
     {"name": "clasp", "interval": 4, "never_slower": False},
@@ -269,3 +269,45 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
                 "adadecode": "chain/partial", "ngram": "chain", "ppd": "tree", "swift": "tree", "knapspec": "chain",
                 "clasp": "chain"}[name]
     assert kinds[expected] > 0, kinds
+    if name in ("knapspec", "clasp"):  # the searches' branch passes; KnapSpec's block states, a sublayer each
+        assert kinds["scratch/partial"] > 0 and (name == "clasp" or kinds["chain/partial"] > 0), kinds
+    if name == "swift":  # its matchness passes
+        assert kinds["scratch"] > 0, kinds
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_searches_passes_take_static_shapes(family):
+    """KnapSpec's block states (each sublayer a one-layer pass: the attention writes the layer's K/V,
+    the MLP touches no cache) and the searches' branch passes (scratch passes: their K/V go past the
+    cache's positions, its lengths stay, the rows see the first ``context`` positions and their own
+    branch) take static shapes and give the dynamic path's states and cache (to float rounding: the
+    static attention reads the whole buffer under a mask), with nothing missed and nothing recorded
+    as eager. The window's own K/V, past the branches' context, are left as they were."""
+    from selfspec.models.ledger import Ledger
+    from test_families import PROMPT, tiny_family
+
+    dyn = tiny_family(family)
+    static = _static_twin(dyn)
+    ids = torch.tensor([PROMPT + PROMPT])
+    n, L = len(PROMPT), dyn.num_layers
+    got = {}
+    with torch.inference_mode():
+        for m in (dyn, static):
+            cache = m.new_cache(64)
+            m.forward(ids[:, :n], cache, start=0)
+            states = m.block_states(ids[:, n:], cache, n)
+            x = torch.stack([states[3][:4], states[5][:4]])  # two candidate states of 4 tokens
+            ledger = Ledger(torch.device("cpu"))
+            context = n + 2  # the branches see the prompt and 2 of the window's tokens
+            out = [m.run_branches(x, 1, block, cache, context, ledger) for block in ("mlp", "attn", "layer")]
+            kv = [cache.layer_kv(i)[0][:, :, :cache.length(i)].clone() for i in range(L)]
+            assert all(cache.length(i) == 2 * n for i in range(L))
+            got[m] = (states, out, kv, ledger.ops)
+    for a, b in zip(got[dyn][:3], got[static][:3]):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
+    assert static.steps.missed == 0
+    assert static.steps.kinds["chain/partial"] == 2 * L and static.steps.kinds["scratch/partial"] == 3
+    # the three walks merge into one op: 8 rows, 2 attention and 2 MLP sublayers, captured
+    assert [(op.rows, op.attention, op.mlp, op.eager) for op in got[static][3]] == [(8, 2, 2, False)]
+    assert got[dyn][3] == got[static][3]

@@ -213,14 +213,24 @@ class Swift(Decoder):
 
     def matchness(self, state: DecodeState, generated: list[int], skip: SkipSet) -> float:
         """The share of the first ``context_window`` generated tokens after the first that the draft
-        model with ``skip`` predicts, teacher-forced, reading the prompt's cache only."""
+        model with ``skip`` predicts, teacher-forced, reading the prompt's cache only: on a capturing
+        model a static-shape scratch pass (its K/V past the cache's positions,
+        :meth:`selfspec.models.capture.StepRunner.run`'s ``base``), else the eager pass."""
         model, start = self.model, state.prompt_len
         ids = torch.tensor([generated[: self.context_window + 1]], device=model.device)
-        h = model.embed(ids)
         n = ids.shape[1]
-        h = model.run_layers(h, range(model.num_layers), Appended(state.cache, start),
-                             model.rope(model.positions(start, n), h), model.causal_mask(n, start), skip,
-                             eager=True, ledger=state.ledger)  # never captured: an explicit mask and KV
+        layers = range(model.num_layers)
+        h = None
+        if model.steps is not None:
+            rows = torch.arange(n, device=model.device)
+            h = model.steps.run(model, ids, None, state.cache, state.cache.length(0), layers, skip,
+                                tree=(rows, rows.unsqueeze(1) >= rows.unsqueeze(0)), base=start)
+            if h is not None and state.ledger is not None:
+                state.ledger.layers(n, len(layers) - len(skip.attn), len(layers) - len(skip.mlp), start)
+        if h is None:  # eager on a capturing model (no room, or wider than a bucket)
+            h = model.embed(ids)
+            h = model.run_layers(h, layers, Appended(state.cache, start), model.rope(model.positions(start, n), h),
+                                 model.causal_mask(n, start), skip, eager=model.steps is not None, ledger=state.ledger)
         predicted = model.head(model.final_norm(h), ledger=state.ledger)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 

@@ -30,7 +30,11 @@ Three kinds of pass go through here, keyed by (layer range, skip set, bucket, in
   AdaDecode's per-layer passes of owed positions);
 * **trees** (PPD): the rows' position offsets and their ancestor mask are inputs too; the tree's
   mask is padded to the bucket (a padding row sees the prefix and itself), and the full mask is
-  built on the device from ``start``, so tree size × k buckets share one shape.
+  built on the device from ``start``, so tree size × k buckets share one shape;
+* **scratch passes** (the layer-skip searches: CLaSp's and KnapSpec's branch passes, SWIFT's
+  matchness): a tree whose rows sit after the cache's first ``base`` positions and see only those,
+  with their K/V written past the cache's positions and its lengths left as they were. A pass
+  whose attention sublayers are all skipped (KnapSpec's MLP block states) touches no cache.
 
 A pass qualifies (:meth:`StepRunner.run` says when) inside ``torch.inference_mode()``, with every
 layer run at the same cache length, at most the largest bucket's rows and room in the cache for
@@ -121,12 +125,17 @@ class _Pass:
     static buffers (``kept``), handed to the caller's views after the pass."""
 
     def __init__(self, model: Any, max_length: int, layers: range, skip, size: int, from_ids: bool,
-                 tree: bool = False, keep: tuple[int, ...] = ()) -> None:
+                 tree: bool = False, keep: tuple[int, ...] = (), scratch: bool = False) -> None:
         dev = model.device
         self.model, self.layers, self.skip, self.size, self.keep = model, layers, skip, size, keep
         self.ids = torch.zeros(1, size, dtype=torch.long, device=dev) if from_ids else None
         self.h = None if from_ids else torch.zeros(1, size, model.hidden_size, dtype=model.dtype, device=dev)
         self.start = torch.zeros(1, dtype=torch.long, device=dev)
+        #: where the rows' positions start and the prefix they see ends: ``start``, except for a
+        #: scratch pass (the searches' branches), whose rows are written past the cache's positions
+        #: but sit after its first ``base``
+        self.base = torch.zeros(1, dtype=torch.long, device=dev)
+        self.scratch = scratch
         self.rows = torch.arange(size, device=dev)
         self.offsets = self.rows.clone()  # a chain's stay; a tree's are loaded per pass
         self.slots = torch.arange(max_length, device=dev)
@@ -137,13 +146,14 @@ class _Pass:
         self.out: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def load(self, ids, h, start: int, n: int, tree=None) -> None:
+    def load(self, ids, h, start: int, n: int, tree=None, base: int | None = None) -> None:
         """Copy the real inputs into the static buffers (rows past ``n`` keep stale, valid values)."""
         if self.ids is not None:
             self.ids[:, :n].copy_(ids)
         else:
             self.h[:, :n].copy_(h)
         self.start.fill_(start)
+        self.base.fill_(start if base is None else base)
         if tree is not None:
             offsets, allowed = tree
             self.offsets[:n].copy_(offsets)
@@ -161,11 +171,11 @@ class _Pass:
         rel = self.slots - self.start  # a slot's row in the tree, or outside it
         inside = (rel >= 0) & (rel < self.size)
         ancestors = self.tree.index_select(1, rel.clamp(0, self.size - 1))  # [size, max_length]
-        return (rel < 0).unsqueeze(0) | (inside.unsqueeze(0) & ancestors)
+        return (self.slots < self.base).unsqueeze(0) | (inside.unsqueeze(0) & ancestors)
 
     def body(self, cache: LayerCache) -> torch.Tensor:
         m = self.model
-        positions = self.start + self.offsets  # [size]
+        positions = self.base + self.offsets  # [size]
         mask = m.prepare_mask(self.mask(positions))
         writes = _Writes(cache, self.start + self.rows, self.slots, tree=self.tree is not None)
         # no ledger here: the caller (LayeredModel.forward) records the pass once, captured or not
@@ -200,10 +210,12 @@ class _Pass:
         return out
 
 
-def _kind(model: Any, layers, tree, kept) -> str:
-    """A pass's kind: chain or tree, ``+keep`` (states kept), ``/partial`` (a layer range short of the model)."""
+def _kind(model: Any, layers, tree, kept, scratch: bool = False) -> str:
+    """A pass's kind: chain, tree or scratch (rows written past the cache's positions: the searches'
+    passes), ``+keep`` (states kept), ``/partial`` (a layer range short of the model)."""
     partial = not isinstance(layers, range) or len(layers) != model.num_layers
-    return ("tree" if tree is not None else "chain") + ("+keep" if kept else "") + ("/partial" if partial else "")
+    kind = "scratch" if scratch else "tree" if tree is not None else "chain"
+    return kind + ("+keep" if kept else "") + ("/partial" if partial else "")
 
 
 class StepRunner:
@@ -236,31 +248,40 @@ class StepRunner:
         self.missed_kinds: Counter[str] = Counter()
 
     def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip, tree=None,
-            keep: dict | None = None):
+            keep: dict | None = None, base: int | None = None):
         """The hidden states ``[1, n, d]`` of ``model``'s pass (a
         :class:`~selfspec.models.layered.LayeredModel`), or None when it must take the dynamic path.
 
         ``tree``: ``(offsets [n], allowed [n, n])``, the rows' positions after ``start`` and which
         rows each may see (PPD's tree); ``keep``: ``{layer: out}`` as
-        :meth:`~selfspec.models.layered.LayeredModel.run_layers` takes it."""
+        :meth:`~selfspec.models.layered.LayeredModel.run_layers` takes it. ``base`` (with a
+        ``tree``): a scratch pass, the layer-skip searches' (module docstring): the rows sit after the cache's
+        first ``base`` positions and see only those and the rows ``allowed`` marks; their K/V are
+        written at ``start`` on (the cache's length: scratch past its positions), and the cache's
+        lengths stay as they were."""
+        scratch = base is not None
         if cache is None or not torch.is_inference_mode_enabled() or not len(layers):
             return None
         n = (ids if h is None else h).shape[1]
         size = bucket(n)
         kept = tuple(sorted(keep)) if keep else ()
+        # a pass whose attention sublayers are all skipped (an MLP walk: KnapSpec's block states, the
+        # searches' MLP branches) neither reads nor writes the cache, whatever its lengths
+        attends = (skip is None or any(i not in skip.attn for i in layers)) and not scratch
         if (size is None or not isinstance(layers, range) or layers.step != 1 or start + size > cache.max_length
-                or any(cache.lengths[i] != start for i in layers) or any(i not in layers for i in kept)):
+                or (attends and any(cache.lengths[i] != start for i in layers)) or any(i not in layers for i in kept)
+                or (scratch and any(cache.lengths[i] > start for i in layers))):
             if start > 0:  # a decoding pass; a prefill (start 0: an empty cache) longer than a bucket is expected
                 self.missed += 1
-                self.missed_kinds[f"{_kind(model, layers, tree, kept)} {n}"] += 1
+                self.missed_kinds[f"{_kind(model, layers, tree, kept, scratch)} {n}"] += 1
             return None
         owner = id(cache) if self.mode == "graphs" else cache.max_length
-        key = (id(model), owner, layers.start, layers.stop, skip, size, h is None, tree is not None, kept)
+        key = (id(model), owner, layers.start, layers.stop, skip, size, h is None, tree is not None, kept, scratch)
         p = self._passes.get(key)
         if p is None or (p.cache is not None and p.cache is not cache):
             p = _Pass(model, cache.max_length, layers, skip, size, from_ids=h is None, tree=tree is not None,
-                      keep=kept)
-            p.load(ids, h, start, n, tree)
+                      keep=kept, scratch=scratch)
+            p.load(ids, h, start, n, tree, base)
             if self.mode == "graphs":
                 p.capture(cache, self._pool)
                 self.captured += 1
@@ -268,13 +289,13 @@ class StepRunner:
             while len(self._passes) > MAX_GRAPHS:
                 self._passes.popitem(last=False)
         else:
-            p.load(ids, h, start, n, tree)
+            p.load(ids, h, start, n, tree, base)
         self._passes.move_to_end(key)
         out = p(cache, n, keep)
-        for i in layers:
+        for i in layers if attends else ():
             cache.lengths[i] = start + n
         self.routed += 1
-        kind = _kind(model, layers, tree, kept)
+        kind = _kind(model, layers, tree, kept, scratch)
         self.kinds[kind] += 1
         self.routed_rows[f"{kind} {n}"] += 1
         return out

@@ -498,17 +498,17 @@ class LayeredModel:
         states ``[n, d]``, the embedding first, then after layer ``i``'s attention (``2i + 1``) and
         after its MLP (``2i + 2``); the last is the input of the final norm. The skip searches of
         CLaSp and KnapSpec compare their candidates with these (:mod:`selfspec.decoding.knapspec`).
-        Each sublayer is a walk of its own (:meth:`run_layers` with the other left out), so the
-        operators and their order are a plain pass's; the walks are recorded as eager (no static
-        runner takes them)."""
+        Each sublayer is a pass of its own (:meth:`forward` over one layer with the other sublayer
+        left out), so the operators and their order are a plain pass's, and a capturing model runs
+        each as a static-shape (captured) pass: the attention one writes the layer's K/V, the MLP one
+        touches no cache (:meth:`selfspec.models.capture.StepRunner.run`)."""
         h = self.embed(ids)
-        n = h.shape[1]
-        rope = self.rope(self.positions(start, n), h)
-        mask = self.causal_mask(n, start)
+        rope = self.rope(self.positions(start, h.shape[1]), h)
         states = [h[0]]
         for i in range(self.num_layers):
             for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
-                h = self.run_layers(h, [i], cache, rope, mask, skip, eager=True, ledger=ledger)
+                h = self.forward(None, cache, start=start, layers=range(i, i + 1), h=h, skip=skip, rope=rope,
+                                 ledger=ledger)
                 states.append(h[0])
         return states
 
@@ -521,22 +521,31 @@ class LayeredModel:
         ``b``'s row ``t`` sits at position ``context + t``, attends to the cache's first ``context``
         positions and to rows ``0..t`` of its own branch (the branch-parallel mask), and nothing is
         written to the cache (:class:`~selfspec.models.cache.Appended`). Returns ``[B, T, d]``;
-        recorded in ``ledger`` as one walk of ``B·T`` rows, eager (its rows vary with the
-        candidates, so no static shape holds it: a search runs once per interval)."""
+        recorded in ``ledger`` as one walk of ``B·T`` rows. A capturing model runs a pass of at most
+        the largest bucket's rows as a static-shape (captured) scratch pass: its K/V go past the
+        cache's positions and its lengths stay (:meth:`selfspec.models.capture.StepRunner.run`'s
+        ``base``); a wider one runs eagerly and is recorded so."""
         b, t, d = x.shape
         h = x.reshape(1, b * t, d)
         attn, mlp = block in ("attn", "layer"), block in ("mlp", "layer")
         if block not in ("attn", "mlp", "layer"):
             raise ValueError(f"run_branches: block must be attn, mlp or layer, got {block!r}")
-        if ledger is not None:  # never captured (its rows vary with the candidates): eager on any machine
-            ledger.layers(b * t, int(attn), int(mlp), int(context), eager=True)
+        dev = self.device
+        offsets = torch.arange(t, device=dev).repeat(b)
+        branch = torch.arange(b, device=dev).repeat_interleave(t)
+        own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.unsqueeze(1) >= offsets.unsqueeze(0))
+        if self.steps is not None:
+            skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
+            out = self.steps.run(self, None, h, cache, cache.length(layer), range(layer, layer + 1), skip,
+                                 tree=(offsets, own), base=context)
+            if out is not None:
+                if ledger is not None:
+                    ledger.layers(b * t, int(attn), int(mlp), int(context))
+                return out.view(b, t, d)
+        if ledger is not None:  # eager on a capturing model (wider than a bucket); a CPU's trace prices it by its rows
+            ledger.layers(b * t, int(attn), int(mlp), int(context), eager=self.steps is not None)
         if attn:
-            dev = self.device
-            offsets = torch.arange(t, device=dev)
-            rope = self.rope((context + offsets).repeat(b).unsqueeze(0), h)
-            branch = torch.arange(b, device=dev).repeat_interleave(t)
-            own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.repeat(b).unsqueeze(1)
-                                                                   >= offsets.repeat(b).unsqueeze(0))
+            rope = self.rope((context + offsets).unsqueeze(0), h)
             past = torch.ones(b * t, context, dtype=torch.bool, device=dev)
             h = self.attention(layer, h, rope, Appended(cache, context), self.prepare_mask(torch.cat([past, own], 1)))
         if mlp:
