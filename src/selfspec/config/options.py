@@ -18,6 +18,7 @@ reads. The messages are the checks' own, e.g. ``method.max_draft=0 is not allowe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, NamedTuple
 
@@ -55,12 +56,9 @@ class Key:
 
 
 def nullable(check: Callable[..., Any]) -> Callable[..., Any]:
-    """``check`` for a key whose ``null`` means the documented default (None passes unchecked)."""
-    def read(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-        return None if value is None else check(name, value, *args, **kwargs)
-
-    read.__name__ = f"nullable_{getattr(check, '__name__', 'check')}"
-    return read
+    """``check`` for a key whose ``null`` means the documented default:
+    :func:`~selfspec.config.checks.optional` with ``check`` bound."""
+    return functools.partial(checks.optional, check)
 
 
 def key(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

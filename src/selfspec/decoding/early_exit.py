@@ -193,10 +193,9 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
     vocab = heads.vocab  # a truncated draft head: its rows
     rows = vocab.size if vocab is not None else model.vocab_size
     if profile is not None:
-        layer = profile.layer_cost(1, context)
-        cost = profile.head(1, rows) / layer
         d = model.hidden_size
-        return cost + (profile.op(LinearOp("heads", 1, d, d)) / layer if heads.kind == "linear" else 0.0)
+        linear = profile.op(LinearOp("heads", 1, d, d)) / profile.layer_cost(1, context) if heads.kind == "linear" else 0.0
+        return profile.head_layers(rows, context) + linear
     layer = model.layer_numel()
     cost = (rows * model.hidden_size if vocab is not None else model.lm_head_weight.numel()) / layer
     if heads.kind == "linear":

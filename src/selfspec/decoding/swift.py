@@ -223,10 +223,8 @@ class Swift(Decoder):
         h = None
         if model.steps is not None:
             rows = torch.arange(n, device=model.device)
-            h = model.steps.run(model, ids, None, state.cache, state.cache.length(0), layers, skip,
-                                tree=(rows, rows.unsqueeze(1) >= rows.unsqueeze(0)), base=start)
-            if h is not None and state.ledger is not None:
-                state.ledger.layers(n, len(layers) - len(skip.attn), len(layers) - len(skip.mlp), start)
+            h = model.static_scratch(ids, None, state.cache, start, layers, skip,
+                                     (rows, rows.unsqueeze(1) >= rows.unsqueeze(0)), state.ledger)
         if h is None:  # eager on a capturing model (no room, or wider than a bucket)
             h = model.embed(ids)
             h = model.run_layers(h, layers, Appended(state.cache, start), model.rope(model.positions(start, n), h),

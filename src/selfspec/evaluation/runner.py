@@ -418,7 +418,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS, ROW_KEYS)
     ids = set(prompts)
-    done, todo = _progress(results, examples, runs, n_samples)
+    done, todo = _progress(results, ids, examples, runs, n_samples)
     if done:
         log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
 
@@ -457,11 +457,10 @@ def _decoders(plan: RunPlan, loaded, profile, threads: str) -> list[MethodRun]:
             for name, m in plan.method_cfgs.items()]
 
 
-def _progress(results: ResultsFile, examples, runs: list[MethodRun], n_samples: int) -> tuple[set, list]:
+def _progress(results: ResultsFile, ids: set, examples, runs: list[MethodRun], n_samples: int) -> tuple[set, list]:
     """The generations the results file already holds, as ``(id, sample, method)``, and the
-    examples with one still to do. Rows of examples outside this run's selection (a rerun with a
-    smaller ``n_examples``) stay in the file but take no part."""
-    ids = {ex.id for ex in examples}
+    examples with one still to do. Rows of examples outside this run's selection ``ids`` (a rerun
+    with a smaller ``n_examples``) stay in the file but take no part."""
     done = {(*generation_key(r), r["method"]) for r in results if str(r["id"]) in ids}
     todo = [ex for ex in examples if any((ex.id, i, r.name) not in done for i in range(n_samples) for r in runs)]
     return done, todo

@@ -360,6 +360,12 @@ class Profile:
     def head(self, rows: int, vocab: int) -> float:
         return Curve({v: cost(rows) for v, cost in self._head.items()})(vocab)
 
+    def head_layers(self, vocab: int, context: int = 512) -> float:
+        """A head of ``vocab`` rows on one state, in units of one decoder layer on one token at
+        ``context``: DEL's exit-head cost and the draft vocabulary job's head cost."""
+        layer = self.layer_cost(1, context)
+        return self.head(1, vocab) / layer if layer > 0 else float("inf")
+
     def op(self, op: "Op | list") -> float:
         """Seconds of one ledger op (:mod:`selfspec.models.ledger`; a record or a trace's stored list)."""
         op = as_op(op)

@@ -503,14 +503,33 @@ class LayeredModel:
         each as a static-shape (captured) pass: the attention one writes the layer's K/V, the MLP one
         touches no cache (:meth:`selfspec.models.capture.StepRunner.run`)."""
         h = self.embed(ids)
-        rope = self.rope(self.positions(start, h.shape[1]), h)
+        n = h.shape[1]
+        rope = self.rope(self.positions(start, n), h)
+        mask = self.causal_mask(n, start) if self.steps is None else None  # built once where no runner takes the passes
         states = [h[0]]
         for i in range(self.num_layers):
             for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
-                h = self.forward(None, cache, start=start, layers=range(i, i + 1), h=h, skip=skip, rope=rope,
-                                 ledger=ledger)
+                h = self.forward(None, cache, start=start, mask=mask, layers=range(i, i + 1), h=h, skip=skip,
+                                 rope=rope, ledger=ledger)
                 states.append(h[0])
         return states
+
+    def static_scratch(self, ids: torch.Tensor | None, h: torch.Tensor | None, cache: LayerCache, context: int,
+                       layers: range, skip: SkipSet | None, tree: tuple[torch.Tensor, torch.Tensor],
+                       ledger: Ledger | None = None) -> torch.Tensor | None:
+        """A scratch pass (the layer-skip searches') on the static runner: the rows of ``ids`` (or
+        ``h``) after the cache's first ``context`` positions, seeing those and the rows ``tree``'s
+        ``allowed`` marks, written past the cache's positions with its lengths kept
+        (:meth:`selfspec.models.capture.StepRunner.run`'s ``base``); recorded in ``ledger`` as a walk
+        at ``context``. None where there is no runner or the pass is not a static one (wider than a
+        bucket, no room): the caller runs it eagerly."""
+        if self.steps is None:
+            return None
+        out = self.steps.run(self, ids, h, cache, max(cache.length(i) for i in layers), layers, skip, tree=tree,
+                             base=context)
+        if out is not None and ledger is not None:
+            _record_walk(ledger, out.shape[1], layers, skip, context)
+        return out
 
     def run_branches(self, x: torch.Tensor, layer: int, block: str, cache: LayerCache, context: int,
                      ledger: Ledger | None = None) -> torch.Tensor:
@@ -534,14 +553,10 @@ class LayeredModel:
         offsets = torch.arange(t, device=dev).repeat(b)
         branch = torch.arange(b, device=dev).repeat_interleave(t)
         own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.unsqueeze(1) >= offsets.unsqueeze(0))
-        if self.steps is not None:
-            skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
-            out = self.steps.run(self, None, h, cache, cache.length(layer), range(layer, layer + 1), skip,
-                                 tree=(offsets, own), base=context)
-            if out is not None:
-                if ledger is not None:
-                    ledger.layers(b * t, int(attn), int(mlp), int(context))
-                return out.view(b, t, d)
+        skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
+        out = self.static_scratch(None, h, cache, context, range(layer, layer + 1), skip, (offsets, own), ledger)
+        if out is not None:
+            return out.view(b, t, d)
         if ledger is not None:  # eager on a capturing model (wider than a bucket); a CPU's trace prices it by its rows
             ledger.layers(b * t, int(attn), int(mlp), int(context), eager=self.steps is not None)
         if attn:

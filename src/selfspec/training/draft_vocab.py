@@ -105,14 +105,9 @@ def measure_candidates(profile, model, ranked: torch.Tensor, sizes: list[int], h
     """Held-out coverage and priced head cost (seconds, decoder layers) of each size, the full
     vocabulary included, from the run's cost profile; returns ``(candidates, layer_seconds,
     full_head_seconds)``."""
-    layer = profile.layer_cost(1, CONTEXT)
-    full = profile.head(1, model.vocab_size)
-    out = []
-    for s in sorted(set(sizes)):
-        seconds = full if s == model.vocab_size else profile.head(1, s)
-        out.append({"size": s, "coverage": coverage(ranked[:s].tolist(), held), "head_seconds": seconds,
-                    "head_layers": seconds / layer if layer > 0 else float("inf")})
-    return out, layer, full
+    out = [{"size": s, "coverage": coverage(ranked[:s].tolist(), held), "head_seconds": profile.head(1, s),
+            "head_layers": profile.head_layers(s, CONTEXT)} for s in sorted(set(sizes))]
+    return out, profile.layer_cost(1, CONTEXT), profile.head(1, model.vocab_size)
 
 
 def default_dir(cfg, opts: dict) -> Path:
