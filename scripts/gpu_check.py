@@ -15,15 +15,20 @@ weights; both kept loaded) before the next section starts. Where SmolLM2's GGUF 
 random models have no tokenizer to borrow: they run on their own vocabularies and the two sections
 that decode task text (``training``, ``methods``) say so instead of running:
 
-1. ``capture``: every method (vanilla, Draft & Verify, early exit, DEL, AdaDecode, n-gram, PPD with a
-   small tree and with trees of the paper's sizes) built directly with artefacts that need no
-   training (an inline skip set, the LM head as exit head, random prompt-token embeddings and random
-   trees), always speculating, on one repeated-segment prompt: with the model's passes captured
-   (``graphs``; ``--dry-run``: ``static``) and eager (``off``), seconds per token in each, tokens equal
-   between the two (greedy and sampled) and to vanilla's (greedy: the bf16 consistency on this
-   device), the pass widths, and the passes the captured mode routed and missed, by kind;
-2. ``profile``: this machine's cost profile (:func:`selfspec.evaluation.profiling.measure_profile`, saved
-   under the check's ``outputs/profiles/`` for ``python -m selfspec.project``; 8-18 s on an H100);
+1. ``profile``: this machine's cost profile (:func:`selfspec.evaluation.profiling.measure_profile`, saved
+   under the check's ``outputs/profiles/`` for ``python -m selfspec.project``; 8-18 s on an H100),
+   first because the next two price with it;
+2. ``capture``: every method (vanilla, Draft & Verify, early exit, DEL, AdaDecode, n-gram, PPD with a
+   small tree and with trees of the paper's sizes, then SWIFT, CLaSp and KnapSpec searching their
+   skip sets, KnapSpec weighing its sublayers with that profile) built directly with artefacts
+   that need no training (an inline skip set, the LM head as exit head, random prompt-token
+   embeddings and random trees), always speculating, on one repeated-segment prompt: with the
+   model's passes captured (``graphs``; ``--dry-run``: ``static``) and eager (``off``), seconds per
+   token in each, tokens equal between the two (greedy and sampled) and to vanilla's (greedy: the
+   bf16 consistency on this device), the pass widths, the passes the captured mode routed and
+   missed, by kind, and the graphs it captured: in all, inside the timed runs (a search's new skip
+   sets, whose capture the captured seconds then include) and dropped by the LRU
+   (``capture.MAX_GRAPHS``);
 3. ``ledger``: every method of ``capture`` again, captured, with its measured seconds beside those
    the profile just measured predicts from its step trace (eager passes and PPD's host work priced
    apart: issue 38's target is measured / predicted within 10% for every method), per component;
@@ -149,15 +154,17 @@ def capture_decoders(model, p: dict, profile=None) -> dict:
     return out
 
 
-def capture_section(loaded, p: dict, deadline: float) -> dict:
-    """Every method with its passes captured and eager (module docstring, section 1); methods past
-    the deadline are named in ``skipped``."""
+def capture_section(loaded, p: dict, deadline: float, profile_data: dict | None = None) -> dict:
+    """Every method with its passes captured and eager (module docstring, section 2); methods past
+    the deadline are named in ``skipped``. KnapSpec weighs its sublayers with the profile the
+    check measured first; without one (``--sections`` left it out) it is named in ``left_out``."""
     import statistics
     from collections import Counter
 
     import torch
 
     from selfspec.decoding import Sampling
+    from selfspec.measure.profile import Profile
     from selfspec.models.layered import LayeredModel
 
     c = p["capture"]
@@ -169,18 +176,24 @@ def capture_section(loaded, p: dict, deadline: float) -> dict:
     steps = captured.steps
     out: dict = {"mode": captured.capture, "prompt_tokens": len(prompt), "new_tokens": c["new_tokens"],
                  "methods": {}, "skipped": []}
+    if profile_data is None:
+        out["left_out"] = {"knapspec": "no profile to weigh its sublayers with: the profile section did not run"}
     reference = None
-    for name, make in capture_decoders(captured, p).items():
+    profile = Profile(profile_data) if profile_data is not None else None
+    for name, make in capture_decoders(captured, p, profile).items():
         if time.perf_counter() > deadline:
             out["skipped"].append(name)
             continue
-        before = ((steps.routed, steps.missed, dict(steps.kinds), dict(steps.missed_kinds), dict(steps.routed_rows))
-                  if steps else None)
+        before = ((steps.routed, steps.missed, dict(steps.kinds), dict(steps.missed_kinds), dict(steps.routed_rows),
+                   steps.built, steps.evicted) if steps else None)
         row: dict = {}
         for mode, model in (("captured", captured), ("eager", eager)):
             dec = make(model)
             dec.generate(prompt, c["new_tokens"])  # captures its graphs (and warms the eager path)
+            warm = steps.built if steps and model is captured else None
             runs = [dec.generate(prompt, c["new_tokens"]) for _ in range(c["repeats"])]
+            if warm is not None:  # graphs captured inside the timed runs (a search's new skip sets): their
+                timed_built = steps.built - warm  # capture is in the captured seconds per token
             sampled = dec.generate(prompt, c["new_tokens"], Sampling(temperature=0.8, top_p=0.9, seed=3))
             row[mode] = {"s_per_token": statistics.median(r.seconds / max(r.new_tokens, 1) for r in runs),
                          "tau": runs[0].new_tokens / max(runs[0].steps, 1), "tokens": runs[0].tokens,
@@ -194,7 +207,9 @@ def capture_section(loaded, p: dict, deadline: float) -> dict:
              "consistency": {m: _agreement(row[m]["tokens"], reference) for m in row}}
         if before is not None:
             r["passes"] = {"routed": steps.routed - before[0], "missed": steps.missed - before[1],
-                           "kinds": _delta(steps.kinds, before[2]), "missed_kinds": _delta(steps.missed_kinds, before[3])}
+                           "kinds": _delta(steps.kinds, before[2]), "missed_kinds": _delta(steps.missed_kinds, before[3]),
+                           "built": steps.built - before[5], "built_while_timed": timed_built,
+                           "evicted": steps.evicted - before[6]}
             widths = Counter(_delta(steps.routed_rows, before[4])) + Counter(r["passes"]["missed_kinds"])
             trees = {int(k.split()[1]): n for k, n in widths.items() if k.startswith("tree ")}
             if trees:
@@ -202,7 +217,8 @@ def capture_section(loaded, p: dict, deadline: float) -> dict:
         out["methods"][name] = r
         print(f"  capture {name}: {r['s_per_token']['captured'] * 1e3:.2f} ms/token captured, "
               f"{r['eager_over_captured']:.2f}x eager; consistency {r['consistency']['captured']:.3f}; "
-              f"missed {r.get('passes', {}).get('missed')}", flush=True)
+              f"missed {r.get('passes', {}).get('missed')}, captured while timed "
+              f"{r.get('passes', {}).get('built_while_timed')}", flush=True)
     return out
 
 
@@ -359,7 +375,7 @@ def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: 
 
 
 #: the sections, in order of value (module docstring); each runs for every model before the next starts
-SECTIONS = ("capture", "profile", "ledger", "runtime", "training", "methods")
+SECTIONS = ("profile", "capture", "ledger", "runtime", "training", "methods")
 #: the sections that decode task text, left out for a model with no tokenizer (random weights on a
 #: machine without SmolLM2's GGUF file, whose tokenizer the random models borrow)
 TEXT_SECTIONS = ("training", "methods")
@@ -387,7 +403,7 @@ def run_section(section: str, result: dict, loaded, p: dict, out_dir: Path, dead
     model, overrides = result["model"]["name"], result["model"]["overrides"]
     t = time.perf_counter()
     if section == "capture":
-        result["capture"] = capture_section(loaded, p, deadline)
+        result["capture"] = capture_section(loaded, p, deadline, result.get("profile"))
     elif section == "profile":
         result.update(profile_section(loaded, p))
     elif section == "ledger":

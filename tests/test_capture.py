@@ -271,8 +271,8 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
     assert kinds[expected] > 0, kinds
     if name in ("knapspec", "clasp"):  # the searches' branch passes; KnapSpec's block states, a sublayer each
         assert kinds["scratch/partial"] > 0 and (name == "clasp" or kinds["chain/partial"] > 0), kinds
-    if name == "swift":  # its matchness passes
-        assert kinds["scratch"] > 0, kinds
+    if name == "swift":  # its matchness passes, a layer at a time
+        assert kinds["scratch/partial"] > 0 and kinds["scratch"] == 0, kinds
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
@@ -311,3 +311,85 @@ def test_the_searches_passes_take_static_shapes(family):
     # the three walks merge into one op: 8 rows, 2 attention and 2 MLP sublayers, captured
     assert [(op.rows, op.attention, op.mlp, op.eager) for op in got[static][3]] == [(8, 2, 2, False)]
     assert got[dyn][3] == got[static][3]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_scratch_pass_runs_a_layer_at_a_time_so_new_skip_sets_reuse_its_passes(family):
+    """SWIFT's matchness (a scratch pass of the whole model under a candidate skip set, a new set on
+    almost every search iteration): the static runner takes it one layer at a time, keyed by that
+    layer's part of the set, so a set whose layer parts were all seen builds (under ``graphs``:
+    captures) no pass, and none is built for a single use of the whole set. The states equal the
+    eager pass's (SWIFT's own, reading the cache's first ``context`` positions); the cache's lengths
+    stay, and the ledger records one walk, as for the eager pass."""
+    from selfspec.models.cache import Appended
+    from selfspec.models.layered import SkipSet
+    from selfspec.models.ledger import Ledger
+    from test_families import PROMPT, tiny_family
+
+    dyn = tiny_family(family)
+    static = _static_twin(dyn)
+    ids = torch.tensor([PROMPT + PROMPT])
+    n, L = len(PROMPT), dyn.num_layers
+    rows = ids[:, n:n + 7]
+    k = rows.shape[1]
+    tree = (torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril())
+    sets = [SkipSet.of(attn=[1], mlp=[2]), SkipSet.of(attn=[2], mlp=[1]), SkipSet.of(attn=[1, 2]),
+            SkipSet.of(attn=[1, 2], mlp=[1, 2])]  # the third's parts are the first two's; the fourth leaves 1, 2 out
+    steps = static.steps
+    with torch.inference_mode():
+        caches = {}
+        for m in (dyn, static):
+            caches[m] = m.new_cache(64)
+            m.forward(ids, caches[m], start=0)
+        for i, skip in enumerate(sets):
+            cache = caches[dyn]
+            h = dyn.embed(rows)
+            want = dyn.run_layers(h, range(L), Appended(cache, n), dyn.rope(dyn.positions(n, k), h),
+                                  dyn.causal_mask(k, n), skip)
+            built = steps.built
+            ledger = Ledger(torch.device("cpu"))
+            got = static.static_scratch(rows, None, caches[static], n, range(L), skip, tree, ledger)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            new = steps.built - built
+            # a pass per layer part not seen before: all 4 layers first, then layers 1 and 2 again, then none
+            assert new == [L, 2, 0, 0][i], (i, new)
+            assert [(op.rows, op.attention, op.mlp, op.eager) for op in ledger.ops] == [
+                (k, L - len(skip.attn), L - len(skip.mlp), False)]
+            assert all(caches[static].length(j) == 2 * n for j in range(L))
+    assert steps.missed == 0 and steps.kinds["scratch"] == 0
+    assert steps.kinds["scratch/partial"] == 4 + 4 + 4 + 2  # the fourth set runs layers 0 and 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_branch_pass_wider_than_a_bucket_runs_in_captured_groups(family):
+    """KnapSpec's branch passes reach 1,000 rows and more (its DP's states of a window of tokens): a
+    capturing model runs them in groups of whole branches of at most 256 rows, each a static scratch
+    pass, instead of one eager pass. The states equal the one dynamic pass's (to float rounding), the
+    cache is untouched, nothing is missed, and both record the groups' walks in the ledger (a CPU's
+    trace prices what a GPU runs)."""
+    from selfspec.models.layered import branch_groups
+    from selfspec.models.ledger import Ledger
+    from test_families import PROMPT, tiny_family
+
+    dyn = tiny_family(family, max_position_embeddings=512)  # room after the prompt for a 256-row pass
+    static = _static_twin(dyn)
+    ids = torch.tensor([PROMPT + PROMPT])
+    n = len(PROMPT)
+    b, t = 40, 8  # 320 rows: a group of 32 branches (256 rows) and one of 8 (64)
+    assert branch_groups(b, t) == [(0, 32), (32, 8)]
+    x = torch.randn(b, t, dyn.hidden_size, generator=torch.Generator().manual_seed(0)).to(dyn.dtype)
+    got = {}
+    with torch.inference_mode():
+        for m in (dyn, static):
+            cache = m.new_cache(64)
+            m.forward(ids, cache, start=0)
+            ledger = Ledger(torch.device("cpu"))
+            out = [m.run_branches(x, 1, block, cache, n + 3, ledger) for block in ("mlp", "attn", "layer")]
+            assert all(cache.length(i) == 2 * n for i in range(m.num_layers))
+            got[m] = (out, [(op.rows, op.attention, op.mlp, op.context, op.eager) for op in ledger.ops])
+    for u, v in zip(got[dyn][0], got[static][0]):
+        torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
+    assert static.steps.missed == 0 and static.steps.kinds["scratch/partial"] == 3 * 2
+    assert static.steps.routed_rows["scratch/partial 256"] == 3 and static.steps.routed_rows["scratch/partial 64"] == 3
+    assert got[dyn][1] == got[static][1]
+    assert {rows for rows, *_ in got[dyn][1]} == {256, 64} and not any(op[-1] for op in got[dyn][1])

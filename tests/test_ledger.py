@@ -194,6 +194,19 @@ def test_measured_profile_of_the_tiny_model(tiny):
     assert again.plain_step(32) == pytest.approx(p.plain_step(32))
 
 
+def test_a_profile_measured_with_graphs_measures_every_width_it_replays():
+    """A capturing model replays decoding passes up to the largest bucket (the searches' branch
+    passes, PPD's largest trees): its profile measures that width, so a projection onto it prices
+    them at a measured price rather than withholding them; a CPU's stops at 128 rows (past them its
+    costs are near proportional, and the extrapolation holds)."""
+    from selfspec.evaluation.profiling import profile_rows
+    from selfspec.measure.profile import ROWS
+    from selfspec.models.capture import BUCKETS
+
+    assert profile_rows("off") == profile_rows("static") == ROWS and ROWS[-1] == 128
+    assert profile_rows("graphs") == (*ROWS, BUCKETS[-1]) and BUCKETS[-1] == 256
+
+
 def _run(tiny, tmp_path, *extra):
     return evaluate(compose(["model=tiny-random", "n_examples=2", "max_new_tokens=12", "warmup=1", "progress=false",
                              "method=ngram", "compare=[hf_generate]", *extra]), tmp_path, loaded=tiny)

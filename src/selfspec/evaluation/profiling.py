@@ -18,18 +18,24 @@ import torch
 
 from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
                                      WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
+from selfspec.models.capture import BUCKETS
 from selfspec.models.ledger import as_op
 
-__all__ = ["machine_profile", "measure_profile", "untrained_ppd"]
+__all__ = ["machine_profile", "measure_profile", "profile_rows", "untrained_ppd"]
 
 log = logging.getLogger(__name__)
 
 
-def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable[int] = PREFILL_ROWS,
+def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: Iterable[int] = PREFILL_ROWS,
                     contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None) -> Profile:
     """Measure this machine's profile of ``model`` (module docstring). About a minute for
-    SmolLM2-135M on 2 CPU cores; seconds for a tiny model."""
+    SmolLM2-135M on 2 CPU cores; seconds for a tiny model. ``rows``: by default
+    :data:`~selfspec.measure.profile.ROWS`, and the largest bucket's where the model captures CUDA
+    graphs (it replays decoding passes that wide: the searches' branch passes, PPD's largest trees)."""
     from selfspec.measure.costs import time_forward
+
+    if rows is None:
+        rows = profile_rows(model.capture)
 
     started = time.time()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -79,6 +85,13 @@ def measure_profile(model, *, rows: Iterable[int] = ROWS, prefill_rows: Iterable
         log(f"host work of drafting steps: {data['host_steps']}")
     data["seconds_to_measure"] = round(time.time() - started, 1)
     return profile
+
+
+def profile_rows(capture: str) -> tuple[int, ...]:
+    """The rows a profile measures at every context by default: :data:`~selfspec.measure.profile.ROWS`,
+    up to the largest bucket where the model captures CUDA graphs (``capture``: the model's resolved
+    mode), so that every pass it replays is priced at a measured width."""
+    return tuple(sorted({*ROWS, *((BUCKETS[-1],) if capture == "graphs" else ())}))
 
 
 def _measure_eager(model, rows: list[int], contexts: list[int], repeats: int, log=None) -> dict:

@@ -41,7 +41,7 @@ from selfspec.evaluation.aggregate import common_rows, contention, generation_ke
 from selfspec.evaluation.profiling import profile_spec, run_profile
 from selfspec.measure.peak import EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes
 from selfspec.measure.profile import machine, model_shape
-from selfspec.models.capture import BUCKETS
+from selfspec.models.capture import BUCKETS, MAX_GRAPHS
 from selfspec.store.files import check_directory, check_writable, to_jsonable, write_json
 from selfspec.store.locks import hold
 from selfspec.tracking import ResultsFile, Tracker, open_run_log, save_hydra_files, start_run
@@ -524,16 +524,22 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
 
 def _capture_summary(model) -> dict[str, Any]:
     """What the static-shape (captured) passes took in this process (``capture=static|graphs``):
-    passes routed by kind, and the decoding passes that went eager (``missed``, by kind and width:
-    under ``capture=graphs`` they ran without a graph). Logged as a warning when any was missed."""
+    passes routed by kind, the decoding passes that went eager (``missed``, by kind and width:
+    under ``capture=graphs`` they ran without a graph), and the static passes built, dropped by the
+    LRU and run once (:meth:`~selfspec.models.capture.StepRunner.counts`). Logged as a warning when
+    any was missed, or, under ``graphs``, when the LRU dropped graphs (each one that comes back is
+    captured again; under ``static`` a pass is keyed by its cache's size, so each example's
+    cache builds its own)."""
     steps = model.steps
     if steps is None:
         return {"mode": model.capture}
     if steps.missed:
         log.warning("capture=%s: %d decoding passes took the eager path (by kind and rows: %s); the largest "
                     "static shape is %d rows", model.capture, steps.missed, dict(steps.missed_kinds), BUCKETS[-1])
-    return {"mode": model.capture, "routed": steps.routed, "captured": steps.captured, "kinds": dict(steps.kinds),
-            "missed": steps.missed, "missed_kinds": dict(steps.missed_kinds)}
+    if model.capture == "graphs" and steps.evicted:
+        log.warning("capture=graphs: the LRU dropped %d of the %d graphs captured (it keeps %d); one asked for "
+                    "again is captured again", steps.evicted, steps.built, MAX_GRAPHS)
+    return {"mode": model.capture, **steps.counts()}
 
 
 def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:

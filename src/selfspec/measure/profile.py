@@ -44,7 +44,8 @@ extrapolated along the last measured segment past the last measured row count, n
 cost: on a GPU a pass is memory-bound and costs about the same from 32 rows to 128 (the H100
 profiles: 8.1 ms for a Vicuna-7B pass of 1 row, 10.0 ms for 32), so pricing a 105-row PPD tree
 in proportion to rows (3.3x the 32-row cost) made its projection 0.89x against the paper's 2.24x;
-on a CPU the segments are close to proportional anyway. Profiles now measure up to 128 rows.
+on a CPU the segments are close to proportional anyway. Profiles measure up to 128 rows, and a
+profile measured with CUDA graphs up to the largest bucket (256 rows), the widest pass it replays.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ from selfspec.store.runinfo import cpu_name
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
 
 FORMAT = 3
-#: rows measured at every context (a chain of k + 1, a tree: PPD's paper trees reach 120 rows);
+#: rows measured at every context (a chain of k + 1, a tree: PPD's paper trees reach 120 rows; with
+#: CUDA graphs also the largest bucket, :func:`selfspec.evaluation.profiling.measure_profile`);
 #: prefill-sized rows at context 0
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128)
 PREFILL_ROWS = (64, 128, 256, 512)

@@ -33,8 +33,10 @@ Three kinds of pass go through here, keyed by (layer range, skip set, bucket, in
   built on the device from ``start``, so tree size × k buckets share one shape;
 * **scratch passes** (the layer-skip searches: CLaSp's and KnapSpec's branch passes, SWIFT's
   matchness): a tree whose rows sit after the cache's first ``base`` positions and see only those,
-  with their K/V written past the cache's positions and its lengths left as they were. A pass
-  whose attention sublayers are all skipped (KnapSpec's MLP block states) touches no cache.
+  with their K/V written past the cache's positions and its lengths left as they were, one layer
+  at a time (:meth:`~selfspec.models.layered.LayeredModel.static_scratch`: a search's new skip set
+  replays the graphs of the layer parts it shares with the sets before). A pass whose attention
+  sublayers are all skipped (KnapSpec's MLP block states) touches no cache.
 
 A pass qualifies (:meth:`StepRunner.run` says when) inside ``torch.inference_mode()``, with every
 layer run at the same cache length, at most the largest bucket's rows and room in the cache for
@@ -143,6 +145,7 @@ class _Pass:
         self.tree = torch.eye(size, dtype=torch.bool, device=dev) if tree else None
         self.kept = torch.zeros(len(keep), size, model.hidden_size, dtype=model.dtype, device=dev) if keep else None
         self.cache: "LayerCache | None" = None  # the cache a graph was captured on
+        self.uses = 0  # times run (a graph captured for one use cost more than running it eagerly)
         self.out: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -199,6 +202,7 @@ class _Pass:
         self.cache = cache
 
     def __call__(self, cache: LayerCache, n: int, keep: dict | None = None) -> torch.Tensor:
+        self.uses += 1
         if self.graph is None:
             out = self.body(cache)[:, :n]
         else:
@@ -237,6 +241,11 @@ class StepRunner:
         #: passes that went through here / graphs captured (run records and tests read them)
         self.routed = 0
         self.captured = 0
+        #: static passes built (under ``graphs``: captured), and those the LRU dropped
+        #: (:data:`MAX_GRAPHS`); a key that keeps coming back after being dropped is built again
+        self.built = 0
+        self.evicted = 0
+        self._dropped_once = 0  # dropped passes that had run once
         #: decoding passes (after the prompt) that took the dynamic path, whatever their size (wider
         #: than the largest bucket, no room in the cache for the padding, layers at different cache
         #: lengths): none in any decoder at the papers' sizes (tests/test_capture.py)
@@ -286,8 +295,9 @@ class StepRunner:
                 p.capture(cache, self._pool)
                 self.captured += 1
             self._passes[key] = p
+            self.built += 1
             while len(self._passes) > MAX_GRAPHS:
-                self._passes.popitem(last=False)
+                self._drop(self._passes.popitem(last=False)[1])
         else:
             p.load(ids, h, start, n, tree, base)
         self._passes.move_to_end(key)
@@ -300,10 +310,26 @@ class StepRunner:
         self.routed_rows[f"{kind} {n}"] += 1
         return out
 
+    @property
+    def used_once(self) -> int:
+        """Static passes built that ran once (dropped since, or not run again yet): under ``graphs``
+        each cost a capture (two warm-up runs and the recording) for a single replay."""
+        return self._dropped_once + sum(p.uses == 1 for p in self._passes.values())
+
+    def counts(self) -> dict[str, Any]:
+        """What went through here (run records and ``make gpu-check`` read it)."""
+        return {"routed": self.routed, "captured": self.captured, "built": self.built, "evicted": self.evicted,
+                "used_once": self.used_once, "kinds": dict(self.kinds), "missed": self.missed,
+                "missed_kinds": dict(self.missed_kinds)}
+
+    def _drop(self, p: _Pass, evicted: bool = True) -> None:
+        self.evicted += evicted
+        self._dropped_once += p.uses == 1
+
     def forget(self, cache: LayerCache) -> None:
         """Drop the graphs captured on ``cache`` (it is about to be replaced)."""
         for key in [k for k, p in self._passes.items() if p.cache is cache]:
-            del self._passes[key]
+            self._drop(self._passes.pop(key), evicted=False)
         if self.mode == "graphs" and not self._passes:
             # a memory pool whose graphs are all gone is released: capture into a new one
             self._pool = torch.cuda.graph_pool_handle()

@@ -43,6 +43,7 @@ import torch
 
 from selfspec.models import kernels
 from selfspec.models.cache import Appended, LayerCache
+from selfspec.models.capture import BUCKETS
 from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
 
@@ -522,12 +523,35 @@ class LayeredModel:
         ``allowed`` marks, written past the cache's positions with its lengths kept
         (:meth:`selfspec.models.capture.StepRunner.run`'s ``base``); recorded in ``ledger`` as a walk
         at ``context``. None where there is no runner or the pass is not a static one (wider than a
-        bucket, no room): the caller runs it eagerly."""
+        bucket, no room): the caller runs it eagerly.
+
+        The pass runs **one layer at a time**, each layer with its own part of ``skip``, so its
+        static passes are keyed by (layer, sublayers skipped, bucket) and not by the whole skip set.
+        A search scores a new skip set on almost every pass (SWIFT's matchness: up to 1,000 random
+        candidates), and a pass keyed by the whole set would capture a graph for one replay (two
+        warm-up runs and the recording, dearer than running it eagerly) and push the decoding
+        passes' graphs out of the LRU; by layer, every candidate replays the same ``3L`` graphs
+        or fewer per bucket. The operators and their order are the whole pass's."""
         if self.steps is None:
             return None
-        out = self.steps.run(self, ids, h, cache, max(cache.length(i) for i in layers), layers, skip, tree=tree,
-                             base=context)
-        if out is not None and ledger is not None:
+        start = max(cache.length(i) for i in layers)
+        out = None
+        for i in layers:
+            attn, mlp = skip is not None and i in skip.attn, skip is not None and i in skip.mlp
+            if attn and mlp and (out is not None or ids is None):
+                continue  # the layer left out whole
+            part = SkipSet.of([i] if attn else (), [i] if mlp else ()) if attn or mlp else None
+            x = self.steps.run(self, ids if out is None and ids is not None else None,
+                               h if out is None else out, cache, start, range(i, i + 1), part, tree=tree, base=context)
+            if x is None:
+                if out is not None:  # the runner's conditions are the same for every layer of the pass
+                    raise RuntimeError(f"static_scratch: layer {i} of {layers} took the dynamic path after the layers "
+                                       "before it took the static one")
+                return None
+            out = x
+        if out is None:  # every layer left out, with hidden states in: nothing to run
+            out = h
+        if ledger is not None:
             _record_walk(ledger, out.shape[1], layers, skip, context)
         return out
 
@@ -539,16 +563,23 @@ class LayeredModel:
         branch-parallel one). The branches are laid out as one sequence of ``B·T`` rows; branch
         ``b``'s row ``t`` sits at position ``context + t``, attends to the cache's first ``context``
         positions and to rows ``0..t`` of its own branch (the branch-parallel mask), and nothing is
-        written to the cache (:class:`~selfspec.models.cache.Appended`). Returns ``[B, T, d]``;
-        recorded in ``ledger`` as one walk of ``B·T`` rows. A capturing model runs a pass of at most
-        the largest bucket's rows as a static-shape (captured) scratch pass: its K/V go past the
+        written to the cache (:class:`~selfspec.models.cache.Appended`). Returns ``[B, T, d]``.
+
+        A capturing model runs the branches in groups of at most the largest bucket's rows
+        (:func:`branch_groups`), each a static-shape (captured) scratch pass: its K/V go past the
         cache's positions and its lengths stay (:meth:`selfspec.models.capture.StepRunner.run`'s
-        ``base``); a wider one runs eagerly and is recorded so."""
+        ``base``); the branches see nothing of each other, so a group's rows are the whole pass's.
+        Only a branch wider than a bucket runs eagerly (recorded so). Elsewhere the ``B·T`` rows are
+        one eager pass, recorded in ``ledger`` as the groups' walks that a capturing model runs (a
+        projection onto a GPU profile prices what the GPU would run)."""
         b, t, d = x.shape
-        h = x.reshape(1, b * t, d)
         attn, mlp = block in ("attn", "layer"), block in ("mlp", "layer")
         if block not in ("attn", "mlp", "layer"):
             raise ValueError(f"run_branches: block must be attn, mlp or layer, got {block!r}")
+        groups = branch_groups(b, t)
+        if self.steps is not None and len(groups) > 1:
+            return torch.cat([self.run_branches(x[i:i + n], layer, block, cache, context, ledger) for i, n in groups])
+        h = x.reshape(1, b * t, d)
         dev = self.device
         offsets = torch.arange(t, device=dev).repeat(b)
         branch = torch.arange(b, device=dev).repeat_interleave(t)
@@ -557,8 +588,9 @@ class LayeredModel:
         out = self.static_scratch(None, h, cache, context, range(layer, layer + 1), skip, (offsets, own), ledger)
         if out is not None:
             return out.view(b, t, d)
-        if ledger is not None:  # eager on a capturing model (wider than a bucket); a CPU's trace prices it by its rows
-            ledger.layers(b * t, int(attn), int(mlp), int(context), eager=self.steps is not None)
+        if ledger is not None:  # eager on a capturing model (a branch wider than a bucket, or no room)
+            for _, n in groups if self.steps is None else [(0, b)]:
+                ledger.layers(n * t, int(attn), int(mlp), int(context), eager=self.steps is not None)
         if attn:
             rope = self.rope((context + offsets).unsqueeze(0), h)
             past = torch.ones(b * t, context, dtype=torch.bool, device=dev)
@@ -656,6 +688,16 @@ class LayeredModel:
         for i in layers:
             h = checkpoint(self.run_layers, h, range(i, i + 1), kv, rope, mask, skip, use_reentrant=False)
         return h
+
+
+def branch_groups(branches: int, rows: int, most: int = BUCKETS[-1]) -> list[tuple[int, int]]:
+    """``(first, count)`` of each group of a branch pass (:meth:`LayeredModel.run_branches`) of
+    ``branches`` branches of ``rows`` rows that a capturing model runs as one static pass: as many
+    whole branches as ``most`` rows hold (the largest bucket, :data:`selfspec.models.capture.BUCKETS`),
+    at least one. KnapSpec's branch passes reach 1,000 rows and more (its DP's states, a window of
+    ~10 tokens each): in groups they are captured passes, where one pass ran eagerly."""
+    per = max(1, most // max(rows, 1))
+    return [(i, min(per, branches - i)) for i in range(0, branches, per)]
 
 
 def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False) -> None:
