@@ -11,8 +11,10 @@ have passed (a section started is finished; the JSON names what the budget left 
 (``--out``, default ``outputs/gpu_check/<time>.json``) is written after every section, so what was
 measured survives a check that is cut off. Each section runs for every model (SmolLM2-135M when its
 weights are here, else SmolLM2's shape with random weights; the Llama-3-8B shape with random
-weights; both kept loaded) before the next section starts. Where SmolLM2's GGUF file is absent, the
-random models have no tokenizer to borrow: they run on their own vocabularies and the two sections
+weights; both kept loaded) before the next section starts; then Gemma 3 270M's shape (random
+weights) has its profile measured, for projecting Gemma 3's CPU traces (``python -m
+selfspec.project``). Where SmolLM2's GGUF file is absent, the random models have no tokenizer to
+borrow: they run on their own vocabularies and the two sections
 that decode task text (``training``, ``methods``) say so instead of running:
 
 1. ``profile``: this machine's cost profile (:func:`selfspec.evaluation.profiling.measure_profile`, saved
@@ -62,11 +64,26 @@ METHODS = {"draft_verify": [], "adadecode": [], "ppd": [], "del": ["method.cost_
 JOB_ORDER = ("heads", "prompts", "ppd_tree", "skips", "draft_vocab")  # the tree needs the prompts
 
 
+#: Gemma 3 270M's shape with random weights (``model=tiny-gemma3`` grown to it: 18 layers, 5 sliding of window
+#: 512 to each full one, each kind with its rotary base, a tied 262k head), bf16 on the GPU: the profile
+#: that ``python -m selfspec.project`` prices Gemma 3 270M's CPU traces with (the same model shape)
+GEMMA3_SHAPE = ["model.name=gemma3-270m-random", "model.tokenizer=null",
+                "+model.random.vocab_size=262144", "model.random.hidden_size=640", "model.random.intermediate_size=2048",
+                "model.random.num_hidden_layers=18", "model.random.head_dim=256",
+                "model.random.query_pre_attn_scalar=256", "model.random.sliding_window=512",
+                "model.random.layer_types=[" + ",".join((["sliding_attention"] * 5 + ["full_attention"]) * 3) + "]",
+                "model.random.max_position_embeddings=32768",
+                "+model.random.rope_parameters={full_attention:{rope_type:default,rope_theta:1000000.0},"
+                "sliding_attention:{rope_type:default,rope_theta:10000.0}}",
+                "model.dtype=auto", "model.device=auto"]
+
+
 def plan(dry_run: bool) -> dict:
     """What the check runs: models (name -> model overrides), capture modes, sizes (the settings the JSON records)."""
     if dry_run:
         return {
             "models": {"tiny-random": ["model.dtype=bfloat16", "model.device=cpu"]},
+            "profile_only": {"tiny-gemma3": ("tiny-gemma3", ["model.dtype=bfloat16"])},
             "captures": ["static", "off"],
             "runtime": {"ks": [1, 2, 4], "contexts": [64], "new_tokens": 8, "repeats": 2},
             "profile": {"rows": [1, 2, 4], "prefill_rows": [16], "contexts": [0, 32], "repeats": 2},
@@ -80,6 +97,8 @@ def plan(dry_run: bool) -> dict:
         # SmolLM2 when its weights are here, else its shape with random weights; the 8B shape with random
         # weights (SmolLM2's tokenizer for the task prompts)
         "models": {"smollm2-135m": [], "llama3-8b-random": ["+model.tokenizer=smollm2-135m"]},
+        # Gemma 3 270M's shape, random weights: its profile only (~40 s), for projecting its CPU traces
+        "profile_only": {"gemma3-270m-random": ("tiny-gemma3", GEMMA3_SHAPE)},
         "captures": ["graphs", "off"],
         "runtime": {"ks": [1, 2, 4, 8, 16, 32], "contexts": [128, 512, 1024], "new_tokens": 32, "repeats": 5},
         "profile": None,  # measure_profile's defaults
@@ -485,23 +504,31 @@ def main(argv: list[str] | None = None) -> int:
             entry["no_text"] = f"no tokenizer ({borrowed[0]} cannot load: {why_no_text})"
             print(f"{key}: {entry['no_text']}; the sections that need text are left out", flush=True)
         entries.append((entry, None))
-    for section in (s for s in SECTIONS if s in chosen):
-        for i, (entry, loaded) in enumerate(entries):
-            key = entry["key"]
-            why_not = ("the budget was spent" if time.perf_counter() > deadline
-                       else entry["no_text"] if section in TEXT_SECTIONS else None)
-            if why_not:
-                report["models"].setdefault(key, {"sections": {}})["sections"][section] = f"not run: {why_not}"
-                print(f"{key}: {section} left out ({why_not})", flush=True)
-                continue
-            if loaded is None:
-                record, loaded = load_entry(entry["model_name"], entry["overrides"], p)
-                record["key"] = key
-                report["models"][key] = record | {"sections": report["models"].get(key, {}).get("sections", {})}
-            print(f"{key}: {section}", flush=True)
-            loaded = run_section(section, report["models"][key], loaded, p, work, deadline)
-            entries[i] = (entry, loaded)
-            save()
+    for key, (model, overrides) in p["profile_only"].items():  # a shape for projections: its profile only
+        entries.append(({"key": key, "model_name": model, "overrides": overrides, "no_text": None,
+                         "only": ("profile",)}, None))
+    # each section for every model before the next; the shapes profiled only for projections last
+    order = [(section, i) for section in SECTIONS if section in chosen
+             for i, (entry, _) in enumerate(entries) if "only" not in entry]
+    order += [(section, i) for i, (entry, _) in enumerate(entries) if "only" in entry
+              for section in entry["only"] if section in chosen]
+    for section, i in order:
+        entry, loaded = entries[i]
+        key = entry["key"]
+        why_not = ("the budget was spent" if time.perf_counter() > deadline
+                   else entry["no_text"] if section in TEXT_SECTIONS else None)
+        if why_not:
+            report["models"].setdefault(key, {"sections": {}})["sections"][section] = f"not run: {why_not}"
+            print(f"{key}: {section} left out ({why_not})", flush=True)
+            continue
+        if loaded is None:
+            record, loaded = load_entry(entry["model_name"], entry["overrides"], p)
+            record["key"] = key
+            report["models"][key] = record | {"sections": report["models"].get(key, {}).get("sections", {})}
+        print(f"{key}: {section}", flush=True)
+        loaded = run_section(section, report["models"][key], loaded, p, work, deadline)
+        entries[i] = (entry, loaded)
+        save()
     report["seconds"] = time.perf_counter() - t0
     report["load_average"].append(os.getloadavg()[0])
     out.write_text(json.dumps(report, indent=1, default=str))

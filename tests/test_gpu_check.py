@@ -70,6 +70,10 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
         assert positive(r["measured_over_predicted"]) and r["unpriced_passes"] == 0, name
         assert r["predicted"] == pytest.approx(sum(r["predicted_ledger"].values())), name
     assert report["models"]["tiny-random"]["key"] == "tiny-random"
+    # a shape profiled for projections only (on a GPU: Gemma 3 270M's), after every section of the others
+    gemma = report["models"]["tiny-gemma3"]
+    assert list(gemma["sections"]) == ["profile"] and gemma["model"]["name"] == "tiny-gemma3"
+    assert gemma["profile"]["model"]["shape"]["model_type"] == "gemma3_text" and Path(gemma["profile_path"]).is_file()
     assert all(positive(v) for v in tiny["sections"].values()) and report["budget_seconds"] is None
     capture = tiny["capture"]
     assert capture["mode"] == "static" and not capture["skipped"] and "left_out" not in capture
@@ -101,6 +105,7 @@ def test_gpu_check_starts_no_section_past_its_budget(tmp_path, monkeypatch):
     assert report["budget_seconds"] == 0.001
     assert report["models"]["tiny-random"]["sections"] == {s: "not run: the budget was spent"
                                                            for s in gpu_check.SECTIONS}
+    assert report["models"]["tiny-gemma3"]["sections"] == {"profile": "not run: the budget was spent"}
     with pytest.raises(SystemExit, match="--budget must be a positive number of seconds"):
         gpu_check.main(["--dry-run", "--budget", "0", "--out", str(out)])
 
@@ -126,5 +131,6 @@ def test_gpu_check_without_a_tokenizer_leaves_out_the_text_sections(tmp_path, mo
     sections = json.loads(out.read_text())["models"]["tiny-random"]["sections"]
     why = ("not run: no tokenizer (+model.tokenizer=smollm2-135m cannot load: AssetMissingError: not fetched)")
     assert {s: sections[s] for s in gpu_check.TEXT_SECTIONS} == {s: why for s in gpu_check.TEXT_SECTIONS}
-    assert [s for s, _ in loaded] == [s for s in gpu_check.SECTIONS if s not in gpu_check.TEXT_SECTIONS]
+    # then the shape profiled for projections only (tiny-gemma3 here), which decodes no text
+    assert [s for s, _ in loaded] == [s for s in gpu_check.SECTIONS if s not in gpu_check.TEXT_SECTIONS] + ["profile"]
     assert all("+model.tokenizer=smollm2-135m" not in o for _, o in loaded)
