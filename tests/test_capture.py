@@ -375,8 +375,10 @@ def test_a_branch_pass_wider_than_a_bucket_runs_in_captured_groups(family):
     static = _static_twin(dyn)
     ids = torch.tensor([PROMPT + PROMPT])
     n = len(PROMPT)
-    b, t = 40, 8  # 320 rows: a group of 32 branches (256 rows) and one of 8 (64)
-    assert branch_groups(b, t) == [(0, 32), (32, 8)]
+    b, t = 40, 8  # 320 rows: two groups of 20 branches (160 rows each: one bucket, one graph)
+    assert branch_groups(b, t) == [(0, 20), (20, 20)]
+    assert branch_groups(70, 11) == [(0, 18), (18, 18), (36, 17), (53, 17)] and branch_groups(3, 300) == [
+        (0, 1), (1, 1), (2, 1)]
     x = torch.randn(b, t, dyn.hidden_size, generator=torch.Generator().manual_seed(0)).to(dyn.dtype)
     got = {}
     with torch.inference_mode():
@@ -390,6 +392,36 @@ def test_a_branch_pass_wider_than_a_bucket_runs_in_captured_groups(family):
     for u, v in zip(got[dyn][0], got[static][0]):
         torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
     assert static.steps.missed == 0 and static.steps.kinds["scratch/partial"] == 3 * 2
-    assert static.steps.routed_rows["scratch/partial 256"] == 3 and static.steps.routed_rows["scratch/partial 64"] == 3
+    assert static.steps.routed_rows["scratch/partial 160"] == 6
     assert got[dyn][1] == got[static][1]
-    assert {rows for rows, *_ in got[dyn][1]} == {256, 64} and not any(op[-1] for op in got[dyn][1])
+    assert {rows for rows, *_ in got[dyn][1]} == {160} and not any(op[-1] for op in got[dyn][1])
+
+
+def test_block_states_of_any_draft_length_share_one_graph_per_sublayer():
+    """KnapSpec's window steps verify drafts of 1 to ``max_draft`` tokens with block states (2L
+    one-layer passes): given the widest (``rows``), a capturing model runs every one in that
+    width's bucket, so drafts of other lengths build no pass, and the states equal the dynamic
+    path's. Without ``rows`` each length's bucket builds its own."""
+    from test_families import PROMPT, tiny_family
+
+    dyn = tiny_family("llama")
+    static = _static_twin(dyn)
+    L, n = dyn.num_layers, len(PROMPT)
+    steps = static.steps
+    with torch.inference_mode():
+        caches = {m: m.new_cache(64) for m in (dyn, static)}
+        for m, cache in caches.items():
+            m.forward(torch.tensor([PROMPT]), cache, start=0)
+        built = []
+        for k, rows in ((2, 11), (5, 11), (9, 11), (3, None), (6, None)):
+            ids = torch.tensor([PROMPT[:k]])
+            before = steps.built
+            want = dyn.block_states(ids, caches[dyn], n, rows=rows)
+            got = static.block_states(ids, caches[static], n, rows=rows)
+            for u, v in zip(want, got):
+                torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
+            built.append(steps.built - before)
+            for cache in caches.values():
+                cache.truncate(n)
+    # rows=11: bucket 16 for 2, 5 and 9 tokens; then 3 tokens in bucket 4 and 6 in bucket 8
+    assert built == [2 * L, 0, 0, 2 * L, 2 * L] and steps.missed == 0

@@ -291,7 +291,8 @@ class SearchedSkipDrafter(SkipSetDrafter):
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
         if self.selection == "knapspec":
-            search.verified = model.block_states(ids, state.cache, state.n_cached, state.ledger)
+            search.verified = model.block_states(ids, state.cache, state.n_cached, state.ledger,
+                                                 rows=self.max_draft + 1)
             return model.logits(search.verified[-1].unsqueeze(0), state.ledger)[0]
         keep = {i: torch.empty(ids.shape[1], model.hidden_size, dtype=model.dtype, device=model.device)
                 for i in range(model.num_layers)}

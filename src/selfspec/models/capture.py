@@ -55,6 +55,7 @@ already.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -255,6 +256,20 @@ class StepRunner:
         #: routed and missed passes by the same kinds, with their widths: ``"tree 117"``, ``"tree 257"``
         self.routed_rows: Counter[str] = Counter()
         self.missed_kinds: Counter[str] = Counter()
+        #: the fewest rows a pass's bucket holds (:meth:`padded`)
+        self.at_least = 1
+
+    @contextlib.contextmanager
+    def padded(self, rows: int):
+        """Inside, every pass runs at a bucket of at least ``rows`` rows: passes of varying widths
+        that a caller repeats (KnapSpec's block states, 2L one-layer passes of a verification of 1 to
+        ``max_draft + 1`` rows) then take one graph each instead of one per bucket. A GPU's pass of
+        few rows costs about the same in a larger bucket (it reads the weights either way)."""
+        before, self.at_least = self.at_least, int(rows)
+        try:
+            yield
+        finally:
+            self.at_least = before
 
     def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip, tree=None,
             keep: dict | None = None, base: int | None = None):
@@ -272,7 +287,7 @@ class StepRunner:
         if cache is None or not torch.is_inference_mode_enabled() or not len(layers):
             return None
         n = (ids if h is None else h).shape[1]
-        size = bucket(n)
+        size = bucket(max(n, self.at_least))
         kept = tuple(sorted(keep)) if keep else ()
         # a pass whose attention sublayers are all skipped (an MLP walk: KnapSpec's block states, the
         # searches' MLP branches) neither reads nor writes the cache, whatever its lengths

@@ -36,6 +36,7 @@ linear, the fused norm and rotary, row-wise attention); nothing in the library i
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -492,8 +493,8 @@ class LayeredModel:
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
 
-    def block_states(self, ids: torch.Tensor, cache: LayerCache, start: int, ledger: Ledger | None = None
-                     ) -> list[torch.Tensor]:
+    def block_states(self, ids: torch.Tensor, cache: LayerCache, start: int, ledger: Ledger | None = None,
+                     rows: int | None = None) -> list[torch.Tensor]:
         """A full pass of ``ids`` ``[1, n]`` after ``start`` cached positions, writing the cache as
         :meth:`forward` does, that keeps the state of every row after every sublayer: ``2L + 1``
         states ``[n, d]``, the embedding first, then after layer ``i``'s attention (``2i + 1``) and
@@ -502,17 +503,21 @@ class LayeredModel:
         Each sublayer is a pass of its own (:meth:`forward` over one layer with the other sublayer
         left out), so the operators and their order are a plain pass's, and a capturing model runs
         each as a static-shape (captured) pass: the attention one writes the layer's K/V, the MLP one
-        touches no cache (:meth:`selfspec.models.capture.StepRunner.run`)."""
+        touches no cache (:meth:`selfspec.models.capture.StepRunner.run`). ``rows``: the widest
+        such pass the caller makes (KnapSpec: ``max_draft + 1``); a capturing model runs every one
+        in that width's bucket (:meth:`~selfspec.models.capture.StepRunner.padded`), so each
+        sublayer takes one graph whatever the draft's length."""
         h = self.embed(ids)
         n = h.shape[1]
         rope = self.rope(self.positions(start, n), h)
         mask = self.causal_mask(n, start) if self.steps is None else None  # built once where no runner takes the passes
         states = [h[0]]
-        for i in range(self.num_layers):
-            for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
-                h = self.forward(None, cache, start=start, mask=mask, layers=range(i, i + 1), h=h, skip=skip,
-                                 rope=rope, ledger=ledger)
-                states.append(h[0])
+        with self.steps.padded(rows or 1) if self.steps is not None else contextlib.nullcontext():
+            for i in range(self.num_layers):
+                for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
+                    h = self.forward(None, cache, start=start, mask=mask, layers=range(i, i + 1), h=h, skip=skip,
+                                     rope=rope, ledger=ledger)
+                    states.append(h[0])
         return states
 
     def static_scratch(self, ids: torch.Tensor | None, h: torch.Tensor | None, cache: LayerCache, context: int,
@@ -692,12 +697,19 @@ class LayeredModel:
 
 def branch_groups(branches: int, rows: int, most: int = BUCKETS[-1]) -> list[tuple[int, int]]:
     """``(first, count)`` of each group of a branch pass (:meth:`LayeredModel.run_branches`) of
-    ``branches`` branches of ``rows`` rows that a capturing model runs as one static pass: as many
-    whole branches as ``most`` rows hold (the largest bucket, :data:`selfspec.models.capture.BUCKETS`),
-    at least one. KnapSpec's branch passes reach 1,000 rows and more (its DP's states, a window of
-    ~10 tokens each): in groups they are captured passes, where one pass ran eagerly."""
+    ``branches`` branches of ``rows`` rows that a capturing model runs as one static pass: the fewest
+    groups of whole branches that ``most`` rows hold (the largest bucket,
+    :data:`selfspec.models.capture.BUCKETS`), their sizes within one branch of each other, so that
+    they fall in the same bucket (one graph per layer and block, not one per remainder's size).
+    KnapSpec's branch passes reach 1,000 rows and more (its DP's states, a window of ~10 tokens
+    each): in groups they are captured passes, where one pass ran eagerly."""
     per = max(1, most // max(rows, 1))
-    return [(i, min(per, branches - i)) for i in range(0, branches, per)]
+    groups = -(-branches // per)
+    if groups <= 0:
+        return []
+    size, extra = divmod(branches, groups)
+    counts = [size + (g < extra) for g in range(groups)]
+    return [(sum(counts[:g]), n) for g, n in enumerate(counts)]
 
 
 def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False) -> None:
