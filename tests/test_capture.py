@@ -348,7 +348,7 @@ def test_a_scratch_pass_runs_a_layer_at_a_time_so_new_skip_sets_reuse_its_passes
                                   dyn.causal_mask(k, n), skip)
             built = steps.built
             ledger = Ledger(torch.device("cpu"))
-            got = static.static_scratch(rows, None, caches[static], n, range(L), skip, tree, ledger)
+            got = static.static_scratch(static.embed(rows), caches[static], n, range(L), skip, tree, ledger)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             new = steps.built - built
             # a pass per layer part not seen before: all 4 layers first, then layers 1 and 2 again, then none

@@ -220,16 +220,17 @@ class Swift(Decoder):
         ids = torch.tensor([generated[: self.context_window + 1]], device=model.device)
         n = ids.shape[1]
         layers = range(model.num_layers)
-        h = None
+        h = model.embed(ids)
+        out = None
         if model.steps is not None:
             rows = torch.arange(n, device=model.device)
-            h = model.static_scratch(ids, None, state.cache, start, layers, skip,
-                                     (rows, rows.unsqueeze(1) >= rows.unsqueeze(0)), state.ledger)
-        if h is None:  # eager on a capturing model (no room, or wider than a bucket)
-            h = model.embed(ids)
-            h = model.run_layers(h, layers, Appended(state.cache, start), model.rope(model.positions(start, n), h),
-                                 model.causal_mask(n, start), skip, eager=model.steps is not None, ledger=state.ledger)
-        predicted = model.head(model.final_norm(h), ledger=state.ledger)[0].argmax(-1)
+            out = model.static_scratch(h, state.cache, start, layers, skip,
+                                       (rows, rows.unsqueeze(1) >= rows.unsqueeze(0)), state.ledger)
+        if out is None:  # eager (on a capturing model: no room, or wider than a bucket)
+            out = model.run_layers(h, layers, Appended(state.cache, start), model.rope(model.positions(start, n), h),
+                                   model.causal_mask(n, start), skip, eager=model.steps is not None,
+                                   ledger=state.ledger)
+        predicted = model.head(model.final_norm(out), ledger=state.ledger)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
     def optimise(self, state: DecodeState, generated: list[int]) -> None:

@@ -128,7 +128,7 @@ class _Pass:
     static buffers (``kept``), handed to the caller's views after the pass."""
 
     def __init__(self, model: Any, max_length: int, layers: range, skip, size: int, from_ids: bool,
-                 tree: bool = False, keep: tuple[int, ...] = (), scratch: bool = False) -> None:
+                 tree: bool = False, keep: tuple[int, ...] = ()) -> None:
         dev = model.device
         self.model, self.layers, self.skip, self.size, self.keep = model, layers, skip, size, keep
         self.ids = torch.zeros(1, size, dtype=torch.long, device=dev) if from_ids else None
@@ -138,7 +138,6 @@ class _Pass:
         #: scratch pass (the searches' branches), whose rows are written past the cache's positions
         #: but sit after its first ``base``
         self.base = torch.zeros(1, dtype=torch.long, device=dev)
-        self.scratch = scratch
         self.rows = torch.arange(size, device=dev)
         self.offsets = self.rows.clone()  # a chain's stay; a tree's are loaded per pass
         self.slots = torch.arange(max_length, device=dev)
@@ -304,7 +303,7 @@ class StepRunner:
         p = self._passes.get(key)
         if p is None or (p.cache is not None and p.cache is not cache):
             p = _Pass(model, cache.max_length, layers, skip, size, from_ids=h is None, tree=tree is not None,
-                      keep=kept, scratch=scratch)
+                      keep=kept)
             p.load(ids, h, start, n, tree, base)
             if self.mode == "graphs":
                 p.capture(cache, self._pool)

@@ -520,11 +520,10 @@ class LayeredModel:
                     states.append(h[0])
         return states
 
-    def static_scratch(self, ids: torch.Tensor | None, h: torch.Tensor | None, cache: LayerCache, context: int,
-                       layers: range, skip: SkipSet | None, tree: tuple[torch.Tensor, torch.Tensor],
-                       ledger: Ledger | None = None) -> torch.Tensor | None:
-        """A scratch pass (the layer-skip searches') on the static runner: the rows of ``ids`` (or
-        ``h``) after the cache's first ``context`` positions, seeing those and the rows ``tree``'s
+    def static_scratch(self, h: torch.Tensor, cache: LayerCache, context: int, layers: range, skip: SkipSet | None,
+                       tree: tuple[torch.Tensor, torch.Tensor], ledger: Ledger | None = None) -> torch.Tensor | None:
+        """A scratch pass (the layer-skip searches') on the static runner: the rows of ``h``
+        ``[1, n, d]`` after the cache's first ``context`` positions, seeing those and the rows ``tree``'s
         ``allowed`` marks, written past the cache's positions with its lengths kept
         (:meth:`selfspec.models.capture.StepRunner.run`'s ``base``); recorded in ``ledger`` as a walk
         at ``context``. None where there is no runner or the pass is not a static one (wider than a
@@ -540,22 +539,19 @@ class LayeredModel:
         if self.steps is None:
             return None
         start = max(cache.length(i) for i in layers)
-        out = None
+        out, ran = h, False
         for i in layers:
             attn, mlp = skip is not None and i in skip.attn, skip is not None and i in skip.mlp
-            if attn and mlp and (out is not None or ids is None):
+            if attn and mlp:
                 continue  # the layer left out whole
             part = SkipSet.of([i] if attn else (), [i] if mlp else ()) if attn or mlp else None
-            x = self.steps.run(self, ids if out is None and ids is not None else None,
-                               h if out is None else out, cache, start, range(i, i + 1), part, tree=tree, base=context)
+            x = self.steps.run(self, None, out, cache, start, range(i, i + 1), part, tree=tree, base=context)
             if x is None:
-                if out is not None:  # the runner's conditions are the same for every layer of the pass
+                if ran:  # the runner's conditions are the same for every layer of the pass
                     raise RuntimeError(f"static_scratch: layer {i} of {layers} took the dynamic path after the layers "
                                        "before it took the static one")
                 return None
-            out = x
-        if out is None:  # every layer left out, with hidden states in: nothing to run
-            out = h
+            out, ran = x, True
         if ledger is not None:
             _record_walk(ledger, out.shape[1], layers, skip, context)
         return out
@@ -590,11 +586,11 @@ class LayeredModel:
         branch = torch.arange(b, device=dev).repeat_interleave(t)
         own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.unsqueeze(1) >= offsets.unsqueeze(0))
         skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
-        out = self.static_scratch(None, h, cache, context, range(layer, layer + 1), skip, (offsets, own), ledger)
+        out = self.static_scratch(h, cache, context, range(layer, layer + 1), skip, (offsets, own), ledger)
         if out is not None:
             return out.view(b, t, d)
         if ledger is not None:  # eager on a capturing model (a branch wider than a bucket, or no room)
-            for _, n in groups if self.steps is None else [(0, b)]:
+            for _, n in groups:  # on one, a single group here: the groups' walks where no runner takes them
                 ledger.layers(n * t, int(attn), int(mlp), int(context), eager=self.steps is not None)
         if attn:
             rope = self.rope((context + offsets).unsqueeze(0), h)
