@@ -23,9 +23,7 @@ def pair():
     from selfspec.models.loading import load_model
 
     loaded = load_model(model_config("tiny-random"))
-    static = LayeredModel(loaded.model.hf, name="tiny-static", linear_kernel=loaded.model.linear_kernel,
-                          passes=capture.StepRunner("static"))
-    return loaded.model, static
+    return loaded.model, loaded.model.with_passes(capture.StepRunner("static"))
 
 
 def test_buckets_and_modes():
@@ -178,7 +176,7 @@ def test_an_evaluation_records_the_passes_that_went_eager(tmp_path, caplog):
 
     steps = capture.StepRunner("static")
     steps.missed, steps.missed_kinds["tree 131"] = 3, 3
-    assert _capture_summary(SimpleNamespace(steps=steps, capture="static"))["missed_kinds"] == {"tree 131": 3}
+    assert _capture_summary(SimpleNamespace(steps=steps, capture="static"), {})["missed_kinds"] == {"tree 131": 3}
     assert "capture=static: 3 decoding passes took the eager path (by kind and rows: {'tree 131': 3})" in caplog.text
 
 
@@ -204,8 +202,7 @@ def test_cuda_graphs_give_the_dynamic_tokens_and_capture_once(prompt_ids):
 
 
 def _static_twin(model: LayeredModel) -> LayeredModel:
-    return LayeredModel(model.hf, name=f"{model.name}-static", linear_kernel=model.linear_kernel,
-                        passes=capture.StepRunner("static"))
+    return model.with_passes(capture.StepRunner("static"))
 
 
 #: every self-drafting method with the passes it adds: a chain with a skip set (Draft & Verify),
@@ -310,7 +307,9 @@ def test_the_searches_passes_take_static_shapes(family):
     assert static.steps.kinds["chain/partial"] == 2 * L and static.steps.kinds["scratch/partial"] == 3
     # the three walks merge into one op: 8 rows, 2 attention and 2 MLP sublayers, captured
     assert [(op.rows, op.attention, op.mlp, op.eager) for op in got[static][3]] == [(8, 2, 2, False)]
-    assert got[dyn][3] == got[static][3]
+    # the same walks, the static ones with what they ran: the 8-row bucket over the cache's whole buffer
+    assert got[dyn][3] == [op._replace(padded=0, span=0) for op in got[static][3]]
+    assert [(op.padded, op.span) for op in got[static][3]] == [(8, static.new_cache(64).max_length)]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

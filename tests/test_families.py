@@ -218,11 +218,9 @@ def test_gemma3_norms_take_the_fused_operator_in_gemmas_form(monkeypatch):
 def test_gemma3_windows_on_the_static_pass():
     """capture=static (the pass a GPU captures) narrows the window as the dynamic pass does."""
     from selfspec.models import capture
-    from selfspec.models.layered import LayeredModel
 
     dyn = tiny_family("gemma3_text")
-    static = LayeredModel(dyn.hf, name="tiny-gemma3-static", linear_kernel=dyn.linear_kernel,
-                          passes=capture.StepRunner("static"))
+    static = dyn.with_passes(capture.StepRunner("static"))
     ids = PROMPT + PROMPT
     ref = Vanilla(dyn).generate(ids, N_NEW).tokens
     with torch.inference_mode():

@@ -536,13 +536,10 @@ def test_a_drafting_steps_host_work_is_priced_by_its_source():
 def test_a_capturing_model_flags_its_eager_decoding_passes_in_the_ledger():
     from selfspec.config import model_config
     from selfspec.models import capture
-    from selfspec.models.layered import LayeredModel
     from selfspec.models.ledger import Ledger
     from selfspec.models.loading import load_model
 
-    own = load_model(model_config("tiny-random")).model  # its own weights: wrapping the shared one re-fuses them
-    static = LayeredModel(own.hf, name="tiny-static", linear_kernel=own.linear_kernel,
-                          passes=capture.StepRunner("static"))
+    static = load_model(model_config("tiny-random")).model.with_passes(capture.StepRunner("static"))
     cache = static.new_cache(600)
     ids = torch.zeros(1, 300, dtype=torch.long)
     ledger = Ledger(torch.device("cpu"))

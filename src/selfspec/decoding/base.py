@@ -290,6 +290,12 @@ class Decoder(Carries):
         :attr:`lookahead` (drafts, trees) or a context draft's k + 1, whichever is more."""
         return max(self.lookahead, self.context.max_draft + 1 if self.context is not None else 0)
 
+    def cache_length(self, n_prompt: int, max_new_tokens: int) -> int:
+        """Cache positions a generation of ``max_new_tokens`` after ``n_prompt`` prompt tokens takes:
+        every token, the last one's step and the :attr:`room` a step writes past them (what the
+        evaluation reserves in the model's pooled cache before anything is timed)."""
+        return n_prompt + max_new_tokens + self.room + 1
+
     @classmethod
     def lossless_under(cls, sampling: Sampling) -> bool:
         """Whether a generation under ``sampling`` is lossless: vanilla's output under greedy
@@ -400,18 +406,46 @@ class Decoder(Carries):
         policy, the context drafter; a chain method adds its drafter."""
         return (self.gate, self.threads, self.context)
 
+    def carried_state(self) -> list[tuple[Carries, dict[str, Any]]]:
+        """A snapshot of the policy state that carries over between examples (:mod:`selfspec.decoding.carried`:
+        the decoder's own and its parts'), for :meth:`restore_carried`."""
+        return [(p, p.snapshot()) for p in (self, *self.parts) if isinstance(p, Carries)]
+
+    @staticmethod
+    def restore_carried(saved: list[tuple[Carries, dict[str, Any]]]) -> None:
+        """Put back a :meth:`carried_state` snapshot."""
+        for part, snapshot in saved:
+            part.restore(snapshot)
+
     @contextlib.contextmanager
     def kept_state(self) -> Iterator[None]:
-        """Generations inside leave the policy state that carries over between examples
-        (:mod:`selfspec.decoding.carried`: the decoder's own and its parts') as they found it:
-        the evaluation's warm-up, after which the measured examples start where a fresh decoder
-        starts."""
-        saved = [(p, p.snapshot()) for p in (self, *self.parts) if isinstance(p, Carries)]
+        """Generations inside leave the policy state that carries over between examples as they
+        found it: the evaluation's warm-up, after which the measured examples start where a fresh
+        decoder starts."""
+        saved = self.carried_state()
         try:
             yield
         finally:
-            for part, snapshot in saved:
-                part.restore(snapshot)
+            self.restore_carried(saved)
+
+    def generate_timed(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None = None, attempts: int = 3
+                       ) -> tuple["Generation", int]:
+        """:meth:`generate`, timed apart from the building of static passes: on a model whose passes
+        take static shapes, a generation that built passes inside it (under ``capture=graphs`` each a
+        CUDA graph capture, whose cost its seconds include) is run again from the same carried state
+        (the same tokens: sampling is seeded per generation), up to ``attempts`` generations in all.
+        Returns the generation and the passes built inside it (0 unless every attempt built some).
+        The evaluation, the skip search's timed objective and ``make gpu-check`` time through here."""
+        steps = self.model.steps if self.own_loop else None
+        for attempt in range(max(1, attempts)):
+            saved = self.carried_state() if steps is not None and attempt < attempts - 1 else None
+            built = steps.built if steps is not None else 0
+            gen = self.generate(prompt_ids, max_new_tokens, sampling)
+            new = steps.built - built if steps is not None else 0
+            if not new or saved is None:
+                return gen, new
+            self.restore_carried(saved)
+        raise AssertionError("unreachable")
 
     # --- the loop --------------------------------------------------------------------------
     def generate(
@@ -425,7 +459,7 @@ class Decoder(Carries):
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(sampling.seed)
-        cache = self.model.new_cache(n_prompt + max_new_tokens + self.room + 1, reuse=True)
+        cache = self.model.new_cache(self.cache_length(n_prompt, max_new_tokens), reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
         sync = synchronizer(self.model.device)
         ledger = state.ledger = Ledger(self.model.device)  # passed to the passes that record into it

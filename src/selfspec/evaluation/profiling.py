@@ -21,18 +21,29 @@ from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WO
 from selfspec.models.capture import BUCKETS
 from selfspec.models.ledger import as_op
 
-__all__ = ["machine_profile", "measure_profile", "profile_rows", "untrained_ppd"]
+__all__ = ["ProfileDeadline", "machine_profile", "measure_profile", "profile_rows", "untrained_ppd"]
+
+
+class ProfileDeadline(TimeoutError):
+    """:func:`measure_profile` passed its ``deadline`` before it finished."""
 
 log = logging.getLogger(__name__)
 
 
 def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: Iterable[int] = PREFILL_ROWS,
-                    contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None) -> Profile:
+                    contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None, deadline: float | None = None
+                    ) -> Profile:
     """Measure this machine's profile of ``model`` (module docstring). About a minute for
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model. ``rows``: by default
     :data:`~selfspec.measure.profile.ROWS`, and the largest bucket's where the model captures CUDA
-    graphs (it replays decoding passes that wide: the searches' branch passes, PPD's largest trees)."""
+    graphs (it replays decoding passes that wide: the searches' branch passes, PPD's largest trees).
+    ``deadline`` (a ``time.perf_counter()`` instant): past it, :class:`ProfileDeadline` is raised at the
+    next measured table (``make gpu-check`` bounds each section's time)."""
     from selfspec.measure.costs import time_forward
+
+    def in_time(what: str) -> None:
+        if deadline is not None and time.perf_counter() > deadline:
+            raise ProfileDeadline(f"the profile's time limit passed before {what} was measured")
 
     if rows is None:
         rows = profile_rows(model.capture)
@@ -46,14 +57,19 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
     whole: dict[int, dict[int, float]] = {}
 
     def whole_pass(cache, context: int, n: int) -> None:  # the L_fp(n) curve, kept for reading
+        in_time(f"the pass of {n} rows at context {context}")
         if n in rows and context == pass_context:
             whole.setdefault(context, {})[n] = time_forward(model, cache, context, n, repeats=repeats)
 
+    spans: dict[str, int] = {}  # a static pass attends over its whole cache: the slots each context's spanned
     attention, mlp = _sublayers(model, {c: sorted({*rows, *(prefill_rows if c == 0 else ())}) for c in contexts}, repeats,
-                                log, also=whole_pass)
+                                log, also=whole_pass, spans=spans)
+    in_time("the eager tables")
     eager = _measure_eager(model, rows, contexts, repeats, log) if model.capture == "graphs" else None
+    in_time("the heads")
     head = _measure_heads(model, rows + prefill_rows[:1], repeats)
     linear = _measure_linear(model, rows, repeats)
+    in_time("the tree passes")
     tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
     data = {
         "format": FORMAT,
@@ -73,9 +89,10 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
         "warp": {str(k): {str(v): {str(n): t for n, t in row.items()} for v, row in table.items()}
                  for k, table in _measure_warps(model, repeats).items()},
         "host": 0.0,
-    } | ({"eager": eager} if eager else {})
+    } | ({"eager": eager} if eager else {}) | ({"spans": spans} if model.steps is not None else {})
     data["name"] = f"{machine_name(data['machine'])}__{model.name}"
     profile = Profile(data)
+    in_time("the host work")
     prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
     new = max(2, min(48, model.max_context - len(prompt) - 2))
     data["host"] = profile.host = _measure_plain_host(model, profile, prompt, new, repeats)
@@ -97,11 +114,8 @@ def profile_rows(capture: str) -> tuple[int, ...]:
 def _measure_eager(model, rows: list[int], contexts: list[int], repeats: int, log=None) -> dict:
     """A capturing model's attention and MLP sublayers run eagerly (the static-pass runner off), at
     the decoding contexts: what a pass no bucket holds costs."""
-    steps, model.steps = model.steps, None
-    try:
-        eager = dict(zip(("attention", "mlp"), _sublayers(model, {c: rows for c in contexts if c > 0}, repeats)))
-    finally:
-        model.steps = steps
+    eager = dict(zip(("attention", "mlp"), _sublayers(model.with_passes(None), {c: rows for c in contexts if c > 0},
+                                                        repeats)))
     if log:
         log("eager attention and MLP sublayers (the static-pass runner off)")
     return eager
@@ -124,12 +138,13 @@ def _measure_plain_host(model, profile: Profile, prompt: list[int], new: int, re
     return statistics.median(hosts)
 
 
-def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None
+def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None, spans: dict | None = None
                ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.measure.profile`):
     per context, whole passes of each row count in ``widths[context]`` with and without the MLPs,
     divided by the layer count (the MLP: the median over contexts of the difference). ``also(cache,
-    context, rows)`` times anything else on the same cache."""
+    context, rows)`` times anything else on the same cache; ``spans`` receives each context's cache
+    slots."""
     from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
 
@@ -139,6 +154,8 @@ def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also
     mlp: dict[int, list[float]] = {}
     for context, rows in widths.items():
         cache = context_cache(model, context, max(rows))
+        if spans is not None:
+            spans[str(context)] = cache.max_length
         attention[str(context)] = {}
         for n in rows:
             full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)

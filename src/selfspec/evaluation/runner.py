@@ -432,6 +432,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
             tracker.use_artifact(p)
     try:
         if todo:
+            _reserve(loaded.model, runs, [prompts[ex.id] for ex in todo], budget)
             _warmup(runs, [prompts[ex.id] for ex in examples], int(cfg.warmup),
                     min(int(cfg.warmup_max_new_tokens), budget), sampling)
         _loop(plan, runs, todo, prompts, done, tok, results, tracker, baseline, bool(cfg.progress))
@@ -515,21 +516,23 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
         "contention": contention(finished[baseline], profile, float(cfg.contention), here,
                                  spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike))),
         "threads": {"policy": threads, "configured": torch.get_num_threads()},
-        "capture": _capture_summary(loaded.model),
+        "capture": _capture_summary(loaded.model, finished),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 
 
-def _capture_summary(model) -> dict[str, Any]:
+def _capture_summary(model, rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What the static-shape (captured) passes took in this process (``capture=static|graphs``):
     passes routed by kind, the decoding passes that went eager (``missed``, by kind and width:
     under ``capture=graphs`` they ran without a graph), and the static passes built, dropped by the
-    LRU and run once (:meth:`~selfspec.models.capture.StepRunner.counts`). Logged as a warning when
-    any was missed, or, under ``graphs``, when the LRU dropped graphs (each one that comes back is
-    captured again; under ``static`` a pass is keyed by its cache's size, so each example's
-    cache builds its own)."""
+    LRU, dropped with a replaced cache (``forgotten``) and run once
+    (:meth:`~selfspec.models.capture.StepRunner.counts`); per method, the passes built inside its
+    timed generations (``captured_while_timed``, of the ``rows`` the summary reports: under
+    ``graphs`` each a capture the method's seconds include). Logged as a warning when any was
+    missed, when any was built while timed, or, under ``graphs``, when the LRU dropped graphs (each
+    one that comes back is captured again)."""
     steps = model.steps
     if steps is None:
         return {"mode": model.capture}
@@ -539,7 +542,22 @@ def _capture_summary(model) -> dict[str, Any]:
     if model.capture == "graphs" and steps.evicted:
         log.warning("capture=graphs: the LRU dropped %d of the %d graphs captured (it keeps %d); one asked for "
                     "again is captured again", steps.evicted, steps.built, MAX_GRAPHS)
-    return {"mode": model.capture, **steps.counts()}
+    timed = {name: sum(r.get("captured_while_timed") or 0 for r in rs) for name, rs in rows.items()}
+    if any(timed.values()):
+        log.warning("capture=%s: static passes were built inside timed generations (%s): their seconds include "
+                    "the build%s", model.capture, ", ".join(f"{n} {k}" for n, k in timed.items() if k),
+                    " (a CUDA graph capture each)" if model.capture == "graphs" else "")
+    return {"mode": model.capture, **steps.counts(), "captured_while_timed": timed}
+
+
+def _reserve(model, runs: list[MethodRun], prompts: list[list[int]], budget: int) -> None:
+    """Size the model's pooled cache (``capture=static|graphs``) for the longest generation of the run,
+    before the warm-up: a pool sized by the warm-up's short generations grew at the first timed
+    example (and again at each longer prompt), dropping every pass built on it, so under ``graphs``
+    every method captured its graphs again inside timed examples (issue 50)."""
+    lengths = [run.decoder.cache_length(len(p), budget) for run in runs if run.decoder.own_loop for p in prompts]
+    if lengths:
+        model.reserve(min(max(lengths), model.max_context))
 
 
 def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:
@@ -578,6 +596,7 @@ def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, basel
     from tqdm.auto import tqdm
 
     budget, sampling, task, under_test = plan.budget, plan.sampling, plan.task, plan.under_test
+    steps = runs[0].decoder.model.steps if runs else None
     totals = {r.name: [0, 0.0] for r in runs}  # new tokens, seconds (this session)
     bar = tqdm(todo, desc=f"{task.name} {under_test}", unit="ex", disable=not progress, dynamic_ncols=True)
     for step, ex in enumerate(bar):
@@ -587,8 +606,12 @@ def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, basel
             for run in runs:
                 if (ex.id, i, run.name) in done:
                     continue
-                gen = run.decoder.generate(ids, budget, s)
-                results.append(_row(ex, run, gen, tok, task, len(ids), i, s))
+                gen, built = run.decoder.generate_timed(ids, budget, s)
+                row = _row(ex, run, gen, tok, task, len(ids), i, s)
+                # static passes built (under graphs: captured) inside the generation timed, after it
+                # was run again for building some (Decoder.generate_timed): 0 unless every attempt built
+                row["captured_while_timed"] = built if steps is not None and run.decoder.own_loop else None
+                results.append(row)
                 totals[run.name][0] += gen.new_tokens
                 totals[run.name][1] += gen.seconds
         rates = {name: (t / s if s else 0.0) for name, (t, s) in totals.items()}

@@ -28,6 +28,11 @@ other machine with a profile of the same model shape:
   mean trees of 3-13 nodes, so one figure per source is kept.)
   Measured by running those methods (random prompt tokens and trees): the seconds of their
   ``draft``, ``tree`` and ``host`` components less the ops priced there;
+* ``spans`` (optional; a profile measured with static-shape passes, ``capture`` static or graphs):
+  per context, the cache slots the measured passes attended over. A static pass runs at its
+  bucket's rows and attends over its whole (padded, masked) cache, so a walk that recorded its
+  bucket and slots (:class:`~selfspec.models.ledger.LayerOp`) is priced at those: a 5-row pass at
+  the 8-row price, a pass over a pooled cache of 1,280 slots at the slots' price, not its context's;
 * ``eager`` (optional): ``attention`` and ``mlp`` tables as above, measured with the static-pass
   runner off. A profile measured with CUDA graphs (``model.capture`` ``graphs``) prices its
   tables as captured passes; a decoding pass that ran eagerly (a ledger walk flagged so, or, in a
@@ -60,7 +65,7 @@ from typing import Any, Iterable
 
 import torch
 
-from selfspec.models.capture import BUCKETS
+from selfspec.models.capture import BUCKETS, bucket
 from selfspec.models.ledger import COMPONENTS, LayerOp, Op, as_op
 from selfspec.store.runinfo import cpu_name
 
@@ -211,6 +216,16 @@ def _check_tables(data: dict[str, Any], where: str) -> None:
     if data.get("eager") is not None:
         for name, depth in (("attention", 2), ("mlp", 1)):
             walk((data["eager"] or {}).get(name), depth, f"eager.{name}")
+    spans = data.get("spans")
+    if spans is not None:
+        if not isinstance(spans, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                                  for v in spans.values()):
+            raise bad(f"spans is {spans!r}, not a table of cache slots by context")
+        for k in spans:
+            try:
+                int(k)
+            except (TypeError, ValueError):
+                raise bad(f"spans has the key {k!r}, not a number") from None
     steps = data.get("host_steps")
     if steps is not None:
         if not isinstance(steps, dict):
@@ -248,6 +263,12 @@ class Profile:
         self.host = float(data["host"])
         #: the tables price captured passes (a GPU profile measured with graphs on)
         self.captures = data["model"].get("capture") == "graphs"
+        #: the tables were measured with static-shape passes (``capture`` static or graphs): each at
+        #: its bucket's rows over a padded cache, so a walk is priced at the bucket it runs in and,
+        #: where both record it, by the cache slots its attention spans (``spans``: per measured
+        #: context, the slots its passes spanned) rather than by its context
+        self.static = data["model"].get("capture") in ("static", "graphs")
+        self.spans = {int(c): int(n) for c, n in (data.get("spans") or {}).items()}
         eager = data.get("eager")
         self._eager = None if not eager else (
             {int(c): Curve(num(row)) for c, row in eager["attention"].items()}, Curve(num(eager["mlp"])))
@@ -297,9 +318,23 @@ class Profile:
                 "threads": m.get("threads"), "measured": self.data.get("measured")}
 
     # --- costs ---------------------------------------------------------------------------------
-    def attention_cost(self, rows: int, context: int, eager: bool = False) -> float:
+    def attention_cost(self, rows: int, context: int, eager: bool = False, span: int | None = None) -> float:
+        """Seconds of one attention sublayer on ``rows`` new rows after ``context`` cached positions
+        (``eager``: from the eager tables); ``span``, a static pass's cache slots, prices it by the
+        slots it attends over where the profile records the slots its own passes spanned."""
         table = self._eager[0] if eager else self._attention
+        if span and self.spans and not eager:
+            return Curve({self.spans[c]: curve(rows) for c, curve in table.items() if c in self.spans})(span)
         return Curve({c: curve(rows) for c, curve in table.items()}, past="slope")(context)
+
+    def ran(self, op: LayerOp, eager: bool = False) -> tuple[int, int | None]:
+        """The rows and cache slots a walk ``op`` is priced at: as recorded where the profile's tables
+        are of dynamic passes or the walk ran eagerly; else the bucket it ran in (recorded by a
+        static pass, or the one its rows take on a runtime with static passes: a trace recorded
+        without them, projected) and the slots its attention spanned (None where not recorded)."""
+        if eager or not self.static:
+            return op.rows, None
+        return op.padded or bucket(max(op.rows, 1)) or op.rows, op.span or None
 
     def mlp_cost(self, rows: int) -> float:
         """Seconds of one MLP sublayer on ``rows`` rows."""
@@ -373,8 +408,9 @@ class Profile:
         op = as_op(op)
         if op.kind == "L":
             eager = self._eager is not None and self.eager(op)
-            return (op.attention * self.attention_cost(op.rows, op.context, eager)
-                    + op.mlp * (self._eager[1] if eager else self._mlp)(op.rows))
+            rows, span = self.ran(op, eager)
+            return (op.attention * self.attention_cost(rows, op.context, eager, span)
+                    + op.mlp * (self._eager[1] if eager else self._mlp)(rows))
         if op.kind == "H":
             return self.head(op.rows, op.vocab)
         if op.kind == "X":

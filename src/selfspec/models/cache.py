@@ -24,16 +24,16 @@ import math
 import torch
 
 
-def _huge_page_buffers(count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor] | None:
-    """``count`` zeroed buffers of ``shape`` in one block of huge pages (:mod:`selfspec.models.arena`:
-    a step reads every cached key and value; SmolLM2 at 512 positions, 2 cores: a step 1-2% faster
-    than from torch's 4 KiB pages), for a CPU cache of at least one huge page; else None."""
+def _huge_page_block(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """A zeroed tensor of ``shape`` in one block of huge pages (:mod:`selfspec.models.arena`: a step
+    reads every cached key and value; SmolLM2 at 512 positions, 2 cores: a step 1-2% faster than from
+    torch's 4 KiB pages), for a CPU cache of at least one huge page; else None."""
     from selfspec.models import arena
 
-    nbytes = count * math.prod(shape) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < arena.HUGE_PAGE or not arena.available():
         return None
-    return arena.place([shape] * count, dtype)  # an anonymous mapping starts zeroed
+    return arena.place([shape], dtype)[0]  # an anonymous mapping starts zeroed
 
 
 class CacheOverflowError(RuntimeError):
@@ -58,11 +58,14 @@ class LayerCache:
     ) -> None:
         if max_length <= 0:
             raise ValueError(f"LayerCache max_length must be positive, got {max_length}")
-        shape = (1, num_kv_heads, max_length, head_dim)
-        buffers = _huge_page_buffers(2 * num_layers, shape, dtype, device)
-        if buffers is None:
-            buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
-        self.keys, self.values = buffers[:num_layers], buffers[num_layers:]
+        # every layer's keys and values in one tensor ``[2, L, 1, KV, max_length, D]``: accepting a
+        # tree path (:meth:`gather`) moves every layer's slots in one operation, not four per layer
+        shape = (2, num_layers, 1, num_kv_heads, max_length, head_dim)
+        buffers = _huge_page_block(shape, dtype, device)
+        self.buffers = buffers if buffers is not None else torch.zeros(shape, dtype=dtype, device=device)
+        # each layer's a view by indexing (not unbind, whose views a training pass may not write in place)
+        self.keys = [self.buffers[0, i] for i in range(num_layers)]
+        self.values = [self.buffers[1, i] for i in range(num_layers)]
         self.lengths = [0] * num_layers
         self.max_length = max_length
         #: ``[num_layers, max_length]`` positions of the slots written with positions (allocated at
@@ -118,16 +121,28 @@ class LayerCache:
         """Keep ``slots`` (absolute slot indices, ascending, all ``>= start``) at ``start…``.
 
         Used to accept a tree path: the accepted nodes' entries are copied to contiguous
-        positions after the committed prefix and the layer is cut after them (PPD §3.2).
+        positions after the committed prefix and the layer is cut after them (PPD §3.2). Slots
+        already in place (the root alone, or a path of first children) move nothing; otherwise
+        every layer's keys and values move in one index operation (the slots' indices reach a GPU
+        from pinned memory, without waiting), a subset of ``layers`` in one per layer.
         """
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.keys[0].device)
-        n = int(idx.numel())
-        for i in range(self.num_layers) if layers is None else layers:
-            if n:
-                self.keys[i][:, :, start : start + n] = self.keys[i].index_select(2, idx)
-                self.values[i][:, :, start : start + n] = self.values[i].index_select(2, idx)
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+        n = len(slots)
+        every = range(self.num_layers) if layers is None else layers
+        if n and slots != list(range(start, start + n)):
+            device = self.buffers.device
+            idx = torch.tensor(slots, dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            if layers is None or len(set(layers)) == self.num_layers:
+                self.buffers[..., start:start + n, :] = self.buffers.index_select(4, idx)
                 if self.positions is not None:
-                    self.positions[i, start : start + n] = self.positions[i].index_select(0, idx)
+                    self.positions[:, start:start + n] = self.positions.index_select(1, idx)
+            else:
+                for i in every:
+                    for buffer in (self.keys[i], self.values[i]):
+                        buffer[:, :, start:start + n] = buffer.index_select(2, idx)
+                    if self.positions is not None:
+                        self.positions[i, start:start + n] = self.positions[i].index_select(0, idx)
+        for i in every:
             self.lengths[i] = start + n
 
     def reset(self) -> None:

@@ -140,6 +140,7 @@ class _Pass:
         self.base = torch.zeros(1, dtype=torch.long, device=dev)
         self.rows = torch.arange(size, device=dev)
         self.offsets = self.rows.clone()  # a chain's stay; a tree's are loaded per pass
+        self.max_length = max_length
         self.slots = torch.arange(max_length, device=dev)
         #: a tree's ancestor mask ``[size, size]`` (padding rows: themselves only); None for a chain
         self.tree = torch.eye(size, dtype=torch.bool, device=dev) if tree else None
@@ -257,6 +258,12 @@ class StepRunner:
         self.missed_kinds: Counter[str] = Counter()
         #: the fewest rows a pass's bucket holds (:meth:`padded`)
         self.at_least = 1
+        #: the last pass's bucket rows and the cache slots its attention spanned (the whole buffer):
+        #: what it cost, which the ledger records beside the rows asked for
+        self.last: tuple[int, int] | None = None
+        #: passes dropped because their cache was replaced (the pooled cache grew:
+        #: :meth:`~selfspec.models.layered.LayeredModel.reserve`); each one asked for again is built again
+        self.forgotten = 0
 
     @contextlib.contextmanager
     def padded(self, rows: int):
@@ -316,6 +323,7 @@ class StepRunner:
             p.load(ids, h, start, n, tree, base)
         self._passes.move_to_end(key)
         out = p(cache, n, keep)
+        self.last = (size, cache.max_length)
         for i in layers if attends else ():
             cache.lengths[i] = start + n
         self.routed += 1
@@ -333,16 +341,30 @@ class StepRunner:
     def counts(self) -> dict[str, Any]:
         """What went through here (run records and ``make gpu-check`` read it)."""
         return {"routed": self.routed, "captured": self.captured, "built": self.built, "evicted": self.evicted,
-                "used_once": self.used_once, "kinds": dict(self.kinds), "missed": self.missed,
+                "forgotten": self.forgotten, "used_once": self.used_once, "kinds": dict(self.kinds), "missed": self.missed,
                 "missed_kinds": dict(self.missed_kinds)}
 
     def _drop(self, p: _Pass, evicted: bool = True) -> None:
         self.evicted += evicted
+        self.forgotten += not evicted
         self._dropped_once += p.uses == 1
 
+    def clear(self) -> None:
+        """Drop every pass (counted in :attr:`forgotten`) and, under ``graphs``, release their memory
+        pool: a measurement of memory that follows (``make gpu-check``'s training section) then holds
+        no graph."""
+        for p in self._passes.values():
+            self._drop(p, evicted=False)
+        self._passes.clear()
+        if self.mode == "graphs":
+            self._pool = torch.cuda.graph_pool_handle()
+
     def forget(self, cache: LayerCache) -> None:
-        """Drop the graphs captured on ``cache`` (it is about to be replaced)."""
-        for key in [k for k, p in self._passes.items() if p.cache is cache]:
+        """Drop the passes built on ``cache`` (it is about to be replaced): under ``graphs`` the
+        graphs captured on it, under ``static`` the passes keyed by its size (counted in
+        :attr:`forgotten`)."""
+        owned = (lambda p: p.cache is cache) if self.mode == "graphs" else (lambda p: p.max_length == cache.max_length)
+        for key in [k for k, p in self._passes.items() if owned(p)]:
             self._drop(self._passes.pop(key), evicted=False)
         if self.mode == "graphs" and not self._passes:
             # a memory pool whose graphs are all gone is released: capture into a new one

@@ -256,6 +256,22 @@ def rowwise_attention(query, key, value, allowed=None, scaling=None) -> torch.Te
     return torch.cat(rows, dim=2)
 
 
+def grouped_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` ``[1, H, q, D]`` over ``key``/``value`` ``[1, KV, kv, D]`` under a
+    ``mask`` shared by every head (``[1, 1, q, kv]``, boolean or additive), with each KV group's
+    ``G = H / KV`` query heads stacked as ``G·q`` rows of its KV head: one SDPA call over the keys
+    and values as the cache holds them. transformers' SDPA wrapper repeats the keys and values to
+    every query head whenever a mask is given and more than one query row attends (``repeat_kv``:
+    a copy of the whole buffer per layer, 4x the K/V of a Llama-3-8B static pass over its padded
+    cache); stacking repeats only the mask's rows. Returns ``[1, q, H, D]``."""
+    b, heads, rows, dim = query.shape
+    groups = heads // key.shape[1]
+    stacked = query.reshape(b, key.shape[1], groups * rows, dim)
+    out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask.repeat(1, 1, groups, 1),
+                                         scale=scaling, is_causal=False)
+    return out.reshape(b, heads, rows, -1).transpose(1, 2).contiguous()
+
+
 def attention(attend: Callable, module, query, key, value, mask, scaling: float, **kwargs):
     """Attention of ``query`` over ``key``/``value`` (``[1, H, q, D]``, ``[1, KV, kv, D]``) in the
     runtime; returns ``[1, q, H, D]``. ``attend`` is the family's attention function (transformers'
@@ -266,20 +282,28 @@ def attention(attend: Callable, module, query, key, value, mask, scaling: float,
       :func:`rowwise_attention`, so a k-token pass attends exactly as k one-token steps;
     * longer ones (prefill) with grouped-query attention let the kernel share K/V heads
       (``enable_gqa``) instead of copying them once per query head, as transformers does whenever
-      a mask is given; the outputs are the same.
+      a mask is given; the outputs are the same;
+    * elsewhere (a GPU) a masked pass with grouped-query attention stacks each group's query heads
+      (:func:`grouped_attention`): every static pass has a mask over its padded buffer, so
+      transformers would copy the buffer's keys and values to every query head, layer by layer.
 
     With a gradient wanted (PPD's prompt training back-propagates through attention; the row-wise
     kernel has no backward), it is ``attend``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (attend is not sdpa_attention_forward or query.device.type != "cpu" or query.shape[0] != 1
-            or _wants_grad(query, key, value)):
+    if attend is not sdpa_attention_forward or query.shape[0] != 1 or _wants_grad(query, key, value):
+        return attend(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)[0]
+    grouped = (mask is not None and getattr(module, "num_key_value_groups", 1) > 1
+               and mask.shape[:-2].numel() == 1 and query.shape[1] % key.shape[1] == 0)
+    if query.device.type != "cpu":
+        if grouped and not kwargs:
+            return grouped_attention(query, key, value, mask, scaling)
         return attend(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)[0]
     rows = query.shape[2]
     if query.dtype in ROWWISE_DTYPES and (mask is None and rows == 1 or mask is not None and rows <= MAX_ROWS
                                           and mask.dtype == torch.bool and mask.shape[:-2].numel() == 1):
         return rowwise_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous()
-    if mask is None or getattr(module, "num_key_value_groups", 1) == 1:
+    if not grouped:
         return attend(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)[0]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, is_causal=False,
                                          enable_gqa=True)
@@ -314,5 +338,5 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     return "torch"
 
 
-__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "linear", "load", "resolve", "rms_norm", "rotary",
+__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "grouped_attention", "linear", "load", "resolve", "rms_norm", "rotary",
            "rowwise_attention", "skinny_linear"]

@@ -212,31 +212,63 @@ class LayeredModel:
         return sum(p.numel() for p in self.family.layers[i].parameters())
 
     def new_cache(self, max_length: int, reuse: bool = False) -> LayerCache:
-        """A cache of ``max_length`` positions. ``reuse=True`` (one generation at a time, as
+        """A cache of ``max_length`` positions (and, on a model whose passes take static shapes, room
+        for a static pass's padding rows). ``reuse=True`` (one generation at a time, as
         :meth:`~selfspec.decoding.base.Decoder.generate` uses it) hands out the model's pooled cache
-        under ``capture=graphs``, emptied, so graphs captured on it are replayed across examples;
-        it grows (and its graphs are dropped) when a longer one is asked for."""
+        under ``capture=static|graphs``, emptied, so the static passes built on it (under
+        ``graphs``: captured) are replayed across examples; it grows, and its passes are dropped,
+        only when a longer one is asked for than :meth:`reserve` made room for."""
         if max_length > self.max_context:
             raise ValueError(
                 f"requested cache of {max_length} positions exceeds {self.name}'s context of "
                 f"{self.max_context}; lower max_new_tokens or the task's max_prompt_tokens"
             )
-        if reuse and self.capture == "graphs":
-            pooled = self._pooled
-            need = max_length + self.steps.padding
-            if pooled is None or pooled.max_length < need:
-                if pooled is not None:
-                    self.steps.forget(pooled)
-                size = min(-(-need // 256) * 256, self.max_context)
-                self._pooled = pooled = LayerCache(
-                    self.num_layers, self.num_kv_heads, self.head_dim, size, self.dtype, self.device)
+        if self.steps is None:
+            return LayerCache(self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device)
+        if reuse:
+            pooled = self.reserve(max_length)
             pooled.reset()
             return pooled
-        if self.steps is not None:  # room for a static pass's padding rows
-            max_length = min(max_length + self.steps.padding, self.max_context)
-        return LayerCache(
-            self.num_layers, self.num_kv_heads, self.head_dim, max_length, self.dtype, self.device
-        )
+        return LayerCache(self.num_layers, self.num_kv_heads, self.head_dim, self._room(max_length), self.dtype,
+                          self.device)
+
+    def _room(self, max_length: int) -> int:
+        """Positions of a cache for ``max_length`` on a model whose passes take static shapes: the
+        padding rows of a static pass after the last position, within the model's context (a pass
+        near the context's end whose padding has no room takes the dynamic path)."""
+        return min(max_length + self.steps.padding, self.max_context)
+
+    def reserve(self, max_length: int) -> LayerCache | None:
+        """Make the pooled cache (``capture=static|graphs``) hold generations of up to ``max_length``
+        positions, and return it (None where the passes are dynamic). The evaluation reserves the
+        longest prompt and budget before its warm-up, so no example grows the pool: growing it drops
+        every pass built on the old one (:meth:`~selfspec.models.capture.StepRunner.forget`), and
+        under ``graphs`` each is captured again inside a timed example. The size is rounded up to 256
+        positions and capped at the model's context; a request the pool already holds reuses it (at
+        the cap too: one near the context's end reallocated the pool on every call)."""
+        if self.steps is None:
+            return None
+        need = self._room(max_length)
+        pooled = self._pooled
+        if pooled is None or pooled.max_length < need:
+            if pooled is not None:
+                self.steps.forget(pooled)
+            size = min(-(-need // 256) * 256, self.max_context)
+            self._pooled = pooled = LayerCache(
+                self.num_layers, self.num_kv_heads, self.head_dim, size, self.dtype, self.device)
+        return pooled
+
+    def with_passes(self, passes) -> "LayeredModel":
+        """This model with another static-pass runner (``passes``: a
+        :class:`~selfspec.models.capture.StepRunner`, or None for dynamic passes): the same weights,
+        fused and placed once, not a second copy (``make gpu-check`` compares every method captured
+        and eager on one set of weights)."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.steps, twin.capture = passes, passes.mode if passes is not None else "off"
+        twin._pooled, twin._causal = None, (None, None)
+        return twin
 
     def _weight_places(self) -> list[dict[str, torch.Tensor]] | None:
         """Where each layer's fused q|k|v, output, fused gate|up and down weights and then the LM
@@ -553,7 +585,7 @@ class LayeredModel:
                 return None
             out, ran = x, True
         if ledger is not None:
-            _record_walk(ledger, out.shape[1], layers, skip, context)
+            _record_walk(ledger, out.shape[1], layers, skip, context, ran=self.steps.last)
         return out
 
     def run_branches(self, x: torch.Tensor, layer: int, block: str, cache: LayerCache, context: int,
@@ -656,7 +688,7 @@ class LayeredModel:
             out = self.steps.run(self, ids, h, cache, start, layers, skip, tree, keep)
             if out is not None:
                 if ledger is not None:
-                    _record_walk(ledger, out.shape[1], layers, skip, start)
+                    _record_walk(ledger, out.shape[1], layers, skip, start, ran=self.steps.last)
                 return out
         if h is None:
             h = self.embed(ids)
@@ -708,15 +740,18 @@ def branch_groups(branches: int, rows: int, most: int = BUCKETS[-1]) -> list[tup
     return [(sum(counts[:g]), n) for g, n in enumerate(counts)]
 
 
-def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False) -> None:
+def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False,
+                 ran: tuple[int, int] | None = None) -> None:
     """A layer walk in ``ledger``: its rows, the sublayers run and the cached positions they attend
-    to. A sliding layer is recorded at the whole context too: the profile's attention cost per
-    context is measured over every layer, windows included, so it already averages the windowed
-    layers' cheaper attention in."""
+    to; ``ran``: a static pass's bucket rows and the cache slots its attention spans
+    (:attr:`selfspec.models.capture.StepRunner.last`), what it costs. A sliding layer is recorded at
+    the whole context too: the profile's attention cost per context is measured over every layer,
+    windows included, so it already averages the windowed layers' cheaper attention in."""
     attention = mlp = len(layers)
     if not attention:
         return
     if skip is not None:
         attention -= sum(i in skip.attn for i in layers)
         mlp -= sum(i in skip.mlp for i in layers)
-    ledger.layers(int(rows), attention, mlp, int(context), eager)
+    padded, span = ran if ran is not None else (0, 0)
+    ledger.layers(int(rows), attention, mlp, int(context), eager, padded, span)

@@ -26,7 +26,8 @@ An op is a small typed record (:class:`LayerOp`, :class:`HeadOp`, :class:`Linear
 :class:`WarpOp`), read by its field names. A step trace stores it as a short list, for a compact
 trace (:meth:`~LayerOp.row`; :func:`as_op` reads one back): ``[component, "L", rows, attention
 sublayers, MLP sublayers, context]`` (with a seventh entry, 1, when a model that captures its passes
-ran this walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`),
+ran this walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`; a static
+pass adds, after a seventh entry of 0, its bucket's rows and the cache slots it attends over),
 ``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows, in features, out features]``
 or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``: logit rows warped into the
 target distribution (:func:`selfspec.decoding.sampling.warp`; ``nucleus`` 1 when top-p sorts the
@@ -51,7 +52,11 @@ LABELS = {"prefill": "prefill", "plain": "plain steps", "draft": "drafting", "he
 
 class LayerOp(NamedTuple):
     """A layer walk: ``rows`` new rows through ``attention`` and ``mlp`` sublayers, attending to
-    ``context`` cached positions; ``eager``: a model that captures its passes ran it eagerly."""
+    ``context`` cached positions; ``eager``: a model that captures its passes ran it eagerly.
+    A static-shape (captured) pass also records what it ran (:mod:`selfspec.models.capture`):
+    ``padded``, the rows of its bucket (a 5-row pass runs 8), and ``span``, the cache slots its
+    attention spans (the whole buffer, masked); 0 where the walk ran dynamically, at its own rows
+    and context."""
 
     component: str
     rows: int
@@ -59,10 +64,15 @@ class LayerOp(NamedTuple):
     mlp: int
     context: int
     eager: bool = False
+    padded: int = 0
+    span: int = 0
     kind = "L"
 
     def row(self) -> list:
-        return [self.component, "L", self.rows, self.attention, self.mlp, self.context] + ([1] if self.eager else [])
+        head = [self.component, "L", self.rows, self.attention, self.mlp, self.context]
+        if self.padded:
+            return head + [int(self.eager), self.padded, self.span]
+        return head + ([1] if self.eager else [])
 
 
 class HeadOp(NamedTuple):
@@ -117,7 +127,8 @@ def as_op(op: "Op | list") -> Op:
     except (KeyError, IndexError, TypeError):
         raise ValueError(f"unknown ledger op {op!r}") from None
     if cls is LayerOp:
-        return LayerOp(op[0], *op[2:6], eager=len(op) > 6 and bool(op[6]))
+        return LayerOp(op[0], *op[2:6], eager=len(op) > 6 and bool(op[6]), padded=op[7] if len(op) > 8 else 0,
+                       span=op[8] if len(op) > 8 else 0)
     if cls is WarpOp:
         return WarpOp(op[0], op[2], op[3], bool(op[4]))
     return cls(op[0], *op[2:])
@@ -188,16 +199,18 @@ class Ledger:
             self.current = component
 
     # --- ops -------------------------------------------------------------------------------
-    def layers(self, rows: int, attention: int, mlp: int, context: int, eager: bool = False) -> None:
+    def layers(self, rows: int, attention: int, mlp: int, context: int, eager: bool = False, padded: int = 0,
+               span: int = 0) -> None:
         """A layer walk of ``rows`` new rows: ``attention`` and ``mlp`` sublayers run, attending to
         ``context`` cached positions (consecutive walks of the same shape merge). ``eager``: the
-        model captures its passes, and this one ran eagerly (a profile prices the two apart)."""
+        model captures its passes, and this one ran eagerly (a profile prices the two apart);
+        ``padded`` and ``span``: a static pass's bucket and the cache slots it attends over."""
         last = self.ops[-1] if self.ops else None
         if (type(last) is LayerOp and last.component == self.current and last.rows == rows
-                and last.context == context and last.eager == eager):
+                and last.context == context and last.eager == eager and last.padded == padded and last.span == span):
             self.ops[-1] = last._replace(attention=last.attention + attention, mlp=last.mlp + mlp)
         else:
-            self.ops.append(LayerOp(self.current, rows, attention, mlp, context, eager))
+            self.ops.append(LayerOp(self.current, rows, attention, mlp, context, eager, padded, span))
 
     def head(self, rows: int, vocab: int) -> None:
         """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""

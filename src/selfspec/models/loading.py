@@ -349,7 +349,7 @@ def load_model(cfg) -> LoadedModel:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load model config {name!r} from {source.key}={source.where}: {err}") from err
     digest = weights_digest(hf)  # before the cast: the same for every run dtype
-    hf.to(device=device, dtype=dtype)
+    cast(hf, device, dtype)
     plain = {k: v for k, v in (cfg.items() if hasattr(cfg, "items") else vars(cfg).items())}
     from selfspec.models import capture
 
@@ -359,6 +359,20 @@ def load_model(cfg) -> LoadedModel:
     layered.fingerprint = fingerprint(hf.config, tok)
     layered.weights_digest = digest
     return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat")), plain, digest)
+
+
+def cast(hf: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move ``hf`` to ``device`` and its weights to ``dtype`` as ``from_pretrained(dtype=...)`` loads
+    them: the rotary embeddings' frequency tables (``inv_freq`` buffers, which transformers computes
+    in float32 whatever the model's dtype) stay float32. ``Module.to(dtype=...)`` casts every floating
+    buffer: in bfloat16 a frequency kept 8 bits, so the rotary angles of later positions drifted from
+    the reference bf16 model's (and ``generate`` on the cast module could not show it)."""
+    kept = {name: buf.detach().clone() for name, buf in hf.named_buffers() if name.rsplit(".", 1)[-1].endswith("inv_freq")
+            and buf.dtype == torch.float32}
+    hf.to(device=device, dtype=dtype)
+    for name, value in kept.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(hf.get_submodule(owner), attr, value.to(device))  # a registered buffer keeps its persistence
 
 
 def _plain_config(cfg) -> dict:

@@ -154,7 +154,7 @@ def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
     the prompt's pass is the generation's ledger's ``prefill`` (:mod:`selfspec.models.ledger`)."""
     secs, toks, drafted, accepted = 0.0, 0, 0, 0
     for ids in prompts:
-        g = decoder.generate(ids, n_new)
+        g, _ = decoder.generate_timed(ids, n_new)  # a new skip set's passes built (captured) untimed
         secs += g.seconds - g.ledger["prefill"]
         toks += g.new_tokens - 1
         drafted += sum(g.drafted_per_step)
