@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch first, so a CPU machine takes the local CPU wheel instead of a multi-GB CUDA download;
-# on GPU machines: make TORCH_SPEC='torch' ...
+# on GPU machines: make TORCH_SPEC='torch' ..., or a requirement with pip's options, each word passed
+# on as it is: make TORCH_SPEC='torch --index-url https://download.pytorch.org/whl/cu121' ... (docs/gpu.md)
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m
 TASK ?= xsum
@@ -14,16 +15,21 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install llamacpp assets assets-all browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: FORCE help install llamacpp assets assets-all browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
 	@echo "  variables: MODEL=$(MODEL) TASK=$(TASK) METHOD=$(METHOD) EXPERIMENT=$(EXPERIMENT) N=$(N) ARGS='hydra overrides'"
 
-$(VENV)/.installed: pyproject.toml
+# the torch requirement the venv was set up with: rewritten only when TORCH_SPEC changes, which sets
+# the venv up again (a CPU venv does not stay CPU under TORCH_SPEC=torch)
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV); if [ "$$(cat $@ 2>/dev/null)" != '$(TORCH_SPEC)' ]; then printf '%s\n' '$(TORCH_SPEC)' > $@; fi
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(foreach word,$(TORCH_SPEC),'$(word)')
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

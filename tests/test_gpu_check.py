@@ -48,6 +48,7 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
         assert t["estimate_error"] == pytest.approx(t["estimate_bytes"] / t["peak_bytes"] - 1)
         assert t["estimate_parts"]["weights"] == 6_439_488 * 2  # bf16
         assert (Path(t["artefact"]) / "meta.json").is_file(), job
+        assert positive(t["resident_bytes"]), job
     assert positive(tiny["training"]["heads"]["seconds_per_step"]) and tiny["training"]["heads"]["steps"] == 2
     for method in (*METHODS, "vanilla"):
         rows = tiny["methods"][method]
@@ -59,16 +60,29 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
     passes = tiny["passes"]  # the static mode's runner took trees, kept states and partial layers, missed none
     assert set(passes) == {"static"} and passes["static"]["missed"] == 0
     assert {"chain", "tree", "chain/partial", "chain+keep/partial"} <= set(passes["static"]["kinds"])
-    # the profile first (capture and ledger price with it), then every method built without training,
-    # captured (static here) and eager
-    assert list(tiny["sections"]) == ["profile", "capture", "ledger", "runtime", "training", "methods"]
-    ledger = tiny["ledger"]  # every method's measured seconds beside the profile's prediction from its trace
-    assert ledger["profile"] == profile["name"] and not ledger["skipped"]
-    assert set(ledger["methods"]) == {"vanilla", "draft_verify", "adadecode", "del", "early_exit", "ngram",
-                                      "ppd_24_nodes", "swift", "clasp", "knapspec"}
-    for name, r in ledger["methods"].items():
-        assert positive(r["measured_over_predicted"]) and r["unpriced_passes"] == 0, name
-        assert r["predicted"] == pytest.approx(sum(r["predicted_ledger"].values())), name
+    # in order of value: the profile and the ledger (priced with it), then every method built without
+    # training, captured (static here) and eager, the ledger at a second shape, then the rest
+    assert list(tiny["sections"]) == ["profile", "ledger", "capture", "ledger_long", "runtime", "training", "methods"]
+    assert tiny["errors"] == {}
+    for key, shape in (("ledger", (64, 12)), ("ledger_long", (24, 24))):
+        ledger = tiny[key]  # every method's measured seconds beside the profile's prediction from its trace
+        assert ledger["profile"] == profile["name"] and not ledger["skipped"]
+        assert (ledger["prompt_tokens"], ledger["new_tokens"]) == shape
+        assert set(ledger["methods"]) == {"vanilla", "draft_verify", "adadecode", "del", "early_exit", "ngram",
+                                          "ppd_24_nodes", "swift", "clasp", "knapspec"}
+        for name, r in ledger["methods"].items():
+            assert positive(r["measured_over_predicted"]) and r["unpriced_passes"] == 0, name
+            assert r["predicted"] == pytest.approx(sum(r["predicted_ledger"].values())), name
+            assert r["captured_while_timed"] == 0, name  # each run timed apart from the passes it built
+    assert profile["spans"] and set(profile["spans"]) == {"0", "32", "256"}  # static passes: their slots priced
+    # the dry run composed the real check's models too: the 8B shape, SmolLM2's random shape, Gemma 3's
+    assert report["composed"] == {k: "ok" for k in ("tiny-random", "tiny-gemma3", "llama3-8b-random", "smollm2-135m",
+                                                     "smollm2-135m-random", "gemma3-270m-random")}
+    # the H100 estimate of the real check, printed first: the default budget reaches both ledgers
+    first = [(r["section"], r["model"]) for r in report["estimate"] if r["within_budget"]]
+    assert first[:4] == [("profile", "llama3-8b-random"), ("ledger", "llama3-8b-random"),
+                         ("profile", "smollm2-135m"), ("ledger", "smollm2-135m")]
+    assert "estimate on an H100 (budget: 300 s)" in proc.stdout
     assert report["models"]["tiny-random"]["key"] == "tiny-random"
     # a shape profiled for projections only (on a GPU: Gemma 3 270M's), after every section of the others
     gemma = report["models"]["tiny-gemma3"]
@@ -86,9 +100,9 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
         assert 0 <= r["passes"]["built_while_timed"] <= r["passes"]["built"], name
         assert r["passes"]["evicted"] == 0, name
         assert positive(r["s_per_token"]["captured"]) and positive(r["s_per_token"]["eager"]), name
-    # a fixed skip set builds every pass it needs in the warm-up run (the timed runs replay them); a
-    # search builds those of each skip set it chooses (their capture is in the captured time on a GPU)
-    assert capture["methods"]["draft_verify"]["passes"]["built"] > 0
+    # a fixed skip set's passes were built by the ledger, which ran first on the same pooled cache and
+    # shapes: the capture section replays them; a search builds those of each skip set it chooses
+    # (their capture is in the captured time on a GPU)
     assert capture["methods"]["draft_verify"]["passes"]["built_while_timed"] == 0
     assert capture["methods"]["ppd_24_nodes"]["tree_pass_rows"]["max"] > 64  # the paper's tree sizes
 
@@ -106,8 +120,72 @@ def test_gpu_check_starts_no_section_past_its_budget(tmp_path, monkeypatch):
     assert report["models"]["tiny-random"]["sections"] == {s: "not run: the budget was spent"
                                                            for s in gpu_check.SECTIONS}
     assert report["models"]["tiny-gemma3"]["sections"] == {"profile": "not run: the budget was spent"}
-    with pytest.raises(SystemExit, match="--budget must be a positive number of seconds"):
-        gpu_check.main(["--dry-run", "--budget", "0", "--out", str(out)])
+    for bad in ("0", "-5", "nan", "inf"):
+        with pytest.raises(SystemExit, match="--budget must be a positive number of seconds"):
+            gpu_check.main(["--dry-run", "--budget", bad, "--out", str(out)])
+
+
+def test_gpu_check_refuses_an_out_it_cannot_write_before_running(tmp_path, monkeypatch):
+    """Issue 52: a read-only --out gave a raw traceback, and an existing directory crashed after the
+    first section had run. Both are refused first, naming --out."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
+    import gpu_check
+
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_section", lambda *a: ran.append(a))
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(SystemExit, match="--out .*dir.json: is a directory"):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "dir.json")])
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user writes into read-only directories (root without CAP_DAC_OVERRIDE dropped)")
+        with pytest.raises(SystemExit, match="--out"):
+            gpu_check.main(["--dry-run", "--out", str(locked / "check.json")])
+    finally:
+        locked.chmod(0o700)
+    with pytest.raises(SystemExit, match="ending in .json"):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "check.txt")])
+    assert not ran
+
+
+def test_a_failing_method_or_section_is_recorded_and_the_check_goes_on(tmp_path, monkeypatch):
+    """One exception (an out-of-memory on a GPU) ended the whole check, and a section's figures were
+    saved only at its end. Now the method's or section's traceback goes into the JSON, written after
+    every method, and the next method and section run."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
+    import gpu_check
+
+    real = gpu_check.capture_decoders
+
+    def broken(model, p, profile=None):
+        makers = real(model, p, profile)
+
+        def oom(m):
+            raise MemoryError("CUDA out of memory (simulated)")
+        return {"vanilla": makers["vanilla"], "early_exit": oom, "ngram": makers["ngram"]}
+
+    def runtime_fails(loaded, p):
+        raise RuntimeError("the runtime benchmark broke (simulated)")
+
+    saved = []
+    monkeypatch.setattr(gpu_check, "capture_decoders", broken)
+    monkeypatch.setattr(gpu_check, "runtime_section", runtime_fails)
+    out = tmp_path / "check.json"
+    real_replace = Path.replace
+    monkeypatch.setattr(Path, "replace", lambda self, target: saved.append(1) or real_replace(self, target))
+    assert gpu_check.main(["--dry-run", "--sections", "profile,ledger,runtime", "--out", str(out)]) == 0
+    tiny = json.loads(out.read_text())["models"]["tiny-random"]
+    failed = tiny["ledger"]["methods"]["early_exit"]
+    assert failed["error"] == "MemoryError: CUDA out of memory (simulated)" and "Traceback" in failed["traceback"]
+    assert {"vanilla", "ngram"} <= set(tiny["ledger"]["methods"]) and positive(tiny["sections"]["ledger"])
+    assert tiny["errors"]["runtime"]["error"].startswith("RuntimeError: the runtime benchmark broke")
+    assert tiny["sections"]["runtime"] == "failed (errors.runtime)"
+    assert len(saved) >= 3 + 3  # after every method of the ledger, every section, the estimate
 
 
 def test_gpu_check_without_a_tokenizer_leaves_out_the_text_sections(tmp_path, monkeypatch):
