@@ -45,6 +45,21 @@ PRICED_NEEDS_PROFILE = ("draft_schedule=priced chooses each draft's length from 
                         "give the method draft_schedule=adaptive")
 
 
+def _forked(obj, memo: dict) -> Any:
+    """``obj`` copied, with every part it holds that carries state (:class:`Carries`) forked too and its
+    carried attributes deep copies (:meth:`Decoder.fork`)."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    import copy
+
+    twin = memo[id(obj)] = copy.copy(obj)
+    twin.restore(obj.snapshot())
+    for name, value in vars(twin).items():
+        if isinstance(value, Carries):
+            setattr(twin, name, _forked(value, memo))
+    return twin
+
+
 @dataclass
 class StepTrace:
     """The shape of one step (module docstring). A method fills in what its step did on
@@ -416,6 +431,13 @@ class Decoder(Carries):
         """Put back a :meth:`carried_state` snapshot."""
         for part, snapshot in saved:
             part.restore(snapshot)
+
+    def fork(self) -> "Decoder":
+        """A decoder with this one's configuration and artefacts whose policy state that carries over
+        between examples (and the per-example state its parts keep, such as a draft-stop rule's) is a
+        copy of its own: a batch's slots (:mod:`selfspec.models.batch`) each decode their own stream
+        of examples, as one decoder decodes a run's."""
+        return _forked(self, {})
 
     @contextlib.contextmanager
     def kept_state(self) -> Iterator[None]:

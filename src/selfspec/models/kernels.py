@@ -171,13 +171,23 @@ def _wants_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True,
+           rows_apart: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: the skinny kernel when ``skinny`` (the model's kernel is
-    ``skinny``) and the input suits it, else ``F.linear``."""
+    ``skinny``) and the input suits it, else ``F.linear``. ``rows_apart``: a float32 input of more
+    than :data:`MAX_ROWS` rows runs in blocks of at most that many through the skinny kernel, so that
+    each row's arithmetic is its own pass's (a batch of several sequences' few-row passes,
+    :meth:`selfspec.models.layered.LayeredModel.run_batched`), where ``F.linear`` would block the rows
+    together."""
     if (skinny and x.dtype == weight.dtype and x.device.type == "cpu" and x.shape[-1] % 8 == 0
-            and (x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]) and not _wants_grad(x)):
-        # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
-        return skinny_linear(x, weight, bias)
+            and not _wants_grad(x)):
+        if x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]:
+            # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
+            return skinny_linear(x, weight, bias)
+        if rows_apart:
+            rows = x.reshape(1, -1, x.shape[-1])
+            out = torch.cat([skinny_linear(block, weight, bias) for block in rows.split(MAX_ROWS, dim=1)], dim=1)
+            return out.view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)
 
 

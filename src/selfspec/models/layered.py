@@ -37,6 +37,7 @@ linear, the fused norm and rotary, row-wise attention); nothing in the library i
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -181,6 +182,8 @@ class LayeredModel:
         self._causal: tuple = (None, None)  # the last causal mask (:meth:`causal_mask`)
         self.capture = passes.mode if passes is not None else "off"
         self._pooled: LayerCache | None = None
+        #: the batch of generations decoding at once on this model (:class:`selfspec.models.batch.Batch`), or None
+        self.batch = None
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -360,23 +363,35 @@ class LayeredModel:
         for Gemma, ``(1 + w)`` in float32: :func:`kernels.rms_norm`)."""
         return kernels.rms_norm(module, x, self._cpu_ops, self.family.unit_offset_norms)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ weight.T (+ bias)`` with the runtime's linear kernel."""
-        return kernels.linear(x, weight, bias, self._cpu_ops)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               rows_apart: bool = False) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` with the runtime's linear kernel (``rows_apart``: every row's
+        arithmetic its own, at any row count: :func:`kernels.linear`)."""
+        return kernels.linear(x, weight, bias, self._cpu_ops, rows_apart)
 
     def attention(self, i, h, rope, kv: KV | None, mask=None) -> torch.Tensor:
         """Attention sublayer of layer ``i`` with its residual; writes layer ``i``'s K/V to ``kv``.
 
-        The family's attention with the q/k/v projections as one product: the family's rotary
-        function (of the layer's kind), the K/V write, the layer's window narrowing the mask, then
-        the attention function (:func:`kernels.attention`) and the family's output norm if any."""
-        fam, cpu_ops = self.family, self._cpu_ops
-        attn = fam.attention_module(i)
+        The family's attention with the q/k/v projections as one product (:meth:`_heads`): the
+        family's rotary function (of the layer's kind), the K/V write, the layer's window narrowing
+        the mask, then the attention function (:meth:`_attend`), the output projection and the
+        family's output norm if any (:meth:`_attention_out`)."""
+        return self._attention_out(i, h, self._attend(i, *self._heads(i, h), rope, kv, mask))
+
+    def _heads(self, i: int, h: torch.Tensor, rows_apart: bool = False):
+        """Layer ``i``'s queries, keys and values of the rows of ``h``, each ``[1, n, heads, D]``."""
+        fam = self.family
         weight, bias, sizes = self._qkv[i]
         x = self.norm(fam.attention_norm(i), h)
-        q, k, v = self.linear(x, weight, bias).split(sizes, dim=-1)
+        q, k, v = self.linear(x, weight, bias, rows_apart).split(sizes, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
-        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    def _attend(self, i: int, q, k, v, rope, kv: KV | None, mask) -> torch.Tensor:
+        """Attention of one pass's rows (``[1, n, heads, D]`` each, :meth:`_heads`) in layer ``i``:
+        the q/k norms, rotary embedding, K/V write, window and attention; ``[1, n, heads, D]``."""
+        fam, cpu_ops = self.family, self._cpu_ops
+        attn = fam.attention_module(i)
         if fam.normalises_qk:  # Qwen3's and Gemma 3's per-head q/k norms
             q, k = fam.qk_norm(i, q, k, self.norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -391,20 +406,25 @@ class LayeredModel:
             if kv is not None:
                 k, v = kv.write(i, k, v, positions)
             mask = self.window_mask(mask, positions, positions if kv is None else kv.key_positions(i), window)
-        out = kernels.attention(fam.attend, attn, q, k, v, mask, attn.scaling, **fam.attention_kwargs(i))
+        return kernels.attention(fam.attend, attn, q, k, v, mask, attn.scaling, **fam.attention_kwargs(i))
+
+    def _attention_out(self, i: int, h: torch.Tensor, out: torch.Tensor, rows_apart: bool = False) -> torch.Tensor:
+        """The output projection of layer ``i``'s attention ``out`` (``[1, n, heads, D]``), its output
+        norm if any, and the residual onto ``h``."""
+        fam = self.family
         o = fam.out_proj(i)
-        out = self.linear(out.reshape(*h.shape[:-1], -1).contiguous(), o.weight, o.bias)
+        out = self.linear(out.reshape(*h.shape[:-1], -1).contiguous(), o.weight, o.bias, rows_apart)
         post = fam.attention_out_norm(i)
         return h + (out if post is None else self.norm(post, out))
 
-    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, i: int, h: torch.Tensor, rows_apart: bool = False) -> torch.Tensor:
         """MLP sublayer of layer ``i`` with its residual: ``down(act(gate(x)) * up(x))``, gate and up
         as one product, and the family's output norm if any."""
         fam = self.family
         weight, bias, sizes = self._gate_up[i]
-        gate, up = self.linear(self.norm(fam.mlp_norm(i), h), weight, bias).split(sizes, dim=-1)
+        gate, up = self.linear(self.norm(fam.mlp_norm(i), h), weight, bias, rows_apart).split(sizes, dim=-1)
         down = fam.down_proj(i)
-        out = self.linear(fam.act(i)(gate) * up, down.weight, down.bias)
+        out = self.linear(fam.act(i)(gate) * up, down.weight, down.bias, rows_apart)
         post = fam.mlp_out_norm(i)
         return h + (out if post is None else self.norm(post, out))
 
@@ -512,6 +532,13 @@ class LayeredModel:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             _record_walk(ledger, h.shape[1], layers, skip, context, eager)
+        if self.batch is not None:  # several generations decode at once: their walks run together
+            return self.batch.layers(self, h, layers, kv, rope, mask, skip, keep)
+        return self.walk(h, layers, kv, rope, mask, skip, keep)
+
+    def walk(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
+             skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """:meth:`run_layers`'s walk itself, unrecorded and alone (the C++ walk where it applies)."""
         out = self._walk_in_cpp(h, layers, kv, rope, mask, keep, skip)
         if out is not None:
             return out
@@ -524,6 +551,33 @@ class LayeredModel:
                 out = keep[i]
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
+
+    def run_batched(self, passes: list, layers, skip: SkipSet | None) -> list[torch.Tensor]:
+        """:meth:`walk` over several passes at once, each a :class:`~selfspec.models.batch.Rows` (its
+        hidden states, K/V, rotary tables, mask and kept states), through the same ``layers`` with the
+        same ``skip``: the norms and linears take every pass's rows in one product, each row's
+        arithmetic its own pass's (``rows_apart``: float32 blocks of at most
+        :data:`~selfspec.models.kernels.MAX_ROWS` rows through the skinny kernel, whose rows do not
+        depend on the block), and the attention runs each pass's rows over its own keys, as its own
+        walk runs them. So every row equals the one its pass alone computes, bit for bit, and the
+        weights are read once for all of them (:mod:`selfspec.models.batch`: several generations
+        decoding at once). Returns each pass's states after the last layer."""
+        ends = list(itertools.accumulate(p.h.shape[1] for p in passes))
+        bounds = list(zip([0] + ends[:-1], ends))
+        h = torch.cat([p.h for p in passes], dim=1)
+        for i in layers:
+            if skip is None or i not in skip.attn:
+                q, k, v = self._heads(i, h, rows_apart=True)
+                out = [self._attend(i, q[:, a:b], k[:, a:b], v[:, a:b], p.rope, p.kv, p.mask)
+                       for p, (a, b) in zip(passes, bounds)]
+                h = self._attention_out(i, h, torch.cat(out, dim=1), rows_apart=True)
+            if skip is None or i not in skip.mlp:
+                h = self.mlp(i, h, rows_apart=True)
+            for p, (a, b) in zip(passes, bounds):
+                if p.keep is not None and i in p.keep:
+                    out = p.keep[i]
+                    out.copy_(h[0, b - out.shape[0]:b])
+        return [h[:, a:b] for a, b in bounds]
 
     def block_states(self, ids: torch.Tensor, cache: LayerCache, start: int, ledger: Ledger | None = None,
                      rows: int | None = None) -> list[torch.Tensor]:
@@ -641,6 +695,8 @@ class LayeredModel:
         weight = self.family.lm_head.weight if weight is None else weight
         if ledger is not None:
             ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]))
+        if self.batch is not None:  # several generations decode at once: their head products run together
+            return self.batch.head(self, x, weight)
         return self.linear(x, weight)
 
     def logits(self, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Several generations decoding at once on one model: each its own decoding loop, their passes run together.
+
+Self-speculative methods are written for one sequence: a step drafts, verifies and accepts as many
+tokens as that sequence's draft earns, and its cache keeps that sequence's own length. A batch here
+keeps all of that per sequence and shares only what batching is for, the weights' reads: every
+generation runs its method's own loop (:meth:`~selfspec.decoding.base.Decoder.generate`, unchanged)
+in a greenlet of its own, and when it asks the model for a layer walk
+(:meth:`~selfspec.models.layered.LayeredModel.run_layers`) or a head product
+(:meth:`~selfspec.models.layered.LayeredModel.head`), the call is parked. Once every live generation
+is parked or done, the parked calls that can run together (walks of the same layers with the same
+sublayers skipped; products with the same head) run as one pass of all their rows
+(:meth:`~selfspec.models.layered.LayeredModel.run_batched`), and each generation resumes with its
+own rows. So a batch of B sequences, each drafting k tokens, verifies them in one pass of B·(k + 1)
+rows whose weights are read once, while each sequence keeps its own cache length, draft length,
+tree, skip set, exit layer and accepted count: ragged by construction, and nothing is realigned.
+
+**Lossless per sequence.** Each row of a batched pass is computed as its own pass computes it: the
+linears take the rows in blocks whose arithmetic does not depend on the other rows (the skinny CPU
+kernel, up to :data:`~selfspec.models.kernels.MAX_ROWS` float32 rows a block, any number in
+bfloat16), and the attention runs each pass's rows over that sequence's keys as the pass alone
+would. A float32 pass of more than ``MAX_ROWS`` rows (a prefill, a large PPD tree) computes its
+linears with torch's GEMM, whose rows depend on the block, so it runs alone, as it does outside a
+batch. Every sequence of a batch therefore decodes the tokens it decodes alone, bit for bit
+(tests/test_batch.py), under sampling too (each generation has its own seeded generator).
+
+**Leaving and joining.** :meth:`Batch.run` keeps at most ``size`` generations live; one that
+finishes (EOS, its budget, a stop string) leaves at once, and the next waiting prompt joins in its
+slot: continuous batching. A sequence's K/V live in its own cache, so none moves when another
+rejects drafts, leaves or joins.
+
+What does not batch: passes of a model whose passes take static shapes (``capture`` static or
+graphs; the runner refuses ``batch_size > 1`` there), the HF peers (transformers' ``generate`` has
+its own batching: :mod:`selfspec.decoding.peers`), and the layer-skip searches' branch passes (they
+call the sublayers directly and run alone, inside their generation).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from selfspec.models import kernels
+
+__all__ = ["Batch", "BatchUnavailable", "Rows"]
+
+
+class BatchUnavailable(ValueError):
+    """The model cannot decode a batch (its passes take static shapes)."""
+
+
+@dataclass
+class Rows:
+    """One pass's rows in a batched walk: its hidden states ``[1, n, d]``, where its K/V go, its rotary
+    tables, mask and kept states (:meth:`~selfspec.models.layered.LayeredModel.run_layers`' arguments)."""
+
+    h: torch.Tensor
+    kv: Any
+    rope: Any
+    mask: torch.Tensor | None
+    keep: dict | None
+
+
+@dataclass
+class _Parked:
+    """A call a generation made and waits on: a layer walk (``rows``) or a head product (``x``)."""
+
+    key: tuple
+    rows: Rows | None = None
+    layers: Any = None
+    skip: Any = None
+    x: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+
+class Batch:
+    """Runs generations together on ``model`` (module docstring), at most ``size`` at once.
+
+    Counts what it ran: :attr:`passes` (batched walks and head products, by how many generations
+    each held) and :attr:`rows` (the rows of each batched walk)."""
+
+    def __init__(self, model, size: int) -> None:
+        if model.steps is not None:
+            raise BatchUnavailable(f"a batch runs dynamic passes, and the model's passes take static shapes "
+                                   f"(model.capture={model.capture}); use model.capture=off for batch_size > 1")
+        if int(size) < 1:
+            raise ValueError(f"a batch holds at least one generation, got size {size}")
+        self.model, self.size = model, int(size)
+        self._main = None
+        #: walks and head products run, by the number of generations each held
+        self.passes: collections.Counter[int] = collections.Counter()
+        #: rows of each batched walk run
+        self.rows: list[int] = []
+
+    # --- the generations' side: parking a call ---------------------------------------------------
+    def _parks(self) -> bool:
+        from greenlet import getcurrent
+
+        return self._main is not None and getcurrent() is not self._main
+
+    def layers(self, model, h, layers, kv, rope, mask, skip, keep) -> torch.Tensor:
+        """A generation's layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers`): parked
+        until the batch runs it with the others of its kind, then its states."""
+        if not self._parks():
+            return model.walk(h, layers, kv, rope, mask, skip, keep)
+        key = ("layers", tuple(layers), skip)
+        return self._main.switch(_Parked(key, Rows(h, kv, rope, mask, keep), layers, skip))
+
+    def head(self, model, x, weight) -> torch.Tensor:
+        """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head`), parked likewise."""
+        if not self._parks():
+            return model.linear(x, weight)
+        return self._main.switch(_Parked(("head", weight.data_ptr(), tuple(weight.shape)), x=x, weight=weight))
+
+    # --- the batch's side ----------------------------------------------------------------------
+    def run(self, jobs: Sequence[Callable[[int], Any]], done: Callable[[int, Any], None] | None = None) -> list:
+        """Run every job (a function of the batch slot it runs in, ``0 ≤ slot < size``: one generation,
+        e.g. ``lambda slot: decoders[slot].generate(...)``), at most :attr:`size` at once; one that
+        finishes leaves, and the next job joins in its slot. Returns the jobs' results in order;
+        ``done(index, result)`` is called as each finishes. An exception in a job stops the batch and
+        is raised here."""
+        from greenlet import getcurrent, greenlet
+
+        results: list = [None] * len(jobs)
+        waiting = collections.deque(enumerate(jobs))
+        live: dict[Any, int] = {}  # greenlet -> its job's index
+        slots: dict[Any, int] = {}  # greenlet -> its slot
+        free = list(range(self.size))
+        parked: dict[Any, _Parked] = {}
+
+        def advance(g, value) -> None:  # a new generation gets its slot, a parked one its call's result
+            out = g.switch(value)
+            if g.dead:
+                i = live.pop(g)
+                free.append(slots.pop(g))
+                free.sort()
+                results[i] = out
+                if done is not None:
+                    done(i, out)
+            else:
+                parked[g] = out
+
+        self._main = getcurrent()
+        self.model.batch = self
+        try:
+            with torch.inference_mode():
+                while waiting or live:
+                    while waiting and free:
+                        i, job = waiting.popleft()
+                        g = greenlet(job)
+                        live[g], slots[g] = i, free.pop(0)
+                        advance(g, slots[g])
+                    groups: dict[tuple, list] = {}
+                    for g in sorted(parked, key=slots.__getitem__):  # in slot order: deterministic
+                        groups.setdefault(parked[g].key, []).append(g)
+                    for key, members in groups.items():
+                        calls = [parked.pop(g) for g in members]
+                        outs = self._run(key[0], calls)
+                        for g, out in zip(members, outs):
+                            advance(g, out)
+        finally:
+            self.model.batch, self._main = None, None
+        return results
+
+    def _run(self, kind: str, calls: list[_Parked]) -> list[torch.Tensor]:
+        """Run parked calls of one kind and key: together where each row's arithmetic stays its own
+        call's (:meth:`_joins`), the others alone, as outside a batch."""
+        model = self.model
+        together = [c for c in calls if self._joins(c)]
+        outs: dict[int, torch.Tensor] = {}
+        if len(together) > 1:
+            if kind == "layers":
+                states = model.run_batched([c.rows for c in together], together[0].layers, together[0].skip)
+                self.rows.append(sum(c.rows.h.shape[1] for c in together))
+            else:
+                flat = [c.x.reshape(1, -1, c.x.shape[-1]) for c in together]
+                out = model.linear(torch.cat(flat, dim=1), together[0].weight, rows_apart=True)
+                states = [o.view(*c.x.shape[:-1], -1) for o, c in
+                          zip(out.split([f.shape[1] for f in flat], dim=1), together)]
+            outs = {id(c): s for c, s in zip(together, states)}
+            self.passes[len(together)] += 1
+        for c in calls:
+            if id(c) not in outs:
+                self.passes[1] += 1
+                outs[id(c)] = (model.walk(c.rows.h, c.layers, c.rows.kv, c.rows.rope, c.rows.mask, c.skip, c.rows.keep)
+                               if kind == "layers" else model.linear(c.x, c.weight))
+        return [outs[id(c)] for c in calls]
+
+    def _joins(self, call: _Parked) -> bool:
+        """Whether a parked call's rows can share a pass with others and stay what they are alone: the
+        runtime's skinny kernel (row-independent), no gradient, and in float32 at most
+        :data:`~selfspec.models.kernels.MAX_ROWS` rows (more take torch's GEMM alone)."""
+        model = self.model
+        x = call.rows.h if call.rows is not None else call.x
+        if model.linear_kernel != "skinny" or torch.is_grad_enabled() or x.dtype != model.dtype:
+            return False
+        rows = x.numel() // x.shape[-1]
+        return x.dtype == torch.bfloat16 or rows <= kernels.MAX_ROWS
