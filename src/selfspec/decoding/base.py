@@ -239,6 +239,9 @@ class Decoder(Carries):
     #: whether the decoder's steps run in :meth:`generate`'s loop (the thread policy steers those,
     #: :mod:`selfspec.decoding.threads`); the HF peers' steps run in transformers' ``generate``
     own_loop: ClassVar[bool] = True
+    #: whether the decoder decodes in a batch of several sequences (the evaluation's ``batch_size``):
+    #: every method of selfspec's loop does (:mod:`selfspec.models.batch`)
+    batches: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

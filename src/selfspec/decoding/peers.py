@@ -45,6 +45,8 @@ class HFPeer(Decoder):
     own_loop = False
     #: whether generate drafts candidates (assisted decoding); plain generate commits 1 per step
     speculative: ClassVar[bool] = False
+    #: transformers' assisted generation decodes one sequence at a time: no batch (plain generate batches)
+    batches: ClassVar[bool] = False
 
     def __init__(self, model, generate_kwargs: dict[str, Any] | None = None, **common) -> None:
         super().__init__(model, **common)
@@ -162,7 +164,49 @@ class HFPeer(Decoder):
 
 
 class HFGenerate(HFPeer):
-    """Plain ``generate``: the runtime check of selfspec's vanilla (same tokens, its own speed)."""
+    """Plain ``generate``: the runtime check of selfspec's vanilla (same tokens, its own speed); in a
+    batch (the evaluation's ``batch_size > 1``), transformers' own batched ``generate``
+    (:meth:`generate_batch`)."""
+
+    batches = True
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       sampling: Sampling | None = None) -> list[Generation]:
+        """The prompts as one batch through transformers' ``generate``, padded on the left (the peer
+        of a batch of selfspec's sequences): each sequence cut as :meth:`generate` cuts one (EOS,
+        stop strings, budget), and each timed with the batch's seconds (its latency: every sequence
+        waits for the batch). Padding changes a row's arithmetic, so a sequence may part from its
+        single-prompt tokens at a near-tie."""
+        sampling = sampling or Sampling()
+        for p in prompts:
+            self.prompt_tensor(p, max_new_tokens)  # an empty prompt or budget stops here
+        eos = sorted(self.eos_token_ids)
+        pad = eos[0] if eos else 0
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.as_tensor(list(p))
+            mask[row, width - len(p):] = 1
+        kwargs = dict(self.generate_kwargs, attention_mask=mask.to(self.model.device), max_new_tokens=max_new_tokens,
+                      eos_token_id=eos or None, pad_token_id=pad, **self.sampling_kwargs(sampling))
+        if self._stopping is not None:
+            kwargs["stopping_criteria"] = self._stopping
+        sync = synchronizer(self.model.device)
+        with torch.random.fork_rng(devices=[self.model.device] if self.model.device.type == "cuda" else []):
+            torch.manual_seed(sampling.seed)
+            with torch.inference_mode():
+                sync()
+                t0 = time.perf_counter()
+                out = self.hf.generate(ids.to(self.model.device), **kwargs)
+                sync()
+                seconds = time.perf_counter() - t0
+        gens = []
+        for row, p in enumerate(prompts):
+            new = out[row, width:].tolist()
+            self._steps = [(0, 1)] * len(new)
+            gens.append(self._generation(list(p), new, seconds, max_new_tokens, sampling))
+        return gens
 
     name = "hf_generate"
 

@@ -54,9 +54,9 @@ RUN_CONFIG = "run_config.json"
 #: what every line of results.jsonl holds (:class:`~selfspec.tracking.ResultsFile` refuses other lines)
 ROW_KEYS = ("id", "method", "tokens", "seconds")
 #: config keys whose change makes earlier rows of a run directory incomparable
-_RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples")
+_RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples", "batch_size")
 #: the value of a resume key in a run directory recorded before the key existed
-_RESUME_DEFAULTS = {"n_samples": 1}
+_RESUME_DEFAULTS = {"n_samples": 1, "batch_size": 1}
 
 
 # --- memory (selfspec.measure.peak) ----------------------------------------------------------------
@@ -171,6 +171,46 @@ def _check_run_options(cfg: DictConfig) -> None:
                   why="a generation's measured / predicted time, over its method's median and its example's least, "
                       "that flags it as spoiled")
     _threads_spec(cfg)
+    _batch_size(cfg)
+
+
+def _batch_size(cfg: DictConfig) -> int:
+    """``batch_size``: sequences decoded at once (:mod:`selfspec.evaluation.batches`). More than one is
+    refused before the model loads where a batch cannot run: passes at static shapes (``model.capture``
+    resolving to static or graphs: a batch runs dynamic passes) and ``threads=adaptive`` (it switches
+    torch's threads between one sequence's steps, which a batch shares)."""
+    from selfspec.models import capture
+    from selfspec.models.loading import resolve_device
+
+    size = checks.integer("batch_size", cfg.batch_size, 1, why="sequences decoded at once")
+    if size > 1:
+        mode = capture.resolve(str(cfg.model.capture), resolve_device(str(cfg.model.device)))
+        if mode != "off":
+            raise checks.refuse("batch_size", size, f"1 with model.capture resolving to {mode}",
+                                "a batch runs dynamic passes: set model.capture=off, or batch_size=1")
+        if str(cfg.threads) == "adaptive":
+            raise checks.refuse("batch_size", size, "1 with threads=adaptive",
+                                "adaptive threads switch torch's threads between one sequence's steps, which a "
+                                "batch shares: set threads=fixed, or batch_size=1")
+    return size
+
+
+def _check_batched_methods(cfg: DictConfig, method_cfgs: dict[str, DictConfig], options: dict[str, Options],
+                           size: int) -> None:
+    """Under ``batch_size > 1``, a method that cannot decode a batch (transformers' assisted generation,
+    one sequence at a time) is refused, naming it, rather than run one sequence at a time behind the
+    user's back; so is a speculation gate timed on the wall clock (``never_slower`` with
+    ``profile=null``: a sequence's step shares its passes with the batch's other sequences)."""
+    if size == 1:
+        return
+    for name, m in method_cfgs.items():
+        if not decoder_class(str(m.name)).batches:
+            raise checks.ConfigError(f"batch_size={size} with method {name}: it decodes one sequence at a time "
+                                     "(transformers' assisted generation); leave it out or set batch_size=1")
+        if profile_spec(cfg) is None and getattr(options[name], "never_slower", False):
+            raise checks.ConfigError(f"batch_size={size} with method {name}'s never_slower=true and profile=null: "
+                                     "its gate would time steps that share their passes with the batch's other "
+                                     "sequences; set profile=auto, method.never_slower=false, or batch_size=1")
 
 
 def _threads_spec(cfg: DictConfig) -> str:
@@ -197,7 +237,7 @@ def _threads(cfg: DictConfig, device: torch.device, profile) -> str:
 
     value = str(cfg.threads)
     if value == "auto":
-        return "fixed" if why_not_adaptive(device, profile) else "adaptive"
+        return "fixed" if int(cfg.batch_size) > 1 or why_not_adaptive(device, profile) else "adaptive"
     return value
 
 
@@ -243,6 +283,8 @@ class RunPlan:
     n_samples: int
     #: each method's options as :func:`check_methods` checked them, by label
     method_options: dict[str, Options]
+    #: sequences decoded at once (``batch_size``)
+    batch_size: int = 1
 
 
 def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
@@ -259,10 +301,13 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     method_cfgs = method_configs(cfg, under_test)
     method_options = check_methods(method_cfgs, under_test)
     _check_priced_choices(cfg, method_cfgs, method_options)
+    batch_size = int(cfg.batch_size)
+    _check_batched_methods(cfg, method_cfgs, method_options, batch_size)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
-    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options)
+    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options,
+                   batch_size)
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -435,7 +480,10 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
             _reserve(loaded.model, runs, [prompts[ex.id] for ex in todo], budget)
             _warmup(runs, [prompts[ex.id] for ex in examples], int(cfg.warmup),
                     min(int(cfg.warmup_max_new_tokens), budget), sampling)
-        _loop(plan, runs, todo, prompts, done, tok, results, tracker, baseline, bool(cfg.progress))
+        if plan.batch_size > 1:
+            _loop_batched(plan, runs, todo, prompts, done, tok, results, out_dir, bool(cfg.progress))
+        else:
+            _loop(plan, runs, todo, prompts, done, tok, results, tracker, baseline, bool(cfg.progress))
     finally:
         results.close()
 
@@ -473,7 +521,7 @@ def _identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
     return to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
                         | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": plan.budget,
                         "baseline": next(iter(plan.method_cfgs)), "methods": plan.method_cfgs,
-                        "n_samples": plan.n_samples})
+                        "n_samples": plan.n_samples, "batch_size": plan.batch_size})
 
 
 def _track_summary(tracker: Tracker, summary: dict[str, Any], rows: list[dict], names: list[str], under_test: str,
@@ -516,6 +564,8 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
         "contention": contention(finished[baseline], profile, float(cfg.contention), here,
                                  spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike))),
         "threads": {"policy": threads, "configured": torch.get_num_threads()},
+        "batch_size": plan.batch_size,
+        "batches": _batches(out_dir, finished, baseline, profile) if plan.batch_size > 1 else None,
         "capture": _capture_summary(loaded.model, finished),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,
@@ -618,6 +668,39 @@ def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, basel
         bar.set_postfix({f"{n} tok/s": f"{rates[n]:.1f}" for n in dict.fromkeys([baseline, under_test])})
         tracker.log({f"{n}/tokens_per_s": v for n, v in rates.items()}, step=step)
     bar.close()
+
+
+def _loop_batched(plan: RunPlan, runs, todo, prompts, done, tok, results, out_dir: Path, progress: bool) -> None:
+    """``batch_size > 1``: the examples in waves, each method decoding a wave as one continuous batch
+    (:mod:`selfspec.evaluation.batches`); each row appended as its sequence finishes, each batch a line
+    of batches.jsonl."""
+    from tqdm.auto import tqdm
+
+    from selfspec.evaluation.batches import WAVE, decode_waves, open_batches
+
+    task = plan.task
+    batches = open_batches(out_dir)
+    bar = tqdm(total=len(todo), desc=f"{task.name} {plan.under_test} (batches of {plan.batch_size})", unit="ex",
+               disable=not progress, dynamic_ncols=True)
+
+    def row_of(ex, run, gen, sample, sampling) -> dict[str, Any]:
+        return _row(ex, run, gen, tok, task, len(prompts[ex.id]), sample, sampling) | {"captured_while_timed": None}
+
+    try:
+        decode_waves(runs, todo, prompts, done, plan.batch_size, plan.n_samples, plan.budget,
+                     lambda i: sample_sampling(plan.sampling, i), row_of, results.append, batches.append,
+                     on_wave=lambda w: bar.update(min(len(todo) - bar.n, WAVE * plan.batch_size)))
+    finally:
+        bar.close()
+        batches.close()
+
+
+def _batches(out_dir: Path, rows: dict[str, list[dict[str, Any]]], baseline: str, profile) -> dict[str, Any]:
+    """Throughput, latency and the predicted batch seconds per method
+    (:func:`~selfspec.evaluation.batches.batch_summary`)."""
+    from selfspec.evaluation.batches import batch_summary, open_batches
+
+    return batch_summary(open_batches(out_dir).rows(), rows, baseline, profile)
 
 
 def _log_summary(per_method: dict[str, dict[str, Any]], baseline: str) -> None:

@@ -65,9 +65,11 @@ class Rows:
 
 @dataclass
 class _Parked:
-    """A call a generation made and waits on: a layer walk (``rows``) or a head product (``x``)."""
+    """A call a generation made and waits on: a layer walk (``rows``) or a head product (``x``), and the
+    ledger component its generation charges it to."""
 
     key: tuple
+    component: str
     rows: Rows | None = None
     layers: Any = None
     skip: Any = None
@@ -79,7 +81,10 @@ class Batch:
     """Runs generations together on ``model`` (module docstring), at most ``size`` at once.
 
     Counts what it ran: :attr:`passes` (batched walks and head products, by how many generations
-    each held) and :attr:`rows` (the rows of each batched walk)."""
+    each held), :attr:`rows` (the rows of each batched walk) and :attr:`rounds` (the times every live
+    generation was parked or done); and records each walk and head product it ran as a ledger op
+    (:attr:`ops`, :mod:`selfspec.models.ledger`): a walk's rows are all its generations' rows, its
+    context their row-weighted mean, so a profile prices a pass of B·k rows as it ran."""
 
     def __init__(self, model, size: int) -> None:
         if model.steps is not None:
@@ -93,6 +98,10 @@ class Batch:
         self.passes: collections.Counter[int] = collections.Counter()
         #: rows of each batched walk run
         self.rows: list[int] = []
+        #: scheduling rounds: every live generation parked (or done), their calls run
+        self.rounds = 0
+        #: the walks and head products run, as ledger ops (:class:`~selfspec.models.ledger.LayerOp`, ``HeadOp``)
+        self.ops: list = []
 
     # --- the generations' side: parking a call ---------------------------------------------------
     def _parks(self) -> bool:
@@ -100,19 +109,20 @@ class Batch:
 
         return self._main is not None and getcurrent() is not self._main
 
-    def layers(self, model, h, layers, kv, rope, mask, skip, keep) -> torch.Tensor:
+    def layers(self, model, h, layers, kv, rope, mask, skip, keep, component: str = "host") -> torch.Tensor:
         """A generation's layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers`): parked
         until the batch runs it with the others of its kind, then its states."""
         if not self._parks():
             return model.walk(h, layers, kv, rope, mask, skip, keep)
         key = ("layers", tuple(layers), skip)
-        return self._main.switch(_Parked(key, Rows(h, kv, rope, mask, keep), layers, skip))
+        return self._main.switch(_Parked(key, component, Rows(h, kv, rope, mask, keep), layers, skip))
 
-    def head(self, model, x, weight) -> torch.Tensor:
+    def head(self, model, x, weight, component: str = "host") -> torch.Tensor:
         """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head`), parked likewise."""
         if not self._parks():
             return model.linear(x, weight)
-        return self._main.switch(_Parked(("head", weight.data_ptr(), tuple(weight.shape)), x=x, weight=weight))
+        key = ("head", weight.data_ptr(), tuple(weight.shape))
+        return self._main.switch(_Parked(key, component, x=x, weight=weight))
 
     # --- the batch's side ----------------------------------------------------------------------
     def run(self, jobs: Sequence[Callable[[int], Any]], done: Callable[[int, Any], None] | None = None) -> list:
@@ -152,6 +162,9 @@ class Batch:
                         g = greenlet(job)
                         live[g], slots[g] = i, free.pop(0)
                         advance(g, slots[g])
+                    if not parked:
+                        continue
+                    self.rounds += 1
                     groups: dict[tuple, list] = {}
                     for g in sorted(parked, key=slots.__getitem__):  # in slot order: deterministic
                         groups.setdefault(parked[g].key, []).append(g)
@@ -166,7 +179,8 @@ class Batch:
 
     def _run(self, kind: str, calls: list[_Parked]) -> list[torch.Tensor]:
         """Run parked calls of one kind and key: together where each row's arithmetic stays its own
-        call's (:meth:`_joins`), the others alone, as outside a batch."""
+        call's (:meth:`_joins`), the others alone, as outside a batch; each walk or product run is
+        recorded in :attr:`ops`."""
         model = self.model
         together = [c for c in calls if self._joins(c)]
         outs: dict[int, torch.Tensor] = {}
@@ -181,12 +195,34 @@ class Batch:
                           zip(out.split([f.shape[1] for f in flat], dim=1), together)]
             outs = {id(c): s for c, s in zip(together, states)}
             self.passes[len(together)] += 1
+            self._record(kind, together)
         for c in calls:
             if id(c) not in outs:
                 self.passes[1] += 1
+                self._record(kind, [c])
                 outs[id(c)] = (model.walk(c.rows.h, c.layers, c.rows.kv, c.rows.rope, c.rows.mask, c.skip, c.rows.keep)
                                if kind == "layers" else model.linear(c.x, c.weight))
         return [outs[id(c)] for c in calls]
+
+    def _record(self, kind: str, calls: list[_Parked]) -> None:
+        """The ledger op of a walk or head product run for ``calls``, before it runs (the caches' lengths
+        are the contexts its rows attend to): charged to the component most of them charge it to."""
+        from selfspec.models.ledger import HeadOp, LayerOp
+
+        component = collections.Counter(c.component for c in calls).most_common(1)[0][0]
+        if kind == "head":
+            rows = sum(c.x.numel() // c.x.shape[-1] for c in calls)
+            self.ops.append(HeadOp(component, rows, int(calls[0].weight.shape[0])))
+            return
+        layers, skip = list(calls[0].layers), calls[0].skip
+        if not layers:
+            return
+        attention = sum(skip is None or i not in skip.attn for i in layers)
+        mlp = sum(skip is None or i not in skip.mlp for i in layers)
+        sizes = [c.rows.h.shape[1] for c in calls]
+        contexts = [c.rows.kv.length(layers[0]) if hasattr(c.rows.kv, "length") else 0 for c in calls]
+        context = round(sum(n * t for n, t in zip(sizes, contexts)) / sum(sizes))
+        self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context))
 
     def _joins(self, call: _Parked) -> bool:
         """Whether a parked call's rows can share a pass with others and stay what they are alone: the

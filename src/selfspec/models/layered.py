@@ -533,7 +533,7 @@ class LayeredModel:
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             _record_walk(ledger, h.shape[1], layers, skip, context, eager)
         if self.batch is not None:  # several generations decode at once: their walks run together
-            return self.batch.layers(self, h, layers, kv, rope, mask, skip, keep)
+            return self.batch.layers(self, h, layers, kv, rope, mask, skip, keep, ledger.current if ledger else "host")
         return self.walk(h, layers, kv, rope, mask, skip, keep)
 
     def walk(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
@@ -696,7 +696,7 @@ class LayeredModel:
         if ledger is not None:
             ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]))
         if self.batch is not None:  # several generations decode at once: their head products run together
-            return self.batch.head(self, x, weight)
+            return self.batch.head(self, x, weight, ledger.current if ledger else "host")
         return self.linear(x, weight)
 
     def logits(self, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:

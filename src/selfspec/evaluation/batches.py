@@ -1,0 +1,123 @@
+"""The evaluation in batches (``batch_size`` > 1, issue 54): every method decodes several examples at once.
+
+The examples still to do are taken in **waves** of ``2 · batch_size``. Per wave and sample, each method
+decodes the wave as one continuous batch (:class:`selfspec.models.batch.Batch`: at most ``batch_size``
+sequences at once, the next example joining in the slot of one that finishes), the methods one after
+another, so a slow drift of the machine hits them alike, as the interleaving per example does at
+``batch_size=1``. Each slot is a fork of the method's decoder (:meth:`~selfspec.decoding.base.Decoder.fork`):
+it carries its own policy state (a draft-stop threshold, a gate, SWIFT's layer search) over the examples
+it decodes, so every choice a method makes per sequence (DEL's exit layer, PPD's tree, the n-gram match,
+the gate's decision) is made by that sequence's slot, from its own history. ``hf_generate`` decodes each
+wave as one left-padded batch of transformers' ``generate``; the other HF peers (assisted generation)
+decode one sequence at a time and are refused.
+
+Every generation is a row of ``results.jsonl`` as at ``batch_size=1`` (``batch``: the size and wave),
+appended as it finishes; its ``seconds`` are the sequence's latency, from its first step to its last,
+waits for the other sequences included. Each (wave, sample, method) is a line of ``batches.jsonl``: the
+batch's wall seconds, its sequences, tokens and steps, and every pass it ran as a ledger op (a walk's
+rows are all its sequences' rows; :attr:`~selfspec.models.batch.Batch.ops`). The summary's ``batches``
+reports per method the throughput (new tokens per second of batch wall time), the mean latency, the
+speedup over the baseline's throughput, and the batch seconds a profile predicts: every pass priced at
+its rows (a pass of B·k rows) plus the profile's host time per sequence step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+from selfspec.models.batch import Batch
+from selfspec.tracking import ResultsFile
+
+BATCHES = "batches.jsonl"
+#: what every line of batches.jsonl holds
+BATCH_KEYS = ("wave", "method", "seconds")
+#: examples per wave, in batches
+WAVE = 2
+
+__all__ = ["BATCHES", "BATCH_KEYS", "batch_summary", "decode_waves", "waves"]
+
+
+def waves(examples: list, size: int) -> list[list]:
+    """The examples in waves of ``WAVE · size``."""
+    n = WAVE * size
+    return [examples[i:i + n] for i in range(0, len(examples), n)]
+
+
+def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_samples: int, budget: int,
+                 sampling_of: Callable[[int], Any], row_of: Callable, append_row: Callable[[dict], None],
+                 log_batch: Callable[[dict], None], on_wave: Callable[[int], None] | None = None) -> None:
+    """Decode ``todo`` in waves (module docstring): per wave, sample and method, one batch; each
+    generation's row built by ``row_of(example, run, generation, sample, sampling)`` and handed to
+    ``append_row`` as it finishes, each batch's line to ``log_batch``."""
+    slots = {run.name: [run.decoder.fork() for _ in range(size)] for run in runs if run.decoder.own_loop}
+    for w, wave in enumerate(waves(todo, size)):
+        for i in range(n_samples):
+            s = sampling_of(i)
+            for run in runs:
+                examples = [ex for ex in wave if (ex.id, i, run.name) not in done]
+                if not examples:
+                    continue
+
+                def finished(j: int, gen, examples=examples, run=run, s=s, i=i) -> None:
+                    append_row(row_of(examples[j], run, gen, i, s) | {"batch": {"size": size, "wave": w}})
+
+                t0 = time.perf_counter()
+                if run.decoder.own_loop:
+                    batch = Batch(run.decoder.model, size)
+                    forks = slots[run.name]
+                    gens = batch.run([lambda slot, p=prompts[ex.id]: forks[slot].generate(p, budget, s)
+                                      for ex in examples], done=finished)
+                    ran = {"rounds": batch.rounds, "passes": {str(k): v for k, v in sorted(batch.passes.items())},
+                           "ops": [op.row() for op in batch.ops]}
+                else:  # transformers' batched generate (hf_generate), a wave of at most `size` at a time
+                    gens = []
+                    for k in range(0, len(examples), size):
+                        part = examples[k:k + size]
+                        for j, gen in enumerate(run.decoder.generate_batch([prompts[ex.id] for ex in part], budget, s)):
+                            finished(k + j, gen)
+                            gens.append(gen)
+                    ran = {}
+                seconds = time.perf_counter() - t0
+                log_batch({"wave": w, "sample": i, "method": run.name, "size": size, "sequences": len(examples),
+                           "seconds": seconds, "new_tokens": sum(g.new_tokens for g in gens),
+                           "steps": sum(g.steps for g in gens), **ran})
+        if on_wave is not None:
+            on_wave(w)
+
+
+def batch_summary(lines: list[dict], rows: dict[str, list[dict]], baseline: str, profile=None) -> dict[str, Any]:
+    """Per method, over its batches: ``size``, ``sequences``, ``tokens_per_s`` (new tokens / batch wall
+    seconds: the throughput), ``latency_s`` (mean seconds of a sequence, of ``rows``), ``speedup`` (its
+    throughput over the baseline's), and with a ``profile`` ``predicted_seconds`` (every pass of its
+    batches priced, plus the profile's host time per sequence step), ``measured_over_predicted`` and
+    ``predicted_speedup``."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(line["method"] for line in lines):
+        mine = [line for line in lines if line["method"] == name]
+        seconds = sum(line["seconds"] for line in mine)
+        tokens = sum(line["new_tokens"] for line in mine)
+        r: dict[str, Any] = {"size": mine[0]["size"], "batches": len(mine),
+                             "sequences": sum(line["sequences"] for line in mine), "new_tokens": tokens,
+                             "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
+                             "latency_s": statistics.mean(x["seconds"] for x in rows.get(name, [])) if rows.get(name)
+                             else None}
+        if profile is not None and all("ops" in line for line in mine):
+            predicted = sum(sum(profile.op(op) for op in line["ops"]) + profile.host * line["steps"] for line in mine)
+            r["predicted_seconds"] = predicted
+            r["measured_over_predicted"] = seconds / predicted if predicted else None
+        out[name] = r
+    base = out.get(baseline)
+    for r in out.values():
+        r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]
+                        if base and base["tokens_per_s"] and r["tokens_per_s"] else None)
+        if base and base.get("predicted_seconds") and r.get("predicted_seconds") and r["new_tokens"]:
+            r["predicted_speedup"] = (base["predicted_seconds"] / base["new_tokens"]) / (
+                r["predicted_seconds"] / r["new_tokens"])
+    return out
+
+
+def open_batches(out_dir) -> ResultsFile:
+    """The run directory's ``batches.jsonl``."""
+    return ResultsFile(out_dir / BATCHES, BATCH_KEYS)
