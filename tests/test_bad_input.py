@@ -120,6 +120,26 @@ def test_json_array_file_is_read_like_json_lines(tmp_path):
     assert len(both) == 7
 
 
+@pytest.mark.parametrize("records,message", [
+    ([GOOD, {**GOOD, "document": "Other."}, {**GOOD, "id": "b"}],
+     r"task\.data_files=.*d\.jsonl: 2 of the selected examples have the id 'a' \(field 'id'\); results are kept "
+     r"by example id, so give each record its own"),
+    ([{**GOOD, "id": None}, {**GOOD, "id": "b"}], r"d\.jsonl, line 1: field 'id' is null: give the record its own id, "
+                                                 r"or leave the field out"),
+    ([{**GOOD, "id": 1}, {"document": "x", "summary": "y"}, {"document": "z", "summary": "w"}],
+     r"2 of the selected examples have the id '1'"),
+])
+def test_examples_that_share_an_id_are_refused_before_the_model_loads(tmp_path, no_model_load, records, message):
+    """Issue 52's probe: two records of id "a" and one of "b" ran as three examples, the first "a"
+    never generated and the second twice (the runner keys prompts and references by id), and
+    records with "id": null all became "None". Now a shared id, or a null one, is refused naming the
+    file and the id (a record without an id is numbered by its place, which may meet another's id)."""
+    path = _file(tmp_path, "d.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(TaskDataError, match=message):
+        evaluate(compose(EVAL + ["n_examples=3", "task.source=local", f"task.data_files={path}", "task.shots=0"]),
+                 tmp_path / "run")
+
+
 @pytest.mark.parametrize("task,record,message", [
     ("gsm8k", {"question": "1+1?", "answer": "two"}, r"g\.jsonl, line 1: field 'answer' holds no final number"),
     ("mtbench", {"turns": [], "category": "writing"}, r"g\.jsonl, line 1: field 'turns' should be a non-empty list"),
