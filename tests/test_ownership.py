@@ -441,7 +441,7 @@ def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
     base = Path(tempfile.mkdtemp(prefix="selfspec-ro-cache-"))
     try:
         base.chmod(0o755)
-        folder = base / "kernels" / f"skinny-{kernels.source_digest()}"
+        folder = base / "kernels" / kernels.build_name()
         folder.mkdir(parents=True)
         if built:
             (folder / "selfspec_skinny.so").write_bytes(b"a build")
@@ -464,7 +464,7 @@ def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
                                "and holds no build of these sources: build it once where it can be written (make "
                                "install), or set SELFSPEC_CACHE to a writable directory")
     finally:
-        for d in (base, base / "kernels", base / "kernels" / f"skinny-{kernels.source_digest()}"):
+        for d in (base, base / "kernels", base / "kernels" / kernels.build_name()):
             if d.exists():
                 d.chmod(0o755)
         shutil.rmtree(base)
