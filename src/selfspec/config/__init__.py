@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -32,6 +33,24 @@ def model_config(name: str) -> DictConfig:
             f"{', '.join(group_options('model'))}; or pass model.name_or_path=<hub id or directory>"
         )
     return OmegaConf.load(path)
+
+
+@functools.lru_cache(maxsize=None)
+def primary_keys(config_name: str) -> tuple[str, ...]:
+    """The top-level keys a primary config (``conf/<config_name>.yaml``) composes: its own and one
+    per config group its defaults list chooses (a group chosen ``null``, such as ``experiment``,
+    whose presets write into the other keys, adds none)."""
+    raw = OmegaConf.load(conf_dir() / f"{config_name}.yaml")
+    groups = [k for entry in raw.get("defaults") or [] if OmegaConf.is_dict(entry)
+              for k, v in entry.items() if v is not None and not str(k).startswith("override ")]
+    return tuple(sorted({*(str(k) for k in raw if k not in ("defaults", "hydra")), *groups}))
+
+
+def check_primary_keys(cfg, config_name: str) -> None:
+    """Refuse a top-level key of ``cfg`` that ``conf/<config_name>.yaml`` does not compose, so no reader
+    reads it (issue 52: ``+batch_size=4``, the form Hydra suggests after refusing ``batch_size=4``,
+    ran and was recorded in the summary)."""
+    checks.known_keys("", cfg, primary_keys(config_name), f"conf/{config_name}.yaml")
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "evaluate") -> DictConfig:
