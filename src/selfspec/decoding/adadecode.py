@@ -178,6 +178,7 @@ class AdaDecode(Decoder):
     # --- construction ----------------------------------------------------------------------
     @classmethod
     def check_run(cls, options: AdaDecodeOptions, layers: int, budget: int | None = None) -> None:
+        """``layers`` and ``exit_layers``, where they list layers, name layers below the last."""
         for name in ("layers", "exit_layers"):
             value = getattr(options, name)
             if isinstance(value, list):

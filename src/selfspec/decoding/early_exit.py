@@ -353,6 +353,7 @@ class EarlyExit(ChainDecoder):
 
     @classmethod
     def check_run(cls, options: EarlyExitOptions, layers: int, budget: int | None = None) -> None:
+        """``exit_layer`` below the last layer."""
         checks.integer("method.exit_layer", options.exit_layer, 0, layers - 2,
                        why=f"0-based exit layer ℓ; the model has {layers} layers, the last is the final head itself")
 
@@ -619,6 +620,7 @@ class DEL(EarlyExit):
 
     @classmethod
     def check_run(cls, options: DELOptions, layers: int, budget: int | None = None) -> None:
+        """``candidate_layers``, where given, below the last layer."""
         if options.candidate_layers is not None:
             checks.listed(checks.integer, "method.candidate_layers", options.candidate_layers, 0, layers - 2,
                           why=f"exit layers; the model has {layers}, the last is the final head itself")

@@ -395,6 +395,7 @@ class KnapSpec(DraftVerify):
 
     @classmethod
     def check_run(cls, options: KnapSpecOptions, layers: int, budget: int | None = None) -> None:
+        """:func:`check_skip_layers` (the skip set itself is searched)."""
         check_skip_layers(options.skip_layers, layers)
 
     @classmethod

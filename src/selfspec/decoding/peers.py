@@ -243,6 +243,7 @@ class HFEarlyExit(_AssistantSchedule):
 
     @classmethod
     def check_run(cls, options: Options, layers: int, budget: int | None = None) -> None:
+        """``assistant_early_exit`` below the model's layer count."""
         checks.integer("method.assistant_early_exit", options.assistant_early_exit, 1, layers - 1,
                        why=f"layers that draft; the model has {layers}")
 
