@@ -116,8 +116,11 @@ def test_json_array_file_is_read_like_json_lines(tmp_path):
     b = build_task({**opts, "data_files": str(lines)}).examples()
     assert [(e.id, e.prompt, e.reference) for e in a] == [(e.id, e.prompt, e.reference) for e in b]
     assert [e.id for e in a] == ["1", "2", "3"]
-    both = build_task({**opts, "data_files": str(tmp_path / "*.json*")}).examples()  # a glob: both files
+    _file(tmp_path, "c.jsonl", "\n".join(json.dumps({**r, "id": f"c{r['id']}"}) for r in rows))
+    both = build_task({**opts, "data_files": str(tmp_path / "[ac].json*")}).examples()  # a glob: two files
     assert len(both) == 7
+    with pytest.raises(TaskDataError, match=r"2 of the selected examples have the id '1'"):  # a and b share ids
+        build_task({**opts, "data_files": str(tmp_path / "[ab].json*")}).examples()
 
 
 @pytest.mark.parametrize("records,message", [
