@@ -35,15 +35,29 @@ def model_config(name: str) -> DictConfig:
     return OmegaConf.load(path)
 
 
+def _own_keys(path: Path) -> set[str]:
+    """The top-level keys a config file sets itself (not its defaults list, not Hydra's)."""
+    return {str(k) for k in OmegaConf.load(path) if k not in ("defaults", "hydra")}
+
+
 @functools.lru_cache(maxsize=None)
 def primary_keys(config_name: str) -> tuple[str, ...]:
-    """The top-level keys a primary config (``conf/<config_name>.yaml``) composes: its own and one
-    per config group its defaults list chooses (a group chosen ``null``, such as ``experiment``,
-    whose presets write into the other keys, adds none)."""
+    """The top-level keys a primary config (``conf/<config_name>.yaml``) composes: its own, one per
+    config group its defaults list chooses, and for a group chosen ``null`` (``experiment``: presets
+    of the global package) the keys its presets write (``report``)."""
     raw = OmegaConf.load(conf_dir() / f"{config_name}.yaml")
-    groups = [k for entry in raw.get("defaults") or [] if OmegaConf.is_dict(entry)
-              for k, v in entry.items() if v is not None and not str(k).startswith("override ")]
-    return tuple(sorted({*(str(k) for k in raw if k not in ("defaults", "hydra")), *groups}))
+    keys = _own_keys(conf_dir() / f"{config_name}.yaml")
+    for entry in raw.get("defaults") or []:
+        if not OmegaConf.is_dict(entry):
+            continue
+        for group, choice in entry.items():
+            if str(group).startswith("override "):
+                continue
+            if choice is not None:
+                keys.add(str(group))
+            else:
+                keys.update(*(_own_keys(p) for p in sorted((conf_dir() / str(group)).glob("*.yaml"))))
+    return tuple(sorted(keys))
 
 
 def check_primary_keys(cfg, config_name: str) -> None:
