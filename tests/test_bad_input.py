@@ -116,8 +116,31 @@ def test_json_array_file_is_read_like_json_lines(tmp_path):
     b = build_task({**opts, "data_files": str(lines)}).examples()
     assert [(e.id, e.prompt, e.reference) for e in a] == [(e.id, e.prompt, e.reference) for e in b]
     assert [e.id for e in a] == ["1", "2", "3"]
-    both = build_task({**opts, "data_files": str(tmp_path / "*.json*")}).examples()  # a glob: both files
+    _file(tmp_path, "c.jsonl", "\n".join(json.dumps({**r, "id": f"c{r['id']}"}) for r in rows))
+    both = build_task({**opts, "data_files": str(tmp_path / "[ac].json*")}).examples()  # a glob: two files
     assert len(both) == 7
+    with pytest.raises(TaskDataError, match=r"2 of the selected examples have the id '1'"):  # a and b share ids
+        build_task({**opts, "data_files": str(tmp_path / "[ab].json*")}).examples()
+
+
+@pytest.mark.parametrize("records,message", [
+    ([GOOD, {**GOOD, "document": "Other."}, {**GOOD, "id": "b"}],
+     r"task\.data_files=.*d\.jsonl: 2 of the selected examples have the id 'a' \(field 'id'\); results are kept "
+     r"by example id, so give each record its own"),
+    ([{**GOOD, "id": None}, {**GOOD, "id": "b"}], r"d\.jsonl, line 1: field 'id' is null: give the record its own id, "
+                                                 r"or leave the field out"),
+    ([{**GOOD, "id": 1}, {"document": "x", "summary": "y"}, {"document": "z", "summary": "w"}],
+     r"2 of the selected examples have the id '1'"),
+])
+def test_examples_that_share_an_id_are_refused_before_the_model_loads(tmp_path, no_model_load, records, message):
+    """Issue 52's probe: two records of id "a" and one of "b" ran as three examples, the first "a"
+    never generated and the second twice (the runner keys prompts and references by id), and
+    records with "id": null all became "None". Now a shared id, or a null one, is refused naming the
+    file and the id (a record without an id is numbered by its place, which may meet another's id)."""
+    path = _file(tmp_path, "d.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(TaskDataError, match=message):
+        evaluate(compose(EVAL + ["n_examples=3", "task.source=local", f"task.data_files={path}", "task.shots=0"]),
+                 tmp_path / "run")
 
 
 @pytest.mark.parametrize("task,record,message", [
@@ -260,6 +283,31 @@ EVAL_BAD = [
     (["model.gguf_file=x.gguf"], r"model\.gguf_file=x\.gguf is not allowed: names a GGUF file inside "
                                   r"model\.name_or_path"),
     (["logger=wandb", "logger.mode=sometimes"], r"logger\.mode=sometimes is not allowed"),
+    # issue 52's probe: W&B's own refusals came raw, after the model had loaded
+    (["logger=wandb", "logger.mode=offline", "logger.project=a/b"],
+     r"logger\.project=a/b is not allowed: W&B refuses it \(Invalid project name 'a/b': cannot contain characters"),
+    (["logger=wandb", "logger.mode=offline", f"logger.tags=[{'t' * 76}]"],
+     r"logger\.tags=\[t+\] is not allowed: W&B refuses it \(.*is 76 characters\. Tags must be between 1 and 64"),
+    # issue 52's probe: a top-level key nothing reads ran and was recorded (the form Hydra suggests)
+    (["+batch_size=4"], r"batch_size is not a key of conf/evaluate\.yaml; its keys are .*max_new_tokens"),
+    # issue 52's probe: keys bounded by the layer count were refused only after the model loaded
+    (["method=swift", "method.skip_attn=[99]"], r"method\.skip_attn\[0\]=99 is not allowed: must be in \[1, 2\] "
+                                               r"\(SWIFT never skips the first or the last layer; the model has 4 layers\)"),
+    (["method=swift", "model.random.num_hidden_layers=2"],
+     r"method=swift needs a model of at least 3 layers \(it never skips the first or the last layer\); the model "
+     r"has 2"),
+    (["method=clasp", "method.skip_layers=99"], r"method\.skip_layers=99 is not allowed: must be in \[0, 3\] "
+                                                r"\(CLaSp's M, layers skipped; the model has 4 layers\)"),
+    (["method=early_exit", "method.exit_layer=7"], r"method\.exit_layer=7 is not allowed: must be in \[0, 2\] "
+                                                   r"\(0-based exit layer ℓ; the model has 4 layers"),
+    (["method=draft_verify", "method.skip_attn=[9]"], r"method\.skip_attn\[0\]=9 is not allowed: must be in \[0, 3\]"),
+    (["method=hf_early_exit", "method.assistant_early_exit=4"],
+     r"method\.assistant_early_exit=4 is not allowed: must be in \[1, 3\]"),
+    (["compare=[swift]", "model.random.num_hidden_layers=2"],
+     r"method=swift needs a model .* \(in conf/method/swift\.yaml, run as baseline or compare\)"),
+    # issue 52's probe: numpy's RandomState takes 0 .. 2**32 - 1; -1 and 2**32 failed raw after the load
+    (["method=swift", "method.seed=-1"], r"method\.seed=-1 is not allowed: must be in \[0, 4294967295\]"),
+    (["method=swift", "method.seed=4294967296"], r"method\.seed=4294967296 is not allowed"),
 ]
 
 
@@ -292,6 +340,42 @@ def test_an_unreachable_wandb_server_is_refused_before_the_model_loads(tmp_path,
     assert not any(tmp_path.iterdir())
 
 
+def test_a_wandb_mode_wandb_refuses_is_refused_before_the_model_loads(tmp_path, no_model_load, monkeypatch):
+    """Issue 52's probe: WANDB_MODE=bogus failed raw in wandb.init, after the model had loaded."""
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ConfigError, match=r"WANDB_MODE=bogus is not allowed: W&B refuses it \(.*'online', 'offline'"):
+        evaluate(compose(EVAL + ["logger=wandb", "logger.mode=auto"]), tmp_path)
+
+
+def test_a_swift_context_window_the_budget_never_fills_is_said_before_the_model_loads(no_model_load, caplog):
+    """Issue 52's probe: a SWIFT context_window the generation never fills (the default 50 with
+    max_new_tokens <= 51) turned the layer set optimisation off without a word."""
+    with caplog.at_level("WARNING"):
+        prepare(compose(EVAL + ["method=swift"]))
+    assert ("method swift: the layer set optimisation needs more than method.context_window + 1 = 51 generated "
+            "tokens, and max_new_tokens=4 never gives them: it never runs, and SWIFT drafts with its starting set") \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        prepare(compose(EVAL + ["method=swift", "method.context_window=2"]))
+        prepare(compose(EVAL + ["method=swift", "method.optimize=false"]))
+    assert "layer set optimisation" not in caplog.text
+
+
+def test_a_draft_longer_than_the_models_context_is_refused_naming_max_draft(tiny, tmp_path):
+    """Issue 52's probe: SWIFT's max_draft=1000 (KnapSpec's 100000) failed at the first generation
+    with advice naming max_new_tokens, after vanilla's row was written, so the corrected rerun into
+    the same directory was refused. Now it is refused naming method.max_draft before anything is
+    written, and the corrected run goes ahead in the same directory."""
+    run = tmp_path / "run"
+    for method, k in (("swift", 1000), ("clasp", 100000)):
+        with pytest.raises(ConfigError, match=rf"method {method}: a step may write \d+ cache positions past the "
+                                              rf"tokens \(method\.max_draft={k}\).*lower method\.max_draft"):
+            evaluate(compose(EVAL + [f"method={method}", f"method.max_draft={k}", "profile=null"]), run, loaded=tiny)
+        assert not run.exists()
+    evaluate(compose(EVAL + ["method=swift", "method.max_draft=4", "profile=null"]), run, loaded=tiny)
+
+
 def test_a_reachable_wandb_server_passes_the_check(monkeypatch):
     """The check accepts a server that takes the connection (a listening socket on this machine)."""
     from selfspec.tracking import check_logger
@@ -306,6 +390,7 @@ def test_a_reachable_wandb_server_passes_the_check(monkeypatch):
 
 
 JOB_BAD = [
+    (["job=heads", "+batch_size=4"], r"batch_size is not a key of conf/train\.yaml; its keys are "),
     (["job=heads", "job.kind=lm_head"], r"job\.kind=lm_head is not allowed: must be one of linear, full"),
     (["job=heads", "job.layers=[]"], r"job\.layers=\[\] is not allowed: must name at least one layer"),
     (["job=heads", "job.data=both"], r"job\.data=both is not allowed"),

@@ -97,6 +97,24 @@ def test_resume_skips_finished_examples(tiny, tmp_path, monkeypatch):
         evaluate(_cfg("n_examples=3", "max_new_tokens=9"), tmp_path, loaded=tiny)
 
 
+def test_a_resumed_run_says_which_carried_state_started_afresh(tiny, tmp_path, caplog):
+    """Issue 52's probe: a SWIFT run resumed after a kill restarted its layer search without a word
+    (4 search iterations against 30 uninterrupted, other τ and speedup, the same tokens); by design
+    every state carried from one example to the next (a gate, Draft & Verify's threshold) starts
+    afresh in a new process. Now the resumed run says so in its log and records it in its summary."""
+    dv = ["method=draft_verify", "method.skip_attn=[1]", "method.skip_mlp=[2]", "profile=null"]
+    first = evaluate(compose(SMALL + ["n_examples=1", *dv]), tmp_path, loaded=tiny)
+    assert first["resumed"] is None
+    with caplog.at_level("WARNING"):
+        s = evaluate(compose(SMALL + dv), tmp_path, loaded=tiny)
+    restarted = {"draft_verify": ["gate", "drafter.draft_stop"]}
+    assert s["resumed"] == {"examples_before": 1, "restarted": restarted}
+    assert json.loads((tmp_path / SUMMARY).read_text())["resumed"] == s["resumed"]
+    assert ("resuming: 1 of 2 examples were finished by an earlier process; the state these methods carry from one "
+            "example to the next starts afresh here, so the examples after differ from an uninterrupted run's: "
+            "draft_verify (gate, drafter.draft_stop)") in caplog.text
+
+
 def test_interrupted_run_keeps_finished_examples(tiny, tmp_path, monkeypatch):
     real = HFGenerate.generate
     calls = []

@@ -428,6 +428,26 @@ def test_a_run_projects_onto_a_profile_of_its_architecture_in_another_dtype(tiny
         project_run(tmp_path / "run", synthetic_profile())
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind,why", [("fifo", "is a FIFO"), ("nan", "NaN is not a finite number")])
+def test_projecting_reads_only_a_regular_summary_of_finite_numbers(tmp_path, kind, why):
+    """Issue 52's probe: a summary.json that is a FIFO hung ``project`` for good; NaN in one was
+    taken as a figure. Both are refused naming the file."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from selfspec.project import run_projection
+
+    if kind == "fifo":
+        os.mkfifo(tmp_path / SUMMARY)
+    else:
+        (tmp_path / SUMMARY).write_text('{"baseline": "vanilla", "methods": {"vanilla": {"speedup": NaN}}}')
+    synthetic_profile().save(tmp_path / "profiles" / "synthetic.json")
+    with pytest.raises(ValueError, match=f"{tmp_path / SUMMARY} cannot be read as a run summary .*{why}"):
+        run_projection(OmegaConf.create({"inputs": [str(tmp_path)], "profile": str(tmp_path / "profiles")}))
+
+
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"methods": 3}'])
 def test_projecting_a_malformed_summary_names_the_file(tmp_path, text):
     """Issue 39's probe: project on a malformed summary.json gave a raw JSONDecodeError or

@@ -305,7 +305,7 @@ def test_artefact_metadata_is_strict_json(tiny, heads_artefact):
     text = (heads_artefact / "meta.json").read_text()
     assert "NaN" not in text and json.loads(text)["metrics"]["kl"] is None
     (heads_artefact / "meta.json").write_text(text.replace('"kl": null', '"kl": NaN'))
-    with pytest.raises(ArtefactError, match=r"meta.json is not valid JSON \(NaN is not valid JSON\)"):
+    with pytest.raises(ArtefactError, match=r"meta.json is not valid JSON \(NaN is not a finite number\)"):
         read_meta(heads_artefact)
 
 
@@ -337,6 +337,104 @@ def test_malformed_summaries_are_skipped_with_one_line_naming_file_and_field(tmp
     assert not result.records and not result.tables
     assert f"skipping {run / 'summary.json'}: {field}" in caplog.text
     assert "nothing to report: no readable evaluation summary (summary.json) under" in caplog.text
+
+
+def _report(tmp_path, caplog):
+    from selfspec.reporting.build import build_report
+
+    with caplog.at_level("WARNING"):
+        return build_report([tmp_path / "runs"], tmp_path / "report", None, make_plots=False)
+
+
+def _summary_of(method: str = "vanilla", speedup: float = 1.0, **config) -> dict:
+    cfg = {"model": {"name": "m"}, "task": {"name": "xsum"}, "method": {"name": method}, "baseline": "vanilla",
+           "sampling": {"temperature": 0.0}, **config}
+    return {"model": "m", "task": "xsum", "method": method, "baseline": "vanilla", "config": cfg,
+            "methods": {"vanilla": {"speedup": 1.0, "tokens_per_s": 10.0},
+                        method: {"speedup": speedup, "tokens_per_s": 10.0 * speedup}}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "character device", "too large"])
+def test_report_reads_only_regular_summaries_of_bounded_size(tmp_path, caplog, monkeypatch, kind):
+    """Issue 52's probe: a summary.json that is a FIFO hung ``report`` for good, and one linked to
+    /dev/zero grew memory until the host ran out (only ``evaluate`` checked its files). Now every
+    file the report reads is a regular file of at most store.files.READ_LIMIT bytes; another is
+    skipped with a line naming it (here /dev/null stands for /dev/zero: both are character devices,
+    and reading /dev/null cannot exhaust memory when the check is missing)."""
+    from selfspec.store import files
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    path = run / "summary.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+        why = "is a FIFO"
+    elif kind == "character device":
+        path.symlink_to("/dev/null")
+        why = "is a character device"
+    else:
+        path.write_text(json.dumps(_summary_of()))
+        monkeypatch.setattr(files, "READ_LIMIT", 64)
+        why = f"holds {path.stat().st_size} bytes, more than the 64 selfspec reads"
+    result = _report(tmp_path, caplog)
+    assert not result.records
+    assert f"skipping {path}: {path} {why}" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_summary_holding_a_number_that_is_not_finite_is_skipped(tmp_path, caplog, value):
+    """Issue 52's probe: NaN or Infinity in a summary.json was reported as a result ("inf× faster
+    than vanilla"). selfspec writes null where a figure is not finite, so such a summary is not one
+    it wrote: skipped with a line naming the file and the value."""
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(_summary_of("ngram", speedup=2.0)).replace('"speedup": 2.0',
+                                                                                          f'"speedup": {value}'))
+    result = _report(tmp_path, caplog)
+    assert not result.records
+    assert f"skipping {run / 'summary.json'}: {value} is not a finite number" in caplog.text
+
+
+def test_a_foreign_summary_cannot_pull_the_environment_into_the_report(tmp_path, caplog, monkeypatch):
+    """Issue 52's probe: a summary's config was resolved with OmegaConf's resolvers, oc.env among them,
+    so ``"${oc.env:PROBE_SECRET}"`` in its report.variant put the reporting user's variable into
+    index.html, report.md and the log. Now only interpolations between the config's own keys are
+    resolved; a resolver call (``${name:...}``), also one reached through them, stays as it is written."""
+    monkeypatch.setenv("PROBE_SECRET", "s3cr3t-value")
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    summary = _summary_of("ngram", speedup=2.0, report={"table": "dv_text", "variant": "${oc.env:PROBE_SECRET}"})
+    summary["config"]["other"] = {"secret": "${oc.env:PROBE_SECRET}", "k": 4}
+    summary["config"]["method"]["label"] = "K=${other.k} ${other.secret} \\${x}"
+    (run / "summary.json").write_text(json.dumps(summary))
+    result = _report(tmp_path, caplog)
+    (record,) = [r for r in result.records if r.method == "ngram"]
+    assert record.variant == "${oc.env:PROBE_SECRET}"
+    assert record.config["method"]["label"] == "K=4 ${oc.env:PROBE_SECRET} ${x}"
+    written = [p.read_text() for p in result.out_dir.rglob("*") if p.is_file() and p.suffix in (".html", ".md")]
+    assert written and not any("s3cr3t-value" in text for text in written)
+    assert "s3cr3t-value" not in caplog.text
+
+
+@pytest.mark.parametrize("name,text,why", [
+    ("overrides.yaml", "[unclosed", "is not YAML"),
+    ("overrides.yaml", "a: 1\n", "is not a list of overrides"),
+    ("hydra.yaml", "{oops", "is not YAML"),
+])
+def test_a_malformed_hydra_record_skips_its_run_only(tmp_path, caplog, name, text, why):
+    """Issue 52's probe: one malformed .hydra/overrides.yaml aborted the whole report (it was read
+    outside the path that skips one unreadable run). Now that run is skipped with a line naming the
+    file, and the others are reported."""
+    for run in ("bad", "good"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "summary.json").write_text(json.dumps(_summary_of("ngram", speedup=2.0)))
+    hydra = tmp_path / "runs" / "bad" / ".hydra"
+    hydra.mkdir()
+    (hydra / name).write_text(text)
+    result = _report(tmp_path, caplog)
+    assert {r.provenance["source"] for r in result.records} == {str(tmp_path / "runs" / "good")}
+    assert f"skipping {tmp_path / 'runs' / 'bad'}: {hydra / name} {why}" in caplog.text
 
 
 def test_a_directory_that_cannot_be_made_is_refused_by_key_before_anything_is_written(tmp_path):
@@ -425,6 +523,22 @@ def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.json"]  # no temporary left
 
 
+def test_a_full_disk_is_said_once(monkeypatch):
+    """Issue 52's probe: on a full disk the results file was named, but the last line printed was a
+    second raw OSError from closing it (the runner closes it in its ``finally``): the row stayed in
+    the file object's buffer, and closing wrote it again. Now a row goes to the file in one write,
+    nothing is held back, and closing after a failed append has nothing left to write. (/dev/full,
+    whose every write fails with ENOSPC, stands for the full disk.)"""
+    import selfspec.tracking.local as local
+
+    monkeypatch.setattr(local, "not_plain", lambda info: None)  # /dev/full is a character device
+    results = ResultsFile("/dev/full", ("id",))
+    monkeypatch.setattr(results, "_repair_tail", lambda: None)  # /dev/full reads as endless zeros
+    with pytest.raises(OSError, match=r"no space left on the device writing /dev/full"):
+        results.append({"id": "a"})
+    results.close()
+
+
 @pytest.mark.parametrize("built", [True, False])
 def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
     """Issue 39's probe: a read-only warm cache could not be used at all, even with
@@ -441,7 +555,7 @@ def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
     base = Path(tempfile.mkdtemp(prefix="selfspec-ro-cache-"))
     try:
         base.chmod(0o755)
-        folder = base / "kernels" / f"skinny-{kernels.source_digest()}"
+        folder = base / "kernels" / kernels.build_name()
         folder.mkdir(parents=True)
         if built:
             (folder / "selfspec_skinny.so").write_bytes(b"a build")
@@ -464,7 +578,7 @@ def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
                                "and holds no build of these sources: build it once where it can be written (make "
                                "install), or set SELFSPEC_CACHE to a writable directory")
     finally:
-        for d in (base, base / "kernels", base / "kernels" / f"skinny-{kernels.source_digest()}"):
+        for d in (base, base / "kernels", base / "kernels" / kernels.build_name()):
             if d.exists():
                 d.chmod(0o755)
         shutil.rmtree(base)

@@ -152,6 +152,56 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
     assert f"waiting for pid {holder.pid}" in waited.stderr and time.perf_counter() - t0 >= 1
 
 
+def test_the_kernel_build_folder_is_one_per_environment(monkeypatch):
+    """The build folder's name is the same for every process of one environment, and another where
+    torch's builder would write other paths into its build file (another venv's torch)."""
+    import torch.utils.cpp_extension as cpp
+
+    here = kernels.build_name()
+    assert here == kernels.build_name() and here.startswith(f"skinny-{kernels.source_digest()}-")
+    monkeypatch.setattr(cpp, "include_paths", lambda *a, **k: ["/another/venv/site-packages/torch/include"])
+    kernels.build_name.cache_clear()
+    try:
+        assert kernels.build_name() != here
+    finally:
+        kernels.build_name.cache_clear()
+
+
+def _second_environment(root: Path) -> Path:
+    """A virtual environment whose torch is the running one's seen through a symlink of its own (so
+    torch's builder writes this environment's paths), every other package the running one's."""
+    site = Path(torch.__file__).resolve().parents[1]
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(root)], check=True,
+                   capture_output=True, timeout=300)
+    (own,) = root.glob("lib/python*/site-packages")
+    (own / "torch").symlink_to(site / "torch")
+    (own / "zz-first-environment.pth").write_text(f"{site}\n")
+    return root / "bin" / "python"
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_two_environments_sharing_a_cache_build_once_each(tmp_path):
+    """Issue 52's probe: two venvs sharing one cache rebuilt the kernels on every switch (12 full
+    rebuilds in an hour): the folder was named by the sources, torch's version and the flags, but
+    torch's builder writes the venv's include and library paths into its build file, so each
+    venv's build invalidated the other's. Now each environment has its own folder, built once:
+    switching four times builds twice."""
+    cache = tmp_path / "cache"
+    source = Path(kernels.__file__).parents[2]
+    tools = os.path.dirname(sys.executable)  # where ninja is
+    env = {**os.environ, "SELFSPEC_CACHE": str(cache), "PYTHONPATH": str(source),
+           "PATH": f"{tools}:{os.environ.get('PATH', '')}"}
+    pythons = [sys.executable, str(_second_environment(tmp_path / "venv"))]
+    code = "from selfspec.models import kernels; kernels.load(); print(kernels._build_dir())"
+    built: dict[str, int] = {}
+    for python in pythons * 2:
+        out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=900, check=True)
+        library = Path(out.stdout.strip().splitlines()[-1]) / "selfspec_skinny.so"
+        assert built.setdefault(python, library.stat().st_mtime_ns) == library.stat().st_mtime_ns, python
+    assert len(list(cache.glob("kernels/skinny-*/selfspec_skinny.so"))) == 2
+
+
 @needs_kernel
 def test_kernel_runs_inside_the_runtime_only(tiny, prompt_ids, monkeypatch):
     """transformers' own generate (the HF peers, the tests' reference) runs the library's code:

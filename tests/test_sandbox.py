@@ -134,6 +134,27 @@ else:
     assert passed(program, timeout=20.0)
 
 
+@pytest.mark.parametrize("where", ["/dev/shm/hoard", "/dev/hoard"])
+def test_dev_holds_no_writable_file_system_without_a_size(bubblewrap, where):
+    """Issue 52's probe: the sandbox's /dev was a tmpfs without a size (bubblewrap's ``--dev``), so
+    a program wrote 3.5 GiB to /dev/shm in 2.9 s, into host RAM; /dev itself was writable too. Now
+    /dev is read-only: what a program writes goes to its /tmp (sandbox.TMP_BYTES) or nowhere, and
+    its devices (/dev/null) still take writes."""
+    program = CORRECT + f"""
+import errno
+with open("/dev/null", "wb") as f:
+    f.write(b"x" * 1024)
+try:
+    with open({where!r}, "wb") as f:
+        f.write(b"x" * (1 << 20))
+except OSError as err:
+    assert err.errno in (errno.EROFS, errno.EACCES, errno.ENOENT), err
+else:
+    raise AssertionError("wrote 1 MiB to {where}")
+"""
+    assert passed(program, timeout=10.0)
+
+
 def test_memory_bomb_is_capped():
     bomb = CORRECT + "hoard = []\nwhile True:\n    hoard.append(bytearray(16 << 20))\n"
     start = time.monotonic()

@@ -21,7 +21,6 @@ always-speculating ``predicted_speedup``.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -144,12 +143,15 @@ def run_projection(cfg: DictConfig) -> dict[str, dict[str, dict[str, Any]]]:
 
 def _summary(run_dir: Path) -> dict[str, Any]:
     """A run's ``summary.json``, or a ValueError naming the file when it is not one selfspec wrote
-    (before: a raw JSONDecodeError or AttributeError naming no file)."""
+    (before: a raw JSONDecodeError or AttributeError naming no file; issue 52: a FIFO hung, and
+    NaN passed): a regular file of bounded size holding strict JSON
+    (:func:`~selfspec.store.files.read_json`)."""
     from selfspec.evaluation.runner import SUMMARY
+    from selfspec.store.files import read_json
 
     path = Path(run_dir) / SUMMARY
     try:
-        summary = json.loads(path.read_text())
+        summary = read_json(path)
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} cannot be read as a run summary ({err}): evaluate the run again") from None
     if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict) or "baseline" not in summary:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -32,6 +33,38 @@ def model_config(name: str) -> DictConfig:
             f"{', '.join(group_options('model'))}; or pass model.name_or_path=<hub id or directory>"
         )
     return OmegaConf.load(path)
+
+
+def _own_keys(path: Path) -> set[str]:
+    """The top-level keys a config file sets itself (not its defaults list, not Hydra's)."""
+    return {str(k) for k in OmegaConf.load(path) if k not in ("defaults", "hydra")}
+
+
+@functools.lru_cache(maxsize=None)
+def primary_keys(config_name: str) -> tuple[str, ...]:
+    """The top-level keys a primary config (``conf/<config_name>.yaml``) composes: its own, one per
+    config group its defaults list chooses, and for a group chosen ``null`` (``experiment``: presets
+    of the global package) the keys its presets write (``report``)."""
+    raw = OmegaConf.load(conf_dir() / f"{config_name}.yaml")
+    keys = _own_keys(conf_dir() / f"{config_name}.yaml")
+    for entry in raw.get("defaults") or []:
+        if not OmegaConf.is_dict(entry):
+            continue
+        for group, choice in entry.items():
+            if str(group).startswith("override "):
+                continue
+            if choice is not None:
+                keys.add(str(group))
+            else:
+                keys.update(*(_own_keys(p) for p in sorted((conf_dir() / str(group)).glob("*.yaml"))))
+    return tuple(sorted(keys))
+
+
+def check_primary_keys(cfg, config_name: str) -> None:
+    """Refuse a top-level key of ``cfg`` that ``conf/<config_name>.yaml`` does not compose, so no reader
+    reads it (issue 52: ``+batch_size=4``, the form Hydra suggests after refusing ``batch_size=4``,
+    ran and was recorded in the summary)."""
+    checks.known_keys("", cfg, primary_keys(config_name), f"conf/{config_name}.yaml")
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "evaluate") -> DictConfig:

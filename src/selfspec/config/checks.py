@@ -137,11 +137,12 @@ def optional(check: Callable[..., T], key: str, value: Any, *args: Any, **kwargs
 
 
 def known_keys(prefix: str, cfg: Mapping[str, Any], keys: Iterable[str], what: str) -> None:
-    """Refuse keys of ``cfg`` that its reader does not read (a typo would otherwise be ignored)."""
+    """Refuse keys of ``cfg`` that its reader does not read (a typo would otherwise be ignored);
+    ``prefix`` "" names top-level keys."""
     keys = set(keys)
     unknown = sorted(str(k) for k in cfg if k not in keys)
     if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]} is not a key of {what}; its keys are "
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]} is not a key of {what}; its keys are "
                           f"{', '.join(sorted(keys))}")
 
 

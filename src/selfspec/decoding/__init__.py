@@ -90,6 +90,7 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", op
     loads), else they are checked here."""
     cls = decoder_class(str(method_cfg.name))
     options = options if options is not None else check_method(method_cfg)
+    cls.check_run(options, model.num_layers)
     gate = cls.new_gate(profile) if isinstance(options, Gated) and options.never_slower else None
     if threads not in ("adaptive", "fixed"):
         raise ValueError(f"threads must be adaptive or fixed here, got {threads!r}")

@@ -177,6 +177,15 @@ class AdaDecode(Decoder):
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
+    def check_run(cls, options: AdaDecodeOptions, layers: int, budget: int | None = None) -> None:
+        """``layers`` and ``exit_layers``, where they list layers, name layers below the last."""
+        for name in ("layers", "exit_layers"):
+            value = getattr(options, name)
+            if isinstance(value, list):
+                checks.listed(checks.integer, f"method.{name}", value, 0, layers - 2,
+                              why=f"head layers; the model has {layers}, the last is the final head itself")
+
+    @classmethod
     def from_config(cls, model, options: AdaDecodeOptions, **common) -> "AdaDecode":
         """Load (or build) the heads ``options`` name and check them against the model."""
         kind = options.head_kind

@@ -30,6 +30,7 @@ import torch
 
 from selfspec.config.options import Options
 from selfspec.decoding.carried import Carries
+from selfspec.decoding.draft_exit import DraftStop
 from selfspec.decoding.part_options import PARTS, ContextFirst, Gated
 from selfspec.decoding.sampling import Sampling, select
 from selfspec.measure.costs import synchronizer
@@ -329,6 +330,15 @@ class Decoder(Carries):
         return cls(model, **options.values(without=PARTS), **common)
 
     @classmethod
+    def check_run(cls, options: Options, layers: int, budget: int | None = None) -> None:
+        """What the checked ``options`` ask of a model of ``layers`` layers, known before it loads
+        (:func:`selfspec.measure.peak.shape_of`): a key naming a layer the model does not have is
+        refused by name (:class:`~selfspec.config.checks.ConfigError`; issue 52: they were refused
+        only after the load). With ``budget`` (the run's max_new_tokens), a setting the budget leaves
+        without effect is said in a warning. :func:`selfspec.decoding.build_decoder` checks the
+        layers again against the model it builds on. Default: nothing to check."""
+
+    @classmethod
     def needs_profile(cls, options: Options) -> tuple[str, str] | None:
         """The first of the method's checked ``options`` (:func:`~selfspec.decoding.check_method`) that
         prices its choices with the run's cost profile, as ``("key=value", why)``, or None; evaluate
@@ -441,6 +451,25 @@ class Decoder(Carries):
         copy of its own: a batch's slots (:mod:`selfspec.models.batch`) each decode their own stream
         of examples, as one decoder decodes a run's."""
         return _forked(self, {})
+
+    def carried(self) -> list[str]:
+        """The policy state that carries over from one example to the next
+        (:mod:`selfspec.decoding.carried`), by name: the decoder's own carried attributes
+        (``search``), then its parts' (``gate``, ``threads``, ``context.acceptance``,
+        ``drafter.draft_stop``), less a draft-stop rule with nothing that changes (a static
+        threshold). What a new process starts afresh when it resumes a run."""
+        holders = [("", self), *((name, part) for name, part in vars(self).items()
+                                 if part is not None and any(part is p for p in self.parts))]
+        names = []
+        for name, part in holders:
+            if not isinstance(part, Carries):
+                continue
+            if part.carries is None:
+                names.append(name)
+                continue
+            names += [f"{name}.{a}" if name else a for a in part.carries
+                      if not (isinstance(getattr(part, a), DraftStop) and getattr(part, a).state() is None)]
+        return names
 
     @contextlib.contextmanager
     def kept_state(self) -> Iterator[None]:

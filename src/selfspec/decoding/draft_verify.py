@@ -291,6 +291,16 @@ class DraftVerify(ChainDecoder):
                               draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
 
     @classmethod
+    def check_run(cls, options: DraftVerifyOptions, layers: int, budget: int | None = None) -> None:
+        """Inline ``skip_attn`` / ``skip_mlp`` name layers of the model (an artefact's skip set is
+        checked against the model when it is read)."""
+        for name in ("skip_attn", "skip_mlp"):
+            value = getattr(options, name)
+            if value is not None:
+                checks.listed(checks.integer, f"method.{name}", value, 0, layers - 1,
+                              why=f"layer indices; the model has {layers} layers")
+
+    @classmethod
     def from_config(cls, model: LayeredModel, options: DraftVerifyOptions, **common) -> "DraftVerify":
         where = options.values()
         skip = resolve_skip_set(where, model, common.get("tokenizer"))

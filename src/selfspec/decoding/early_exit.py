@@ -352,11 +352,14 @@ class EarlyExit(ChainDecoder):
         self.lookahead = drafter.max_draft + 1
 
     @classmethod
+    def check_run(cls, options: EarlyExitOptions, layers: int, budget: int | None = None) -> None:
+        """``exit_layer`` below the last layer."""
+        checks.integer("method.exit_layer", options.exit_layer, 0, layers - 2,
+                       why=f"0-based exit layer ℓ; the model has {layers} layers, the last is the final head itself")
+
+    @classmethod
     def from_config(cls, model: LayeredModel, options: EarlyExitOptions, **common) -> "EarlyExit":
         exit_layer = options.exit_layer
-        if not exit_layer < model.num_layers - 1:
-            raise ValueError(f"method.exit_layer={exit_layer} must be in [0, {model.num_layers - 2}] for "
-                             f"{model.name} ({model.num_layers} layers; the last layer is the final head itself)")
         heads = exit_heads(model, options, [exit_layer])
         drafter = ExitDrafter(model, heads, exit_layer, options.max_draft, draft_stop_from_config(options.draft_stop),
                               eos=common.get("eos_token_ids", ()))
@@ -614,6 +617,13 @@ class DEL(EarlyExit):
         if options.cost_model == "measured":
             return "cost_model=measured", MEASURED_NEEDS_PROFILE
         return super().needs_profile(options)
+
+    @classmethod
+    def check_run(cls, options: DELOptions, layers: int, budget: int | None = None) -> None:
+        """``candidate_layers``, where given, below the last layer."""
+        if options.candidate_layers is not None:
+            checks.listed(checks.integer, "method.candidate_layers", options.candidate_layers, 0, layers - 2,
+                          why=f"exit layers; the model has {layers}, the last is the final head itself")
 
     @classmethod
     def from_config(cls, model: LayeredModel, options: DELOptions, **common) -> "DEL":

@@ -248,6 +248,12 @@ class Search:
     chosen: Chosen | None = None
 
 
+def check_skip_layers(skip_layers: int | None, layers: int) -> None:
+    """``skip_layers`` (CLaSp's M; null = a quarter of the layers) below the model's ``layers``."""
+    checks.optional(checks.integer, "method.skip_layers", skip_layers, 0, layers - 1,
+                    why=f"CLaSp's M, layers skipped; the model has {layers} layers")
+
+
 class SearchedSkipDrafter(SkipSetDrafter):
     """Draft & Verify's drafter whose skip set is searched while decoding (module docstring):
     KnapSpec's knapsack over sublayers (``selection: knapspec``, priced with ``profile``) or CLaSp's
@@ -260,10 +266,8 @@ class SearchedSkipDrafter(SkipSetDrafter):
         super().__init__(model, SkipSet(), max_draft, draft_stop, last_token, eos_draft, **parts)
         self.selection = checks.choice("method.selection", selection, SELECTIONS)
         self.interval, self.search_at, self.window = int(interval), int(search_at), int(window)
+        check_skip_layers(skip_layers, model.num_layers)
         self.skip_layers = model.num_layers // 4 if skip_layers is None else int(skip_layers)
-        if not 0 <= self.skip_layers < model.num_layers:
-            raise checks.refuse("method.skip_layers", skip_layers, f"at most {model.num_layers - 1}",
-                                f"the model has {model.num_layers} layers")
         self.similarity_floor = float(similarity_floor)
         self.profile = profile
         if self.selection == "knapspec" and profile is None:
@@ -388,6 +392,11 @@ class KnapSpec(DraftVerify):
         where = options.values()
         return cls(model, **{k: where[k] for k in (*DECODING_KEYS, *SEARCH_KEYS)},
                    draft_vocab=build_draft_vocab(model, options), **common)
+
+    @classmethod
+    def check_run(cls, options: KnapSpecOptions, layers: int, budget: int | None = None) -> None:
+        """:func:`check_skip_layers` (the skip set itself is searched)."""
+        check_skip_layers(options.skip_layers, layers)
 
     @classmethod
     def needs_profile(cls, options: KnapSpecOptions) -> tuple[str, str] | None:

@@ -286,12 +286,14 @@ class HFEarlyExit(_AssistantSchedule):
         assistant_early_exit: int = key(checks.integer, 1, why="layers that draft; below the model's layer count")
 
     @classmethod
+    def check_run(cls, options: Options, layers: int, budget: int | None = None) -> None:
+        """``assistant_early_exit`` below the model's layer count."""
+        checks.integer("method.assistant_early_exit", options.assistant_early_exit, 1, layers - 1,
+                       why=f"layers that draft; the model has {layers}")
+
+    @classmethod
     def from_config(cls, model, options: Options, **common):
         exit_layer = options.assistant_early_exit
-        if not exit_layer < model.num_layers:
-            raise ValueError(
-                f"method.assistant_early_exit={exit_layer} must be a layer count in [1, "
-                f"{model.num_layers - 1}] for this {model.num_layers}-layer model")
         peer = cls(model, {"assistant_early_exit": exit_layer}, **common)
         peer.assistant_hf = model.hf
         peer._set_schedule(options)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,8 @@ from selfspec.models.cache import Appended
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import phase
 
+log = logging.getLogger(__name__)
+
 #: candidates per draft depth, read at the depth's top-1 confidence (``get_choices_list``)
 TOPK = 10
 GREEDY_WIDTHS = ((0.95, 3), (0.8, 5), (0.5, 8), (-math.inf, 10))
@@ -69,6 +72,19 @@ SEARCH_STATES = ("stream", "example")
 #: the keys of the layer set optimisation
 SEARCH_KEYS = ("skip_ratio", "context_window", "opt_interval", "bayes_interval", "max_opt_iter",
                "max_tolerance_iter", "max_score", "seed", "search_state", "optimize", "skip_attn", "skip_mlp")
+
+
+def check_layers(layers: int, skip_attn, skip_mlp) -> None:
+    """Refuse a model of fewer than 3 layers, and a starting set naming the first, the last or no
+    layer of ``layers``, naming the key."""
+    if layers < 3:
+        raise checks.ConfigError(f"method=swift needs a model of at least 3 layers (it never skips the first or the "
+                                 f"last layer); the model has {layers}: choose a deeper model (a random one's "
+                                 "model.random.num_hidden_layers) or another method")
+    for key_name, value in (("skip_attn", skip_attn), ("skip_mlp", skip_mlp)):
+        if value is not None:
+            checks.listed(checks.integer, f"method.{key_name}", value, 1, layers - 2,
+                          why=f"SWIFT never skips the first or the last layer; the model has {layers} layers")
 
 
 def tree_width(confidence: float, greedy: bool) -> int:
@@ -138,7 +154,7 @@ class SwiftOptions(Gated):
     max_opt_iter: int = key(checks.integer, 0)
     max_tolerance_iter: int = key(checks.integer, 0)
     max_score: float = key(checks.number, 0.0, 1.0, why="matchness at which the optimisation stops")
-    seed: int = key(checks.seed)
+    seed: int = key(checks.integer, 0, 2 ** 32 - 1, why="the random search's numpy.random.RandomState seed")
     search_state: str = key(checks.choice, SEARCH_STATES,
                             why="stream: carried over the examples (the authors'); example: restarted at each")
     optimize: bool = key(checks.flag, why="search the layer set while decoding")
@@ -161,8 +177,7 @@ class Swift(Decoder):
                  max_tolerance_iter: int, max_score: float, seed: int, search_state: str, optimize: bool,
                  skip_attn=None, skip_mlp=None, **common) -> None:
         super().__init__(model, **common)
-        if model.num_layers < 3:
-            raise ValueError(f"SWIFT never skips the first or the last layer: the model has {model.num_layers}")
+        check_layers(model.num_layers, skip_attn, skip_mlp)
         self.max_draft = int(max_draft)
         self.draft_stop_config = draft_stop_config(draft_stop)
         self.draft_stop: DraftStop = draft_stop_from_config(self.draft_stop_config)
@@ -170,19 +185,30 @@ class Swift(Decoder):
         self.opt_interval, self.bayes_interval = int(opt_interval), bayes_interval
         self.max_opt_iter, self.max_tolerance_iter, self.max_score = int(max_opt_iter), int(max_tolerance_iter), max_score
         self.seed, self.search_state, self.optimize = int(seed), search_state, bool(optimize)
-        inner = list(range(1, model.num_layers - 1))
         if skip_attn is None and skip_mlp is None:
             self.start = initial_skip(model.num_layers)
         else:
             self.start = SkipSet.of(skip_attn or (), skip_mlp or ())
-            bad = sorted(i for i in self.start.attn | self.start.mlp if i not in inner)
-            if bad:
-                raise checks.refuse("method.skip_attn / method.skip_mlp", bad, f"layers 1..{model.num_layers - 2}",
-                                    "SWIFT never skips the first or the last layer")
         self.skip_count = int((model.num_layers - 2) * 2 * self.skip_ratio)
         self.search = self.new_search()
         self.lookahead = 1 + TOPK * self.max_draft  # the drafts' scratch K/V, then the tree's rows
         self._layouts: dict[tuple[int, ...], TreeLayout] = {}
+
+    @classmethod
+    def check_run(cls, options: SwiftOptions, layers: int, budget: int | None = None) -> None:
+        """The layers (:func:`check_layers`); and a ``context_window`` that ``budget`` never fills,
+        which leaves the optimisation off (issue 52: it was off without a word), is said."""
+        check_layers(layers, options.skip_attn, options.skip_mlp)
+        if budget is not None and options.optimize and budget <= options.context_window + 1:
+            log.warning("method swift: the layer set optimisation needs more than method.context_window + 1 = %d "
+                        "generated tokens, and max_new_tokens=%d never gives them: it never runs, and SWIFT drafts "
+                        "with its starting set (lower method.context_window or raise max_new_tokens to search; "
+                        "method.optimize=false says it is meant)", options.context_window + 1, budget)
+
+    def carried(self) -> list[str]:
+        """As every decoder's, less the layer search where it starts again at every example anyway
+        (``search_state: example``)."""
+        return [n for n in super().carried() if not (n == "search" and self.search_state == "example")]
 
     # --- the layer set optimisation (§3.2) -------------------------------------------------------
     def new_search(self) -> LayerSearch:

@@ -29,17 +29,18 @@ import contextlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from selfspec.config import checks, load_method_config
+from selfspec.config import check_primary_keys, checks, load_method_config
 from selfspec.config.options import Options
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
 from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
 from selfspec.evaluation.profiling import profile_spec, run_profile
-from selfspec.measure.peak import EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes
+from selfspec.measure.peak import (EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes,
+                                   shape_of)
 from selfspec.measure.profile import machine, model_shape
 from selfspec.models.capture import BUCKETS, MAX_GRAPHS
 from selfspec.store.files import check_directory, check_writable, to_jsonable, write_json
@@ -159,7 +160,8 @@ def sample_sampling(sampling: Sampling, index: int) -> Sampling:
 
 def _check_run_options(cfg: DictConfig) -> None:
     """The keys of conf/evaluate.yaml read outside the groups (``n_examples`` and
-    ``max_new_tokens`` are checked where they are read)."""
+    ``max_new_tokens`` are checked where they are read), after a top-level key it does not have."""
+    check_primary_keys(cfg, "evaluate")
     checks.seed("seed", cfg.seed)
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
     checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
@@ -241,19 +243,37 @@ def _threads(cfg: DictConfig, device: torch.device, profile) -> str:
     return value
 
 
+@contextlib.contextmanager
+def _in_method_config(name: str, under_test: str) -> Iterator[None]:
+    """A config error inside, of a baseline / compare method, names its config file."""
+    try:
+        yield
+    except checks.ConfigError as err:
+        if name == under_test:
+            raise
+        raise checks.ConfigError(f"{err} (in conf/method/{name}.yaml, run as baseline or compare)") from None
+
+
 def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[str, Options]:
     """Every method config's checked options (:func:`~selfspec.decoding.check_method`), by label,
     without a model (the run builds its decoders from them: each method is checked once per run); an
     error in a baseline / compare method names its config file."""
     options = {}
     for name, m in method_cfgs.items():
-        try:
+        with _in_method_config(name, under_test):
             options[name] = check_method(m)
-        except checks.ConfigError as err:
-            if name == under_test:
-                raise
-            raise checks.ConfigError(f"{err} (in conf/method/{name}.yaml, run as baseline or compare)") from None
     return options
+
+
+def _check_for_model(cfg: DictConfig, method_cfgs: dict[str, DictConfig], options: dict[str, Options],
+                     under_test: str, budget: int) -> None:
+    """Each method's keys bounded by the model's layer count, read from its config without loading
+    it (:func:`~selfspec.measure.peak.shape_of`), and what the token budget leaves without effect
+    (:meth:`~selfspec.decoding.base.Decoder.check_run`)."""
+    layers = shape_of(cfg.model).layers
+    for name, m in method_cfgs.items():
+        with _in_method_config(name, under_test):
+            decoder_class(str(m.name)).check_run(options[name], layers, budget)
 
 
 def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig],
@@ -290,7 +310,7 @@ class RunPlan:
 def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     """Check every config value and read the task's examples — all that can fail without a model."""
     from selfspec.models.loading import check_model_config
-    from selfspec.tracking import check_logger
+    from selfspec.tracking import check_logger, run_tags
 
     _check_run_options(cfg)
     sampling = Sampling.from_config(cfg.sampling)
@@ -304,7 +324,8 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     batch_size = int(cfg.batch_size)
     _check_batched_methods(cfg, method_cfgs, method_options, batch_size)
     check_model_config(cfg.model)
-    check_logger(cfg.get("logger"))
+    _check_for_model(cfg, method_cfgs, method_options, under_test, budget)
+    check_logger(cfg.get("logger"), run_tags(cfg, "evaluate", under_test))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
     return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options,
                    batch_size)
@@ -460,12 +481,12 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     runs = _decoders(plan, loaded, profile, threads)
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
+    _check_room(plan, runs, prompts, loaded.model)
     _begin(out_dir, identity, cfg)
     results = ResultsFile(out_dir / RESULTS, ROW_KEYS)
     ids = set(prompts)
     done, todo = _progress(results, ids, examples, runs, n_samples)
-    if done:
-        log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
+    resumed = _resumed(out_dir, runs, len(examples), len(todo)) if done else None
 
     own_tracker = tracker is None
     tracker = tracker or start_run(cfg, "evaluate", dir=out_dir, method_label=under_test)
@@ -488,7 +509,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         results.close()
 
     rows = [r for r in results.rows() if str(r["id"]) in ids]
-    summary = _summary(cfg, plan, out_dir, loaded, runs, rows, profile, threads, info, artefacts)
+    summary = _summary(cfg, plan, out_dir, loaded, runs, rows, profile, threads, info, artefacts) | {"resumed": resumed}
     write_json(out_dir / SUMMARY, summary)
     _track_summary(tracker, summary, rows, names, under_test, info)
     if own_tracker:
@@ -504,6 +525,44 @@ def _decoders(plan: RunPlan, loaded, profile, threads: str) -> list[MethodRun]:
     return [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads,
                                              options=plan.method_options[name], **common))
             for name, m in plan.method_cfgs.items()]
+
+
+def _check_room(plan: RunPlan, runs: list[MethodRun], prompts: dict[str, list[int]], model) -> None:
+    """Refuse, before anything is written, a method whose generations need more cache positions than
+    the model holds: the longest prompt, the budget and what a step writes past the tokens (its
+    drafts, its tree). Issue 52: SWIFT's max_draft=1000 failed at the first generation with advice
+    naming max_new_tokens, after vanilla's row was written, so the corrected rerun was refused."""
+    longest = max(map(len, prompts.values()))
+    for run in runs:
+        room = run.decoder.room
+        need = longest + plan.budget + room + 1
+        if need <= model.max_context:
+            continue
+        k = getattr(plan.method_options[run.name], "max_draft", None)
+        drafts = f"method.max_draft={k}" if k is not None else "its drafts and tree"
+        lower = ["max_new_tokens", "task.max_prompt_tokens"]
+        if k is not None:
+            lower.insert(0 if room > plan.budget else 2, "method.max_draft")
+        raise checks.ConfigError(
+            f"method {run.name}: a step may write {room} cache positions past the tokens ({drafts}), and with the "
+            f"longest prompt ({longest} tokens) and max_new_tokens={plan.budget} a generation needs {need}, more than "
+            f"the {model.max_context} model {model.name} holds: lower {', '.join(lower[:-1])} or {lower[-1]}")
+
+
+def _resumed(out_dir: Path, runs: list[MethodRun], n_examples: int, n_todo: int) -> dict[str, Any]:
+    """A resumed run's record (``summary.json``: ``resumed``) and its warning: the examples an
+    earlier process finished, and per method the state it carries from one example to the next
+    (:meth:`~selfspec.decoding.base.Decoder.carried`), which starts afresh in this process (issue 52:
+    a resumed SWIFT run restarted its layer search without a word)."""
+    before = n_examples - n_todo
+    restarted = {r.name: r.decoder.carried() for r in runs if r.decoder.carried()}
+    log.info("resuming %s: %d of %d examples already finished", out_dir, before, n_examples)
+    if restarted:
+        log.warning("resuming: %d of %d examples were finished by an earlier process; the state these methods carry "
+                    "from one example to the next starts afresh here, so the examples after differ from an "
+                    "uninterrupted run's: %s", before, n_examples,
+                    "; ".join(f"{name} ({', '.join(what)})" for name, what in restarted.items()))
+    return {"examples_before": before, "restarted": restarted}
 
 
 def _progress(results: ResultsFile, ids: set, examples, runs: list[MethodRun], n_samples: int) -> tuple[set, list]:

@@ -461,12 +461,18 @@ class Profile:
     # --- files ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, path) -> "Profile":
+        from selfspec.store.files import read_text
+
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            text = read_text(path)  # a regular file of bounded size; its figures are checked below
         except FileNotFoundError:
             raise FileNotFoundError(f"no profile at {path}: measure one with `make profile MODEL=...` "
                                     f"or name a shipped one ({', '.join(shipped()) or 'none shipped'})") from None
+        except ValueError as e:
+            raise ValueError(f"profile {e}: measure it again (make profile)") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"profile {path} is not valid JSON ({e}): measure it again (make profile)") from None
         return cls(data, str(path))

@@ -14,7 +14,8 @@ its caller chose (:data:`ISOLATIONS`):
 
 **bubblewrap**: the host's root read-only (``--ro-bind / /``), a private ``/tmp`` (tmpfs, 64 MiB)
 holding the working directory ``/tmp/work`` (the program's file read-only in it: every byte the
-program writes goes to that tmpfs, whose size caps the total), a minimal ``/dev``, an empty
+program writes goes to that tmpfs, whose size caps the total), a minimal ``/dev``, read-only
+(``/dev/shm`` with it: its devices, ``/dev/null`` among them, still take writes), an empty
 ``/proc``, every namespace unshared (no network, no other processes, its own user namespace),
 ``--new-session``, ``--die-with-parent``. When scoring as root, the sandbox runs as ``nobody``
 where the interpreter is reachable for it, else as root of its own user namespace with no
@@ -37,7 +38,8 @@ frames (there is no result object in the process to mark) all score as failed.
 
 Prevented, by the kernel (bubblewrap mode): writes outside the working directory and the
 private ``/tmp``, and more than :data:`TMP_BYTES` written in all (before, the working directory
-was a host directory, and a program filled 2 GiB of the host's disk in 3 s); network access; seeing or signalling host processes; reading its own memory
+was a host directory, and a program filled 2 GiB of the host's disk in 3 s; issue 52: ``/dev`` was
+a writable tmpfs without a size, and a program wrote 3.5 GiB of host RAM to ``/dev/shm``); network access; seeing or signalling host processes; reading its own memory
 through ``/proc``; outliving the timeout. In both modes: using more memory, CPU time or file
 size than the limits.
 
@@ -242,7 +244,9 @@ def _command(launcher: _Launcher, workdir: str, fd: int, limits: Limits) -> list
     ids = ["--uid", str(NOBODY), "--gid", str(NOBODY)] if os.geteuid() == 0 and launcher.user is None else []
     # the working directory inside the size-limited /tmp, writable by whoever the sandbox runs as;
     # the host's copy of the program is bound in read-only, so nothing inside writes to the host
-    return [launcher.bwrap, "--ro-bind", "/", "/", "--tmpfs", "/proc", "--dev", "/dev",
+    # /dev: bubblewrap's minimal one (null, zero, random, tty...), then read-only, /dev/shm with it: a
+    # tmpfs without a size there would take a program's writes into host RAM
+    return [launcher.bwrap, "--ro-bind", "/", "/", "--tmpfs", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
             "--size", str(TMP_BYTES), "--tmpfs", "/tmp", *_interpreter_binds(), "--perms", "0777", "--dir", WORKDIR,
             "--ro-bind", os.path.join(workdir, "program.py"), f"{WORKDIR}/program.py",
             "--chdir", WORKDIR, "--unshare-all", "--die-with-parent", "--new-session", *ids, "--", *child]

@@ -19,8 +19,8 @@ AVX-512F an AVX-512 path of the kernel runs passes of more than 6 rows, chosen a
 build flags stay AVX2): bit-identical to the AVX2 path, 1.07-1.31x faster from 7 to 32 rows on
 SmolLM2 and slower below (``scripts/bench_kernel_isa.py``; ``torch.ops.selfspec.skinny_isa``
 forces either path, for tests).
-Attention is made batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine with
-``torch.utils.cpp_extension`` into the selfspec cache and registered as
+Attention is made batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine and
+Python environment (:func:`build_name`) with ``torch.utils.cpp_extension`` into the selfspec cache and registered as
 ``torch.ops.selfspec.skinny_linear``.
 
 Model config key ``linear_kernel``: ``auto`` (this kernel on a CPU with AVX2 in float32 or
@@ -35,6 +35,7 @@ import errno
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -81,10 +82,27 @@ def source_digest() -> str:
                           + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=1)
+def build_name() -> str:
+    """The build folder's name: ``skinny-<source digest>-<environment digest>``. The second names
+    what torch's builder writes into its build file besides the sources and flags: the include and
+    library paths of this environment's torch and Python, and the compiler (``CXX``). Environments
+    that share one cache (two venvs, ``SELFSPEC_CACHE``) then build once each, not on every switch
+    (issue 52: each venv's build invalidated the other's, 12 full rebuilds in an hour)."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    paths = [*cpp_extension.include_paths(), *cpp_extension.library_paths(), sysconfig.get_paths()["include"],
+             os.environ.get("CXX", "c++")]
+    environment = hashlib.sha256("\0".join(paths).encode()).hexdigest()[:12]
+    return f"skinny-{source_digest()}-{environment}"
+
+
 def _build_dir() -> Path:
     from selfspec.store.assets import cache_dir
 
-    return cache_dir() / "kernels" / f"skinny-{source_digest()}"
+    return cache_dir() / "kernels" / build_name()
 
 
 #: the sources, compiled together into one library
@@ -108,7 +126,7 @@ def _stage_sources(folder: Path) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def load() -> None:
-    """Compile (once per machine: ~15 s) and register ``torch.ops.selfspec.skinny_linear``,
+    """Compile (once per machine and environment: ~15 s) and register ``torch.ops.selfspec.skinny_linear``,
     ``torch.ops.selfspec.rowwise_attention``, ``torch.ops.selfspec.rms_norm``,
     ``torch.ops.selfspec.rotary`` and ``torch.ops.selfspec.layer_walk``.
 
@@ -129,7 +147,7 @@ def load() -> None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             held.enter_context(hold(folder / "selfspec-build.lock", f"kernel build folder {folder}",
-                                    wait=f"the CPU kernels (built once per machine, ~15 s) are being built in {folder}"))
+                                    wait=f"the CPU kernels (built once per machine and environment, ~15 s) are being built in {folder}"))
         except OSError as err:
             if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
@@ -348,5 +366,6 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
     return "torch"
 
 
-__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "grouped_attention", "linear", "load", "resolve", "rms_norm", "rotary",
+__all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "build_name", "grouped_attention", "linear", "load",
+           "resolve", "rms_norm", "rotary",
            "rowwise_attention", "skinny_linear"]

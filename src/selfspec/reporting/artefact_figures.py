@@ -14,11 +14,12 @@ writes its BO trace there, one line per evaluated candidate) or from list-valued
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from selfspec.store.files import read_json, read_text, strict_json
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class ArtefactInfo:
 
 
 def read_meta(path: Path) -> dict[str, Any] | None:
+    """An artefact's ``meta.json``, None when it is not a regular file of bounded size holding
+    strict JSON (:func:`~selfspec.store.files.read_json`)."""
     try:
-        return json.loads((path / "meta.json").read_text())
+        return read_json(path / "meta.json")
     except (OSError, ValueError):
         return None
 
@@ -69,17 +72,19 @@ def find_artefacts(root: str | Path) -> list[ArtefactInfo]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
+    """The JSON lines of an artefact's log (a regular file of bounded size), leaving out those that
+    are not strict JSON; none when the file cannot be read."""
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        continue
-    except OSError:
+        lines = read_text(path).splitlines()
+    except (OSError, ValueError):
         return []
+    rows = []
+    for line in lines:
+        if line.strip():
+            try:
+                rows.append(strict_json(line))
+            except ValueError:
+                continue
     return rows
 
 

@@ -20,7 +20,6 @@ at the top, above its table and in its task's section.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import defaultdict
@@ -38,6 +37,7 @@ from selfspec.reporting.records import Record, collect, find_runs, latest_only
 from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title, to_latex,
                                        to_markdown)
 from selfspec.store.figure import Plot
+from selfspec.store.files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def runtime_reports(inputs: Iterable[Path]) -> list[dict[str, Any]]:
         for path in paths:
             if path.name == "runtime.json":
                 try:
-                    found.append((path.stat().st_mtime, json.loads(path.read_text()) | {"path": str(path)}))
+                    found.append((path.stat().st_mtime, read_json(path) | {"path": str(path)}))
                 except (OSError, ValueError) as err:
                     log.warning("skipping unreadable runtime benchmark %s: %s", path, err)
     return [r for _, r in sorted(found, key=lambda t: -t[0])]

@@ -9,8 +9,8 @@ directory, git commit, hardware and library versions.
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from selfspec.reporting.fields import dotted as _get, label_under_test
 from selfspec.reporting.ledger import is_loaded
+from selfspec.store.files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -108,20 +109,73 @@ def _temperature(t: Any) -> str:
 
 # --- configs ------------------------------------------------------------------------------------
 def _load_yaml(path: Path) -> Any:
+    """A ``.hydra/`` file of a run (:func:`~selfspec.store.files.read_text`: a regular file of
+    bounded size), or a :class:`ValueError` naming it when it is not YAML."""
+    import io
+
+    import yaml
     from omegaconf import OmegaConf
 
-    return OmegaConf.load(path)
+    from selfspec.store.files import read_text
+
+    try:
+        return OmegaConf.load(io.StringIO(read_text(path)))
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not YAML ({str(err).splitlines()[0]})") from None
+
+
+#: the resolvers a config read from a run may call: those that read the config itself only
+SAFE_RESOLVERS = ("oc.select",)
+
+
+def _calls_resolver(value: str) -> bool:
+    """Whether the config value ``value`` calls a resolver outside :data:`SAFE_RESOLVERS`
+    (``${oc.env:...}``, ``${hydra:...}``, ``${now:...}``, nested ones too), read with OmegaConf's
+    own grammar; a value the grammar cannot read counts as one."""
+    from omegaconf import grammar_parser
+    from omegaconf.errors import GrammarParseError
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
+
+    try:
+        tree = grammar_parser.parse(value)
+    except GrammarParseError:
+        return True
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if (isinstance(node, OmegaConfGrammarParser.InterpolationResolverContext)
+                and node.resolverName().getText() not in SAFE_RESOLVERS):
+            return True
+        todo.extend(node.getChildren() if hasattr(node, "getChildren") else ())
+    return False
+
+
+def _as_written(node: Any) -> Any:
+    """A plain copy of a config in which every string that calls a resolver (:func:`_calls_resolver`)
+    is escaped, so that resolving it gives back the string as written."""
+    if isinstance(node, dict):
+        return {k: _as_written(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_as_written(v) for v in node]
+    if isinstance(node, str) and "${" in node and _calls_resolver(node):
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", node)
+    return node
 
 
 def resolve_config(cfg: Any) -> dict[str, Any]:
-    """A plain dict of a (possibly unresolved) config; values whose interpolation cannot be
-    resolved outside the run (``${hydra:...}``) are kept as their raw string."""
+    """A plain dict of a config read from a run (its summary, or ``.hydra/config.yaml``), possibly
+    unresolved. Only interpolations between its own keys are resolved (``K=${method.max_draft}``);
+    a value that calls a resolver that reads anything but the config (:func:`_calls_resolver`), or
+    leads to one through those interpolations, is kept as it is written (issue 52: a foreign
+    summary's ``${oc.env:...}`` put the reporting user's environment into the report). A value
+    whose interpolation cannot be resolved (a key it lacks) is kept as its raw string."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
-    if isinstance(cfg, dict):
-        cfg = OmegaConf.create(cfg)
-    if not isinstance(cfg, (DictConfig, ListConfig)):
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        cfg = OmegaConf.to_container(cfg, resolve=False)
+    if not isinstance(cfg, (dict, list)):
         return cfg
+    cfg = OmegaConf.create(_as_written(cfg))
 
     def walk(node: Any) -> Any:
         if isinstance(node, DictConfig):
@@ -146,22 +200,32 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
 
 
 def run_config(run_dir: Path, summary: dict[str, Any] | None = None) -> tuple[dict, list[str], dict]:
-    """(resolved config, command-line overrides, config-group choices) of a run directory."""
+    """(resolved config, command-line overrides, config-group choices) of a run directory; a
+    :class:`ValueError` naming the ``.hydra/`` file that is not what Hydra writes."""
     summary = summary or {}
     cfg: dict[str, Any] = {}
+    hydra = run_dir / ".hydra"
     if isinstance(summary.get("config"), dict):
         cfg = resolve_config(summary["config"])
-    elif (run_dir / ".hydra" / "config.yaml").exists():
-        cfg = resolve_config(_load_yaml(run_dir / ".hydra" / "config.yaml"))
+    elif (hydra / "config.yaml").exists():
+        cfg = resolve_config(_load_yaml(hydra / "config.yaml"))
     overrides: list[str] = []
-    if (run_dir / ".hydra" / "overrides.yaml").exists():
-        overrides = [str(o) for o in (_load_yaml(run_dir / ".hydra" / "overrides.yaml") or [])]
+    if (hydra / "overrides.yaml").exists():
+        from omegaconf import ListConfig, OmegaConf
+
+        found = _load_yaml(hydra / "overrides.yaml")
+        listed = OmegaConf.to_container(found, resolve=False) if isinstance(found, ListConfig) else None
+        if listed is None or not all(isinstance(o, str) for o in listed):
+            raise ValueError(f"{hydra / 'overrides.yaml'} is not a list of overrides (strings)")
+        overrides = listed
     choices: dict[str, Any] = {}
-    if (run_dir / ".hydra" / "hydra.yaml").exists():
+    if (hydra / "hydra.yaml").exists():
         from omegaconf import OmegaConf
 
-        hydra_cfg = OmegaConf.to_container(_load_yaml(run_dir / ".hydra" / "hydra.yaml"), resolve=False)
+        hydra_cfg = OmegaConf.to_container(_load_yaml(hydra / "hydra.yaml"), resolve=False)
         choices = _get(hydra_cfg, "hydra.runtime.choices", {}) or {}
+        if not isinstance(choices, dict):
+            raise ValueError(f"{hydra / 'hydra.yaml'}'s hydra.runtime.choices is not a mapping")
     return cfg, overrides, choices
 
 
@@ -376,15 +440,19 @@ def read_run(run_dir: str | Path) -> list[Record]:
     cannot be read or is malformed: a warning line names the file and the field)."""
     run_dir = Path(run_dir)
     path = run_dir / SUMMARY
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     try:
-        summary = json.loads(path.read_text())
+        summary = read_json(path)
         check_summary(summary)
     except (OSError, ValueError) as err:
         log.warning("skipping %s: %s", path, err)
         return []
-    cfg, overrides, choices = run_config(run_dir, summary)
+    try:
+        cfg, overrides, choices = run_config(run_dir, summary)
+    except (OSError, ValueError) as err:  # issue 52: one malformed .hydra/ file aborted the whole report
+        log.warning("skipping %s: %s", run_dir, err)
+        return []
     return records_from_summary(summary, cfg, source=str(run_dir), origin="run",
                                 overrides=overrides, choices=choices)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.store.files import disk_space, to_jsonable
+from selfspec.store.files import disk_space, read_json, to_jsonable
 
 META = "meta.json"
 TENSORS = "tensors.safetensors"
@@ -106,17 +106,14 @@ def save_artefact(
     return path
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """An artefact's ``meta.json``: a strict JSON object (``NaN`` or ``Infinity`` are refused)."""
+    """An artefact's ``meta.json``: a strict JSON object (``NaN`` or ``Infinity`` are refused) in a
+    regular file of bounded size (:func:`~selfspec.store.files.read_json`)."""
     path = Path(path)
     if not (path / META).exists():
         raise ArtefactError(f"{path} is not a selfspec artefact (no {META}); train one first or fix the path")
     try:
-        meta = json.loads((path / META).read_text(), parse_constant=_no_constant)
+        meta = read_json(path / META)
     except (OSError, ValueError) as err:
         raise ArtefactError(f"{path / META} is not valid JSON ({err}); {rebuild_hint(path)}") from None
     if not isinstance(meta, dict):

@@ -1,6 +1,7 @@
 """Files on disk written so that nothing is lost: atomic writes (a temporary file in the same
 directory, then a rename), a full disk's error naming the file, strict JSON values, and the checks
-that a directory can be made and written before a run writes into it (issue 39).
+that a directory can be made and written before a run writes into it (issue 39). Files that runs or
+other programs left are read only as regular files of bounded size, their JSON strict (issue 52).
 """
 
 from __future__ import annotations
@@ -55,6 +56,60 @@ def not_plain(info: os.stat_result) -> str | None:
         if test(mode):
             return f"is {name}"
     return "is not a regular file"
+
+
+#: the most bytes selfspec reads from a file a run or another program left (a summary, a run's
+#: ``.hydra/`` record, an artefact's ``meta.json``, a profile): far above what it writes itself
+READ_LIMIT = 256 << 20
+
+
+def read_text(path: str | Path, limit: int | None = None) -> str:
+    """The UTF-8 text of ``path``, which must be a regular file (a symlink to one is followed) of at
+    most ``limit`` bytes (default :data:`READ_LIMIT`); else a :class:`ValueError` naming it and what
+    it is (issue 52: reading a FIFO waited forever, and /dev/zero grew memory until the host ran
+    out). Opened without blocking, so a FIFO is named, not waited on; :class:`OSError` when it cannot
+    be opened."""
+    limit = READ_LIMIT if limit is None else limit
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} {not_plain(info)}, not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{path} holds {info.st_size} bytes, more than the {limit} selfspec reads")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # it grew while read
+        raise ValueError(f"{path} holds more than the {limit} bytes selfspec reads")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _not_finite(text: str) -> float:
+    raise ValueError(f"{text} is not a finite number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else _not_finite(text)
+
+
+def strict_json(text: str) -> Any:
+    """``text`` parsed as JSON as selfspec writes it: ``NaN``, ``Infinity`` and numbers beyond a
+    float's range (``1e999``) are refused with a :class:`ValueError` naming the value (selfspec
+    writes null for a figure that is not finite, so no file it wrote holds one; issue 52: a summary's
+    Infinity was reported as "inf× faster")."""
+    return json.loads(text, parse_constant=_not_finite, parse_float=_finite)
+
+
+def read_json(path: str | Path, limit: int | None = None) -> Any:
+    """:func:`strict_json` of :func:`read_text` of ``path``."""
+    return strict_json(read_text(path, limit))
 
 
 def check_writable(directory: str | Path, what: str) -> None:

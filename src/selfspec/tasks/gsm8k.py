@@ -55,7 +55,7 @@ class GSM8K(Task):
                      exemplars: list[dict[str, Any]]) -> Example:
         shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in exemplars)
         return Example(
-            id=str(record.get("id", index)),
+            id=self.example_id(record, index),
             prompt=f"{shots}Question: {record['question']}\nAnswer:",
             reference=extract_number(record["answer"]),
             meta={"task": self.name, "shots": len(exemplars), "solution": record["answer"],

@@ -112,6 +112,7 @@ class HumanEval(Task):
     score_column = ("pass@1", "pass@1")
     hub_id = "openai/openai_humaneval"
     required = {"task_id": str, "prompt": str, "test": str, "entry_point": str}
+    id_field = "task_id"
     config_class = HumanEvalConfig
     paper_stop = STOP
     chat_stop = CHAT_STOP
@@ -123,7 +124,7 @@ class HumanEval(Task):
     def make_example(self, record: dict[str, Any], index: int,
                      exemplars: list[dict[str, Any]]) -> Example:
         problem = {k: record[k] for k in self.required}
-        return Example(id=record["task_id"], prompt=record["prompt"], reference=problem,
+        return Example(id=self.example_id(record, index), prompt=record["prompt"], reference=problem,
                        meta={"task": self.name, "source": self.cfg.source,
                              "entry_point": record["entry_point"]})
 

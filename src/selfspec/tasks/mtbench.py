@@ -23,6 +23,7 @@ class MTBench(Task):
     hub_rename = {"prompt": "turns", "prompt_id": "question_id"}
     required = {"turns": list, "category": str}
     defaults = {"n_examples": 80}
+    id_field = "question_id"
 
     def offline_records(self) -> list[dict[str, Any]]:
         return read_jsonl(asset_path("mtbench"), self.required)
@@ -35,7 +36,7 @@ class MTBench(Task):
 
     def make_example(self, record: dict[str, Any], index: int,
                      exemplars: list[dict[str, Any]]) -> Example:
-        return Example(id=str(record.get("question_id", index)), prompt=record["turns"][0],
+        return Example(id=self.example_id(record, index), prompt=record["turns"][0],
                        reference=None,
                        meta={"task": self.name, "source": self.cfg.source,
                              "category": record["category"], "turns": record["turns"]})

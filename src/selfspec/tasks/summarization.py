@@ -57,7 +57,7 @@ class SummarisationTask(Task):
                      exemplars: list[dict[str, Any]]) -> Example:
         shots = [(r[self.document_field], r[self.summary_field]) for r in exemplars]
         return Example(
-            id=str(record.get("id", index)),
+            id=self.example_id(record, index),
             prompt=summarisation_prompt(record[self.document_field], shots),
             reference=record[self.summary_field],
             meta={"task": self.name, "source": self.cfg.source, "shots": len(shots)},

@@ -28,6 +28,7 @@ default) is ``chat`` for a model whose config says ``chat: true`` (an instruct m
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import gzip
@@ -357,6 +358,9 @@ class Task:
     paper_stop: ClassVar[list[str]] = []
     chat_stop: ClassVar[list[str]] = []
     paper_chat_template: ClassVar[bool | str] = "auto"
+    #: the record field that names an example (results are kept by it); a record without it is
+    #: named by its place in the selection
+    id_field: ClassVar[str] = "id"
 
     def __init__(self, model_chat: bool = False, **options: Any) -> None:
         """Options are the fields of ``config_class`` (:class:`TaskConfig`'s and the task's own);
@@ -480,8 +484,37 @@ class Task:
                               f"available after {shots} shot(s); using {len(rest)}",
                               stacklevel=2)
                 n = len(rest)
-            self._examples = [self._example(r, i) for i, r in enumerate(rest[:n])]
+            examples = [self._example(r, i) for i, r in enumerate(rest[:n])]
+            self._check_unique(examples)
+            self._examples = examples
         return self._examples
+
+    def example_id(self, record: dict[str, Any], index: int) -> str:
+        """The id of the example made of ``record``, the ``index``-th selected: its
+        :attr:`id_field`, else its place."""
+        return str(record.get(self.id_field, index))
+
+    def _check_unique(self, examples: list[Example]) -> None:
+        """Refuse a selection in which two examples share an id (issue 52: the runner keeps prompts,
+        references and results by id, so one of them ran twice and the other never), naming where
+        the records come from and the id."""
+        counts = collections.Counter(ex.id for ex in examples)
+        shared = next((i for i, n in counts.items() if n > 1), None)
+        if shared is None:
+            return
+        where = (f"task.data_files={', '.join(map(str, self.cfg.data_files))}" if self.cfg.source == "local"
+                 else f"task {self.name} (task.source={self.cfg.source})")
+        raise TaskDataError(f"{where}: {counts[shared]} of the selected examples have the id {shared!r} (field "
+                            f"'{self.id_field}'); results are kept by example id, so give each record its own "
+                            f"'{self.id_field}' (a record without one is numbered by its place)")
+
+    def _record_problem(self, record: dict[str, Any]) -> str | None:
+        """:meth:`record_problem`, after a null id (issue 52: every record with ``"id": null`` became
+        the example ``"None"``)."""
+        if self.id_field in record and record[self.id_field] is None:
+            return (f"field '{self.id_field}' is null: give the record its own id, or leave the field out (then "
+                    "its place in the selection is its id)")
+        return self.record_problem(record)
 
     def _example(self, record: dict[str, Any], index: int) -> Example:
         example = self.make_example(record, index, self._exemplars)
@@ -499,7 +532,7 @@ class Task:
         """The pool, every record checked (:func:`check_record`) where it is read."""
         if self.cfg.source == "local":
             return [r for path in data_paths(self.cfg.data_files)
-                    for r in read_records(path, self.required, self.record_problem, self.hub_rename)]
+                    for r in read_records(path, self.required, self._record_problem, self.hub_rename)]
         if self.cfg.source == "offline":
             records, where = self.offline_records(), f"offline asset of task {self.name}, record"
         else:
@@ -510,7 +543,7 @@ class Task:
             records = [{self.hub_rename.get(k, k): v for k, v in r.items()} for r in ds]
             where = f"{self.hub_id} split {split}, row"
         for i, r in enumerate(records):
-            check_record(r, self.required, f"{where} {i}", self.record_problem)
+            check_record(r, self.required, f"{where} {i}", self._record_problem)
         return records
 
     def encode(self, example: Example, tokenizer: Any) -> list[int]:

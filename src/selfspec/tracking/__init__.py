@@ -36,7 +36,8 @@ from selfspec.tracking.local import ResultsFile, ResultsFileError, RunLogHandler
 log = logging.getLogger(__name__)
 
 __all__ = ["Tracker", "WandbTracker", "ResultsFile", "ResultsFileError", "RunLogHandler", "artifact_name",
-           "open_run_log", "check_logger", "hydra_output_dir", "save_hydra_files", "start_run", "wandb_mode"]
+           "open_run_log", "check_logger", "hydra_output_dir", "run_tags", "save_hydra_files", "start_run",
+           "wandb_mode"]
 
 
 class Tracker:
@@ -145,9 +146,44 @@ def _unreachable_wandb() -> str | None:
     return result[0] if result else f"{url} did not answer within {REACH_SECONDS:g} s"
 
 
-def check_logger(logger_cfg) -> str:
-    """The ``logger`` config's name, with its keys checked and, for a run that logs online, the W&B
-    server reached (before anything expensive runs)."""
+def _wandb_refusal(**setting: Any) -> str | None:
+    """W&B's own words when its settings (``wandb.Settings``, which ``wandb.init`` builds) refuse
+    ``setting``, else None."""
+    import pydantic
+    import wandb
+    from wandb.errors import UsageError
+
+    try:
+        wandb.Settings(**setting)
+    except pydantic.ValidationError as err:
+        return "; ".join(e["msg"] for e in err.errors())
+    except UsageError as err:
+        return str(err)
+    return None
+
+
+def _check_wandb_settings(logger_cfg, mode: str, tags: list[str] | None) -> None:
+    """Refuse, by key, a project name, a mode or a tag that W&B refuses (issue 52: they failed raw in
+    ``wandb.init``, after the model had loaded); ``tags``: the run's own (:func:`run_tags`), else the
+    config's."""
+    project = str(_get(logger_cfg, "project"))
+    mode_key = f"WANDB_MODE={mode}" if _get(logger_cfg, "mode") == "auto" and os.environ.get("WANDB_MODE") \
+        else f"logger.mode={mode}"
+    configured = [str(t) for t in _get(logger_cfg, "tags") or []]
+    added = [t for t in tags or [] if t not in configured]
+    for key, setting in ((f"logger.project={project}", {"project": project}), (mode_key, {"mode": mode}),
+                         (f"logger.tags={checks.show(configured)}", {"run_tags": tuple(configured)}),
+                         (f"the run's own tags {checks.show(added)} (from model.name, the method and task.name)",
+                          {"run_tags": tuple(added)})):
+        why = _wandb_refusal(**setting)
+        if why:
+            raise checks.ConfigError(f"{key} is not allowed: W&B refuses it ({why})")
+
+
+def check_logger(logger_cfg, tags: list[str] | None = None) -> str:
+    """The ``logger`` config's name, with its keys checked (also as W&B checks them: ``tags``, the
+    run's tags from :func:`run_tags` where known) and, for a run that logs online, the W&B server
+    reached (before anything expensive runs)."""
     if logger_cfg is None:
         return "none"
     kind = _get(logger_cfg, "name")
@@ -158,6 +194,7 @@ def check_logger(logger_cfg) -> str:
         mode = wandb_mode(_get(logger_cfg, "mode"))
         checks.flag("logger.log_artifacts", _get(logger_cfg, "log_artifacts"))
         checks.text("logger.project", _get(logger_cfg, "project"))
+        _check_wandb_settings(logger_cfg, mode, tags)
         why = _unreachable_wandb() if mode == "online" else None
         if why:
             how = ("logger.mode=online" if _get(logger_cfg, "mode") == "online" else
@@ -323,6 +360,17 @@ def _cell(v: Any) -> Any:
     return v
 
 
+def run_tags(cfg, job_type: str, method_label: str | None = None) -> list[str]:
+    """A W&B run's tags: ``logger.tags``, then the model, method and task (``<group>:<name>``; the
+    method by ``method_label`` where given) and ``job:<job_type>``."""
+    tags = [str(t) for t in _get(_get(cfg, "logger"), "tags") or []]
+    for group in ("model", "method", "task"):
+        value = method_label if group == "method" and method_label else _get(_get(cfg, group), "name")
+        if value is not None:
+            tags.append(f"{group}:{value}")
+    return tags + [f"job:{job_type}"]
+
+
 def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | None = None,
               method_label: str | None = None) -> Tracker:
     """Open a tracker for ``cfg.logger`` (a no-op one for ``logger=none`` or no logger).
@@ -343,12 +391,7 @@ def start_run(cfg, job_type: str, name: str | None = None, dir: str | Path | Non
 
     run_dir = Path(dir) if dir is not None else (hydra_output_dir() or Path.cwd())
     run_dir.mkdir(parents=True, exist_ok=True)
-    tags = [str(t) for t in _get(logger_cfg, "tags")]
-    for group in ("model", "method", "task"):
-        value = method_label if group == "method" and method_label else _get(_get(cfg, group), "name")
-        if value is not None:
-            tags.append(f"{group}:{value}")
-    tags.append(f"job:{job_type}")
+    tags = run_tags(cfg, job_type, method_label)
     run = wandb.init(
         project=str(_get(logger_cfg, "project")),
         entity=_get(logger_cfg, "entity"),

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from selfspec.store.files import disk_space, not_plain, to_jsonable
+from selfspec.store.files import disk_space, not_plain, strict_json, to_jsonable
 
 
 class ResultsFileError(ValueError):
@@ -35,16 +35,20 @@ class ResultsFile:
         self.path = Path(path)
         self.keys = keys
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = None
+        self._fd: int | None = None
 
     def append(self, row: dict[str, Any]) -> None:
-        if self._fh is None:
+        """Write ``row`` as one line, straight to the file (no buffer holds it back: issue 52, after a
+        full disk's error, closing the file tried the buffered line again and failed a second time)."""
+        if self._fd is None:
             self._repair_tail()
-            self._fh = os.fdopen(self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+            self._fd = self._open(os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        line = (json.dumps(to_jsonable(row), ensure_ascii=False) + "\n").encode("utf-8")
         with disk_space(self.path):
-            self._fh.write(json.dumps(to_jsonable(row), ensure_ascii=False) + "\n")
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+            written = 0
+            while written < len(line):  # a short write goes on where it stopped
+                written += os.write(self._fd, line[written:])
+            os.fsync(self._fd)
 
     def rows(self) -> list[dict[str, Any]]:
         return list(self)
@@ -69,8 +73,8 @@ class ResultsFile:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
+                    row = strict_json(line)  # NaN or Infinity: not a line selfspec wrote
+                except ValueError:
                     row = None
                 if isinstance(row, dict) and all(k in row for k in self.keys):
                     rows.append(row)
@@ -113,9 +117,9 @@ class ResultsFile:
                                "wrote: move it away, or write into a new directory")
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> "ResultsFile":
         return self

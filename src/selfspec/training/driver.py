@@ -124,11 +124,14 @@ def shows_progress(cfg) -> bool:
 
 
 def check_run(cfg) -> None:
-    """The keys every job shares: conf/train.yaml's own, the model config and the logger."""
+    """The keys every job shares: conf/train.yaml's own (and no other top-level key), the model config
+    and the logger."""
+    from selfspec.config import check_primary_keys
     from selfspec.evaluation.profiling import profile_spec
     from selfspec.models.loading import check_model_config
     from selfspec.tracking import check_logger
 
+    check_primary_keys(cfg, "train")
     checks.seed("seed", cfg.seed)
     profile_spec(cfg)  # a profile that is not there stops every job, whether it prices passes or not
     checks.optional(checks.text, "artefact_dir", cfg.artefact_dir,
