@@ -289,7 +289,16 @@ EVAL_BAD = [
     (["logger=wandb", "logger.mode=offline", f"logger.tags=[{'t' * 76}]"],
      r"logger\.tags=\[t+\] is not allowed: W&B refuses it \(.*is 76 characters\. Tags must be between 1 and 64"),
     # issue 52's probe: a top-level key nothing reads ran and was recorded (the form Hydra suggests)
-    (["+batch_size=4"], r"batch_size is not a key of conf/evaluate\.yaml; its keys are .*max_new_tokens"),
+    (["+batchsize=4"], r"batchsize is not a key of conf/evaluate\.yaml; its keys are .*max_new_tokens"),
+    # issue 54: what a batch cannot run is refused naming batch_size, never run one sequence at a time
+    (["batch_size=0"], r"batch_size=0 is not allowed: must be >= 1 \(sequences decoded at once\)"),
+    (["batch_size=2", "model.capture=static"], r"batch_size=2 is not allowed: .*model\.capture resolving to static.*"
+                                               r"set model\.capture=off"),
+    (["batch_size=2", "threads=adaptive"], r"batch_size=2 is not allowed: .*threads=adaptive"),
+    (["batch_size=2", "compare=[hf_prompt_lookup]"], r"batch_size=2 with method hf_prompt_lookup: it decodes one sequence at a "
+                                                r"time"),
+    (["batch_size=2", "method=ngram", "profile=null", "method.draft_schedule=adaptive"],
+     r"batch_size=2 with method ngram's never_slower=true and profile=null"),
     # issue 52's probe: keys bounded by the layer count were refused only after the model loaded
     (["method=swift", "method.skip_attn=[99]"], r"method\.skip_attn\[0\]=99 is not allowed: must be in \[1, 2\] "
                                                r"\(SWIFT never skips the first or the last layer; the model has 4 layers\)"),

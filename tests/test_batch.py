@@ -13,21 +13,11 @@ from conftest import PPD_KEYS, cpu_like_profile, method_config
 from selfspec.decoding import Sampling, build_decoder
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models.batch import Batch, BatchUnavailable
+from test_capture import EVERY_METHOD
 from test_families import N_NEW, PROMPT, tiny_family
 
-#: every method, built directly (tests/test_capture.py's EVERY_METHOD, vanilla first)
-METHODS = [
-    {"name": "vanilla"},
-    {"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4, "never_slower": False},
-    {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False},
-    {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
-    {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.3},
-    {"name": "ngram", "never_slower": False},
-    {"name": "ppd"},
-    {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "never_slower": False},
-    {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False},
-    {"name": "clasp", "interval": 4, "never_slower": False},
-]
+#: every method, built directly (tests/test_capture.py's, vanilla first)
+METHODS = [{"name": "vanilla"}, *EVERY_METHOD]
 
 
 def make(model, method: dict):
@@ -71,7 +61,7 @@ def alone_and_batched(model, method: dict, ps: list[list[int]], size: int, sampl
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["name"])
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["name"] + ("-" + m["prefill"] if "prefill" in m else ""))
 def test_every_sequence_of_a_batch_decodes_what_it_decodes_alone(family, method):
     """Greedy and sampled, 6 prompts of 6 to 30 tokens in one batch: each sequence's tokens and step
     trace are its single-prompt run's (greedy: vanilla's tokens too), and the batch ran passes of
@@ -90,7 +80,8 @@ def test_every_sequence_of_a_batch_decodes_what_it_decodes_alone(family, method)
 
 
 @pytest.mark.parametrize("size", [2, 3, 16])
-@pytest.mark.parametrize("method", [METHODS[1], METHODS[5], METHODS[6], METHODS[7]], ids=lambda m: m["name"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m["name"] in ("draft_verify", "ngram", "ppd", "swift")],
+                         ids=lambda m: m["name"])
 def test_prompts_join_as_sequences_leave(size, method):
     """Continuous batching: 16 prompts through batches of 2, 3 and 16 slots; some sequences stop at an
     early EOS. Every sequence is vanilla's, cut where vanilla's is."""
@@ -142,3 +133,44 @@ def test_batched_rows_are_bit_identical_to_their_own_pass():
         assert torch.equal(a, b)
         for i in range(4):
             assert all(torch.equal(x, y) for x, y in zip(c1.layer_kv(i), c2.layer_kv(i)))
+
+
+def test_an_evaluation_in_batches_decodes_what_it_decodes_one_at_a_time(tiny, tmp_path):
+    """``batch_size=3`` over 7 examples: every method's rows hold the tokens the batch-1 run decodes
+    (greedy, lossless methods: vanilla's), each with its batch; batches.jsonl has one line per wave and
+    method with the passes it ran; the summary reports throughput, latency, speedup and the predicted
+    batch seconds. A rerun into the directory with another batch size is refused."""
+    import json
+
+    from selfspec.config import compose
+    from selfspec.evaluation import evaluate
+    from selfspec.evaluation.runner import ResumeMismatch
+
+    profile = cpu_like_profile(tiny.model).save(tmp_path / "profile.json")
+    common = ["model=tiny-random", "method=draft_verify", "method.skip_attn=[1]", "method.skip_mlp=[2]",
+              "compare=[ngram,hf_generate]", "n_examples=7", "max_new_tokens=12", "warmup=1", "progress=false",
+              f"profile={profile}"]
+    one = evaluate(compose(common), tmp_path / "one", loaded=tiny)
+    three = evaluate(compose([*common, "batch_size=3"]), tmp_path / "three", loaded=tiny)
+
+    def tokens(d):
+        return {(r["id"], r["method"]): r["tokens"] for r in map(json.loads, (d / "results.jsonl").read_text().splitlines())}
+
+    a, b = tokens(tmp_path / "one"), tokens(tmp_path / "three")
+    assert a.keys() == b.keys() and len(a) == 7 * 4
+    assert all(b[k] == a[k] for k in a if k[1] != "hf_generate")
+    rows = [json.loads(line) for line in (tmp_path / "three" / "results.jsonl").read_text().splitlines()]
+    assert {r["batch"]["size"] for r in rows} == {3} and {r["batch"]["wave"] for r in rows} == {0, 1}
+    lines = [json.loads(line) for line in (tmp_path / "three" / "batches.jsonl").read_text().splitlines()]
+    assert [(x["wave"], x["method"], x["sequences"]) for x in lines] == [
+        (w, m, n) for w, n in ((0, 6), (1, 1)) for m in ("vanilla", "draft_verify", "ngram", "hf_generate")]
+    assert all(x["ops"] and x["passes"] for x in lines if x["method"] != "hf_generate")
+    assert max(int(k) for k in lines[0]["passes"]) == 3  # three sequences' rows in one pass
+    s = three["batches"]
+    assert three["batch_size"] == 3 and one["batch_size"] == 1 and one["batches"] is None
+    for name, r in s.items():
+        assert r["size"] == 3 and r["sequences"] == 7 and r["tokens_per_s"] > 0 and r["latency_s"] > 0, name
+    assert s["vanilla"]["speedup"] == 1.0 and s["draft_verify"]["predicted_seconds"] > 0
+    assert "predicted_seconds" not in s["hf_generate"]  # no passes of ours to price
+    with pytest.raises(ResumeMismatch, match="changed: batch_size"):
+        evaluate(compose([*common, "batch_size=2"]), tmp_path / "three", loaded=tiny)
