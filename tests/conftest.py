@@ -85,12 +85,15 @@ def peaked_llama():
     return load_model(cfg).model
 
 
-def first_two_tokens_tv(dec, ids: list[int], sampling, n: int = 400, seed: int = 1) -> float:
+def first_two_tokens_tv(dec, ids: list[int], sampling, n: int = 400, seed: int = 1, batch: int = 1) -> float:
     """Total variation between the first two tokens ``dec``'s steps emit after ``ids`` (a step from
     the last prompt token, then another if it emitted one token), over ``n`` draws, and the target's
-    exact distribution of them, p(a)·p(b|a), under ``sampling`` (a top-k one keeps it small)."""
+    exact distribution of them, p(a)·p(b|a), under ``sampling`` (a top-k one keeps it small).
+    ``batch`` > 1: the draws run as batches of that many sequences (:class:`selfspec.models.batch.Batch`),
+    each with its own cache, generator and fork of ``dec``."""
     from selfspec.decoding import DecodeState
     from selfspec.decoding.sampling import warp
+    from selfspec.models.batch import Batch
 
     m = dec.model
     with torch.inference_mode():
@@ -102,18 +105,36 @@ def first_two_tokens_tv(dec, ids: list[int], sampling, n: int = 400, seed: int =
                 exact[(a, b)] = float(p1[a] * p2[b])
     gen = torch.Generator().manual_seed(seed)
     counts: dict = {}
-    cache = m.new_cache(len(ids) + dec.room + 16)
+
+    def draw(d, cache, generator) -> tuple:
+        cache.truncate(len(ids) - 1)
+        state = DecodeState(list(ids), len(ids), cache, sampling, generator)
+        d.begin(state)
+        new = d.step(state, 8)
+        if len(new) < 2:
+            state.tokens.extend(new)
+            new = new + d.step(state, 8)
+        return tuple(new[:2])
+
     with torch.inference_mode():
-        m.forward(torch.tensor([ids[:-1]]), cache, start=0)
-        for _ in range(n):
-            cache.truncate(len(ids) - 1)
-            state = DecodeState(list(ids), len(ids), cache, sampling, gen)
-            dec.begin(state)
-            new = dec.step(state, 8)
-            if len(new) < 2:
-                state.tokens.extend(new)
-                new = new + dec.step(state, 8)
-            counts[tuple(new[:2])] = counts.get(tuple(new[:2]), 0) + 1
+        prefix = m.new_cache(len(ids) + dec.room + 16)
+        m.forward(torch.tensor([ids[:-1]]), prefix, start=0)
+
+    def primed():  # a copy of the prompt's cache, for one sequence of a batch
+        cache = m.new_cache(prefix.max_length)
+        cache.buffers.copy_(prefix.buffers)
+        cache.lengths = list(prefix.lengths)
+        return cache
+
+    with torch.inference_mode():
+        if batch == 1:
+            draws = [draw(dec, prefix, gen) for _ in range(n)]
+        else:
+            slots = [dec.fork() for _ in range(batch)]
+            draws = Batch(m, batch).run([lambda slot, j=j: draw(slots[slot], primed(), torch.Generator().manual_seed(seed + j))
+                                         for j in range(n)])
+    for pair in draws:
+        counts[pair] = counts.get(pair, 0) + 1
     return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))
 
 

@@ -174,3 +174,17 @@ def test_an_evaluation_in_batches_decodes_what_it_decodes_one_at_a_time(tiny, tm
     assert "predicted_seconds" not in s["hf_generate"]  # no passes of ours to price
     with pytest.raises(ResumeMismatch, match="changed: batch_size"):
         evaluate(compose([*common, "batch_size=2"]), tmp_path / "three", loaded=tiny)
+
+
+@pytest.mark.parametrize("method", ["draft_verify", "swift"])
+def test_sampled_batches_keep_the_target_distribution(peaked_llama, method):
+    """The distribution tests, batched: the first two tokens of 400 sequences, 8 at a time, each with its
+    own seed, against p(a)·p(b|a) under top-k 3 sampling (an unbiased sampler: total variation ~0.05)."""
+    from conftest import first_two_tokens_tv
+
+    keys = {"draft_verify": dict(skip_attn=[1, 2, 3], skip_mlp=[1, 2], max_draft=4),
+            "swift": dict(skip_attn=[1, 2, 3, 4], skip_mlp=[1, 2, 3], optimize=False),
+            "early_exit": dict(exit_layer=2, max_draft=3)}[method]
+    dec = build_decoder(method_config(method, never_slower=False, **keys), peaked_llama)
+    ids = [5, 17, 99, 3, 42, 7, 5, 17]
+    assert first_two_tokens_tv(dec, ids, Sampling(temperature=1.0, top_k=3, seed=0), batch=8) < 0.12
