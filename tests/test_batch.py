@@ -174,6 +174,14 @@ def test_an_evaluation_in_batches_decodes_what_it_decodes_one_at_a_time(tiny, tm
     assert "predicted_seconds" not in s["hf_generate"]  # no passes of ours to price
     with pytest.raises(ResumeMismatch, match="changed: batch_size"):
         evaluate(compose([*common, "batch_size=2"]), tmp_path / "three", loaded=tiny)
+    # projected onto another profile, the batches' passes priced there (a GPU's: passes of B·k rows)
+    from selfspec.measure.profile import Profile
+    from selfspec.project import project_run
+
+    projected = project_run(tmp_path / "three", Profile.load(profile))
+    assert projected["vanilla"]["batch_predicted_speedup"] == 1.0
+    assert projected["draft_verify"]["batch_predicted_seconds"] == pytest.approx(s["draft_verify"]["predicted_seconds"])
+    assert "batch_predicted_speedup" not in projected["hf_generate"]
 
 
 @pytest.mark.parametrize("method", ["draft_verify", "swift"])
