@@ -6,6 +6,9 @@
     python scripts/bench.py --model tiny-random --n 2 -- sampling.temperature=0.7   # extra Hydra overrides
     python scripts/bench.py --task xsum,cnndm,humaneval,gsm8k,mtbench --methods ... -- model.linear_kernel=torch
                                                               # one run per task, the model loaded once
+    python scripts/bench.py --methods vanilla,draft_verify,ngram,hf_generate --batch-sizes 1,2,4,8
+                                                              # one run per batch size: throughput, speedup
+                                                              # at each size, projected onto the GPU profiles
 
 Same examples, warm-up first, methods interleaved per example (selfspec.evaluation.runner: no
 second timing loop). Prints tokens/s, speedup against vanilla, the decode speedup (after the
@@ -14,6 +17,12 @@ step traces (docs/design.md §2.8), tau (mean accepted tokens per step,
 bonus included), acceptance rate and consistency with vanilla, and the run's contention check; with ``hf_generate`` in the list,
 also the ratio vanilla tokens/s / generate tokens/s (selfspec's runtime should not be slower).
 Results land in ``--out`` (results.jsonl, summary.json), as for ``python -m selfspec.evaluate``.
+
+``--batch-sizes``: one run per batch size (``batch_size=B``, :mod:`selfspec.evaluation.batches`) in
+``<out>/b<B>``, the model loaded once; prints each method's throughput, its speedup over vanilla at
+the same batch size, the speedup the run's profile predicts and its projection onto every shipped
+GPU profile of the model's shape (``python -m selfspec.project``), and writes ``batches.json`` and
+``speedup_by_batch.png`` (the figure of speedup against batch size) into ``--out``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per example (0 = the task's)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up generations per method")
     p.add_argument("--out", type=Path, default=None, help="run directory (default outputs/bench/<model>/<time>)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma-separated batch sizes: one run per size, throughput and speedup at each")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides of conf/evaluate.yaml (after --)")
     return p.parse_args(argv)
 
@@ -53,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     others = [m for m in methods if m != baseline]
     label = others[0] if others else baseline
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
-    cfgs = {task: compose([
+    overrides = {task: [
         f"model={args.model}", f"task={task}", f"method={label}", f"baseline={baseline}",
         "compare=[" + ",".join(others[1:]) + "]", f"n_examples={args.n}", f"warmup={args.warmup}",
         *([f"max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []), *args.overrides,
-    ]) for task in tasks}
+    ] for task in tasks}
+    cfgs = {task: compose(o) for task, o in overrides.items()}
     out = args.out or ROOT / "outputs" / "bench" / args.model / time.strftime("%Y-%m-%d_%H-%M-%S")
+    if args.batch_sizes:
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+        if len(tasks) > 1 or any(b < 1 for b in sizes):
+            raise SystemExit("--batch-sizes takes one task and sizes >= 1")
+        return by_batch_size(overrides[tasks[0]], label, sizes, out)
     loaded = None
     if len(tasks) > 1:  # every task's run is checked before the one model load
         from selfspec.evaluation.runner import prepare
@@ -73,6 +90,79 @@ def main(argv: list[str] | None = None) -> int:
         print(report(summary))
         print(f"\nresults: {run_dir}\n")
     return 0
+
+
+def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path) -> int:
+    """One run per batch size (module docstring), the model loaded once; the table, JSON and figure."""
+    import json
+
+    from selfspec.config import compose
+    from selfspec.evaluation import evaluate
+    from selfspec.evaluation.runner import prepare
+    from selfspec.measure.profile import Profile, shipped
+    from selfspec.models.loading import load_model
+    from selfspec.project import project_run
+    from selfspec.reporting.plots import batch_plot
+
+    cfgs = {b: compose([*overrides, f"batch_size={b}"]) for b in sizes}
+    cfg = cfgs[sizes[0]]
+    for c in cfgs.values():
+        prepare(c, label)  # every size checked before the model loads
+    loaded = load_model(cfgs[sizes[0]].model)
+    gpus = [Profile.load(p) for name, p in shipped().items() if name.startswith("cuda-")]
+    table: dict = {}
+    for b, c in cfgs.items():
+        summary = evaluate(c, out / f"b{b}", loaded, label=label)
+        per = summary["batches"] if b > 1 else {m: {"tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
+                                                        "predicted_speedup": r.get("predicted_speedup"),
+                                                        "latency_s": r["seconds_per_token"] and
+                                                        r["seconds_per_token"] * r["new_tokens"] / max(r["n_examples"], 1)}
+                                                    for m, r in summary["methods"].items()}
+        for m, r in per.items():
+            table.setdefault(m, {})[b] = {k: r.get(k) for k in ("tokens_per_s", "latency_s", "speedup",
+                                                                 "predicted_speedup")}
+            table[m][b]["consistency"] = summary["methods"][m]["consistency"]
+        for profile in gpus:
+            try:
+                projected = project_run(out / f"b{b}", profile)
+            except ValueError:  # another model shape
+                continue
+            for m, r in projected.items():
+                key = "batch_predicted_speedup" if b > 1 else "predicted_speedup"
+                table[m][b].setdefault("projected", {})[profile.name] = r.get(key)
+        contention = summary.get("contention") or {}
+        if contention.get("ratio") is not None:
+            print(f"batch size {b}: vanilla at {contention['ratio']:.2f}x its predicted time"
+                  + (" -- FLAGGED: measured under load" if contention.get("flagged") else ""), flush=True)
+    print(batch_table(table, sizes))
+    (out / "batches.json").write_text(json.dumps(table, indent=1))
+    measured = {m: {b: r["speedup"] for b, r in rows.items() if r["speedup"]} for m, rows in table.items()
+                if m != "vanilla"}
+    projected: dict = {}
+    for m, rows in table.items():
+        for b, r in rows.items():
+            for name, v in (r.get("projected") or {}).items():
+                if m != "vanilla" and v:
+                    projected.setdefault(name, {}).setdefault(m, {})[b] = v
+    plot = batch_plot(measured, projected, out / "speedup_by_batch.png",
+                      f"{cfg.model.name}, {cfg.task.name}: speedup against batch size")
+    print(f"\nresults: {out} (batches.json{', ' + plot.path.name if plot else ''})")
+    return 0
+
+
+def batch_table(table: dict, sizes: list[int]) -> str:
+    """Per method and batch size: throughput, speedup over vanilla at that size, the profile's predicted
+    speedup, consistency with vanilla."""
+    lines = [f"{'method':<22}" + "".join(f"{'B=' + str(b):>34}" for b in sizes),
+             f"{'':<22}" + "".join(f"{'tok/s':>10}{'speedup':>8}{'predicted':>10}{'cons':>6}" for _ in sizes)]
+    for m, rows in table.items():
+        cells = []
+        for b in sizes:
+            r = rows.get(b) or {}
+            cells.append(f"{_f(r.get('tokens_per_s'), 1):>10}{_f(r.get('speedup'), 2):>8}"
+                         f"{_f(r.get('predicted_speedup'), 2):>10}{_f(r.get('consistency'), 2):>6}")
+        lines.append(f"{m:<22}" + "".join(cells))
+    return "\n".join(lines)
 
 
 def report(summary: dict) -> str:

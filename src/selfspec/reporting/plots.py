@@ -392,3 +392,38 @@ def tree_latency_plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> Pl
         "PPD's hardware-aware tree: forward latency measured on this machine (solid, left axis) and the "
         "expected tokens per step τ (dashed, right axis) against tree size. The builder keeps the size that "
         "maximises τ ÷ latency; where latency grows faster than τ, size 1 (plain decoding) wins."))
+
+
+def batch_plot(measured: dict[str, dict[int, float]], projected: dict[str, dict[str, dict[int, float]]], path: Path,
+               title: str) -> Plot | None:
+    """Speedup over vanilla at the same batch size against the batch size: one line per method, measured
+    here (solid) and projected onto each GPU profile (one panel per profile: the same traces priced
+    there). ``measured``: ``{method: {batch size: speedup}}``; ``projected``: ``{profile: {method:
+    {batch size: speedup}}}`` (issue 54)."""
+    panels = [("measured here", measured), *((f"projected: {p}", m) for p, m in projected.items())]
+    panels = [(name, {m: s for m, s in series.items() if s}) for name, series in panels]
+    panels = [(name, series) for name, series in panels if series]
+    if not panels:
+        return None
+    sizes = sorted({b for _, series in panels for s in series.values() for b in s})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, (name, series) in zip(axes.flat, panels):
+        for method, points in series.items():
+            xs = sorted(points)
+            ax.plot(xs, [points[b] for b in xs], marker="o", label=method)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (sequences decoded at once)")
+        ax.set_ylabel(SPEEDUP_LABEL)
+        ax.set_title(name, fontsize=9)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    axes.flat[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                         ncol=legend_columns(len(handles)))
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path, (
+        f"{title}: each method's throughput over vanilla's at the same batch size (sequences decoded at "
+        "once), against the batch size; measured here, and projected onto each GPU profile from the same "
+        "runs' passes. Above the dashed line (1.0×) a method decodes more tokens per second than vanilla at "
+        "that batch size. Where a line falls with the batch size, its verification passes of B·(k + 1) rows "
+        "cost more than the weight reads they share."))
