@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from selfspec.config import model_config
 from selfspec.decoding import build_decoder
+from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.loading import load_model
 from selfspec.tasks import build_task
 
@@ -82,10 +83,10 @@ def main() -> None:
                 a["parity"] &= g.tokens == ref
                 a["exit"] += g.stats.get("exit_layer_mean", 0) / len(prompts)
                 a["gamma"] += g.stats.get("draft_len_mean", 0) / len(prompts)
-        van = agg["vanilla"]["seconds"] / agg["vanilla"]["tokens"]
+        van = per_token(agg["vanilla"]["seconds"], agg["vanilla"]["tokens"])
         for name, a in agg.items():
             a["tok_per_s"] = a["tokens"] / a["seconds"]
-            a["speedup"] = van / (a["seconds"] / a["tokens"])
+            a["speedup"] = speedup(van, per_token(a["seconds"], a["tokens"]))
             a["tau"] = a["tokens"] / a["steps"]
             a["acceptance"] = a["accepted"] / a["drafted"] if a["drafted"] else None
         results[task_name] = agg

@@ -30,6 +30,7 @@ import hydra
 from omegaconf import DictConfig
 
 from selfspec.config import checks, conf_dir
+from selfspec.measure.speedup import per_token, speedup
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _gates(summary: dict[str, Any], rows: list[dict[str, Any]], projected: dict[
         gate = cls.new_gate(profile)  # one gate over the run's examples, as a decoder keeps its own
         seconds = sum(sum(profile.predict(replay(r["trace"], gate)).values()) for r in mine)
         tokens = sum(r["new_tokens"] for r in mine)
-        entry["regated_speedup"] = (base_seconds / base_tokens) / (seconds / tokens) if seconds > 0 else None
+        entry["regated_speedup"] = speedup(per_token(base_seconds, base_tokens), per_token(seconds, tokens))
         entry["gate"] = "re-decided on the profile"
 
 

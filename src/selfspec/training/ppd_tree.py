@@ -35,6 +35,7 @@ from selfspec.config import checks
 from selfspec.decoding.tree import SparseTree, TREE_KIND, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
+from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced
 
@@ -206,7 +207,7 @@ def size_curve(model, profile, p: torch.Tensor, m: int, n_ept: int, opts: dict, 
         trees = trees_for_size(p, n, m, n_ept, state_zero)
         r = amortized_tokens(trees, plist, m)
         lat = tree_latency(profile, model, trees, n_ept, context) if n > 1 else base
-        rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
+        rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": speedup(base, per_token(lat, 1 + r)),
                      "candidates": max(t.num_candidates for t in trees.values()),
                      "prompt_tokens": max(t.num_prompts for t in trees.values())})
         candidates[n] = trees

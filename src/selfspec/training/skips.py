@@ -44,6 +44,7 @@ from selfspec.config import checks
 from selfspec.decoding.draft_verify import DECODING_KEYS, DecodingOptions, DraftVerify, SkipSetDrafter, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
+from selfspec.measure.speedup import speedup
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.bars import bar
@@ -188,7 +189,7 @@ class TimedObjective:
         spt = secs / toks
         return {
             "objective": spt,
-            "speedup": self.vanilla_spt / spt,
+            "speedup": speedup(self.vanilla_spt, spt),
             "acceptance_rate": accepted / drafted if drafted else None,
             "tau": (toks + 0.0) / max(1, toks - accepted) if toks else None,
         }
@@ -313,7 +314,7 @@ class CostModel:
         spt = cost / (len(self.targets) * per)
         return {
             "objective": spt,
-            "speedup": self.vanilla_spt / spt,
+            "speedup": speedup(self.vanilla_spt, spt),
             "acceptance_rate": accepted_all / drafted_all if drafted_all else None,
             "tau": len(self.targets) * per / steps,
             "agreement": sum(match) / len(match),
