@@ -74,6 +74,9 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
 
 #: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)
 MEMORY = MemoryModel(memory_terms, s=1.0, runtime=497863884.8)
+#: an evaluation's job name: its entry point's and primary config's (``python -m selfspec.evaluate``,
+#: conf/evaluate.yaml), in memory estimates (:mod:`selfspec.memory`) and its tracker run
+JOB = "evaluate"
 
 
 class ResumeMismatch(ValueError):
@@ -379,7 +382,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
     if loaded is None:  # its estimated peak against the device's memory, before the model loads
         prompt = getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT
-        check_fits("evaluate", MEMORY, cfg, prompt + plan.budget, prompt)
+        check_fits(JOB, MEMORY, cfg, prompt + plan.budget, prompt)
     out_dir = Path(out_dir)
     check_directory(out_dir, "hydra.run.dir")
     created = not out_dir.exists()
@@ -423,7 +426,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         log.info("resuming %s: %d of %d examples already finished", out_dir, len(examples) - len(todo), len(examples))
 
     own_tracker = tracker is None
-    tracker = tracker or start_run(cfg, "evaluate", dir=out_dir, method_label=under_test)
+    tracker = tracker or start_run(cfg, JOB, dir=out_dir, method_label=under_test)
     info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
                     linear_kernel=loaded.model.linear_kernel, capture=loaded.model.capture)
     artefacts = {r.name: [str(p) for p in _artefact_paths(r)] for r in runs}

@@ -126,13 +126,15 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def rebuild_hint(path: Path, kind: str | None = None) -> str:
     """How to write the artefact at ``path`` afresh: the training job of its kind."""
-    job = JOBS.get(kind or "", kind or "<job>")
-    return (f"rebuild it with `python -m selfspec.train job={job} model=<model> artefact_dir={path}` "
+    return (f"rebuild it with `python -m selfspec.train job={_job(kind)} model=<model> artefact_dir={path}` "
             "or point the method at another artefact")
 
 
-#: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``)
-JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips", "draft_vocab": "draft_vocab"}
+def _job(kind: str | None) -> str:
+    """The training job that writes ``kind`` (:func:`selfspec.train.job_writing`), for a message."""
+    from selfspec.train import job_writing
+
+    return (job_writing(kind) if kind else None) or "<job>"
 
 
 def artefact_option(key: str, value: Any, kind: str) -> Path | None:
@@ -145,7 +147,7 @@ def artefact_option(key: str, value: Any, kind: str) -> Path | None:
     path = Path(checks.text(key, value)).expanduser()
     if not (path / META).exists():
         raise checks.refuse(key, value, f"no artefact there (no {META}); build one with `python -m "
-                            f"selfspec.train job={JOBS.get(kind, kind)} model=<model>` or fix the path")
+                            f"selfspec.train job={_job(kind)} model=<model>` or fix the path")
     found = read_meta(path).get("kind")
     if found != kind:
         raise checks.refuse(key, value, f"it holds a {found!r} artefact, not {kind!r}")
