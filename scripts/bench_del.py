@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.config import model_config
+from selfspec.config import method_config, model_config
 from selfspec.decoding import build_decoder
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.loading import load_model
@@ -45,7 +45,7 @@ def main() -> None:
 
     common = dict(eos_token_ids=loaded.eos_token_ids, profile=machine_profile(loaded.model))  # DEL prices TPL with it
     methods = {"vanilla": OmegaConf.create({"name": "vanilla"})}
-    base = OmegaConf.load("conf/method/early_exit.yaml")
+    base = method_config("early_exit")
     heads_layers = None
     if args.exit_head == "heads":
         from selfspec.decoding.early_exit import build_exit_heads
@@ -55,7 +55,7 @@ def main() -> None:
         ell, gamma = (int(x) for x in pair.split(":"))
         methods[f"fixed({ell},{gamma})"] = OmegaConf.merge(base, {"exit_layer": ell, "max_draft": gamma,
                                                                   "exit_head": args.exit_head, "heads": args.heads})
-    del_cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), {"exit_head": args.exit_head, "heads": args.heads},
+    del_cfg = OmegaConf.merge(method_config("del"), {"exit_head": args.exit_head, "heads": args.heads},
                               OmegaConf.from_dotlist(args.del_over))
     methods["del"] = del_cfg
     decoders = {k: build_decoder(v, loaded.model, **({} if k == "vanilla" else common)) if k != "vanilla"

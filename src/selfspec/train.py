@@ -49,7 +49,7 @@ def job_of(cfg: DictConfig) -> driver.Job:
 
 def prepare_job(cfg: DictConfig) -> dict:
     """Check the job's config and read its data, without loading the model."""
-    return driver.prepare(job_of(cfg), cfg)
+    return driver.prepare(job_of(cfg), cfg)[0]
 
 
 def run_job(cfg: DictConfig, loaded=None) -> dict:

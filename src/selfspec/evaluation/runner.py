@@ -160,9 +160,10 @@ def sample_sampling(sampling: Sampling, index: int) -> Sampling:
     return replace(sampling, seed=sampling.seed + index)
 
 
-def _check_run_options(cfg: DictConfig) -> None:
+def _check_run_options(cfg: DictConfig) -> str | None:
     """The keys of conf/evaluate.yaml read outside the groups (``n_examples`` and
-    ``max_new_tokens`` are checked where they are read)."""
+    ``max_new_tokens`` are checked where they are read); returns ``profile`` resolved
+    (:func:`~selfspec.evaluation.profiling.profile_spec`), once per run."""
     checks.seed("seed", cfg.seed)
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
     checks.integer("warmup_max_new_tokens", cfg.warmup_max_new_tokens, 1)
@@ -173,17 +174,18 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.number("contention_spike", cfg.contention_spike, 1.0, low_open=True,
                   why="a generation's measured / predicted time, over its method's median and its example's least, "
                       "that flags it as spoiled")
-    _threads_spec(cfg)
+    profile = profile_spec(cfg)
+    _threads_spec(cfg, profile)
+    return profile
 
 
-def _threads_spec(cfg: DictConfig) -> str:
+def _threads_spec(cfg: DictConfig, profile: str | None) -> str:
     """``threads``: auto, adaptive or fixed; ``adaptive`` where it cannot run is refused before the
     model loads (:func:`selfspec.decoding.threads.why_not_adaptive`), with the profile it needs
-    judged from the ``profile`` key (a profile file is read once the model is loaded)."""
+    judged from ``profile`` (the resolved key: a profile file is read once the model is loaded)."""
     from selfspec.decoding.threads import THREADS, why_not_adaptive
 
     value = checks.choice("threads", cfg.threads, THREADS, why="CPU threads per decoding step")
-    profile = profile_spec(cfg)
     if value == "adaptive":
         from selfspec.models.loading import resolve_device
 
@@ -219,13 +221,13 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[s
     return options
 
 
-def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig],
+def _check_priced_choices(profile: str | None, method_cfgs: dict[str, DictConfig],
                           options: dict[str, Options]) -> None:
     """A choice a method prices with the run's cost profile (its class's
     :meth:`~selfspec.decoding.base.Decoder.needs_profile`: a context drafter's ``draft_schedule:
     priced``, DEL's ``cost_model: measured``) is refused with ``profile=null`` before the model
     loads, naming the method and the key."""
-    if profile_spec(cfg) is not None:
+    if profile is not None:
         return
     for name, m in method_cfgs.items():
         need = decoder_class(str(m.name)).needs_profile(options[name])
@@ -246,6 +248,8 @@ class RunPlan:
     n_samples: int
     #: each method's options as :func:`check_methods` checked them, by label
     method_options: dict[str, Options]
+    #: ``profile`` resolved (None, ``auto`` or a profile file), once per run
+    profile: str | None = None
 
 
 def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
@@ -253,7 +257,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     from selfspec.models.loading import check_model_config
     from selfspec.tracking import check_logger
 
-    _check_run_options(cfg)
+    profile = _check_run_options(cfg)
     sampling = Sampling.from_config(cfg.sampling)
     n_samples = _n_samples(cfg, sampling)
     task = _task(cfg)
@@ -261,11 +265,11 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     under_test = label or method_label(cfg)
     method_cfgs = method_configs(cfg, under_test)
     method_options = check_methods(method_cfgs, under_test)
-    _check_priced_choices(cfg, method_cfgs, method_options)
+    _check_priced_choices(profile, method_cfgs, method_options)
     check_model_config(cfg.model)
     check_logger(cfg.get("logger"))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
-    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options)
+    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options, profile)
 
 
 def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
@@ -412,7 +416,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     from selfspec.models.loading import model_for
 
     loaded = model_for(cfg.model, loaded)
-    profile = run_profile(cfg, loaded.model)  # a profile of another model shape stops here
+    profile = run_profile(plan.profile, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
     threads = _threads(cfg, loaded.model.device, profile)
     runs = _decoders(plan, loaded, profile, threads)

@@ -53,15 +53,9 @@ def fixed_k_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
 
 def draft_exit_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """Draft & Verify Table 4: a static threshold γ, or the adaptive rule from its initial γ0
-    (``method.draft_stop``; ``method.draft_exit`` / ``gamma0`` in records written before)."""
-    stop = _cfg(cfg, "method.draft_stop")
-    if isinstance(stop, dict):
-        from selfspec.decoding.draft_exit import ADAPTIVE_DEFAULTS
-
-        rule = stop.get("rule")
-        gamma0 = stop.get("threshold", ADAPTIVE_DEFAULTS["initial"] if rule == "adaptive" else None)
-    else:
-        rule, gamma0 = _cfg(cfg, "method.draft_exit"), _cfg(cfg, "method.gamma0")
+    (``method.draft_stop``)."""
+    stop = _cfg(cfg, "method.draft_stop") or {}
+    rule, gamma0 = stop.get("rule"), stop.get("threshold")
     if rule == "adaptive":
         return f"adaptive (γ0={gamma0:g})" if isinstance(gamma0, (int, float)) else "adaptive"
     return f"γ={gamma0:g}" if isinstance(gamma0, (int, float)) else str(gamma0)

@@ -37,7 +37,7 @@ from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.ledger import HeadOp, LayerOp
-from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,6 @@ def prepare(cfg) -> dict:
 
     job, key = cfg.job, "job.{}".format
     checks.renamed("job", job, {"latency_repeats": TIMED_BY_PROFILE})
-    priced(cfg, "job=ppd_tree (L_fp(n) of each tree size)")
     sizes = sorted(set(checks.listed(checks.integer, key("sizes"), job.sizes, 1, why="tokens per forward")))
     if not any(n > 1 for n in sizes):
         raise checks.refuse(key("sizes"), job.sizes, "must hold a size > 1 (size 1 is plain decoding)")
@@ -308,4 +307,4 @@ MEMORY = MemoryModel(memory_terms, s=1.0, runtime=486748979.2,
                      fallbacks=((),))
 
 JOB = Job(memory=MEMORY, kind=TREE_KIND, tracker_job="ppd-tree", prepare=prepare, default_dir=default_dir, objective=objective,
-          inputs=inputs)
+          inputs=inputs, prices=lambda cfg: "job=ppd_tree (L_fp(n) of each tree size)")
