@@ -28,7 +28,7 @@ Each step prints the equivalent command line and its wall time; the last lines l
 time and CPU time, and the machine's load average (``os.getloadavg``) at the start and the end:
 other work on the machine slows every step's wall time, while its CPU time stays about the same.
 Then, per task run and method with a cost ledger, its speedup in words
-(:func:`selfspec.reporting.ledger.in_words`: ``AdaDecode 0.72× = τ 1.21 / 1.68 steps (verification
+(:func:`selfspec.reporting.breakdown.in_words`: ``AdaDecode 0.72× = τ 1.21 / 1.68 steps (verification
 1.00, exit heads 0.31, ...)``).
 Long steps show tqdm bars with an ETA on stderr (heads data, training steps, skip-search
 evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.

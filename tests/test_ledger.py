@@ -280,7 +280,7 @@ def test_a_burst_of_load_in_one_generation_is_caught_per_generation(tiny, tmp_pa
     """A burst that slows one generation moves the whole run's ratio too little for the threshold; the
     per-generation check lists it (against its method's median ratio) and flags the run."""
     from selfspec.evaluation.aggregate import spoiled_generations
-    from selfspec.reporting.ledger import contention_warning
+    from selfspec.reporting.breakdown import contention_warning
 
     _run(tiny, tmp_path, "n_examples=5")
     rows = ResultsFile(tmp_path / RESULTS).rows()

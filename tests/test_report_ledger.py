@@ -12,7 +12,7 @@ import pytest
 from test_report import assert_plots_explained, entry, write_run
 
 from selfspec.reporting import build_report, read_run
-from selfspec.reporting.ledger import COLOUR, LOADED, in_words
+from selfspec.reporting.breakdown import COLOUR, LOADED, in_words
 from selfspec.reporting.plots import PANEL_SERIES, ledger_figure
 from selfspec.reporting.records import Record
 from selfspec.reporting.tables import ledger_lines

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from selfspec.reporting.fields import dotted as _get, label_under_test
-from selfspec.reporting.ledger import is_loaded
+from selfspec.reporting.breakdown import is_loaded
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Record:
     decoder: str | None = None
     #: the label's resolved method config (summary ``method_configs[label]``); {} when unknown
     method_config: dict[str, Any] = field(default_factory=dict)
-    #: the method's cost ledger (:mod:`selfspec.reporting.ledger`); None for peers and older runs
+    #: the method's cost ledger (:mod:`selfspec.reporting.breakdown`); None for peers and older runs
     ledger: dict[str, Any] | None = None
     #: the run's contention check (``ratio``, ``threshold``, ``flagged``); None when not measured
     contention: dict[str, Any] | None = None
@@ -350,7 +350,7 @@ def check_summary(summary: Any) -> None:
 
 
 def _check_contention(contention: dict[str, Any] | None) -> None:
-    """The contention check's record, as :func:`~selfspec.reporting.ledger.contention_warning` reads
+    """The contention check's record, as :func:`~selfspec.reporting.breakdown.contention_warning` reads
     it (issue 39: a spoiled generation without its ``excess`` aborted the whole report)."""
     if not contention:
         return

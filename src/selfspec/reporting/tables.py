@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from selfspec.decoding import method_rank as rank_of, method_title as title_of
 from selfspec.reporting.layouts import CELL_TITLE, Layout, TASK_SCORE, TASK_TITLE
-from selfspec.reporting.ledger import LOADED, contention_warning, in_words
+from selfspec.reporting.breakdown import LOADED, contention_warning, in_words
 from selfspec.reporting.records import Record
 
 #: row order by decoder family: the reference first, selfspec's methods (the papers', then those
@@ -27,7 +27,7 @@ NOT_APPLICABLE = "n/a"
 DISTRIBUTION = "lossless (distribution)"
 #: figures that compare tokens with vanilla's, meaningful under greedy decoding only
 TOKEN_FIGURES = ("consistency", "prefix_agreement")
-#: the cells that show a measured speedup (marked :data:`~selfspec.reporting.ledger.LOADED` when the
+#: the cells that show a measured speedup (marked :data:`~selfspec.reporting.breakdown.LOADED` when the
 #: run was measured under load); the predicted and projected speedups follow the first of them
 SPEEDUP_CELLS = ("tps_speedup", "speedup")
 #: the cell kind of a speedup projected onto a machine profile: ``projected:<profile name>``
