@@ -153,8 +153,14 @@ def _summary(run_dir: Path) -> dict[str, Any]:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} cannot be read as a run summary ({err}): evaluate the run again") from None
-    if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict) or "baseline" not in summary:
-        raise ValueError(f"{path} is not a selfspec run summary (no methods and baseline): evaluate the run again")
+    from selfspec.reporting.records import MalformedSummary, run_format
+
+    if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict):
+        raise ValueError(f"{path} is not a selfspec run summary (no methods): evaluate the run again")
+    try:
+        run_format(summary)
+    except MalformedSummary as err:
+        raise ValueError(f"{path}: {err}") from None
     return summary
 
 

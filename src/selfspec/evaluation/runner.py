@@ -50,13 +50,14 @@ log = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
+#: the format of the run records this selfspec writes (summary.json's ``format``); which formats are
+#: read: :data:`selfspec.reporting.records.RUN_FORMATS` (docs/design.md, "Formats read")
+RUN_FORMAT = 2
 RUN_CONFIG = "run_config.json"
 #: what every line of results.jsonl holds (:class:`~selfspec.tracking.ResultsFile` refuses other lines)
 ROW_KEYS = ("id", "method", "tokens", "seconds")
 #: config keys whose change makes earlier rows of a run directory incomparable
 _RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples")
-#: the value of a resume key in a run directory recorded before the key existed
-_RESUME_DEFAULTS = {"n_samples": 1}
 
 
 # --- memory (selfspec.measure.peak) ----------------------------------------------------------------
@@ -307,7 +308,7 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     if not isinstance(before, dict):
         raise ResumeMismatch(f"{record} is not a selfspec run record; evaluate into a new run directory "
                              "(hydra.run.dir=...)")
-    changed = [k for k in _RESUME_KEYS if before.get(k, _RESUME_DEFAULTS.get(k)) != identity.get(k)]
+    changed = [k for k in _RESUME_KEYS if before.get(k) != identity.get(k)]
     if changed:
         raise ResumeMismatch(
             f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
@@ -485,8 +486,8 @@ def _identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
 def _track_summary(tracker: Tracker, summary: dict[str, Any], rows: list[dict], names: list[str], under_test: str,
                    info: dict[str, Any]) -> None:
     """The run's summary and its examples' rows (the methods of this run) in the tracker."""
-    tracker.summary({"method": under_test, "methods": summary["methods"], "method_configs": summary["method_configs"],
-                     "run_info": info})
+    tracker.summary({"format": summary["format"], "method": under_test, "methods": summary["methods"],
+                     "method_configs": summary["method_configs"], "run_info": info})
     tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
                                for r in rows if r.get("method") in names])
 
@@ -505,6 +506,7 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
     samples_files = _write_samples(out_dir, task, finished)
     here = machine(loaded.model.device)
     return {
+        "format": RUN_FORMAT,
         "model": loaded.name,
         "task": task.name,
         "method": plan.under_test,

@@ -65,7 +65,7 @@ def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """PPD Table 2 rows: the prompt tokens' count m, EPTs per token and training steps."""
     from selfspec.reporting.artefact_figures import read_meta
 
-    for path in (summary.get("artefacts") or {}).get(label_under_test(summary, cfg), []) or []:
+    for path in (summary.get("artefacts") or {}).get(label_under_test(summary), []) or []:
         from pathlib import Path
 
         meta = read_meta(Path(path)) or {}
@@ -79,7 +79,7 @@ def draft_vocab_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | N
     truncated vocabulary ``method.draft_vocab`` names (its size, as the run recorded it)."""
     if _cfg(cfg, "method.draft_vocab") in (None, ""):
         return "full head"
-    entry = ((summary.get("methods") or {}).get(label_under_test(summary, cfg)) or {})
+    entry = ((summary.get("methods") or {}).get(label_under_test(summary)) or {})
     size = (entry.get("stats") or {}).get("draft_vocab_size")
     return f"truncated head ({size:.0f} tokens)" if isinstance(size, (int, float)) else "truncated head"
 

@@ -241,14 +241,10 @@ def ledger_plot(records: list[Record], path: Path, title: str) -> Plot | None:
 
 def threshold_of(r: Record) -> float | None:
     """The confidence threshold γ the record's method config fixes, if it fixes one: AdaDecode's
-    ``threshold`` (``gamma`` in records written before it was renamed), the static ``draft_stop``
-    threshold of Draft & Verify, early exit and DEL (Draft & Verify's ``gamma0`` under ``draft_exit:
-    static`` in records written before its keys became ``draft_stop``)."""
+    ``threshold``, the static ``draft_stop`` threshold of Draft & Verify, early exit and DEL."""
     cfg = r.method_config
     if r.family == "adadecode":
-        return cfg.get("threshold", cfg.get("gamma"))
-    if r.family == "draft_verify" and cfg.get("draft_exit") == "static":
-        return cfg.get("gamma0")
+        return cfg.get("threshold")
     stop = cfg.get("draft_stop")
     if isinstance(stop, dict) and stop.get("rule") == "static":
         return stop.get("threshold")
