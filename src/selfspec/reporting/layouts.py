@@ -7,8 +7,8 @@ the column groups (the task, in the paper's order) and which cells each group sh
 ``speedup``          ``1.57×`` (speedup = vanilla s/token ÷ method s/token, same examples); a run
                      measured under load (its contention check flagged it) shows ``1.57× (loaded)``
 ``predicted_speedup``  the speedup the cost ledger predicts from the step trace and a machine profile;
-                     added after the speedup cell wherever a record has one, with ``projected on
-                     <profile>`` cells for the projections a summary holds (``tables.group_kinds``)
+                     added after the speedup cell wherever a record has one (``tables.group_kinds``);
+                     the projections a summary holds are a table of their own (``Table.projections``)
 ``ms_per_token``     latency per token in ms (Draft & Verify Tables 1–2)
 ``tau``              mean tokens committed per step, bonus token included (vanilla = 1.00)
 ``acceptance_rate``  accepted drafts / drafted tokens (Draft & Verify Tables 3–4 "AR")
