@@ -183,7 +183,7 @@ def fit(points: list[dict]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """The README's table of the measured points against the fitted estimate."""
+    """The table of the measured points (docs/2026-11-27-memory.md) against the fitted estimate."""
     lines = ["| shape | job | settings (beside the base ones) | peak MB | estimate MB | error | seconds | load |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["points"]:

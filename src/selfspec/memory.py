@@ -1,7 +1,7 @@
-"""``python -m selfspec.memory --table``: the README's table of each job's estimated peak memory per
+"""``python -m selfspec.memory --table``: the table of each job's estimated peak memory per
 model size, and the lookup of a job's memory model by its name.
 
-The memory model itself is :mod:`selfspec.measure.peak` (README "Memory per job and model size");
+The memory model itself is :mod:`selfspec.measure.peak` (docs/usage.md, "Memory per job and model size", which shows the table);
 what each job says about its own memory lives with the job (:class:`~selfspec.measure.peak.MemoryModel`:
 a training job's ``JOB.memory``, an evaluation's :data:`selfspec.evaluation.runner.MEMORY`). This
 command gathers them from the job registry and the runner (:func:`memory_models`), for the table,
@@ -76,7 +76,7 @@ def job_config(job: str, overrides: list[str] = ()):
 
 
 def table(sizes: dict[str, Shape] = SIZES, budgets=(24, 40, 80)) -> str:
-    """The README table: per job and model size, the bf16 estimate on one GPU at the defaults, and per
+    """The table (docs/usage.md): per job and model size, the bf16 estimate on one GPU at the defaults, and per
     budget (GB) the first of the job's ``fallbacks`` that fits (or "does not fit")."""
     cuda = torch.device("cuda")
     lines = ["| job | model | estimate (defaults) | " + " | ".join(f"{g} GB" for g in budgets) + " |",
@@ -100,7 +100,7 @@ def table(sizes: dict[str, Shape] = SIZES, budgets=(24, 40, 80)) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m selfspec.memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", action="store_true", help="print the README's table (bf16, one GPU)")
+    p.add_argument("--table", action="store_true", help="print the table of docs/usage.md (bf16, one GPU)")
     args = p.parse_args(argv)
     if args.table:
         print(table())

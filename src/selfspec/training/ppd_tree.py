@@ -302,7 +302,7 @@ def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) ->
     return _job_terms(shape, cfg.job, b, _tree_prompts(cfg))
 
 
-#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); docs/usage.md, "Memory per job and model size"
 MEMORY = MemoryModel(memory_terms, s=1.0, runtime=486748979.2,
                      fallbacks=((),))
 
