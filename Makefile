@@ -95,7 +95,7 @@ bench-runtime: assets ## v(k), prefill, vanilla vs generate (and llama.cpp after
 profile: assets ## measure this machine's cost profile of MODEL (what each op of a step costs here; about 1.5 minutes for SmolLM2 on 2 cores)
 	$(PY) scripts/bench_runtime.py --model $(MODEL) --profile-only $(ARGS)
 
-# on a GPU machine: make TORCH_SPEC=torch gpu-check (README "Scale to GPUs and clusters"); ARGS=--dry-run runs
+# on a GPU machine: make TORCH_SPEC=torch gpu-check (docs/gpu.md); ARGS=--dry-run runs
 # the same code on tiny-random on this CPU
 gpu-check: assets ## one JSON of a GPU machine within ARGS=--budget SECONDS (300): every method captured vs eager, cost profile, runtime, training memory
 	$(PY) scripts/gpu_check.py $(ARGS)

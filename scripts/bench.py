@@ -167,6 +167,8 @@ def batch_table(table: dict, sizes: list[int]) -> str:
 
 def report(summary: dict) -> str:
     """The benchmark table of a run's summary (and the vanilla / generate ratio)."""
+    from selfspec.measure.speedup import speedup
+
     per = summary["methods"]
     base = summary["baseline"]
     info = summary["run_info"]
@@ -189,8 +191,8 @@ def report(summary: dict) -> str:
                      + (f"; {len(spoiled)} generation(s) spoiled by a burst of load: "
                         + ", ".join(f"{g['method']} {g['id']} {g['excess']:.2f}x" for g in spoiled) if spoiled else "")
                      + (" -- FLAGGED: measured under load" if contention["flagged"] else " (not flagged)"))
-    if "hf_generate" in per and per["hf_generate"]["tokens_per_s"]:
-        ratio = per[base]["tokens_per_s"] / per["hf_generate"]["tokens_per_s"]
+    ratio = speedup(per["hf_generate"]["seconds_per_token"], per[base]["seconds_per_token"]) if "hf_generate" in per else None
+    if ratio is not None:  # the baseline's speedup over transformers' generate
         verdict = "ok" if ratio >= 1.0 else "SLOWER than generate"
         lines.append(f"\n{base} / transformers generate tokens/s: {ratio:.3f}  ({verdict})")
     return "\n".join(lines)

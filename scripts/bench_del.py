@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from selfspec.config import model_config
+from selfspec.config import method_config, model_config
 from selfspec.decoding import build_decoder
+from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.loading import load_model
 from selfspec.tasks import build_task
 
@@ -44,7 +45,7 @@ def main() -> None:
 
     common = dict(eos_token_ids=loaded.eos_token_ids, profile=machine_profile(loaded.model))  # DEL prices TPL with it
     methods = {"vanilla": OmegaConf.create({"name": "vanilla"})}
-    base = OmegaConf.load("conf/method/early_exit.yaml")
+    base = method_config("early_exit")
     heads_layers = None
     if args.exit_head == "heads":
         from selfspec.decoding.early_exit import build_exit_heads
@@ -54,7 +55,7 @@ def main() -> None:
         ell, gamma = (int(x) for x in pair.split(":"))
         methods[f"fixed({ell},{gamma})"] = OmegaConf.merge(base, {"exit_layer": ell, "max_draft": gamma,
                                                                   "exit_head": args.exit_head, "heads": args.heads})
-    del_cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), {"exit_head": args.exit_head, "heads": args.heads},
+    del_cfg = OmegaConf.merge(method_config("del"), {"exit_head": args.exit_head, "heads": args.heads},
                               OmegaConf.from_dotlist(args.del_over))
     methods["del"] = del_cfg
     decoders = {k: build_decoder(v, loaded.model, **({} if k == "vanilla" else common)) if k != "vanilla"
@@ -82,10 +83,10 @@ def main() -> None:
                 a["parity"] &= g.tokens == ref
                 a["exit"] += g.stats.get("exit_layer_mean", 0) / len(prompts)
                 a["gamma"] += g.stats.get("draft_len_mean", 0) / len(prompts)
-        van = agg["vanilla"]["seconds"] / agg["vanilla"]["tokens"]
+        van = per_token(agg["vanilla"]["seconds"], agg["vanilla"]["tokens"])
         for name, a in agg.items():
             a["tok_per_s"] = a["tokens"] / a["seconds"]
-            a["speedup"] = van / (a["seconds"] / a["tokens"])
+            a["speedup"] = speedup(van, per_token(a["seconds"], a["tokens"]))
             a["tau"] = a["tokens"] / a["steps"]
             a["acceptance"] = a["accepted"] / a["drafted"] if a["drafted"] else None
         results[task_name] = agg

@@ -1,6 +1,6 @@
 """The main job on the embedded default (``make demo``): train, search, evaluate, report.
 
-    python scripts/demo.py                          # SmolLM2-135M on CPU (README: measured time)
+    python scripts/demo.py                          # SmolLM2-135M on CPU (docs/2026-11-27-cpu-results.md: measured time)
     python scripts/demo.py --model tiny-random --small --out /tmp/demo   # the pipeline in ~1 min
     python scripts/demo.py --skip-search bo         # the paper's timed BO for the skip set (slower)
 
@@ -28,7 +28,7 @@ Each step prints the equivalent command line and its wall time; the last lines l
 time and CPU time, and the machine's load average (``os.getloadavg``) at the start and the end:
 other work on the machine slows every step's wall time, while its CPU time stays about the same.
 Then, per task run and method with a cost ledger, its speedup in words
-(:func:`selfspec.reporting.ledger.in_words`: ``AdaDecode 0.72× = τ 1.21 / 1.68 steps (verification
+(:func:`selfspec.reporting.breakdown.in_words`: ``AdaDecode 0.72× = τ 1.21 / 1.68 steps (verification
 1.00, exit heads 0.31, ...)``).
 Long steps show tqdm bars with an ETA on stderr (heads data, training steps, skip-search
 evaluations, examples; ``--no-progress`` turns them off); log lines print above the bars.
@@ -76,7 +76,7 @@ BUDGETS = {
                   "job.acq_n_random=2000", "job.acq_n_smart=2"],
         "skips_bo": ["job.iterations=8", "job.n_prompts=4", "job.max_new_tokens=16", "job.max_prompt_tokens=256"],
         # 40 steps: a step costs ~12 CPU-s on 2 cores (backward through the whole model at 192 tokens);
-        # at 80 steps this was the demo's most expensive step (README: measured step times)
+        # at 80 steps this was the demo's most expensive step (docs/2026-11-27-cpu-results.md: measured step times)
         "prompts": ["job.steps=40", "job.n_conversations=200", "job.held_out=8", "job.context_length=192",
                     "job.eval_every=20", "job.ckpt_every=20"],
         "ppd_tree": ["job.sizes=[1,2,4,8,16]", "job.n_prompts=3", "job.max_new_tokens=24"],
@@ -96,7 +96,7 @@ BUDGETS = {
                     "job.inserts=4", "job.eval_inserts=4", "job.eval_every=4", "job.ckpt_every=4", "job.log_every=2"],
         "ppd_tree": ["job.sizes=[1,2,4]", "job.n_prompts=2", "job.max_new_tokens=6",
                      "job.latency_context=32", "job.plot=false"],
-        # not a demo step: the README test's budget for `make draft-vocab`
+        # not a demo step: the documented commands' test budget (tests/test_readme.py) for `make draft-vocab`
         "draft_vocab": ["job.n_prompts=3", "job.n_heldout=2", "job.gen_tokens=8", "job.gen_batch=4",
                         "job.max_prompt_tokens=64", "job.sizes=[64,1024]"],
         "evaluate": {"n": 1, "max_new_tokens": 8, "warmup": 0, "warmup_max_new_tokens": 8},

@@ -52,8 +52,9 @@ Sections (:data:`SECTIONS`):
                  vanilla's share of the read roof);
 ``training``     every training job for a few steps: peak memory (the graphs of the sections before
                  released first), seconds, the memory model's estimate;
-``methods``      every method evaluated against vanilla with the artefacts just trained, captured and
-                 eager, by the evaluation runner (seconds per token, consistency, passes).
+``methods``      every method of the registry evaluated against vanilla with the artefacts just trained,
+                 priced with the check's profile, captured and eager, by the evaluation runner (seconds
+                 per token, consistency, passes).
 
 Plus ``settings``, ``run_info``, the load average, ``estimate`` and per model ``sections`` (each
 section's seconds, or why it did not run) and ``errors``. Random weights give meaningless tokens but
@@ -75,13 +76,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-
-#: per method: the overrides every run gets (PPD, AdaDecode, Draft & Verify read the artefacts trained in step 2).
-#: These runs compare capture modes with profile=null (no cost pricing), so the n-gram lookup takes the
-#: adaptive draft schedule and DEL the parameter count: their defaults, priced, need a profile
-METHODS = {"draft_verify": [], "adadecode": [], "ppd": [], "del": ["method.cost_model=parameters"], "early_exit": [],
-           "ngram": ["method.draft_schedule=adaptive"]}
-JOB_ORDER = ("heads", "prompts", "ppd_tree", "skips", "draft_vocab")  # the tree needs the prompts
 
 #: the sections, in order of value within a model (module docstring)
 SECTIONS = ("profile", "ledger", "capture", "ledger_long", "runtime", "training", "methods")
@@ -426,7 +420,7 @@ def training_section(loaded, model: str, overrides: list[str], p: dict, deadline
     from selfspec import memory
     from selfspec.config import compose
     from selfspec.measure import peak
-    from selfspec.train import run_job
+    from selfspec.train import JOBS, run_job
 
     if loaded.model.steps is not None:
         loaded.model.steps.clear()
@@ -434,7 +428,7 @@ def training_section(loaded, model: str, overrides: list[str], p: dict, deadline
     meter = peak.Peak(loaded.model.device)
     shape = peak.shape_of(compose([f"model={model}", *overrides], config_name="train").model)
     out: dict = {"skipped": []}
-    for job in JOB_ORDER:
+    for job in JOBS:  # the registry's order: a job after those whose artefacts it reads
         if time.perf_counter() > deadline:
             out["skipped"].append(job)
             continue
@@ -463,30 +457,35 @@ def training_section(loaded, model: str, overrides: list[str], p: dict, deadline
 
 
 def methods_section(model: str, overrides: list[str], loaded, p: dict, out_dir: Path, deadline: float,
-                    isolated: Isolated) -> tuple[dict, dict]:
-    """Every method against vanilla in each capture mode, on twins of ``loaded`` that share its weights:
-    seconds per token, consistency and tau per method and mode (``bf16_consistency.evaluate_rows``);
-    per static mode the passes its runner took, by kind, and those it missed."""
+                    isolated: Isolated, profile_path: str | None) -> tuple[dict, dict]:
+    """Every method of the registry (its conf/method YAML, the artefacts the training section just
+    wrote, priced with the profile the check measured) against vanilla in each capture mode, on twins
+    of ``loaded`` that share its weights: seconds per token, consistency and tau per method and mode
+    (``bf16_consistency.evaluate_rows``); per static mode the passes its runner took, by kind, and
+    those it missed. Without the check's profile, ``profile=null``: a method that prices with one is
+    refused, and recorded so."""
     from dataclasses import replace
 
     from bf16_consistency import evaluate_rows
 
     from selfspec.config import compose
+    from selfspec.decoding import METHODS
     from selfspec.models import capture as capture_modes
 
+    names = [name for name in METHODS if METHODS[name].own_loop and name != "vanilla"]
     rows: dict[str, dict] = {}
     passes: dict[str, dict] = {}
     for capture in p["captures"]:
         base = [f"model={model}", *overrides, f"model.capture={capture}", "logger=none", "progress=false",
-                "profile=null", *p["evaluate"]]
+                f"profile={profile_path}" if profile_path else "profile=null", *p["evaluate"]]
         runner = capture_modes.StepRunner(capture) if capture != "off" else None
         twin = replace(loaded, model=loaded.model.with_passes(runner), cfg=dict(loaded.cfg) | {"capture": capture})
-        for method, extra in METHODS.items():
+        for method in names:
             if time.perf_counter() > deadline:
                 rows.setdefault(method, {})[capture] = "not run: the section's time limit passed"
                 continue
             with isolated.part(rows.setdefault(method, {}), capture, f"{capture} {method}"):
-                cfg = compose([*base, f"method={method}", *extra, *p["method_overrides"].get(method, [])])
+                cfg = compose([*base, f"method={method}", *p["method_overrides"].get(method, [])])
                 for row in evaluate_rows(cfg, out_dir / capture / method, twin, method):
                     if row["method"] == method:
                         rows[method][capture] = row
@@ -539,7 +538,8 @@ def run_section(section: str, result: dict, loaded, p: dict, out_dir: Path, dead
                                               deadline, isolated)
     else:
         result["methods"], result["passes"] = methods_section(model, overrides, loaded, p,
-                                                              out_dir / "evaluate" / result["key"], deadline, isolated)
+                                                              out_dir / "evaluate" / result["key"], deadline, isolated,
+                                                              result.get("profile_path"))
     return loaded
 
 

@@ -60,13 +60,17 @@ POINTS = [(s, j, []) for s in SHAPES for j in BASE] + [
 
 def overrides(shape: str, job: str, extra: list[str], prompts_dir: Path | None) -> list[str]:
     """The full override list of one point (``job=`` for a training job; ``job.prompts`` for a tree)."""
-    head = [f"model={shape}", *COMMON] + ([] if job == "evaluate" else [f"job={job}"])
+    from selfspec import memory
+
+    head = [f"model={shape}", *COMMON, *memory.job_overrides(job)]
     tree = [f"job.prompts={prompts_dir}"] if job == "ppd_tree" else []
     return head + BASE[job] + tree + extra
 
 
 def child(job: str, args: list[str]) -> dict:
-    """Run one point in this process; its memory figures (bytes) and seconds."""
+    """Run one point in this process; its memory figures (bytes) and seconds. ``args[0]`` is the
+    job's primary config (:func:`selfspec.memory.primary_config`, named by the parent so that this
+    process imports nothing more before its figures), the rest its overrides."""
     from selfspec.measure.peak import Peak, _status_kb
 
     started = _status_kb("VmRSS") * 1024  # before selfspec's heavy imports
@@ -75,7 +79,8 @@ def child(job: str, args: list[str]) -> dict:
     from selfspec.config import compose
     from selfspec.models.loading import load_model, resolve_device
 
-    cfg = compose(args, config_name="evaluate" if job == "evaluate" else "train")
+    primary, *args = args
+    cfg = compose(args, config_name=primary)
     peak = Peak(resolve_device(str(cfg.model.device)))
     imported = peak.current()
     t0 = time.perf_counter()
@@ -83,7 +88,7 @@ def child(job: str, args: list[str]) -> dict:
     load_peak, loaded_now = peak.read(), peak.current()
     peak.reset()
     t1 = time.perf_counter()
-    if job == "evaluate":
+    if primary != "train":
         from selfspec.evaluation import evaluate
 
         with tempfile.TemporaryDirectory() as out:
@@ -99,6 +104,8 @@ def child(job: str, args: list[str]) -> dict:
 
 def measure(shape: str, job: str, extra: list[str], outputs: Path, prompts_dir: Path | None) -> dict:
     """One point in a fresh process (``--child``), with its whole peak from ``os.wait4``."""
+    from selfspec.memory import primary_config
+
     args = overrides(shape, job, extra, prompts_dir)
     if job in ("heads", "draft_vocab"):  # the continuations they generate: never from an earlier point's cache
         shutil.rmtree(outputs / "artefacts" / "heads_data", ignore_errors=True)
@@ -106,7 +113,7 @@ def measure(shape: str, job: str, extra: list[str], outputs: Path, prompts_dir: 
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as result, tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", job, "--", *args], stdout=result,
+        proc = subprocess.Popen([sys.executable, __file__, "--child", job, "--", primary_config(job), *args], stdout=result,
                                 stderr=errors, text=True, env=env, cwd=str(outputs))
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (its whole peak)
         proc.returncode = code = os.waitstatus_to_exitcode(status)
@@ -130,7 +137,7 @@ def model_parts(point: dict) -> tuple[float, float]:
     from selfspec.measure import peak
 
     job = point["job"]
-    cfg = compose(point["overrides"], config_name="evaluate" if job == "evaluate" else "train")
+    cfg = compose(point["overrides"], config_name=memory.primary_config(job))
     shape = peak.shape_of(cfg.model)
     b = peak.dtype_bytes(getattr(torch, point["dtype"]))
     context = point.get("context", peak.EVAL_CONTEXT)
@@ -176,7 +183,7 @@ def fit(points: list[dict]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """The README's table of the measured points against the fitted estimate."""
+    """The table of the measured points (docs/2026-11-27-memory.md) against the fitted estimate."""
     lines = ["| shape | job | settings (beside the base ones) | peak MB | estimate MB | error | seconds | load |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["points"]:

@@ -159,10 +159,36 @@ def decoding_keys(name: str, keys) -> dict:
     return {k: getattr(options, k) for k in keys}
 
 
+def method_options(name: str, **overrides):
+    """The checked options of ``conf/method/<name>.yaml`` with ``overrides`` (:func:`method_config`),
+    for a decoder built directly from its record."""
+    from selfspec.decoding import check_method
+
+    return check_method(method_config(name, **overrides))
+
+
+def draft_stop(rule: str, **keys) -> dict:
+    """A ``draft_stop`` sub-config: ``conf/method/draft_stop/<rule>.yaml`` (where each rule's defaults
+    are written) with ``keys`` on top, as plain data."""
+    from omegaconf import OmegaConf
+
+    from selfspec.config import conf_dir
+
+    return {**OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / "draft_stop" / f"{rule}.yaml")), **keys}
+
+
+def adaptive_rule(**keys):
+    """A fresh :class:`~selfspec.decoding.draft_exit.AdaptiveThreshold` of :func:`draft_stop`'s adaptive
+    sub-config with ``keys`` on top."""
+    from selfspec.decoding.draft_exit import AdaptiveStop
+
+    return AdaptiveStop.read(draft_stop("adaptive", **keys), "method.draft_stop").rule()
+
+
 #: PPD's decoding keys as conf/method/ppd.yaml sets them (no context drafts)
 PPD_KEYS = {**decoding_keys("ppd", ("posterior_threshold", "posterior_alpha", "state_zero")), "ngram": None}
-#: Draft & Verify's decoding keys as conf/method/draft_verify.yaml sets them
-DV_KEYS = decoding_keys("draft_verify", ("max_draft", "draft_stop", "last_token", "eos_draft"))
+#: Draft & Verify's options as conf/method/draft_verify.yaml sets them (a decoder built directly takes the record)
+DV_OPTIONS = method_options("draft_verify")
 
 
 def flip_last_byte(path) -> None:

@@ -7,7 +7,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -204,13 +203,20 @@ EVAL_BAD = [
     (["method=draft_verify", "method.draft_stop.rule=sometimes"], r"method\.draft_stop\.rule=sometimes .*static, adaptive"),
     (["method=draft_verify", "method.draft_stop.threshold=1.2"],
      r"method\.draft_stop\.threshold=1\.2 is not allowed: must be in \[0, 1\]"),
-    (["method=draft_verify", "+method.draft_stop.target=2"], r"method\.draft_stop\.target=2 is not allowed"),
-    (["method=draft_verify", "+method.draft_stop.epsilon=0"], r"method\.draft_stop\.epsilon=0 is not allowed: must be in \(0, 1\]"),
-    (["method=draft_verify", "+method.draft_stop.beta1=1"], r"method\.draft_stop\.beta1=1 is not allowed: must be in \[0, 1\)"),
+    (["method=draft_verify", "method.draft_stop.target=2"], r"method\.draft_stop\.target=2 is not allowed"),
+    (["method=draft_verify", "method.draft_stop.epsilon=0"], r"method\.draft_stop\.epsilon=0 is not allowed: must be in \(0, 1\]"),
+    (["method=draft_verify", "method.draft_stop.beta1=1"], r"method\.draft_stop\.beta1=1 is not allowed: must be in \[0, 1\)"),
     (["method=draft_verify", "+method.draft_stop.initial=0.5"],
      r"method\.draft_stop\.initial was renamed: set method\.draft_stop\.threshold instead"),
     (["method=draft_verify", "+method.gamma0=0.5"], r"method\.gamma0 was renamed: set method\.draft_stop\.threshold instead"),
     (["method=draft_verify_static", "+method.draft_stop.target=0.9"], r"method\.draft_stop\.target is not a key"),
+    (["method=draft_verify", "method.draft_stop.rule=static"],
+     r"method\.draft_stop\.ar_per_example is not a key of draft_stop with rule: static \(another rule with its "
+     r"defaults: method/draft_stop=<rule>\)"),
+    (["method=draft_verify", "method/draft_stop=static", "method.draft_stop.threshold=1.5"],
+     r"method\.draft_stop\.threshold=1\.5 is not allowed"),
+    (["method=early_exit", "method.draft_stop={rule:adaptive,threshold:0.5}"],
+     r"lacks method\.draft_stop\.target, .*start from conf/method/draft_stop/adaptive\.yaml"),
     (["method=draft_verify", "method.skip_attn=[-1]"], r"method\.skip_attn\[0\]=-1 is not allowed: must be >= 0"),
     (["method=early_exit", "method.max_draft=1.5"], r"method\.max_draft=1\.5 is not allowed: must be an integer"),
     (["method=early_exit", "method.max_draft=0"], r"method\.max_draft=0 is not allowed: must be >= 1"),
@@ -701,15 +707,25 @@ def test_artefact_of_other_weights_is_refused(tiny, tmp_path):
     assert load_heads(path, bf16).layers == [1, 2]
 
 
-def test_artefact_without_a_weights_digest_loads_with_a_warning(tiny, tmp_path):
+def test_artefact_formats_read_and_refused(tiny, tmp_path):
+    """docs/design.md, "Formats read": an artefact of format 2 (this selfspec's) and of format 1 (no
+    ``format`` field, with a weights digest) load; one older than format 1 (no weights digest) or of a
+    newer format is refused, naming the job that rebuilds it."""
+    from selfspec.store.artefacts import ARTEFACT_FORMAT
+
     path = save_heads(tmp_path / "h", IntermediateHeads.identity(tiny.model, [1]), tiny)
     meta = json.loads((path / META).read_text())
-    del meta["weights"]
-    (path / META).write_text(json.dumps(meta))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        load_heads(path, tiny)
-    assert any("predates weight digests" in str(w.message) for w in caught)
+    assert meta["format"] == ARTEFACT_FORMAT == 2 and load_heads(path, tiny).layers == [1]
+    for changed, message in (({"format": None}, None),  # format 1: no format field
+                             ({"format": None, "weights": None}, r"has no weights digest: it is older than format 1"),
+                             ({"format": 3}, r"is of format 3; this selfspec reads formats 1, 2")):
+        written = {k: v for k, v in {**meta, **changed}.items() if v is not None}
+        (path / META).write_text(json.dumps(written))
+        if message is None:
+            assert load_heads(path, tiny).layers == [1]
+        else:
+            with pytest.raises(ArtefactError, match=message + r".*rebuild it with `python -m selfspec.train job=heads"):
+                load_heads(path, tiny)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -246,3 +246,66 @@ def test_where_the_time_goes_in_a_browser(browser, tmp_path):
     (warning,) = state["humaneval"]["warnings"]
     assert warning.startswith("Measured under load — m · HumanEval, greedy") and "(loaded)" in warning
     assert not [(path, status) for path, status in requests if status >= 400]
+
+
+#: the widths the report is read at (issue 53: a task's table ran off the right edge at 1300 px)
+SCREEN = 1300
+#: the shipped profiles' names a run of the demo's model is projected on (six columns per task before)
+PROFILES = ("cpu-amd-epyc-2t__smollm2-135m (bfloat16 trace)", "cpu-intel-xeon-2t__smollm2-135m (bfloat16 trace)",
+            "cuda-nvidia-h100-80gb-hbm3__smollm2-135m__bfloat16", "cuda-nvidia-h100-80gb-hbm3__smollm2-135m__float32",
+            "cuda-nvidia-h200__smollm2-135m__bfloat16", "cuda-nvidia-h200__smollm2-135m__bfloat16 (float32 trace)")
+
+
+def write_demo_shaped_runs(root: Path) -> Path:
+    """The demo's ``main`` table, synthetic: vanilla, its methods and peers greedy on five tasks, the
+    methods sampled on XSum (T=0.2) and HumanEval (T=0.6) only, every run projected on six profiles."""
+    from test_report import entry, write_run
+
+    methods = ("vanilla", "adadecode", "draft_verify", "ppd", "del_heads", "early_exit", "ngram", "hf_generate",
+               "hf_prompt_lookup", "hf_assisted")
+    sampled = ("vanilla", "adadecode", "draft_verify", "ppd", "del_heads", "ngram")
+    runs = [(task, 0.0, methods) for task in ("xsum", "cnndm", "humaneval", "gsm8k", "mtbench")]
+    runs += [("xsum", 0.2, sampled), ("humaneval", 0.6, sampled)]
+    for i, (task, temperature, names) in enumerate(runs):
+        figures = {m: entry(20.0 + j, 1.0 + j / 10, tau=1.0 + j / 5, ar=0.5, metrics={"rouge2": 0.1, "pass@1": 0.2})
+                   | {"predicted_speedup": 1.0 + j / 9} for j, m in enumerate(names)}
+        projected = {p: {m: {"predicted_speedup": 1.0 + j / 7, "regated_speedup": 1.0 + j / 8} for j, m in
+                         enumerate(names) if not m.startswith("hf_")} for p in PROFILES}
+        write_run(root / f"{i}_{task}_{temperature}", table="main", task=task, method="adadecode",
+                  methods=figures, temperature=temperature, extra={"projections": projected})
+    return root
+
+
+def test_a_task_table_reads_without_scrolling_sideways_at_1300_px(browser, tmp_path):
+    """The demo's table opened at 1300 px (issue 53): each task's table (and its projections, a table
+    of their own) fits its box, and holds no row for a sampling setting its task never ran."""
+    from selfspec.reporting import build_report
+
+    result = build_report([write_demo_shaped_runs(tmp_path / "runs")], tmp_path / "report", artefacts_dir=None,
+                          make_plots=False)
+    assert result.tables["main"].projections is not None
+    browser.set_window_size(SCREEN, 1000)
+    try:
+        with serve(result.out_dir) as (base, _):
+            _open(browser, urljoin(base, "index.html"))
+            tables = browser.execute_script("""
+                return [...document.querySelectorAll('.scroll table')].map(t => {
+                  let h = t.previousElementSibling; while (h && !/^H[234]$/.test(h.tagName)) h = h.previousElementSibling;
+                  return {title: h ? h.innerText : '', width: t.getBoundingClientRect().width,
+                          box: t.closest('.scroll').clientWidth,
+                          rows: [...t.rows].slice(1).filter(r => !r.classList.contains('block'))
+                                 .map(r => [...r.cells].map(c => c.innerText))};});""")
+            width, viewport = browser.execute_script("return [document.documentElement.scrollWidth, window.innerWidth];")
+    finally:
+        browser.set_window_size(1280, 1000)
+    assert width <= viewport
+    task_tables = [t for t in tables if t["title"] in ("XSum", "CNN/DM", "HumanEval", "GSM8K", "MT-Bench")]
+    assert len(task_tables) == 2 * 5, [t["title"] for t in tables]  # measured and projected, per task
+    for t in tables:
+        assert t["width"] <= t["box"] + 0.5, f"{t['title']}: {t['width']:.0f} px in a {t['box']} px box"
+    for t in task_tables:
+        for row in t["rows"]:
+            assert any(c not in ("–", "") for c in row[1:-1]), f"{t['title']}: an empty row {row[0]!r}"
+    labels = {t["title"]: {r[0] for r in t["rows"]} for t in task_tables[:5]}
+    assert any("T=0.2" in label for label in labels["XSum"]) and not any("T=0.6" in label for label in labels["XSum"])
+    assert not any("T=" in label for label in labels["GSM8K"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DV_KEYS, cpu_like_profile
+from conftest import DV_OPTIONS, cpu_like_profile
 from selfspec.config.checks import ConfigError
 from selfspec.decoding import Sampling
 from selfspec.decoding.draft_verify import DraftVerify
@@ -104,11 +104,11 @@ def test_decoders_give_the_same_tokens_static_and_dynamic(pair, prompt_ids):
         assert Vanilla(static).generate(prompt_ids, 40, sampling).tokens == ref
         skip = SkipSet.of(attn=[1], mlp=[2])
         for m in (dyn, static):
-            out = DraftVerify(m, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling)
+            out = DraftVerify(m, skip, DV_OPTIONS).generate(prompt_ids, 40, sampling)
             if sampling.greedy:
                 assert out.tokens == ref
-        assert DraftVerify(static, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens == \
-            DraftVerify(dyn, skip_set=skip, **DV_KEYS).generate(prompt_ids, 40, sampling).tokens
+        assert DraftVerify(static, skip, DV_OPTIONS).generate(prompt_ids, 40, sampling).tokens == \
+            DraftVerify(dyn, skip, DV_OPTIONS).generate(prompt_ids, 40, sampling).tokens
 
 
 @pytest.mark.parametrize("nodes", [16, 24, 48, 64])
@@ -192,7 +192,7 @@ def test_cuda_graphs_give_the_dynamic_tokens_and_capture_once(prompt_ids):
     assert graphs.capture == "graphs"
     skip = SkipSet.of(attn=[1], mlp=[2])
     for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
-        for make in (Vanilla, lambda m: DraftVerify(m, skip_set=skip, **DV_KEYS)):
+        for make in (Vanilla, lambda m: DraftVerify(m, skip, DV_OPTIONS)):
             ref = make(dyn).generate(prompt_ids, 40, sampling).tokens
             assert make(graphs).generate(prompt_ids, 40, sampling).tokens == ref
     captured = graphs.steps.captured

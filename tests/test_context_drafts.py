@@ -93,7 +93,7 @@ def test_ngram_sub_config_is_checked_before_loading():
     dv = OmegaConf.create(dict(METHODS["draft_verify"]))
     assert check_method(dv).ngram is None
     full = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4, "draft_schedule": "adaptive"}
-    assert check_method(OmegaConf.merge(dv, {"ngram": full})).ngram == full
+    assert check_method(OmegaConf.merge(dv, {"ngram": full})).ngram.config() == full
     with pytest.raises(ConfigError, match=r"method\.ngram\.draft_schedule=sometimes .*adaptive, constant"):
         check_method(OmegaConf.merge(dv, {"ngram": {**full, "draft_schedule": "sometimes"}}))
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_ngrams is not a key"):
@@ -112,7 +112,7 @@ def test_presets_compose_and_build_a_context_drafter(tiny):
 
     for name in ("draft_verify_ngram", "early_exit_ngram", "del_heads_ngram", "adadecode_ngram"):
         cfg = compose([f"method={name}", "model=tiny-random", "task=xsum"]).method
-        assert check_method(cfg).ngram["min_ngram"] == 2, name
+        assert check_method(cfg).ngram.min_ngram == 2, name
     dec = build_decoder(OmegaConf.create(dict(METHODS["early_exit"], ngram=NGRAM)), tiny.model)
     assert isinstance(dec.context, ContextDrafter) and dec.room >= NGRAM["max_draft"] + 1
     with torch.inference_mode():

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from selfspec.decoding import DecodeState, Sampling, build_decoder
 from selfspec.decoding.early_exit import DEL, DELDrafter, ShadowStats, round_cost, tpl_argmax
 from selfspec.measure.profile import Profile
-from conftest import cpu_like_profile
+from conftest import cpu_like_profile, method_config
 from test_early_exit import agreeing_model, compose_method, vanilla
 
 
@@ -21,7 +21,7 @@ def agree():
 def del_decoder(loaded, profile=None, **over):
     """DEL from conf/method/del.yaml with ``over``; ``cost_model: measured`` (the default) priced by
     ``profile``, else by :func:`cpu_like_profile` (the same choices on every machine)."""
-    cfg = OmegaConf.merge(OmegaConf.load("conf/method/del.yaml"), over)
+    cfg = OmegaConf.merge(method_config("del"), over)
     if cfg.cost_model == "measured" and profile is None:
         profile = cpu_like_profile(loaded.model)
     return build_decoder(cfg, loaded.model, profile=profile)
@@ -164,7 +164,7 @@ def test_measured_costs_come_from_the_runs_profile(tiny, prompt_ids):
     p = del_decoder(tiny, min_draft=0, max_draft=8, cost_model="parameters")
     assert p.drafter.verify is None and p.drafter.head_cost == pytest.approx(m.lm_head_weight.numel() / m.layer_numel())
     with pytest.raises(ValueError, match="cost_model=measured prices TPL's costs with this machine's cost profile"):
-        build_decoder(OmegaConf.load("conf/method/del.yaml"), m)
+        build_decoder(method_config("del"), m)
     assert "cost_model=parameters" in MEASURED_NEEDS_PROFILE
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import rolled_back_steps, method_config
+from conftest import adaptive_rule, draft_stop, method_config, method_options, rolled_back_steps
 
 from selfspec.config import compose, model_config
 from selfspec.decoding import Sampling, build_decoder
@@ -49,7 +49,7 @@ def random_skip_sets(n_layers, count, seed=0):
 
 def test_greedy_equals_vanilla_for_random_skip_sets(tiny8, prompt_ids):
     ref = vanilla_tokens(tiny8, prompt_ids, 40)
-    for stop, k in (({"rule": "adaptive", "threshold": 0.05}, 12), ({"rule": "static", "threshold": 0.05}, 5), (None, 3)):
+    for stop, k in ((draft_stop("adaptive", threshold=0.05), 12), (draft_stop("static", threshold=0.05), 5), (None, 3)):
         for attn, mlp in random_skip_sets(8, 3, seed=k):
             dec = dv(tiny8, attn, mlp, draft_stop=stop, max_draft=k)
             g = dec.generate(prompt_ids, 40)
@@ -96,8 +96,8 @@ def first_step(s: Sampling):
     cfg = OmegaConf.merge(model_config("tiny-random"), {"tokenizer": None, "random": {"vocab_size": 512, "num_hidden_layers": 4, "seed": 2}})
     model = load_model(cfg).model
     prompt_ids = list(range(40, 70))
-    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), max_draft=1, draft_stop=None, last_token="plain",
-                      eos_draft="stop")
+    dec = DraftVerify(model, SkipSet.of(attn=[1, 2], mlp=[2, 3]), method_options("draft_verify", max_draft=1,
+                                                                                 draft_stop=None))
     prompt = torch.tensor([prompt_ids])
     state = DecodeState(list(prompt_ids), len(prompt_ids), model.new_cache(64), s, torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -149,31 +149,32 @@ def test_sampling_is_seeded_and_lossless_path_runs(tiny8, prompt_ids):
     assert a.tokens == b.tokens and len(a.tokens) == 20 and sum(a.drafted_per_step) > 0
 
 
-def test_adaptive_gamma_update_rule_and_carry_over(tiny8, prompt_ids):
-    dec = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop={"rule": "adaptive", "threshold": 0.6, "target": 0.9})
+def test_adaptive_threshold_update_rule_and_carry_over(tiny8, prompt_ids):
+    dec = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop=draft_stop("adaptive", threshold=0.6, target=0.9))
+    rule = dec.drafter.draft_stop
     # Eq. 2-4 by hand: first stage AR = AR_1 (beta1 = 0)
-    dec.drafter.update_gamma(accepted=1, drafted=4, hit_max=False)  # AR 0.25 <= 0.9 -> raise
-    assert dec.drafter.ar == 0.25 and dec.drafter.gamma == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
-    g1 = dec.drafter.gamma
-    dec.drafter.update_gamma(accepted=4, drafted=4, hit_max=False)  # AR 0.625 -> raise again
-    assert dec.drafter.ar == pytest.approx(0.625) and dec.drafter.gamma == pytest.approx(0.9 * g1 + 0.1 * (g1 + 0.01))
-    dec.drafter.ar, g2 = 0.95, dec.drafter.gamma
-    dec.drafter.update_gamma(accepted=12, drafted=12, hit_max=True)  # above target but hit K: not lowered
-    assert dec.drafter.gamma == g2
-    dec.drafter.update_gamma(accepted=3, drafted=3, hit_max=False)  # above target -> lower
-    assert dec.drafter.gamma == pytest.approx(0.9 * g2 + 0.1 * (g2 - 0.01))
-    # state carries over between generate calls; reset restores gamma0
-    dec.drafter.reset_gamma()
+    rule.update(4, 1, hit_max=False)  # AR 0.25 <= 0.9 -> raise
+    assert rule.ar == 0.25 and dec.drafter.threshold == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
+    g1 = dec.drafter.threshold
+    rule.update(4, 4, hit_max=False)  # AR 0.625 -> raise again
+    assert rule.ar == pytest.approx(0.625) and dec.drafter.threshold == pytest.approx(0.9 * g1 + 0.1 * (g1 + 0.01))
+    rule.ar, g2 = 0.95, dec.drafter.threshold
+    rule.update(12, 12, hit_max=True)  # above target but hit K: not lowered
+    assert dec.drafter.threshold == g2
+    rule.update(3, 3, hit_max=False)  # above target -> lower
+    assert dec.drafter.threshold == pytest.approx(0.9 * g2 + 0.1 * (g2 - 0.01))
+    # state carries over between generate calls; reset restores γ0
+    dec.drafter.reset_draft_stop()
     g = dec.generate(prompt_ids, 30)
-    assert g.stats["gamma"] == dec.drafter.gamma != 0.6 and g.stats["verifications"] > 0
-    before = dec.drafter.gamma
+    assert g.stats["threshold"] == dec.drafter.threshold != 0.6 and g.stats["verifications"] > 0
+    before = dec.drafter.threshold
     dec.generate(prompt_ids, 30)
-    assert dec.drafter.gamma != before
-    dec.drafter.reset_gamma()
-    assert dec.drafter.gamma == 0.6 and dec.drafter.ar is None
-    static = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop={"rule": "static", "threshold": 0.6})
+    assert dec.drafter.threshold != before
+    dec.drafter.reset_draft_stop()
+    assert dec.drafter.threshold == 0.6 and dec.drafter.draft_stop.ar is None
+    static = dv(tiny8, [0, 1, 2, 3], [0, 1, 2], draft_stop=draft_stop("static", threshold=0.6))
     static.generate(prompt_ids, 30)
-    assert static.drafter.gamma == 0.6
+    assert static.drafter.threshold == 0.6
 
 
 def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
@@ -211,19 +212,17 @@ def test_method_configs_compose(method):
     rule = None if m.draft_stop is None else m.draft_stop.rule
     assert rule == {"draft_verify": "adaptive", "draft_verify_static": "static", "draft_verify_fixed_k": None}[method]
     options = DraftVerify.Options.read(m)
-    assert options.draft_stop == (None if rule is None else {"rule": rule, "threshold": 0.6})
+    assert (options.draft_stop and options.draft_stop.config()) == (rule and draft_stop(rule))
 
 
 def test_acceptance_average_start_and_scope():
     """``draft_stop.ar_start`` / ``ar_per_example`` (docs/design.md §8): the paper's text starts AR at
     the first round's rate; the authors' code starts it at 0 (β1 from the first round) in every
     call, so its first update raises θ even after a fully accepted draft. θ always carries over."""
-    from selfspec.decoding.draft_exit import AdaptiveThreshold
-
-    text = AdaptiveThreshold(initial=0.6, target=0.9)
+    text = adaptive_rule(threshold=0.6, target=0.9)
     text.update(drafted=4, accepted=4, hit_max=False)  # AR = 1 > α: lowered
     assert text.ar == 1.0 and text.value == 0.9 * 0.6 + (1 - 0.9) * (0.6 - 0.01)
-    code = AdaptiveThreshold(initial=0.6, target=0.9, ar_start="zero", ar_per_example=True)
+    code = adaptive_rule(threshold=0.6, target=0.9, ar_start="zero", ar_per_example=True)
     assert code.ar == 0.0
     code.update(drafted=4, accepted=4, hit_max=False)  # AR = 0.5·0 + 0.5·1 < α: raised
     assert code.ar == 0.5 and code.value == 0.9 * 0.6 + (1 - 0.9) * (0.6 + 0.01)
@@ -232,11 +231,11 @@ def test_acceptance_average_start_and_scope():
     assert code.ar == 0.0 and code.value == theta
     text.start_example()  # carried: nothing changes
     assert text.ar == 1.0
-    per_example = AdaptiveThreshold(ar_per_example=True)
+    per_example = adaptive_rule(ar_per_example=True)
     per_example.update(drafted=2, accepted=1, hit_max=False)
     per_example.start_example()
     assert per_example.ar is None
-    held = AdaptiveThreshold(initial=0.7, target=0.9)
+    held = adaptive_rule(threshold=0.7, target=0.9)
     held.update(drafted=12, accepted=12, hit_max=True)  # AR above α but K drafts: θ̃ = θ (the code's arithmetic)
     assert held.value == 0.9 * 0.7 + (1 - 0.9) * 0.7
 
@@ -244,9 +243,9 @@ def test_acceptance_average_start_and_scope():
 def test_authors_loop_keys_are_checked(tiny8):
     with pytest.raises(ValueError, match=r"method\.draft_stop\.ar_start=sometimes is not allowed: must be one of "
                                          r"first_rate, zero"):
-        dv(tiny8, [1], [], draft_stop={"rule": "adaptive", "ar_start": "sometimes"})
+        dv(tiny8, [1], [], draft_stop=draft_stop("adaptive", ar_start="sometimes"))
     with pytest.raises(ValueError, match=r"method\.draft_stop\.ar_per_example=yes is not allowed: must be true or false"):
-        dv(tiny8, [1], [], draft_stop={"rule": "adaptive", "ar_per_example": "yes"})
+        dv(tiny8, [1], [], draft_stop=draft_stop("adaptive", ar_per_example="yes"))
     with pytest.raises(ValueError, match=r"method\.draft_stop\.ar_start is not a key"):
         dv(tiny8, [1], [], draft_stop={"rule": "static", "threshold": 0.5, "ar_start": "zero"})
     with pytest.raises(ValueError, match=r"method\.last_token=always is not allowed: must be one of plain, draft"):
@@ -259,7 +258,7 @@ def test_authors_budget_and_eos_drafting_stay_lossless(tiny8, prompt_ids):
     """``last_token: draft`` drafts and verifies with one token of budget left and ``eos_draft:
     continue`` drafts past EOS; the loop still cuts the output to the budget and at EOS."""
     free = vanilla_tokens(tiny8, prompt_ids, 25)
-    paper = dv(tiny8, [1, 2], [6], draft_stop={"rule": "adaptive", "threshold": 0.0}, max_draft=3,
+    paper = dv(tiny8, [1, 2], [6], draft_stop=draft_stop("adaptive", threshold=0.0), max_draft=3,
                last_token="draft", eos_draft="continue", never_slower=False)
     assert paper.drafter.draft_room(3, 1) == 1 and dv(tiny8, [1, 2], [6]).drafter.draft_room(3, 1) == 0
     for n in (1, 2, 7, 25):
@@ -279,7 +278,7 @@ def test_paper_config_and_presets_run_the_authors_loop():
     from selfspec.config import compose
 
     def options(overrides):
-        return DraftVerify.Options.read(compose(["model=tiny-random", *overrides]).method).values()
+        return DraftVerify.Options.read(compose(["model=tiny-random", *overrides]).method).config()
 
     runs = [["method=draft_verify_paper"], ["experiment=dv_text"], ["experiment=dv_code"],
             ["experiment=dv_fixed_k"], ["experiment=dv_static", "method=draft_verify_static"],
@@ -293,7 +292,8 @@ def test_paper_config_and_presets_run_the_authors_loop():
             assert (stop["ar_start"], stop["ar_per_example"], stop["threshold"]) == ("zero", True, 0.6), overrides
             assert o["max_draft"] == 12
     default = options(["method=draft_verify"])
-    assert (default["last_token"], default["eos_draft"]) == ("plain", "stop") and "ar_start" not in default["draft_stop"]
+    assert (default["last_token"], default["eos_draft"]) == ("plain", "stop")
+    assert (default["draft_stop"]["ar_start"], default["draft_stop"]["ar_per_example"]) == ("first_rate", False)
 
 
 def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
@@ -306,7 +306,7 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
 
     def build(label):
         cfg = method_config("draft_verify", **{"skip_attn": [1, 2], "skip_mlp": [6],
-                                "draft_stop": {"rule": "adaptive", "threshold": 0.05}, "never_slower": label == "gated"})
+                                "draft_stop": draft_stop("adaptive", threshold=0.05), "never_slower": label == "gated"})
         if label == "paper":
             cfg.merge_with({"draft_stop": {"ar_start": "zero", "ar_per_example": True}})
         return build_decoder(cfg, tiny8.model)
@@ -317,14 +317,14 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
         assert carrying == ([dec.gate] if label == "gated" else []) + [dec.drafter] and dec.carries == ()
         stop, gate = copy.deepcopy(dec.drafter.draft_stop), copy.deepcopy(dec.gate)
         _warmup([SimpleNamespace(decoder=dec)], [prompt_ids], 2, 16, Sampling())
-        assert dec.drafter.gamma == 0.05 and dec.drafter.draft_stop == stop and dec.gate == gate
+        assert dec.drafter.threshold == 0.05 and dec.drafter.draft_stop == stop and dec.gate == gate
         if label != "gated":  # the gate's choices follow the wall clock
             assert dec.generate(prompt_ids, 24).trace == fresh.generate(prompt_ids, 24).trace, label
     with_warmup = build("paper")
     with with_warmup.kept_state():
         with_warmup.generate(prompt_ids, 16)
-        assert with_warmup.drafter.gamma != 0.05
-    assert with_warmup.drafter.gamma == 0.05
+        assert with_warmup.drafter.threshold != 0.05
+    assert with_warmup.drafter.threshold == 0.05
 
 
 def test_a_part_whose_whole_state_carries_is_put_back_whole():

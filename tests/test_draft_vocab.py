@@ -244,7 +244,8 @@ def test_report_row_shows_the_truncated_head_and_its_coverage(job_artefact):
            "method": {"name": "del", "draft_vocab": "auto"}, "sampling": {"temperature": 0.0}}
     entries = {"vanilla": {"speedup": 1.0, "tau": 1.0},
                "del": {"speedup": 1.2, "tau": 1.5, "acceptance_rate": 0.5, "stats": {"draft_vocab_size": 12.0}}}
-    run = {"method": "del", "methods": entries, "artefacts": {"del": [summary["artefact"]]}}
+    run = {"method": "del", "methods": entries, "method_configs": {"del": cfg["method"]}, "run_info": {},
+           "artefacts": {"del": [summary["artefact"]]}}
     row = next(r for r in records_from_summary(run, cfg, source="run", origin="run") if r.method == "del")
     assert row.variant == "truncated head (12 tokens)"
     assert format_cell("draft_vocab_coverage", row) == f"{meta['coverage']:.3f}"

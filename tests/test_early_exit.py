@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import first_two_tokens_tv, method_config
+from conftest import adaptive_rule, draft_stop, first_two_tokens_tv, method_config
 from selfspec.config import model_config
 from selfspec.decoding import DecodeState, Sampling, build_decoder
 from selfspec.decoding.draft_exit import AdaptiveThreshold
@@ -56,9 +56,7 @@ def test_greedy_equals_vanilla_every_exit_and_gamma(agree, tiny, prompt_ids):
     assert 0.2 < g.acceptance_rate < 1.0 and g.tau > 1.5
 
 
-@pytest.mark.parametrize("stop", [{"rule": "static", "threshold": 0.3},
-                                  {"rule": "adaptive", "threshold": 0.6, "target": 0.9, "epsilon": 0.01,
-                                   "beta1": 0.5, "beta2": 0.9}])
+@pytest.mark.parametrize("stop", [draft_stop("static", threshold=0.3), draft_stop("adaptive")])
 def test_draft_stop_rules_keep_vanilla_output(agree, prompt_ids, stop):
     ref = vanilla(agree, prompt_ids, 40)
     d = ee(agree, 1, 12, stop)
@@ -153,7 +151,7 @@ def test_sampling_preserves_target_distribution(disagreeing, prompt_ids):
 
 
 def test_adaptive_threshold_follows_draft_and_verify_rule():
-    t = AdaptiveThreshold(initial=0.6, target=0.9, epsilon=0.01, beta1=0.5, beta2=0.9)
+    t = adaptive_rule(threshold=0.6, target=0.9, epsilon=0.01, beta1=0.5, beta2=0.9)
     t.update(drafted=4, accepted=2, hit_max=False)  # AR = 0.5 <= 0.9: up
     assert t.ar == 0.5 and t.value == pytest.approx(0.9 * 0.6 + 0.1 * 0.61)
     v = t.value

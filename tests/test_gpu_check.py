@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from selfspec.decoding import METHODS as REGISTERED
+from selfspec.train import JOBS
+
 ROOT = Path(__file__).resolve().parents[1]
-JOBS = ("heads", "prompts", "ppd_tree", "skips", "draft_vocab")
-METHODS = ("draft_verify", "adadecode", "ppd", "del", "early_exit", "ngram")
+
+#: the methods section's: every method of the registry that runs selfspec's own loop
+METHODS = [name for name in REGISTERED if REGISTERED[name].own_loop and name != "vanilla"]
 
 
 def positive(x) -> bool:
@@ -56,7 +60,8 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
             assert positive(rows[capture]["s_per_token"]), (method, capture)
         assert positive(rows["eager_over_captured"])
     for method in METHODS:  # greedy, lossless on the CPU in bf16 (the row-wise kernels): vanilla's tokens
-        assert tiny["methods"][method]["static"]["consistency"] == 1.0, method
+        if REGISTERED[method].lossless:
+            assert tiny["methods"][method]["static"]["consistency"] == 1.0, method
     passes = tiny["passes"]  # the static mode's runner took trees, kept states and partial layers, missed none
     assert set(passes) == {"static"} and passes["static"]["missed"] == 0
     assert {"chain", "tree", "chain/partial", "chain+keep/partial"} <= set(passes["static"]["kinds"])

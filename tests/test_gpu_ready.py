@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DV_KEYS
+from conftest import DV_OPTIONS
 from selfspec.decoding.draft_verify import DraftVerify
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models import capture
@@ -56,10 +56,10 @@ def test_a_generation_that_built_passes_is_timed_again_from_the_same_state(stati
     capture on a GPU) runs again from the carried state it started from (Draft & Verify's threshold),
     so the timed one builds nothing and decodes the same tokens with the same state after."""
     skip = SkipSet.of(attn=[1], mlp=[2])
-    fresh = DraftVerify(static, skip_set=skip, **DV_KEYS)
+    fresh = DraftVerify(static, skip, DV_OPTIONS)
     want = fresh.generate(prompt_ids, 30)
     static.steps.forget(static.reserve(len(prompt_ids) + 64))  # its passes dropped: the next run builds them
-    dec = DraftVerify(static, skip_set=skip, **DV_KEYS)
+    dec = DraftVerify(static, skip, DV_OPTIONS)
     built = static.steps.built
     gen, during = dec.generate_timed(prompt_ids, 30)
     assert static.steps.built > built and during == 0

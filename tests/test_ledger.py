@@ -44,6 +44,7 @@ def synthetic_profile(**changes) -> Profile:
 
 
 @pytest.mark.parametrize("change,message", [
+    ({"format": FORMAT - 1}, rf"format {FORMAT - 1}, this selfspec reads format {FORMAT}"),  # docs/design.md §9
     ({"mlp": None}, r"mlp is missing or empty"),
     ({"mlp": {"1": float("nan"), "2": 3e-3}}, r"mlp\[1\] is nan, not a finite number of seconds >= 0"),
     ({"linear": {"1": -1e-3}}, r"linear\[1\] is -0\.001, not a finite"),
@@ -280,7 +281,7 @@ def test_a_burst_of_load_in_one_generation_is_caught_per_generation(tiny, tmp_pa
     """A burst that slows one generation moves the whole run's ratio too little for the threshold; the
     per-generation check lists it (against its method's median ratio) and flags the run."""
     from selfspec.evaluation.aggregate import spoiled_generations
-    from selfspec.reporting.ledger import contention_warning
+    from selfspec.reporting.breakdown import contention_warning
 
     _run(tiny, tmp_path, "n_examples=5")
     rows = ResultsFile(tmp_path / RESULTS).rows()

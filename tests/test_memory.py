@@ -28,7 +28,7 @@ def test_shapes_count_the_public_parameter_counts():
 
 @pytest.mark.parametrize("point", MEASURED, ids=lambda p: f"{p['shape']}-{p['job']}-{'_'.join(p['settings'])}")
 def test_estimate_within_the_stated_error_of_every_measured_point(point):
-    cfg = compose(point["overrides"], config_name="evaluate" if point["job"] == "evaluate" else "train")
+    cfg = compose(point["overrides"], config_name=memory.primary_config(point["job"]))
     est = memory.job_estimate(point["job"], peak.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
                           torch.device("cpu"))
     assert abs(est.total / point["job_peak"] - 1) <= peak.ERROR + 1e-9
@@ -37,7 +37,7 @@ def test_estimate_within_the_stated_error_of_every_measured_point(point):
 def test_the_stated_error_is_the_largest_over_the_points():
     errors = []
     for point in MEASURED:
-        cfg = compose(point["overrides"], config_name="evaluate" if point["job"] == "evaluate" else "train")
+        cfg = compose(point["overrides"], config_name=memory.primary_config(point["job"]))
         est = memory.job_estimate(point["job"], peak.shape_of(cfg.model), cfg, getattr(torch, point["dtype"]),
                               torch.device("cpu"))
         errors.append(abs(est.total / point["job_peak"] - 1))
@@ -84,9 +84,9 @@ def test_a_job_that_fits_passes():
     assert est is not None and est.total < peak.device_memory(torch.device("cpu"))[0]
 
 
-def test_readme_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    assert memory.table() in readme
+def test_documented_table_is_the_generated_one():
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    assert memory.table() in usage
 
 
 def test_checkpointing_and_chunking_shrink_their_terms():

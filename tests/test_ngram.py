@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import cpu_like_profile, method_config, rolled_back_steps
+from conftest import cpu_like_profile, method_config, method_options, rolled_back_steps
 
 from selfspec.config import compose, model_config
 from selfspec.config.checks import ConfigError
@@ -129,7 +129,7 @@ def test_cache_after_rollback_equals_recomputation(tiny):
 
 
 def test_adaptive_draft_length_follows_acceptance(tiny):
-    dec = NgramLookup(tiny.model, max_ngram=3, min_ngram=1, max_draft=6, draft_schedule="adaptive")
+    dec = NgramLookup(tiny.model, method_options("ngram", max_ngram=3, min_ngram=1, max_draft=6, draft_schedule="adaptive"))
     ex = dec.context.new_example(None)
     assert ex.draft_len == 6
     dec.context.adapt(ex, accepted=1, drafted=6)
@@ -142,7 +142,8 @@ def test_adaptive_draft_length_follows_acceptance(tiny):
     for _ in range(10):
         dec.context.adapt(ex, accepted=0, drafted=1)
     assert ex.draft_len == 1  # never below one draft
-    const = NgramLookup(tiny.model, max_ngram=3, min_ngram=1, max_draft=6, draft_schedule="constant")
+    const = NgramLookup(tiny.model, method_options("ngram", max_ngram=3, min_ngram=1, max_draft=6,
+                                                   draft_schedule="constant"))
     ex = const.context.new_example(None)
     const.context.adapt(ex, accepted=0, drafted=6)
     assert ex.draft_len == 6
@@ -260,7 +261,8 @@ def test_sampling_with_point_mass_drafts_matches_target_distribution():
         ids = contexts[d].tolist()
         p = warp(model.logits(model.forward(torch.tensor([ids]), None, start=0)[:, -1])[0], s)
         assert 0.25 <= p[d] <= 0.75, f"p(d) = {p[d]:.3f}"
-        dec = NgramLookup(model, max_ngram=2, min_ngram=1, max_draft=2, draft_schedule="adaptive")
+        dec = NgramLookup(model, method_options("ngram", max_ngram=2, min_ngram=1, max_draft=2,
+                                                draft_schedule="adaptive"))
         gen = torch.Generator().manual_seed(0)
         state = DecodeState(list(ids), len(ids), model.new_cache(64), s, gen)
         model.forward(torch.tensor([ids[:-1]]), state.cache, start=0)

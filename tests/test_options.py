@@ -86,3 +86,63 @@ def test_a_method_config_is_checked_once_with_todays_messages():
     for name, keys, message in cases:
         with pytest.raises(checks.ConfigError, match=message):
             check_method(method_config(name, **keys))
+
+
+def test_sub_configs_are_typed_records_whose_defaults_live_in_yaml_once():
+    """``draft_stop`` and ``ngram`` read to frozen records like a method's own keys (issue 53): each
+    rule's defaults are written once, in conf/method/draft_stop/<rule>.yaml, and the context
+    drafts' in conf/method/ngram/chain.yaml; method YAMLs pick them in their defaults lists and
+    write no copy (the adaptive rule's values were in Python, and γ0 = 0.6 was written twice)."""
+    from omegaconf import OmegaConf
+
+    from selfspec.decoding import draft_exit
+    from selfspec.decoding.part_options import ScheduledLookup
+
+    for rule, record in draft_exit.RULES.items():
+        written = OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / "draft_stop" / f"{rule}.yaml"))
+        assert written.pop("rule") == rule and set(written) == set(record.keys()), rule
+        for f in dataclasses.fields(record):
+            assert f.default is dataclasses.MISSING, (rule, f.name)
+        read = draft_exit.draft_stop_option("method.draft_stop", {"rule": rule, **written}, dynamic=True)
+        assert type(read) is record and read.config() == {"rule": rule, **written}
+    assert not [n for n in dir(draft_exit) if n.startswith("ADAPTIVE_")]
+    for f in dataclasses.fields(draft_exit.AdaptiveThreshold):
+        assert f.init is False or f.name == "settings", f.name  # the rule's settings are the record's
+    chain = OmegaConf.to_container(OmegaConf.load(conf_dir() / "method" / "ngram" / "chain.yaml"))
+    assert set(chain) == set(ScheduledLookup.keys())
+    written = {p.name: OmegaConf.to_container(OmegaConf.load(p)) for p in (conf_dir() / "method").glob("*.yaml")}
+    copies = [name for name, w in written.items() if "rule" in (w.get("draft_stop") or {})
+              or "draft_schedule" in (w.get("ngram") or {})]
+    assert not copies, f"a sub-config written again instead of picked from its group: {copies}"
+
+
+def test_a_sub_config_is_checked_once_per_build_and_the_profile_once_per_run(monkeypatch, tiny):
+    """Draft & Verify's ``draft_stop`` was checked three times per build (the options, the drafter,
+    its reset) and ``profile`` resolved three times per run (issue 53): once each now."""
+    from selfspec.config import compose
+    from selfspec.decoding import build_decoder
+    from selfspec.decoding.draft_exit import AdaptiveStop
+    from selfspec.evaluation import profiling, runner
+    from selfspec.train import job_named
+    from selfspec.training import driver
+
+    read = AdaptiveStop.read.__func__
+    reads = []
+    monkeypatch.setattr(AdaptiveStop, "read", classmethod(lambda cls, *a, **k: reads.append(a) or read(cls, *a, **k)))
+    dec = build_decoder(method_config("draft_verify", skip_attn=[1], skip_mlp=[2]), tiny.model)
+    dec.drafter.reset_draft_stop()
+    dec.generate(tiny.tokenizer("a b c")["input_ids"], 4)
+    assert len(reads) == 1
+
+    resolve = profiling.profile_spec
+    resolved = []
+    monkeypatch.setattr(runner, "profile_spec", lambda cfg: resolved.append(cfg.profile) or resolve(cfg))
+    plan = runner.prepare(compose(["model=tiny-random", "method=ngram", "n_examples=1", "threads=auto"]))
+    assert resolved == ["auto"] and plan.profile == "auto"
+    resolved.clear()
+    monkeypatch.setattr(profiling, "profile_spec", lambda cfg: resolved.append(cfg.profile) or resolve(cfg))
+    opts, spec = driver.prepare(job_named("draft_vocab"), compose(["model=tiny-random", "job=draft_vocab"], "train"))
+    assert resolved == ["auto"] and spec == "auto"
+    with pytest.raises(checks.ConfigError, match=r"profile=null is not allowed: .*job=draft_vocab \(each candidate"
+                                                 r"'s head cost\) prices its passes"):
+        driver.prepare(job_named("draft_vocab"), compose(["model=tiny-random", "job=draft_vocab", "profile=null"], "train"))

@@ -7,6 +7,7 @@ import torch
 
 from conftest import PPD_KEYS, method_config
 from selfspec.decoding import build_decoder, check_method
+from selfspec.decoding.part_options import LookupOptions
 from selfspec.decoding.ppd import PPD, typical_accept
 from selfspec.decoding.sampling import Sampling
 from selfspec.decoding.tree import SparseTree, random_trees
@@ -151,7 +152,8 @@ def test_context_drafts_join_the_tree_and_keep_vanilla_output(tiny, seed):
     ref = Vanilla(m).generate(prompt, N_NEW)
     trees = random_trees(3, 6, 3, random.Random(seed))
     plain = PPD(m, _prompts(m, 3, 2, seed), trees, **PPD_KEYS).generate(prompt, N_NEW)
-    dec = PPD(m, _prompts(m, 3, 2, seed), trees, **{**PPD_KEYS, "ngram": {"min_ngram": 1, "max_ngram": 3, "max_draft": 5}})
+    lookup = LookupOptions(max_ngram=3, min_ngram=1, max_draft=5)
+    dec = PPD(m, _prompts(m, 3, 2, seed), trees, **{**PPD_KEYS, "ngram": lookup})
     out = dec.generate(prompt, N_NEW)
     assert out.tokens == ref.tokens == plain.tokens
     assert out.stats["ngram_steps"] > 0
@@ -167,7 +169,7 @@ def test_ngram_sub_config_is_checked_before_loading():
     from selfspec.config.checks import ConfigError
 
     keys = {"max_ngram": 3, "min_ngram": 1, "max_draft": 4}  # every key: the lookup has no Python defaults
-    assert check_method(method_config("ppd", ngram=keys)).ngram == keys
+    assert check_method(method_config("ppd", ngram=keys)).ngram.config() == keys
     assert check_method(method_config("ppd")).ngram is None
     with pytest.raises(ConfigError, match=r"method\.ngram\.max_draf is not a key"):
         check_method(method_config("ppd", ngram={**keys, "max_draf": 4}))

@@ -1,6 +1,7 @@
-"""README.md's commands work as written: every command of its ```bash blocks runs, in the README's
-order, in a scratch directory laid out as the repository (its own ``outputs/``), on tiny-random
-with small budgets. What cannot run here is listed in :data:`NOT_RUN` with the reason, and checked
+"""The documented commands work as written: every command of the ```bash blocks of README.md and of
+docs/usage.md (:data:`PAGES`, the workflows README.md points to) runs, in the pages' order and each
+once, in a scratch directory laid out as the repository (its own ``outputs/``), on tiny-random with
+small budgets. What cannot run here is listed in :data:`NOT_RUN` with the reason, and checked
 as far as it can be (the make target exists, the flags parse, the Hydra overrides compose).
 
 Substitutions, and nothing else: ``MODEL=``/``model=`` become tiny-random, ``N=`` 1; Hydra commands
@@ -28,6 +29,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: the pages whose commands are run, in this order: the front page, then the workflows in detail (the
+#: dated results pages name the commands that measured them; those are measurements, not run here)
+PAGES = (README, ROOT / "docs" / "usage.md")
 #: what a scratch copy of the repository needs (links: the code under test is this checkout's)
 LAYOUT = ("Makefile", "pyproject.toml", "README.md", "conf", "scripts", "src")
 MODEL = "tiny-random"
@@ -49,6 +53,15 @@ def bash_commands(text: str) -> list[str]:
     blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S)
     lines = (re.sub(r"\s+#\s.*$", "", line).strip() for block in blocks for line in block.splitlines())
     return [line for line in lines if line and not line.startswith("#")]
+
+
+def documented_commands() -> list[str]:
+    """The commands of :data:`PAGES`, in order, each once (README.md repeats some of docs/usage.md's)."""
+    return list(dict.fromkeys(c for page in PAGES for c in bash_commands(page.read_text())))
+
+
+def documented_text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
 
 
 def _words(command: str) -> list[str]:
@@ -198,10 +211,12 @@ def scratch(tmp_path):
 
 
 def test_every_readme_command_is_run_or_excluded_with_a_reason():
-    commands = bash_commands(README.read_text())
+    commands = documented_commands()
     assert len(commands) >= 15, commands
     stale = [c for c in NOT_RUN if c not in commands]
-    assert not stale, f"NOT_RUN names commands README.md no longer has: {stale}"
+    assert not stale, f"NOT_RUN names commands the documented pages no longer have: {stale}"
+    front = bash_commands(README.read_text())
+    assert {"make demo", "make test", "make tables"} <= set(front) and any("train-" in c for c in front)
 
 
 def test_readme_model_sources_compose_as_written():
@@ -214,7 +229,7 @@ def test_readme_model_sources_compose_as_written():
 
     gguf = gguf_file()
     fill = {GGUF_PLACEHOLDER: str(gguf), "<hub repo or directory>": str(gguf.parent), "<file>.gguf": gguf.name}
-    spans = prose_model_sources(README.read_text())
+    spans = prose_model_sources(documented_text())
     assert any(s.startswith("model.gguf_path=") for s in spans) and any("model.gguf_file=" in s for s in spans), spans
     for span in spans:
         for placeholder, value in fill.items():
@@ -228,8 +243,8 @@ def test_readme_gguf_path_command_works_as_written(scratch):
     """The README's command that sets ``model.gguf_path`` runs as written, on the SmolLM2 asset's GGUF
     file (test_readme_commands_work_as_written runs it too, among all the others)."""
     root, run = scratch
-    commands = [c for c in bash_commands(README.read_text()) if "model.gguf_path=" + GGUF_PLACEHOLDER in c]
-    assert commands, "README.md has no command that sets model.gguf_path"
+    commands = [c for c in documented_commands() if "model.gguf_path=" + GGUF_PLACEHOLDER in c]
+    assert commands, "no documented command sets model.gguf_path"
     for command in commands:
         run(adapt(command))
     assert list((root / "outputs").rglob("summary.json"))
@@ -242,7 +257,7 @@ def test_readme_commands_work_as_written(scratch, demo_run):
     root, run = scratch
     for kind, name in PREREQUISITES:
         shutil.copytree(demo_run.out / "artefacts" / kind / name, root / "outputs" / "artefacts" / kind / name)
-    for command in bash_commands(README.read_text()):
+    for command in documented_commands():
         if command in NOT_RUN:
             NOT_RUN[command][1](run, command)
         else:

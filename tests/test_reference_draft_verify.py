@@ -82,7 +82,7 @@ def assert_same(theirs, ours):
     for i, (r, g) in enumerate(zip(theirs, ours)):
         assert g.tokens == r.tokens, f"prompt {i}: output"
         assert first_difference(g.trace, r.rounds) is None, (f"prompt {i}", first_difference(g.trace, r.rounds))
-        assert g.stats["gamma"] == r.threshold, f"prompt {i}: θ"
+        assert g.stats["threshold"] == r.threshold, f"prompt {i}: θ"
 
 
 def all_totals(results) -> tuple[int, int, int]:
@@ -107,7 +107,7 @@ def test_paper_config_is_the_authors_loop(peaked, tiny_authors, setting):
     assert_same(theirs, ours)
     # every step after prefill verified a draft, the last token of a budget included
     assert all(s.drafted for g in ours for s in g.trace[1:])
-    assert dec.drafter.gamma == theirs[-1].threshold
+    assert dec.drafter.threshold == theirs[-1].threshold
 
 
 def test_the_tiny_data_exercises_the_authors_loop(tiny_authors):

@@ -71,6 +71,24 @@ def test_every_job_says_its_own_memory_and_the_memory_model_knows_no_job():
     assert memory.memory_model("evaluate") is runner.MEMORY
     source = inspect.getsource(peak)
     assert not [n for n in memory.jobs() if f'"{n}"' in source]
+    assert not [n for n in memory.jobs() if f'"{n}"' in inspect.getsource(memory)]  # no job is a special case
+
+
+def test_no_table_keyed_by_a_job_name_outside_the_registry():
+    """The artefact kind a job writes is the job's own (``JOB.kind``): the store asks the registry
+    which job rebuilds an artefact (issue 53: ``store/artefacts.JOBS`` was a second table), and the
+    registry's order runs a job after those whose artefacts it reads."""
+    import inspect
+
+    from selfspec.store import artefacts
+    from selfspec.train import JOBS, job_writing
+
+    assert {kind: job_writing(kind) for kind in ("heads", "prompts", "ppd_tree", "skip_set", "draft_vocab")} == \
+        {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips", "draft_vocab": "draft_vocab"}
+    assert job_writing("medusa_heads") is None
+    assert not [n for n in JOBS if f'"{n}"' in inspect.getsource(artefacts)]
+    assert list(JOBS).index("ppd_tree") > list(JOBS).index("prompts")
+    assert "job=skips" in artefacts.rebuild_hint(artefacts.Path("/x"), "skip_set")
 
 
 def test_an_evaluation_checks_each_method_once(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from selfspec.reporting.tables import build_table, tex_escape, to_latex, to_mark
 from selfspec.reporting.wandb_source import unflatten, wandb_records
 
 RUN_INFO = {"git_commit": "abc1234", "versions": {"torch": "2.13.0", "transformers": "5.23.0", "selfspec": "0.1.0"},
-            "hardware": {"processor": "x86_64", "cpu_threads": 2, "gpu": None}, "device": "cpu"}
+            "hardware": {"cpu": "x86_64", "cpu_threads": 2, "gpu": None}, "device": "cpu"}
 
 
 def entry(tps: float, speedup: float, tau: float = 1.0, ar=None, consistency=1.0, metrics=None, stats=None):
@@ -36,16 +36,18 @@ def entry(tps: float, speedup: float, tau: float = 1.0, ar=None, consistency=1.0
 
 def write_run(path: Path, *, table: str | None, task: str, method: str, methods: dict, model="smollm2-135m",
               method_cfg: dict | None = None, temperature=0.0, artefacts=None, extra: dict | None = None) -> Path:
-    """A summary-only run directory with chosen figures (label = decoder name; no variants): for the
-    tables' formatting. Label identity is tested on real runner output (``real_runs``). ``extra``:
-    more top-level summary fields (``contention``, ``profile``, ``projections``)."""
+    """A summary-only run directory of run format 1 (no ``format`` field) with chosen figures (label =
+    decoder name; no variants): for the tables' formatting. Label identity is tested on real runner
+    output (``real_runs``). ``extra``: more top-level summary fields (``contention``, ``profile``,
+    ``projections``, ``format``)."""
     path.mkdir(parents=True)
     cfg = {"model": {"name": model}, "task": {"name": task}, "method": {"name": method, **(method_cfg or {})},
            "baseline": "vanilla", "sampling": {"temperature": temperature}}
     if table:
         cfg["report"] = {"table": table}
     summary = {"model": model, "task": task, "method": method, "baseline": "vanilla", "methods": methods,
-               "run_info": RUN_INFO, "artefacts": artefacts or {}, "config": cfg, **(extra or {})}
+               "method_configs": {method: cfg["method"]}, "run_info": RUN_INFO, "artefacts": artefacts or {},
+               "config": cfg, **(extra or {})}
     (path / "summary.json").write_text(json.dumps(summary))
     return path
 
@@ -150,6 +152,43 @@ def test_records_from_a_run_directory(runs):
     assert ada.provenance["commit"] == "abc1234" and "torch 2.13.0" in ada.provenance["versions"]
     assert ada.provenance["source"] == str(runs / "0_xsum")
     assert read_run(runs / "missing") == []
+
+
+def test_run_formats_read_and_refused(real_runs, tmp_path, caplog):
+    """docs/design.md, "Formats read": a run of format 2 (this selfspec's: summary.json's ``format``)
+    and of format 1 (no ``format`` field; its Draft & Verify adaptive rule recorded with its
+    threshold alone) read to the same records; a run older than format 1 (no ``method_configs``,
+    ``method``, ``run_info`` or ``config``) or of a newer format is left out with one warning line,
+    and ``project`` refuses it by name."""
+    from selfspec.evaluation.runner import RUN_FORMAT
+    from selfspec.project import _summary
+
+    real = json.loads((real_runs / "adaptive" / "summary.json").read_text())
+    assert real["format"] == RUN_FORMAT == 2 and read_run(real_runs / "adaptive")
+    methods = {"vanilla": entry(20.0, 1.0), "draft_verify": entry(30.0, 1.5)}
+    stop = {"draft_stop": {"rule": "adaptive", "threshold": 0.4}}
+    one = write_run(tmp_path / "one", table="dv_static", task="xsum", method="draft_verify", methods=methods,
+                    method_cfg=stop)
+    two = write_run(tmp_path / "two", table="dv_static", task="xsum", method="draft_verify", methods=methods,
+                    method_cfg=stop, extra={"format": 2})
+    for path in (one, two):
+        dv = next(r for r in read_run(path) if r.method == "draft_verify")
+        assert dv.variant == "adaptive (γ0=0.4)" and dv.metrics["speedup"] == 1.5 and dv.decoder == "draft_verify"
+    for field in ("method_configs", "method", "run_info", "config"):
+        summary = json.loads((one / "summary.json").read_text())
+        del summary[field]
+        older = tmp_path / f"older_{field}"
+        older.mkdir()
+        (older / "summary.json").write_text(json.dumps(summary))
+        caplog.clear()
+        assert read_run(older) == []
+        assert f"field '{field}' is missing: a run older than format 1" in caplog.text
+        with pytest.raises(ValueError, match=f"field '{field}' is missing"):
+            _summary(older)
+    newer = write_run(tmp_path / "newer", table=None, task="xsum", method="draft_verify", methods=methods,
+                      extra={"format": 3})
+    caplog.clear()
+    assert read_run(newer) == [] and "this selfspec reads run formats 1, 2" in caplog.text
 
 
 def test_build_report_writes_tables_plots_and_index(runs, tmp_path):
@@ -285,7 +324,8 @@ def test_artefact_traces(tmp_path):
 
 def test_wandb_records_from_flattened_summaries():
     summary = {"methods/vanilla/speedup": 1.0, "methods/vanilla/tokens_per_s": 20.0,
-               "methods/ppd/speedup": 1.7, "methods/ppd/tokens_per_s": 34.0, "run_info/git_commit": "abc", "_step": 3}
+               "methods/ppd/speedup": 1.7, "methods/ppd/tokens_per_s": 34.0, "run_info/git_commit": "abc", "_step": 3,
+               "format": 2, "method": "ppd", "method_configs/ppd/name": "ppd"}
     assert unflatten({"a/b": 1, "a/c": 2, "d": 3}) == {"a": {"b": 1, "c": 2}, "d": 3}
     run = SimpleNamespace(summary=summary, id="r1", url="https://wandb.ai/x/selfspec/runs/r1",
                           created_at="2026-01-01T00:00:00Z",
@@ -293,13 +333,18 @@ def test_wandb_records_from_flattened_summaries():
                                   "report": {"table": "ppd_speedup"}, "sampling": {"temperature": 0.0}})
     seen = {}
 
-    class Api:
+    one = SimpleNamespace(**{**vars(run), "id": "r0", "summary": {k: v for k, v in summary.items() if k != "format"}})
+    older = SimpleNamespace(**{**vars(run), "id": "old", "summary": {k: v for k, v in summary.items()
+                                                                     if not k.startswith("method_configs")}})
+
+    class Api:  # runs of format 2 and 1 are read; an older one (no method_configs) is left out
         def runs(self, path, filters):
             seen.update(path=path, filters=filters)
-            return [run]
+            return [run, one, older]
 
     recs = wandb_records("selfspec", "me", {"jobType": "evaluate"}, api=Api())
     assert seen == {"path": "me/selfspec", "filters": {"jobType": "evaluate"}}
+    assert len(recs) == 4 and {r.provenance["source"] for r in recs} == {run.url}
     ppd = next(r for r in recs if r.method == "ppd")
     assert ppd.origin == "wandb" and ppd.table == "ppd_speedup" and ppd.metrics["speedup"] == 1.7
     assert ppd.provenance["source"] == run.url and ppd.provenance["commit"] == "abc"

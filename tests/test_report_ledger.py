@@ -12,7 +12,7 @@ import pytest
 from test_report import assert_plots_explained, entry, write_run
 
 from selfspec.reporting import build_report, read_run
-from selfspec.reporting.ledger import COLOUR, LOADED, in_words
+from selfspec.reporting.breakdown import COLOUR, LOADED, in_words
 from selfspec.reporting.plots import PANEL_SERIES, ledger_figure
 from selfspec.reporting.records import Record
 from selfspec.reporting.tables import ledger_lines
@@ -90,15 +90,28 @@ def test_records_carry_the_ledger_profile_projections_and_contention(ledger_runs
     assert read_run(tmp_path / "bad") == []
 
 
-def test_tables_show_predicted_and_projected_speedups_beside_the_measured(ledger_runs, tmp_path):
+def test_tables_show_predicted_speedups_beside_the_measured_and_projections_apart(ledger_runs, tmp_path):
+    """The predicted speedup sits beside the measured one; the projections onto other machines'
+    profiles are a table of their own (issue 53: a column per profile pushed a task's table off a
+    1300 px screen), with the same rows and only those projected."""
     result = build_report([ledger_runs], tmp_path / "report", artefacts_dir=None, make_plots=False)
     table = result.tables["main"]
-    assert table.group_cells[0][:4] == ["tps_speedup", "predicted_speedup", "projected:gpu-h100", "tau"]
-    assert table.group_cells[1][:3] == ["tps_speedup", "predicted_speedup", "tau"]  # no projection there
+    assert table.group_cells[0][:3] == ["tps_speedup", "predicted_speedup", "tau"]
+    assert table.group_cells[1][:3] == ["tps_speedup", "predicted_speedup", "tau"]
+    assert not [c for cells in table.group_cells for c in cells if c.startswith("projected:")]
+    projected = table.projections
+    assert projected.groups == ["xsum"] and projected.group_cells == [["projected:gpu-h100"]]  # no projection on HumanEval
+    assert projected.sources is table.sources
+    assert [r.label for b in projected.blocks for r in b.rows] == ["Vanilla, greedy", "AdaDecode, greedy"]  # rows
+    # without a projection (Draft & Verify, the HF peer) are left out
     md = (tmp_path / "report" / "tables" / "main.md").read_text()
-    assert "| Method | XSum tok/s (speedup) | XSum Predicted speedup | XSum projected on gpu-h100 | XSum τ |" in md
-    assert "| AdaDecode, greedy | 14.40 (0.72×) | 0.93× | 1.80× | 1.21 |" in md
-    assert "| HF generate, greedy | 18.00 (0.90×) | – | – |" in md
+    assert "| Method | XSum tok/s (speedup) | XSum Predicted speedup | XSum τ |" in md
+    assert "| AdaDecode, greedy | 14.40 (0.72×) | 0.93× | 1.21 |" in md
+    assert "| HF generate, greedy | 18.00 (0.90×) | – |" in md
+    assert "projected on machine profiles" in md and "| Method | gpu-h100 | src |" in md
+    assert "| AdaDecode, greedy | 1.80× | [1] |" in md
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "projected on machine profiles</h3>" in page
     # the loaded run's measured speedups are marked; its predicted ones are not measurements
     assert "| 14.40 (0.72×) (loaded) | 0.93× | 1.21 |" in md
     assert md.count("> **Warning:** Measured under load — m · HumanEval, greedy: vanilla's model passes took "

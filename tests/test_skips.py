@@ -5,14 +5,13 @@ import json
 import pytest
 import torch
 
-from conftest import cpu_like_profile
+from conftest import cpu_like_profile, method_options
 from selfspec.config import compose
 from selfspec.decoding.draft_verify import resolve_skip_set
 from selfspec.models.layered import SkipSet
 from selfspec.training import skips
 
-OPTS = {"max_draft": 4, "draft_stop": {"rule": "adaptive", "threshold": 0.6, "target": 0.9, "epsilon": 0.01,
-                                        "beta1": 0.5, "beta2": 0.9}, "last_token": "plain", "eos_draft": "stop"}
+OPTS = method_options("draft_verify", max_draft=4)
 
 
 @pytest.fixture(autouse=True)

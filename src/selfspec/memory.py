@@ -1,10 +1,11 @@
-"""``python -m selfspec.memory --table``: the README's table of each job's estimated peak memory per
+"""``python -m selfspec.memory --table``: the table of each job's estimated peak memory per
 model size, and the lookup of a job's memory model by its name.
 
-The memory model itself is :mod:`selfspec.measure.peak` (README "Memory per job and model size");
+The memory model itself is :mod:`selfspec.measure.peak` (docs/usage.md, "Memory per job and model size", which shows the table);
 what each job says about its own memory lives with the job (:class:`~selfspec.measure.peak.MemoryModel`:
 a training job's ``JOB.memory``, an evaluation's :data:`selfspec.evaluation.runner.MEMORY`). This
-command gathers them by name, for the table, ``scripts/measure_memory.py`` and ``scripts/gpu_check.py``.
+command gathers them from the job registry and the runner (:func:`memory_models`), for the table,
+``scripts/measure_memory.py`` and ``scripts/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -18,24 +19,36 @@ from selfspec.measure.peak import (CUDA_RESERVE, EVAL_CONTEXT, GB, SIZES, Estima
                                    estimate)
 
 
-def jobs() -> tuple[str, ...]:
-    """Every job with a memory model, in the table's order: the training jobs (``conf/job``), then ``evaluate``."""
+def memory_models() -> dict[str, MemoryModel]:
+    """Every job's :class:`~selfspec.measure.peak.MemoryModel` by the job's name, in the table's order:
+    each training job's own (``JOB.memory`` of the job registry, :data:`selfspec.train.JOBS`), then an
+    evaluation's (:data:`selfspec.evaluation.runner.MEMORY`, named :data:`~selfspec.evaluation.runner.JOB`)."""
+    from selfspec.evaluation import runner
     from selfspec.train import JOBS
 
-    return (*JOBS, "evaluate")
+    return {**{name: JOBS[name].memory for name in JOBS}, runner.JOB: runner.MEMORY}
+
+
+def jobs() -> tuple[str, ...]:
+    """Every job with a memory model, in the table's order (:func:`memory_models`)."""
+    return tuple(memory_models())
 
 
 def memory_model(job: str) -> MemoryModel:
-    """The :class:`~selfspec.measure.peak.MemoryModel` of ``job`` (a ``conf/job`` name or ``evaluate``)."""
-    if job == "evaluate":
-        from selfspec.evaluation.runner import MEMORY
+    """The :class:`~selfspec.measure.peak.MemoryModel` of ``job`` (:func:`memory_models`)."""
+    models = memory_models()
+    if job not in models:
+        raise ValueError(f"no memory model of job {job!r}; one of {', '.join(models)}")
+    return models[job]
 
-        return MEMORY
-    from selfspec.train import JOBS, job_named
 
-    if job not in JOBS:
-        raise ValueError(f"no memory model of job {job!r}; one of {', '.join(jobs())}")
-    return job_named(job).memory
+def primary_config(job: str) -> str:
+    """The primary config ``job`` is composed from: ``train`` for a training job (selected by
+    ``job=<name>``), else the job's own (an evaluation's ``conf/evaluate.yaml``)."""
+    from selfspec.train import JOBS
+
+    memory_model(job)
+    return "train" if job in JOBS else job
 
 
 def terms(job: str, shape: Shape, cfg, b: int, context: int = EVAL_CONTEXT,
@@ -50,24 +63,27 @@ def job_estimate(job: str, shape: Shape, cfg, dtype: torch.dtype, device: torch.
     return estimate(job, memory_model(job), shape, cfg, dtype, device, context, prompt)
 
 
+def job_overrides(job: str) -> list[str]:
+    """The overrides that select ``job`` in its :func:`primary_config` (``job=<name>`` for a training job)."""
+    return [f"job={job}"] if primary_config(job) == "train" else []
+
+
 def job_config(job: str, overrides: list[str] = ()):
-    """A job's default config (conf/job, conf/evaluate.yaml) with ``overrides``, for the table."""
+    """A job's config with ``overrides`` (each a Hydra override), composed from its :func:`primary_config`."""
     from selfspec.config import compose
 
-    if job == "evaluate":
-        return compose(["model=tiny-random", *overrides], config_name="evaluate")
-    return compose(["model=tiny-random", f"job={job}", *overrides], config_name="train")
+    return compose([*job_overrides(job), *overrides], config_name=primary_config(job))
 
 
 def table(sizes: dict[str, Shape] = SIZES, budgets=(24, 40, 80)) -> str:
-    """The README table: per job and model size, the bf16 estimate on one GPU at the defaults, and per
+    """The table (docs/usage.md): per job and model size, the bf16 estimate on one GPU at the defaults, and per
     budget (GB) the first of the job's ``fallbacks`` that fits (or "does not fit")."""
     cuda = torch.device("cuda")
     lines = ["| job | model | estimate (defaults) | " + " | ".join(f"{g} GB" for g in budgets) + " |",
              "|---|---|---|" + "---|" * len(budgets)]
     for job in jobs():
         model = memory_model(job)
-        cfgs = [(list(o), job_config(job, o)) for o in model.fallbacks]
+        cfgs = [(list(o), job_config(job, ["model=tiny-random", *o])) for o in model.fallbacks]
         for label, shape in sizes.items():
             ests = [(o, estimate(job, model, shape, c, torch.bfloat16, cuda)) for o, c in cfgs]
             cells = []
@@ -84,7 +100,7 @@ def table(sizes: dict[str, Shape] = SIZES, budgets=(24, 40, 80)) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m selfspec.memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", action="store_true", help="print the README's table (bf16, one GPU)")
+    p.add_argument("--table", action="store_true", help="print the table of docs/usage.md (bf16, one GPU)")
     args = p.parse_args(argv)
     if args.table:
         print(table())

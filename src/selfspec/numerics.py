@@ -18,7 +18,7 @@ the user set is kept as it is; :func:`mode` reports the mode MKL actually runs, 
 it (:func:`selfspec.store.runinfo.hardware`), and ``threads=adaptive`` refuses to switch thread counts
 under a mode that is not strict (:func:`selfspec.decoding.threads.why_not_adaptive`).
 
-What strict mode costs was measured on the Intel machine (``scripts/bench_cbwr.py``; README, "On each kind
+What strict mode costs was measured on the Intel machine (``scripts/bench_cbwr.py``; docs/2026-11-27-cpu-results.md, "On each kind
 of CPU").
 
 The runtime's own CPU operators (the skinny linear, row-wise attention, the fused norm and rotary)

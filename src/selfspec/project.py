@@ -29,6 +29,7 @@ import hydra
 from omegaconf import DictConfig
 
 from selfspec.config import checks, conf_dir
+from selfspec.measure.speedup import per_token, speedup
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def _gates(summary: dict[str, Any], rows: list[dict[str, Any]], projected: dict[
         gate = cls.new_gate(profile)  # one gate over the run's examples, as a decoder keeps its own
         seconds = sum(sum(profile.predict(replay(r["trace"], gate)).values()) for r in mine)
         tokens = sum(r["new_tokens"] for r in mine)
-        entry["regated_speedup"] = (base_seconds / base_tokens) / (seconds / tokens) if seconds > 0 else None
+        entry["regated_speedup"] = speedup(per_token(base_seconds, base_tokens), per_token(seconds, tokens))
         entry["gate"] = "re-decided on the profile"
 
 
@@ -169,8 +170,14 @@ def _summary(run_dir: Path) -> dict[str, Any]:
         summary = read_json(path)
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} cannot be read as a run summary ({err}): evaluate the run again") from None
-    if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict) or "baseline" not in summary:
-        raise ValueError(f"{path} is not a selfspec run summary (no methods and baseline): evaluate the run again")
+    from selfspec.reporting.records import MalformedSummary, run_format
+
+    if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict):
+        raise ValueError(f"{path} is not a selfspec run summary (no methods): evaluate the run again")
+    try:
+        run_format(summary)
+    except MalformedSummary as err:
+        raise ValueError(f"{path}: {err}") from None
     return summary
 
 

@@ -20,7 +20,8 @@ from selfspec.training import driver
 log = logging.getLogger(__name__)
 
 #: job name (conf/job/<name>.yaml) -> the ``JOB`` it runs (imported on first use; the one registry
-#: style, :mod:`selfspec.config.registry`); its order is the memory table's
+#: style, :mod:`selfspec.config.registry`); its order is the memory table's and the order a fresh
+#: model's jobs run in: a job after those whose artefacts it reads (the PPD tree after the prompts)
 JOBS = Registry("job", {
     "heads": "selfspec.training.head_distillation:JOB",
     "prompts": "selfspec.training.prompt_tuning:JOB",
@@ -35,6 +36,12 @@ def job_named(name: str) -> driver.Job:
     return JOBS.lookup(name)
 
 
+def job_writing(kind: str) -> str | None:
+    """The name of the job that writes artefacts of ``kind`` (its :attr:`~selfspec.training.driver.Job.kind`),
+    None for a kind no job writes."""
+    return next((name for name in JOBS if JOBS[name].kind == kind), None)
+
+
 def job_of(cfg: DictConfig) -> driver.Job:
     """The :class:`~selfspec.training.driver.Job` of ``cfg.job.name``."""
     return job_named(str(cfg.job.name))
@@ -42,7 +49,7 @@ def job_of(cfg: DictConfig) -> driver.Job:
 
 def prepare_job(cfg: DictConfig) -> dict:
     """Check the job's config and read its data, without loading the model."""
-    return driver.prepare(job_of(cfg), cfg)
+    return driver.prepare(job_of(cfg), cfg)[0]
 
 
 def run_job(cfg: DictConfig, loaded=None) -> dict:

@@ -96,6 +96,11 @@ class Options:
     def validate(self, prefix: str) -> None:
         """Rules between keys, refused with :func:`~selfspec.config.checks.refuse` (default: none)."""
 
+    def config(self) -> dict[str, Any]:
+        """The keys and their values as plain data, a sub-config's record as its own :meth:`config`
+        (what a run or an artefact records)."""
+        return {name: value.config() if isinstance(value, Options) else value for name, value in self.values().items()}
+
     def values(self, *, without: tuple[type["Options"], ...] = ()) -> dict[str, Any]:
         """The keys and their values, less those of the option classes ``without`` (a decoder's
         parts': :class:`selfspec.decoding.base.Gated`, :class:`~selfspec.decoding.base.ContextFirst`)."""

@@ -102,7 +102,7 @@ def build_decoder(method_cfg, model, *, profile=None, threads: str = "fixed", op
     if context is not None:
         from selfspec.decoding.ngram import ContextDrafter
 
-        context = ContextDrafter(model, **context, profile=profile)
+        context = ContextDrafter(model, context, profile=profile)
     return cls.from_config(model, options, gate=gate, context=context, profile=profile, **common)
 
 

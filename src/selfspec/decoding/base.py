@@ -345,7 +345,7 @@ class Decoder(Carries):
         refuses it with ``profile=null`` before the model loads. Default: drafts from the context
         first with ``ngram.draft_schedule: priced``; a method with a priced choice of its own adds it."""
         context = options.ngram if isinstance(options, ContextFirst) else None
-        if context and context.get("draft_schedule") == "priced":
+        if context and context.draft_schedule == "priced":
             return "ngram.draft_schedule=priced", PRICED_NEEDS_PROFILE
         return None
 

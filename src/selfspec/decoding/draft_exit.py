@@ -1,8 +1,8 @@
 """Draft-exit rules: when a self-speculative drafter stops drafting (Draft & Verify §3.4).
 
 Shared by Draft & Verify (``method=draft_verify``: skip-set drafts), early exit and DEL
-(``method=early_exit`` / ``del``: exit-layer drafts), so all use one implementation of each rule
-and one ``draft_stop`` sub-config (:func:`draft_stop_from_config`):
+(``method=early_exit`` / ``del``: exit-layer drafts), SWIFT, KnapSpec and CLaSp, so all use one
+implementation of each rule and one ``draft_stop`` sub-config:
 
 * :class:`DraftStop` — never stop early: always draft the maximum (fixed K / fixed ``(ℓ, γ)``);
 * :class:`StaticThreshold` — stop when the draft's top probability is below a fixed value
@@ -11,6 +11,16 @@ and one ``draft_stop`` sub-config (:func:`draft_stop_from_config`):
   verification from the acceptance-rate EMA (how the EMA starts: ``ar_start``, ``ar_per_example``);
 * :class:`DynamicThreshold` — DEL's per-layer threshold from shadow-token confidences (DEL §4.2).
 
+**The sub-config is typed**, one record per rule: ``draft_stop: null`` (never stop early),
+:class:`StaticStop` (``{rule: static, threshold}``), :class:`AdaptiveStop` (``{rule: adaptive,
+threshold, target, epsilon, beta1, beta2, ar_start, ar_per_example}``) or, for DEL only,
+:class:`DynamicStop` (``{rule: dynamic}``). Each rule's defaults are written once, in
+``conf/method/draft_stop/<rule>.yaml``: a method config picks one in its defaults list
+(``- draft_stop: adaptive``), the command line another with ``method/draft_stop=<rule>``, and every
+key of the chosen rule must be there (none has a default in Python). :func:`draft_stop_option`
+checks the sub-config once, when the method's options are read; the record builds a fresh rule
+(:meth:`StopOptions.rule`, :func:`new_rule`) whenever a decoder needs one, without checking again.
+
 One rule for every method (:mod:`selfspec.decoding.chain`): the drafted token whose confidence
 (the drafter's unwarped top probability) is below the threshold is still verified.
 """
@@ -18,10 +28,11 @@ One rule for every method (:mod:`selfspec.decoding.chain`): the drafted token wh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from selfspec.config import checks
+from selfspec.config.options import Options, key
 
 
 class DraftStop:
@@ -73,41 +84,37 @@ class AdaptiveThreshold(DraftStop):
     evaluation passes each call's final θ to the next one).
     """
 
-    initial: float = 0.6
-    target: float = 0.9
-    epsilon: float = 0.01
-    beta1: float = 0.5
-    beta2: float = 0.9
-    ar_start: str = "first_rate"
-    ar_per_example: bool = False
+    #: its settings (the checked ``draft_stop`` sub-config): ``threshold`` is θ's start (γ0), ``target`` α
+    settings: "AdaptiveStop"
     value: float = field(init=False)
     ar: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.value = self.initial
+        self.value = self.settings.threshold
         self.ar = self._ar_start()
 
     def _ar_start(self) -> float | None:
         """AR before the first round: 0, or None (the first round's rate will be taken as is)."""
-        return 0.0 if self.ar_start == "zero" else None
+        return 0.0 if self.settings.ar_start == "zero" else None
 
     def threshold(self, exit_layer: int | None = None) -> float:
         return self.value
 
     def start_example(self) -> None:
-        if self.ar_per_example:
+        if self.settings.ar_per_example:
             self.ar = self._ar_start()
 
     def update(self, drafted: int, accepted: int, hit_max: bool) -> None:
         if drafted == 0:
             return
+        s = self.settings
         ar_e = accepted / drafted
-        self.ar = ar_e if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_e
-        if self.ar < self.target:
-            proposal = self.value + self.epsilon
+        self.ar = ar_e if self.ar is None else s.beta1 * self.ar + (1 - s.beta1) * ar_e
+        if self.ar < s.target:
+            proposal = self.value + s.epsilon
         else:
-            proposal = self.value if hit_max else self.value - self.epsilon
-        self.value = self.beta2 * self.value + (1 - self.beta2) * proposal
+            proposal = self.value if hit_max else self.value - s.epsilon
+        self.value = s.beta2 * self.value + (1 - s.beta2) * proposal
 
     def state(self) -> dict[str, Any]:
         return {"threshold": self.value, "ar": self.ar}
@@ -120,82 +127,95 @@ class DynamicThreshold(DraftStop):
     kinds were seen)."""
 
 
-#: ``draft_stop`` key of the adaptive rule -> :class:`AdaptiveThreshold` parameter: ``threshold`` is the
-#: threshold, as under ``rule: static``; the adaptive rule starts there (Draft & Verify's γ0)
-ADAPTIVE_KEYS = {"threshold": "initial", "target": "target", "epsilon": "epsilon", "beta1": "beta1", "beta2": "beta2"}
-#: allowed range and meaning of each :class:`AdaptiveThreshold` parameter (Draft & Verify §3.3)
-ADAPTIVE_RANGES: dict[str, tuple[dict[str, Any], str]] = {
-    "initial": ({"low": 0, "high": 1}, "initial threshold on a draft's top probability"),
-    "target": ({"low": 0, "high": 1}, "target acceptance rate"),
-    "epsilon": ({"low": 0, "high": 1, "low_open": True}, "threshold step; 0 would never adapt"),
-    "beta1": ({"low": 0, "high": 1, "high_open": True}, "EMA factor of the acceptance rate; 1 freezes it"),
-    "beta2": ({"low": 0, "high": 1, "high_open": True}, "EMA factor of the threshold; 1 freezes it"),
-}
-ADAPTIVE_DEFAULTS = {f.name: f.default for f in fields(AdaptiveThreshold) if f.init}
-#: ``draft_stop`` keys of the adaptive rule that say how its acceptance-rate average starts (:class:`AdaptiveThreshold`)
-AR_KEYS = ("ar_start", "ar_per_example")
+#: where each rule's keys and their defaults are written
+RULE_YAML = "conf/method/draft_stop/{rule}.yaml (method/draft_stop={rule})"
 
 
-def adaptive_parameters(named: dict[str, tuple[str, Any]]) -> dict[str, float]:
-    """``{parameter: (config key, value)}`` -> checked :class:`AdaptiveThreshold` keyword arguments."""
-    return {param: checks.number(key, value, **ADAPTIVE_RANGES[param][0], why=ADAPTIVE_RANGES[param][1])
-            for param, (key, value) in named.items()}
+@dataclass(frozen=True)
+class StopOptions(Options):
+    """A ``draft_stop`` sub-config: its rule's keys, checked (module docstring)."""
+
+    #: the ``rule`` key's value that selects this record
+    name: ClassVar[str] = ""
+
+    def rule(self) -> DraftStop:
+        """A fresh rule with these settings (its state at the start)."""
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """The sub-config as written: its ``rule`` and keys."""
+        return {"rule": self.name, **super().config()}
 
 
-def draft_stop_from_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> DraftStop:
-    """The rule a ``draft_stop`` config names, every value checked: null (never stop early),
-    ``{rule: static, threshold}``, ``{rule: adaptive, threshold, target, epsilon, beta1, beta2,
-    ar_start, ar_per_example}`` (``threshold`` is where the adaptive rule starts; the others
-    default to :data:`ADAPTIVE_DEFAULTS`: Draft & Verify's values, and the average of the paper's
-    text carried over between examples) or, where ``dynamic`` (DEL), ``{rule: dynamic}``
-    (:class:`DynamicThreshold`)."""
-    if cfg is None:
-        return DraftStop()
-    rules = ("static", "adaptive", "dynamic") if dynamic else ("static", "adaptive")
-    if not isinstance(cfg, Mapping):
-        raise checks.refuse(prefix, cfg, f"must be null or {{rule: ...}} with rule one of {', '.join(rules)}")
-    rule = checks.choice(f"{prefix}.rule", cfg.get("rule"), rules, why="or draft_stop: null")
-    if rule == "dynamic":
-        checks.known_keys(prefix, cfg, ("rule",), "draft_stop with rule: dynamic")
+@dataclass(frozen=True)
+class StaticStop(StopOptions):
+    """``{rule: static, threshold}`` (Draft & Verify Table 4)."""
+
+    name = "static"
+    threshold: float = key(checks.probability, why="stop drafting below this top probability")
+
+    def rule(self) -> StaticThreshold:
+        return StaticThreshold(self.threshold)
+
+
+#: ``draft_stop.ar_start`` values: how the acceptance-rate average AR starts (:class:`AdaptiveThreshold`)
+AR_STARTS = ("first_rate", "zero")
+
+
+@dataclass(frozen=True)
+class AdaptiveStop(StopOptions):
+    """``{rule: adaptive, ...}``: Draft & Verify §3.3's Eq. 2-4 (:class:`AdaptiveThreshold`); its
+    defaults (the paper's values, the average of its text carried over between examples) are
+    ``conf/method/draft_stop/adaptive.yaml``'s."""
+
+    name = "adaptive"
+    renamed = {"initial": "threshold"}
+
+    threshold: float = key(checks.number, 0, 1, why="γ0, where the threshold on a draft's top probability starts")
+    target: float = key(checks.number, 0, 1, why="target acceptance rate α")
+    epsilon: float = key(checks.number, 0, 1, low_open=True, why="threshold step ε; 0 would never adapt")
+    beta1: float = key(checks.number, 0, 1, high_open=True, why="EMA factor β1 of the acceptance rate; 1 freezes it")
+    beta2: float = key(checks.number, 0, 1, high_open=True, why="EMA factor β2 of the threshold; 1 freezes it")
+    ar_start: str = key(checks.choice, AR_STARTS, why="the acceptance-rate average starts at the first round's rate "
+                        "(the paper's text) or at 0 (the authors' code)")
+    ar_per_example: bool = key(checks.flag, why="true: the average starts again at every example (the authors' code)")
+
+    def rule(self) -> AdaptiveThreshold:
+        return AdaptiveThreshold(self)
+
+
+@dataclass(frozen=True)
+class DynamicStop(StopOptions):
+    """``{rule: dynamic}``: DEL §4.2's per-layer threshold (``method=del`` only)."""
+
+    name = "dynamic"
+
+    def rule(self) -> DynamicThreshold:
         return DynamicThreshold()
-    if rule == "static":
-        checks.known_keys(prefix, cfg, ("rule", "threshold"), "draft_stop with rule: static")
-        return StaticThreshold(checks.probability(f"{prefix}.threshold", cfg.get("threshold"),
-                                                  why="stop drafting below this top probability"))
-    checks.renamed(prefix, cfg, {"initial": "threshold"})
-    checks.known_keys(prefix, cfg, ("rule", *ADAPTIVE_KEYS, *AR_KEYS), "draft_stop with rule: adaptive")
-    return AdaptiveThreshold(**adaptive_parameters(
-        {param: (f"{prefix}.{k}", _value(cfg.get(k), ADAPTIVE_DEFAULTS[param])) for k, param in ADAPTIVE_KEYS.items()}),
-        **ar_options(cfg, prefix))
 
 
-def ar_options(cfg, prefix: str) -> dict[str, Any]:
-    """The adaptive rule's :data:`AR_KEYS`, checked (unset: :data:`ADAPTIVE_DEFAULTS`)."""
-    return {
-        "ar_start": checks.choice(f"{prefix}.ar_start", _value(cfg.get("ar_start"), ADAPTIVE_DEFAULTS["ar_start"]),
-                                  AR_STARTS, why="the acceptance-rate average starts at the first round's rate "
-                                  "(the paper's text) or at 0 (the authors' code)"),
-        "ar_per_example": checks.flag(f"{prefix}.ar_per_example",
-                                      _value(cfg.get("ar_per_example"), ADAPTIVE_DEFAULTS["ar_per_example"]),
-                                      why="true: the average starts again at every example (the authors' code)"),
-    }
+#: ``draft_stop.rule`` -> its record
+RULES: dict[str, type[StopOptions]] = {c.name: c for c in (StaticStop, AdaptiveStop, DynamicStop)}
 
 
-def draft_stop_config(cfg, prefix: str = "method.draft_stop", dynamic: bool = False) -> dict | None:
-    """A ``draft_stop`` config checked (:func:`draft_stop_from_config`) and returned as plain data
-    (JSON-able: run records, artefact metadata); build the rule from it with
-    :func:`draft_stop_from_config`."""
-    draft_stop_from_config(cfg, prefix, dynamic)
-    if cfg is None:
+def draft_stop_option(name: str, value: Any, dynamic: bool = False) -> StopOptions | None:
+    """A method's ``draft_stop`` key, as an option reads a key (:func:`selfspec.config.options.key`):
+    null, or the record its ``rule`` names with every key of that rule checked (``dynamic``: DEL's
+    rule is allowed). A missing key names the rule's YAML; a key the rule does not read, the command
+    that picks another rule with its defaults."""
+    if value is None:
         return None
-    return {str(k): v for k, v in (cfg.items() if hasattr(cfg, "items") else ())}
+    rules = tuple(RULES) if dynamic else ("static", "adaptive")
+    if not isinstance(value, Mapping):
+        raise checks.refuse(name, value, f"must be null or {{rule: ...}} with rule one of {', '.join(rules)}")
+    rule = checks.choice(f"{name}.rule", value.get("rule"), rules, why="or draft_stop: null")
+    record = RULES[rule]
+    checks.known_keys(name, [k for k in value if k != "rule" and k not in record.renamed], record.keys(),
+                      f"draft_stop with rule: {rule} (another rule with its defaults: method/draft_stop=<rule>)")
+    checks.required_keys(name, value, record.keys(), RULE_YAML.format(rule=rule))
+    return record.read(value, name)
 
 
-def draft_stop_option(name: str, value, dynamic: bool = False) -> dict | None:
-    """A method's ``draft_stop`` key (:func:`draft_stop_config`), as an option reads a key
-    (:func:`selfspec.config.options.key`): the rule's config, checked, as plain data."""
-    return draft_stop_config(value, name, dynamic)
-
-
-def _value(value, default):
-    return default if value is None else value
+def new_rule(stop: StopOptions | None) -> DraftStop:
+    """A fresh rule of a checked ``draft_stop`` sub-config (:func:`draft_stop_option`); null: never stop early."""
+    return DraftStop() if stop is None else stop.rule()

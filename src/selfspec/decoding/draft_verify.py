@@ -8,7 +8,7 @@ chain step (:mod:`selfspec.decoding.chain`):
    drafted tokens' keys/values are written past the committed tokens (scratch) at every layer
    whose attention runs.
 2. **Draft exit** (§3.4): stop as soon as the draft distribution's top probability falls below
-   the threshold ``gamma`` (that token is still verified — the rule every method shares,
+   the threshold γ (that token is still verified — the rule every method shares,
    :class:`~selfspec.decoding.chain.Draft`). The ``draft_stop`` sub-config every method shares
    (:mod:`selfspec.decoding.draft_exit`) names the rule: ``{rule: adaptive, threshold: γ0, target:
    α, epsilon, beta1, beta2, ar_start, ar_per_example}`` (Eq. 2-4, updated after every
@@ -28,13 +28,13 @@ drafts one token and verifies it, which feeds the threshold's update (``draft``:
 where the loop drafts before it looks at the budget); the loop commits one token either way.
 
 Statistics follow :mod:`selfspec.decoding.base`: ``tau`` counts the bonus token; the
-acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``gamma`` (the threshold
+acceptance rate is accepted drafts / drafted tokens. ``stats`` adds ``threshold`` (γ
 after the example), ``verifications`` and ``draft_stops`` (steps ended by the threshold).
 
 Carried across examples (:mod:`selfspec.decoding.carried`): the draft-stop rule. Its threshold θ always carries
 over, as the authors' evaluation passes each example's final threshold to the next one; the
 acceptance-rate average carries over with it unless ``draft_stop.ar_per_example`` (the authors'
-code keeps it for one call). :meth:`SkipSetDrafter.reset_gamma` restores ``gamma_0`` and a fresh
+code keeps it for one call). :meth:`SkipSetDrafter.reset_draft_stop` restores γ0 and a fresh
 average. ``method=draft_verify_paper`` is the authors' loop step for step (docs/design.md §8).
 """
 
@@ -49,7 +49,7 @@ from selfspec.config import checks
 from selfspec.config.options import Options, key, nullable
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
-from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config, draft_stop_option
+from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab, draft_logits
 from selfspec.models.layered import LayeredModel, SkipSet
@@ -77,14 +77,10 @@ class DecodingOptions(Options):
                "null: always max_draft drafts)"}
 
     max_draft: int = key(checks.integer, 1, why="K, the most draft tokens per step")
-    draft_stop: dict | None = key(draft_stop_option)
+    draft_stop: StopOptions | None = key(draft_stop_option)
     last_token: str = key(checks.choice, LAST_TOKEN, why="one token of budget left: a plain step, or draft and verify "
                           "one token anyway (the authors' code)")
     eos_draft: str = key(checks.choice, EOS_DRAFT, why="after an EOS draft: stop drafting, or go on (the authors' code)")
-
-
-#: the decoding settings of a config (what the constructor takes besides the skip set)
-DECODING_KEYS = DecodingOptions.keys()
 
 
 @dataclass(frozen=True)
@@ -176,51 +172,29 @@ def skip_set_path(cfg, model: LayeredModel) -> Path | None:
 class SkipSetDrafter(Drafter):
     """Draft & Verify's drafter (module docstring, steps 1-2): the model itself with the sublayers
     of a skip set left out, until ``max_draft`` drafts, the draft-stop rule's threshold or (with
-    ``eos_draft: stop``) an EOS draft; scored by the default full pass. ``draft_vocab``: the
-    draft head's truncated vocabulary (None = the full head); ``eos``: the tokens that end a
-    generation."""
+    ``eos_draft: stop``) an EOS draft; scored by the default full pass. ``decoding``: the checked
+    decoding settings (:class:`DecodingOptions`); ``draft_vocab``: the draft head's truncated
+    vocabulary (None = the full head); ``eos``: the tokens that end a generation."""
 
-    def __init__(self, model: LayeredModel, skip_set: SkipSet, max_draft: int, draft_stop: dict | None,
-                 last_token: str, eos_draft: str, *, draft_vocab=None, eos: frozenset[int] = frozenset()) -> None:
+    def __init__(self, model: LayeredModel, skip_set: SkipSet, decoding: DecodingOptions, *, draft_vocab=None,
+                 eos: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.skip_set = check_skip_set(skip_set, model.num_layers)
-        self.max_draft = int(max_draft)
-        self.last_token = checks.choice("method.last_token", last_token, LAST_TOKEN)
-        self.eos_draft = checks.choice("method.eos_draft", eos_draft, EOS_DRAFT)
+        self.decoding = decoding
+        self.max_draft = decoding.max_draft
         self.draft_vocab = draft_vocab
         self.eos = frozenset(eos)
-        #: the ``draft_stop`` sub-config (checked plain data); :meth:`reset_gamma` builds the rule from it
-        self.draft_stop_config = draft_stop_config(draft_stop)
-        self.reset_gamma()
+        self.reset_draft_stop()
 
-    # --- threshold (§3.4; the rules live in selfspec.decoding.draft_exit) --------------------
-    def reset_gamma(self) -> None:
-        """Restore ``gamma = gamma_0`` and the acceptance-rate EMA's start: a fresh rule."""
-        self.draft_stop: DraftStop = draft_stop_from_config(self.draft_stop_config)
+    # --- draft stop (§3.4; the rules live in selfspec.decoding.draft_exit) -------------------
+    def reset_draft_stop(self) -> None:
+        """A fresh draft-stop rule: the threshold back at its start (γ0), the acceptance-rate EMA's too."""
+        self.draft_stop: DraftStop = new_rule(self.decoding.draft_stop)
 
     @property
-    def gamma0(self) -> float:
-        """The threshold the rule starts from (0 when drafting always runs to K)."""
-        return draft_stop_from_config(self.draft_stop_config).threshold()
-
-    @property
-    def gamma(self) -> float:
-        """The current draft-exit threshold (0 when drafting always runs to K)."""
+    def threshold(self) -> float:
+        """The current draft-stop threshold (0 when drafting always runs to K)."""
         return self.draft_stop.threshold()
-
-    @property
-    def ar(self) -> float | None:
-        """The acceptance-rate EMA of the adaptive rule (None until the first verification when it
-        starts at the first round's rate)."""
-        return getattr(self.draft_stop, "ar", None)
-
-    @ar.setter
-    def ar(self, value: float | None) -> None:
-        self.draft_stop.ar = value
-
-    def update_gamma(self, accepted: int, drafted: int, hit_max: bool) -> None:
-        """Eq. 2-4 (:class:`~selfspec.decoding.draft_exit.AdaptiveThreshold`); no-op for the others."""
-        self.draft_stop.update(drafted, accepted, hit_max)
 
     # --- the proposer ------------------------------------------------------------------------
     def plan(self, state: DecodeState) -> Plan:
@@ -230,7 +204,7 @@ class SkipSetDrafter(Drafter):
         """The chain step's room for drafts; with ``last_token: draft`` at least one draft, even
         with one token of budget left (the authors' loop tests the budget after each draft)."""
         room = super().draft_room(limit, budget)
-        return max(room, 1) if self.last_token == "draft" else room
+        return max(room, 1) if self.decoding.last_token == "draft" else room
 
     def draft_logits(self, h: torch.Tensor, ledger=None) -> torch.Tensor:
         """The draft distribution's logits: the model's own head on the skip-set pass, truncated to
@@ -250,12 +224,12 @@ class SkipSetDrafter(Drafter):
         model = self.model
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
-        eos = self.eos if self.eos_draft == "stop" else frozenset()
+        eos = self.eos if self.decoding.eos_draft == "stop" else frozenset()
         token, skip = state.pending, self.skips(state)
         for j in range(k_max):
             ids.fill_(token)
             h = model.forward(ids, state.cache, start=state.n_cached + j, skip=skip, ledger=state.ledger)
-            if not draft.add(self.draft_logits(h, state.ledger), state, self.gamma, eos):
+            if not draft.add(self.draft_logits(h, state.ledger), state, self.threshold, eos):
                 break
             token = draft.tokens[-1]
         return draft
@@ -270,25 +244,15 @@ class DraftVerify(ChainDecoder):
     lossless = True
     Options = DraftVerifyOptions
 
-    def __init__(
-        self,
-        model: LayeredModel,
-        skip_set: SkipSet,
-        max_draft: int,
-        draft_stop: dict | None,
-        last_token: str,
-        eos_draft: str,
-        **common,
-    ) -> None:
+    def __init__(self, model: LayeredModel, skip_set: SkipSet, decoding: DecodingOptions, **common) -> None:
+        """``decoding``: the checked decoding settings (:class:`DecodingOptions`, the method's options)."""
         super().__init__(model, **common)
-        self.drafter = self.new_drafter(skip_set, max_draft, draft_stop, last_token, eos_draft)
+        self.drafter = self.new_drafter(skip_set, decoding)
         self.lookahead = self.drafter.max_draft  # drafted K/V are written past the committed tokens
 
-    def new_drafter(self, skip_set: SkipSet, max_draft: int, draft_stop: dict | None, last_token: str,
-                    eos_draft: str) -> SkipSetDrafter:
+    def new_drafter(self, skip_set: SkipSet, decoding: DecodingOptions) -> SkipSetDrafter:
         """The method's drafter (KnapSpec and CLaSp: one whose skip set is searched)."""
-        return SkipSetDrafter(self.model, skip_set, max_draft, draft_stop, last_token, eos_draft,
-                              draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
+        return SkipSetDrafter(self.model, skip_set, decoding, draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
 
     @classmethod
     def check_run(cls, options: DraftVerifyOptions, layers: int, budget: int | None = None) -> None:
@@ -304,9 +268,9 @@ class DraftVerify(ChainDecoder):
     def from_config(cls, model: LayeredModel, options: DraftVerifyOptions, **common) -> "DraftVerify":
         where = options.values()
         skip = resolve_skip_set(where, model, common.get("tokenizer"))
-        return cls(model, skip, **{k: where[k] for k in DECODING_KEYS}, draft_vocab=build_draft_vocab(model, options),
+        return cls(model, skip, options, draft_vocab=build_draft_vocab(model, options),
                    reads={"skip_set": skip_set_path(where, model)}, **common)
 
     def finish(self, state: DecodeState) -> None:
         state.stats.setdefault("draft_stops", 0)
-        state.stats["gamma"] = self.drafter.gamma
+        state.stats["threshold"] = self.drafter.threshold

@@ -67,7 +67,7 @@ from selfspec.config import checks
 from selfspec.config.options import Ref, key, nullable
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
-from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, draft_stop_from_config, draft_stop_option
+from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.decoding.sampling import select
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
@@ -125,14 +125,14 @@ class EarlyExitOptions(ExitHeadOptions):
     """Keys (conf/method/early_exit*.yaml): ``exit_layer`` ℓ (>= 0; below the last layer, checked
     with the model), ``max_draft`` (drafts per round, >= 1; the papers' speculation length γ),
     the exit head's (:class:`ExitHeadOptions`), ``draft_stop``
-    (:func:`~selfspec.decoding.draft_exit.draft_stop_from_config`) and ``prefill`` (``full`` or
+    (:func:`~selfspec.decoding.draft_exit.draft_stop_option`) and ``prefill`` (``full`` or
     ``draft``, module docstring). The old key ``gamma`` is refused, naming ``max_draft``."""
 
     renamed = {"gamma": "max_draft"}
 
     exit_layer: int = key(checks.integer, 0, why="0-based exit layer ℓ")
     max_draft: int = key(checks.integer, 1, why="speculation length γ: most drafts per round")
-    draft_stop: dict | None = key(draft_stop_option)
+    draft_stop: StopOptions | None = key(draft_stop_option)
     prefill: str = key(checks.choice, PREFILLS, why="full: a full pass commits the first token; draft: the first "
                        "round drafts from the prompt (LayerSkip's code)")
 
@@ -142,7 +142,7 @@ class DELOptions(ExitHeadOptions):
     """Keys (conf/method/del*.yaml): the exit head's (:class:`ExitHeadOptions`),
     ``candidate_layers`` (``exit_head=lm_head`` only; null = all but the last), ``max_draft`` >= 1
     and ``min_draft`` in [0, max_draft] (the speculation lengths γ TPL chooses from), ``omega`` in
-    (0, 1), ``draft_stop`` (:func:`~selfspec.decoding.draft_exit.draft_stop_from_config` with DEL's
+    (0, 1), ``draft_stop`` (:func:`~selfspec.decoding.draft_exit.draft_stop_option` with DEL's
     own rule ``{rule: dynamic}``, §4.2), ``prefill_shadow`` >= 1, ``shadow_rows`` (>= 1 or null),
     ``cost_model`` (``layers``: DEL's count, :func:`layer_count`; ``measured`` or ``parameters``:
     :func:`round_cost`) and ``head_cost`` (>= 0 or null; null under ``layers``). The old keys
@@ -156,7 +156,7 @@ class DELOptions(ExitHeadOptions):
     min_draft: int = key(checks.integer, 0, Ref("max_draft"),
                          why="smallest speculation length, at most max_draft={max_draft}")
     omega: float = key(checks.number, 0, 1, low_open=True, high_open=True, why="decay of the shadow-token statistics")
-    draft_stop: dict | None = key(draft_stop_option, dynamic=True)
+    draft_stop: StopOptions | None = key(draft_stop_option, dynamic=True)
     prefill_shadow: int = key(checks.integer, 1, why="prompt positions seeding the statistics")
     shadow_rows: int | None = key(nullable(checks.integer), 1, why="null = every verified position")
     cost_model: str = key(checks.choice, COST_MODELS, why="where TPL's costs come from")
@@ -361,7 +361,7 @@ class EarlyExit(ChainDecoder):
     def from_config(cls, model: LayeredModel, options: EarlyExitOptions, **common) -> "EarlyExit":
         exit_layer = options.exit_layer
         heads = exit_heads(model, options, [exit_layer])
-        drafter = ExitDrafter(model, heads, exit_layer, options.max_draft, draft_stop_from_config(options.draft_stop),
+        drafter = ExitDrafter(model, heads, exit_layer, options.max_draft, new_rule(options.draft_stop),
                               eos=common.get("eos_token_ids", ()))
         return cls(model, drafter, prefill=options.prefill, draft_vocab=heads.vocab, **common)
 
@@ -632,7 +632,7 @@ class DEL(EarlyExit):
             layers = range(model.num_layers - 1)
         heads = exit_heads(model, options, list(layers))
         drafter = DELDrafter(model, heads, options.max_draft, options.min_draft, options.omega,
-                             draft_stop_from_config(options.draft_stop, dynamic=True), options.shadow_rows,
+                             new_rule(options.draft_stop), options.shadow_rows,
                              options.head_cost, options.cost_model, profile=common.get("profile"),
                              eos=common.get("eos_token_ids", ()))
         return cls(model, drafter, options.prefill_shadow, draft_vocab=heads.vocab, **common)

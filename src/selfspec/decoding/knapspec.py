@@ -62,7 +62,7 @@ from selfspec.config import checks
 from selfspec.config.options import Ref, key, nullable
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import Draft
-from selfspec.decoding.draft_verify import DECODING_KEYS, DecodingOptions, DraftVerify, SkipSetDrafter
+from selfspec.decoding.draft_verify import DecodingOptions, DraftVerify, SkipSetDrafter
 from selfspec.decoding.part_options import Gated
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, SkipSet
@@ -77,8 +77,6 @@ TPT_LENGTHS = 18
 #: the profile is what weighs the sublayers (KnapSpec §4)
 KNAPSPEC_NEEDS_PROFILE = ("KnapSpec weighs attention against MLP sublayers with the run's cost profile; "
                           "set profile=auto (or a profile path), or method.selection=clasp")
-#: the keys of the search (the rest are Draft & Verify's decoding keys)
-SEARCH_KEYS = ("selection", "interval", "search_at", "window", "skip_layers", "similarity_floor")
 
 
 def cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -254,21 +252,41 @@ def check_skip_layers(skip_layers: int | None, layers: int) -> None:
                     why=f"CLaSp's M, layers skipped; the model has {layers} layers")
 
 
+@dataclass(frozen=True)
+class KnapSpecOptions(DecodingOptions, DraftVocabOptions, Gated):
+    """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
+    (:class:`~selfspec.decoding.draft_verify.DecodingOptions`), the draft vocabulary's,
+    ``never_slower`` and the search's: ``selection`` (:data:`SELECTIONS`),
+    ``interval`` (steps between searches), ``search_at`` (the step of each interval after which the
+    search runs, 1 = the first after the prefill), ``window`` (verification steps whose tokens it
+    compares, ending there; at most ``search_at``), ``skip_layers`` (CLaSp's M; null = a quarter of
+    the layers, the authors' 8 of 32) and ``similarity_floor`` (KnapSpec's pruning)."""
+
+    selection: str = key(checks.choice, SELECTIONS, why="knapspec: sublayers weighed by cost; clasp: whole layers")
+    interval: int = key(checks.integer, 1, why="verification steps between searches")
+    search_at: int = key(checks.integer, 1, Ref("interval"),
+                         why="the step of each interval after which the skip set is searched")
+    window: int = key(checks.integer, 1, Ref("search_at"),
+                      why="steps whose tokens the search compares, ending at search_at={search_at}")
+    skip_layers: int | None = key(nullable(checks.integer), 0, why="CLaSp's M, layers skipped")
+    similarity_floor: float = key(checks.number, -1.0, 1.0,
+                                  why="mean cosine similarity below which KnapSpec prunes a state")
+
+
 class SearchedSkipDrafter(SkipSetDrafter):
     """Draft & Verify's drafter whose skip set is searched while decoding (module docstring):
     KnapSpec's knapsack over sublayers (``selection: knapspec``, priced with ``profile``) or CLaSp's
     layer programme (``selection: clasp``), every ``interval`` steps on the states of a window of
     verification steps."""
 
-    def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, last_token: str,
-                 eos_draft: str, *, selection: str, interval: int, search_at: int, window: int,
-                 skip_layers: int | None, similarity_floor: float, profile=None, **parts) -> None:
-        super().__init__(model, SkipSet(), max_draft, draft_stop, last_token, eos_draft, **parts)
-        self.selection = checks.choice("method.selection", selection, SELECTIONS)
-        self.interval, self.search_at, self.window = int(interval), int(search_at), int(window)
-        check_skip_layers(skip_layers, model.num_layers)
-        self.skip_layers = model.num_layers // 4 if skip_layers is None else int(skip_layers)
-        self.similarity_floor = float(similarity_floor)
+    def __init__(self, model: LayeredModel, options: KnapSpecOptions, *, profile=None, **parts) -> None:
+        """``options``: the method's checked keys (the decoding settings and the search's)."""
+        super().__init__(model, SkipSet(), options, **parts)
+        self.selection = options.selection
+        self.interval, self.search_at, self.window = options.interval, options.search_at, options.window
+        check_skip_layers(options.skip_layers, model.num_layers)
+        self.skip_layers = model.num_layers // 4 if options.skip_layers is None else options.skip_layers
+        self.similarity_floor = options.similarity_floor
         self.profile = profile
         if self.selection == "knapspec" and profile is None:
             raise ValueError(KNAPSPEC_NEEDS_PROFILE)
@@ -343,27 +361,6 @@ class SearchedSkipDrafter(SkipSetDrafter):
         return out
 
 
-@dataclass(frozen=True)
-class KnapSpecOptions(DecodingOptions, DraftVocabOptions, Gated):
-    """Keys (conf/method/knapspec*.yaml, clasp*.yaml): Draft & Verify's decoding keys
-    (:class:`~selfspec.decoding.draft_verify.DecodingOptions`), the draft vocabulary's,
-    ``never_slower`` and the search's (:data:`SEARCH_KEYS`): ``selection`` (:data:`SELECTIONS`),
-    ``interval`` (steps between searches), ``search_at`` (the step of each interval after which the
-    search runs, 1 = the first after the prefill), ``window`` (verification steps whose tokens it
-    compares, ending there; at most ``search_at``), ``skip_layers`` (CLaSp's M; null = a quarter of
-    the layers, the authors' 8 of 32) and ``similarity_floor`` (KnapSpec's pruning)."""
-
-    selection: str = key(checks.choice, SELECTIONS, why="knapspec: sublayers weighed by cost; clasp: whole layers")
-    interval: int = key(checks.integer, 1, why="verification steps between searches")
-    search_at: int = key(checks.integer, 1, Ref("interval"),
-                         why="the step of each interval after which the skip set is searched")
-    window: int = key(checks.integer, 1, Ref("search_at"),
-                      why="steps whose tokens the search compares, ending at search_at={search_at}")
-    skip_layers: int | None = key(nullable(checks.integer), 0, why="CLaSp's M, layers skipped")
-    similarity_floor: float = key(checks.number, -1.0, 1.0,
-                                  why="mean cosine similarity below which KnapSpec prunes a state")
-
-
 class KnapSpec(DraftVerify):
     """Layer skipping with the skip set searched while decoding (module docstring): a chain of
     :class:`SearchedSkipDrafter`."""
@@ -374,24 +371,17 @@ class KnapSpec(DraftVerify):
     #: the window's tokens must be consecutive: no context drafts in between (no ``ngram`` key)
     Options = KnapSpecOptions
 
-    def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, last_token: str,
-                 eos_draft: str, selection: str, interval: int, search_at: int, window: int,
-                 skip_layers: int | None, similarity_floor: float, **common) -> None:
-        #: the search's settings, for :meth:`new_drafter`
-        self.search_settings = {"selection": selection, "interval": interval, "search_at": search_at,
-                                "window": window, "skip_layers": skip_layers, "similarity_floor": similarity_floor}
-        super().__init__(model, SkipSet(), max_draft, draft_stop, last_token, eos_draft, **common)
+    def __init__(self, model: LayeredModel, options: KnapSpecOptions, **common) -> None:
+        """``options``: the method's checked keys; the skip set starts empty (the full model drafts)."""
+        super().__init__(model, SkipSet(), options, **common)
 
-    def new_drafter(self, skip_set: SkipSet, max_draft: int, draft_stop: dict | None, last_token: str,
-                    eos_draft: str) -> SearchedSkipDrafter:
-        return SearchedSkipDrafter(self.model, max_draft, draft_stop, last_token, eos_draft, **self.search_settings,
-                                   profile=self.profile, draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
+    def new_drafter(self, skip_set: SkipSet, decoding: KnapSpecOptions) -> SearchedSkipDrafter:
+        return SearchedSkipDrafter(self.model, decoding, profile=self.profile, draft_vocab=self.draft_vocab,
+                                   eos=self.eos_token_ids)
 
     @classmethod
     def from_config(cls, model: LayeredModel, options: KnapSpecOptions, **common) -> "KnapSpec":
-        where = options.values()
-        return cls(model, **{k: where[k] for k in (*DECODING_KEYS, *SEARCH_KEYS)},
-                   draft_vocab=build_draft_vocab(model, options), **common)
+        return cls(model, options, draft_vocab=build_draft_vocab(model, options), **common)
 
     @classmethod
     def check_run(cls, options: KnapSpecOptions, layers: int, budget: int | None = None) -> None:

@@ -77,7 +77,7 @@ import torch
 
 from selfspec.decoding.base import DecodeState, PRICED_NEEDS_PROFILE
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
-from selfspec.decoding.part_options import SCHEDULES, Gated, ScheduledLookup
+from selfspec.decoding.part_options import Gated, ScheduledLookup
 
 
 class NgramIndex:
@@ -206,22 +206,19 @@ class ContextDrafter(Drafter):
     #: the ``priced`` schedule's acceptance per match length carries over between examples
     carries = ("acceptance",)
 
-    def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
-                 profile=None) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"method.min_ngram={min_ngram} must be in [1, method.max_ngram={max_ngram}]")
-        if max_draft < 1 or draft_schedule not in SCHEDULES:
-            raise ValueError(f"method.max_draft={max_draft} must be >= 1 and method.draft_schedule="
-                             f"{draft_schedule} one of {', '.join(SCHEDULES)}")
-        if draft_schedule == "priced" and profile is None:
+    def __init__(self, model, lookup: ScheduledLookup, profile=None) -> None:
+        """``lookup``: the checked keys (:func:`~selfspec.decoding.part_options.context_drafts`, or
+        ``method=ngram``'s own options); ``profile``: the run's cost profile, which the ``priced``
+        schedule needs."""
+        if lookup.draft_schedule == "priced" and profile is None:
             raise ValueError(PRICED_NEEDS_PROFILE)
         self.model = model
-        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
-        self.max_draft = int(max_draft)
-        self.draft_schedule = draft_schedule
+        self.max_ngram, self.min_ngram = lookup.max_ngram, lookup.min_ngram
+        self.max_draft = lookup.max_draft
+        self.draft_schedule = lookup.draft_schedule
         self.profile = profile
         #: the ``priced`` schedule's counts, carried over between examples (None for the others)
-        self.acceptance = AcceptanceTable(self.max_ngram, self.max_draft) if draft_schedule == "priced" else None
+        self.acceptance = AcceptanceTable(self.max_ngram, self.max_draft) if self.draft_schedule == "priced" else None
         self._costs: dict[tuple[int, int], float] = {}
 
     def pass_cost(self, rows: int, context: int) -> float:
@@ -305,10 +302,13 @@ class NgramLookup(ChainDecoder):
         """``draft_schedule: priced`` prices each draft's length with the run's profile."""
         return ("draft_schedule=priced", PRICED_NEEDS_PROFILE) if options.draft_schedule == "priced" else None
 
-    def __init__(self, model, max_ngram: int, min_ngram: int, max_draft: int, draft_schedule: str,
-                 **common) -> None:
+    @classmethod
+    def from_config(cls, model, options: Options, **common) -> "NgramLookup":
+        return cls(model, options, **common)
+
+    def __init__(self, model, options: Options, **common) -> None:
         super().__init__(model, **common)
-        self.context = ContextDrafter(model, max_ngram, min_ngram, max_draft, draft_schedule, profile=self.profile)
+        self.context = ContextDrafter(model, options, profile=self.profile)
         self.drafter = NoDrafts(model)
         self.lookahead = self.context.max_draft  # verification writes k + 1 positions past the committed ones
 

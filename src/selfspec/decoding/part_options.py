@@ -22,7 +22,7 @@ from selfspec.config.options import Options, Ref, key
 #: ``draft_schedule`` values of the context drafter (:mod:`selfspec.decoding.ngram`)
 SCHEDULES = ("adaptive", "constant", "priced")
 #: where the lookup's keys are written
-LOOKUP_YAML = "conf/method/ngram.yaml (or a *_ngram.yaml method's ngram block)"
+LOOKUP_YAML = "conf/method/ngram/chain.yaml (method/ngram=chain; PPD's: conf/method/ppd_ngram.yaml)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +48,11 @@ class ScheduledLookup(LookupOptions):
     draft_schedule: str = key(draft_schedule)
 
 
-def context_drafts(name: str, value: Any, schedule: bool = False) -> dict[str, Any] | None:
+def context_drafts(name: str, value: Any, schedule: bool = False) -> LookupOptions | None:
     """A method's ``ngram`` sub-config (drafts from the context first, beyond the papers): null =
-    off, else a mapping of :class:`LookupOptions`' keys, and ``draft_schedule`` where the method
-    drafts a chain (``schedule``). A missing or unknown key is refused by name. Returned as plain
-    data: the drafter's keyword arguments, and what a run records."""
+    off, else the record of :class:`LookupOptions`' keys, and ``draft_schedule`` where the method
+    drafts a chain (``schedule``: a :class:`ScheduledLookup`). A missing or unknown key is refused
+    by name; the keys are checked here once, and the drafter reads the record."""
     if value is None:
         return None
     reader = ScheduledLookup if schedule else LookupOptions
@@ -61,7 +61,7 @@ def context_drafts(name: str, value: Any, schedule: bool = False) -> dict[str, A
                             why="n-gram drafts from the prompt and the generated text")
     checks.known_keys(name, value, reader.keys(), "an ngram sub-config")
     checks.required_keys(name, value, reader.keys(), LOOKUP_YAML)
-    return reader.read(value, name).values()
+    return reader.read(value, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Gated(Options):
 class ContextFirst(Options):
     """``ngram``: drafts from the context first (null = off)."""
 
-    ngram: dict | None = key(context_drafts, schedule=True)
+    ngram: ScheduledLookup | None = key(context_drafts, schedule=True)
 
 
 #: the part option classes, whose keys :func:`selfspec.decoding.build_decoder` takes for the parts

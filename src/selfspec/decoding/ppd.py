@@ -53,7 +53,7 @@ from selfspec.config import checks
 from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.ngram import NgramIndex
-from selfspec.decoding.part_options import Gated, context_drafts
+from selfspec.decoding.part_options import Gated, LookupOptions, context_drafts
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
                                     paper_states)
@@ -96,7 +96,7 @@ class PPDOptions(Gated):
     posterior_alpha: float = key(checks.number, 0, low_open=True, why="typical acceptance's α")
     tree_size: int | None = key(nullable(checks.integer), 1,
                                 why="tokens per forward; null = the size the ppd_tree job chose")
-    ngram: dict | None = key(context_drafts)
+    ngram: LookupOptions | None = key(context_drafts)
     state_zero: bool = key(checks.flag, why="false = the paper's states 1..m: the root carries every prompt token, "
                                             "each candidate at least one")
 
@@ -120,7 +120,7 @@ class PPD(Decoder):
         trees: dict[int, SparseTree],
         posterior_threshold: float,
         posterior_alpha: float,
-        ngram: dict | None,
+        ngram: LookupOptions | None,
         state_zero: bool,
         **common,
     ) -> None:
@@ -140,8 +140,8 @@ class PPD(Decoder):
         }
         self.top_k = 1 + max(t.max_rank for t in self.trees.values())
         #: the n-gram lookup's settings (``min_ngram``, ``max_ngram``, ``max_draft``); None = off
-        self.ngram = dict(ngram) if ngram else None
-        chain = self.ngram["max_draft"] if self.ngram else 0
+        self.ngram = ngram
+        chain = ngram.max_draft if ngram else 0
         self.lookahead = max(max(l.size for l in self.layouts.values()) + chain + prompts.m * prompts.n_ept,
                              prompts.m * prompts.n_ept)
         self._with_chain: dict[tuple[int, int], TreeLayout] = {}
@@ -173,7 +173,7 @@ class PPD(Decoder):
 
     # --- hooks ----------------------------------------------------------------------------------
     def begin(self, state: DecodeState) -> None:
-        index = NgramIndex(self.ngram["min_ngram"], self.ngram["max_ngram"]) if self.ngram else None
+        index = NgramIndex(self.ngram.min_ngram, self.ngram.max_ngram) if self.ngram else None
         state.example = PPDExample(index=index)
         if index is not None:
             state.stats.update(ngram_steps=0, ngram_accepted=0)
@@ -234,7 +234,7 @@ class PPD(Decoder):
         m, ex = self.model, state.example
         n_cached = state.n_cached
         with phase(state.ledger, "tree"):  # the step's tree: context drafts, layout, candidates, inputs
-            drafts = ex.index.lookup(state.tokens, min(self.ngram["max_draft"], budget - 1))[0] if ex.index else []
+            drafts = ex.index.lookup(state.tokens, min(self.ngram.max_draft, budget - 1))[0] if ex.index else []
             lay = self._layout(ex.tree_state, len(drafts))
             root = state.pending_ids(m.device)[0]
             tokens = (torch.cat([root, candidate_tokens(lay, self._guesses(ex.cands, drafts))])

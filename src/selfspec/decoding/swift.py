@@ -51,7 +51,7 @@ import torch
 from selfspec.config import checks
 from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
-from selfspec.decoding.draft_exit import DraftStop, draft_stop_config, draft_stop_from_config, draft_stop_option
+from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import Gated
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
@@ -69,9 +69,6 @@ SAMPLING_WIDTHS = ((0.95, 1), (0.8, 3), (0.5, 5), (-math.inf, 10))
 KEPT_LAYOUTS = 256
 #: ``search_state`` values: the optimisation carries over the examples of a run, or restarts at each
 SEARCH_STATES = ("stream", "example")
-#: the keys of the layer set optimisation
-SEARCH_KEYS = ("skip_ratio", "context_window", "opt_interval", "bayes_interval", "max_opt_iter",
-               "max_tolerance_iter", "max_score", "seed", "search_state", "optimize", "skip_attn", "skip_mlp")
 
 
 def check_layers(layers: int, skip_attn, skip_mlp) -> None:
@@ -140,12 +137,12 @@ class SwiftExample:
 @dataclass(frozen=True)
 class SwiftOptions(Gated):
     """Keys (conf/method/swift*.yaml): ``max_draft`` (25), ``draft_stop`` (the shared sub-config;
-    static 0.8), the optimisation's :data:`SEARCH_KEYS` (module docstring; ``bayes_interval``
-    null = random search only, ``optimize: false`` = keep the starting set), the starting set
-    (``skip_attn`` / ``skip_mlp``, null = every odd layer) and ``never_slower``."""
+    static 0.8), the layer set optimisation's (module docstring; ``bayes_interval`` null = random
+    search only, ``optimize: false`` = keep the starting set), the starting set (``skip_attn`` /
+    ``skip_mlp``, null = every odd layer) and ``never_slower``."""
 
     max_draft: int = key(checks.integer, 1, why="the longest draft chain")
-    draft_stop: dict | None = key(draft_stop_option)
+    draft_stop: StopOptions | None = key(draft_stop_option)
     skip_ratio: float = key(checks.number, 0.0, 1.0, why="share of the 2(L - 2) inner sublayers a candidate set skips")
     context_window: int = key(checks.integer, 1, why="generated tokens the matchness is scored on, less one")
     opt_interval: int = key(checks.integer, 1, why="steps between optimisation iterations")
@@ -172,24 +169,18 @@ class Swift(Decoder):
     #: the layer search and the draft-stop rule carry over between examples (:mod:`selfspec.decoding.carried`)
     carries = ("search", "draft_stop")
 
-    def __init__(self, model: LayeredModel, max_draft: int, draft_stop: dict | None, skip_ratio: float,
-                 context_window: int, opt_interval: int, bayes_interval: int | None, max_opt_iter: int,
-                 max_tolerance_iter: int, max_score: float, seed: int, search_state: str, optimize: bool,
-                 skip_attn=None, skip_mlp=None, **common) -> None:
+    def __init__(self, model: LayeredModel, options: SwiftOptions, **common) -> None:
+        """``options``: the method's checked keys (:class:`SwiftOptions`), read as ``self.options``."""
         super().__init__(model, **common)
-        check_layers(model.num_layers, skip_attn, skip_mlp)
-        self.max_draft = int(max_draft)
-        self.draft_stop_config = draft_stop_config(draft_stop)
-        self.draft_stop: DraftStop = draft_stop_from_config(self.draft_stop_config)
-        self.skip_ratio, self.context_window = float(skip_ratio), int(context_window)
-        self.opt_interval, self.bayes_interval = int(opt_interval), bayes_interval
-        self.max_opt_iter, self.max_tolerance_iter, self.max_score = int(max_opt_iter), int(max_tolerance_iter), max_score
-        self.seed, self.search_state, self.optimize = int(seed), search_state, bool(optimize)
-        if skip_attn is None and skip_mlp is None:
+        check_layers(model.num_layers, options.skip_attn, options.skip_mlp)
+        self.options = options
+        self.max_draft = options.max_draft
+        self.draft_stop: DraftStop = new_rule(options.draft_stop)
+        if options.skip_attn is None and options.skip_mlp is None:
             self.start = initial_skip(model.num_layers)
         else:
-            self.start = SkipSet.of(skip_attn or (), skip_mlp or ())
-        self.skip_count = int((model.num_layers - 2) * 2 * self.skip_ratio)
+            self.start = SkipSet.of(options.skip_attn or (), options.skip_mlp or ())
+        self.skip_count = int((model.num_layers - 2) * 2 * options.skip_ratio)
         self.search = self.new_search()
         self.lookahead = 1 + TOPK * self.max_draft  # the drafts' scratch K/V, then the tree's rows
         self._layouts: dict[tuple[int, ...], TreeLayout] = {}
@@ -208,13 +199,17 @@ class Swift(Decoder):
     def carried(self) -> list[str]:
         """As every decoder's, less the layer search where it starts again at every example anyway
         (``search_state: example``)."""
-        return [n for n in super().carried() if not (n == "search" and self.search_state == "example")]
+        return [n for n in super().carried() if not (n == "search" and self.options.search_state == "example")]
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: SwiftOptions, **common) -> "Swift":
+        return cls(model, options, **common)
 
     # --- the layer set optimisation (§3.2) -------------------------------------------------------
     def new_search(self) -> LayerSearch:
         """A fresh optimisation from the starting set."""
         bayes = None
-        if self.bayes_interval is not None:
+        if self.options.bayes_interval is not None:
             from bayes_opt import BayesianOptimization
             from bayes_opt.acquisition import UpperConfidenceBound
 
@@ -223,12 +218,13 @@ class Swift(Decoder):
                                          acquisition_function=UpperConfidenceBound(kappa=2.5), random_state=1,
                                          verbose=0, allow_duplicate_points=True)
             bayes.set_gp_params(alpha=1e-2)
-        return LayerSearch(self.start, np.random.RandomState(self.seed), bayes)
+        return LayerSearch(self.start, np.random.RandomState(self.options.seed), bayes)
 
     def propose(self, search: LayerSearch) -> tuple[SkipSet, dict[str, float], str]:
         """The iteration's candidate set, its point for the Gaussian process, and how it came."""
         n_layers = self.model.num_layers
-        if self.bayes_interval is not None and (search.iteration + 1) % self.bayes_interval == 0:
+        every = self.options.bayes_interval
+        if every is not None and (search.iteration + 1) % every == 0:
             point = search.bayes.suggest()
             return set_of_point(point, self.skip_count, n_layers), point, "bayes"
         inner = n_layers - 2
@@ -243,7 +239,7 @@ class Swift(Decoder):
         model a static-shape scratch pass (its K/V past the cache's positions,
         :meth:`selfspec.models.capture.StepRunner.run`'s ``base``), else the eager pass."""
         model, start = self.model, state.prompt_len
-        ids = torch.tensor([generated[: self.context_window + 1]], device=model.device)
+        ids = torch.tensor([generated[: self.options.context_window + 1]], device=model.device)
         n = ids.shape[1]
         layers = range(model.num_layers)
         h = model.embed(ids)
@@ -259,9 +255,10 @@ class Swift(Decoder):
         predicted = model.head(model.final_norm(out), ledger=state.ledger)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
-    def optimise(self, state: DecodeState, generated: list[int]) -> None:
-        """One iteration (module docstring), after a step."""
-        search = self.search
+    def optimization_step(self, state: DecodeState, generated: list[int]) -> None:
+        """One iteration of the layer set optimisation (module docstring; the authors'
+        ``swift_optimization``), after a step."""
+        search, o = self.search, self.options
         skip, point, how = self.propose(search)
         score = self.matchness(state, generated, skip)
         if search.bayes is not None:  # a set seen before is registered again (the authors'), quietly
@@ -269,12 +266,12 @@ class Swift(Decoder):
                 search.bayes.register(params=point, target=score)
         if score > search.best:
             search.best, search.tolerance, search.skip = score, 0, skip
-            if score > self.max_score:
+            if score > o.max_score:
                 search.active = False
         else:
             search.tolerance += 1
         search.iteration += 1
-        if search.tolerance > self.max_tolerance_iter or search.iteration > self.max_opt_iter:
+        if search.tolerance > o.max_tolerance_iter or search.iteration > o.max_opt_iter:
             search.active = False
         search.last = {"iteration": search.iteration, "proposal": how, "matchness": score, "best": search.best,
                        "skip_attn": sorted(search.skip.attn), "skip_mlp": sorted(search.skip.mlp),
@@ -284,7 +281,7 @@ class Swift(Decoder):
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         self.draft_stop.start_example()
-        if self.search_state == "example":
+        if self.options.search_state == "example":
             self.search = self.new_search()
         state.example = SwiftExample()
 
@@ -351,11 +348,11 @@ class Swift(Decoder):
         step = state.trace_step
         step.source, step.tree_size, step.width, step.accepted = "self", lay.n_nodes, lay.n_nodes, len(path)
         step.draft_limit = self.max_draft
-        search = self.search
-        if (self.optimize and search.active and example.steps % self.opt_interval == 0
-                and len(state.tokens) - state.prompt_len + len(path) > self.context_window + 1):
+        search, o = self.search, self.options
+        if (o.optimize and search.active and example.steps % o.opt_interval == 0
+                and len(state.tokens) - state.prompt_len + len(path) > o.context_window + 1):
             with phase(ledger, "search"):
-                self.optimise(state, state.tokens[state.prompt_len:] + accepted)
+                self.optimization_step(state, state.tokens[state.prompt_len:] + accepted)
         example.steps += 1
         step.controller = {"chain": len(confidences), "skipped": len(search.skip),
                            **({"search": search.last} if search.last else {}), **(self.draft_stop.state() or {})}

@@ -5,8 +5,8 @@ Beyond the papers. On a CPU a decoding step runs its operators on torch's OpenMP
 meet at the end of every parallel region (a few hundred a step). On a quiet 2-core machine two
 threads make SmolLM2-135M's one-token step at 512 context 23 ms against 35 ms on one; with one
 other busy process of normal priority the two threads wait for each other at every region and
-the step takes 56 ms, against 39 ms on one thread (README, "Measurements a shared machine cannot
-spoil"). Neither count is right for both, and the load comes and goes within a run.
+the step takes 56 ms, against 39 ms on one thread (docs/2026-11-27-cpu-results.md, "Threads under
+load"). Neither count is right for both, and the load comes and goes within a run.
 
 :class:`ThreadPolicy` chooses per step between the two arms with the speculation gate's schedule
 (:class:`~selfspec.decoding.gate.TwoArms`: the cheaper arm preferred, the other probed at doubling

@@ -40,6 +40,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
+from selfspec.measure.speedup import per_token, speedup
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens of ``a`` and ``b`` are equal."""
@@ -117,10 +119,10 @@ def summarize(
     ids = list(dict.fromkeys(i for i, _ in keys))
     base = common.get(baseline, [])
     base_tokens = sum(r["new_tokens"] for r in base)
-    base_spt = sum(r["seconds"] for r in base) / base_tokens if base_tokens else None
+    base_spt = per_token(sum(r["seconds"] for r in base), base_tokens)
     base_dspt = _decode_seconds_per_token(base)
     base_predicted = _predicted(base, profile)
-    base_pspt = sum(base_predicted.values()) / base_tokens if base_predicted and base_tokens else None
+    base_pspt = per_token(sum(base_predicted.values()), base_tokens) if base_predicted else None
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         rs = common[m]
@@ -128,7 +130,7 @@ def summarize(
         seconds = sum(r["seconds"] for r in rs)
         steps = sum(r["steps"] for r in rs)
         drafted = sum(r.get("drafted", 0) for r in rs)
-        spt = seconds / tokens if tokens else None
+        spt = per_token(seconds, tokens)
         entry: dict[str, Any] = {
             "n_examples": len(ids),
             "n_generations": len(rs),
@@ -136,9 +138,8 @@ def summarize(
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else None,
             "seconds_per_token": spt,
-            "speedup": base_spt / spt if base_spt and spt else None,
-            "decode_speedup": (base_dspt / dspt if base_dspt and (dspt := _decode_seconds_per_token(rs))
-                               else None),
+            "speedup": speedup(base_spt, spt),
+            "decode_speedup": speedup(base_dspt, _decode_seconds_per_token(rs)),
             "tau": tokens / steps if steps else None,
             "acceptance_rate": sum(r.get("accepted_drafts", 0) for r in rs) / drafted if drafted else None,
             "lossless": all(r.get("lossless") for r in rs) if rs else None,
@@ -163,7 +164,7 @@ def _decode_seconds_per_token(rows: list[dict[str, Any]]) -> float | None:
         return None
     seconds = sum(r["seconds"] - r["ledger"].get("prefill", 0.0) for r in rows)
     tokens = sum(r["new_tokens"] - r["trace"][0].get("committed", 0) for r in rows)
-    return seconds / tokens if tokens > 0 and seconds > 0 else None
+    return per_token(seconds, tokens)
 
 
 def _sum_components(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
@@ -194,15 +195,15 @@ def _ledger(rs: list[dict[str, Any]], tokens: int, base_spt: float | None, profi
         ledger["unpriced"] = why
         return {"ledger": ledger, "predicted_speedup": None}
     predicted = _predicted(rs, profile)
-    speedup = None
+    predicted_speedup = None
     if predicted is not None and base_pspt:
         ledger["predicted"] = {k: v / tokens / base_pspt for k, v in predicted.items()}
-        speedup = base_pspt / (sum(predicted.values()) / tokens)
+        predicted_speedup = speedup(base_pspt, per_token(sum(predicted.values()), tokens))
         # what the profile does not model: measured minus predicted, per component, largest first
         gap = {k: measured.get(k, 0.0) - ledger["predicted"].get(k, 0.0) for k in measured}
         ledger["unmodelled"] = dict(sorted(((k, v) for k, v in gap.items() if abs(v) >= 0.005),
                                            key=lambda kv: -abs(kv[1])))
-    return {"ledger": ledger, "predicted_speedup": speedup}
+    return {"ledger": ledger, "predicted_speedup": predicted_speedup}
 
 
 #: the least baseline time a contention check judges: shorter runs (a tiny model's milliseconds)

@@ -224,10 +224,10 @@ def profile_spec(cfg) -> str | None:
     return str(path)
 
 
-def run_profile(cfg, model) -> Profile | None:
-    """The cost profile ``profile`` names, checked against the loaded model's shape: ``auto`` is
-    :func:`machine_profile` (this machine's, found or measured once); None for ``profile=null``."""
-    spec = profile_spec(cfg)
+def run_profile(spec: str | None, model) -> Profile | None:
+    """The cost profile a resolved ``profile`` (:func:`profile_spec`) names, checked against the
+    loaded model's shape: ``auto`` is :func:`machine_profile` (this machine's, found or measured
+    once); None for ``profile=null``."""
     if spec is None:
         return None
     profile = machine_profile(model) if spec == "auto" else Profile.load(spec)

@@ -51,13 +51,16 @@ log = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
+#: the format of the run records this selfspec writes (summary.json's ``format``); which formats are
+#: read: :data:`selfspec.reporting.records.RUN_FORMATS` (docs/design.md, "Formats read")
+RUN_FORMAT = 2
 RUN_CONFIG = "run_config.json"
 #: what every line of results.jsonl holds (:class:`~selfspec.tracking.ResultsFile` refuses other lines)
 ROW_KEYS = ("id", "method", "tokens", "seconds")
 #: config keys whose change makes earlier rows of a run directory incomparable
 _RESUME_KEYS = ("model", "task", "sampling", "max_new_tokens", "baseline", "methods", "n_samples", "batch_size")
-#: the value of a resume key in a run directory recorded before the key existed
-_RESUME_DEFAULTS = {"n_samples": 1, "batch_size": 1}
+#: a resume key's value in a run record of the format before this one, which predates the key
+_RESUME_DEFAULTS = {"batch_size": 1}
 
 
 # --- memory (selfspec.measure.peak) ----------------------------------------------------------------
@@ -75,6 +78,9 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
 
 #: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)
 MEMORY = MemoryModel(memory_terms, s=1.0, runtime=497863884.8)
+#: an evaluation's job name: its entry point's and primary config's (``python -m selfspec.evaluate``,
+#: conf/evaluate.yaml), in memory estimates (:mod:`selfspec.memory`) and its tracker run
+JOB = "evaluate"
 
 
 class ResumeMismatch(ValueError):
@@ -158,9 +164,10 @@ def sample_sampling(sampling: Sampling, index: int) -> Sampling:
     return replace(sampling, seed=sampling.seed + index)
 
 
-def _check_run_options(cfg: DictConfig) -> None:
+def _check_run_options(cfg: DictConfig) -> str | None:
     """The keys of conf/evaluate.yaml read outside the groups (``n_examples`` and
-    ``max_new_tokens`` are checked where they are read), after a top-level key it does not have."""
+    ``max_new_tokens`` are checked where they are read), after a top-level key it does not have; returns
+    ``profile`` resolved (:func:`~selfspec.evaluation.profiling.profile_spec`), once per run."""
     check_primary_keys(cfg, "evaluate")
     checks.seed("seed", cfg.seed)
     checks.integer("warmup", cfg.warmup, 0, why="untimed generations per method")
@@ -172,8 +179,10 @@ def _check_run_options(cfg: DictConfig) -> None:
     checks.number("contention_spike", cfg.contention_spike, 1.0, low_open=True,
                   why="a generation's measured / predicted time, over its method's median and its example's least, "
                       "that flags it as spoiled")
-    _threads_spec(cfg)
+    profile = profile_spec(cfg)
+    _threads_spec(cfg, profile)
     _batch_size(cfg)
+    return profile
 
 
 def _batch_size(cfg: DictConfig) -> int:
@@ -197,7 +206,7 @@ def _batch_size(cfg: DictConfig) -> int:
     return size
 
 
-def _check_batched_methods(cfg: DictConfig, method_cfgs: dict[str, DictConfig], options: dict[str, Options],
+def _check_batched_methods(profile: str | None, method_cfgs: dict[str, DictConfig], options: dict[str, Options],
                            size: int) -> None:
     """Under ``batch_size > 1``, a method that cannot decode a batch (transformers' assisted generation,
     one sequence at a time) is refused, naming it, rather than run one sequence at a time behind the
@@ -209,20 +218,19 @@ def _check_batched_methods(cfg: DictConfig, method_cfgs: dict[str, DictConfig], 
         if not decoder_class(str(m.name)).batches:
             raise checks.ConfigError(f"batch_size={size} with method {name}: it decodes one sequence at a time "
                                      "(transformers' assisted generation); leave it out or set batch_size=1")
-        if profile_spec(cfg) is None and getattr(options[name], "never_slower", False):
+        if profile is None and getattr(options[name], "never_slower", False):
             raise checks.ConfigError(f"batch_size={size} with method {name}'s never_slower=true and profile=null: "
                                      "its gate would time steps that share their passes with the batch's other "
                                      "sequences; set profile=auto, method.never_slower=false, or batch_size=1")
 
 
-def _threads_spec(cfg: DictConfig) -> str:
+def _threads_spec(cfg: DictConfig, profile: str | None) -> str:
     """``threads``: auto, adaptive or fixed; ``adaptive`` where it cannot run is refused before the
     model loads (:func:`selfspec.decoding.threads.why_not_adaptive`), with the profile it needs
-    judged from the ``profile`` key (a profile file is read once the model is loaded)."""
+    judged from ``profile`` (the resolved key: a profile file is read once the model is loaded)."""
     from selfspec.decoding.threads import THREADS, why_not_adaptive
 
     value = checks.choice("threads", cfg.threads, THREADS, why="CPU threads per decoding step")
-    profile = profile_spec(cfg)
     if value == "adaptive":
         from selfspec.models.loading import resolve_device
 
@@ -276,13 +284,13 @@ def _check_for_model(cfg: DictConfig, method_cfgs: dict[str, DictConfig], option
             decoder_class(str(m.name)).check_run(options[name], layers, budget)
 
 
-def _check_priced_choices(cfg: DictConfig, method_cfgs: dict[str, DictConfig],
+def _check_priced_choices(profile: str | None, method_cfgs: dict[str, DictConfig],
                           options: dict[str, Options]) -> None:
     """A choice a method prices with the run's cost profile (its class's
     :meth:`~selfspec.decoding.base.Decoder.needs_profile`: a context drafter's ``draft_schedule:
     priced``, DEL's ``cost_model: measured``) is refused with ``profile=null`` before the model
     loads, naming the method and the key."""
-    if profile_spec(cfg) is not None:
+    if profile is not None:
         return
     for name, m in method_cfgs.items():
         need = decoder_class(str(m.name)).needs_profile(options[name])
@@ -303,6 +311,8 @@ class RunPlan:
     n_samples: int
     #: each method's options as :func:`check_methods` checked them, by label
     method_options: dict[str, Options]
+    #: ``profile`` resolved (None, ``auto`` or a profile file), once per run
+    profile: str | None = None
     #: sequences decoded at once (``batch_size``)
     batch_size: int = 1
 
@@ -312,7 +322,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     from selfspec.models.loading import check_model_config
     from selfspec.tracking import check_logger, run_tags
 
-    _check_run_options(cfg)
+    profile = _check_run_options(cfg)
     sampling = Sampling.from_config(cfg.sampling)
     n_samples = _n_samples(cfg, sampling)
     task = _task(cfg)
@@ -320,14 +330,14 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     under_test = label or method_label(cfg)
     method_cfgs = method_configs(cfg, under_test)
     method_options = check_methods(method_cfgs, under_test)
-    _check_priced_choices(cfg, method_cfgs, method_options)
+    _check_priced_choices(profile, method_cfgs, method_options)
     batch_size = int(cfg.batch_size)
-    _check_batched_methods(cfg, method_cfgs, method_options, batch_size)
+    _check_batched_methods(profile, method_cfgs, method_options, batch_size)
     check_model_config(cfg.model)
     _check_for_model(cfg, method_cfgs, method_options, under_test, budget)
     check_logger(cfg.get("logger"), run_tags(cfg, "evaluate", under_test))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
-    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options,
+    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options, profile,
                    batch_size)
 
 
@@ -445,7 +455,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
     plan = prepare(cfg, label)  # everything that can fail without the model, before it loads
     if loaded is None:  # its estimated peak against the device's memory, before the model loads
         prompt = getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT
-        check_fits("evaluate", MEMORY, cfg, prompt + plan.budget, prompt)
+        check_fits(JOB, MEMORY, cfg, prompt + plan.budget, prompt)
     out_dir = Path(out_dir)
     check_directory(out_dir, "hydra.run.dir")
     created = not out_dir.exists()
@@ -475,7 +485,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     from selfspec.models.loading import model_for
 
     loaded = model_for(cfg.model, loaded)
-    profile = run_profile(cfg, loaded.model)  # a profile of another model shape stops here
+    profile = run_profile(plan.profile, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
     threads = _threads(cfg, loaded.model.device, profile)
     runs = _decoders(plan, loaded, profile, threads)
@@ -489,7 +499,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     resumed = _resumed(out_dir, runs, len(examples), len(todo)) if done else None
 
     own_tracker = tracker is None
-    tracker = tracker or start_run(cfg, "evaluate", dir=out_dir, method_label=under_test)
+    tracker = tracker or start_run(cfg, JOB, dir=out_dir, method_label=under_test)
     info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
                     linear_kernel=loaded.model.linear_kernel, capture=loaded.model.capture)
     artefacts = {r.name: [str(p) for p in _artefact_paths(r)] for r in runs}
@@ -586,8 +596,8 @@ def _identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
 def _track_summary(tracker: Tracker, summary: dict[str, Any], rows: list[dict], names: list[str], under_test: str,
                    info: dict[str, Any]) -> None:
     """The run's summary and its examples' rows (the methods of this run) in the tracker."""
-    tracker.summary({"method": under_test, "methods": summary["methods"], "method_configs": summary["method_configs"],
-                     "run_info": info})
+    tracker.summary({"format": summary["format"], "method": under_test, "methods": summary["methods"],
+                     "method_configs": summary["method_configs"], "run_info": info})
     tracker.table("examples", [{k: v for k, v in r.items() if k != "stats"} | {"stats": str(r.get("stats"))}
                                for r in rows if r.get("method") in names])
 
@@ -606,6 +616,7 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
     samples_files = _write_samples(out_dir, task, finished)
     here = machine(loaded.model.device)
     return {
+        "format": RUN_FORMAT,
         "model": loaded.name,
         "task": task.name,
         "method": plan.under_test,

@@ -1,7 +1,7 @@
 """Memory per job and model size: a job's peak, estimated before the model loads, and measured.
 
 The model (fitted on the CPU measurements of ``scripts/measure_memory.py``, ``docs/memory_measured.json``;
-README "Memory per job and model size")::
+docs/usage.md, "Memory per job and model size")::
 
     peak = weights + trainable parameters × optimizer state + s_job × activations [+ runtime, CPU only]
 
@@ -20,7 +20,7 @@ README "Memory per job and model size")::
 
 :func:`check_fits` refuses a job before its model loads when the estimate exceeds the device's memory
 (CUDA: the device's total memory; CPU: ``MemAvailable``), naming the estimate, its largest term and the
-setting that scales it. ``python -m selfspec.memory --table`` prints the README's table.
+setting that scales it. ``python -m selfspec.memory --table`` prints the table of docs/usage.md.
 
 What a job says about its own memory (its terms, its fitted ``s`` and CPU runtime, the settings tried
 until it fits) lives with the job, as its :class:`MemoryModel`: a training job's ``JOB.memory``
@@ -96,7 +96,7 @@ class Shape:
                    bias=bool(getattr(c, "attention_bias", False) or c.model_type == "qwen2"))
 
 
-#: public configs of the sizes the README's table covers (Llama-3.2-1B, Llama-3-8B, Llama-2-13B, Llama-3-70B)
+#: public configs of the sizes the memory table covers (docs/usage.md) (Llama-3.2-1B, Llama-3-8B, Llama-2-13B, Llama-3-70B)
 SIZES = {
     "1B": Shape(16, 2048, 8192, 32, 8, 64, 128256, True),
     "8B": Shape(32, 4096, 14336, 32, 8, 128, 128256, False),
@@ -220,7 +220,7 @@ class MemoryModel:
     activation terms at the peak) and ``runtime`` (bytes of the CPU process without the model:
     interpreter, libraries, data) are fitted by ``scripts/measure_memory.py --fit`` on the CPU points
     of docs/memory_measured.json (``s`` where batch x sequence was varied, 1 elsewhere).
-    ``fallbacks``: settings tried in order until the estimate fits (the README's table; the first is
+    ``fallbacks``: settings tried in order until the estimate fits (the memory table of docs/usage.md; the first is
     the job's defaults)."""
 
     terms: Callable[[Shape, Any, int, int, "int | None"], list[list[Term]]]

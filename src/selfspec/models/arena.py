@@ -11,7 +11,7 @@ transparent huge pages are ``madvise`` or ``always`` (``/sys/kernel/mm/transpare
 starting on a 4 KiB boundary. :class:`~selfspec.models.layered.LayeredModel` copies its linears'
 weights there on CPU: the values are copied, not changed, so every output is bit-identical.
 Where the platform has no ``madvise`` (not Linux) nothing is placed and the weights stay where
-they are. Measured effect: README, "Vanilla against llama.cpp".
+they are. Measured effect: docs/2026-11-27-cpu-results.md, "Vanilla against llama.cpp".
 """
 
 from __future__ import annotations

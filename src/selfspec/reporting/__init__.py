@@ -16,7 +16,7 @@ Modules: :mod:`~selfspec.reporting.records` (reading runs), :mod:`~selfspec.repo
 :mod:`~selfspec.store.figure` (a PNG with its caption and axis labels; in ``store/``, where the
 training jobs write their own plots too),
 :mod:`~selfspec.reporting.answer` (per task, the fastest lossless method),
-:mod:`~selfspec.reporting.ledger` (the cost ledger's components, its sentence, runs measured under load),
+:mod:`~selfspec.reporting.breakdown` (the cost ledger's components, its sentence, runs measured under load),
 :mod:`~selfspec.reporting.artefact_figures`, :mod:`~selfspec.reporting.html`,
 :mod:`~selfspec.reporting.wandb_source`, :mod:`~selfspec.reporting.dashboard` (the W&B panel
 layout) and :mod:`~selfspec.reporting.build` (all of it).

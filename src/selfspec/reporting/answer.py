@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from selfspec.reporting.layouts import TASK_SCORE, TASK_TITLE, task_order
-from selfspec.reporting.ledger import LOADED
+from selfspec.reporting.breakdown import LOADED
 from selfspec.reporting.records import Record
 from selfspec.reporting.tables import method_variant_title
 

@@ -31,7 +31,7 @@ from selfspec.reporting import artefact_figures as art, plots
 from selfspec.reporting.answer import Answer, answers, to_markdown as to_answer_markdown
 from selfspec.reporting.html import TaskSection, write_index
 from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout, task_order
-from selfspec.reporting.ledger import LOADED
+from selfspec.reporting.breakdown import LOADED
 from selfspec.reporting.paper import paper_records
 from selfspec.reporting.records import Record, collect, find_runs, latest_only
 from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title, to_latex,

@@ -10,8 +10,8 @@ from typing import Any
 
 
 def dotted(d: Any, key: str, default: Any = None) -> Any:
-    """``d["a"]["b"]`` for ``key="a.b"``; ``default`` where a part is missing (records of older runs
-    and of W&B lack some fields, which the report shows as absent)."""
+    """``d["a"]["b"]`` for ``key="a.b"``; ``default`` where a part is missing (a key a run's config
+    does not set, e.g. ``report.variant``, which the report shows as absent)."""
     for part in key.split("."):
         if not isinstance(d, dict) or part not in d:
             return default
@@ -19,7 +19,7 @@ def dotted(d: Any, key: str, default: Any = None) -> Any:
     return d
 
 
-def label_under_test(summary: dict[str, Any], cfg: dict[str, Any], choices: dict[str, Any] | None = None) -> str | None:
-    """The label of the run's method under test: the summary's ``method``, else the run's
-    ``method=`` choice, else (summaries written before labels) the method config's ``name``."""
-    return summary.get("method") or (choices or {}).get("method") or dotted(cfg, "method.name")
+def label_under_test(summary: dict[str, Any]) -> str:
+    """The label of the run's method under test: the summary's ``method`` (every run format read
+    has it, :data:`selfspec.reporting.records.RUN_FORMATS`)."""
+    return summary["method"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.reporting import answer as ans
-from selfspec.reporting.tables import TASK_TITLE, Table, source_line
+from selfspec.reporting.tables import MISSING, PROJECTIONS_TITLE, TASK_TITLE, Table, source_line
 from selfspec.store.figure import Plot
 
 _STYLE = """
@@ -73,40 +73,58 @@ def section_html(section: TaskSection, out_dir: Path) -> str:
 MAX_COLUMNS = 12
 
 
-def column_groups(table: Table) -> list[tuple[str, slice]]:
-    """The column groups of ``table`` to show as separate tables (a title and the slice of each
-    row's cells), or one group holding every column when the table fits the page."""
+def column_groups(table: Table) -> list[tuple[str, slice, int | None]]:
+    """The column groups of ``table`` to show as separate tables (a title, the slice of each row's
+    cells and the group's index), or one group holding every column (index None) when the table
+    fits the page."""
     width = sum(len(cells) for cells in table.group_cells)
     if width <= MAX_COLUMNS or len(table.groups) < 2:
-        return [("", slice(0, width))]
+        return [("", slice(0, width), None)]
     out, start = [], 0
-    for group, cells in zip(table.groups, table.group_cells):
-        out.append((TASK_TITLE.get(group, str(group)), slice(start, start + len(cells))))
+    for i, (group, cells) in enumerate(zip(table.groups, table.group_cells)):
+        out.append((TASK_TITLE.get(group, str(group)), slice(start, start + len(cells)), i))
         start += len(cells)
     return out
 
 
-def table_html(table: Table) -> str:
+def table_html(table: Table, heading: str = "h3", sources: bool = True) -> str:
+    """``table`` as HTML, one table per column group when it is too wide for the page
+    (:func:`column_groups`); a group's table leaves out the rows with nothing in it (a sampling
+    setting its task never ran). ``sources``: list the runs behind the rows (the projection table
+    shares its table's)."""
     e = html.escape
     out = []
-    for title, cols in column_groups(table):
+    for title, cols, group in column_groups(table):
         head = [table.header[0], *table.header[1:][cols], "src"]
         if title:
-            out.append(f"<h3>{e(title)}</h3>")
+            out.append(f"<{heading}>{e(title)}</{heading}>")
         out += ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"]
         for block in table.blocks:
+            rows = [r for r in block.rows if group is None or any(c != MISSING for c in r.cells[cols])]
+            if not rows:
+                continue
             out.append(f'<tr class="block"><td colspan="{len(head)}">{e(block.title)}</td></tr>')
-            for row in block.rows:
-                src = " ".join(f'<a href="#src-{table.layout.id}-{i}">[{i}]</a>' for i in row.sources)
+            for row in rows:
+                mine = row.group_sources[group] if group is not None and row.group_sources else row.sources
+                src = " ".join(f'<a href="#src-{table.layout.id}-{i}">[{i}]</a>' for i in mine)
                 out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in [row.label, *row.cells[cols]])
                            + f"<td class='src'>{src}</td></tr>")
         out.append("</table>")
     notes = [f"<li>{e(n)}</li>" for n in table.notes]
     notes += [f'<li id="src-{table.layout.id}-{i}">[{i}] {e(source_line(p))}</li>'
-              for i, p in enumerate(table.sources, 1)]
+              for i, p in enumerate(table.sources, 1)] if sources else []
     if notes:
         out.append('<ul class="notes">' + "".join(notes) + "</ul>")
     return "\n".join(out)
+
+
+def projections_html(table: Table) -> str:
+    """A table's projections (:attr:`~selfspec.reporting.tables.Table.projections`) under their own
+    heading, after the table (empty when none)."""
+    if table.projections is None:
+        return ""
+    return (f"<h3>{html.escape(table.layout.title)}: {PROJECTIONS_TITLE}</h3>"
+            f"<div class='scroll'>{table_html(table.projections, 'h4', sources=False)}</div>")
 
 
 def runtime_html(r: dict[str, Any]) -> str:
@@ -196,6 +214,7 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
             parts.append(f"<p class='notes'>Layout of {e(table.layout.paper)}. {links}</p>")
         parts.append(warnings_html(table.warnings))
         parts.append(f"<div class='scroll'>{table_html(table)}</div>")
+        parts.append(projections_html(table))
     if sections:
         parts.append("<h2 id='time'>Where the time goes, per task</h2><p class='notes'>Each method's cost "
                      "per committed token in vanilla steps, from its cost ledger: measured in the run, and "

@@ -7,8 +7,8 @@ the column groups (the task, in the paper's order) and which cells each group sh
 ``speedup``          ``1.57×`` (speedup = vanilla s/token ÷ method s/token, same examples); a run
                      measured under load (its contention check flagged it) shows ``1.57× (loaded)``
 ``predicted_speedup``  the speedup the cost ledger predicts from the step trace and a machine profile;
-                     added after the speedup cell wherever a record has one, with ``projected on
-                     <profile>`` cells for the projections a summary holds (``tables.group_kinds``)
+                     added after the speedup cell wherever a record has one (``tables.group_kinds``);
+                     the projections a summary holds are a table of their own (``Table.projections``)
 ``ms_per_token``     latency per token in ms (Draft & Verify Tables 1–2)
 ``tau``              mean tokens committed per step, bonus token included (vanilla = 1.00)
 ``acceptance_rate``  accepted drafts / drafted tokens (Draft & Verify Tables 3–4 "AR")
@@ -53,15 +53,9 @@ def fixed_k_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
 
 def draft_exit_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """Draft & Verify Table 4: a static threshold γ, or the adaptive rule from its initial γ0
-    (``method.draft_stop``; ``method.draft_exit`` / ``gamma0`` in records written before)."""
-    stop = _cfg(cfg, "method.draft_stop")
-    if isinstance(stop, dict):
-        from selfspec.decoding.draft_exit import ADAPTIVE_DEFAULTS
-
-        rule = stop.get("rule")
-        gamma0 = stop.get("threshold", ADAPTIVE_DEFAULTS["initial"] if rule == "adaptive" else None)
-    else:
-        rule, gamma0 = _cfg(cfg, "method.draft_exit"), _cfg(cfg, "method.gamma0")
+    (``method.draft_stop``)."""
+    stop = _cfg(cfg, "method.draft_stop") or {}
+    rule, gamma0 = stop.get("rule"), stop.get("threshold")
     if rule == "adaptive":
         return f"adaptive (γ0={gamma0:g})" if isinstance(gamma0, (int, float)) else "adaptive"
     return f"γ={gamma0:g}" if isinstance(gamma0, (int, float)) else str(gamma0)
@@ -71,7 +65,7 @@ def prompts_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | None:
     """PPD Table 2 rows: the prompt tokens' count m, EPTs per token and training steps."""
     from selfspec.reporting.artefact_figures import read_meta
 
-    for path in (summary.get("artefacts") or {}).get(label_under_test(summary, cfg), []) or []:
+    for path in (summary.get("artefacts") or {}).get(label_under_test(summary), []) or []:
         from pathlib import Path
 
         meta = read_meta(Path(path)) or {}
@@ -85,7 +79,7 @@ def draft_vocab_variant(cfg: dict[str, Any], summary: dict[str, Any]) -> str | N
     truncated vocabulary ``method.draft_vocab`` names (its size, as the run recorded it)."""
     if _cfg(cfg, "method.draft_vocab") in (None, ""):
         return "full head"
-    entry = ((summary.get("methods") or {}).get(label_under_test(summary, cfg)) or {})
+    entry = ((summary.get("methods") or {}).get(label_under_test(summary)) or {})
     size = (entry.get("stats") or {}).get("draft_vocab_size")
     return f"truncated head ({size:.0f} tokens)" if isinstance(size, (int, float)) else "truncated head"
 

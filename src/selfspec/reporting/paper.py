@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.ledger import HeadOp, LayerOp, Op
 from selfspec.reporting.records import Record
 
@@ -65,7 +66,8 @@ def paper_records(table: str | None = None) -> list[Record]:
         if r.metric("speedup") is None and r.metric("tokens_per_s") is not None:
             base = vanilla.get((r.table, r.paper_model, r.task, r.field("temperature")))
             if base is not None and base.metric("tokens_per_s"):
-                r.metrics["speedup"] = r.metrics["tokens_per_s"] / base.metrics["tokens_per_s"]
+                r.metrics["speedup"] = speedup(per_token(1, base.metrics["tokens_per_s"]),
+                                               per_token(1, r.metrics["tokens_per_s"]))
                 r.provenance["source"] += " (speedup derived from the paper's tokens/s)"
     for r, e in zip(records, entries):
         note = profile_note(r)
@@ -119,7 +121,8 @@ def paper_projections(record: Record, trace: dict[str, Any]) -> dict[str, dict[s
         if why:
             entry["unpriced"], entry["predicted_speedup"] = why, None
         else:
-            entry["predicted_speedup"] = tokens * profile.plain_step(int(trace["context"])) / profile.price(ops)
+            entry["predicted_speedup"] = speedup(profile.plain_step(int(trace["context"])),
+                                                 per_token(profile.price(ops), tokens))
         out[name] = entry
     return out
 

@@ -31,9 +31,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from selfspec.reporting import ledger  # noqa: E402
+from selfspec.reporting import breakdown  # noqa: E402
 from selfspec.reporting.layouts import TASK_TITLE, task_order  # noqa: E402
-from selfspec.reporting.ledger import LOADED  # noqa: E402
+from selfspec.reporting.breakdown import LOADED  # noqa: E402
 from selfspec.reporting.records import Record  # noqa: E402
 from selfspec.reporting.tables import method_rank, method_title, setting_title  # noqa: E402
 from selfspec.store.figure import Plot, legend_columns, save_figure  # noqa: E402
@@ -148,7 +148,7 @@ def ledger_figure(records: list[Record], title: str):
     when none has a ledger (HF peers never do: they are left out).
 
     One horizontal bar per method: its measured cost per committed token in vanilla steps, stacked
-    by ledger component (:data:`~selfspec.reporting.ledger.COLOUR`, the same in every chart), with
+    by ledger component (:data:`~selfspec.reporting.breakdown.COLOUR`, the same in every chart), with
     the predicted cost as a thin hatched bar under it where the ledger has one; a dashed line at 1.0
     (vanilla). A bar's length is ``1 / speedup``: shorter than the line is faster than vanilla. Past
     :data:`PANEL_SERIES` methods, one panel per decoder family (:func:`family_panels`), stacked with
@@ -209,9 +209,9 @@ def _ledger_bars(ax, r: Record, y: int, used: set[str]) -> float:
     widest = 0.0
     for side, at, thick, style in sides:
         left = 0.0
-        for k, v in ledger.parts(r.ledger[side]).items():
+        for k, v in breakdown.parts(r.ledger[side]).items():
             if v > 0:
-                ax.barh(at, v, thick, left=left, color=ledger.colour(k), edgecolor="#333", lw=0.3, **style)
+                ax.barh(at, v, thick, left=left, color=breakdown.colour(k), edgecolor="#333", lw=0.3, **style)
                 used.add(k)
                 left += v
         widest = max(widest, left)
@@ -224,8 +224,8 @@ def _ledger_bars(ax, r: Record, y: int, used: set[str]) -> float:
 def _ledger_legend(recs: list[Record], used: set[str], profiles: list[str]) -> list:
     """:func:`ledger_figure`'s legend: the components drawn (in the ledger's order), the predicted
     bar (with the profiles that priced it) where there is one, and vanilla's line."""
-    handles = [Patch(facecolor=ledger.colour(k), edgecolor="#333", lw=0.3, label=ledger.label(k))
-               for k in [*ledger.COMPONENTS, *sorted(used - set(ledger.COMPONENTS))] if k in used]
+    handles = [Patch(facecolor=breakdown.colour(k), edgecolor="#333", lw=0.3, label=breakdown.label(k))
+               for k in [*breakdown.COMPONENTS, *sorted(used - set(breakdown.COMPONENTS))] if k in used]
     if any(isinstance(r.ledger.get("predicted"), dict) for r in recs):
         on = f", {', '.join(profiles)}" if profiles else ""
         handles.append(Patch(facecolor="white", edgecolor="#333", hatch="////", label=f"predicted (thin{on})"))
@@ -241,14 +241,10 @@ def ledger_plot(records: list[Record], path: Path, title: str) -> Plot | None:
 
 def threshold_of(r: Record) -> float | None:
     """The confidence threshold γ the record's method config fixes, if it fixes one: AdaDecode's
-    ``threshold`` (``gamma`` in records written before it was renamed), the static ``draft_stop``
-    threshold of Draft & Verify, early exit and DEL (Draft & Verify's ``gamma0`` under ``draft_exit:
-    static`` in records written before its keys became ``draft_stop``)."""
+    ``threshold``, the static ``draft_stop`` threshold of Draft & Verify, early exit and DEL."""
     cfg = r.method_config
     if r.family == "adadecode":
-        return cfg.get("threshold", cfg.get("gamma"))
-    if r.family == "draft_verify" and cfg.get("draft_exit") == "static":
-        return cfg.get("gamma0")
+        return cfg.get("threshold")
     stop = cfg.get("draft_stop")
     if isinstance(stop, dict) and stop.get("rule") == "static":
         return stop.get("threshold")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from selfspec.reporting.fields import dotted as _get, label_under_test
-from selfspec.reporting.ledger import is_loaded
+from selfspec.reporting.breakdown import is_loaded
 from selfspec.store.files import read_json
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Record:
     decoder: str | None = None
     #: the label's resolved method config (summary ``method_configs[label]``); {} when unknown
     method_config: dict[str, Any] = field(default_factory=dict)
-    #: the method's cost ledger (:mod:`selfspec.reporting.ledger`); None for peers and older runs
+    #: the method's cost ledger (:mod:`selfspec.reporting.breakdown`); None for peers and older runs
     ledger: dict[str, Any] | None = None
     #: the run's contention check (``ratio``, ``threshold``, ``flagged``); None when not measured
     contention: dict[str, Any] | None = None
@@ -199,16 +199,12 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
     return walk(cfg)
 
 
-def run_config(run_dir: Path, summary: dict[str, Any] | None = None) -> tuple[dict, list[str], dict]:
-    """(resolved config, command-line overrides, config-group choices) of a run directory; a
-    :class:`ValueError` naming the ``.hydra/`` file that is not what Hydra writes."""
-    summary = summary or {}
-    cfg: dict[str, Any] = {}
+def run_config(run_dir: Path, summary: dict[str, Any]) -> tuple[dict, list[str], dict]:
+    """(resolved config, command-line overrides, config-group choices) of a run directory: the
+    summary's ``config`` and Hydra's record of the command line (``.hydra/``); a :class:`ValueError`
+    naming the ``.hydra/`` file that is not what Hydra writes."""
+    cfg = resolve_config(summary["config"])
     hydra = run_dir / ".hydra"
-    if isinstance(summary.get("config"), dict):
-        cfg = resolve_config(summary["config"])
-    elif (hydra / "config.yaml").exists():
-        cfg = resolve_config(_load_yaml(hydra / "config.yaml"))
     overrides: list[str] = []
     if (hydra / "overrides.yaml").exists():
         from omegaconf import ListConfig, OmegaConf
@@ -251,14 +247,6 @@ _FIGURES = ("n_examples", "new_tokens", "seconds", "tokens_per_s", "seconds_per_
             "predicted_speedup", "tau", "acceptance_rate", "lossless", "consistency", "prefix_agreement")
 
 
-def _method_entries(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{method: entry}`` from a summary in either shape: ``{"methods": {...}, ...}`` or the bare
-    mapping :func:`selfspec.evaluation.aggregate.summarize` returns."""
-    if isinstance(summary.get("methods"), dict):
-        return summary["methods"]
-    return {k: v for k, v in summary.items() if isinstance(v, dict) and "speedup" in v}
-
-
 def entry_metrics(entry: dict[str, Any]) -> dict[str, Any]:
     """Flat metrics of one method entry: the figures, the task metrics, ms per token."""
     metrics = {k: entry.get(k) for k in _FIGURES if k in entry}
@@ -270,7 +258,7 @@ def entry_metrics(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def provenance(run_dir: Path | str, summary: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
-    info = summary.get("run_info") or summary.get("run") or {}
+    info = summary["run_info"]
     versions = info.get("versions") or {}
     hardware = info.get("hardware") or {}
     return {
@@ -278,7 +266,6 @@ def provenance(run_dir: Path | str, summary: dict[str, Any], cfg: dict[str, Any]
         "commit": info.get("git_commit"),
         "hardware": _hardware_line(hardware, info.get("device")),
         "versions": ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "selfspec")),
-        "created": summary.get("finished") or summary.get("created"),
         "mtime": _mtime(Path(run_dir) / SUMMARY),
         "artefacts": sorted({p for paths in (summary.get("artefacts") or {}).values() for p in paths or []}),
     }
@@ -298,7 +285,7 @@ def _hardware_line(hw: dict[str, Any], device: Any = None) -> str:
     if gpu:
         return f"{gpu} ×{hw.get('gpu_count', 1)}"
     isa = f", {hw['cpu_capability']}" if hw.get("cpu_capability") else ""
-    return f"CPU {hw.get('cpu') or hw.get('processor', '')}{isa} ({hw.get('cpu_threads', '?')} threads)".replace("  ", " ")
+    return f"CPU {hw.get('cpu', '')}{isa} ({hw.get('cpu_threads', '?')} threads)".replace("  ", " ")
 
 
 def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source: str, origin: str,
@@ -314,12 +301,12 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
     else:
         variant = variant_label(cfg, overrides)
     baseline = _get(cfg, "baseline", "vanilla")
-    under_test = label_under_test(summary, cfg, choices)
-    configs = label_configs(summary, cfg, under_test)
+    under_test = label_under_test(summary)
+    configs = summary["method_configs"]
     artefacts = summary.get("artefacts") or {}
     projections = summary.get("projections") or {}
     out = []
-    for method, entry in _method_entries(summary).items():
+    for method, entry in summary["methods"].items():
         metrics = entry_metrics(entry)
         for path in artefacts.get(method) or []:
             # PPD Table 2: the prompt tokens' accuracy by distance, measured when they were trained
@@ -354,17 +341,32 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
     return out
 
 
-def label_configs(summary: dict[str, Any], cfg: dict[str, Any], under_test: str | None) -> dict[str, dict[str, Any]]:
-    """Label -> resolved method config: the summary's ``method_configs``; for summaries without
-    them (W&B, older runs), the run config's ``method`` stands for the method under test."""
-    configs = dict(summary.get("method_configs") or {})
-    if under_test not in configs and isinstance(cfg.get("method"), dict):
-        configs[under_test] = cfg["method"]
-    return configs
-
-
 class MalformedSummary(ValueError):
     """A summary.json whose shape or figures are not what an evaluation writes (names the field)."""
+
+
+#: the run record formats this selfspec reads (docs/design.md, "Formats read"): 2, written from issue 53
+#: on (summary.json's ``format``: :data:`selfspec.evaluation.runner.RUN_FORMAT`), and 1, the summaries
+#: without a ``format`` field, written from 2026-11-22 (7f0543e) to issue 53
+RUN_FORMATS = (1, 2)
+#: the fields a run summary of every format read holds (a tracker's summary: all but ``config`` and
+#: ``baseline``, which its run's config holds)
+RUN_FIELDS = ("method", "methods", "baseline", "method_configs", "run_info", "config")
+
+
+def run_format(summary: dict[str, Any], fields: tuple[str, ...] = RUN_FIELDS) -> int:
+    """A run summary's format (1 when it has no ``format`` field), refused with
+    :class:`MalformedSummary` when this selfspec does not read it (:data:`RUN_FORMATS`: a newer
+    one, or a summary older than format 1, which lacks one of ``fields``)."""
+    found = summary.get("format", 1)
+    if found not in RUN_FORMATS:
+        raise MalformedSummary(f"field 'format' is {found!r}: this selfspec reads run formats "
+                               f"{', '.join(map(str, RUN_FORMATS))} (docs/design.md, \"Formats read\")")
+    missing = [k for k in fields if k not in summary]
+    if missing:
+        raise MalformedSummary(f"field '{missing[0]}' is missing: a run older than format 1 (written before "
+                               "2026-11-22), which this selfspec no longer reads; evaluate it again")
+    return found
 
 
 #: figures of a method entry that are numbers (or null), and those that are true/false (or null)
@@ -411,10 +413,11 @@ def check_summary(summary: Any) -> None:
         if summary.get(key) is not None and not isinstance(summary[key], dict):
             raise MalformedSummary(f"field '{key}' is not an object")
     _check_contention(summary.get("contention"))
+    run_format(summary)
 
 
 def _check_contention(contention: dict[str, Any] | None) -> None:
-    """The contention check's record, as :func:`~selfspec.reporting.ledger.contention_warning` reads
+    """The contention check's record, as :func:`~selfspec.reporting.breakdown.contention_warning` reads
     it (issue 39: a spoiled generation without its ``excess`` aborted the whole report)."""
     if not contention:
         return

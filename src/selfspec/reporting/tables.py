@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from selfspec.decoding import method_rank as rank_of, method_title as title_of
 from selfspec.reporting.layouts import CELL_TITLE, Layout, TASK_SCORE, TASK_TITLE
-from selfspec.reporting.ledger import LOADED, contention_warning, in_words
+from selfspec.reporting.breakdown import LOADED, contention_warning, in_words
 from selfspec.reporting.records import Record
 
 #: row order by decoder family: the reference first, selfspec's methods (the papers', then those
@@ -27,13 +27,15 @@ NOT_APPLICABLE = "n/a"
 DISTRIBUTION = "lossless (distribution)"
 #: figures that compare tokens with vanilla's, meaningful under greedy decoding only
 TOKEN_FIGURES = ("consistency", "prefix_agreement")
-#: the cells that show a measured speedup (marked :data:`~selfspec.reporting.ledger.LOADED` when the
+#: the cells that show a measured speedup (marked :data:`~selfspec.reporting.breakdown.LOADED` when the
 #: run was measured under load); the predicted and projected speedups follow the first of them
 SPEEDUP_CELLS = ("tps_speedup", "speedup")
 #: the cell kind of a speedup projected onto a machine profile: ``projected:<profile name>``
 PROJECTED = "projected:"
 #: the mark of a projection that is not the target machine's own (its note says why)
 UNGATED = "‡"
+#: the title of a table's projections (:attr:`Table.projections`)
+PROJECTIONS_TITLE = "projected on machine profiles"
 
 
 def method_rank(record: Record) -> tuple[int, str, str]:
@@ -96,10 +98,20 @@ def _times(value: Any, loaded: bool = False) -> str:
 
 def cell_title(cell: str, task: str | None) -> str:
     if cell.startswith(PROJECTED):
-        return f"projected on {cell[len(PROJECTED):]}"
+        return profile_title(cell[len(PROJECTED):])
     if cell == "score":
         return TASK_SCORE.get(task or "", (None, "score"))[1]
     return CELL_TITLE.get(cell, cell)
+
+
+def profile_title(name: str) -> str:
+    """A projection's column title: its profile's machine and dtype (the model's shape is the run's
+    own), e.g. ``cuda-nvidia-h100-80gb-hbm3, bfloat16`` for ``cuda-nvidia-h100-80gb-hbm3__smollm2-135m__bfloat16``;
+    a float32 trace's note stays (``… (float32 trace)``)."""
+    base, _, trace = name.partition(" (")
+    parts = base.split("__")
+    title = ", ".join([parts[0], *parts[2:]]) if len(parts) > 1 else base
+    return f"{title} ({trace}" if trace else title
 
 
 def projected_cell(p: dict[str, Any]) -> str:
@@ -152,6 +164,8 @@ class Row:
     cells: list[str]
     #: indices into Table.sources (1-based) of the runs behind the row's cells; empty for paper rows
     sources: list[int] = field(default_factory=list)
+    #: the same per column group (the runs behind that group's cells; empty: not kept per group)
+    group_sources: list[list[int]] = field(default_factory=list)
 
     @property
     def mark(self) -> str:
@@ -175,6 +189,10 @@ class Table:
     notes: list[str] = field(default_factory=list)
     #: what the reader must know before reading a figure: runs measured under load
     warnings: list[str] = field(default_factory=list)
+    #: its rows' speedups projected onto machine profiles (:mod:`selfspec.project`), as a table of their
+    #: own (the same row labels and column groups, a column per profile; rows with no projection left
+    #: out), so that the measured table stays narrow; None where no record is projected
+    projections: "Table | None" = None
 
     @property
     def header(self) -> list[str]:
@@ -221,14 +239,19 @@ def _column(record: Record, layout: Layout) -> Any:
 
 def group_kinds(layout: Layout, records: list[Record]) -> list[str]:
     """The cells of one column group: the layout's, with ``predicted_speedup`` (where a record has a
-    predicted speedup) and ``projected:<profile>`` (per profile a record is projected on) right after
-    the first measured speedup cell, or at the end where the layout shows no speedup."""
+    predicted speedup) right after the first measured speedup cell, or at the end where the layout
+    shows no speedup. Projections are a table of their own (:func:`projection_kinds`)."""
     extra = ["predicted_speedup"] if any(isinstance(r.metric("predicted_speedup"), (int, float))
                                          for r in records) else []
-    extra += [PROJECTED + name for name in sorted({name for r in records for name in r.projections})]
     cells = list(layout.cells)
     at = next((i + 1 for i, c in enumerate(cells) if c in SPEEDUP_CELLS), len(cells))
     return cells[:at] + extra + cells[at:]
+
+
+def projection_kinds(records: list[Record]) -> list[str]:
+    """The cells of one column group of the projection table: ``projected:<profile>`` per profile a
+    record is projected on."""
+    return [PROJECTED + name for name in sorted({name for r in records for name in r.projections})]
 
 
 def _groups(records: list[Record], layout: Layout) -> list[str | None]:
@@ -253,7 +276,8 @@ def _setting_key(r: Record, layout: Layout) -> tuple:
 
 
 def build_table(layout: Layout, measured: list[Record], paper: list[Record] | None = None) -> Table:
-    """The table of ``layout`` from measured records and the paper's (``paper=None``: none)."""
+    """The table of ``layout`` from measured records and the paper's (``paper=None``: none), with its
+    projections as a table of their own (:attr:`Table.projections`)."""
     paper = paper or []
     groups = _groups(measured or paper, layout)
     models = sorted({r.model for r in measured if r.model is not None})
@@ -261,19 +285,37 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
     reference = [p for p in paper if p not in matching]
     paper_by_setting = {(p.model,) + _setting_key(p, layout): p for p in matching}
     paper_groups = {p.field(layout.columns) if layout.columns else None for p in matching}
-    group_cells = [group_kinds(layout, [r for r in measured + reference if _column(r, layout) == g])
-                   + (["paper"] if g in paper_groups and matching else []) for g in groups]
+    in_group = {g: [r for r in measured + reference if _column(r, layout) == g] for g in groups}
+    group_cells = [group_kinds(layout, in_group[g]) + (["paper"] if g in paper_groups and matching else [])
+                   for g in groups]
     table = Table(layout=layout, groups=groups, group_cells=group_cells, blocks=[])
-    pcell = _paper_cell(layout)
+    _fill(table, models, measured, reference, paper_by_setting)
+    table.notes += _notes(measured, matching, reference)
+    table.notes += list(layout.notes)
+    table.warnings = loaded_warnings(measured)
+    projected = [(g, projection_kinds(in_group[g])) for g in groups]
+    projected = [(g, kinds) for g, kinds in projected if kinds]
+    if projected:
+        table.projections = Table(layout=layout, groups=[g for g, _ in projected],
+                                  group_cells=[kinds for _, kinds in projected], blocks=[],
+                                  sources=table.sources)  # one numbering of the runs for both
+        _fill(table.projections, models, measured, reference, {}, projected_only=True)
+        table.projections.notes += _projection_notes(measured, reference)
+    return table
 
+
+def _fill(table: Table, models: list[str], measured: list[Record], reference: list[Record],
+          paper_by_setting: dict[tuple, Record], projected_only: bool = False) -> None:
+    """``table``'s blocks: one per measured model, then one per paper model of the reference rows;
+    ``projected_only`` (the projection table): a row without any projection is left out."""
+    layout, pcell = table.layout, _paper_cell(table.layout)
     for model in models:
-        mine = [r for r in measured if r.model == model]
-        by_row, labels = _group_rows(mine, layout)
+        by_row, labels = _group_rows([r for r in measured if r.model == model], layout)
         rows = []
         for key, per_group in by_row.items():
             cells: list[str] = []
-            sources: list[int] = []
-            for group, kinds in zip(groups, group_cells):
+            by_group: list[list[int]] = []
+            for group, kinds in zip(table.groups, table.group_cells):
                 rec = per_group.get(group)
                 for kind in kinds:
                     if kind == "paper":
@@ -281,9 +323,11 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
                         cells.append(format_cell(pcell, ref))
                     else:
                         cells.append(format_cell(kind, rec))
-                if rec is not None and (i := table_source(table, rec)) not in sources:
-                    sources.append(i)
-            rows.append(Row(labels[key], cells, sorted(sources)))
+                by_group.append([table_source(table, rec)] if rec is not None and (
+                    not projected_only or any(k[len(PROJECTED):] in rec.projections for k in kinds)) else [])
+            if projected_only and not any(by_group):
+                continue
+            rows.append(Row(labels[key], cells, sorted({i for s in by_group for i in s}), by_group))
         table.blocks.append(Block(f"{model} (measured)", rows))
 
     for paper_model in sorted({p.paper_model for p in reference if p.paper_model}):
@@ -292,17 +336,15 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
         rows = []
         for key, per_group in by_row.items():
             cells = []
-            for group, kinds in zip(groups, group_cells):
+            for group, kinds in zip(table.groups, table.group_cells):
                 rec = per_group.get(group)
                 cells += [format_cell(k, rec) if k != "paper" else "" for k in kinds]
-            rows.append(Row(labels[key], cells))
-        sources = sorted({p.provenance["source"] for p in recs})
-        table.blocks.append(Block(f"paper ({paper_model}), reference only: {'; '.join(sources)}", rows))
-
-    table.notes += _notes(measured, matching, reference)
-    table.notes += list(layout.notes)
-    table.warnings = loaded_warnings(measured)
-    return table
+            if projected_only and all(c == MISSING for c in cells):
+                continue
+            rows.append(Row(labels[key], cells, [], [[] for _ in table.groups]))
+        if rows or not projected_only:
+            sources = sorted({p.provenance["source"] for p in recs})
+            table.blocks.append(Block(f"paper ({paper_model}), reference only: {'; '.join(sources)}", rows))
 
 
 def _notes(measured: list[Record], matching: list[Record], reference: list[Record]) -> list[str]:
@@ -316,6 +358,16 @@ def _notes(measured: list[Record], matching: list[Record], reference: list[Recor
                      "output distribution, so token-level consistency does not apply (n/a)")
     if any(r.metrics.get("lossless") is False for r in measured):
         notes.append("† lossy: typical acceptance under sampling (PPD); not identical in distribution")
+    if any(r.projections for r in measured + reference):
+        notes.append("projected speedups (the step traces priced on other machines' profiles): the table below")
+    return notes
+
+
+def _projection_notes(measured: list[Record], reference: list[Record]) -> list[str]:
+    """What the projection table's marks mean: the paper rows' traces, a gate replayed as it ran,
+    what a profile could not price."""
+    notes: list[str] = ["projected speedup = vanilla's predicted seconds per token ÷ the method's, both priced "
+                        "on the profile from the run's step traces (python -m selfspec.project)"]
     projections = [p for r in measured + reference for p in r.projections.values()]
     if any(r.projections for r in reference):
         notes.append("projected (paper rows): the step the paper's τ or acceptance rate implies, priced on "
@@ -385,6 +437,20 @@ def to_markdown(table: Table) -> str:
     if layout.paper:
         lines += [f"Layout of {layout.paper}. speedup = vanilla s/token ÷ method s/token on the same "
                   "examples; τ = tokens per step incl. the bonus token.", ""]
+    lines += _md_blocks(table)
+    for note in table.notes:
+        lines.append(f"- {_md_escape(note)}")
+    for i, prov in enumerate(table.sources, 1):
+        lines.append(f"- [{i}] {_md_escape(source_line(prov))}")
+    if table.projections is not None:
+        lines += ["", f"#### {layout.title}: {PROJECTIONS_TITLE}", "", *_md_blocks(table.projections)]
+        lines += [f"- {_md_escape(note)}" for note in table.projections.notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _md_blocks(table: Table) -> list[str]:
+    """A table's blocks in Markdown, each under its title."""
+    lines = []
     header = table.header + ["src"]
     for block in table.blocks:
         lines.append(f"**{_md_escape(block.title)}**")
@@ -392,14 +458,9 @@ def to_markdown(table: Table) -> str:
         lines.append("| " + " | ".join(_md_escape(h) for h in header) + " |")
         lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + [":-:"]) + "|")
         for row in block.rows:
-            src = row.mark
-            lines.append("| " + " | ".join(_md_escape(c) for c in [row.label, *row.cells, src]) + " |")
+            lines.append("| " + " | ".join(_md_escape(c) for c in [row.label, *row.cells, row.mark]) + " |")
         lines.append("")
-    for note in table.notes:
-        lines.append(f"- {_md_escape(note)}")
-    for i, prov in enumerate(table.sources, 1):
-        lines.append(f"- [{i}] {_md_escape(source_line(prov))}")
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 _TEX_SPECIAL = {"&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
@@ -413,6 +474,15 @@ def tex_escape(text: str) -> str:
 
 
 def to_latex(table: Table) -> str:
+    """``table`` as a LaTeX ``table`` environment, then its projections as another one."""
+    out = _latex_table(table, table.layout.title, f"tab:{table.layout.id}")
+    if table.projections is not None:
+        out += _latex_table(table.projections, f"{table.layout.title}: {PROJECTIONS_TITLE}",
+                            f"tab:{table.layout.id}-projected", sources=False)
+    return out
+
+
+def _latex_table(table: Table, title: str, label: str, sources: bool = True) -> str:
     layout = table.layout
     ncols = 1 + sum(len(c) for c in table.group_cells)
     lines = [r"\begin{table}[t]", r"\centering", r"\small",
@@ -440,11 +510,11 @@ def to_latex(table: Table) -> str:
     if not table.blocks:
         lines.append(r"\bottomrule")
     lines.append(r"\end{tabular}")
-    caption = tex_escape(layout.title) + (f" (layout of {tex_escape(layout.paper)})" if layout.paper else "")
+    caption = tex_escape(title) + (f" (layout of {tex_escape(layout.paper)})" if layout.paper else "")
     lines.append(rf"\caption{{{caption}}}")
-    lines.append(rf"\label{{tab:{layout.id}}}")
+    lines.append(rf"\label{{{label}}}")
     notes = [r"\textbf{Warning:} " + tex_escape(w) for w in table.warnings] + [tex_escape(n) for n in table.notes]
-    notes += [f"[{i}] " + tex_escape(source_line(p)) for i, p in enumerate(table.sources, 1)]
+    notes += [f"[{i}] " + tex_escape(source_line(p)) for i, p in enumerate(table.sources, 1)] if sources else []
     if notes:
         lines.append(r"\par\footnotesize " + r" \\ ".join(notes))
     lines.append(r"\end{table}")

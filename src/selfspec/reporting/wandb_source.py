@@ -11,7 +11,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from selfspec.reporting.records import Record, records_from_summary
+from selfspec.reporting.records import RUN_FIELDS, MalformedSummary, Record, records_from_summary, run_format
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,10 @@ def wandb_records(project: str, entity: str | None = None, filters: dict[str, An
     for run in api.runs(path, filters=dict(filters or {})):
         summary = unflatten({k: v for k, v in dict(run.summary).items() if not str(k).startswith("_")})
         cfg = {k: v for k, v in dict(run.config).items() if not str(k).startswith("_")}
-        if not isinstance(summary.get("methods"), dict):
+        try:  # the run's config holds what its summary's "config" and "baseline" would
+            run_format(summary, tuple(k for k in RUN_FIELDS if k not in ("config", "baseline")))
+        except MalformedSummary as err:
+            log.info("W&B run %s left out: %s", getattr(run, "id", "?"), err)
             continue
         recs = records_from_summary(summary, cfg, source=str(getattr(run, "url", run.id)), origin="wandb")
         created = getattr(run, "created_at", None)

@@ -1,10 +1,10 @@
 """Trained artefacts — heads, prompt embeddings, skip sets, trees — as safetensors + ``meta.json``.
 
-docs/design.md §2.5: ``meta.json`` records the kind, the model name, the model fingerprint (config + tokenizer), the
-model's weights digest (:func:`selfspec.models.loading.weights_digest`), layer count, hidden
-size, task, training config and training metrics. :func:`load_artefact` checks kind,
-fingerprint and weights and fails with a message naming the mismatch (an artefact written
-before weights digests existed loads with a warning that its weights cannot be checked). Writes
+docs/design.md §2.5: ``meta.json`` records its format (:data:`ARTEFACT_FORMAT`), the kind, the model name,
+the model fingerprint (config + tokenizer), the model's weights digest
+(:func:`selfspec.models.loading.weights_digest`), layer count, hidden size, task, training config
+and training metrics. :func:`load_artefact` checks the format (:data:`ARTEFACT_FORMATS`, docs/design.md,
+"Formats read"), kind, fingerprint and weights and fails with a message naming the mismatch. Writes
 are atomic: a temporary directory is filled and renamed into place, so a crash never leaves a
 half-written artefact.
 """
@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,11 @@ from selfspec.store.files import disk_space, read_json, to_jsonable
 
 META = "meta.json"
 TENSORS = "tensors.safetensors"
+#: the format of the artefacts this selfspec writes (meta.json's ``format``)
+ARTEFACT_FORMAT = 2
+#: the artefact formats read (docs/design.md, "Formats read"): 2, written from issue 53 on, and 1, a
+#: meta.json without a ``format`` field, with a weights digest (written from 2026-11-22, 82b9eff, on)
+ARTEFACT_FORMATS = (1, 2)
 
 
 class ArtefactError(ValueError):
@@ -73,6 +77,7 @@ def save_artefact(
     path = Path(path)
     model = loaded_model.model
     meta = {
+        "format": ARTEFACT_FORMAT,
         "kind": kind,
         "model": loaded_model.name,
         "fingerprint": loaded_model.fingerprint,
@@ -123,13 +128,15 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def rebuild_hint(path: Path, kind: str | None = None) -> str:
     """How to write the artefact at ``path`` afresh: the training job of its kind."""
-    job = JOBS.get(kind or "", kind or "<job>")
-    return (f"rebuild it with `python -m selfspec.train job={job} model=<model> artefact_dir={path}` "
+    return (f"rebuild it with `python -m selfspec.train job={_job(kind)} model=<model> artefact_dir={path}` "
             "or point the method at another artefact")
 
 
-#: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``)
-JOBS = {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips", "draft_vocab": "draft_vocab"}
+def _job(kind: str | None) -> str:
+    """The training job that writes ``kind`` (:func:`selfspec.train.job_writing`), for a message."""
+    from selfspec.train import job_writing
+
+    return (job_writing(kind) if kind else None) or "<job>"
 
 
 def artefact_option(key: str, value: Any, kind: str) -> Path | None:
@@ -142,7 +149,7 @@ def artefact_option(key: str, value: Any, kind: str) -> Path | None:
     path = Path(checks.text(key, value)).expanduser()
     if not (path / META).exists():
         raise checks.refuse(key, value, f"no artefact there (no {META}); build one with `python -m "
-                            f"selfspec.train job={JOBS.get(kind, kind)} model=<model>` or fix the path")
+                            f"selfspec.train job={_job(kind)} model=<model>` or fix the path")
     found = read_meta(path).get("kind")
     if found != kind:
         raise checks.refuse(key, value, f"it holds a {found!r} artefact, not {kind!r}")
@@ -157,6 +164,7 @@ def load_artefact(path: str | Path, kind: str, model=None, device=None) -> Artef
     meta = read_meta(path)
     if meta.get("kind") != kind:
         raise ArtefactError(f"{path} holds a {meta.get('kind')!r} artefact, expected {kind!r}")
+    check_format(meta, path)
     if model is not None:
         check_model(meta, path, model)
     try:
@@ -166,6 +174,21 @@ def load_artefact(path: str | Path, kind: str, model=None, device=None) -> Artef
                             f"{str(err).splitlines()[0] if str(err) else 'truncated or damaged'}); "
                             f"{rebuild_hint(path, kind)}") from None
     return Artefact(tensors, meta, path)
+
+
+def check_format(meta: dict[str, Any], path: Path) -> int:
+    """The artefact's format (1 when meta.json has no ``format`` field), refused when this selfspec
+    does not read it: a newer one, or an artefact older than format 1 (no weights digest)."""
+    found = meta.get("format", 1)
+    if found not in ARTEFACT_FORMATS:
+        raise ArtefactError(f"{meta.get('kind')} artefact {path} is of format {found!r}; this selfspec reads formats "
+                            f"{', '.join(map(str, ARTEFACT_FORMATS))} (docs/design.md, \"Formats read\"); "
+                            f"{rebuild_hint(path, meta.get('kind'))}")
+    if meta.get("weights") is None:
+        raise ArtefactError(f"{meta.get('kind')} artefact {path} has no weights digest: it is older than format 1 "
+                            f"(written before 2026-11-22), which this selfspec no longer reads; "
+                            f"{rebuild_hint(path, meta.get('kind'))}")
+    return found
 
 
 def check_model(meta: dict[str, Any], path: Path, model) -> None:
@@ -184,12 +207,7 @@ def check_model(meta: dict[str, Any], path: Path, model) -> None:
                 f"train one for this model or point the method at the right artefact"
             )
     have = getattr(model, "weights_digest", None)
-    if have is None:
-        return
-    if meta.get("weights") is None:
-        warnings.warn(f"{kind} artefact {path} predates weight digests: it cannot be checked against the "
-                      f"weights of {layered.name!r}; retrain it to be sure it fits them", stacklevel=3)
-    elif meta["weights"] != have:
+    if have is not None and meta["weights"] != have:
         raise ArtefactError(
             f"{kind} artefact {path} was trained for model {meta.get('model')!r} with other weights "
             f"(weights={meta['weights']}) than the loaded model {layered.name!r} (weights={have}): same "

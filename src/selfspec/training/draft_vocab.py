@@ -36,7 +36,7 @@ from selfspec.config import checks
 from selfspec.measure.peak import MemoryModel, Shape, Term, generation_bytes
 from selfspec.models.heads import draft_vocab_tensors
 from selfspec.training.continuations import build_data, data_tag, data_tasks, generation_options
-from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,6 @@ def prepare(cfg) -> dict:
     """Every key of conf/job/draft_vocab.yaml checked and the prompt tasks read, without the model."""
     job, key = cfg.job, "job.{}".format
     checks.renamed("job", job, {"cost_repeats": TIMED_BY_PROFILE})
-    priced(cfg, "job=draft_vocab (each candidate's head cost)")
     sizes = checks.integers(key("sizes"), job.sizes, 1, distinct=True)
     opts = {
         "size": checks.optional(checks.integer, key("size"), job.size, 1,
@@ -190,8 +189,9 @@ def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) ->
     return _job_terms(shape, cfg.job, b)
 
 
-#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); docs/usage.md, "Memory per job and model size"
 MEMORY = MemoryModel(memory_terms, s=1.0, runtime=502267904.0,
                      fallbacks=((), ("job.gen_batch=2",)))
 
-JOB = Job(memory=MEMORY, kind="draft_vocab", tracker_job="draft-vocab", prepare=prepare, default_dir=default_dir, objective=objective)
+JOB = Job(memory=MEMORY, kind="draft_vocab", tracker_job="draft-vocab", prepare=prepare, default_dir=default_dir,
+          objective=objective, prices=lambda cfg: "job=draft_vocab (each candidate's head cost)")

@@ -44,6 +44,11 @@ def no_inputs(opts: dict) -> list[tuple[Path, str]]:
     return []
 
 
+def unpriced(cfg) -> str | None:
+    """A job that prices nothing with the run's cost profile."""
+    return None
+
+
 @dataclass(frozen=True)
 class Job:
     """One training job: only its own objective and data."""
@@ -66,6 +71,10 @@ class Job:
     #: ``job.*`` keys a rerun may change over a finished artefact because the job continues from it
     #: (the skip search: more ``iterations`` extend its trace); see :func:`check_finished`
     extendable: tuple[str, ...] = ()
+    #: ``prices(cfg) -> setting | None``: the job's setting that prices passes with the run's cost
+    #: profile (:attr:`Context.profile`), named when ``profile=null`` is refused, before the job's own
+    #: keys are checked (:func:`prepare`)
+    prices: Callable[[Any], str | None] = unpriced
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,8 @@ class Context:
     tracker: Any  # the tracker run (selfspec.tracking)
     progress: bool  # ``progress``: show tqdm bars
     scratch: Path  # an empty directory for files to place into the artefact (removed after the job)
+    #: ``profile`` as :func:`check_run` resolved it (None, ``auto`` or a profile file): once per run
+    profile_spec: str | None = None
 
     @property
     def seed(self) -> int:
@@ -89,10 +100,10 @@ class Context:
         """The run's cost profile (``profile``: this machine's for ``auto``, found or measured once,
         :func:`selfspec.evaluation.profiling.run_profile`): what a job that prices passes reads (the
         skip search's cost model, the PPD tree job's ``L_fp(n)``, the draft vocabulary's head costs).
-        A job that needs it refuses ``profile=null`` in its ``prepare``, before the model loads."""
+        A job that needs it (:attr:`Job.prices`) refuses ``profile=null`` before the model loads."""
         from selfspec.evaluation.profiling import run_profile
 
-        profile = run_profile(self.cfg, self.loaded.model)
+        profile = run_profile(self.profile_spec, self.loaded.model)
         if profile is None:
             raise ValueError(f"job={self.cfg.job.name} prices its passes with a cost profile: set profile=auto")
         return profile
@@ -123,9 +134,10 @@ def shows_progress(cfg) -> bool:
     return checks.flag("progress", cfg.progress)
 
 
-def check_run(cfg) -> None:
+def check_run(cfg) -> str | None:
     """The keys every job shares: conf/train.yaml's own (and no other top-level key), the model config
-    and the logger."""
+    and the logger; returns ``profile`` resolved (:func:`selfspec.evaluation.profiling.profile_spec`),
+    once per run."""
     from selfspec.config import check_primary_keys
     from selfspec.evaluation.profiling import profile_spec
     from selfspec.models.loading import check_model_config
@@ -133,28 +145,19 @@ def check_run(cfg) -> None:
 
     check_primary_keys(cfg, "train")
     checks.seed("seed", cfg.seed)
-    profile_spec(cfg)  # a profile that is not there stops every job, whether it prices passes or not
+    spec = profile_spec(cfg)  # a profile that is not there stops every job, whether it prices passes or not
     checks.optional(checks.text, "artefact_dir", cfg.artefact_dir,
                     why="null = outputs/artefacts/<kind>/<model>[-<task>]")
     check_model_config(cfg.model)
     checks.flag("memory_check", cfg.memory_check)
     check_logger(cfg.logger)
     shows_progress(cfg)
+    return spec
 
 
 def job_keys(job, keys: Iterable[str]) -> None:
     """Refuse keys of a job config that the job does not read (``keys``, and ``name``)."""
     checks.known_keys("job", job, [*keys, "name"], f"job {job.name} (conf/job/{job.name}.yaml)")
-
-
-def priced(cfg, what: str) -> None:
-    """Refuse ``profile=null`` for a job that prices its passes with the run's cost profile
-    (:attr:`Context.profile`), before the model loads; ``what`` names the job's setting."""
-    from selfspec.evaluation.profiling import profile_spec
-
-    if profile_spec(cfg) is None:
-        raise checks.refuse("profile", None, "auto, a profile file or a shipped profile's name",
-                            f"{what} prices its passes with this machine's cost profile")
 
 
 #: a timing key a job no longer reads, refused with what replaced it: the run's cost profile
@@ -172,10 +175,16 @@ def task_names(key: str, value: Any) -> list[str]:
             for i, n in enumerate(names)]
 
 
-def prepare(job: Job, cfg) -> dict:
-    """Check the shared keys and the job's config, and read its data, without loading the model."""
-    check_run(cfg)
-    return job.prepare(cfg)
+def prepare(job: Job, cfg) -> tuple[dict, str | None]:
+    """Check the shared keys and the job's config, and read its data, without loading the model;
+    returns the job's options and the run's ``profile`` resolved. ``profile=null`` is refused for a
+    job that prices its passes with it (:attr:`Job.prices`), naming the job's setting."""
+    spec = check_run(cfg)
+    what = job.prices(cfg)
+    if what is not None and spec is None:
+        raise checks.refuse("profile", None, "auto, a profile file or a shipped profile's name",
+                            f"{what} prices its passes with this machine's cost profile")
+    return job.prepare(cfg), spec
 
 
 def artefact_dir(job: Job, cfg, opts: dict) -> Path:
@@ -192,7 +201,7 @@ def run(job: Job, cfg, loaded=None) -> dict:
     from selfspec.store.locks import artefact_lock, hold
     from selfspec.tracking import hydra_output_dir, open_run_log, start_run
 
-    opts = prepare(job, cfg)  # config and data checked before anything is locked or loaded
+    opts, profile_spec = prepare(job, cfg)  # config and data checked before anything is locked or loaded
     if loaded is None:  # its estimated peak checked against the device's memory before the model loads
         check_fits(str(cfg.job.name), job.memory, cfg)
     out = artefact_dir(job, cfg, opts)
@@ -208,7 +217,7 @@ def run(job: Job, cfg, loaded=None) -> dict:
         for path, kind in job.inputs(opts):
             tracker.use_artifact(path, kind=kind)
         with tempfile.TemporaryDirectory(prefix="selfspec-job-") as scratch:
-            ctx = Context(cfg, opts, loaded, out, tracker, shows_progress(cfg), Path(scratch))
+            ctx = Context(cfg, opts, loaded, out, tracker, shows_progress(cfg), Path(scratch), profile_spec)
             result = job.objective(ctx)
             path = save(job, ctx, result)
         summary = {"artefact": str(path), **result.summary}

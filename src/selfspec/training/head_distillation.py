@@ -289,7 +289,7 @@ def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) ->
     return _job_terms(shape, cfg.job, b)
 
 
-#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); docs/usage.md, "Memory per job and model size"
 MEMORY = MemoryModel(memory_terms, s=0.606, runtime=550712115.2,
                      fallbacks=((), ("job.kl_chunk=16",), ("job.kl_chunk=16", "job.gen_batch=2", "job.max_prompt_tokens=512")))
 

@@ -35,8 +35,9 @@ from selfspec.config import checks
 from selfspec.decoding.tree import SparseTree, TREE_KIND, layout
 from selfspec.decoding.tree_builder import amortized_tokens, best_trees_for_size, trees_for_size
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
+from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.ledger import HeadOp, LayerOp
-from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,6 @@ def prepare(cfg) -> dict:
 
     job, key = cfg.job, "job.{}".format
     checks.renamed("job", job, {"latency_repeats": TIMED_BY_PROFILE})
-    priced(cfg, "job=ppd_tree (L_fp(n) of each tree size)")
     sizes = sorted(set(checks.listed(checks.integer, key("sizes"), job.sizes, 1, why="tokens per forward")))
     if not any(n > 1 for n in sizes):
         raise checks.refuse(key("sizes"), job.sizes, "must hold a size > 1 (size 1 is plain decoding)")
@@ -206,7 +206,7 @@ def size_curve(model, profile, p: torch.Tensor, m: int, n_ept: int, opts: dict, 
         trees = trees_for_size(p, n, m, n_ept, state_zero)
         r = amortized_tokens(trees, plist, m)
         lat = tree_latency(profile, model, trees, n_ept, context) if n > 1 else base
-        rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": (1 + r) * base / lat,
+        rows.append({"size": n, "tau": 1 + r, "latency_s": lat, "speedup": speedup(base, per_token(lat, 1 + r)),
                      "candidates": max(t.num_candidates for t in trees.values()),
                      "prompt_tokens": max(t.num_prompts for t in trees.values())})
         candidates[n] = trees
@@ -302,9 +302,9 @@ def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) ->
     return _job_terms(shape, cfg.job, b, _tree_prompts(cfg))
 
 
-#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); docs/usage.md, "Memory per job and model size"
 MEMORY = MemoryModel(memory_terms, s=1.0, runtime=486748979.2,
                      fallbacks=((),))
 
 JOB = Job(memory=MEMORY, kind=TREE_KIND, tracker_job="ppd-tree", prepare=prepare, default_dir=default_dir, objective=objective,
-          inputs=inputs)
+          inputs=inputs, prices=lambda cfg: "job=ppd_tree (L_fp(n) of each tree size)")

@@ -273,7 +273,7 @@ def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) ->
     return _job_terms(shape, cfg.job, b)
 
 
-#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); docs/usage.md, "Memory per job and model size"
 MEMORY = MemoryModel(memory_terms, s=0.805, runtime=502058188.8,
                      fallbacks=((), ("job.gradient_checkpointing=true",),
               ("job.gradient_checkpointing=true", "job.inserts=8", "job.context_length=256")))

@@ -41,13 +41,14 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
-from selfspec.decoding.draft_verify import DECODING_KEYS, DecodingOptions, DraftVerify, SkipSetDrafter, skip_set_tensors
+from selfspec.decoding.draft_verify import DecodingOptions, DraftVerify, SkipSetDrafter, skip_set_tensors
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
+from selfspec.measure.speedup import speedup
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.bars import bar
-from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, priced, task_names
+from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, task_names
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,6 @@ def prepare(cfg) -> dict:
     jc, key = cfg.job, "job.{}".format
     checks.renamed("job", jc, {"calibration_repeats": TIMED_BY_PROFILE})
     search = checks.choice(key("search"), jc.search, SEARCHES)
-    if search != "bo":  # the cost model's searches price candidates with the run's profile
-        priced(cfg, f"job.search={search}")
     tasks = checks.optional(task_names, key("tasks"), jc.tasks)
     n_prompts = checks.integer(key("n_prompts"), jc.n_prompts, max(1, len(tasks or ())),
                                why="dev prompts, split over job.tasks: at least one per task")
@@ -138,15 +137,16 @@ def dev_prompts(tasks, tokenizer) -> tuple[list[list[int]], list[str]]:
 
 
 # --- timing helpers -------------------------------------------------------------------------
-def decoding_options(jc) -> dict[str, Any]:
-    """``conf/method/draft_verify.yaml`` with ``job.decoding`` overrides, checked, as DraftVerify kwargs."""
-    from selfspec.config import conf_dir
+def decoding_options(jc) -> DecodingOptions:
+    """``conf/method/draft_verify.yaml`` as composed (its draft-stop rule's defaults with it) with
+    ``job.decoding`` overrides, checked once: the settings every candidate decodes with."""
+    from selfspec.config import load_method_config
 
-    base = OmegaConf.load(conf_dir() / "method" / "draft_verify.yaml")
+    keys = DecodingOptions.keys()
     overrides = jc.get("decoding") or {}
-    checks.known_keys("job.decoding", overrides, DECODING_KEYS, "the Draft & Verify decoding settings")
-    merged = OmegaConf.merge(base, overrides)
-    return DecodingOptions.read({k: merged[k] for k in DECODING_KEYS}, prefix="job.decoding").values()
+    checks.known_keys("job.decoding", overrides, keys, "the Draft & Verify decoding settings")
+    merged = OmegaConf.merge(OmegaConf.to_container(load_method_config("draft_verify")), overrides)
+    return DecodingOptions.read({k: merged[k] for k in keys}, prefix="job.decoding")
 
 
 def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
@@ -167,7 +167,7 @@ class TimedObjective:
 
     kind = "measured"
 
-    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, repeats: int = 1):
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: DecodingOptions, repeats: int = 1):
         self.model, self.prompts, self.n_new = model, prompts, n_new
         self.decoding, self.repeats = decoding, max(1, int(repeats))
         Vanilla(model).generate(prompts[0], min(8, n_new))  # warm-up
@@ -179,16 +179,16 @@ class TimedObjective:
         return statistics.median(s / t for s, t, _, _ in runs)
 
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
-        dec = DraftVerify(self.model, skip, **self.decoding)
+        dec = DraftVerify(self.model, skip, self.decoding)
         runs = []
         for _ in range(self.repeats):
-            dec.drafter.reset_gamma()
+            dec.drafter.reset_draft_stop()
             runs.append(_decode_time(dec, self.prompts, self.n_new))
         secs, toks, drafted, accepted = sorted(runs, key=lambda r: r[0] / r[1])[len(runs) // 2]
         spt = secs / toks
         return {
             "objective": spt,
-            "speedup": self.vanilla_spt / spt,
+            "speedup": speedup(self.vanilla_spt, spt),
             "acceptance_rate": accepted / drafted if drafted else None,
             "tau": (toks + 0.0) / max(1, toks - accepted) if toks else None,
         }
@@ -209,14 +209,14 @@ class CostModel:
     sublayers — query ``c_j`` attends to the full model's K/V of its prefix and to its own draft
     K/V — gives the draft's top-1 token and confidence at every position, i.e. exactly the
     first draft of every step. Decoding is then simulated with the real draft-exit rule
-    (:meth:`SkipSetDrafter.update_gamma`): drafts continue while confident, are accepted while
+    (its ``draft_stop``): drafts continue while confident, are accepted while
     they match ``c``. Approximations: drafts after the first in a step see exact rather than
     drafted K/V of their predecessors, and confidences after a mismatch are teacher-forced.
     """
 
     kind = "predicted"
 
-    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: dict, profile=None):
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: DecodingOptions, profile=None):
         if n_new < 3:
             raise ValueError("job.max_new_tokens must be >= 3 for the cost model (drafts need room)")
         if profile is None:
@@ -286,7 +286,7 @@ class CostModel:
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
         match, conf = self.draft_agreement(skip)
         match, conf = match.tolist(), conf.tolist()
-        sim = SkipSetDrafter(self.model, skip, **self.decoding)  # the drafter alone: its draft-stop rule
+        sim = SkipSetDrafter(self.model, skip, self.decoding)  # the drafter alone: its draft-stop rule
         c_draft = self.draft_cost(skip)
         T, per = self.n_new, self.n_new - 1
         cost, drafted_all, accepted_all, steps = 0.0, 0, 0, 0
@@ -303,17 +303,17 @@ class CostModel:
                     drafted += 1
                     ok = ok and m[q]
                     accepted += ok
-                    if cf[q] < sim.gamma:  # the draft-stop rule (0 when drafting always runs to K)
+                    if cf[q] < sim.threshold:  # the draft-stop rule (0 when drafting always runs to K)
                         break
                 cost += drafted * c_draft + self.verify_cost(drafted + 1)
                 if drafted:
-                    sim.update_gamma(accepted, drafted, hit_max=drafted == sim.max_draft)
+                    sim.draft_stop.update(drafted, accepted, hit_max=drafted == sim.max_draft)
                 drafted_all, accepted_all, steps = drafted_all + drafted, accepted_all + accepted, steps + 1
                 t += accepted + 1
         spt = cost / (len(self.targets) * per)
         return {
             "objective": spt,
-            "speedup": self.vanilla_spt / spt,
+            "speedup": speedup(self.vanilla_spt, spt),
             "acceptance_rate": accepted_all / drafted_all if drafted_all else None,
             "tau": len(self.targets) * per / steps,
             "agreement": sum(match) / len(match),
@@ -539,7 +539,7 @@ def search_settings(ctx, prompts: list[list[int]]) -> dict[str, Any]:
         "search": opts["search"], "model": loaded.name, "fingerprint": loaded.fingerprint,
         "weights": loaded.weights_digest, "tasks": task_label(ctx.cfg, opts),
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16],
-        "max_new_tokens": opts["max_new_tokens"], "decoding": opts["decoding"], "seed": ctx.seed,
+        "max_new_tokens": opts["max_new_tokens"], "decoding": opts["decoding"].config(), "seed": ctx.seed,
         "gp_alpha": opts["gp_alpha"], "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
         "warm_start": OmegaConf.to_container(jc.warm_start) if jc.warm_start else [],
         # the cost model's searches price candidates with the run's profile: another profile, another search
@@ -637,9 +637,16 @@ def memory_terms(shape: Shape, cfg, b: int, context: int, prompt: int | None) ->
     return _job_terms(shape, cfg.job, b)
 
 
-#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); README "Memory per job and model size"
+#: fitted by ``scripts/measure_memory.py --fit`` (docs/memory_measured.json); docs/usage.md, "Memory per job and model size"
 MEMORY = MemoryModel(memory_terms, s=1.0, runtime=588985139.2,
                      fallbacks=((), ("job.n_prompts=4", "job.max_prompt_tokens=256")))
 
+def prices(cfg) -> str | None:
+    """The cost model's searches price candidates with the run's profile; ``bo`` times them (an
+    unknown ``job.search`` is refused by :func:`prepare`)."""
+    search = cfg.job.get("search")
+    return f"job.search={search}" if search in SEARCHES and search != "bo" else None
+
+
 JOB = Job(memory=MEMORY, kind="skip_set", tracker_job="skips", prepare=prepare, default_dir=default_dir, objective=search,
-          extendable=("iterations",))  # a rerun with more iterations continues the search's trace
+          extendable=("iterations",), prices=prices)  # a rerun with more iterations continues the search's trace

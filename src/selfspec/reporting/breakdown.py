@@ -1,5 +1,6 @@
-"""The cost ledger of a method (issue 23): where a committed token's time goes, in vanilla steps,
-and whether the run that measured it was spoiled by other load on the machine.
+"""A method's cost breakdown, as the report shows it (issue 23): where a committed token's time goes,
+in vanilla steps, from the cost ledger a generation keeps (:mod:`selfspec.models.ledger`, which
+records it), and whether the run that measured it was spoiled by other load on the machine.
 
 A method's entry in an evaluation's ``summary.json`` carries (HF peers: None)::
 
