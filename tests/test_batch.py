@@ -107,7 +107,7 @@ def test_a_batch_refuses_a_model_whose_passes_take_static_shapes():
 def test_batched_rows_are_bit_identical_to_their_own_pass():
     """The primitive under every batch: ``run_batched`` over passes of 1 to 20 rows at several cache
     lengths, float32 past 32 rows in all (the linears in blocks), equals each pass run alone."""
-    from selfspec.models.batch import Rows
+    from selfspec.models.batch import Walk
 
     model = tiny_family("llama")
     g = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def test_batched_rows_are_bit_identical_to_their_own_pass():
             rope = model.rope(model.positions(past, rows), h)
             mask = model.causal_mask(rows, past)
             alone.append(model.walk(h, range(4), pair[0], rope, mask))
-            items.append(Rows(h, pair[1], rope, mask, None))
+            items.append(Walk(h, pair[1], rope, mask, None))
             caches.append(pair)
         together = model.run_batched(items, range(4), None)
     for a, b, (c1, c2) in zip(alone, together, caches):

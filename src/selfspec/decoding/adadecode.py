@@ -75,7 +75,7 @@ from selfspec.models.heads import KINDS as HEAD_KINDS
 from selfspec.models.heads import (DraftVocabOptions, IntermediateHeads, build_draft_vocab, default_layers, find_heads,
                                    load_heads)
 from selfspec.store.artefacts import artefact_option
-from selfspec.models.layered import Rope
+from selfspec.models.layered import Pass, Rope
 from selfspec.models.ledger import phase
 
 
@@ -254,7 +254,7 @@ class AdaDecode(Decoder):
                 h = torch.cat(joined[::-1] + [h], dim=1)
             n = h.shape[1]
             start = pos + 1 - n
-            h = m.forward(None, cache, start=start, layers=range(j, j + 1), h=h,
+            h = m.forward(h, cache, Pass(range(j, j + 1)), start=start,
                           rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base), ledger=state.ledger)
             if allow_exit and j in self.exit_layers:
                 if self._early(state, ss, j, h[:, -1]):

@@ -52,7 +52,7 @@ from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab, draft_logits
-from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.layered import LayeredModel, Pass, SkipSet
 from selfspec.store.artefacts import artefact_option
 
 #: ``last_token`` values: with one token of budget left, a plain step or one draft verified anyway
@@ -228,7 +228,7 @@ class SkipSetDrafter(Drafter):
         token, skip = state.pending, self.skips(state)
         for j in range(k_max):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=skip, ledger=state.ledger)
+            h = model.forward(ids, state.cache, Pass(skip=skip), start=state.n_cached + j, ledger=state.ledger)
             if not draft.add(self.draft_logits(h, state.ledger), state, self.threshold, eos):
                 break
             token = draft.tokens[-1]

@@ -71,7 +71,7 @@ from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, StopOption
 from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.decoding.sampling import select
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
-from selfspec.models.layered import LayeredModel
+from selfspec.models.layered import LayeredModel, Pass
 from selfspec.models.ledger import LinearOp, phase
 from selfspec.store.artefacts import artefact_option
 
@@ -275,7 +275,7 @@ class ExitDrafter(Drafter):
         m, hs = self.model, state.example.hs
         n = h.shape[1]
         keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
-        return m.forward(None, state.cache, start=start, layers=layers, h=h, keep=keep, ledger=state.ledger)
+        return m.forward(h, state.cache, Pass(layers), start=start, keep=keep, ledger=state.ledger)
 
     def _lower(self, state: DecodeState, tokens: list[int], i: int, exit_layer: int) -> torch.Tensor:
         """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V; ℓ = ``exit_layer``), its state kept

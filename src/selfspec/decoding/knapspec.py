@@ -16,7 +16,7 @@ keeps, per saved weight ``j``, the candidate hidden states of a *window* of rece
 summed cosine similarity to the full model's states at that block is highest (§3.2: a proxy for
 acceptance), pruning states whose mean similarity is below ``similarity_floor``. Each block runs
 all surviving candidates in one batched pass with a branch-parallel mask
-(:meth:`~selfspec.models.layered.LayeredModel.run_branches`). Each surviving end state gives a
+(:func:`~selfspec.decoding.branches.branch_pass`). Each surviving end state gives a
 skip set and its agreement α (its top-1 against the full model's over the window), and the set
 maximising tokens per time ``E[tokens](α, d) / cost(d)`` over draft lengths ``d < 18`` wins (§4;
 the draft length itself is not used: drafting stops at ``max_draft`` or the confidence stop).
@@ -48,7 +48,7 @@ target token and accept on equality (also lossless, accepting less often).
 The search is charged to the ledger's ``search`` component (:mod:`selfspec.models.ledger`): its
 batched block passes are recorded as walks, and the report shows what the online optimisation
 costs. The verification passes of the window's steps keep the full model's states (KnapSpec's
-after every sublayer, :meth:`~selfspec.models.layered.LayeredModel.block_states`; CLaSp's after every
+after every sublayer, :func:`~selfspec.decoding.branches.sublayer_states`; CLaSp's after every
 layer, the plain pass's ``keep``) and stay ``verify``.
 """
 
@@ -133,7 +133,7 @@ def clasp_search(model: LayeredModel, xs: list[torch.Tensor], cache, context: in
         if ell > 0:
             execute = torch.stack([g[i - 1][j] for j in range(1, ell + 1)])
             keep = torch.stack([g[i - 1][j] for j in range(ell)])
-            ran = model.run_branches(execute, i - 1, "layer", cache, context, ledger)
+            ran = branch_pass(model, execute, i - 1, "layer", cache, context, ledger)
             better = (cosine(ran, xs[i]) > cosine(keep, xs[i])).tolist()
             for j in range(1, ell + 1):
                 if better[j - 1]:
@@ -154,7 +154,7 @@ def clasp_search(model: LayeredModel, xs: list[torch.Tensor], cache, context: in
 def knapspec_search(model: LayeredModel, xs: list[torch.Tensor], cache, context: int,
                     weights: tuple[int, int], costs: tuple[float, float], floor: float, ledger=None) -> Chosen:
     """KnapSpec §3-4's programme (module docstring): ``xs`` the full model's states ``[T, d]``
-    after each sublayer (``2L + 1``, :meth:`~selfspec.models.layered.LayeredModel.block_states`),
+    after each sublayer (``2L + 1``, :func:`~selfspec.decoding.branches.sublayer_states`),
     their tokens at positions ``context…``; ``weights`` and ``costs`` the attention and MLP
     sublayers' (:func:`sublayer_weights`, seconds); ``floor`` the mean similarity below which a
     state is pruned. The surviving end states' skip sets, then the one with the most tokens per time."""
@@ -189,7 +189,7 @@ def _knapsack(model: LayeredModel, xs: list[torch.Tensor], cache, context: int, 
         if not prev:
             continue
         states = torch.stack([g[i - 1][j] for j in prev])
-        ran = model.run_branches(states, layer, "attn" if attention else "mlp", cache, context, ledger)
+        ran = branch_pass(model, states, layer, "attn" if attention else "mlp", cache, context, ledger)
         best: dict[int, float] = {}
         for (j, s), state in zip(zip(prev, cosine(ran, xs[i]).tolist()), ran):
             if s / t >= floor and s > best.get(j, -float("inf")):
@@ -303,7 +303,7 @@ class SearchedSkipDrafter(SkipSetDrafter):
 
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """The chain's verification pass; in a window step, one that keeps the full model's states:
-        KnapSpec's after every sublayer (:meth:`~selfspec.models.layered.LayeredModel.block_states`),
+        KnapSpec's after every sublayer (:func:`~selfspec.decoding.branches.sublayer_states`),
         CLaSp's after every layer (the plain pass keeping each layer's rows, which a capturing model
         runs static), the embedding first."""
         search = state.example
@@ -313,7 +313,7 @@ class SearchedSkipDrafter(SkipSetDrafter):
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
         if self.selection == "knapspec":
-            search.verified = model.block_states(ids, state.cache, state.n_cached, state.ledger,
+            search.verified = sublayer_states(model, ids, state.cache, state.n_cached, state.ledger,
                                                  rows=self.max_draft + 1)
             return model.logits(search.verified[-1].unsqueeze(0), state.ledger)[0]
         keep = {i: torch.empty(ids.shape[1], model.hidden_size, dtype=model.dtype, device=model.device)

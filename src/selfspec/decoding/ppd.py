@@ -58,6 +58,7 @@ from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
                                     paper_states)
 from selfspec.models.ledger import phase
+from selfspec.models.passes import Pass, Rows
 from selfspec.models.prompts import PromptTokens
 from selfspec.store.artefacts import artefact_option
 
@@ -195,8 +196,8 @@ class PPD(Decoder):
         if self.trees[k].nodes:
             lay = layout(SparseTree((), (k,)), self.prompts.n_ept, m.device)
             # the prompt tokens hang off the prompt's last token (cached at n - 1): a tree without its root
-            extra = m.forward(None, state.cache, start=n, tree=(lay.offsets[1:] - 1, lay.mask[1:, 1:]),
-                              h=self.prompts.chain().unsqueeze(0), ledger=state.ledger)
+            extra = m.forward(self.prompts.chain().unsqueeze(0), state.cache,
+                              Pass(rows=Rows.tree(lay.offsets[1:] - 1, lay.mask[1:, 1:])), start=n, ledger=state.ledger)
             state.cache.truncate(n)
             self._next_candidates(ex, extra[0], lay.prompt_rows[0] - 1, state.ledger)
         else:
@@ -243,7 +244,8 @@ class PPD(Decoder):
             if lay.size > lay.n_nodes:
                 h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
         with phase(state.ledger, "verify"):  # one pass verifies the candidates and runs the prompt tokens
-            h = m.forward(None, state.cache, start=n_cached, tree=(lay.offsets, lay.mask), h=h, ledger=state.ledger)[0]
+            h = m.forward(h, state.cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)), start=n_cached,
+                          ledger=state.ledger)[0]
             node_logits = m.logits(h[: lay.n_nodes], state.ledger)
             best, bonus = self._verify(lay, tokens, node_logits, state)
         path = lay.path_rows[best]

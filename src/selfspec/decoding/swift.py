@@ -55,8 +55,7 @@ from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_opti
 from selfspec.decoding.part_options import Gated
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
-from selfspec.models.cache import Appended
-from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
 from selfspec.models.ledger import phase
 
 log = logging.getLogger(__name__)
@@ -236,22 +235,13 @@ class Swift(Decoder):
     def matchness(self, state: DecodeState, generated: list[int], skip: SkipSet) -> float:
         """The share of the first ``context_window`` generated tokens after the first that the draft
         model with ``skip`` predicts, teacher-forced, reading the prompt's cache only: on a capturing
-        model a static-shape scratch pass (its K/V past the cache's positions,
-        :meth:`selfspec.models.capture.StepRunner.run`'s ``base``), else the eager pass."""
+        model a static-shape scratch pass (:meth:`~selfspec.models.passes.Rows.scratch`: its K/V past
+        the cache's positions, its lengths kept), else the eager pass."""
         model, start = self.model, state.prompt_len
         ids = torch.tensor([generated[: self.options.context_window + 1]], device=model.device)
-        n = ids.shape[1]
-        layers = range(model.num_layers)
-        h = model.embed(ids)
-        out = None
-        if model.steps is not None:
-            rows = torch.arange(n, device=model.device)
-            out = model.static_scratch(h, state.cache, start, layers, skip,
-                                       (rows, rows.unsqueeze(1) >= rows.unsqueeze(0)), state.ledger)
-        if out is None:  # eager (on a capturing model: no room, or wider than a bucket)
-            out = model.run_layers(h, layers, Appended(state.cache, start), model.rope(model.positions(start, n), h),
-                                   model.causal_mask(n, start), skip, eager=model.steps is not None,
-                                   ledger=state.ledger)
+        rows = torch.arange(ids.shape[1], device=model.device)
+        causal = Rows.scratch(start, rows, rows.unsqueeze(1) >= rows.unsqueeze(0))
+        out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal), ledger=state.ledger)
         predicted = model.head(model.final_norm(out), ledger=state.ledger)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
@@ -298,7 +288,7 @@ class Swift(Decoder):
         width = min(TOPK, model.vocab_size)
         for j in range(min(self.max_draft, max(budget, 1))):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, start=state.n_cached + j, skip=skip, ledger=ledger)
+            h = model.forward(ids, state.cache, Pass(skip=skip), start=state.n_cached + j, ledger=ledger)
             logits = model.logits(h[:, -1], ledger)[0]
             if greedy:
                 top = logits.topk(width).indices
@@ -337,8 +327,8 @@ class Swift(Decoder):
             tokens = torch.cat([state.pending_ids(model.device)[0], candidate_tokens(lay, table)])
         with phase(ledger, "verify"):
             state.cache.truncate(n_cached)  # the drafts' scratch K/V
-            h = model.forward(None, state.cache, start=n_cached, tree=(lay.offsets, lay.mask),
-                              h=model.embed(tokens.unsqueeze(0)), ledger=ledger)[0]
+            h = model.forward(tokens.unsqueeze(0), state.cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)),
+                              start=n_cached, ledger=ledger)[0]
             best, bonus = self.verify(lay, tokens, model.logits(h, ledger), qs, state)
         path = lay.path_rows[best]
         state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])

@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
+from selfspec.models.passes import CHAIN
 
 __all__ = ["CostCurve", "context_cache", "measure_bandwidth", "measure_curve", "synchronizer", "time_call",
            "time_forward", "weight_bytes"]
@@ -65,6 +66,7 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
     n = int(h.shape[1]) if h is not None else int(n)
     rows = n if logits_rows is None else int(logits_rows)
     ids = None if h is not None else torch.zeros(1, n, dtype=torch.long, device=model.device)
+    p = Pass(layers, skip, Rows.tree(*tree) if tree is not None else CHAIN)
     sync = synchronizer(model.device)
     times = []
     with torch.inference_mode():
@@ -72,7 +74,7 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
             cache.truncate(context)
             sync()
             t0 = time.perf_counter()
-            out = model.forward(ids, cache, start=context, skip=skip, layers=layers, h=h, tree=tree)
+            out = model.forward(ids if h is None else h, cache, p, start=context)
             if rows:
                 (head or model.logits)(out[:, :rows]).argmax(-1).tolist()
             else:

@@ -44,7 +44,7 @@ import torch
 
 from selfspec.models import kernels
 
-__all__ = ["Batch", "BatchUnavailable", "Rows"]
+__all__ = ["Batch", "BatchUnavailable", "Walk"]
 
 
 class BatchUnavailable(ValueError):
@@ -52,7 +52,7 @@ class BatchUnavailable(ValueError):
 
 
 @dataclass
-class Rows:
+class Walk:
     """One pass's rows in a batched walk: its hidden states ``[1, n, d]``, where its K/V go, its rotary
     tables, mask and kept states (:meth:`~selfspec.models.layered.LayeredModel.run_layers`' arguments)."""
 
@@ -65,12 +65,12 @@ class Rows:
 
 @dataclass
 class _Parked:
-    """A call a generation made and waits on: a layer walk (``rows``) or a head product (``x``), and the
+    """A call a generation made and waits on: a layer walk (``walk``) or a head product (``x``), and the
     ledger component its generation charges it to."""
 
     key: tuple
     component: str
-    rows: Rows | None = None
+    walk: Walk | None = None
     layers: Any = None
     skip: Any = None
     x: torch.Tensor | None = None
@@ -115,7 +115,7 @@ class Batch:
         if not self._parks():
             return model.walk(h, layers, kv, rope, mask, skip, keep)
         key = ("layers", tuple(layers), skip)
-        return self._main.switch(_Parked(key, component, Rows(h, kv, rope, mask, keep), layers, skip))
+        return self._main.switch(_Parked(key, component, Walk(h, kv, rope, mask, keep), layers, skip))
 
     def head(self, model, x, weight, component: str = "host") -> torch.Tensor:
         """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head`), parked likewise."""
@@ -186,8 +186,8 @@ class Batch:
         outs: dict[int, torch.Tensor] = {}
         if len(together) > 1:
             if kind == "layers":
-                states = model.run_batched([c.rows for c in together], together[0].layers, together[0].skip)
-                self.rows.append(sum(c.rows.h.shape[1] for c in together))
+                states = model.run_batched([c.walk for c in together], together[0].layers, together[0].skip)
+                self.rows.append(sum(c.walk.h.shape[1] for c in together))
             else:
                 flat = [c.x.reshape(1, -1, c.x.shape[-1]) for c in together]
                 out = model.linear(torch.cat(flat, dim=1), together[0].weight, rows_apart=True)
@@ -200,7 +200,7 @@ class Batch:
             if id(c) not in outs:
                 self.passes[1] += 1
                 self._record(kind, [c])
-                outs[id(c)] = (model.walk(c.rows.h, c.layers, c.rows.kv, c.rows.rope, c.rows.mask, c.skip, c.rows.keep)
+                outs[id(c)] = (model.walk(c.walk.h, c.layers, c.walk.kv, c.walk.rope, c.walk.mask, c.skip, c.walk.keep)
                                if kind == "layers" else model.linear(c.x, c.weight))
         return [outs[id(c)] for c in calls]
 
@@ -219,8 +219,8 @@ class Batch:
             return
         attention = sum(skip is None or i not in skip.attn for i in layers)
         mlp = sum(skip is None or i not in skip.mlp for i in layers)
-        sizes = [c.rows.h.shape[1] for c in calls]
-        contexts = [c.rows.kv.length(layers[0]) if hasattr(c.rows.kv, "length") else 0 for c in calls]
+        sizes = [c.walk.h.shape[1] for c in calls]
+        contexts = [c.walk.kv.length(layers[0]) if hasattr(c.walk.kv, "length") else 0 for c in calls]
         context = round(sum(n * t for n, t in zip(sizes, contexts)) / sum(sizes))
         self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context))
 
@@ -229,7 +229,7 @@ class Batch:
         runtime's skinny kernel (row-independent), no gradient, and in float32 at most
         :data:`~selfspec.models.kernels.MAX_ROWS` rows (more take torch's GEMM alone)."""
         model = self.model
-        x = call.rows.h if call.rows is not None else call.x
+        x = call.walk.h if call.walk is not None else call.x
         if model.linear_kernel != "skinny" or torch.is_grad_enabled() or x.dtype != model.dtype:
             return False
         rows = x.numel() // x.shape[-1]

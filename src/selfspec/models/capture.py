@@ -21,7 +21,9 @@ Model config key ``capture`` (:data:`MODES`):
 ``static``  the same static-shape pass run eagerly: what ``graphs`` captures, testable on a CPU
 ``off``     the dynamic eager pass (slices of the cache, a mask only where needed)
 
-Three kinds of pass go through here, keyed by (layer range, skip set, bucket, input kind):
+The passes that go through here are :class:`~selfspec.models.passes.Pass` records, keyed by
+:meth:`~selfspec.models.passes.Pass.key` (layer range, skip set, where the rows sit, states kept),
+the bucket and the input kind:
 
 * **chains**: k new tokens after the cache, causal (a decoding step, a verification pass, a draft
   pass of Draft & Verify's skip set);
@@ -34,7 +36,7 @@ Three kinds of pass go through here, keyed by (layer range, skip set, bucket, in
 * **scratch passes** (the layer-skip searches: CLaSp's and KnapSpec's branch passes, SWIFT's
   matchness): a tree whose rows sit after the cache's first ``base`` positions and see only those,
   with their K/V written past the cache's positions and its lengths left as they were, one layer
-  at a time (:meth:`~selfspec.models.layered.LayeredModel.static_scratch`: a search's new skip set
+  at a time (:meth:`~selfspec.models.layered.LayeredModel._scratch`: a search's new skip set
   replays the graphs of the layer parts it shares with the sets before). A pass whose attention
   sublayers are all skipped (KnapSpec's MLP block states) touches no cache.
 
@@ -55,7 +57,6 @@ already.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -215,12 +216,11 @@ class _Pass:
         return out
 
 
-def _kind(model: Any, layers, tree, kept, scratch: bool = False) -> str:
+def _kind(model: Any, layers, rows_kind: str, kept) -> str:
     """A pass's kind: chain, tree or scratch (rows written past the cache's positions: the searches'
     passes), ``+keep`` (states kept), ``/partial`` (a layer range short of the model)."""
     partial = not isinstance(layers, range) or len(layers) != model.num_layers
-    kind = "scratch" if scratch else "tree" if tree is not None else "chain"
-    return kind + ("+keep" if kept else "") + ("/partial" if partial else "")
+    return rows_kind + ("+keep" if kept else "") + ("/partial" if partial else "")
 
 
 class StepRunner:
@@ -256,8 +256,6 @@ class StepRunner:
         #: routed and missed passes by the same kinds, with their widths: ``"tree 117"``, ``"tree 257"``
         self.routed_rows: Counter[str] = Counter()
         self.missed_kinds: Counter[str] = Counter()
-        #: the fewest rows a pass's bucket holds (:meth:`padded`)
-        self.at_least = 1
         #: the last pass's bucket rows and the cache slots its attention spanned (the whole buffer):
         #: what it cost, which the ledger records beside the rows asked for
         self.last: tuple[int, int] | None = None
@@ -265,37 +263,32 @@ class StepRunner:
         #: :meth:`~selfspec.models.layered.LayeredModel.reserve`); each one asked for again is built again
         self.forgotten = 0
 
-    @contextlib.contextmanager
-    def padded(self, rows: int):
-        """Inside, every pass runs at a bucket of at least ``rows`` rows: passes of varying widths
-        that a caller repeats (KnapSpec's block states, 2L one-layer passes of a verification of 1 to
-        ``max_draft + 1`` rows) then take one graph each instead of one per bucket. A GPU's pass of
-        few rows costs about the same in a larger bucket (it reads the weights either way)."""
-        before, self.at_least = self.at_least, int(rows)
-        try:
-            yield
-        finally:
-            self.at_least = before
+    def run(self, model: Any, p, x: torch.Tensor, cache: LayerCache, start: int, keep: dict | None = None):
+        """The hidden states ``[1, n, d]`` of ``model``'s pass ``p`` (a
+        :class:`~selfspec.models.passes.Pass` of a :class:`~selfspec.models.layered.LayeredModel`) over
+        ``x`` (token ids or hidden states), or None when it must take the dynamic path.
 
-    def run(self, model: Any, ids, h, cache: LayerCache, start: int, layers: range, skip, tree=None,
-            keep: dict | None = None, base: int | None = None):
-        """The hidden states ``[1, n, d]`` of ``model``'s pass (a
-        :class:`~selfspec.models.layered.LayeredModel`), or None when it must take the dynamic path.
-
-        ``tree``: ``(offsets [n], allowed [n, n])``, the rows' positions after ``start`` and which
-        rows each may see (PPD's tree); ``keep``: ``{layer: out}`` as
-        :meth:`~selfspec.models.layered.LayeredModel.run_layers` takes it. ``base`` (with a
-        ``tree``): a scratch pass, the layer-skip searches' (module docstring): the rows sit after the cache's
-        first ``base`` positions and see only those and the rows ``allowed`` marks; their K/V are
-        written at ``start`` on (the cache's length: scratch past its positions), and the cache's
-        lengths stay as they were."""
-        scratch = base is not None
-        if cache is None or not torch.is_inference_mode_enabled() or not len(layers):
+        A chain's or a tree's rows sit after ``start`` (the tree's offsets and ancestor mask are
+        inputs of the pass, PPD's tree); ``keep``: ``{layer: out}`` as
+        :meth:`~selfspec.models.layered.LayeredModel.run_layers` takes it. A scratch pass (the
+        layer-skip searches', module docstring): the rows sit after the cache's first ``context``
+        positions and see only those and the rows ``allowed`` marks; their K/V are written at
+        ``start`` on (the cache's length: scratch past its positions), and the cache's lengths stay as
+        they were. The pass runs at the smallest bucket of at least its rows and ``p.at_least``: passes
+        of varying widths that a caller repeats (KnapSpec's sublayer states, 2L one-layer passes of a
+        verification of 1 to ``max_draft + 1`` rows) then take one graph each instead of one per bucket
+        (a GPU's pass of few rows costs about the same in a larger bucket: it reads the weights either
+        way)."""
+        rows = p.rows
+        scratch, tree = rows.kind == "scratch", (rows.offsets, rows.allowed) if rows.kind != "chain" else None
+        layers, skip = p.layer_range(model.num_layers), p.skip
+        if cache is None or not torch.is_inference_mode_enabled() or not len(layers) or rows.kind == "packed":
             return None
-        n = (ids if h is None else h).shape[1]
-        size = bucket(max(n, self.at_least))
+        from_ids = not x.is_floating_point()
+        n = x.shape[1]
+        size = bucket(max(n, p.at_least))
         kept = tuple(sorted(keep)) if keep else ()
-        # a pass whose attention sublayers are all skipped (an MLP walk: KnapSpec's block states, the
+        # a pass whose attention sublayers are all skipped (an MLP walk: KnapSpec's sublayer states, the
         # searches' MLP branches) neither reads nor writes the cache, whatever its lengths
         attends = (skip is None or any(i not in skip.attn for i in layers)) and not scratch
         if (size is None or not isinstance(layers, range) or layers.step != 1 or start + size > cache.max_length
@@ -303,31 +296,33 @@ class StepRunner:
                 or (scratch and any(cache.lengths[i] > start for i in layers))):
             if start > 0:  # a decoding pass; a prefill (start 0: an empty cache) longer than a bucket is expected
                 self.missed += 1
-                self.missed_kinds[f"{_kind(model, layers, tree, kept, scratch)} {n}"] += 1
+                self.missed_kinds[f"{_kind(model, layers, rows.kind, kept)} {n}"] += 1
             return None
         owner = id(cache) if self.mode == "graphs" else cache.max_length
-        key = (id(model), owner, layers.start, layers.stop, skip, size, h is None, tree is not None, kept, scratch)
-        p = self._passes.get(key)
-        if p is None or (p.cache is not None and p.cache is not cache):
-            p = _Pass(model, cache.max_length, layers, skip, size, from_ids=h is None, tree=tree is not None,
-                      keep=kept)
-            p.load(ids, h, start, n, tree, base)
+        key = (id(model), owner, *p.key(model.num_layers, kept), size, from_ids)
+        static = self._passes.get(key)
+        base = rows.context if scratch else None
+        ids, h = (x, None) if from_ids else (None, x)
+        if static is None or (static.cache is not None and static.cache is not cache):
+            static = _Pass(model, cache.max_length, layers, skip, size, from_ids=from_ids, tree=tree is not None,
+                           keep=kept)
+            static.load(ids, h, start, n, tree, base)
             if self.mode == "graphs":
-                p.capture(cache, self._pool)
+                static.capture(cache, self._pool)
                 self.captured += 1
-            self._passes[key] = p
+            self._passes[key] = static
             self.built += 1
             while len(self._passes) > MAX_GRAPHS:
                 self._drop(self._passes.popitem(last=False)[1])
         else:
-            p.load(ids, h, start, n, tree, base)
+            static.load(ids, h, start, n, tree, base)
         self._passes.move_to_end(key)
-        out = p(cache, n, keep)
+        out = static(cache, n, keep)
         self.last = (size, cache.max_length)
         for i in layers if attends else ():
             cache.lengths[i] = start + n
         self.routed += 1
-        kind = _kind(model, layers, tree, kept, scratch)
+        kind = _kind(model, layers, rows.kind, kept)
         self.kinds[kind] += 1
         self.routed_rows[f"{kind} {n}"] += 1
         return out

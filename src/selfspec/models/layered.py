@@ -36,35 +36,18 @@ linear, the fused norm and rotary, row-wise attention); nothing in the library i
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from selfspec.models import kernels
 from selfspec.models.cache import Appended, LayerCache
-from selfspec.models.capture import BUCKETS
 from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
+from selfspec.models.passes import PASS, Pass, Rows, SkipSet
 
-__all__ = ["KV", "LayeredModel", "Rope", "SkipSet", "UnsupportedModelError", "fuse_rows"]
-
-
-@dataclass(frozen=True)
-class SkipSet:
-    """Sublayers to skip while drafting (Draft & Verify §3.1): attention and MLP layer indices."""
-
-    attn: frozenset[int] = frozenset()
-    mlp: frozenset[int] = frozenset()
-
-    @classmethod
-    def of(cls, attn=(), mlp=()) -> "SkipSet":
-        return cls(frozenset(int(i) for i in attn), frozenset(int(i) for i in mlp))
-
-    def __len__(self) -> int:
-        return len(self.attn) + len(self.mlp)
+__all__ = ["KV", "LayeredModel", "Pass", "Rope", "Rows", "SkipSet", "UnsupportedModelError", "fuse_rows"]
 
 
 class KV(Protocol):
@@ -553,7 +536,7 @@ class LayeredModel:
         return h
 
     def run_batched(self, passes: list, layers, skip: SkipSet | None) -> list[torch.Tensor]:
-        """:meth:`walk` over several passes at once, each a :class:`~selfspec.models.batch.Rows` (its
+        """:meth:`walk` over several passes at once, each a :class:`~selfspec.models.batch.Walk` (its
         hidden states, K/V, rotary tables, mask and kept states), through the same ``layers`` with the
         same ``skip``: the norms and linears take every pass's rows in one product, each row's
         arithmetic its own pass's (``rows_apart``: float32 blocks of at most
@@ -579,113 +562,6 @@ class LayeredModel:
                     out.copy_(h[0, b - out.shape[0]:b])
         return [h[:, a:b] for a, b in bounds]
 
-    def block_states(self, ids: torch.Tensor, cache: LayerCache, start: int, ledger: Ledger | None = None,
-                     rows: int | None = None) -> list[torch.Tensor]:
-        """A full pass of ``ids`` ``[1, n]`` after ``start`` cached positions, writing the cache as
-        :meth:`forward` does, that keeps the state of every row after every sublayer: ``2L + 1``
-        states ``[n, d]``, the embedding first, then after layer ``i``'s attention (``2i + 1``) and
-        after its MLP (``2i + 2``); the last is the input of the final norm. The skip searches of
-        CLaSp and KnapSpec compare their candidates with these (:mod:`selfspec.decoding.knapspec`).
-        Each sublayer is a pass of its own (:meth:`forward` over one layer with the other sublayer
-        left out), so the operators and their order are a plain pass's, and a capturing model runs
-        each as a static-shape (captured) pass: the attention one writes the layer's K/V, the MLP one
-        touches no cache (:meth:`selfspec.models.capture.StepRunner.run`). ``rows``: the widest
-        such pass the caller makes (KnapSpec: ``max_draft + 1``); a capturing model runs every one
-        in that width's bucket (:meth:`~selfspec.models.capture.StepRunner.padded`), so each
-        sublayer takes one graph whatever the draft's length."""
-        h = self.embed(ids)
-        n = h.shape[1]
-        rope = self.rope(self.positions(start, n), h)
-        mask = self.causal_mask(n, start) if self.steps is None else None  # built once where no runner takes the passes
-        states = [h[0]]
-        with self.steps.padded(rows or 1) if self.steps is not None else contextlib.nullcontext():
-            for i in range(self.num_layers):
-                for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
-                    h = self.forward(None, cache, start=start, mask=mask, layers=range(i, i + 1), h=h, skip=skip,
-                                     rope=rope, ledger=ledger)
-                    states.append(h[0])
-        return states
-
-    def static_scratch(self, h: torch.Tensor, cache: LayerCache, context: int, layers: range, skip: SkipSet | None,
-                       tree: tuple[torch.Tensor, torch.Tensor], ledger: Ledger | None = None) -> torch.Tensor | None:
-        """A scratch pass (the layer-skip searches') on the static runner: the rows of ``h``
-        ``[1, n, d]`` after the cache's first ``context`` positions, seeing those and the rows ``tree``'s
-        ``allowed`` marks, written past the cache's positions with its lengths kept
-        (:meth:`selfspec.models.capture.StepRunner.run`'s ``base``); recorded in ``ledger`` as a walk
-        at ``context``. None where there is no runner or the pass is not a static one (wider than a
-        bucket, no room): the caller runs it eagerly.
-
-        The pass runs **one layer at a time**, each layer with its own part of ``skip``, so its
-        static passes are keyed by (layer, sublayers skipped, bucket) and not by the whole skip set.
-        A search scores a new skip set on almost every pass (SWIFT's matchness: up to 1,000 random
-        candidates), and a pass keyed by the whole set would capture a graph for one replay (two
-        warm-up runs and the recording, dearer than running it eagerly) and push the decoding
-        passes' graphs out of the LRU; by layer, every candidate replays the same ``3L`` graphs
-        or fewer per bucket. The operators and their order are the whole pass's."""
-        if self.steps is None:
-            return None
-        start = max(cache.length(i) for i in layers)
-        out, ran = h, False
-        for i in layers:
-            attn, mlp = skip is not None and i in skip.attn, skip is not None and i in skip.mlp
-            if attn and mlp:
-                continue  # the layer left out whole
-            part = SkipSet.of([i] if attn else (), [i] if mlp else ()) if attn or mlp else None
-            x = self.steps.run(self, None, out, cache, start, range(i, i + 1), part, tree=tree, base=context)
-            if x is None:
-                if ran:  # the runner's conditions are the same for every layer of the pass
-                    raise RuntimeError(f"static_scratch: layer {i} of {layers} took the dynamic path after the layers "
-                                       "before it took the static one")
-                return None
-            out, ran = x, True
-        if ledger is not None:
-            _record_walk(ledger, out.shape[1], layers, skip, context, ran=self.steps.last)
-        return out
-
-    def run_branches(self, x: torch.Tensor, layer: int, block: str, cache: LayerCache, context: int,
-                     ledger: Ledger | None = None) -> torch.Tensor:
-        """One ``block`` (``attn``, ``mlp`` or ``layer``: both) of decoder layer ``layer`` over ``B``
-        candidate states of the same ``T`` tokens at once, ``x`` ``[B, T, d]``: the batched pass of the
-        layer-skip searches (CLaSp §3.3's "sequence parallel" evaluation, KnapSpec's
-        branch-parallel one). The branches are laid out as one sequence of ``B·T`` rows; branch
-        ``b``'s row ``t`` sits at position ``context + t``, attends to the cache's first ``context``
-        positions and to rows ``0..t`` of its own branch (the branch-parallel mask), and nothing is
-        written to the cache (:class:`~selfspec.models.cache.Appended`). Returns ``[B, T, d]``.
-
-        A capturing model runs the branches in groups of at most the largest bucket's rows
-        (:func:`branch_groups`), each a static-shape (captured) scratch pass: its K/V go past the
-        cache's positions and its lengths stay (:meth:`selfspec.models.capture.StepRunner.run`'s
-        ``base``); the branches see nothing of each other, so a group's rows are the whole pass's.
-        Only a branch wider than a bucket runs eagerly (recorded so). Elsewhere the ``B·T`` rows are
-        one eager pass, recorded in ``ledger`` as the groups' walks that a capturing model runs (a
-        projection onto a GPU profile prices what the GPU would run)."""
-        b, t, d = x.shape
-        attn, mlp = block in ("attn", "layer"), block in ("mlp", "layer")
-        if block not in ("attn", "mlp", "layer"):
-            raise ValueError(f"run_branches: block must be attn, mlp or layer, got {block!r}")
-        groups = branch_groups(b, t)
-        if self.steps is not None and len(groups) > 1:
-            return torch.cat([self.run_branches(x[i:i + n], layer, block, cache, context, ledger) for i, n in groups])
-        h = x.reshape(1, b * t, d)
-        dev = self.device
-        offsets = torch.arange(t, device=dev).repeat(b)
-        branch = torch.arange(b, device=dev).repeat_interleave(t)
-        own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.unsqueeze(1) >= offsets.unsqueeze(0))
-        skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
-        out = self.static_scratch(h, cache, context, range(layer, layer + 1), skip, (offsets, own), ledger)
-        if out is not None:
-            return out.view(b, t, d)
-        if ledger is not None:  # eager on a capturing model (a branch wider than a bucket, or no room)
-            for _, n in groups:  # on one, a single group here: the groups' walks where no runner takes them
-                ledger.layers(n * t, int(attn), int(mlp), int(context), eager=self.steps is not None)
-        if attn:
-            rope = self.rope((context + offsets).unsqueeze(0), h)
-            past = torch.ones(b * t, context, dtype=torch.bool, device=dev)
-            h = self.attention(layer, h, rope, Appended(cache, context), self.prepare_mask(torch.cat([past, own], 1)))
-        if mlp:
-            h = self.mlp(layer, h)
-        return h.view(b, t, d)
-
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(self.family.norm, h)
 
@@ -704,56 +580,47 @@ class LayeredModel:
         return self.head(self.final_norm(h), ledger=ledger).float()
 
     # --- whole passes ----------------------------------------------------------------------
-    def forward(
-        self,
-        ids: torch.Tensor,
-        cache: LayerCache | None,
-        start: int | None = None,
-        mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        skip: SkipSet | None = None,
-        layers: range | None = None,
-        h: torch.Tensor | None = None,
-        keep: dict[int, torch.Tensor] | None = None,
-        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
-        rope: Rope | None = None,
-        checkpoint: bool = False,
-        ledger: Ledger | None = None,
-    ) -> torch.Tensor:
-        """Run ``layers`` (default all) over ``ids`` (or given hidden states ``h``): every pass of a
-        decoder goes through here.
+    def forward(self, x: torch.Tensor, cache: LayerCache | None, p: Pass = PASS, *, start: int | None = None,
+                keep: dict[int, torch.Tensor] | None = None, rope: Rope | None = None, checkpoint: bool = False,
+                ledger: Ledger | None = None) -> torch.Tensor:
+        """Run the pass ``p`` (:class:`~selfspec.models.passes.Pass`: its layers, skipped sublayers and
+        where its rows sit) over ``x``, token ids ``[1, n]`` or hidden states ``[1, n, d]``: every pass of
+        a decoder goes through here. Returns the states after the last layer run ``[1, n, d]`` (before
+        the final norm).
 
-        Positions default to ``start + arange(n)`` where ``start`` defaults to the cache length
-        of the first layer run; the mask defaults to causal after that many cached positions.
-        ``tree`` ``(offsets [n], allowed [n, n])`` makes the rows a tree after the cache (PPD):
-        positions ``start + offsets``, each row seeing the whole cache and the rows ``allowed``
-        marks. ``keep`` as :meth:`run_layers`. ``rope``: the rotary tables of the pass's
-        positions, when the caller already has them. An explicit ``mask`` or ``positions`` (the
-        skip search's packed sequences, prompt training) takes the dynamic path. ``checkpoint``
-        (training): each layer is run again in backward instead of keeping its activations
-        (gradient checkpointing), and the pass reads the cache without writing to it. Returns the last
-        hidden states ``[1, n, d]`` (before the final norm). Under ``capture=static|graphs`` a pass
-        of at most 256 rows runs as a static-shape (captured) pass (:mod:`selfspec.models.capture`).
-        ``ledger``: the generation's cost ledger (:mod:`selfspec.models.ledger`), which records the
-        pass's walk; None records nothing.
-        """
-        layers = range(self.num_layers) if layers is None else layers
+        ``start``: the cached positions before the rows (default: the first layer's cache length); a
+        chain's rows sit at ``start + arange(n)``, causal, a tree's at ``start + offsets`` under its
+        ancestor mask, a scratch pass's after its ``context`` (:meth:`_scratch`), packed rows where
+        their positions say, under their mask. ``keep`` ``{layer: out}``: as :meth:`run_layers`.
+        ``rope``: the rotary tables of the pass's positions, when the caller already has them.
+        ``checkpoint`` (training): each layer is run again in backward instead of keeping its
+        activations (gradient checkpointing), and the pass reads the cache without writing to it.
+        Under ``capture=static|graphs`` a pass of at most 256 rows (packed rows excepted) runs as a
+        static-shape (captured) pass (:mod:`selfspec.models.capture`). ``ledger``: the generation's
+        cost ledger (:mod:`selfspec.models.ledger`), which records the pass's walk; None records
+        nothing."""
+        layers, rows = p.layer_range(self.num_layers), p.rows
+        if rows.kind == "scratch":
+            if keep or checkpoint:
+                raise ValueError("forward: a scratch pass keeps no states and trains nothing (keep, checkpoint)")
+            return self._scratch(p, x, cache, layers, ledger)
         if start is None:
             start = cache.length(layers[0]) if cache is not None and len(layers) else 0
-        if self.steps is not None and mask is None and positions is None:
-            out = self.steps.run(self, ids, h, cache, start, layers, skip, tree, keep)
+        if self.steps is not None and rows.kind != "packed":
+            out = self.steps.run(self, p, x, cache, start, keep)
             if out is not None:
                 if ledger is not None:
-                    _record_walk(ledger, out.shape[1], layers, skip, start, ran=self.steps.last)
+                    _record_walk(ledger, out.shape[1], layers, p.skip, start, ran=self.steps.last)
                 return out
-        if h is None:
-            h = self.embed(ids)
+        h = x if x.is_floating_point() else self.embed(x)
         n = h.shape[1]
-        if tree is not None:
-            offsets, allowed = tree
-            positions = (start + offsets).unsqueeze(0)
-            prefix = torch.ones(n, start, dtype=torch.bool, device=allowed.device)
-            mask = self.prepare_mask(torch.cat([prefix, allowed], dim=1))
+        positions = mask = None
+        if rows.kind == "tree":
+            positions = (start + rows.offsets).unsqueeze(0)
+            prefix = torch.ones(n, start, dtype=torch.bool, device=rows.allowed.device)
+            mask = self.prepare_mask(torch.cat([prefix, rows.allowed], dim=1))
+        elif rows.kind == "packed":
+            positions, mask = rows.positions, rows.mask
         if rope is None:
             rope = self.rope(self.positions(start, n) if positions is None else positions, h)
         if mask is None:
@@ -761,11 +628,54 @@ class LayeredModel:
         if checkpoint:
             if keep is not None:
                 raise ValueError("forward: checkpoint=True keeps no states (keep=...): a training pass has none to keep")
-            return self._checkpointed(h, layers, cache, start, rope, mask, skip)
+            return self._checkpointed(h, layers, cache, start, rope, mask, p.skip)
         # a decoding pass (the cache holds positions) that a capturing model (static or graphs) runs
         # here ran eagerly: a profile measured with graphs prices it apart (selfspec.measure.profile)
         eager = self.steps is not None and start > 0
-        return self.run_layers(h, layers, cache, rope, mask, skip, keep, eager, ledger)
+        return self.run_layers(h, layers, cache, rope, mask, p.skip, keep, eager, ledger)
+
+    def _scratch(self, p: Pass, h: torch.Tensor, cache: LayerCache, layers: range, ledger: Ledger | None
+                 ) -> torch.Tensor:
+        """A scratch pass (:meth:`Rows.scratch`): the rows of ``h`` ``[1, n, d]`` after the cache's first
+        ``context`` positions, seeing those and the rows ``allowed`` marks, their K/V kept nowhere: on a
+        capturing model written past the cache's positions with its lengths left as they were
+        (:meth:`selfspec.models.capture.StepRunner.run`), else read beside the cache's
+        (:class:`~selfspec.models.cache.Appended`). Recorded in ``ledger`` as a walk at ``context``.
+
+        A capturing model runs it **one layer at a time**, each layer with its own part of the skip
+        set, so its static passes are keyed by (layer, sublayers skipped, bucket), not by the whole
+        set. A search scores a new skip set on almost every pass (SWIFT's matchness: up to 1,000 random
+        candidates), and a pass keyed by the whole set would capture a graph for one replay (two
+        warm-up runs and the recording, dearer than running it eagerly) and push the decoding passes'
+        graphs out of the LRU; by layer, every candidate replays the same ``3L`` graphs or fewer per
+        bucket. The operators and their order are the whole pass's. Where the runner does not take it
+        (wider than a bucket, no room) it runs eagerly."""
+        rows, skip = p.rows, p.skip
+        if self.steps is not None:
+            start = max(cache.length(i) for i in layers)
+            out, ran = h, False
+            for i in layers:
+                attn, mlp = skip is not None and i in skip.attn, skip is not None and i in skip.mlp
+                if attn and mlp:
+                    continue  # the layer left out whole
+                part = SkipSet.of([i] if attn else (), [i] if mlp else ()) if attn or mlp else None
+                x = self.steps.run(self, Pass(range(i, i + 1), part, rows, p.at_least), out, cache, start)
+                if x is None:
+                    if ran:  # the runner's conditions are the same for every layer of the pass
+                        raise RuntimeError(f"a scratch pass: layer {i} of {layers} took the dynamic path after the "
+                                           "layers before it took the static one")
+                    break
+                out, ran = x, True
+            if ran:
+                if ledger is not None:
+                    _record_walk(ledger, out.shape[1], layers, skip, rows.context, ran=self.steps.last)
+                return out
+        n = h.shape[1]
+        past = torch.ones(n, rows.context, dtype=torch.bool, device=rows.allowed.device)
+        mask = self.prepare_mask(torch.cat([past, rows.allowed], dim=1))
+        rope = self.rope((rows.context + rows.offsets).unsqueeze(0), h)
+        return self.run_layers(h, layers, Appended(cache, rows.context), rope, mask, skip,
+                               eager=self.steps is not None, ledger=ledger)
 
     def _checkpointed(self, h, layers, cache: LayerCache | None, start: int, rope, mask, skip) -> torch.Tensor:
         """:meth:`run_layers` one layer at a time under ``torch.utils.checkpoint``: backward keeps each
@@ -777,23 +687,6 @@ class LayeredModel:
         for i in layers:
             h = checkpoint(self.run_layers, h, range(i, i + 1), kv, rope, mask, skip, use_reentrant=False)
         return h
-
-
-def branch_groups(branches: int, rows: int, most: int = BUCKETS[-1]) -> list[tuple[int, int]]:
-    """``(first, count)`` of each group of a branch pass (:meth:`LayeredModel.run_branches`) of
-    ``branches`` branches of ``rows`` rows that a capturing model runs as one static pass: the fewest
-    groups of whole branches that ``most`` rows hold (the largest bucket,
-    :data:`selfspec.models.capture.BUCKETS`), their sizes within one branch of each other, so that
-    they fall in the same bucket (one graph per layer and block, not one per remainder's size).
-    KnapSpec's branch passes reach 1,000 rows and more (its DP's states, a window of ~10 tokens
-    each): in groups they are captured passes, where one pass ran eagerly."""
-    per = max(1, most // max(rows, 1))
-    groups = -(-branches // per)
-    if groups <= 0:
-        return []
-    size, extra = divmod(branches, groups)
-    counts = [size + (g < extra) for g in range(groups)]
-    return [(sum(counts[:g]), n) for g, n in enumerate(counts)]
 
 
 def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False,

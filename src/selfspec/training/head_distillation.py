@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 from selfspec.config import checks
 from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, generation_bytes, layer_bytes, scores_bytes
 from selfspec.models.heads import IntermediateHeads, default_layers, heads_artefact_dir, heads_contents
+from selfspec.models.passes import Pass
 from selfspec.training.continuations import Sequence, build_data, data_tag, data_tasks, generation_options
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
@@ -93,7 +94,7 @@ class Features:
             ids = torch.tensor([s.ids], device=m.device)
             h, prev = None, 0
             for l in self.layers + [m.num_layers - 1]:
-                h = m.forward(ids, None, start=0, layers=range(prev, l + 1), h=h)
+                h = m.forward(ids if h is None else h, None, Pass(range(prev, l + 1)), start=0)
                 out[l] = h[0, s.start :].detach()
                 prev = l + 1
         feats = {"heads": {l: out[l] for l in self.layers}, "final": out[m.num_layers - 1]}

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from selfspec.config import checks
 from selfspec.measure.peak import MemoryModel, OPTIMIZER_COPIES, Shape, Term, backward_bytes, layer_bytes, scores_bytes
+from selfspec.models.passes import Pass, Rows
 from selfspec.models.prompts import PromptTokens, prompts_contents
 from selfspec.training.driver import Job, Result, job_keys
 from selfspec.training.loop import TrainConfig, final_metrics, train
@@ -168,7 +169,7 @@ def student_teacher(model, prompts: PromptTokens, ids: torch.Tensor, inserts: to
     emb = prompts.chain().repeat(k, 1).unsqueeze(0)
     positions = (inserts.repeat_interleave(m * e) + dist.repeat_interleave(e).repeat(k)).unsqueeze(0)
     mask = model.prepare_mask(insertion_mask(n, inserts, m, e))
-    hs = model.forward(None, cache, start=n, mask=mask, positions=positions, h=emb, checkpoint=checkpoint)
+    hs = model.forward(emb, cache, Pass(rows=Rows.packed(positions, mask)), start=n, checkpoint=checkpoint)
     student = PromptTokens.ensemble(model.logits(hs[0]).view(k, m, e, -1))
     return student, teacher
 

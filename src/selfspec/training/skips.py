@@ -45,7 +45,7 @@ from selfspec.decoding.draft_verify import DecodingOptions, DraftVerify, SkipSet
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_bytes
 from selfspec.measure.speedup import speedup
-from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
 from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.bars import bar
 from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, task_names
@@ -247,7 +247,7 @@ class CostModel:
                 allow = torch.zeros(n, off + n, dtype=torch.bool, device=model.device)
                 allow[:, off:] = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
                 model.forward(torch.tensor([seq], device=model.device), self.cache,
-                              positions=model.positions(0, n), mask=model.prepare_mask(allow))
+                              Pass(rows=Rows.packed(model.positions(0, n), model.prepare_mask(allow))))
         allow = torch.zeros(nq, self.base + nq, dtype=torch.bool, device=model.device)
         for q, (a, b) in enumerate(q_allow):
             allow[q, a:b] = True
@@ -278,7 +278,7 @@ class CostModel:
         """(match, confidence) of the first draft at every dev position (teacher forcing)."""
         model = self.model
         with torch.inference_mode():
-            h = model.forward(self.q_ids, self.cache, positions=self.q_pos, mask=self.q_mask, skip=skip)
+            h = model.forward(self.q_ids, self.cache, Pass(skip=skip, rows=Rows.packed(self.q_pos, self.q_mask)))
             self.cache.truncate(self.base)
             conf, tok = model.logits(h[0]).softmax(-1).max(-1)
         return (tok == self.q_target).cpu(), conf.cpu()
