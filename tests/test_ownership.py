@@ -349,7 +349,8 @@ def _report(tmp_path, caplog):
 def _summary_of(method: str = "vanilla", speedup: float = 1.0, **config) -> dict:
     cfg = {"model": {"name": "m"}, "task": {"name": "xsum"}, "method": {"name": method}, "baseline": "vanilla",
            "sampling": {"temperature": 0.0}, **config}
-    return {"model": "m", "task": "xsum", "method": method, "baseline": "vanilla", "config": cfg,
+    return {"format": 2, "model": "m", "task": "xsum", "method": method, "baseline": "vanilla", "config": cfg,
+            "method_configs": {"vanilla": {"name": "vanilla"}, method: cfg["method"]}, "run_info": {},
             "methods": {"vanilla": {"speedup": 1.0, "tokens_per_s": 10.0},
                         method: {"speedup": speedup, "tokens_per_s": 10.0 * speedup}}}
 

@@ -27,6 +27,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.batch import Batch
 from selfspec.tracking import ResultsFile
 
@@ -108,13 +109,13 @@ def batch_summary(lines: list[dict], rows: dict[str, list[dict]], baseline: str,
             r["predicted_seconds"] = predicted
             r["measured_over_predicted"] = seconds / predicted if predicted else None
         out[name] = r
-    base = out.get(baseline)
+    base = out.get(baseline) or {}
     for r in out.values():
-        r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]
-                        if base and base["tokens_per_s"] and r["tokens_per_s"] else None)
-        if base and base.get("predicted_seconds") and r.get("predicted_seconds") and r["new_tokens"]:
-            r["predicted_speedup"] = (base["predicted_seconds"] / base["new_tokens"]) / (
-                r["predicted_seconds"] / r["new_tokens"])
+        r["speedup"] = speedup(per_token(base.get("seconds"), base.get("new_tokens")),
+                               per_token(r["seconds"], r["new_tokens"]))
+        if "predicted_seconds" in base and "predicted_seconds" in r:
+            r["predicted_speedup"] = speedup(per_token(base["predicted_seconds"], base["new_tokens"]),
+                                             per_token(r["predicted_seconds"], r["new_tokens"]))
     return out
 
 

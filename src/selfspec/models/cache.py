@@ -88,12 +88,21 @@ class LayerCache:
                 f"layer cache overflow: layer {layer_idx} needs {end} positions but max_length is "
                 f"{self.max_length}; raise the decoder's max_length (prompt + max_new_tokens + draft)"
             )
-        self.keys[layer_idx][:, :, start:end] = key_states
-        self.values[layer_idx][:, :, start:end] = value_states
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         if positions is not None:
             self.position_buffer(key_states.device)[layer_idx, start:end] = positions
         self.lengths[layer_idx] = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            # a training pass: every layer is a view of one tensor, so the next layer's write bumps the
+            # version autograd saved with this layer's keys; it attends over a copy (the slots before
+            # it, which hold no gradient, and its own rows) and the buffer keeps the values only
+            keys[:, :, start:end] = key_states.detach()
+            values[:, :, start:end] = value_states.detach()
+            return (torch.cat([keys[:, :, :start], key_states], dim=2),
+                    torch.cat([values[:, :, :start], value_states], dim=2))
+        keys[:, :, start:end] = key_states
+        values[:, :, start:end] = value_states
+        return keys[:, :, :end], values[:, :, :end]
 
     def position_buffer(self, device: torch.device) -> torch.Tensor:
         """:attr:`positions`, allocated at the first write that gives positions."""
