@@ -70,7 +70,9 @@ def branch_pass(model: LayeredModel, x: torch.Tensor, layer: int, block: str, ca
     (:func:`branch_groups`), each a static scratch pass (the branches see nothing of each other, so a
     group's rows are the whole pass's); only a branch wider than a bucket runs eagerly. Elsewhere the
     ``B·T`` rows are one eager pass, recorded in ``ledger`` as the walks of the groups a capturing
-    model runs, so a projection onto a GPU profile prices what the GPU would run."""
+    model runs, so a projection onto a GPU profile prices what the GPU would run. Inside a batch of
+    generations (:mod:`selfspec.models.batch`) the pass runs alone, within its generation, and is not
+    one of the batch's passes."""
     if block not in BLOCKS:
         raise ValueError(f"branch_pass: block must be one of {', '.join(BLOCKS)}, got {block!r}")
     b, t, d = x.shape
@@ -83,9 +85,13 @@ def branch_pass(model: LayeredModel, x: torch.Tensor, layer: int, block: str, ca
     own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.unsqueeze(1) >= offsets.unsqueeze(0))
     skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
     several = model.steps is None and len(groups) > 1  # recorded as the groups a capturing model runs
-    out = model.forward(x.reshape(1, b * t, d), cache, Pass(range(layer, layer + 1), skip,
-                                                            Rows.scratch(context, offsets, own)),
-                        ledger=None if several else ledger)
+    batch, model.batch = model.batch, None  # alone: no generation switches in between
+    try:
+        out = model.forward(x.reshape(1, b * t, d), cache, Pass(range(layer, layer + 1), skip,
+                                                                Rows.scratch(context, offsets, own)),
+                            ledger=None if several else ledger)
+    finally:
+        model.batch = batch
     if several and ledger is not None:
         for _, n in groups:
             ledger.layers(n * t, int(block != "mlp"), int(block != "attn"), int(context))

@@ -61,6 +61,7 @@ import torch
 from selfspec.config import checks
 from selfspec.config.options import Ref, key, nullable
 from selfspec.decoding.base import DecodeState
+from selfspec.decoding.branches import branch_pass, sublayer_states
 from selfspec.decoding.chain import Draft
 from selfspec.decoding.draft_verify import DecodingOptions, DraftVerify, SkipSetDrafter
 from selfspec.decoding.part_options import Gated
@@ -314,7 +315,7 @@ class SearchedSkipDrafter(SkipSetDrafter):
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
         if self.selection == "knapspec":
             search.verified = sublayer_states(model, ids, state.cache, state.n_cached, state.ledger,
-                                                 rows=self.max_draft + 1)
+                                              rows=self.max_draft + 1)
             return model.logits(search.verified[-1].unsqueeze(0), state.ledger)[0]
         keep = {i: torch.empty(ids.shape[1], model.hidden_size, dtype=model.dtype, device=model.device)
                 for i in range(model.num_layers)}

@@ -239,7 +239,8 @@ class Swift(Decoder):
         the cache's positions, its lengths kept), else the eager pass."""
         model, start = self.model, state.prompt_len
         ids = torch.tensor([generated[: self.options.context_window + 1]], device=model.device)
-        rows = torch.arange(ids.shape[1], device=model.device)
+        n = ids.shape[1]
+        rows = torch.arange(n, device=model.device)
         causal = Rows.scratch(start, rows, rows.unsqueeze(1) >= rows.unsqueeze(0))
         out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal), ledger=state.ledger)
         predicted = model.head(model.final_norm(out), ledger=state.ledger)[0].argmax(-1)

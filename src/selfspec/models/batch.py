@@ -31,7 +31,7 @@ rejects drafts, leaves or joins.
 What does not batch: passes of a model whose passes take static shapes (``capture`` static or
 graphs; the runner refuses ``batch_size > 1`` there), the HF peers (transformers' ``generate`` has
 its own batching: :mod:`selfspec.decoding.peers`), and the layer-skip searches' branch passes (they
-call the sublayers directly and run alone, inside their generation).
+run alone, inside their generation: :func:`selfspec.decoding.branches.branch_pass`).
 """
 
 from __future__ import annotations

@@ -34,11 +34,12 @@ the bucket and the input kind:
   mask is padded to the bucket (a padding row sees the prefix and itself), and the full mask is
   built on the device from ``start``, so tree size × k buckets share one shape;
 * **scratch passes** (the layer-skip searches: CLaSp's and KnapSpec's branch passes, SWIFT's
-  matchness): a tree whose rows sit after the cache's first ``base`` positions and see only those,
-  with their K/V written past the cache's positions and its lengths left as they were, one layer
-  at a time (:meth:`~selfspec.models.layered.LayeredModel._scratch`: a search's new skip set
-  replays the graphs of the layer parts it shares with the sets before). A pass whose attention
-  sublayers are all skipped (KnapSpec's MLP block states) touches no cache.
+  matchness; :meth:`~selfspec.models.passes.Rows.scratch`): a tree whose rows sit after the cache's
+  first ``context`` positions and see only those, with their K/V written past the cache's positions
+  and its lengths left as they were, one layer at a time
+  (:meth:`~selfspec.models.layered.LayeredModel._scratch`: a search's new skip set replays the
+  graphs of the layer parts it shares with the sets before). A pass whose attention sublayers are
+  all skipped (KnapSpec's MLP sublayer states) touches no cache.
 
 A pass qualifies (:meth:`StepRunner.run` says when) inside ``torch.inference_mode()``, with every
 layer run at the same cache length, at most the largest bucket's rows and room in the cache for

@@ -666,14 +666,15 @@ class LayeredModel:
                                            "layers before it took the static one")
                     break
                 out, ran = x, True
-            if ran:
+            else:  # every layer static (or left out)
                 if ledger is not None:
                     _record_walk(ledger, out.shape[1], layers, skip, rows.context, ran=self.steps.last)
                 return out
-        n = h.shape[1]
-        past = torch.ones(n, rows.context, dtype=torch.bool, device=rows.allowed.device)
-        mask = self.prepare_mask(torch.cat([past, rows.allowed], dim=1))
-        rope = self.rope((rows.context + rows.offsets).unsqueeze(0), h)
+        rope = mask = None
+        if skip is None or any(i not in skip.attn for i in layers):  # an MLP walk needs neither
+            past = torch.ones(h.shape[1], rows.context, dtype=torch.bool, device=rows.allowed.device)
+            mask = self.prepare_mask(torch.cat([past, rows.allowed], dim=1))
+            rope = self.rope((rows.context + rows.offsets).unsqueeze(0), h)
         return self.run_layers(h, layers, Appended(cache, rows.context), rope, mask, skip,
                                eager=self.steps is not None, ledger=ledger)
 
