@@ -13,6 +13,7 @@ from selfspec.decoding.adadecode import AdaDecode, AdaDecodeNoVerify
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.sampling import warp
 from selfspec.models.heads import IntermediateHeads
+from selfspec.models.layered import Pass
 from selfspec.models.loading import load_model
 
 HEAD_LAYERS = [1, 2, 4]
@@ -163,8 +164,8 @@ def test_rejection_sampling_preserves_target_distribution(peaked, ids):
         state.tokens.append(dec.prefill(state, torch.tensor([ids])))
         base = state.n_cached
         h = m.forward(torch.tensor([state.tokens]), m.new_cache(len(state.tokens) + 1), start=0)[:, -1]
-        hidden1 = m.forward(torch.tensor([state.tokens]), m.new_cache(len(state.tokens) + 1), start=0,
-                            layers=range(2))[:, -1]
+        hidden1 = m.forward(torch.tensor([state.tokens]), m.new_cache(len(state.tokens) + 1), Pass(range(2)),
+                            start=0)[:, -1]
         p = warp(m.logits(h)[0], s)
         q = warp(heads.logits(1, hidden1)[0], s)
         assert 0.5 * (p - q).abs().sum() > 0.3

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from selfspec.models.cache import CacheOverflowError
-from selfspec.models.layered import SkipSet
+from selfspec.models.layered import Pass, Rows, SkipSet
 
 
 def _full(model, ids):
@@ -41,7 +41,7 @@ def test_gather_keeps_chosen_slots_as_recomputation(tiny):
     allowed[:, :10] = True
     for j in range(3):
         allowed[j, 12 : 13 + j] = True
-    m.forward(torch.tensor([a]), cache, positions=torch.tensor([[10, 11, 12]]), mask=m.prepare_mask(allowed))
+    m.forward(torch.tensor([a]), cache, Pass(rows=Rows.packed(torch.tensor([[10, 11, 12]]), m.prepare_mask(allowed))))
     cache.gather(10, [12, 13, 14])
     ref, _ = _full(m, prefix + a)
     for i in range(m.num_layers):
@@ -56,9 +56,9 @@ def test_independent_layer_lengths(tiny):
     # all layers see 6 tokens; the lower half of the layers sees 4 more, then the upper catches up
     h = m.forward(torch.tensor([ids[:6]]), cache, start=0)
     half = m.num_layers // 2
-    mid = m.forward(torch.tensor([ids[6:]]), cache, layers=range(half))
+    mid = m.forward(torch.tensor([ids[6:]]), cache, Pass(range(half)))
     assert cache.lengths == [10] * half + [6] * (m.num_layers - half)
-    top = m.forward(None, cache, h=mid, layers=range(half, m.num_layers))
+    top = m.forward(mid, cache, Pass(range(half, m.num_layers)))
     ref, logits = _full(m, ids)
     torch.testing.assert_close(m.logits(top), logits[:, 6:])
     assert cache.lengths == [10] * m.num_layers
@@ -67,7 +67,7 @@ def test_independent_layer_lengths(tiny):
 def test_skip_set_leaves_layers_untouched(tiny):
     m = tiny.model
     cache = m.new_cache(8)
-    m.forward(torch.tensor([[5, 6]]), cache, start=0, skip=SkipSet.of(attn=[1], mlp=[2]))
+    m.forward(torch.tensor([[5, 6]]), cache, Pass(skip=SkipSet.of(attn=[1], mlp=[2])), start=0)
     assert cache.lengths[1] == 0 and cache.lengths[0] == 2
 
 

@@ -13,7 +13,8 @@ from selfspec.decoding import Sampling
 from selfspec.decoding.draft_verify import DraftVerify
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models import capture
-from selfspec.models.layered import LayeredModel, SkipSet
+from selfspec.decoding.branches import branch_groups, branch_pass, sublayer_states
+from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,7 @@ EVERY_METHOD = [
     {"name": "ngram", "never_slower": False},
     {"name": "ppd"},
     # searching while decoding: the drafts and verifications take the static shapes, and so do
-    # KnapSpec's block states, the searches' branch passes (test_the_searches_passes_take_static_shapes)
+    # KnapSpec's sublayer states, the searches' branch passes (test_the_searches_passes_take_static_shapes)
     # and SWIFT's matchness passes (scratch passes reading the prompt's cache only)
     {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "never_slower": False},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False},
@@ -266,7 +267,7 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
                 "adadecode": "chain/partial", "ngram": "chain", "ppd": "tree", "swift": "tree", "knapspec": "chain",
                 "clasp": "chain"}[name]
     assert kinds[expected] > 0, kinds
-    if name in ("knapspec", "clasp"):  # the searches' branch passes; KnapSpec's block states, a sublayer each
+    if name in ("knapspec", "clasp"):  # the searches' branch passes; KnapSpec's sublayer states, a sublayer each
         assert kinds["scratch/partial"] > 0 and (name == "clasp" or kinds["chain/partial"] > 0), kinds
     if name == "swift":  # its matchness passes, a layer at a time
         assert kinds["scratch/partial"] > 0 and kinds["scratch"] == 0, kinds
@@ -274,7 +275,7 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_the_searches_passes_take_static_shapes(family):
-    """KnapSpec's block states (each sublayer a one-layer pass: the attention writes the layer's K/V,
+    """KnapSpec's sublayer states (each sublayer a one-layer pass: the attention writes the layer's K/V,
     the MLP touches no cache) and the searches' branch passes (scratch passes: their K/V go past the
     cache's positions, its lengths stay, the rows see the first ``context`` positions and their own
     branch) take static shapes and give the dynamic path's states and cache (to float rounding: the
@@ -292,11 +293,11 @@ def test_the_searches_passes_take_static_shapes(family):
         for m in (dyn, static):
             cache = m.new_cache(64)
             m.forward(ids[:, :n], cache, start=0)
-            states = m.block_states(ids[:, n:], cache, n)
+            states = sublayer_states(m, ids[:, n:], cache, n)
             x = torch.stack([states[3][:4], states[5][:4]])  # two candidate states of 4 tokens
             ledger = Ledger(torch.device("cpu"))
             context = n + 2  # the branches see the prompt and 2 of the window's tokens
-            out = [m.run_branches(x, 1, block, cache, context, ledger) for block in ("mlp", "attn", "layer")]
+            out = [branch_pass(m, x, 1, block, cache, context, ledger) for block in ("mlp", "attn", "layer")]
             kv = [cache.layer_kv(i)[0][:, :, :cache.length(i)].clone() for i in range(L)]
             assert all(cache.length(i) == 2 * n for i in range(L))
             got[m] = (states, out, kv, ledger.ops)
@@ -331,7 +332,7 @@ def test_a_scratch_pass_runs_a_layer_at_a_time_so_new_skip_sets_reuse_its_passes
     n, L = len(PROMPT), dyn.num_layers
     rows = ids[:, n:n + 7]
     k = rows.shape[1]
-    tree = (torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril())
+    causal = (torch.arange(k), torch.ones(k, k, dtype=torch.bool).tril())
     sets = [SkipSet.of(attn=[1], mlp=[2]), SkipSet.of(attn=[2], mlp=[1]), SkipSet.of(attn=[1, 2]),
             SkipSet.of(attn=[1, 2], mlp=[1, 2])]  # the third's parts are the first two's; the fourth leaves 1, 2 out
     steps = static.steps
@@ -347,7 +348,8 @@ def test_a_scratch_pass_runs_a_layer_at_a_time_so_new_skip_sets_reuse_its_passes
                                   dyn.causal_mask(k, n), skip)
             built = steps.built
             ledger = Ledger(torch.device("cpu"))
-            got = static.static_scratch(static.embed(rows), caches[static], n, range(L), skip, tree, ledger)
+            got = static.forward(static.embed(rows), caches[static], Pass(range(L), skip, Rows.scratch(n, *causal)),
+                                 ledger=ledger)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             new = steps.built - built
             # a pass per layer part not seen before: all 4 layers first, then layers 1 and 2 again, then none
@@ -366,7 +368,6 @@ def test_a_branch_pass_wider_than_a_bucket_runs_in_captured_groups(family):
     pass, instead of one eager pass. The states equal the one dynamic pass's (to float rounding), the
     cache is untouched, nothing is missed, and both record the groups' walks in the ledger (a CPU's
     trace prices what a GPU runs)."""
-    from selfspec.models.layered import branch_groups
     from selfspec.models.ledger import Ledger
     from test_families import PROMPT, tiny_family
 
@@ -385,7 +386,7 @@ def test_a_branch_pass_wider_than_a_bucket_runs_in_captured_groups(family):
             cache = m.new_cache(64)
             m.forward(ids, cache, start=0)
             ledger = Ledger(torch.device("cpu"))
-            out = [m.run_branches(x, 1, block, cache, n + 3, ledger) for block in ("mlp", "attn", "layer")]
+            out = [branch_pass(m, x, 1, block, cache, n + 3, ledger) for block in ("mlp", "attn", "layer")]
             assert all(cache.length(i) == 2 * n for i in range(m.num_layers))
             got[m] = (out, [(op.rows, op.attention, op.mlp, op.context, op.eager) for op in ledger.ops])
     for u, v in zip(got[dyn][0], got[static][0]):
@@ -396,8 +397,8 @@ def test_a_branch_pass_wider_than_a_bucket_runs_in_captured_groups(family):
     assert {rows for rows, *_ in got[dyn][1]} == {160} and not any(op[-1] for op in got[dyn][1])
 
 
-def test_block_states_of_any_draft_length_share_one_graph_per_sublayer():
-    """KnapSpec's window steps verify drafts of 1 to ``max_draft`` tokens with block states (2L
+def test_sublayer_states_of_any_draft_length_share_one_graph_per_sublayer():
+    """KnapSpec's window steps verify drafts of 1 to ``max_draft`` tokens with sublayer states (2L
     one-layer passes): given the widest (``rows``), a capturing model runs every one in that
     width's bucket, so drafts of other lengths build no pass, and the states equal the dynamic
     path's. Without ``rows`` each length's bucket builds its own."""
@@ -415,8 +416,9 @@ def test_block_states_of_any_draft_length_share_one_graph_per_sublayer():
         for k, rows in ((2, 11), (5, 11), (9, 11), (3, None), (6, None)):
             ids = torch.tensor([PROMPT[:k]])
             before = steps.built
-            want = dyn.block_states(ids, caches[dyn], n, rows=rows)
-            got = static.block_states(ids, caches[static], n, rows=rows)
+            widest = {} if rows is None else {"rows": rows}
+            want = sublayer_states(dyn, ids, caches[dyn], n, **widest)
+            got = sublayer_states(static, ids, caches[static], n, **widest)
             for u, v in zip(want, got):
                 torch.testing.assert_close(u, v, atol=1e-5, rtol=1e-5)
             built.append(steps.built - before)

@@ -15,7 +15,7 @@ from selfspec.decoding.base import DecodeState
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_verify import DraftVerify, resolve_skip_set, skip_set_tensors
 from selfspec.decoding.sampling import warp
-from selfspec.models.layered import SkipSet
+from selfspec.models.layered import Pass, SkipSet
 from selfspec.models.loading import load_model
 
 
@@ -107,7 +107,8 @@ def first_step(s: Sampling):
         p = warp(model.logits(model.forward(torch.tensor([prompt_ids + [first]]), model.new_cache(64), start=0)[:, -1])[0], s)
         q_cache = model.new_cache(64)
         model.forward(prompt, q_cache, start=0)
-        h_draft = model.forward(torch.tensor([[first]]), q_cache, start=state.n_cached, skip=dec.drafter.skip_set)[:, -1]
+        h_draft = model.forward(torch.tensor([[first]]), q_cache, Pass(skip=dec.drafter.skip_set),
+                                start=state.n_cached)[:, -1]
     return dec, state, p, h_draft
 
 

@@ -19,10 +19,11 @@ from reference import knapspec as reference
 from reference.traces import first_difference
 from selfspec.config import compose
 from selfspec.decoding import build_decoder, check_method
+from selfspec.decoding.branches import branch_pass, sublayer_states
 from selfspec.decoding.knapspec import KNAPSPEC_NEEDS_PROFILE, sublayer_weights
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.measure.profile import FORMAT, Profile, model_shape
-from selfspec.models.layered import SkipSet
+from selfspec.models.layered import Pass, SkipSet
 
 #: the authors' (c1, c2, c3): t_mlp = c1, t_attn = c2·context + c3; over the tiny contexts (20-80) attention
 #: goes from as dear as the MLP (weights 1, 1) to about twice as dear (2, 1), so the weights change mid-run
@@ -142,7 +143,7 @@ def test_a_gated_plain_step_restarts_the_window(peaked):
     assert state.example.window == []
 
 
-def test_run_branches_is_each_branch_on_its_own(peaked):
+def test_a_branch_pass_is_each_branch_on_its_own(peaked):
     """Every branch of the batched pass equals that branch run alone after the same context, for a
     layer's attention, its MLP and the whole layer."""
     m = peaked
@@ -152,23 +153,23 @@ def test_run_branches_is_each_branch_on_its_own(peaked):
         m.forward(torch.randint(0, 256, (1, 12)), cache, start=0)
         x = torch.randn(3, 4, m.hidden_size)
         for block, skip in (("attn", SkipSet.of(mlp=[2])), ("mlp", SkipSet.of(attn=[2])), ("layer", None)):
-            out = m.run_branches(x, 2, block, cache, 8)
+            out = branch_pass(m, x, 2, block, cache, 8)
             for b in range(3):
                 alone = m.new_cache(64)
                 for i in range(m.num_layers):
                     k, v = cache.layer_kv(i)
                     alone.write(i, k[:, :, :8], v[:, :, :8])
-                ref = m.forward(None, alone, start=8, h=x[b:b + 1], layers=[2], skip=skip)[0]
+                ref = m.forward(x[b:b + 1], alone, Pass(range(2, 3), skip), start=8)[0]
                 torch.testing.assert_close(out[b], ref, atol=1e-6, rtol=1e-5)
         assert cache.length(0) == 12, "the batched pass wrote nothing to the cache"
 
 
-def test_block_states_are_a_plain_pass(peaked):
+def test_sublayer_states_are_a_plain_pass(peaked):
     ids = torch.randint(0, 256, (1, 9))
     with torch.inference_mode():
         plain, blocks = peaked.new_cache(32), peaked.new_cache(32)
         h = peaked.forward(ids, plain, start=0)
-        states = peaked.block_states(ids, blocks, 0)
+        states = sublayer_states(peaked, ids, blocks, 0)
     assert len(states) == 2 * peaked.num_layers + 1
     assert torch.equal(states[-1], h[0])
     for i in range(peaked.num_layers):

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.decoding.tree import prompt_chain_mask
+from selfspec.models.passes import Pass, Rows
 from selfspec.models.prompts import PromptTokens, load_prompts, save_prompts
 from selfspec.store.artefacts import ArtefactError
 from selfspec.training.prompt_tuning import distillation_loss, sample_batch, student_teacher, topk_accuracy
@@ -24,7 +25,7 @@ def test_student_and_teacher_equal_brute_force_passes(tiny):
         h = torch.cat([m.embed(ids[: i + 1].view(1, -1)), prompts.chain().unsqueeze(0)], 1)
         mask = prompt_chain_mask(i + 1, 3, 2)
         pos = torch.cat([torch.arange(i + 1), i + torch.tensor([1, 1, 2, 2, 3, 3])]).unsqueeze(0)
-        out = m.logits(m.forward(None, None, start=0, mask=m.prepare_mask(mask), positions=pos, h=h))[0, i + 1:]
+        out = m.logits(m.forward(h, None, Pass(rows=Rows.packed(pos, m.prepare_mask(mask))), start=0))[0, i + 1:]
         torch.testing.assert_close(student[g], out.view(3, 2, -1).mean(1), atol=1e-4, rtol=1e-4)
 
 
@@ -141,7 +142,7 @@ def test_gradient_checkpointing_keeps_less_for_backward(tiny):
 
         h = torch.randn(1, rows, m.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = m.forward(None, cache, start=n, h=h, checkpoint=checkpoint)
+            out = m.forward(h, cache, start=n, checkpoint=checkpoint)
         out.sum().backward()
         return total
 

@@ -664,7 +664,7 @@ def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
     after a prompt; and it is the path taken (a family it does not fit falls back)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from selfspec.models.layered import LayeredModel, SkipSet
+    from selfspec.models.layered import LayeredModel, Pass, SkipSet
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
@@ -692,7 +692,7 @@ def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
             # drafting with a skip set (Draft & Verify): layer 1's attention and two MLPs left out
             skip = SkipSet.of(attn=[1], mlp=[0, 2])
             for j in range(82, 85):
-                outs.append(model.forward(ids[:, j:j + 1], cache, skip=skip).clone())
+                outs.append(model.forward(ids[:, j:j + 1], cache, Pass(skip=skip)).clone())
             outs.append(torch.tensor(cache.lengths))
         return outs + [t[:, :, :85].clone() for t in cache.keys + cache.values]
 

@@ -8,7 +8,7 @@ import torch
 from conftest import cpu_like_profile, method_options
 from selfspec.config import compose
 from selfspec.decoding.draft_verify import resolve_skip_set
-from selfspec.models.layered import SkipSet
+from selfspec.models.layered import Pass, SkipSet
 from selfspec.training import skips
 
 OPTS = method_options("draft_verify", max_draft=4)
@@ -45,7 +45,7 @@ def test_cost_model_drafts_equal_real_first_drafts(tiny, prompt_ids):
                 cache = model.new_cache(64)
                 prefix = list(ids) + cont[: j - 1]
                 model.forward(torch.tensor([prefix]), cache, start=0)
-                h = model.forward(torch.tensor([[cont[j - 1]]]), cache, start=len(prefix), skip=skip)
+                h = model.forward(torch.tensor([[cont[j - 1]]]), cache, Pass(skip=skip), start=len(prefix))
                 p, tok = model.logits(h[:, -1])[0].softmax(-1).max(-1)
                 assert bool(match[q]) == (int(tok) == cont[j])
                 assert conf[q].item() == pytest.approx(p.item(), abs=1e-4)

@@ -8,6 +8,7 @@ import torch
 from conftest import method_config
 from selfspec.decoding.tree import (SparseTree, TreeError, check_trees, layout,
                                     prompt_chain_mask, random_tree)
+from selfspec.models.passes import Pass, Rows
 
 
 def _labels(tree, n_ept):
@@ -58,7 +59,7 @@ def test_tree_forward_equals_sequential_forward(tiny):
     m.forward(torch.tensor([prefix[:-1]]), cache, start=0)
     n = len(prefix) - 1
     h = torch.cat([m.embed(torch.tensor([node_tok])), prompts[lay.prompt_p, lay.prompt_e].unsqueeze(0)], 1)
-    out = m.logits(m.forward(None, cache, start=n, tree=(lay.offsets, lay.mask), h=h))[0]
+    out = m.logits(m.forward(h, cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)), start=n))[0]
     for a, seq in enumerate(_labels(tree, n_ept)):
         emb = [m.embed(torch.tensor([prefix]))[0]]
         for depth, lab in enumerate(seq):
@@ -66,7 +67,7 @@ def test_tree_forward_equals_sequential_forward(tiny):
                 emb.append(m.embed(cands[depth, lab[1]].view(1, 1))[0])
             else:
                 emb.append(prompts[lab[1] - 1, lab[2]].view(1, -1))
-        ref = m.logits(m.forward(None, None, start=0, h=torch.cat(emb).unsqueeze(0)))[0, -1]
+        ref = m.logits(m.forward(torch.cat(emb).unsqueeze(0), None, start=0))[0, -1]
         torch.testing.assert_close(out[a], ref, atol=1e-4, rtol=1e-4)
 
 
