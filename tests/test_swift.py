@@ -85,21 +85,24 @@ def test_the_tiny_data_exercises_the_authors_loop(authors):
 
 def test_defaults_are_lossless_and_the_state_carries_over(peaked):
     """The shipped config (the speculation gate on) equals vanilla; the optimisation's state carries
-    over the examples (``search_state: stream``) or restarts at each (``example``)."""
+    over the examples (``search_state: stream``) or restarts at each (``example``), and a resumed run
+    names it (``drafter.search``) only where it carries."""
     vanilla = Vanilla(peaked, eos_token_ids=[EOS])
     dec = build_decoder(method_config("swift", context_window=8), peaked, eos_token_ids=[EOS])
     for ids, n in zip(PROMPTS, BUDGETS):
         assert dec.generate(ids, n).tokens == vanilla.generate(ids, n).tokens
     for state in ("stream", "example"):  # no gate here: its own carried measurements would differ too
         dec = build_decoder(paper(context_window=8, search_state=state), peaked, eos_token_ids=[EOS])
+        # the search is its drafter's, a part of the decoder (a static draft-stop rule carries nothing)
+        assert dec.drafter in dec.parts and dec.carried() == (["drafter.search"] if state == "stream" else [])
         runs = [dec.generate(PROMPTS[0], 40) for _ in range(2)]
         same = [t.row() for t in runs[0].trace] == [t.row() for t in runs[1].trace]
         assert same is (state == "example"), state
     with dec.kept_state():  # the warm-up leaves the carried search as it found it
-        before = dec.search.iteration
+        before = dec.drafter.search.iteration
         dec.search_state = "stream"
         dec.generate(PROMPTS[1], 30)
-    assert dec.search.iteration == before
+    assert dec.drafter.search.iteration == before
 
 
 def test_multi_candidate_verification_keeps_the_target_distribution():

@@ -56,7 +56,7 @@ from selfspec.decoding.ngram import NgramIndex
 from selfspec.decoding.part_options import Gated, LookupOptions, context_drafts
 from selfspec.decoding.sampling import select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
-                                    paper_states)
+                                    paper_states, verify_tree)
 from selfspec.models.ledger import phase
 from selfspec.models.passes import Pass, Rows
 from selfspec.models.prompts import PromptTokens
@@ -233,7 +233,6 @@ class PPD(Decoder):
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
         m, ex = self.model, state.example
-        n_cached = state.n_cached
         with phase(state.ledger, "tree"):  # the step's tree: context drafts, layout, candidates, inputs
             drafts = ex.index.lookup(state.tokens, min(self.ngram.max_draft, budget - 1))[0] if ex.index else []
             lay = self._layout(ex.tree_state, len(drafts))
@@ -243,19 +242,12 @@ class PPD(Decoder):
             h = m.embed(tokens.unsqueeze(0))
             if lay.size > lay.n_nodes:
                 h = torch.cat([h, self.prompts.gather(lay.prompt_p, lay.prompt_e).unsqueeze(0)], dim=1)
-        with phase(state.ledger, "verify"):  # one pass verifies the candidates and runs the prompt tokens
-            h = m.forward(h, state.cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)), start=n_cached,
-                          ledger=state.ledger)[0]
-            node_logits = m.logits(h[: lay.n_nodes], state.ledger)
-            best, bonus = self._verify(lay, tokens, node_logits, state)
-        path = lay.path_rows[best]
-        state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
+        # one pass verifies the candidates and runs the prompt tokens
+        h, best, path, bonus = verify_tree(m, state, lay, h, lambda logits: self._verify(lay, tokens, logits, state),
+                                           "tree")
         with phase(state.ledger, "draft"):  # the next step's guesses: the prompt tokens' logits
             self._next_candidates(ex, h, lay.prompt_rows[best], state.ledger)
-        state.drafted = lay.n_nodes - 1
-        step = state.trace_step
-        step.source, step.tree_size, step.width, step.accepted = "tree", lay.n_nodes, lay.size, len(path)
-        step.controller = {"state": ex.tree_state}
+        state.trace_step.controller = {"state": ex.tree_state}
         state.count("tree_tokens", lay.size)
         if drafts:
             state.count("ngram_steps")

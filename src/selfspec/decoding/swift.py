@@ -33,7 +33,10 @@ draft distribution and verified by recursive rejection sampling
 The authors draw the token after a fully accepted path from the *unwarped* target distribution;
 selfspec draws it from the warped one (the target distribution the run asked for).
 
-The optimisation is charged to the ledger's ``search`` component, the tree's layout to ``tree``.
+The draft model, its draft-stop rule and the optimisation are the decoder's drafter, a part of it
+(:class:`LayerSetDrafter`, whose search and rule carry over between examples); the verification
+around it is the tree step PPD's is too (:func:`~selfspec.decoding.tree.verify_tree`). The
+optimisation is charged to the ledger's ``search`` component, the tree's layout to ``tree``.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ import torch
 from selfspec.config import checks
 from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
+from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import Gated
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
-from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout
+from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout, verify_tree
 from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
 from selfspec.models.ledger import phase
 
@@ -158,21 +162,17 @@ class SwiftOptions(Gated):
     skip_mlp: list[int] | None = key(nullable(checks.integers))
 
 
-class Swift(Decoder):
-    """SWIFT (module docstring)."""
+class LayerSetDrafter(Carries):
+    """SWIFT's drafter, a part of its decoder as a chain method's drafter is of its
+    (:class:`~selfspec.decoding.chain.Drafter`): the model with the sublayers of the search's set left
+    out drafts a top-k chain (§3.3, :meth:`draft`) until its draft-stop rule stops it, and the set is
+    optimised as it decodes (§3.2, :meth:`update`). The search and the draft-stop rule are its policy
+    state, carried over between examples (:mod:`selfspec.decoding.carried`)."""
 
-    name = "swift"
-    title = "SWIFT"
-    lossless = True
-    Options = SwiftOptions
-    #: the layer search and the draft-stop rule carry over between examples (:mod:`selfspec.decoding.carried`)
     carries = ("search", "draft_stop")
 
-    def __init__(self, model: LayeredModel, options: SwiftOptions, **common) -> None:
-        """``options``: the method's checked keys (:class:`SwiftOptions`), read as ``self.options``."""
-        super().__init__(model, **common)
-        check_layers(model.num_layers, options.skip_attn, options.skip_mlp)
-        self.options = options
+    def __init__(self, model: LayeredModel, options: SwiftOptions) -> None:
+        self.model, self.options = model, options
         self.max_draft = options.max_draft
         self.draft_stop: DraftStop = new_rule(options.draft_stop)
         if options.skip_attn is None and options.skip_mlp is None:
@@ -181,28 +181,13 @@ class Swift(Decoder):
             self.start = SkipSet.of(options.skip_attn or (), options.skip_mlp or ())
         self.skip_count = int((model.num_layers - 2) * 2 * options.skip_ratio)
         self.search = self.new_search()
-        self.lookahead = 1 + TOPK * self.max_draft  # the drafts' scratch K/V, then the tree's rows
-        self._layouts: dict[tuple[int, ...], TreeLayout] = {}
 
-    @classmethod
-    def check_run(cls, options: SwiftOptions, layers: int, budget: int | None = None) -> None:
-        """The layers (:func:`check_layers`); and a ``context_window`` that ``budget`` never fills,
-        which leaves the optimisation off (issue 52: it was off without a word), is said."""
-        check_layers(layers, options.skip_attn, options.skip_mlp)
-        if budget is not None and options.optimize and budget <= options.context_window + 1:
-            log.warning("method swift: the layer set optimisation needs more than method.context_window + 1 = %d "
-                        "generated tokens, and max_new_tokens=%d never gives them: it never runs, and SWIFT drafts "
-                        "with its starting set (lower method.context_window or raise max_new_tokens to search; "
-                        "method.optimize=false says it is meant)", options.context_window + 1, budget)
-
-    def carried(self) -> list[str]:
-        """As every decoder's, less the layer search where it starts again at every example anyway
-        (``search_state: example``)."""
-        return [n for n in super().carried() if not (n == "search" and self.options.search_state == "example")]
-
-    @classmethod
-    def from_config(cls, model: LayeredModel, options: SwiftOptions, **common) -> "Swift":
-        return cls(model, options, **common)
+    def start_example(self) -> None:
+        """An example starts: the draft-stop rule is told, and the search starts again under
+        ``search_state: example``."""
+        self.draft_stop.start_example()
+        if self.options.search_state == "example":
+            self.search = self.new_search()
 
     # --- the layer set optimisation (§3.2) -------------------------------------------------------
     def new_search(self) -> LayerSearch:
@@ -234,9 +219,9 @@ class Swift(Decoder):
 
     def matchness(self, state: DecodeState, generated: list[int], skip: SkipSet) -> float:
         """The share of the first ``context_window`` generated tokens after the first that the draft
-        model with ``skip`` predicts, teacher-forced, reading the prompt's cache only: on a capturing
-        model a static-shape scratch pass (:meth:`~selfspec.models.passes.Rows.scratch`: its K/V past
-        the cache's positions, its lengths kept), else the eager pass."""
+        model with ``skip`` predicts, teacher-forced, reading the prompt's cache only: a scratch pass
+        (:meth:`~selfspec.models.passes.Rows.scratch`: on a capturing model a static-shape one, its K/V
+        past the cache's positions and its lengths kept)."""
         model, start = self.model, state.prompt_len
         ids = torch.tensor([generated[: self.options.context_window + 1]], device=model.device)
         n = ids.shape[1]
@@ -268,14 +253,7 @@ class Swift(Decoder):
                        "skip_attn": sorted(search.skip.attn), "skip_mlp": sorted(search.skip.mlp),
                        "active": search.active}
 
-    # --- a step (§3.3) -------------------------------------------------------------------------
-    def begin(self, state: DecodeState) -> None:
-        super().begin(state)
-        self.draft_stop.start_example()
-        if self.options.search_state == "example":
-            self.search = self.new_search()
-        state.example = SwiftExample()
-
+    # --- drafting (§3.3) -----------------------------------------------------------------------
     def draft(self, state: DecodeState, budget: int
               ) -> tuple[torch.Tensor, list[float], list[torch.Tensor], list[int]]:
         """The top-1 chain from the pending token with the current set: per depth its ``TOPK``
@@ -309,6 +287,77 @@ class Swift(Decoder):
                 break
         return torch.stack(rows), confidences, qs, drawn
 
+    def update(self, state: DecodeState, chain: int, accepted: list[int]) -> None:
+        """Learn from a verification of a chain of ``chain`` drafts whose tree gave ``accepted``: the
+        draft-stop rule's update, then, when one is due (module docstring), an iteration of the
+        layer set optimisation over the generated tokens, charged to ``search``."""
+        self.draft_stop.update(chain, len(accepted), chain == self.max_draft)
+        search, o, example = self.search, self.options, state.example
+        if (o.optimize and search.active and example.steps % o.opt_interval == 0
+                and len(state.tokens) - state.prompt_len + len(accepted) > o.context_window + 1):
+            with phase(state.ledger, "search"):
+                self.optimization_step(state, state.tokens[state.prompt_len:] + accepted)
+        example.steps += 1
+
+    def controller(self, chain: int) -> dict[str, Any]:
+        """The step trace's controller after :meth:`update`: the chain's length, the set's size, the
+        search's iteration if one ran (reported once) and the draft-stop rule's state."""
+        search = self.search
+        out = {"chain": chain, "skipped": len(search.skip), **({"search": search.last} if search.last else {}),
+               **(self.draft_stop.state() or {})}
+        search.last = None
+        return out
+
+
+class Swift(Decoder):
+    """SWIFT (module docstring): a tree step around its drafter (:class:`LayerSetDrafter`)."""
+
+    name = "swift"
+    title = "SWIFT"
+    lossless = True
+    Options = SwiftOptions
+
+    def __init__(self, model: LayeredModel, options: SwiftOptions, **common) -> None:
+        """``options``: the method's checked keys (:class:`SwiftOptions`), read as ``self.options``."""
+        super().__init__(model, **common)
+        check_layers(model.num_layers, options.skip_attn, options.skip_mlp)
+        self.options = options
+        self.drafter = LayerSetDrafter(model, options)
+        self.lookahead = 1 + TOPK * options.max_draft  # the drafts' scratch K/V, then the tree's rows
+        self._layouts: dict[tuple[int, ...], TreeLayout] = {}
+
+    @classmethod
+    def check_run(cls, options: SwiftOptions, layers: int, budget: int | None = None) -> None:
+        """The layers (:func:`check_layers`); and a ``context_window`` that ``budget`` never fills,
+        which leaves the optimisation off (issue 52: it was off without a word), is said."""
+        check_layers(layers, options.skip_attn, options.skip_mlp)
+        if budget is not None and options.optimize and budget <= options.context_window + 1:
+            log.warning("method swift: the layer set optimisation needs more than method.context_window + 1 = %d "
+                        "generated tokens, and max_new_tokens=%d never gives them: it never runs, and SWIFT drafts "
+                        "with its starting set (lower method.context_window or raise max_new_tokens to search; "
+                        "method.optimize=false says it is meant)", options.context_window + 1, budget)
+
+    @property
+    def parts(self) -> tuple[Any, ...]:
+        """The decoder's parts and its drafter."""
+        return (*super().parts, self.drafter)
+
+    def carried(self) -> list[str]:
+        """As every decoder's, less the layer search where it starts again at every example anyway
+        (``search_state: example``)."""
+        return [n for n in super().carried()
+                if not (n == "drafter.search" and self.options.search_state == "example")]
+
+    @classmethod
+    def from_config(cls, model: LayeredModel, options: SwiftOptions, **common) -> "Swift":
+        return cls(model, options, **common)
+
+    # --- a step (§3.3) -------------------------------------------------------------------------
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        self.drafter.start_example()
+        state.example = SwiftExample()
+
     def tree(self, widths: tuple[int, ...]) -> TreeLayout:
         """The layout of the tree of ``widths`` (kept: a few shapes recur; at most
         :data:`KEPT_LAYOUTS` of them, the oldest dropped first)."""
@@ -319,35 +368,19 @@ class Swift(Decoder):
         return lay
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
-        model, ledger, example = self.model, state.ledger, state.example
-        n_cached, greedy = state.n_cached, state.sampling.greedy
-        with phase(ledger, "draft"):
-            table, confidences, qs, drawn = self.draft(state, budget)
-        with phase(ledger, "tree"):
+        model, drafter, greedy = self.model, self.drafter, state.sampling.greedy
+        with phase(state.ledger, "draft"):
+            table, confidences, qs, drawn = drafter.draft(state, budget)
+        with phase(state.ledger, "tree"):
             lay = self.tree(tuple(min(tree_width(c, greedy), n) for c, n in zip(confidences, drawn)))
             tokens = torch.cat([state.pending_ids(model.device)[0], candidate_tokens(lay, table)])
-        with phase(ledger, "verify"):
-            state.cache.truncate(n_cached)  # the drafts' scratch K/V
-            h = model.forward(tokens.unsqueeze(0), state.cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)),
-                              start=n_cached, ledger=ledger)[0]
-            best, bonus = self.verify(lay, tokens, model.logits(h, ledger), qs, state)
-        path = lay.path_rows[best]
-        state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
+        _, _, path, bonus = verify_tree(model, state, lay, tokens.unsqueeze(0),
+                                        lambda logits: self.verify(lay, tokens, logits, qs, state), "self")
         accepted = tokens[path].tolist()
-        self.draft_stop.update(len(confidences), len(path), len(confidences) == self.max_draft)
-        state.drafted = lay.n_nodes - 1
+        drafter.update(state, len(confidences), accepted)
         step = state.trace_step
-        step.source, step.tree_size, step.width, step.accepted = "self", lay.n_nodes, lay.n_nodes, len(path)
-        step.draft_limit = self.max_draft
-        search, o = self.search, self.options
-        if (o.optimize and search.active and example.steps % o.opt_interval == 0
-                and len(state.tokens) - state.prompt_len + len(path) > o.context_window + 1):
-            with phase(ledger, "search"):
-                self.optimization_step(state, state.tokens[state.prompt_len:] + accepted)
-        example.steps += 1
-        step.controller = {"chain": len(confidences), "skipped": len(search.skip),
-                           **({"search": search.last} if search.last else {}), **(self.draft_stop.state() or {})}
-        search.last = None
+        step.draft_limit = drafter.max_draft
+        step.controller = drafter.controller(len(confidences))
         return accepted + [bonus]
 
     def verify(self, lay: TreeLayout, tokens: torch.Tensor, logits: torch.Tensor, qs: list[torch.Tensor],
@@ -376,6 +409,6 @@ class Swift(Decoder):
             node = kids[j]
 
     def finish(self, state: DecodeState) -> None:
-        search = self.search
+        search = self.drafter.search
         state.stats.update({"swift_best_matchness": search.best, "swift_iterations": search.iteration,
                             "swift_optimising": search.active, "skipped": len(search.skip)})

@@ -21,14 +21,25 @@ attention):
 * **tree attention mask**: a node sees its ancestors and itself; EPT ``e`` of prompt token
   ``p`` on node ``v`` sees ``v``'s path and EPT ``e`` of prompt tokens ``1…p`` of ``v`` — the
   *ensemble attention mask* of PPD Appendix B.5.1. Nothing sees a prompt token of another node.
+
+:func:`verify_tree` is the step every tree method shares once its tree is laid out (PPD's, SWIFT's):
+the tree's pass, its verification by the method's rule, the cache kept along the accepted path and
+the step's trace.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 import torch
+
+from selfspec.models.ledger import phase
+from selfspec.models.passes import Pass, Rows
+
+if TYPE_CHECKING:
+    from selfspec.decoding.base import DecodeState
+    from selfspec.models.layered import LayeredModel
 
 
 class TreeError(ValueError):
@@ -217,6 +228,41 @@ def accepted_node(lay: TreeLayout, ok: torch.Tensor) -> torch.Tensor:
 def candidate_tokens(lay: TreeLayout, candidates: torch.Tensor) -> torch.Tensor:
     """Tokens of the candidate nodes from ``candidates`` ``[depths, ranks]`` (top-k per prompt token)."""
     return candidates[lay.cand_depth, lay.cand_rank]
+
+
+class Verified(NamedTuple):
+    """What :func:`verify_tree` returns: the tree pass's states ``[size, d]`` (every row's: PPD reads its
+    prompt tokens'), the accepted node, the input rows of its path (root excluded) and the token after it."""
+
+    states: torch.Tensor
+    node: int
+    path: list[int]
+    bonus: int
+
+
+def verify_tree(model: LayeredModel, state: DecodeState, lay: TreeLayout, x: torch.Tensor,
+                verify: Callable[[torch.Tensor], tuple[int, int]], source: str) -> Verified:
+    """A tree step's verification, written once for the tree methods (PPD, SWIFT), as
+    :func:`~selfspec.decoding.chain.settle` is for the chains: one pass of the tree's rows ``x`` (token
+    ids ``[1, size]`` or states ``[1, size, d]``, in :func:`layout`'s input order) right after the
+    committed tokens (a drafter's scratch K/V past them dropped first), at ``lay``'s positions under its
+    tree mask; ``verify`` takes the nodes' logits ``[n_nodes, V]`` and returns the accepted node and
+    the token after it (the method's rule); all three in the ledger's ``verify`` phase. The cache then
+    keeps the root and the accepted path (:meth:`~selfspec.models.cache.LayerCache.gather`), and the
+    step says what was drafted (every candidate node), where from (``source``), the tree's nodes, the
+    pass's width (prompt-token rows included) and how many nodes were accepted."""
+    n_cached, ledger = state.n_cached, state.ledger
+    with phase(ledger, "verify"):
+        state.cache.truncate(n_cached)
+        h = model.forward(x, state.cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)), start=n_cached,
+                          ledger=ledger)[0]
+        node, bonus = verify(model.logits(h[: lay.n_nodes], ledger))
+    path = lay.path_rows[node]
+    state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
+    state.drafted = lay.n_nodes - 1
+    step = state.trace_step
+    step.source, step.tree_size, step.width, step.accepted = source, lay.n_nodes, lay.size, len(path)
+    return Verified(h, node, path, bonus)
 
 
 def prompt_chain_mask(n_prefix: int, m: int, n_ept: int, device=None) -> torch.Tensor:
