@@ -603,7 +603,7 @@ class LayeredModel:
         if rows.kind == "scratch":
             if keep or checkpoint:
                 raise ValueError("forward: a scratch pass keeps no states and trains nothing (keep, checkpoint)")
-            return self._scratch(p, x, cache, layers, ledger)
+            return self._scratch(p, x if x.is_floating_point() else self.embed(x), cache, layers, ledger)
         if start is None:
             start = cache.length(layers[0]) if cache is not None and len(layers) else 0
         if self.steps is not None and rows.kind != "packed":
