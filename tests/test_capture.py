@@ -135,10 +135,10 @@ def test_ppd_trees_of_the_papers_sizes_take_the_static_shapes(pair, prompt_ids, 
     widths = []
     real = static.steps.run
 
-    def watch(model, ids, h, cache, start, layers, skip, tree=None, keep=None):
-        if tree is not None:
-            widths.append((ids if h is None else h).shape[1])
-        return real(model, ids, h, cache, start, layers, skip, tree, keep)
+    def watch(model, p, x, cache, start, keep=None):
+        if p.rows.kind == "tree":
+            widths.append(x.shape[1])
+        return real(model, p, x, cache, start, keep)
 
     static.steps.run = watch
     try:
