@@ -225,10 +225,10 @@ class SkipSetDrafter(Drafter):
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
         eos = self.eos if self.decoding.eos_draft == "stop" else frozenset()
-        token, skip = state.pending, self.skips(state)
+        token, p = state.pending, Pass(skip=self.skips(state))
         for j in range(k_max):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, Pass(skip=skip), start=state.n_cached + j, ledger=state.ledger)
+            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=state.ledger)
             if not draft.add(self.draft_logits(h, state.ledger), state, self.threshold, eos):
                 break
             token = draft.tokens[-1]

@@ -261,13 +261,13 @@ class LayerSetDrafter(Carries):
         draft distribution, whose rows are returned, as many as its support holds), the chain
         token's confidence, and how many candidates each depth has."""
         model, ledger, greedy = self.model, state.ledger, state.sampling.greedy
-        skip, threshold = self.search.skip, self.draft_stop.threshold()
+        p, threshold = Pass(skip=self.search.skip), self.draft_stop.threshold()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
         token, rows, confidences, qs, drawn = state.pending, [], [], [], []
         width = min(TOPK, model.vocab_size)
         for j in range(min(self.max_draft, max(budget, 1))):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, Pass(skip=skip), start=state.n_cached + j, ledger=ledger)
+            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=ledger)
             logits = model.logits(h[:, -1], ledger)[0]
             if greedy:
                 top = logits.topk(width).indices
