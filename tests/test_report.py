@@ -566,3 +566,42 @@ def test_a_speedup_chart_of_many_methods_has_one_panel_per_decoder_family(tmp_pa
     assert "one panel per decoder family" in plot.caption
     few = speedup_plot([r for r in recs if r.decoder is None][:8], tmp_path / "few.png", "speedup, m")
     assert len(few.labels) == 1 and "panel" not in few.caption
+
+
+def test_a_sweep_over_batch_size_keeps_a_row_per_size_and_plots_speedup_against_it(tmp_path):
+    """Issue 54: ``batch_size=1,4,16`` runs of one method are three settings, not re-runs of one: each
+    keeps its row (labelled with its size, against the vanilla of its own run), the answer is given per
+    batch size, and one chart plots each method's speedup against the batch size, measured and as
+    projected onto a profile."""
+    root = tmp_path / "multirun"
+    for b, (dv, sw) in {1: (1.2, 1.1), 4: (1.0, 1.15), 16: (0.8, 0.9)}.items():
+        proj = {"h100": {"draft_verify": {"predicted_speedup": 1.5 - 0.02 * b}}}
+        write_run(root / f"b{b}", table=None, task="xsum", method="draft_verify",
+                  methods={"vanilla": entry(20.0, 1.0), "draft_verify": entry(20 * dv, dv),
+                           "swift": entry(20 * sw, sw)},
+                  extra={"projections": proj})
+        summary = json.loads((root / f"b{b}" / "summary.json").read_text())
+        summary["config"]["batch_size"] = b
+        (root / f"b{b}" / "summary.json").write_text(json.dumps(summary))
+    records = latest_only(collect([root]))
+    assert sorted(r.batch_size for r in records if r.method == "draft_verify") == [1, 4, 16]
+    result = build_report([root], tmp_path / "report", None)
+    md = result.out_dir.joinpath("report.md").read_text()
+    assert re.search(r"\| Draft & Verify[^|]*, batch 4[^|]*\|", md) and re.search(r"\| Draft & Verify[^|,]*\|", md)
+    decodings = {(a.decoding, a.method.split(",")[0]) for a in result.answers}
+    assert {d for d, _ in decodings} == {"greedy", "greedy, batch 4", "greedy, batch 16"}
+    assert ("greedy, batch 4", "SWIFT") in decodings and ("greedy", "Draft & Verify") in decodings
+    (plot,) = [p for p in result.plots if p.path.name.startswith("batch_")]
+    assert plot.path.exists() and "batch size" in plot.caption
+    assert_plots_explained(result)
+
+
+def test_a_summary_with_a_batch_size_that_is_not_a_positive_integer_is_skipped(tmp_path, caplog):
+    run = write_run(tmp_path / "r", table=None, task="xsum", method="ngram",
+                    methods={"vanilla": entry(20.0, 1.0), "ngram": entry(30.0, 1.5)})
+    summary = json.loads((run / "summary.json").read_text())
+    summary["config"]["batch_size"] = 0
+    (run / "summary.json").write_text(json.dumps(summary))
+    with caplog.at_level("WARNING"):
+        assert read_run(run) == []
+    assert "field 'config.batch_size' is 0, not a positive integer" in caplog.text

@@ -71,11 +71,12 @@ def _candidate(r: Record) -> bool:
 
 
 def answers(records: Iterable[Record]) -> list[Answer]:
-    """One :class:`Answer` per (model, task, decoding) that has at least one candidate."""
+    """One :class:`Answer` per (model, task, decoding: temperature and batch size) that has at least
+    one candidate."""
     groups: dict[tuple[Any, ...], list[Record]] = defaultdict(list)
     for r in records:
         if r.origin != "paper":
-            groups[(r.model, r.task, r.field("temperature"))].append(r)
+            groups[(r.model, r.task, r.decoding)].append(r)
     out = []
     for (model, task, decoding), recs in groups.items():
         candidates = [r for r in recs if _candidate(r)]
@@ -94,7 +95,7 @@ def answers(records: Iterable[Record]) -> list[Answer]:
             score=best.metric(key) if key else None,
             baseline_score=base.metric(key) if base and key else None,
             compared=len({r.method for r in candidates}), source=str(source), loaded=best.loaded))
-    return sorted(out, key=lambda a: (str(a.model), task_order(a.task), str(a.task), a.decoding != "greedy", a.decoding))
+    return sorted(out, key=lambda a: (str(a.model), task_order(a.task), str(a.task), not a.decoding.startswith("greedy"), a.decoding))
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -113,7 +114,7 @@ def cells(a: Answer) -> list[str]:
 def _consistency(a: Answer) -> str:
     """The consistency cell: the share under greedy decoding, ``n/a (lossless in distribution)``
     under sampling, where speculative sampling keeps vanilla's distribution, not its tokens."""
-    if a.decoding != "greedy":
+    if not a.decoding.startswith("greedy"):
         return "n/a (lossless in distribution)"
     return _fmt(a.consistency, ".3f")
 

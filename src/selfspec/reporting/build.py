@@ -34,8 +34,8 @@ from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout,
 from selfspec.reporting.breakdown import LOADED
 from selfspec.reporting.paper import paper_records
 from selfspec.reporting.records import Record, collect, find_runs, latest_only
-from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title, to_latex,
-                                       to_markdown)
+from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title,
+                                       method_variant_title, to_latex, to_markdown)
 from selfspec.store.figure import Plot
 from selfspec.store.files import read_json
 
@@ -228,6 +228,7 @@ def _plots(by_table: dict[str, list[Record]], records: list[Record], plot_dir: P
             made.append(plots.speedup_plot([r for r in recs if r.model == model],
                                            plot_dir / f"speedup_{table_id}_{model}.png",
                                            f"{layout.title}\n{model}"))
+    made += _batch_plots(records, plot_dir)
     made.append(plots.gamma_plot(records, plot_dir / "gamma.png"))
     made.append(plots.exit_layers_plot(records, plot_dir / "exit_layers.png"))
     if artefacts_dir is not None:
@@ -238,3 +239,30 @@ def _plots(by_table: dict[str, list[Record]], records: list[Record], plot_dir: P
         made.append(plots.heads_training_plot(art.heads_histories(found), plot_dir / "heads_training.png"))
         made.append(plots.tree_latency_plot(art.tree_curves(found), plot_dir / "tree_latency.png"))
     return [p for p in made if p is not None]
+
+
+def _batch_plots(records: list[Record], plot_dir: Path) -> list[Plot | None]:
+    """Speedup against batch size (:func:`~selfspec.reporting.plots.batch_plot`), one chart per model,
+    task and temperature whose runs swept ``batch_size`` (issue 54): measured, and projected onto each
+    profile the runs were projected on."""
+    groups: dict[tuple, list[Record]] = {}
+    for r in records:
+        if r.origin != "paper" and r.method != "vanilla":
+            groups.setdefault((r.model, r.task, r.field("temperature")), []).append(r)
+    made = []
+    for (model, task, temperature), recs in sorted(groups.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        if len({r.batch_size for r in recs}) < 2:
+            continue
+        measured: dict[str, dict[int, float]] = {}
+        projected: dict[str, dict[str, dict[int, float]]] = {}
+        for r in recs:
+            title = method_variant_title(r)
+            if isinstance(r.metric("speedup"), (int, float)):
+                measured.setdefault(title, {})[r.batch_size] = float(r.metric("speedup"))
+            for profile, p in r.projections.items():
+                if isinstance(p.get("predicted_speedup"), (int, float)):
+                    projected.setdefault(profile, {}).setdefault(title, {})[r.batch_size] = p["predicted_speedup"]
+        made.append(plots.batch_plot(measured, projected, plot_dir / f"batch_{model}_{task}_{temperature}.png",
+                                     f"{model} · {TASK_TITLE.get(task or '', task)}, {temperature}"))
+    return made
+

@@ -42,6 +42,8 @@ class Record:
     metrics: dict[str, Any]
     variant: str | None = None
     temperature: Any = 0.0
+    #: how many prompts the run decoded at once (``batch_size``; the papers' rows: 1)
+    batch_size: int = 1
     #: ``run`` (a local run directory), ``wandb`` (pulled from W&B) or ``paper``
     origin: str = "run"
     #: run directory / W&B path / citation, commit, hardware, versions; ``artefacts``: inputs
@@ -78,6 +80,14 @@ class Record:
 
     def metric(self, name: str) -> Any:
         return self.metrics.get(name)
+
+    @property
+    def decoding(self) -> str:
+        """How the record decodes: its temperature's title, and the batch size when it is not 1
+        (``greedy``, ``T=0.6``, ``greedy, batch 8``). Speedups compare within one decoding: a batched
+        run's vanilla decoded the same batches."""
+        t = self.field("temperature")
+        return t if self.batch_size == 1 else f"{t}, batch {self.batch_size}"
 
     @property
     def sampling(self) -> bool:
@@ -327,6 +337,7 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
             # the variant describes the method under test; the baseline and peers are themselves
             variant=variant if method == under_test and method != baseline else None,
             temperature=_get(cfg, "sampling.temperature", 0.0),
+            batch_size=_batch_size(cfg),
             metrics=metrics,
             stats=entry.get("stats") or {},
             origin=origin,
@@ -339,6 +350,14 @@ def records_from_summary(summary: dict[str, Any], cfg: dict[str, Any], *, source
                          if isinstance(by_method, dict) and isinstance(by_method.get(method), dict)},
         ))
     return out
+
+
+def _batch_size(cfg: dict[str, Any]) -> int:
+    """A run config's ``batch_size`` (1 in a run of the format before batches, which had none)."""
+    b = _get(cfg, "batch_size", 1)
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise MalformedSummary(f"field 'config.batch_size' is {b!r}, not a positive integer")
+    return b
 
 
 class MalformedSummary(ValueError):
@@ -456,8 +475,12 @@ def read_run(run_dir: str | Path) -> list[Record]:
     except (OSError, ValueError) as err:  # issue 52: one malformed .hydra/ file aborted the whole report
         log.warning("skipping %s: %s", run_dir, err)
         return []
-    return records_from_summary(summary, cfg, source=str(run_dir), origin="run",
-                                overrides=overrides, choices=choices)
+    try:
+        return records_from_summary(summary, cfg, source=str(run_dir), origin="run",
+                                    overrides=overrides, choices=choices)
+    except MalformedSummary as err:  # a config field the records read (batch_size)
+        log.warning("skipping %s: %s", path, err)
+        return []
 
 
 def find_runs(inputs: Iterable[str | Path]) -> list[Path]:
@@ -483,11 +506,11 @@ def collect(inputs: Iterable[str | Path]) -> list[Record]:
 
 
 def latest_only(records: list[Record]) -> list[Record]:
-    """Keep, per (table, model, task, method, variant, temperature), the record of the newest run
-    (by its summary's modification time), so a re-run replaces a table row."""
+    """Keep, per (table, model, task, method, variant, temperature, batch size), the record of the
+    newest run (by its summary's modification time), so a re-run replaces a table row."""
     best: dict[tuple, Record] = {}
     for r in records:
-        key = (r.table, r.model, r.task, r.method, r.variant, r.field("temperature"), r.paper_model)
+        key = (r.table, r.model, r.task, r.method, r.variant, r.field("temperature"), r.batch_size, r.paper_model)
         if key not in best or r.provenance.get("mtime", 0.0) >= best[key].provenance.get("mtime", 0.0):
             best[key] = r
     return list(best.values())

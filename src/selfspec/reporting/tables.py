@@ -58,9 +58,10 @@ def method_variant_title(record: Record) -> str:
 
 
 def setting_title(record: Record) -> str:
-    """:func:`method_variant_title` with the temperature of a sampling record: ``AdaDecode, T=0.2``."""
+    """:func:`method_variant_title` with how a record decodes unless greedy one at a time:
+    ``AdaDecode, T=0.2``, ``SWIFT, greedy, batch 8``."""
     title = method_variant_title(record)
-    return f"{title}, {record.field('temperature')}" if record.sampling else title
+    return title if record.decoding == "greedy" else f"{title}, {record.decoding}"
 
 
 def is_baseline(record: Record) -> bool:
@@ -214,6 +215,8 @@ def row_label(record: Record, layout: Layout) -> str:
             value = record.field(f)
             if value not in (None, ""):
                 parts.append(str(value))
+    if record.batch_size != 1:  # a sweep over batch_size: one row per size, each against its vanilla
+        parts.append(f"batch {record.batch_size}")
     label = ", ".join(parts) or method_title(record)
     return label + losslessness_mark(record)
 
@@ -229,7 +232,7 @@ def _row_key(record: Record, layout: Layout) -> tuple:
         else:
             v = record.field(f)
             key.append((v is not None, str(v or "")))
-    return tuple(key)
+    return (*key, record.batch_size)
 
 
 def _column(record: Record, layout: Layout) -> Any:
@@ -389,7 +392,7 @@ def loaded_warnings(records: list[Record]) -> list[str]:
     naming the model, task and decoding."""
     out: dict[str, str] = {}
     for r in records:
-        where = f"{r.model} · {TASK_TITLE.get(r.task or '', r.task)}, {r.field('temperature')}"
+        where = f"{r.model} · {TASK_TITLE.get(r.task or '', r.task)}, {r.decoding}"
         warning = contention_warning(r.contention, where)
         if warning:
             out.setdefault(str(r.provenance.get("source")), warning)
