@@ -277,6 +277,36 @@ def test_contention_is_flagged_from_the_baselines_step_times(tiny, tmp_path):
     assert contention(base, profile, 1.25, here) is None
 
 
+def test_a_batched_run_is_judged_by_its_batches_not_by_its_sequences(tiny, tmp_path, monkeypatch):
+    """Found measuring issue 54 (SmolLM2, XSum, a quiet machine): every batched run was flagged as
+    measured under load, at 1.85x, 2.6x, 5.6x and 10x for B = 2, 4, 8, 16. A sequence's seconds span
+    its whole batch, the other sequences' passes included, and were set against its own trace's
+    price. A batched run is judged by its batches' wall seconds against the price of their passes."""
+    from selfspec.evaluation import aggregate, runner
+
+    judged = []
+
+    def batch_contention(*args, **kw):  # the run is milliseconds long: judge it anyway
+        judged.append(aggregate.batch_contention(*args, **{**kw, "min_seconds": 0}))
+        return judged[-1]
+
+    monkeypatch.setattr(runner, "batch_contention", batch_contention)
+    monkeypatch.setattr(runner, "contention", lambda *a, **k: pytest.fail("a batched run judged per sequence"))
+    s = _run(tiny, tmp_path, "batch_size=3", "n_examples=4", "compare=[]", "method.never_slower=false")
+    base = s["batches"]["vanilla"]
+    assert judged and s["contention"] == judged[-1]
+    assert s["contention"]["ratio"] == pytest.approx(base["seconds"] / base["predicted_seconds"])
+    assert s["contention"]["batched"] is True and s["contention"]["spoiled"] == []
+    assert s["contention"]["flagged"] is (s["contention"]["ratio"] > s["contention"]["threshold"])
+    profile = Profile.load(s["profile"]["path"])
+    quiet = dict(base, seconds=base["predicted_seconds"], measured_over_predicted=1.0)
+    assert aggregate.batch_contention(quiet, profile, 1.5, profile.machine, min_seconds=0)["flagged"] is False
+    loaded = dict(base, measured_over_predicted=3.0)
+    assert aggregate.batch_contention(loaded, profile, 1.5, profile.machine, min_seconds=0)["flagged"] is True
+    assert aggregate.batch_contention(loaded, profile, 1.5, profile.machine | {"hardware": "Another CPU"},
+                                      min_seconds=0) is None
+
+
 def test_a_burst_of_load_in_one_generation_is_caught_per_generation(tiny, tmp_path):
     """A burst that slows one generation moves the whole run's ratio too little for the threshold; the
     per-generation check lists it (against its method's median ratio) and flags the run."""

@@ -2,10 +2,12 @@
 this machine for the module (tests/slurm_cluster.py; ``make slurm`` installs Debian's slurm-wlm,
 munge, slurmdbd and mariadb-server as root).
 
-- a 2 x 2 sweep (task x method) on tiny-random goes out as one job array; the launcher waits for it
-  through submitit (sacct), and the report builds its tables from the jobs' run directories;
-- the same sweep once more with one job cancelled midway (``scancel``): resubmitted into the same
-  sweep directory, the finished jobs generate nothing and the cancelled one resumes where it stopped.
+a 2 x 2 sweep (task x method) on tiny-random goes out as one job array, and one job is cancelled
+midway (``scancel``); the launcher sees the cancel through submitit (sacct). Resubmitted into the same
+sweep directory, the finished jobs generate nothing, the cancelled one resumes where it stopped, every
+job of the second array completes on the node with its summary, and the report builds its tables from
+the jobs' run directories. (One test: a sweep that only completes was a second test of its own, which
+cost two more minutes and checked nothing the resubmission does not.)
 
 Without those packages (or not as root) the tests skip with the reason; under CI=true they fail.
 Each step is logged to ``outputs/slurm/test_slurm.log`` (job ids, states, rows), the daemons' logs
@@ -167,34 +169,6 @@ def build_report(sweep: Path, out: Path) -> str:
     return table
 
 
-@pytest.mark.timeout(2400)  # a few minutes on 2 idle cores; more where other processes compete
-def test_sweep_of_four_jobs_through_slurm_and_the_tables_from_their_outputs(slurm, job_cache, tmp_path):
-    n = 4
-    sweep = tmp_path / "sweep"
-    cmd, kw = launcher(slurm, job_cache, sweep_args(sweep, n), tmp_path)
-    note("sweep: " + " ".join(cmd[1:]))
-    t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, **kw)
-    assert done.returncode == 0, done.stderr[-4000:]
-    note(f"sweep returned after {time.monotonic() - t0:.0f} s (submitit waited on every job)")
-    (array,) = array_ids(sweep)
-    slurm.wait_ended(array, 4)  # submitit returns on a job's result file, Slurm ends the job a moment later
-    jobs = log_states(slurm, array, "sbatch job array")
-    assert sorted(jobs) == [f"{array}_{i}" for i in range(4)]
-    assert {j["State"] for j in jobs.values()} == {"COMPLETED"} and {j["NodeList"] for j in jobs.values()} == {slurm.node}
-
-    dirs = run_dirs(sweep)
-    assert sorted(dirs) == [0, 1, 2, 3]
-    assert {d.name.split("_", 1)[1] for d in dirs.values()} == {f"{t}_tiny-random_{m}" for t in TASKS for m in METHODS}
-    for num, run in sorted(dirs.items()):
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["n_examples"] == n and len(rows(run)) == n * n_methods(run)
-        assert f"results in {run}" in job_log(sweep, array, num)
-        note(f"job {array}_{num}: {run.name}: {len(rows(run))} rows, "
-             + ", ".join(f"{m} {s['tokens_per_s']:.0f} tok/s" for m, s in summary["methods"].items()))
-    build_report(sweep, tmp_path / "report")
-
-
 @pytest.mark.timeout(3600)
 def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache, tmp_path):
     # enough examples that the job cannot finish in the KillWait seconds between scancel's SIGTERM
@@ -261,16 +235,23 @@ def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache,
     second = again[0]
     slurm.wait_ended(second, 4)
     jobs = log_states(slurm, second, f"second submission (returned after {time.monotonic() - t0:.0f} s)")
-    assert {j["State"] for j in jobs.values()} == {"COMPLETED"} and len(jobs) == 4
+    assert sorted(jobs) == [f"{second}_{i}" for i in range(4)]
+    assert {j["State"] for j in jobs.values()} == {"COMPLETED"} and {j["NodeList"] for j in jobs.values()} == {slurm.node}
+    dirs = run_dirs(sweep)
+    assert sorted(dirs) == [0, 1, 2, 3]
+    assert {d.name.split("_", 1)[1] for d in dirs.values()} == {f"{t}_tiny-random_{m}" for t in TASKS for m in METHODS}
 
-    for num, d in sorted(run_dirs(sweep).items()):
+    for num, d in sorted(dirs.items()):
         after, printed = rows(d), job_log(sweep, second, num)
         total = n * n_methods(d)
         resumed = re.search(r"resuming .*: (\d+) of (\d+) examples already finished", printed)
         assert resumed, printed[-3000:]
         keys = [(r["id"], r["sample"], r["method"]) for r in map(json.loads, after)]
         assert len(keys) == len(set(keys)) == total  # each (example, sample, method) once
-        assert json.loads((d / "summary.json").read_text())["n_examples"] == n
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["n_examples"] == n and f"results in {d}" in printed
+        note(f"job {second}_{num}: {d.name}: {len(after)} rows, "
+             + ", ".join(f"{m} {s['tokens_per_s']:.0f} tok/s" for m, s in summary["methods"].items()))
         if num == victim:
             assert after[: len(before[num])] == before[num]  # the rows before the cancel are kept
             assert int(resumed.group(1)) == cancelled_done

@@ -239,6 +239,23 @@ def contention(base: list[dict[str, Any]], profile, threshold: float, here: dict
             "flagged": ratio > threshold or bool(spoiled)}
 
 
+def batch_contention(batch: dict[str, Any] | None, profile, threshold: float, here: dict[str, Any],
+                     min_seconds: float = CONTENTION_MIN_SECONDS) -> dict[str, Any] | None:
+    """:func:`contention` for a batched run (``batch_size`` > 1): the baseline's batches' wall seconds
+    over what the profile predicts for their passes (``batch``: the baseline's entry of
+    :func:`~selfspec.evaluation.batches.batch_summary`, its ``measured_over_predicted``), flagged above
+    ``threshold``. A sequence's own seconds span its whole batch, the other sequences' passes
+    included, so the per-generation ratios of :func:`contention` and :func:`spoiled_generations`
+    would count the batch itself as load (every batched run was flagged, at 1.85–10× for B = 2–16
+    on a quiet machine); a burst inside a batch is not told apart from the batch's own time. None
+    where the profile cannot tell or the batches took under ``min_seconds``."""
+    if (profile is None or not profile.describes(here) or not batch or batch.get("measured_over_predicted") is None
+            or batch["seconds"] < min_seconds):
+        return None
+    ratio = batch["measured_over_predicted"]
+    return {"ratio": ratio, "threshold": threshold, "spoiled": [], "flagged": ratio > threshold, "batched": True}
+
+
 def spoiled_generations(finished: dict[str, list[dict[str, Any]]], profile, here: dict[str, Any], spike: float,
                         min_seconds: float = GENERATION_MIN_SECONDS) -> list[dict[str, Any]] | None:
     """The generations a burst of other load slowed. Each generation of a method with traces (not the

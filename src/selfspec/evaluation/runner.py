@@ -37,7 +37,8 @@ from omegaconf import DictConfig, OmegaConf
 from selfspec.config import check_primary_keys, checks, load_method_config
 from selfspec.config.options import Options
 from selfspec.decoding import Decoder, Sampling, build_decoder, check_method, decoder_class
-from selfspec.evaluation.aggregate import common_rows, contention, generation_key, spoiled_generations, summarize
+from selfspec.evaluation.aggregate import (batch_contention, common_rows, contention, generation_key, spoiled_generations,
+                                         summarize)
 from selfspec.evaluation.profiling import profile_spec, run_profile
 from selfspec.measure.peak import (EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes,
                                    shape_of)
@@ -615,6 +616,12 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
     finished = common_rows(rows, names, baseline)
     samples_files = _write_samples(out_dir, task, finished)
     here = machine(loaded.model.device)
+    batches = _batches(out_dir, finished, baseline, profile) if plan.batch_size > 1 else None
+    if batches is None:
+        loaded_when = contention(finished[baseline], profile, float(cfg.contention), here,
+                                 spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike)))
+    else:
+        loaded_when = batch_contention(batches.get(baseline), profile, float(cfg.contention), here)
     return {
         "format": RUN_FORMAT,
         "model": loaded.name,
@@ -631,11 +638,10 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
         "run_info": info,
         "model_shape": model_shape(loaded.model),
         "profile": profile.summary() if profile is not None else None,
-        "contention": contention(finished[baseline], profile, float(cfg.contention), here,
-                                 spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike))),
+        "contention": loaded_when,
         "threads": {"policy": threads, "configured": torch.get_num_threads()},
         "batch_size": plan.batch_size,
-        "batches": _batches(out_dir, finished, baseline, profile) if plan.batch_size > 1 else None,
+        "batches": batches,
         "capture": _capture_summary(loaded.model, finished),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": artefacts,
