@@ -44,6 +44,35 @@ def test_the_stated_error_is_the_largest_over_the_points():
     assert max(errors) == pytest.approx(peak.ERROR, abs=0.005)
 
 
+def test_a_gguf_files_shape_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """Found timing the tests (2026-11-29): every check of the embedded default's memory read SmolLM2's
+    GGUF metadata again (gguf's reader parses the tokenizer's 49,152 strings: 3-8 s), so each test of
+    settings refused before the load took about 5 s. A file's shape is now read once per process for
+    each version of the file (its path, size, modification time and inode)."""
+    import os
+    import shutil
+
+    from selfspec.models import loading
+    from selfspec.store.assets import asset_path
+
+    reads = []
+    real = loading._read_gguf
+    monkeypatch.setattr(loading, "_read_gguf", lambda *a: reads.append(a[0]) or real(*a))
+    peak._cached_gguf_shape.cache_clear()
+    first = peak.shape_of(model_config("smollm2-135m"))
+    assert peak.shape_of(model_config("smollm2-135m")) == first and len(reads) == 1
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(asset_path("smollm2-gguf"), copy)
+    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 2
+    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 2
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # another version of the file
+    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 3
+    copy.unlink()
+    with pytest.raises(loading.ModelLoadError, match="copy.gguf"):
+        peak._gguf_shape(copy, "copy")
+
+
 def test_activation_terms_grow_with_batch_and_sequence():
     shape = peak.SIZES["8B"]
     small = compose(["model=tiny-random", "job=prompts", "job.inserts=4"], config_name="train")

@@ -33,6 +33,7 @@ PPD's prompt training (backward keeps each layer's input and one layer's saved t
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,23 @@ SIZES = {
 
 
 def _gguf_shape(path: Path, name: str) -> Shape:
+    """A GGUF file's shape from its metadata (:func:`_read_gguf_shape`), read once per process for one
+    version of the file (its path, size, modification time and inode): gguf's reader parses every
+    metadata field, the tokenizer's 49,152 strings included, which took 3–8 s for SmolLM2's file, and
+    a run or a test of refused settings asks for the shape several times before any model loads."""
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return _read_gguf_shape(Path(path), name)  # the reader names the file and what is wrong with it
+    return _cached_gguf_shape(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, name)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_gguf_shape(path: str, size: int, mtime_ns: int, inode: int, name: str) -> Shape:
+    return _read_gguf_shape(Path(path), name)
+
+
+def _read_gguf_shape(path: Path, name: str) -> Shape:
     """A GGUF file's shape from its metadata (no tensor read), each field checked (issue 39: a missing
     or zero field gave a raw TypeError or ZeroDivisionError, and a lying ``feed_forward_length`` a
     1,472 GB estimate blamed on the prompts): present, a positive whole number, the heads dividing the
