@@ -618,10 +618,10 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
     here = machine(loaded.model.device)
     batches = _batches(out_dir, finished, baseline, profile) if plan.batch_size > 1 else None
     if batches is None:
-        loaded_when = contention(finished[baseline], profile, float(cfg.contention), here,
+        under_load = contention(finished[baseline], profile, float(cfg.contention), here,
                                  spoiled=spoiled_generations(finished, profile, here, float(cfg.contention_spike)))
     else:
-        loaded_when = batch_contention(batches.get(baseline), profile, float(cfg.contention), here)
+        under_load = batch_contention(batches.get(baseline), profile, float(cfg.contention), here)
     return {
         "format": RUN_FORMAT,
         "model": loaded.name,
@@ -638,7 +638,7 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
         "run_info": info,
         "model_shape": model_shape(loaded.model),
         "profile": profile.summary() if profile is not None else None,
-        "contention": loaded_when,
+        "contention": under_load,
         "threads": {"policy": threads, "configured": torch.get_num_threads()},
         "batch_size": plan.batch_size,
         "batches": batches,

@@ -46,6 +46,8 @@ class Answer:
     source: str
     #: the winner's run was measured under load (its contention check flagged it)
     loaded: bool = False
+    #: the decoding samples (a temperature above greedy's 0): lossless in distribution, not in tokens
+    sampling: bool = False
 
     @property
     def task_title(self) -> str:
@@ -94,8 +96,9 @@ def answers(records: Iterable[Record]) -> list[Answer]:
             consistency=None if best.sampling else best.metric("consistency"), score_name=title,
             score=best.metric(key) if key else None,
             baseline_score=base.metric(key) if base and key else None,
-            compared=len({r.method for r in candidates}), source=str(source), loaded=best.loaded))
-    return sorted(out, key=lambda a: (str(a.model), task_order(a.task), str(a.task), not a.decoding.startswith("greedy"), a.decoding))
+            compared=len({r.method for r in candidates}), source=str(source), loaded=best.loaded,
+            sampling=best.sampling))
+    return sorted(out, key=lambda a: (str(a.model), task_order(a.task), str(a.task), a.sampling, a.decoding))
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -114,7 +117,7 @@ def cells(a: Answer) -> list[str]:
 def _consistency(a: Answer) -> str:
     """The consistency cell: the share under greedy decoding, ``n/a (lossless in distribution)``
     under sampling, where speculative sampling keeps vanilla's distribution, not its tokens."""
-    if not a.decoding.startswith("greedy"):
+    if a.sampling:
         return "n/a (lossless in distribution)"
     return _fmt(a.consistency, ".3f")
 
