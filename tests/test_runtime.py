@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import json
@@ -52,13 +53,15 @@ def test_skinny_rows_are_bit_identical_to_one_row_calls(dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_avx512_path_is_bit_identical_to_avx2(dtype):
-    """The AVX-512 path (chosen at runtime where the CPU has AVX-512F) gives exactly the AVX2 path's
-    bits: K not a multiple of 16 (584), N odd and not a multiple of the 8-row tile, 1..32 rows."""
+    """The AVX-512 path (chosen at runtime where the CPU has AVX-512) gives exactly the AVX2 path's
+    bits: K not a multiple of 16 (584), N odd and not a multiple of the 8-row tile, 1..32 rows
+    (bfloat16: the path that widens to float32)."""
     kernels.load()
     isa = torch.ops.selfspec.skinny_isa
     if isa("auto") != "avx512":
-        pytest.skip("no AVX-512F on this CPU: the AVX-512 path of the skinny kernel cannot run")
+        pytest.skip("no AVX-512 on this CPU: the AVX-512 path of the skinny kernel cannot run")
     g = torch.Generator().manual_seed(4)
+    torch.ops.selfspec.skinny_bf16("widen")
     try:
         for n, k in ((999, 576), (1001, 584), (13, 64), (3, 8), (7, 1544)):
             w = torch.randn(n, k, generator=g).to(dtype)
@@ -70,12 +73,77 @@ def test_skinny_avx512_path_is_bit_identical_to_avx2(dtype):
                 assert torch.equal(kernels.skinny_linear(x[:rows], w), ref), (n, k, rows)
     finally:
         isa("auto")
+        torch.ops.selfspec.skinny_bf16("auto")
+
+
+#: the paths of a bfloat16 linear (csrc/bf16_dot.h): widening to float32, VDPBF16PS, AMX tiles, and
+#: the AMX path's code with its tile instructions done in software (any CPU with AVX-512-BF16)
+BF16_PATHS = ("widen", "avx512_bf16", "amx", "amx_emulated")
+
+
+@contextlib.contextmanager
+def bf16_path(path: str):
+    """bfloat16 products by ``path`` inside the block (skipped, with the reason, where this CPU cannot
+    run it), ``auto`` after."""
+    kernels.load()
+    try:
+        assert torch.ops.selfspec.skinny_bf16(path) == path
+    except RuntimeError as err:
+        pytest.skip(str(err).splitlines()[0])
+    try:
+        yield
+    finally:
+        torch.ops.selfspec.skinny_bf16("auto")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel lists them (/proc/cpuinfo), or an empty set."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_bfloat16_path_rows_are_one_row_calls_and_accumulate_in_float32(path):
+    """On every bfloat16 path this CPU has, row i of an M-row product equals the one-row product of
+    row i bit for bit, for M from 2 to 65 (past MAX_ROWS: a prefill takes the kernel too), and the
+    products are the float32 sums of the bfloat16 values, rounded once. Shapes: K a multiple of 32
+    and not (584, 40: the dot-product paths' masked last block; the AMX path then takes VDPBF16PS
+    for the whole product), N not a multiple of a task's rows or of 16 (AMX's leftover rows)."""
+    g = torch.Generator().manual_seed(7)
+    with bf16_path(path):
+        for n, k in ((999, 576), (1001, 584), (64, 1536), (70, 64), (13, 40), (3, 8)):
+            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+            x = torch.randn(65, k, generator=g).to(torch.bfloat16)
+            singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(65)])
+            exact = x.double() @ w.double().T
+            torch.testing.assert_close(singles.double(), exact, rtol=2 ** -7, atol=1e-4)
+            for rows in (2, 3, 7, 8, 9, 16, 17, 32, 33, 65):
+                assert torch.equal(kernels.skinny_linear(x[:rows], w), singles[:rows]), (n, k, rows)
+
+
+@needs_kernel
+def test_auto_takes_the_fastest_bfloat16_path_the_cpu_has():
+    """``auto`` takes AMX where the CPU lists AMX-BF16 (the kernel grants tile data on request),
+    else VDPBF16PS where it lists AVX-512-BF16, else widens: read against /proc/cpuinfo."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo to read the CPU's features from")
+    kernels.load()
+    expected = ("amx" if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+                else "avx512_bf16" if {"avx512_bf16", "avx512bw", "avx512dq"} <= flags else "widen")
+    assert torch.ops.selfspec.skinny_bf16("auto") == expected
+    with pytest.raises(RuntimeError, match=r"skinny_bf16: \"auto\", \"widen\".*got \"fast\""):
+        torch.ops.selfspec.skinny_bf16("fast")
 
 
 @needs_kernel
 def test_skinny_bfloat16_accumulates_in_float32():
-    """bfloat16 weights and activations widen exactly, accumulate in float32, round once: within
-    one bfloat16 rounding of the float32 product of the same values."""
+    """bfloat16 weights and activations (on this CPU's path) accumulate in float32 and round once:
+    within one bfloat16 rounding of the float32 product of the same values."""
     kernels.load()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(192, 64, generator=g).to(torch.bfloat16)
@@ -342,6 +410,60 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
         one = kernels.attention(sdpa, attn, q1[:, :, i:i + 1], k1[:, :, :past + i + 1], v1[:, :, :past + i + 1],
                                 None, attn.scaling)
         assert torch.equal(rows[:, i], one[:, 0]), i
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["float32", "widen", "avx512_bf16"])
+def test_attention_on_avx512_gives_the_avx2_bits(path):
+    """Row-wise attention's AVX-512 value pass (every head of a row sharing each key's values) gives
+    exactly the AVX2 loop's bits, in float32 and in bfloat16 (widened scores, or VDPBF16PS scores):
+    head dimensions of 8 to 256 (masked last vectors), one key/value head to one per query head,
+    causal and scattered (tree) masks, one row and many."""
+    kernels.load()
+    isa = torch.ops.selfspec.skinny_isa
+    if isa("auto") != "avx512":
+        pytest.skip("no AVX-512 on this CPU: row-wise attention has only its AVX2 path")
+    dtype = torch.float32 if path == "float32" else torch.bfloat16
+    g = torch.Generator().manual_seed(9)
+    with bf16_path(path) if dtype == torch.bfloat16 else contextlib.nullcontext():
+        try:
+            for heads, kv_heads, dim, keys, rows in ((9, 3, 64, 100, 1), (9, 3, 64, 100, 12), (4, 1, 8, 33, 5),
+                                                     (8, 8, 24, 50, 3), (6, 2, 256, 70, 9), (12, 3, 128, 40, 32)):
+                q = torch.randn(1, heads, rows, dim, generator=g).to(dtype)
+                k, v = (torch.randn(1, kv_heads, keys, dim, generator=g).to(dtype) for _ in range(2))
+                causal = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+                scattered = torch.rand(rows, keys, generator=g) < 0.6
+                scattered[:, 0] = True
+                for allowed in (causal, scattered, torch.empty(0, dtype=torch.bool)):
+                    isa("avx2")
+                    ref = torch.ops.selfspec.rowwise_attention(q, k, v, allowed, 0.125)
+                    isa("auto")
+                    assert torch.equal(torch.ops.selfspec.rowwise_attention(q, k, v, allowed, 0.125), ref), \
+                        (heads, kv_heads, dim, rows)
+        finally:
+            isa("auto")
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-gemma3"])
+def test_k_token_pass_equals_k_one_token_steps_on_every_bfloat16_path(model, path):
+    """On every bfloat16 path this CPU has (the linears' products, and with them attention's
+    scores), a k-token pass's logits equal k one-token steps' bit for bit."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    cfg = model_config(model)
+    cfg.dtype = "bfloat16"
+    with bf16_path(path):
+        m = load_model(cfg).model
+        ids = torch.randint(0, m.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            cache = m.new_cache(64)
+            m.forward(ids[:, :24], cache, start=0)
+            steps = torch.cat([m.logits(m.forward(ids[:, j:j + 1], cache)[:, -1]) for j in range(24, 40)])
+            for k in (2, 5, 16):
+                cache.truncate(24)
+                assert torch.equal(m.logits(m.forward(ids[:, 24:24 + k], cache))[0], steps[:k]), k
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])

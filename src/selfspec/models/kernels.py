@@ -12,13 +12,19 @@ verification pass expensive (the break-even τ of a speculative method rises wit
 ``csrc/skinny_linear.cpp`` is a small AVX2 kernel for 1..``MAX_ROWS`` rows: each block of weight
 rows is read once for all rows of the input, and each output element is computed by the same
 instruction sequence whatever the number of rows, so a k-token verification pass produces
-bit-identical linear outputs to k one-token steps. bfloat16 weights and activations take the same
-kernel (widened exactly to float32, accumulated in float32, rounded to bfloat16 once) for every
-row count, prefill included: torch's bfloat16 GEMM on an AVX2 CPU is 4x slower. On a CPU with
-AVX-512F an AVX-512 path of the kernel runs passes of more than 6 rows, chosen at runtime (the
-build flags stay AVX2): bit-identical to the AVX2 path, 1.07-1.31x faster from 7 to 32 rows on
-SmolLM2 and slower below (``scripts/bench_kernel_isa.py``; ``torch.ops.selfspec.skinny_isa``
-forces either path, for tests).
+bit-identical linear outputs to k one-token steps. On a CPU with AVX-512 an AVX-512 path of the
+kernel runs passes of more than 6 rows, chosen at runtime (the build flags stay AVX2):
+bit-identical to the AVX2 path, 1.07-1.31x faster from 7 to 32 rows on SmolLM2 and slower below
+(``scripts/bench_kernel_paths.py``; ``torch.ops.selfspec.skinny_isa`` forces either path, for tests).
+
+bfloat16 weights and activations take the kernel for every row count, prefill included (torch's
+bfloat16 GEMM on an AVX2 CPU is 4x slower), accumulated in float32 and rounded to bfloat16 once, by
+the fastest path the CPU has (``csrc/bf16_dot.cpp``; ``torch.ops.selfspec.skinny_bf16`` reports or
+forces it): AMX tiles (TDPBF16PS) where the CPU has AMX-BF16, VDPBF16PS where it has AVX-512-BF16,
+else each value widened exactly to float32 and float32 FMAs. Each path's rows are independent of
+the pass by construction (every output element's instruction sequence is fixed by the weight's
+shape), so bfloat16 stays lossless as float32 is; the paths give different bits from one another,
+so a process takes one path for every pass, and attention's bfloat16 scores follow it.
 Attention is made batch-invariant too (:func:`rowwise_attention`). It is compiled once per machine and
 Python environment (:func:`build_name`) with ``torch.utils.cpp_extension`` into the selfspec cache and registered as
 ``torch.ops.selfspec.skinny_linear``.
@@ -56,7 +62,7 @@ MAX_ROWS = 32
 ROWWISE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 SOURCE = Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
-HEADER = Path(__file__).with_name("csrc") / "avx2.h"
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("avx2.h", "bf16_dot.h", "isa.h"))
 LAYER_OPS_SOURCE = Path(__file__).with_name("csrc") / "layer_ops.cpp"
 LAYER_WALK_SOURCE = Path(__file__).with_name("csrc") / "layer_walk.cpp"
 
@@ -78,7 +84,7 @@ def source_digest() -> str:
     """12 hex digits naming the operators' sources, torch's version and the compiler flags: a
     build, and a cost profile measured with it (:func:`selfspec.measure.profile.machine`), belong
     to one digest."""
-    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + HEADER.read_bytes()
+    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + b"".join(header.read_bytes() for header in HEADERS)
                           + torch.__version__.encode() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
 
 
@@ -106,7 +112,8 @@ def _build_dir() -> Path:
 
 
 #: the sources, compiled together into one library
-SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE, LAYER_WALK_SOURCE)
+SOURCES = (SOURCE, Path(__file__).with_name("csrc") / "bf16_dot.cpp", ATTENTION_SOURCE, LAYER_OPS_SOURCE,
+           LAYER_WALK_SOURCE)
 
 
 def _stage_sources(folder: Path) -> list[str]:
@@ -116,7 +123,7 @@ def _stage_sources(folder: Path) -> list[str]:
     one build instead of rebuilding on every switch."""
     staged = folder / "src"
     staged.mkdir(parents=True, exist_ok=True)
-    for source in (*SOURCES, HEADER):
+    for source in (*SOURCES, *HEADERS):
         copy = staged / source.name
         data = source.read_bytes()
         if not copy.exists() or copy.read_bytes() != data:

@@ -12,6 +12,13 @@
 // row's list of allowed keys, so row i of a k-row call equals a one-row call over the same keys,
 // and a tree node's row (ancestors scattered in the cache) equals the one-row call over those keys
 // gathered in order.
+//
+// Two paths speed this up without giving up the property. Where the CPU has AVX-512 the value pass
+// runs 16 dimensions a vector with every head of a row sharing each key's values: per dimension the
+// same FMAs, so the same bits (weighted_values512). Where the process's bfloat16 products take a
+// dot-product path (bf16_dot.h), bfloat16 scores are VDPBF16PS sums of the bfloat16 query and keys
+// (dp_scores16): other bits than the widened scores, but the same for every row count, as the
+// linears' products of that path are.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,11 +26,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "avx2.h"
+#include "bf16_dot.h"
+#include "isa.h"
 
 namespace {
+
+using BF16 = at::BFloat16;
 
 using selfspec_avx2::hsum;
 using selfspec_avx2::load8;
@@ -91,12 +103,128 @@ inline void weighted_values_chunks(const float* p, const int64_t* idx, int64_t j
   }
 }
 
+// The scores of bfloat16 queries and keys on AVX-512-BF16, where the process's bfloat16 path is a
+// dot-product one (bf16_dot.h: the linears' path decides, so one process has one set of bits): for
+// one (head, row), 16 listed keys at a time, each key's score accumulated by VDPBF16PS over 32
+// dimensions per instruction in order (16 float32 lanes), then the 16 keys' lanes reduced in a fixed
+// order (reduce16). What a key's score is depends only on q, the key and D: row-independent as the
+// float32 scores above. The query is read as bfloat16, as the model holds it (no widening).
+#define SELFSPEC_DPBF16 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512bf16")))
+
+SELFSPEC_DPBF16 inline __m512bh load32(const BF16* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+// out[u] = the sum of the 16 lanes of a[u]: each vector's halves added lane by lane, then reduce8 on
+// each group of 8 vectors
+SELFSPEC_DPBF16 inline void reduce16(const __m512* a, float* out) {
+  __m256 h[16];
+#pragma GCC unroll 16
+  for (int u = 0; u < 16; ++u)
+    h[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1)));
+  _mm256_storeu_ps(out, reduce8(h));
+  _mm256_storeu_ps(out + 8, reduce8(h + 8));
+}
+
+// s[u] = q . k_u for the 16 keys kj[0..16) (D a multiple of 8; the last block of D masked)
+SELFSPEC_DPBF16 inline void dp_scores16(const BF16* q, const BF16* const* kj, int64_t D, float* s) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int u = 0; u < 16; ++u) a[u] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __mmask32 mask = D - d >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (D - d)) - 1u);
+    const __m512bh qv = load32(q + d, mask);
+#pragma GCC unroll 16
+    for (int u = 0; u < 16; ++u) a[u] = _mm512_dpbf16_ps(a[u], qv, load32(kj[u] + d, mask));
+  }
+  reduce16(a, s);
+}
+
+// The values on AVX-512 (where the CPU has it; torch.ops.selfspec.skinny_isa("avx2") forces the
+// AVX2 loop above): each of E heads that share a row's listed keys (the task's heads of one row)
+// accumulates p_j * v_j in key order, 16 dimensions a vector, each key's values read (and bfloat16
+// widened) once for all E heads. Per dimension that is the FMA sequence weighted_values performs, so
+// the outputs are its bits.
+#define SELFSPEC_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl")))
+
+SELFSPEC_AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+SELFSPEC_AVX512 inline __m512 load16(const BF16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// acc[e][d0, d0 + 16C) += p[e][j] * v_j[d0, d0 + 16C) over the listed keys j in [j0, j1), in order;
+// `masks` select the dimensions of each vector that exist
+template <int E, int C, typename T>
+SELFSPEC_AVX512 inline void weighted_values512(const float* const* p, const int64_t* idx, int64_t j0, int64_t j1,
+                                               const T* vh, int64_t vs_l, int64_t d0, const __mmask16* masks,
+                                               float* const* acc_mem) {
+  __m512 acc[E][C];
+#pragma GCC unroll 8
+  for (int e = 0; e < E; ++e)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[e][c] = _mm512_maskz_loadu_ps(masks[c], acc_mem[e] + d0 + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* vj = vh + idx[j] * vs_l + d0;
+    __m512 vv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) vv[c] = load16(vj + 16 * c, masks[c]);
+#pragma GCC unroll 8
+    for (int e = 0; e < E; ++e) {
+      const __m512 pv = _mm512_set1_ps(p[e][j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[e][c] = _mm512_fmadd_ps(pv, vv[c], acc[e][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int e = 0; e < E; ++e)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(acc_mem[e] + d0 + 16 * c, masks[c], acc[e][c]);
+}
+
+// every dimension in chunks of 64 (4 vectors; the last chunk's vectors masked to the dimensions left)
+template <int E, typename T>
+SELFSPEC_AVX512 void weighted_values512_chunks(const float* const* p, const int64_t* idx, int64_t j0, int64_t j1,
+                                               const T* vh, int64_t vs_l, int64_t D, float* const* acc_mem) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __mmask16 masks[4];
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = D - d0 - 16 * c;
+      masks[c] = left >= 16 ? __mmask16(0xffff) : (left > 0 ? static_cast<__mmask16>((1u << left) - 1u) : 0);
+    }
+    switch (std::min<int64_t>(4, (D - d0 + 15) / 16)) {
+      case 4: weighted_values512<E, 4>(p, idx, j0, j1, vh, vs_l, d0, masks, acc_mem); break;
+      case 3: weighted_values512<E, 3>(p, idx, j0, j1, vh, vs_l, d0, masks, acc_mem); break;
+      case 2: weighted_values512<E, 2>(p, idx, j0, j1, vh, vs_l, d0, masks, acc_mem); break;
+      default: weighted_values512<E, 1>(p, idx, j0, j1, vh, vs_l, d0, masks, acc_mem); break;
+    }
+  }
+}
+
+// heads [0, hb) of one row, at most 4 at a time (16 accumulators, 4 value vectors)
+template <typename T>
+SELFSPEC_AVX512 void weighted_values512_heads(const float* const* p, int64_t hb, const int64_t* idx, int64_t j0,
+                                              int64_t j1, const T* vh, int64_t vs_l, int64_t D, float* const* acc_mem) {
+  for (int64_t e = 0; e < hb; e += 4) {
+    switch (std::min<int64_t>(4, hb - e)) {
+      case 4: weighted_values512_chunks<4>(p + e, idx, j0, j1, vh, vs_l, D, acc_mem + e); break;
+      case 3: weighted_values512_chunks<3>(p + e, idx, j0, j1, vh, vs_l, D, acc_mem + e); break;
+      case 2: weighted_values512_chunks<2>(p + e, idx, j0, j1, vh, vs_l, D, acc_mem + e); break;
+      default: weighted_values512_chunks<1>(p + e, idx, j0, j1, vh, vs_l, D, acc_mem + e); break;
+    }
+  }
+}
+
 //: keys per block of the value pass: the block's values stay in L1 while every head of the task uses them
 constexpr int64_t VALUE_BLOCK = 32;
 
-template <typename T>
-void run(const float* q, const T* k, const T* v, const bool* allowed, float* out, int64_t H, int64_t M,
+// Q is float (the scores by FMAs over widened keys) or BF16 (bfloat16 keys: the scores by
+// VDPBF16PS, dp_scores16)
+template <typename Q, typename T>
+void run(const Q* q, const T* k, const T* v, const bool* allowed, float* out, int64_t H, int64_t M,
          int64_t D, int64_t L, int64_t group, int64_t ks_h, int64_t ks_l, int64_t vs_h, int64_t vs_l, float scale) {
+  constexpr bool dp = std::is_same<Q, BF16>::value;
+  constexpr int64_t block = dp ? 16 : 8;  // keys per block of the scores
+  const bool wide = selfspec_isa::avx512();  // the values on AVX-512
   // A task is a block of `rb` rows of `hb` query heads that share one key/value head: a key or
   // value fetched into L1 serves every (row, head) of the task that attends to it. Only when there
   // would be a single task (one row, one key/value head) is a task one head, so that both threads
@@ -109,9 +237,11 @@ void run(const float* q, const T* k, const T* v, const bool* allowed, float* out
   const int64_t rb = M >= 8 ? 4 : (M >= 4 ? 2 : 1);
   const int64_t row_blocks = (M + rb - 1) / rb;
   at::parallel_for(0, Hkv * row_blocks * per_kv, 1, [&](int64_t t0, int64_t t1) {
-    const int64_t padded = (L + 7) / 8 * 8;
+    const int64_t padded = (L + block - 1) / block * block;
     std::vector<int64_t> idx(rb * padded), count(rb);
     std::vector<float> s(rb * hb * padded), acc(rb * hb * D), inv(rb * hb);
+    std::vector<const float*> pe(hb);
+    std::vector<float*> acc_e(hb);
     const __m256 vscale = _mm256_set1_ps(scale);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t t = t0; t < t1; ++t) {
@@ -132,27 +262,43 @@ void run(const float* q, const T* k, const T* v, const bool* allowed, float* out
         longest = std::max(longest, n);
       }
       // scores, 8 keys at a time: 8 independent FMA chains over the head dimension, then reduce8
-      for (int64_t b = 0; b < longest; b += 8) {
+      // (bfloat16 on a dot-product path: 16 keys at a time, dp_scores16)
+      for (int64_t b = 0; b < longest; b += block) {
         for (int64_t r = 0; r < rows; ++r) {
           if (b >= count[r]) continue;
           const int64_t* ir = idx.data() + r * padded;
-          const T* kj[8];
-#pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) kj[u] = kh + ir[b + u] * ks_l;
-          const __m256 valid =
-              _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count[r] - b)), lane));
-          for (int64_t e = 0; e < hb; ++e) {
-            const float* qi = q + ((h0 + e) * M + i0 + r) * D;
-            __m256 a[8];
-#pragma GCC unroll 8
-            for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-              const __m256 qd = _mm256_loadu_ps(qi + d);
-#pragma GCC unroll 8
-              for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, load8(kj[u] + d), a[u]);
+          if constexpr (dp) {
+            const T* kj[16];
+            for (int u = 0; u < 16; ++u) kj[u] = kh + ir[b + u] * ks_l;
+            for (int64_t e = 0; e < hb; ++e) {
+              float* se = s.data() + (r * hb + e) * padded + b;
+              dp_scores16(q + ((h0 + e) * M + i0 + r) * D, kj, D, se);
+              for (int64_t half = 0; half < 16; half += 8) {
+                const __m256 valid = _mm256_castsi256_ps(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count[r] - b - half)), lane));
+                _mm256_storeu_ps(se + half, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                                             _mm256_mul_ps(_mm256_loadu_ps(se + half), vscale), valid));
+              }
             }
-            _mm256_storeu_ps(s.data() + (r * hb + e) * padded + b,
-                             _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(reduce8(a), vscale), valid));
+          } else {
+            const T* kj[8];
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; ++u) kj[u] = kh + ir[b + u] * ks_l;
+            const __m256 valid =
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count[r] - b)), lane));
+            for (int64_t e = 0; e < hb; ++e) {
+              const float* qi = q + ((h0 + e) * M + i0 + r) * D;
+              __m256 a[8];
+#pragma GCC unroll 8
+              for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+              for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qi + d);
+#pragma GCC unroll 8
+                for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qd, load8(kj[u] + d), a[u]);
+              }
+              _mm256_storeu_ps(s.data() + (r * hb + e) * padded + b,
+                               _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(reduce8(a), vscale), valid));
+            }
           }
         }
       }
@@ -182,9 +328,18 @@ void run(const float* q, const T* k, const T* v, const bool* allowed, float* out
       for (int64_t j0 = 0; j0 < longest; j0 += VALUE_BLOCK)
         for (int64_t r = 0; r < rows; ++r) {
           if (j0 >= count[r]) continue;
+          const int64_t j1 = std::min(count[r], j0 + VALUE_BLOCK);
+          if (wide) {
+            for (int64_t e = 0; e < hb; ++e) {
+              pe[e] = s.data() + (r * hb + e) * padded;
+              acc_e[e] = acc.data() + (r * hb + e) * D;
+            }
+            weighted_values512_heads(pe.data(), hb, idx.data() + r * padded, j0, j1, vh, vs_l, D, acc_e.data());
+            continue;
+          }
           for (int64_t e = 0; e < hb; ++e)
-            weighted_values_chunks(s.data() + (r * hb + e) * padded, idx.data() + r * padded, j0,
-                                   std::min(count[r], j0 + VALUE_BLOCK), vh, vs_l, D, acc.data() + (r * hb + e) * D);
+            weighted_values_chunks(s.data() + (r * hb + e) * padded, idx.data() + r * padded, j0, j1, vh, vs_l, D,
+                                   acc.data() + (r * hb + e) * D);
         }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t e = 0; e < hb; ++e) {
@@ -214,14 +369,19 @@ at::Tensor rowwise_attention(const at::Tensor& q_in, const at::Tensor& k, const 
   TORCH_CHECK(D % 8 == 0 && k.size(3) == D && v.size(3) == D && v.size(2) == L && v.size(1) == Hkv && H % Hkv == 0,
               "rowwise_attention: shapes");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "rowwise_attention: contiguous head dim");
-  const at::Tensor q = q_in.to(at::kFloat).contiguous();
+  // bfloat16 on a dot-product path: the scores by VDPBF16PS on the query as it is
+  const bool dp = q_in.scalar_type() == at::kBFloat16 && selfspec_bf16::current() != selfspec_bf16::kWiden;
+  const at::Tensor q = dp ? q_in.contiguous() : q_in.to(at::kFloat).contiguous();
   at::Tensor allowed;
   if (allowed_in.numel()) {
     allowed = allowed_in.reshape({M, L}).to(at::kBool).contiguous();
   }
-  at::Tensor out = at::empty({1, H, M, D}, q.options());
+  at::Tensor out = at::empty({1, H, M, D}, q.options().dtype(at::kFloat));
   const bool* ap = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
-  if (k.scalar_type() == at::kBFloat16)
+  if (dp)
+    run(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), ap, out.data_ptr<float>(),
+        H, M, D, L, H / Hkv, k.stride(1), k.stride(2), v.stride(1), v.stride(2), static_cast<float>(scale));
+  else if (k.scalar_type() == at::kBFloat16)
     run(q.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), ap, out.data_ptr<float>(), H, M,
         D, L, H / Hkv, k.stride(1), k.stride(2), v.stride(1), v.stride(2), static_cast<float>(scale));
   else

@@ -24,6 +24,8 @@
 #include <string>
 
 #include "avx2.h"
+#include "bf16_dot.h"
+#include "isa.h"
 
 #ifndef SKINNY_NB
 #define SKINNY_NB 48
@@ -241,23 +243,18 @@ void run_avx512(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, i
 
 // Which path runs: chosen per call from the CPU's features (read once) and what skinny_isa last
 // set ("auto": AVX-512 where the CPU has AVX-512F; "avx2"/"avx512": that path, for tests).
-enum Isa : int { kAuto = 0, kAvx2 = 1, kAvx512 = 2 };
+using selfspec_isa::cpu_has_avx512;
+using selfspec_isa::kAuto;
+using selfspec_isa::kAvx2;
+using selfspec_isa::kAvx512;
 std::atomic<int> isa_setting{kAuto};
-
-bool cpu_has_avx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return has;
-}
 
 // "auto" takes the AVX-512 path for more than MB rows only. Up to one block of x rows a pass is bound
 // by the weights' stream, and there the AVX2 path was faster (SmolLM2 at 512 context, 2 Sapphire
 // Rapids cores, the paths alternating in one process, medians: 1 row 28.2 against 31.7 ms, 6 rows
 // 35.9 against 38.3); from two blocks on the arithmetic counts and AVX-512 halves it (7 rows 38.5
 // against 36.1 ms, 16 rows 60.2 against 50.1, 32 rows 102.6 against 78.5;
-// scripts/bench_kernel_isa.py).
+// scripts/bench_kernel_paths.py).
 bool use_avx512(int64_t rows) {
   const int setting = isa_setting.load(std::memory_order_relaxed);
   return setting == kAvx512 || (setting == kAuto && rows > MB && cpu_has_avx512());
@@ -280,12 +277,43 @@ std::string skinny_isa(c10::string_view mode) {
   else if (mode == "avx2")
     isa_setting.store(kAvx2);
   else if (mode == "avx512") {
-    TORCH_CHECK(cpu_has_avx512(), "skinny_isa: this CPU lacks AVX-512F; the AVX-512 path cannot run");
+    TORCH_CHECK(cpu_has_avx512(), "skinny_isa: this CPU lacks AVX-512 (F, DQ, BW, VL); the AVX-512 path cannot run");
     isa_setting.store(kAvx512);
   } else
     TORCH_CHECK(mode.empty(), "skinny_isa: \"auto\", \"avx2\", \"avx512\" or \"\" (query), got \"",
                 std::string(mode), "\"");
   return use_avx512(MB + 1) ? "avx512" : "avx2";
+}
+
+const char* bf16_name(selfspec_bf16::Path path) {
+  switch (path) {
+    case selfspec_bf16::kDpbf16: return "avx512_bf16";
+    case selfspec_bf16::kAmx: return "amx";
+    case selfspec_bf16::kAmxEmulated: return "amx_emulated";
+    default: return "widen";
+  }
+}
+
+// skinny_bf16(mode): "auto", "widen", "avx512_bf16", "amx" or "amx_emulated" (the AMX path's code
+// with the tile instructions done in software: tests) sets the path of bfloat16 linears, refusing
+// one this CPU cannot run; "" changes nothing. Returns the path they take now.
+std::string skinny_bf16(c10::string_view mode) {
+  using namespace selfspec_bf16;
+  if (mode == "auto") {
+    choose(-1);
+  } else if (!mode.empty()) {
+    Path path;
+    if (mode == "widen") path = kWiden;
+    else if (mode == "avx512_bf16") path = kDpbf16;
+    else if (mode == "amx") path = kAmx;
+    else if (mode == "amx_emulated") path = kAmxEmulated;
+    else TORCH_CHECK(false, "skinny_bf16: \"auto\", \"widen\", \"avx512_bf16\", \"amx\", \"amx_emulated\" or \"\" "
+                     "(query), got \"", std::string(mode), "\"");
+    TORCH_CHECK(supported(path), "skinny_bf16: this CPU cannot run the ", std::string(mode), " path",
+                path == kAmx ? " (no AMX-BF16, or the OS did not grant tile data)" : " (no AVX-512-BF16)");
+    choose(path);
+  }
+  return bf16_name(current());
 }
 
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
@@ -298,6 +326,17 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   TORCH_CHECK(K % 8 == 0, "skinny_linear: in_features must be a multiple of 8, got ", K);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = N;
+  if (bf16) {
+    const selfspec_bf16::Path path = selfspec_bf16::current();
+    if (path != selfspec_bf16::kWiden) {  // bfloat16 products on the dot-product units, float32 sums
+      const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+      const int64_t M = x.size(0);
+      at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+      selfspec_bf16::linear(path, x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
+                            M, N, K);
+      return y.to(at::kBFloat16).view(out_shape);
+    }
+  }
   // bfloat16 activations widen to fp32 exactly; the product accumulates in fp32
   const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
@@ -311,8 +350,21 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
 
 }  // namespace
 
+namespace selfspec_isa {
+Isa setting() { return static_cast<Isa>(isa_setting.load(std::memory_order_relaxed)); }
+bool cpu_has_avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  }();
+  return has;
+}
+}  // namespace selfspec_isa
+
 TORCH_LIBRARY(selfspec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("skinny_isa(str mode) -> str", &skinny_isa);
+  m.def("skinny_bf16(str mode) -> str", &skinny_bf16);
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
