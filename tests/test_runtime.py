@@ -412,13 +412,26 @@ def test_masked_attention_rows_equal_one_token_steps(tiny, dtype, monkeypatch):
         assert torch.equal(rows[:, i], one[:, 0]), i
 
 
+#: attention shapes: (query heads, key/value heads, head dimension, keys, rows): head dimensions of
+#: 8 to 256 (masked last vectors), one key/value head to one per query head, odd key counts
+ATTENTION_SHAPES = ((9, 3, 64, 100, 1), (9, 3, 64, 101, 12), (4, 1, 8, 33, 5), (8, 8, 24, 50, 3),
+                    (6, 2, 256, 70, 9), (12, 3, 128, 40, 32))
+
+
+def attention_masks(rows: int, keys: int, g: torch.Generator):
+    """A causal mask, a scattered one (a tree's rows see their ancestors only) and none."""
+    causal = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    scattered = torch.rand(rows, keys, generator=g) < 0.6
+    scattered[:, 0] = True
+    return causal, scattered, torch.empty(0, dtype=torch.bool)
+
+
 @needs_kernel
-@pytest.mark.parametrize("path", ["float32", "widen", "avx512_bf16"])
+@pytest.mark.parametrize("path", ["float32", "widen"])
 def test_attention_on_avx512_gives_the_avx2_bits(path):
     """Row-wise attention's AVX-512 value pass (every head of a row sharing each key's values) gives
-    exactly the AVX2 loop's bits, in float32 and in bfloat16 (widened scores, or VDPBF16PS scores):
-    head dimensions of 8 to 256 (masked last vectors), one key/value head to one per query head,
-    causal and scattered (tree) masks, one row and many."""
+    exactly the AVX2 loop's bits, in float32 and in bfloat16 with widened scores and values: causal
+    and scattered (tree) masks, one row and many."""
     kernels.load()
     isa = torch.ops.selfspec.skinny_isa
     if isa("auto") != "avx512":
@@ -427,14 +440,10 @@ def test_attention_on_avx512_gives_the_avx2_bits(path):
     g = torch.Generator().manual_seed(9)
     with bf16_path(path) if dtype == torch.bfloat16 else contextlib.nullcontext():
         try:
-            for heads, kv_heads, dim, keys, rows in ((9, 3, 64, 100, 1), (9, 3, 64, 100, 12), (4, 1, 8, 33, 5),
-                                                     (8, 8, 24, 50, 3), (6, 2, 256, 70, 9), (12, 3, 128, 40, 32)):
+            for heads, kv_heads, dim, keys, rows in ATTENTION_SHAPES:
                 q = torch.randn(1, heads, rows, dim, generator=g).to(dtype)
                 k, v = (torch.randn(1, kv_heads, keys, dim, generator=g).to(dtype) for _ in range(2))
-                causal = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
-                scattered = torch.rand(rows, keys, generator=g) < 0.6
-                scattered[:, 0] = True
-                for allowed in (causal, scattered, torch.empty(0, dtype=torch.bool)):
+                for allowed in attention_masks(rows, keys, g):
                     isa("avx2")
                     ref = torch.ops.selfspec.rowwise_attention(q, k, v, allowed, 0.125)
                     isa("auto")
@@ -442,6 +451,34 @@ def test_attention_on_avx512_gives_the_avx2_bits(path):
                         (heads, kv_heads, dim, rows)
         finally:
             isa("auto")
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["avx512_bf16", "amx", "amx_emulated"])
+def test_bfloat16_attention_on_dot_product_paths(path):
+    """Where bfloat16 products take a dot-product path, attention's scores are float32 sums of the
+    bfloat16 query and keys, and its weights exp(s - max) are rounded to bfloat16 before the value
+    product (as torch's CPU flash attention rounds them), normalised by the float32 sum of the
+    unrounded weights: against that computed in float64, within the output's bfloat16 rounding; and
+    each row equals the one-row call over its keys bit for bit."""
+    g = torch.Generator().manual_seed(10)
+    with bf16_path(path):
+        for heads, kv_heads, dim, keys, rows in ATTENTION_SHAPES:
+            q = torch.randn(1, heads, rows, dim, generator=g).to(torch.bfloat16)
+            k, v = (torch.randn(1, kv_heads, keys, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+            for allowed in attention_masks(rows, keys, g)[:2]:
+                out = torch.ops.selfspec.rowwise_attention(q, k, v, allowed, 0.125)
+                for h in range(heads):
+                    kh, vh = k[0, h // (heads // kv_heads)].double(), v[0, h // (heads // kv_heads)].double()
+                    for i in range(rows):
+                        keep = allowed[i].nonzero().squeeze(-1)
+                        s = (q[0, h, i].double() @ kh[keep].T * 0.125).float()
+                        p = torch.exp((s - s.max()).double())
+                        exact = p.float().to(torch.bfloat16).double() @ vh[keep] / p.sum()
+                        torch.testing.assert_close(out[0, h, i].double(), exact, rtol=2 ** -8, atol=1e-3)
+                for i in range(rows):
+                    one = torch.ops.selfspec.rowwise_attention(q[:, :, i:i + 1], k, v, allowed[i:i + 1], 0.125)
+                    assert torch.equal(one[:, :, 0], out[:, :, i]), (heads, dim, rows, i)
 
 
 @pytest.mark.parametrize("path", BF16_PATHS)

@@ -125,19 +125,27 @@ def machine(device: torch.device) -> dict[str, Any]:
         except md.PackageNotFoundError:
             pass
     # the runtime's CPU operators: a profile measured before they changed is not this runtime's
-    from selfspec.models.kernels import source_digest
+    from selfspec.models.kernels import paths, source_digest
 
     versions["selfspec-kernels"] = source_digest()
-    return {"device": device.type, "hardware": gpu or cpu_name(), "threads": torch.get_num_threads(),
+    info = {"device": device.type, "hardware": gpu or cpu_name(), "threads": torch.get_num_threads(),
             "versions": versions}
+    if device.type == "cpu":
+        # which instructions the kernels run here: CPUs of one name (a VM's "AMD EPYC") may differ
+        info["kernel_paths"] = paths()
+    return info
 
 
 def machine_name(info: dict[str, Any]) -> str:
     """A short file-name-safe label of a machine: ``cpu-amd-epyc-7b13-2t``, ``cpu-intel-xeon-2t`` (from
-    "Intel(R) Xeon(R) Processor") or ``cuda-nvidia-h100...``."""
+    "Intel(R) Xeon(R) Processor") or ``cuda-nvidia-h100...``; a CPU whose bfloat16 products run on
+    its dot-product units says which (``cpu-amd-epyc-avx512-bf16-2t``, ``cpu-intel-xeon-amx-2t``):
+    CPUs of one name may differ there, and so do their bfloat16 costs."""
     words = "".join(c if c.isalnum() else "-" for c in info["hardware"].lower()).split("-")
     words = [w for w in words if w and w not in {"processor", "core", "with", "radeon", "graphics", "cpu", "r", "tm"}]
-    tail = f"-{info['threads']}t" if info["device"] == "cpu" else ""
+    bf16 = (info.get("kernel_paths") or {}).get("bfloat16", "widen")
+    units = f"-{bf16.replace('_', '-')}" if info["device"] == "cpu" and bf16 != "widen" else ""
+    tail = f"{units}-{info['threads']}t" if info["device"] == "cpu" else ""
     return f"{info['device']}-{'-'.join(words[:5])}{tail}"
 
 
@@ -307,9 +315,11 @@ class Profile:
                                   f"(make profile MODEL=...) or pick a profile of its shape")
 
     def describes(self, info: dict[str, Any]) -> bool:
-        """Whether this profile was measured on the machine ``info`` (:func:`machine`) describes."""
+        """Whether this profile was measured on the machine ``info`` (:func:`machine`) describes: its
+        device, hardware, threads and, on a CPU, the kernels' paths (a profile from before they were
+        recorded describes no CPU)."""
         mine = self.machine
-        return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads"))
+        return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads", "kernel_paths"))
 
     def summary(self) -> dict[str, Any]:
         """What a run records of the profile it was costed with."""

@@ -183,6 +183,18 @@ def _load_read_only(folder: Path, err: OSError) -> None:
     torch.ops.load_library(str(built))
 
 
+def paths() -> dict[str, str] | None:
+    """The paths this process's CPU kernels take: ``float32`` (``avx2`` or ``avx512``, the path of a
+    many-row pass; the two give the same bits) and ``bfloat16`` (``widen``, ``avx512_bf16`` or
+    ``amx``: each its own bits and costs), or None where the kernels cannot run here. Part of what
+    a machine is to a cost profile (:func:`selfspec.measure.profile.machine`) and to a run's record."""
+    try:
+        load()
+    except KernelUnavailable:
+        return None
+    return {"float32": torch.ops.selfspec.skinny_isa(""), "bfloat16": torch.ops.selfspec.skinny_bf16("")}
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with the skinny kernel (float32, or bfloat16 with float32
     accumulation; CPU, contiguous weight)."""
@@ -374,5 +386,6 @@ def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
 
 
 __all__ = ["KERNELS", "MAX_ROWS", "KernelUnavailable", "attention", "build_name", "grouped_attention", "linear", "load",
+           "paths",
            "resolve", "rms_norm", "rotary",
            "rowwise_attention", "skinny_linear"]

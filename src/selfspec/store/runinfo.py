@@ -28,7 +28,9 @@ def git_commit() -> str | None:
 def hardware() -> dict[str, Any]:
     """The machine: platform, CPU (its model name and the instruction set torch's kernels use),
     threads, MKL's reproducibility mode (:mod:`selfspec.numerics`: on some CPUs the bits of torch's
-    GEMM depend on the thread count unless it is strict) and the GPU."""
+    GEMM depend on the thread count unless it is strict), the paths the runtime's CPU kernels take
+    (:func:`selfspec.models.kernels.paths`: in bfloat16 each gives its own bits) and the GPU."""
+    from selfspec.models.kernels import paths
     from selfspec.numerics import mode
 
     info: dict[str, Any] = {
@@ -38,6 +40,7 @@ def hardware() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_threads": torch.get_num_threads(),
         "mkl_cbwr": mode(),
+        "kernel_paths": paths(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -140,6 +141,118 @@ SELFSPEC_DPBF16 inline void dp_scores16(const BF16* q, const BF16* const* kj, in
   reduce16(a, s);
 }
 
+// The values of bfloat16 attention on a dot-product path: the weights exp(s - max) rounded to
+// bfloat16 (as torch's own CPU flash attention rounds them before its value product; their sum, the
+// normaliser, stays the float32 sum of the unrounded weights), and accumulated by VDPBF16PS over
+// pairs of listed keys in list order (keys 2i and 2i+1 of the row's list: a row with an odd count
+// pairs its last key with weight zero). A vector takes 32 dimensions of the two keys' values
+// interleaved (unpacklo/unpackhi within 128-bit lanes), so the accumulators hold the dimensions in a
+// fixed permuted order, put back in order once at the end (dp_unpermute). Per (row, head) the
+// sequence depends only on the row's list: row-independent.
+SELFSPEC_DPBF16 inline __m512i load_values32(const BF16* p, __mmask32 mask) {
+  return _mm512_maskz_loadu_epi16(mask, p);
+}
+
+// acc[e][d0 .. d0 + 32C) (permuted) += w[e][j] v_j + w[e][j + 1] v_{j + 1} for the pairs of keys from
+// j0 (even) to j1 in list order; w holds each (row, head)'s weights in bfloat16, zero past its count
+template <int E, int C>
+SELFSPEC_DPBF16 inline void dp_values(const BF16* const* w, const int64_t* idx, int64_t j0, int64_t j1,
+                                      const BF16* vh, int64_t vs_l, int64_t d0, const __mmask32* masks,
+                                      float* const* acc_mem) {
+  __m512 acc[E][C][2];
+#pragma GCC unroll 8
+  for (int e = 0; e < E; ++e)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) acc[e][c][h] = _mm512_loadu_ps(acc_mem[e] + d0 + 32 * c + 16 * h);
+  for (int64_t j = j0; j < j1; j += 2) {
+    const BF16* v0 = vh + idx[j] * vs_l + d0;
+    const BF16* v1 = vh + idx[j + 1] * vs_l + d0;
+    __m512bh lo[C], hi[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = load_values32(v0 + 32 * c, masks[c]), b = load_values32(v1 + 32 * c, masks[c]);
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 8
+    for (int e = 0; e < E; ++e) {
+      int32_t pair;
+      std::memcpy(&pair, w[e] + j, sizeof(pair));
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        acc[e][c][0] = _mm512_dpbf16_ps(acc[e][c][0], lo[c], pv);
+        acc[e][c][1] = _mm512_dpbf16_ps(acc[e][c][1], hi[c], pv);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int e = 0; e < E; ++e)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc_mem[e] + d0 + 32 * c + 16 * h, acc[e][c][h]);
+}
+
+// heads [0, hb) of one row, at most 4 at a time, over every dimension in pieces of 64 (the last
+// piece's loads masked to the dimensions left; the accumulators are padded to 32 dimensions)
+SELFSPEC_DPBF16 void dp_values_heads(const BF16* const* w, int64_t hb, const int64_t* idx, int64_t j0, int64_t j1,
+                                     const BF16* vh, int64_t vs_l, int64_t D, float* const* acc_mem) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __mmask32 masks[2];
+    for (int c = 0; c < 2; ++c) {
+      const int64_t left = D - d0 - 32 * c;
+      masks[c] = left >= 32 ? ~__mmask32(0) : (left > 0 ? static_cast<__mmask32>((1u << left) - 1u) : 0);
+    }
+    const bool two = D - d0 > 32;
+    for (int64_t e = 0; e < hb; e += 4) {
+      const BF16* const* we = w + e;
+      float* const* ae = acc_mem + e;
+      switch (std::min<int64_t>(4, hb - e) * 2 + two) {
+        case 9: dp_values<4, 2>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        case 8: dp_values<4, 1>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        case 7: dp_values<3, 2>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        case 6: dp_values<3, 1>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        case 5: dp_values<2, 2>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        case 4: dp_values<2, 1>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        case 3: dp_values<1, 2>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+        default: dp_values<1, 1>(we, idx, j0, j1, vh, vs_l, d0, masks, ae); break;
+      }
+    }
+  }
+}
+
+// out[0 .. D) = acc (permuted, padded to 32 dimensions) in order, times inv. Within each 128-bit
+// lane of the 32 dimensions' two vectors, unpacklo took dimensions 0-3 and unpackhi 4-7 of each 8.
+SELFSPEC_DPBF16 void dp_unpermute(const float* acc, int64_t D, float inv, float* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + d), hi = _mm512_loadu_ps(acc + d + 16);
+    const int64_t left = D - d;
+    const __mmask16 m0 = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 m1 = left >= 32 ? __mmask16(0xffff) : (left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1u) : 0);
+    _mm512_mask_storeu_ps(out + d, m0, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), vinv));
+    _mm512_mask_storeu_ps(out + d + 16, m1, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), vinv));
+  }
+}
+
+// the weights of one (row, head) in bfloat16 (round to nearest even), zero from `n` to `padded`
+SELFSPEC_DPBF16 void dp_weights(const float* p, int64_t n, int64_t padded, BF16* w) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + j)));
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + j)));
+    j += 16;
+  }
+  for (; j < padded; ++j) w[j] = BF16(0.f);
+}
+
 // The values on AVX-512 (where the CPU has it; torch.ops.selfspec.skinny_isa("avx2") forces the
 // AVX2 loop above): each of E heads that share a row's listed keys (the task's heads of one row)
 // accumulates p_j * v_j in key order, 16 dimensions a vector, each key's values read (and bfloat16
@@ -239,8 +352,11 @@ void run(const Q* q, const T* k, const T* v, const bool* allowed, float* out, in
   at::parallel_for(0, Hkv * row_blocks * per_kv, 1, [&](int64_t t0, int64_t t1) {
     const int64_t padded = (L + block - 1) / block * block;
     std::vector<int64_t> idx(rb * padded), count(rb);
-    std::vector<float> s(rb * hb * padded), acc(rb * hb * D), inv(rb * hb);
+    const int64_t acc_d = dp ? (D + 31) / 32 * 32 : D;  // the dot-product values' accumulators: whole 32s
+    std::vector<float> s(rb * hb * padded), acc(rb * hb * acc_d), inv(rb * hb);
+    std::vector<BF16> weights(dp ? rb * hb * padded : 0);
     std::vector<const float*> pe(hb);
+    std::vector<const BF16*> we(hb);
     std::vector<float*> acc_e(hb);
     const __m256 vscale = _mm256_set1_ps(scale);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -321,6 +437,7 @@ void run(const Q* q, const T* k, const T* v, const bool* allowed, float* out, in
             vsum = _mm256_add_ps(vsum, p);
           }
           inv[r * hb + e] = 1.f / hsum(vsum);
+          if constexpr (dp) dp_weights(se, n, padded, weights.data() + (r * hb + e) * padded);
         }
       }
       // the values, a block of keys at a time for every (row, head) of the task
@@ -329,6 +446,14 @@ void run(const Q* q, const T* k, const T* v, const bool* allowed, float* out, in
         for (int64_t r = 0; r < rows; ++r) {
           if (j0 >= count[r]) continue;
           const int64_t j1 = std::min(count[r], j0 + VALUE_BLOCK);
+          if constexpr (dp) {
+            for (int64_t e = 0; e < hb; ++e) {
+              we[e] = weights.data() + (r * hb + e) * padded;
+              acc_e[e] = acc.data() + (r * hb + e) * acc_d;
+            }
+            dp_values_heads(we.data(), hb, idx.data() + r * padded, j0, j1, vh, vs_l, D, acc_e.data());
+            continue;
+          }
           if (wide) {
             for (int64_t e = 0; e < hb; ++e) {
               pe[e] = s.data() + (r * hb + e) * padded;
@@ -346,6 +471,10 @@ void run(const Q* q, const T* k, const T* v, const bool* allowed, float* out, in
           float* o = out + ((h0 + e) * M + i0 + r) * D;
           if (!count[r]) {  // no key allowed: zeros, as a fully masked row
             for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+            continue;
+          }
+          if constexpr (dp) {
+            dp_unpermute(acc.data() + (r * hb + e) * acc_d, D, inv[r * hb + e], o);
             continue;
           }
           const __m256 vinv = _mm256_set1_ps(inv[r * hb + e]);
