@@ -125,16 +125,30 @@ def test_bfloat16_path_rows_are_one_row_calls_and_accumulate_in_float32(path):
                 assert torch.equal(kernels.skinny_linear(x[:rows], w), singles[:rows]), (n, k, rows)
 
 
+def kernel_supports_tile_data() -> bool:
+    """Whether Linux supports AMX tile data for processes (arch_prctl ARCH_GET_XCOMP_SUPP: bit 18,
+    XTILEDATA), asked directly through libc."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    mask = ctypes.c_uint64(0)
+    return libc.syscall(158, 0x1021, ctypes.byref(mask)) == 0 and bool(mask.value & (1 << 18))  # SYS_arch_prctl
+
+
 @needs_kernel
 def test_auto_takes_the_fastest_bfloat16_path_the_cpu_has():
-    """``auto`` takes AMX where the CPU lists AMX-BF16 (the kernel grants tile data on request),
-    else VDPBF16PS where it lists AVX-512-BF16, else widens: read against /proc/cpuinfo."""
+    """``auto`` takes AMX where the CPU lists AMX-BF16 and Linux supports tile data (the kernel
+    grants it on request), else VDPBF16PS where the CPU lists AVX-512-BF16, else widens: read
+    against /proc/cpuinfo and arch_prctl."""
     flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo to read the CPU's features from")
     kernels.load()
-    expected = ("amx" if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
-                else "avx512_bf16" if {"avx512_bf16", "avx512bw", "avx512dq"} <= flags else "widen")
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and kernel_supports_tile_data()
+    expected = ("amx" if amx else "avx512_bf16" if {"avx512_bf16", "avx512bw", "avx512dq"} <= flags else "widen")
     assert torch.ops.selfspec.skinny_bf16("auto") == expected
     with pytest.raises(RuntimeError, match=r"skinny_bf16: \"auto\", \"widen\".*got \"fast\""):
         torch.ops.selfspec.skinny_bf16("fast")
@@ -686,6 +700,39 @@ def test_gguf_is_written_from_the_loaded_weights_and_cached(tiny, tmp_path, monk
     assert gguf_export.cached_gguf(tiny) == path and path.stat().st_mtime_ns == written
     monkeypatch.setattr(tiny, "weights_digest", "0123456789abcdef")
     assert gguf_export.gguf_path(tiny) != path
+
+
+def test_a_bfloat16_models_gguf_holds_its_weight_matrices_in_bf16(tmp_path, monkeypatch):
+    """A bfloat16 run's file holds the bytes its steps read: every weight matrix as BF16, equal bit for
+    bit to the loaded model's (the query/key rows reordered), the norms' vectors in float32."""
+    from gguf import GGUFReader
+
+    from selfspec.config import model_config
+    from selfspec.models import gguf_export
+    from selfspec.models.loading import load_model
+
+    cfg = model_config("tiny-random")
+    cfg.dtype = "bfloat16"
+    loaded = load_model(cfg)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    path = gguf_export.cached_gguf(loaded)
+    assert path.name.endswith(".bf16.gguf") and "bfloat16" in path.name
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    hf = loaded.model.hf
+
+    def bits(name):
+        t = tensors[name]
+        assert t.tensor_type.name == "BF16", (name, t.tensor_type.name)
+        return torch.from_numpy(t.data.copy().view("int16")).reshape(list(reversed(t.shape.tolist())))
+
+    layer = hf.model.layers[1]
+    assert torch.equal(bits("blk.1.ffn_down.weight"), layer.mlp.down_proj.weight.detach().view(torch.int16))
+    assert torch.equal(bits("blk.1.attn_q.weight"), gguf_export.rope_pairs_adjacent(
+        layer.self_attn.q_proj.weight.detach(), hf.config.num_attention_heads).view(torch.int16))
+    assert torch.equal(bits("token_embd.weight"), hf.model.embed_tokens.weight.detach().view(torch.int16))
+    norm = tensors["blk.1.attn_norm.weight"]
+    assert norm.tensor_type.name == "F32"
+    assert torch.equal(torch.from_numpy(norm.data.copy()), layer.input_layernorm.weight.detach().float())
 
 
 def test_gguf_writer_names_what_it_does_not_cover(tiny):

@@ -98,3 +98,32 @@ def test_resumed_search_continues_its_trace(tmp_path):
     assert keys(resumed) == keys(fresh.read_text().splitlines())
     with pytest.raises(ValueError, match="other settings"):
         run_job(job_cfg(tmp_path, "job.search=bo_model", "seed=3"))
+
+
+def test_a_timed_search_says_when_the_machines_load_moved_under_it(tiny, prompt_ids, monkeypatch, caplog):
+    """The paper's timed search ranks candidates by measured time, so it is only sound if the load
+    stayed the same while they were timed: vanilla is timed again after the search, and a baseline
+    that moved more than BASELINE_DRIFT (a search begun beside another job) is said in the log and
+    recorded, the check's speedup taken against the later baseline."""
+    from omegaconf import OmegaConf
+
+    decoding = skips.decoding_options(OmegaConf.create({"decoding": {}}))
+    slow = {"factor": 3.0}  # the first baseline timed under load, the rest quiet
+
+    real = skips._decode_time
+
+    def timed(decoder, prompts, n_new):
+        secs, toks, drafted, accepted = real(decoder, prompts, n_new)
+        return secs * slow["factor"], toks, drafted, accepted
+
+    monkeypatch.setattr(skips, "_decode_time", timed)
+    objective = skips.TimedObjective(tiny.model, [prompt_ids], 4, decoding)
+    slow["factor"] = 1.0
+    with caplog.at_level("WARNING", logger="selfspec.training.skips"):
+        drift = objective.remeasure_baseline()
+    assert drift < 1 / skips.BASELINE_DRIFT
+    assert "load changed" in caplog.text and "search again on a quiet machine" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="selfspec.training.skips"):
+        assert 1 / skips.BASELINE_DRIFT <= objective.remeasure_baseline() <= skips.BASELINE_DRIFT
+    assert "load changed" not in caplog.text

@@ -1,8 +1,8 @@
 """llama.cpp as a measured peer of the runtime benchmark (the optional extra: ``make llamacpp``).
 
-:class:`LlamaCppPeer` runs the loaded model's own weights, written once as a float32 GGUF file
-(:func:`selfspec.models.gguf_export.cached_gguf`), through llama-cpp-python, greedily, with a
-float32 KV cache and torch's thread count, and answers :meth:`generate` like selfspec's decoders,
+:class:`LlamaCppPeer` runs the loaded model's own weights, written once as a GGUF file
+(:func:`selfspec.models.gguf_export.cached_gguf`: float32, or BF16 for a bfloat16 model), through
+llama-cpp-python, greedily, with a KV cache of the model's dtype (F32 or BF16) and torch's thread count, and answers :meth:`generate` like selfspec's decoders,
 so :func:`selfspec.evaluation.runtime.decode_rates` times it interleaved with vanilla and
 transformers ``generate`` on the same prompt ids (evaluated as given: no BOS is added).
 
@@ -51,10 +51,10 @@ class LlamaCppPeer:
         self.lib = llama_cpp
         self.path = cached_gguf(loaded)
         self.threads = int(threads or torch.get_num_threads())
+        kv = llama_cpp.GGML_TYPE_BF16 if loaded.model.dtype == torch.bfloat16 else llama_cpp.GGML_TYPE_F32
         self.llm = llama_cpp.Llama(
             model_path=str(self.path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=self.threads,
-            n_threads_batch=self.threads, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
-            logits_all=False, verbose=False)
+            n_threads_batch=self.threads, type_k=kv, type_v=kv, logits_all=False, verbose=False)
         self.n_vocab = int(self.llm.n_vocab())
         self.version = getattr(llama_cpp, "__version__", "unknown")
 

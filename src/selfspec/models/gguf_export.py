@@ -1,11 +1,12 @@
-"""The loaded model as a float32 GGUF file that llama.cpp runs (the runtime benchmark's peer).
+"""The loaded model as a GGUF file that llama.cpp runs (the runtime benchmark's peer).
 
 :func:`cached_gguf` writes the file once per model, from the weights the loaded model holds (not
 from a file on disk), so llama.cpp, selfspec's vanilla and transformers ``generate`` compute with
 the same numbers. It is kept in the selfspec cache, ``<cache>/gguf/``, named by the model's
-weights digest (:func:`~selfspec.models.loading.weights_digest`), its run dtype (a bfloat16 run
-writes its bfloat16-rounded values, widened exactly to float32) and its fingerprint
-(architecture and tokenizer, both written into the file), and written atomically.
+weights digest (:func:`~selfspec.models.loading.weights_digest`), its run dtype and its
+fingerprint (architecture and tokenizer, both written into the file), and written atomically. A
+float32 run's file holds float32 weights; a bfloat16 run's holds its weight matrices in BF16 (the
+same bytes a step reads; the norms' vectors in float32, as llama.cpp's converter writes them).
 
 What the file holds (llama.cpp's ``llama`` architecture):
 
@@ -97,7 +98,13 @@ def gguf_path(loaded) -> Path:
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", loaded.name)
     dtype = str(loaded.model.dtype).replace("torch.", "")
     key = f"{name}-{loaded.weights_digest}-{dtype}-{loaded.fingerprint[:8]}-v{FORMAT}"
-    return assets.cache_dir() / "gguf" / f"{key}.f32.gguf"
+    return assets.cache_dir() / "gguf" / f"{key}.{file_dtype(loaded.model.dtype)}.gguf"
+
+
+def file_dtype(dtype: torch.dtype) -> str:
+    """The weights' type in the GGUF file of a model run in ``dtype``: ``bf16`` for bfloat16 (llama.cpp
+    reads the same bytes selfspec does), else ``f32``."""
+    return "bf16" if dtype == torch.bfloat16 else "f32"
 
 
 def cached_gguf(loaded) -> Path:
@@ -114,8 +121,8 @@ def cached_gguf(loaded) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        log.info("writing %s (float32, from the loaded weights)", path)
-        write_gguf(loaded.model.hf, loaded.tokenizer, tmp, loaded.name)
+        log.info("writing %s (%s, from the loaded weights)", path, file_dtype(loaded.model.dtype))
+        write_gguf(loaded.model.hf, loaded.tokenizer, tmp, loaded.name, file_dtype(loaded.model.dtype))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -123,24 +130,31 @@ def cached_gguf(loaded) -> Path:
 
 
 # --- writing ----------------------------------------------------------------------------------
-def write_gguf(hf_model: torch.nn.Module, tokenizer, path: Path, name: str = "model") -> None:
-    """Write ``hf_model`` (a transformers Llama) and its ``tokenizer`` (or None) to ``path`` as a
-    float32 GGUF file of llama.cpp's ``llama`` architecture (see the module docstring)."""
+def write_gguf(hf_model: torch.nn.Module, tokenizer, path: Path, name: str = "model", weights: str = "f32") -> None:
+    """Write ``hf_model`` (a transformers Llama) and its ``tokenizer`` (or None) to ``path`` as a GGUF
+    file of llama.cpp's ``llama`` architecture (see the module docstring), its weight matrices in
+    ``weights``: ``f32``, or ``bf16`` (bfloat16 rounding of what the model holds)."""
     import gguf
 
     problem = export_problem(hf_model)
     if problem:
         raise ExportUnsupported(problem)
+    if weights not in ("f32", "bf16"):
+        raise ValueError(f"weights must be f32 or bf16, got {weights!r}")
     config = hf_model.config
     vocab_size = int(hf_model.get_input_embeddings().weight.shape[0])
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     try:
         writer.add_name(name)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if weights == "bf16" else gguf.LlamaFileType.ALL_F32)
         _add_hyperparameters(writer, config, vocab_size)
         _add_vocabulary(writer, tokenizer, vocab_size)
-        for tensor_name, array in _tensors(hf_model):
-            writer.add_tensor(tensor_name, array)
+        for tensor_name, data in _tensors(hf_model):
+            if weights == "bf16" and data.dim() == 2:
+                bits = data.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+                writer.add_tensor(tensor_name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            else:
+                writer.add_tensor(tensor_name, _float32(data))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -165,9 +179,9 @@ def _add_hyperparameters(writer, config, vocab_size: int) -> None:
     writer.add_vocab_size(vocab_size)
 
 
-def _tensors(hf_model: torch.nn.Module) -> Iterator[tuple[str, np.ndarray]]:
-    """(llama.cpp name, float32 array) of every parameter; a tied head is one parameter, the
-    embedding, so it is written once. A parameter with no llama.cpp name is refused."""
+def _tensors(hf_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(llama.cpp name, tensor) of every parameter; a tied head is one parameter, the embedding, so
+    it is written once. A parameter with no llama.cpp name is refused."""
     import gguf
 
     config = hf_model.config
@@ -182,12 +196,12 @@ def _tensors(hf_model: torch.nn.Module) -> Iterator[tuple[str, np.ndarray]]:
             data = param.detach()
             if heads is not None:
                 data = rope_pairs_adjacent(data, int(getattr(config, heads, None) or config.num_attention_heads))
-            yield f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[tensor]].format(bid=block)}.{kind}", _float32(data)
+            yield f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[tensor]].format(bid=block)}.{kind}", data
             continue
         module, _, kind = name.rpartition(".")
         if module not in MODEL_TENSORS:
             raise ExportUnsupported(f"parameter {name} has no llama.cpp tensor")
-        yield f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[MODEL_TENSORS[module]]]}.{kind}", _float32(param.detach())
+        yield f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[MODEL_TENSORS[module]]]}.{kind}", param.detach()
 
 
 def _float32(tensor: torch.Tensor) -> np.ndarray:

@@ -162,6 +162,11 @@ def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
     return secs, toks, drafted, accepted
 
 
+#: vanilla's decode time after a timed search over before it beyond which the search is said to
+#: have been timed under changing load (:meth:`TimedObjective.remeasure_baseline`)
+BASELINE_DRIFT = 1.25
+
+
 class TimedObjective:
     """§3.3's objective: measured mean time per verified token (prefill excluded), greedy."""
 
@@ -177,6 +182,20 @@ class TimedObjective:
         van = Vanilla(self.model)
         runs = [_decode_time(van, self.prompts, self.n_new) for _ in range(max(2, self.repeats))]
         return statistics.median(s / t for s, t, _, _ in runs)
+
+    def remeasure_baseline(self) -> float:
+        """Time vanilla again after the search and take it as the baseline from here on; returns the
+        new time over the first. Candidates are only comparable if the machine's load did not change
+        while they were timed: a drift past :data:`BASELINE_DRIFT` either way is said in the log (a
+        search begun under load, or loaded midway, ranks its candidates by the load, not the skip set)."""
+        first, self.vanilla_spt = self.vanilla_spt, self.baseline()
+        drift = self.vanilla_spt / first
+        if not 1 / BASELINE_DRIFT <= drift <= BASELINE_DRIFT:
+            log.warning("vanilla's decode time moved from %.1f to %.1f ms per token during the timed skip search "
+                        "(%.2fx): the machine's load changed, so the candidates' times are not comparable; search "
+                        "again on a quiet machine (or job.search=bo_model, which prices candidates instead)",
+                        first * 1e3, self.vanilla_spt * 1e3, drift)
+        return drift
 
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
         dec = DraftVerify(self.model, skip, self.decoding)
@@ -594,6 +613,7 @@ def search(ctx) -> Result:
     # one measured check of the result (also for the cost-model searches), on the same dev set
     with torch.inference_mode():
         timed = objective if kind == "bo" else TimedObjective(model, prompts, n_new, decoding, 1)
+        drift = timed.remeasure_baseline() if kind == "bo" else None
         check = timed(skip)
     metrics = {
         "search": kind,
@@ -606,7 +626,7 @@ def search(ctx) -> Result:
         "measured_acceptance_rate_dev": check["acceptance_rate"],
         "vanilla_seconds_per_token": timed.vanilla_spt,
         "dev_prompts": len(prompts), "dev_tasks": sorted(set(sources)),
-    }
+    } | ({"vanilla_drift": drift} if drift is not None else {})
     files = {"trace.jsonl": trace_path}
     if opts["plot"]:
         files["plot.png"] = plot_trace(rows, work / "plot.png",

@@ -84,7 +84,7 @@ SELFSPEC_DPBF16 inline float sum16(__m512 v) {
 // MB rows of x times NR rows of W: MB * NR accumulators of 16 lanes held in registers; meanwhile
 // `lines` cache lines from `pf` on (a later tile's weight rows) are prefetched, spread over K.
 template <int MB, int NR>
-SELFSPEC_DPBF16 inline void dp_tile(const BF16* x, const BF16* w, int64_t K, float* y, int64_t ldy, const char* pf,
+SELFSPEC_DPBF16 inline void dp_tile(const BF16* x, const BF16* w, int64_t K, BF16* y, int64_t ldy, const char* pf,
                                     int64_t lines) {
   __m512 acc[MB][NR];
 #pragma GCC unroll 16
@@ -122,11 +122,11 @@ SELFSPEC_DPBF16 inline void dp_tile(const BF16* x, const BF16* w, int64_t K, flo
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) y[m * ldy + r] = sum16(acc[m][r]);
+    for (int r = 0; r < NR; ++r) y[m * ldy + r] = BF16(sum16(acc[m][r]));  // rounded as torch rounds
 }
 
 template <int NR>
-SELFSPEC_DPBF16 inline void dp_tile_rows(int mb, const BF16* x, const BF16* w, int64_t K, float* y, int64_t ldy,
+SELFSPEC_DPBF16 inline void dp_tile_rows(int mb, const BF16* x, const BF16* w, int64_t K, BF16* y, int64_t ldy,
                                          const char* pf, int64_t lines) {
   switch (mb) {
     case 8: dp_tile<8, NR>(x, w, K, y, ldy, pf, lines); break;
@@ -146,7 +146,7 @@ SELFSPEC_DPBF16 inline void dp_tile_rows(int mb, const BF16* x, const BF16* w, i
 // accumulators, 4 weight vectors and one x vector (29 of the 32 registers); a pass of one or two rows
 // takes 8 weight rows a tile (more loads in flight while the weights stream).
 template <int MB, int NR>
-SELFSPEC_DPBF16 void dp_task(const BF16* x, const BF16* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n,
+SELFSPEC_DPBF16 void dp_task(const BF16* x, const BF16* w, BF16* y, int64_t M, int64_t N, int64_t K, int64_t n,
                              int64_t n_end) {
   const int64_t blocks = (M + MB - 1) / MB;
   const int64_t tile_lines = (NR * K * 2 + 63) / 64;
@@ -168,7 +168,7 @@ SELFSPEC_DPBF16 void dp_task(const BF16* x, const BF16* w, float* y, int64_t M, 
 }
 
 // weight rows [n0, n1) by VDPBF16PS, split into parallel tasks of BF16_NB rows
-void dp_rows(const BF16* x, const BF16* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+void dp_rows(const BF16* x, const BF16* w, BF16* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t NB = BF16_NB;
   at::parallel_for(0, (n1 - n0 + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n = n0 + b0 * NB, n_end = std::min(n1, n0 + b1 * NB);
@@ -355,7 +355,7 @@ std::vector<BF16> pack_columns(const BF16* x, int64_t M, int64_t K) {
 // alternating between A0 and A1), then stored and written into y (transposed). The weight rows of
 // the next AMX_PF blocks of K are prefetched meanwhile.
 template <class T, int NT>
-SELFSPEC_AMX void amx_rows(const BF16* packed, const BF16* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n) {
+SELFSPEC_AMX void amx_rows(const BF16* packed, const BF16* w, BF16* y, int64_t M, int64_t N, int64_t K, int64_t n) {
   static_assert(NT >= 1 && NT <= 4, "4 accumulator tiles");
   const int64_t k_blocks = K / 32, stride = K * 2;
   alignas(64) float c[4][16 * 16];
@@ -392,14 +392,14 @@ SELFSPEC_AMX void amx_rows(const BF16* packed, const BF16* w, float* y, int64_t 
     // c[t][r * 16 + col] = y[16j + col][n + 16t + r]
     for (int64_t col = 0; col < 16 && j * 16 + col < M; ++col)
       for (int t = 0; t < NT; ++t)
-        for (int r = 0; r < 16; ++r) y[(j * 16 + col) * N + n + 16 * t + r] = c[t][r * 16 + col];
+        for (int r = 0; r < 16; ++r) y[(j * 16 + col) * N + n + 16 * t + r] = BF16(c[t][r * 16 + col]);
   }
 }
 
 // the AMX path over every weight row in whole blocks of 16 (tasks of 64 rows, the last one shorter);
 // the rows after the last whole block by VDPBF16PS
 template <class T>
-void amx_linear(const BF16* x, const BF16* w, float* y, int64_t M, int64_t N, int64_t K) {
+void amx_linear(const BF16* x, const BF16* w, BF16* y, int64_t M, int64_t N, int64_t K) {
   const std::vector<BF16> packed = pack_columns(x, M, K);
   const int64_t blocks = N / 16, tasks = (blocks + 3) / 4;
   static const TileConfig config = tile_config();
@@ -485,7 +485,7 @@ bool supported(Path path) {
   return false;
 }
 
-void linear(Path path, const BF16* x, const BF16* w, float* y, int64_t M, int64_t N, int64_t K) {
+void linear(Path path, const BF16* x, const BF16* w, BF16* y, int64_t M, int64_t N, int64_t K) {
   TORCH_CHECK(path != kWiden && supported(path), "bf16_dot: path ", int(path), " cannot run on this CPU");
   TORCH_CHECK(K % 8 == 0, "bf16_dot: K must be a multiple of 8, got ", K);
   if (path == kDpbf16 || K % 32 != 0) {

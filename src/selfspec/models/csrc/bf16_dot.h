@@ -22,10 +22,11 @@ Path current();
 void choose(int path);
 // whether this CPU (and, for AMX, the OS: tile data granted to this process) can run the path
 bool supported(Path path);
-// y[M, N] (float32) = x[M, K] @ w[N, K]^T over bfloat16 x and w (both row-major, contiguous), by
+// y[M, N] = x[M, K] @ w[N, K]^T over bfloat16 x and w (both row-major, contiguous), summed in float32
+// and rounded to bfloat16 once (as torch rounds: to nearest even), by
 // `path` (kDpbf16, kAmx or kAmxEmulated). K is a multiple of 8. Every output element is the same
 // sequence of instructions whatever M (bf16_dot.cpp), so row i of an M-row call equals a one-row call
 // on row i alone.
-void linear(Path path, const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t M, int64_t N, int64_t K);
+void linear(Path path, const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t M, int64_t N, int64_t K);
 
 }  // namespace selfspec_bf16

@@ -331,10 +331,10 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight) {
     if (path != selfspec_bf16::kWiden) {  // bfloat16 products on the dot-product units, float32 sums
       const at::Tensor x = x_in.reshape({-1, K}).contiguous();
       const int64_t M = x.size(0);
-      at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-      selfspec_bf16::linear(path, x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), y.data_ptr<float>(),
-                            M, N, K);
-      return y.to(at::kBFloat16).view(out_shape);
+      at::Tensor y = at::empty({M, N}, x.options());
+      selfspec_bf16::linear(path, x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                            y.data_ptr<at::BFloat16>(), M, N, K);
+      return y.view(out_shape);
     }
   }
   // bfloat16 activations widen to fp32 exactly; the product accumulates in fp32
