@@ -122,7 +122,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tasks that also get a sampling run at the paper's temperature and top-p "
                         "(default: xsum humaneval; none: --sampling with no task)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars (stderr)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="the model's dtype: auto (default) is bfloat16 where this CPU multiplies bfloat16 on its "
+                        "dot-product units (AMX or AVX-512-BF16), else the model config's (choose_dtype)")
     return p.parse_args(argv)
+
+
+def choose_dtype(requested: str, model: str) -> tuple[str, str]:
+    """The demo's model dtype and why. ``auto``: on a CPU whose bfloat16 linears run on its
+    dot-product units (:func:`selfspec.models.kernels.paths`: AMX tiles or VDPBF16PS) bfloat16,
+    where a step reads half the bytes and a verification pass of a few tokens costs little more
+    than a step, the regime where drafts pay (docs/2026-12-01-bfloat16-on-the-cpu.md); elsewhere
+    the model config's dtype (bfloat16 there would widen every value to float32: slower passes)."""
+    from selfspec.config import model_config
+    from selfspec.models import kernels
+
+    configured = str(model_config(model).dtype)
+    if requested != "auto":
+        return requested, "as --dtype asked"
+    paths = kernels.paths() or {}
+    bf16 = paths.get("bfloat16")
+    if bf16 in ("amx", "avx512_bf16"):
+        units = "AMX tiles" if bf16 == "amx" else "AVX-512-BF16 dot products"
+        return "bfloat16", (f"this CPU multiplies bfloat16 on its {units} (skinny_bf16 path {bf16}): a step reads half "
+                            f"float32's bytes and a verification pass of a few tokens costs little more than a step "
+                            f"(--dtype float32 for the model config's {configured})")
+    why = "the CPU kernels cannot run here" if not paths else "this CPU has no bfloat16 dot-product units"
+    return configured, f"{why}, so the model config's {configured} (bfloat16 linears would widen to float32)"
 
 
 class Demo:
@@ -137,10 +163,12 @@ class Demo:
         self.cpu: dict[str, float] = {}
         self.loaded = None  # the model every step shares, loaded by :meth:`load`
         self.progress = "false" if args.no_progress else "true"
+        #: the model's dtype and why it was chosen (:func:`choose_dtype`), said before the first step
+        self.dtype, self.dtype_reason = choose_dtype(args.dtype, args.model)
 
     # --- helpers ---------------------------------------------------------------------------------
     def common(self) -> list[str]:
-        return [f"model={self.args.model}", f"logger={self.args.logger}"] + (
+        return [f"model={self.args.model}", f"model.dtype={self.dtype}", f"logger={self.args.logger}"] + (
             [f"logger.group={self.group}"] if self.args.logger == "wandb" else [])
 
     @contextlib.contextmanager
@@ -181,8 +209,10 @@ class Demo:
         from selfspec.config import model_config
         from selfspec.models.loading import load_model
 
-        with self.step("load model", f"model={self.args.model}"):
-            self.loaded = load_model(model_config(self.args.model))
+        with self.step("load model", f"model={self.args.model} model.dtype={self.dtype}"):
+            cfg = model_config(self.args.model)
+            cfg.dtype = self.dtype
+            self.loaded = load_model(cfg)
 
     def fetch(self) -> None:
         from selfspec.store import assets
@@ -199,7 +229,8 @@ class Demo:
 
         small = self.args.small
         cmd = f"python scripts/bench_runtime.py --model {self.args.model}" + (
-            " --contexts 64 --ks 1,2,4 --repeats 1" if small else " --contexts 512 --repeats 5")
+            " --contexts 64 --ks 1,2,4 --repeats 1" if small else " --contexts 512 --repeats 5") + (
+            f" -- model.dtype={self.dtype}")
         with self.step("runtime benchmark", cmd):
             report = runtime_report(self.loaded,
                                     (1, 2, 4) if small else (1, 2, 4, 8, 16, 32), (64,) if small else (512,),
@@ -285,6 +316,7 @@ class Demo:
 
         t0, c0 = time.perf_counter(), time.process_time()
         load0 = load_average()
+        print(f"=== dtype {self.dtype}: {self.dtype_reason}", flush=True)
         with logging_redirect_tqdm():  # log lines print above the progress bars, not through them
             self.fetch()
             self.load()

@@ -142,3 +142,28 @@ def test_demo_sampling_settings_are_the_papers():
     t_text = max(float(t) for t in str(text["sampling.temperature"]).split(","))
     assert demo.SAMPLING["xsum"] == demo.SAMPLING["cnndm"] == (t_text, float(text["sampling.top_p"]))
     assert demo.SAMPLING["humaneval"] == (code.temperature, code.top_p)
+
+
+def test_the_demo_runs_bfloat16_where_the_cpu_multiplies_it_on_its_units():
+    """``--dtype auto``: bfloat16 where the CPU kernels' bfloat16 path is a dot-product one (AMX or
+    AVX-512-BF16), else the model config's dtype, each with the reason printed; an explicit dtype
+    is kept as given."""
+    import sys
+    from pathlib import Path
+
+    from selfspec.models import kernels
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import demo
+    finally:
+        sys.path.remove(str(root / "scripts"))
+    dtype, why = demo.choose_dtype("auto", "smollm2-135m")
+    path = (kernels.paths() or {}).get("bfloat16")
+    if path in ("amx", "avx512_bf16"):
+        assert dtype == "bfloat16" and path in why and "--dtype float32" in why
+    else:
+        assert dtype == "float32" and "bfloat16 linears would widen" in why
+    assert demo.choose_dtype("float32", "smollm2-135m") == ("float32", "as --dtype asked")
+    assert demo.choose_dtype("bfloat16", "tiny-random")[0] == "bfloat16"

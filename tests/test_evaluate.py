@@ -115,6 +115,33 @@ def test_a_resumed_run_says_which_carried_state_started_afresh(tiny, tmp_path, c
             "draft_verify (gate, drafter.draft_stop)") in caplog.text
 
 
+def test_a_run_resumes_only_with_the_artefacts_it_was_decoded_with(tiny, tmp_path):
+    """A skip set searched again at the same path is another artefact: the run that decoded the first
+    examples with the old one refuses to resume with the new one (naming the method, path and both
+    digests) and leaves its directory as it was; with the same artefact it resumes. Each run records
+    its artefacts' digests (summary ``artefact_digests``)."""
+    from selfspec.decoding.draft_verify import skip_set_tensors
+    from selfspec.models.passes import SkipSet
+    from selfspec.store.artefacts import artefact_digest, save_artefact
+
+    def searched(attn):
+        tensors = skip_set_tensors(SkipSet.of(attn, [2]), tiny.model.num_layers)
+        return save_artefact(tmp_path / "skip", "skip_set", tensors, tiny, extra={"attn": attn, "mlp": [2]})
+
+    path = searched([1])
+    run = tmp_path / "run"
+    dv = ["method=draft_verify", f"method.skip_set={path}", "profile=null"]
+    first = evaluate(compose(SMALL + ["n_examples=1", *dv]), run, loaded=tiny)
+    assert first["artefact_digests"]["draft_verify"] == {str(path.resolve()): artefact_digest(path)}
+    assert first["artefacts"]["draft_verify"] == [str(path.resolve())]
+    evaluate(compose(SMALL + dv), run, loaded=tiny)  # the same artefact: resumed
+    searched([1, 3])
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ResumeMismatch, match=r"draft_verify decoded with another artefact at .*skip.* searched again"):
+        evaluate(compose(SMALL + ["n_examples=3", *dv]), run, loaded=tiny)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_interrupted_run_keeps_finished_examples(tiny, tmp_path, monkeypatch):
     real = HFGenerate.generate
     calls = []

@@ -679,3 +679,27 @@ def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkey
     b = evaluate(compose(common + ["model.random.intermediate_size=64"]), tmp_path / "b")
     assert a["profile"]["path"] != b["profile"]["path"]
     assert Profile.load(b["profile"]["path"]).shape["intermediate_size"] == 64
+
+
+def test_each_layer_walk_is_charged_its_own_call():
+    """``walk`` is charged once per layer walk (each its own call into the runtime), besides its
+    sublayers: a pass walked in two calls costs one ``walk`` more than the same layers in one, and a
+    full pass's price holds one; a profile without the key charges none."""
+    plain = synthetic_profile()
+    walked = synthetic_profile(walk=0.2e-3)
+    one = ["plain", "L", 1, 4, 4, 0]
+    halves = [["plain", "L", 1, 2, 2, 0]] * 2
+    assert walked.op(one) == pytest.approx(plain.op(one) + 0.2e-3)
+    assert sum(walked.op(op) for op in halves) == pytest.approx(walked.op(one) + 0.2e-3)
+    assert walked.pass_cost(1, 0) == pytest.approx(plain.pass_cost(1, 0) + 0.2e-3)
+    with pytest.raises(ValueError, match=r"walk is -0\.001, not a finite number"):
+        synthetic_profile(walk=-1e-3)
+
+
+def test_a_measured_profile_prices_a_walk_call(tiny):
+    """The profile measures ``walk`` on a CPU (every layer walked alone against one walk of all of
+    them): a finite number of seconds, at least zero, well under a full step."""
+    from selfspec.evaluation.profiling import measure_profile
+
+    p = measure_profile(tiny.model, rows=(1, 2), prefill_rows=(8,), contexts=(0, 32), repeats=2)
+    assert 0.0 <= p.walk < p.plain_step() and "walk" in p.data

@@ -127,3 +127,7 @@ def test_a_timed_search_says_when_the_machines_load_moved_under_it(tiny, prompt_
     with caplog.at_level("WARNING", logger="selfspec.training.skips"):
         assert 1 / skips.BASELINE_DRIFT <= objective.remeasure_baseline() <= skips.BASELINE_DRIFT
     assert "load changed" not in caplog.text
+    # a resumed search: its first baseline is the trace's, timed by the process that began it
+    with caplog.at_level("WARNING", logger="selfspec.training.skips"):
+        assert objective.remeasure_baseline(objective.vanilla_spt * 3.0) < 1 / skips.BASELINE_DRIFT
+    assert "deleting its trace if it was resumed" in caplog.text

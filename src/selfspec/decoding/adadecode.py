@@ -246,21 +246,30 @@ class AdaDecode(Decoder):
         pos = ss.base + len(ss.draft)
         allow_exit = len(ss.draft) < ss.cap
         h = m.embed(torch.tensor([[token]], device=m.device))
-        for j in range(m.num_layers):
+        j, last = 0, m.num_layers - 1
+        while j <= last:
             if ss.stack and ss.stack[-1].depth == j:  # owed positions join this layer
                 joined = []
                 while ss.stack and ss.stack[-1].depth == j:
                     joined.append(ss.stack.pop().h)
                 h = torch.cat(joined[::-1] + [h], dim=1)
+            # one walk up to the next layer where something happens: an exit head is read after it, or
+            # owed positions join after it (a walk per layer cost ~0.1 ms of calls each on 2 CPU cores)
+            stop = last
+            if allow_exit:
+                stop = min([stop] + [e for e in self.exit_layers if e >= j])
+            if ss.stack and ss.stack[-1].depth > j:
+                stop = min(stop, ss.stack[-1].depth - 1)
             n = h.shape[1]
             start = pos + 1 - n
-            h = m.forward(h, cache, Pass(range(j, j + 1)), start=start,
+            h = m.forward(h, cache, Pass(range(j, stop + 1)), start=start,
                           rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base), ledger=state.ledger)
-            if allow_exit and j in self.exit_layers:
-                if self._early(state, ss, j, h[:, -1]):
-                    ss.stack.append(_Segment(j + 1, h))
-                    ss.exit_layers.append(j)
+            if allow_exit and stop in self.exit_layers:
+                if self._early(state, ss, stop, h[:, -1]):
+                    ss.stack.append(_Segment(stop + 1, h))
+                    ss.exit_layers.append(stop)
                     return None
+            j = stop + 1
         return m.logits(h[0], state.ledger)
 
     def draft_logits(self, layer: int, h: torch.Tensor, ledger=None) -> torch.Tensor:

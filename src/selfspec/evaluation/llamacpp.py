@@ -51,7 +51,10 @@ class LlamaCppPeer:
         self.lib = llama_cpp
         self.path = cached_gguf(loaded)
         self.threads = int(threads or torch.get_num_threads())
-        kv = llama_cpp.GGML_TYPE_BF16 if loaded.model.dtype == torch.bfloat16 else llama_cpp.GGML_TYPE_F32
+        # ggml numbers BF16 30 (llama-cpp-python 0.3.36 exports no constant for it)
+        #: the weights' and the KV cache's type in llama.cpp: the loaded model's dtype
+        self.weights = "bfloat16" if loaded.model.dtype == torch.bfloat16 else "float32"
+        kv = getattr(llama_cpp, "GGML_TYPE_BF16", 30) if self.weights == "bfloat16" else llama_cpp.GGML_TYPE_F32
         self.llm = llama_cpp.Llama(
             model_path=str(self.path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=self.threads,
             n_threads_batch=self.threads, type_k=kv, type_v=kv, logits_all=False, verbose=False)

@@ -16,8 +16,9 @@ from typing import Any, Iterable
 
 import torch
 
-from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, PREFILL_ROWS, ROWS, VOCAB_FRACTIONS,
-                                     WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name, model_shape)
+from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, MEASUREMENT, PREFILL_ROWS, ROWS,
+                                     VOCAB_FRACTIONS, WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name,
+                                     model_shape)
 from selfspec.models.capture import BUCKETS
 from selfspec.models.ledger import as_op
 
@@ -59,11 +60,13 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
     def whole_pass(cache, context: int, n: int) -> None:  # the L_fp(n) curve, kept for reading
         in_time(f"the pass of {n} rows at context {context}")
         if n in rows and context == pass_context:
-            whole.setdefault(context, {})[n] = time_forward(model, cache, context, n, repeats=repeats)
+            whole.setdefault(context, {})[n] = time_forward(model, cache, context, n, repeats=repeats, cold=True)
 
     spans: dict[str, int] = {}  # a static pass attends over its whole cache: the slots each context's spanned
+    in_time("a walk's own cost")
+    walk = _measure_walk(model, pass_context, repeats) if model.device.type == "cpu" else 0.0
     attention, mlp = _sublayers(model, {c: sorted({*rows, *(prefill_rows if c == 0 else ())}) for c in contexts}, repeats,
-                                log, also=whole_pass, spans=spans)
+                                log, also=whole_pass, spans=spans, walk=walk)
     in_time("the eager tables")
     eager = _measure_eager(model, rows, contexts, repeats, log) if model.capture == "graphs" else None
     in_time("the heads")
@@ -89,6 +92,8 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
         "warp": {str(k): {str(v): {str(n): t for n, t in row.items()} for v, row in table.items()}
                  for k, table in _measure_warps(model, repeats).items()},
         "host": 0.0,
+        "walk": walk,
+        "measurement": MEASUREMENT,
     } | ({"eager": eager} if eager else {}) | ({"spans": spans} if model.steps is not None else {})
     data["name"] = f"{machine_name(data['machine'])}__{model.name}"
     profile = Profile(data)
@@ -138,13 +143,13 @@ def _measure_plain_host(model, profile: Profile, prompt: list[int], new: int, re
     return statistics.median(hosts)
 
 
-def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None, spans: dict | None = None
-               ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None, spans: dict | None = None,
+               walk: float = 0.0) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.measure.profile`):
     per context, whole passes of each row count in ``widths[context]`` with and without the MLPs,
-    divided by the layer count (the MLP: the median over contexts of the difference). ``also(cache,
-    context, rows)`` times anything else on the same cache; ``spans`` receives each context's cache
-    slots."""
+    less one walk's own cost (``walk``), divided by the layer count (the MLP: the median over
+    contexts of the difference). ``also(cache, context, rows)`` times anything else on the same
+    cache; ``spans`` receives each context's cache slots."""
     from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
 
@@ -158,15 +163,57 @@ def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also
             spans[str(context)] = cache.max_length
         attention[str(context)] = {}
         for n in rows:
-            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0)
-            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp)
-            attention[str(context)][str(n)] = attn / L
+            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, cold=True)
+            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp, cold=True)
+            attention[str(context)][str(n)] = max(attn - walk, 0.0) / L
             mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
             if also is not None:
                 also(cache, context, n)
         if log:
             log(f"context {context}: attention and MLP sublayers for {len(rows)} row counts")
     return attention, {str(n): statistics.median(v) for n, v in mlp.items()}
+
+
+def _measure_walk(model, context: int, repeats: int) -> float:
+    """``walk`` (module docstring of :mod:`selfspec.measure.profile`): what one more walk of the
+    layers costs beyond its sublayers, on one row after ``context`` positions: every layer walked one
+    at a time against all of them in one walk, the difference over the walks added (the call into
+    the runtime, its rotary rows, the ledger's record; AdaDecode walked a layer at a time, and each
+    walk cost 0.07-0.12 ms more than its layer on 2 CPU cores). Never below zero."""
+    from selfspec.measure.costs import context_cache, evict_caches, synchronizer
+    from selfspec.models.passes import Pass
+
+    L = model.num_layers
+    if L < 2:
+        return 0.0
+    cache = context_cache(model, context, 1)
+    h = model.embed(torch.zeros(1, 1, dtype=torch.long, device=model.device))
+    rope = model.rope(model.positions(context, 1), h)
+    sync = synchronizer(model.device)
+
+    def one() -> None:
+        model.forward(h, cache, Pass(range(L)), start=context, rope=rope)
+
+    def each() -> None:
+        x = h
+        for j in range(L):
+            x = model.forward(x, cache, Pass(range(j, j + 1)), start=context, rope=rope)
+
+    times: dict[str, list[float]] = {"one": [], "each": []}
+    with torch.inference_mode():
+        for r in range(max(3, repeats) + 1):
+            for name, run in (("one", one), ("each", each)) if r % 2 else (("each", each), ("one", one)):
+                cache.truncate(context)
+                evict_caches(model.device)
+                sync()
+                t0 = time.perf_counter()
+                run()
+                sync()
+                if r:  # the first turn warms up
+                    times[name].append(time.perf_counter() - t0)
+    cache.truncate(context)
+    extra = statistics.median(times["each"]) - statistics.median(times["one"])
+    return max(extra / (L - 1), 0.0)
 
 
 def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int) -> dict[str, Any]:
@@ -301,7 +348,7 @@ def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, 
         out[v] = {}
         for n in rows:
             x = torch.randn(1, n, model.hidden_size, dtype=model.dtype, device=model.device)
-            out[v][n] = time_call(lambda: model.head(x, w).float(), model.device, repeats)
+            out[v][n] = time_call(lambda: model.head(x, w).float(), model.device, repeats, cold=True)
     return out
 
 
@@ -335,7 +382,7 @@ def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
     out = {}
     for n in rows:
         x = torch.randn(1, n, d, dtype=model.dtype, device=model.device)
-        out[n] = time_call(lambda: lin(x), model.device, repeats)
+        out[n] = time_call(lambda: lin(x), model.device, repeats, cold=True)
     return out
 
 
@@ -348,5 +395,5 @@ def _measure_tree(model, sizes: list[int], context: int, repeats: int) -> dict[i
     for n in sizes:
         tree = (torch.arange(n, device=model.device), torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
         h = model.embed(torch.zeros(1, n, dtype=torch.long, device=model.device))
-        out[n] = time_forward(model, cache, context, h=h, tree=tree, repeats=repeats)
+        out[n] = time_forward(model, cache, context, h=h, tree=tree, repeats=repeats, cold=True)
     return out

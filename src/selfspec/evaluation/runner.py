@@ -44,6 +44,7 @@ from selfspec.measure.peak import (EVAL_CONTEXT, MemoryModel, Shape, Term, check
                                    shape_of)
 from selfspec.measure.profile import machine, model_shape
 from selfspec.models.capture import BUCKETS, MAX_GRAPHS
+from selfspec.store.artefacts import artefact_digest
 from selfspec.store.files import check_directory, check_writable, to_jsonable, write_json
 from selfspec.store.locks import hold
 from selfspec.tracking import ResultsFile, Tracker, open_run_log, save_hydra_files, start_run
@@ -385,6 +386,31 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
     ResultsFile(results, ROW_KEYS).check()
 
 
+def _check_artefacts(out_dir: Path, artefacts: dict[str, dict[str, str]]) -> None:
+    """Refuse to resume results written with other artefacts than these (``{method: {path: digest}}``,
+    :func:`~selfspec.store.artefacts.artefact_digest`): a skip set searched again, or heads trained
+    again, at the same path would otherwise mix two artefacts' results under one method's name.
+    Reads only, after the decoders are built (they resolve the artefacts) and before anything is
+    written. A record from before artefacts were recorded is resumed, and said in the log."""
+    import json
+
+    results, record = out_dir / RESULTS, out_dir / RUN_CONFIG
+    if not results.exists() or results.stat().st_size == 0 or not record.exists():
+        return
+    before = json.loads(record.read_text()).get("artefacts")
+    if before is None:
+        log.info("%s predates artefact digests in run records: its artefacts cannot be compared with these", record)
+        return
+    for method, paths in artefacts.items():
+        for path, digest in paths.items():
+            was = (before.get(method) or {}).get(path)
+            if was != digest:
+                raise ResumeMismatch(
+                    f"{out_dir} holds results {method} decoded with {'another' if was else 'no'} artefact at {path} "
+                    f"(digest {was or 'none'}, now {digest}: trained or searched again since); evaluate into a new "
+                    "run directory (hydra.run.dir=...)")
+
+
 def _begin(out_dir: Path, identity: dict[str, Any], cfg: DictConfig) -> None:
     """Record the run in its directory once it really starts (model loaded, decoders built):
     ``run_config.json``, what a rerun must match, and inside ``@hydra.main`` Hydra's ``.hydra/``
@@ -490,6 +516,9 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     tok = loaded.tokenizer
     threads = _threads(cfg, loaded.model.device, profile)
     runs = _decoders(plan, loaded, profile, threads)
+    artefacts = {r.name: {str(p): artefact_digest(p) for p in _artefact_paths(r)} for r in runs}
+    _check_artefacts(out_dir, artefacts)
+    identity["artefacts"] = artefacts
 
     prompts = {ex.id: task.encode(ex, tok) for ex in examples}
     _check_room(plan, runs, prompts, loaded.model)
@@ -503,7 +532,6 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     tracker = tracker or start_run(cfg, JOB, dir=out_dir, method_label=under_test)
     info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
                     linear_kernel=loaded.model.linear_kernel, capture=loaded.model.capture)
-    artefacts = {r.name: [str(p) for p in _artefact_paths(r)] for r in runs}
     for paths in artefacts.values():
         for p in paths:
             tracker.use_artifact(p)
@@ -644,7 +672,8 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
         "batches": batches,
         "capture": _capture_summary(loaded.model, finished),
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
-        "artefacts": artefacts,
+        "artefacts": {method: sorted(paths) for method, paths in artefacts.items()},
+        "artefact_digests": artefacts,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

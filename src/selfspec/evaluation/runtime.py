@@ -12,7 +12,7 @@
   apart, in an order that alternates, so a ratio is never two moments of a noisy machine;
 * llama.cpp as a third peer when llama-cpp-python is installed (the optional extra, ``make
   llamacpp``; otherwise one line says it was skipped): the loaded model's own weights written as a
-  float32 GGUF file, the same prompt ids, threads and differencing (:mod:`selfspec.evaluation.llamacpp`);
+  GGUF file (float32, or BF16 for a bfloat16 model), the same prompt ids, threads and differencing (:mod:`selfspec.evaluation.llamacpp`);
   for each peer its decoding and prefill (time to the first token) tokens/s, its share of the copy
   bandwidth, and how many of its tokens agree with vanilla's;
 * the LM head's share of a decoding step;
@@ -182,7 +182,7 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "bandwidth_fraction": (weights + kv) / per_token / bandwidth,
         "peers": {name: peer_figures(rates, name, weights + kv, bandwidth) for name in names},
         "llama_cpp": ({"version": peer.version, "gguf": str(peer.path), "threads": peer.threads,
-                       "kv_dtype": "float32"} if peer is not None else {"skipped": skipped}),
+                       "weights": peer.weights, "kv_dtype": peer.weights} if peer is not None else {"skipped": skipped}),
         "new_tokens": new_tokens,
         "seconds": time.perf_counter() - t0,
         "load": [load_start, _load()],
@@ -246,6 +246,6 @@ def peer_lines(r: dict[str, Any]) -> list[str]:
     if info.get("skipped"):
         lines.append(info["skipped"])
     elif "version" in info:
-        lines.append(f"llama.cpp: llama-cpp-python {info['version']}, float32 GGUF written from the loaded weights "
-                     f"({info['gguf']}), float32 KV cache")
+        lines.append(f"llama.cpp: llama-cpp-python {info['version']}, {info.get('weights', 'float32')} GGUF written from the loaded weights "
+                     f"({info['gguf']}), {info.get('kv_dtype', 'float32')} KV cache")
     return lines

@@ -20,6 +20,11 @@ other machine with a profile of the same model shape:
   at the full and truncated vocabularies. Top-k is priced as the warp it runs within;
 * ``host``: the seconds of a plain greedy step beyond what its ops cost measured alone: selecting
   the token, the host sync, and what running inside a decoding loop adds to the isolated passes;
+* ``walk`` (optional; 0 where absent): what one walk of the layers costs beyond its sublayers (the
+  call into the runtime, its rotary rows, the ledger's record), charged once per layer walk: a
+  decoder that walks its layers in several calls (AdaDecode between its exit heads, a draft, early
+  exit's remainder) pays it per call, and the ``attention`` table is measured net of it. Measured on
+  a CPU (every layer walked one at a time against all in one walk); a GPU profile has none;
 * ``host_steps`` (optional): what a drafting step's own host work adds to ``host``, by the step's
   source (:class:`~selfspec.decoding.base.StepTrace`): ``tree`` for PPD's candidate tree
   (choosing it, laying it out, the prompt tokens' top-k, reading the candidates back: a few hundred
@@ -72,6 +77,10 @@ from selfspec.store.runinfo import cpu_name
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
 
 FORMAT = 3
+#: how this selfspec measures a profile's tables, part of a cached profile's file name (so a cache
+#: measured the old way is measured again) and recorded in the profile (``measurement``): 2 = the
+#: CPU's caches pushed out before every timed run, and ``walk`` measured (1 or absent: neither)
+MEASUREMENT = 2
 #: rows measured at every context (a chain of k + 1, a tree: PPD's paper trees reach 120 rows; with
 #: CUDA graphs also the largest bucket, :func:`selfspec.evaluation.profiling.measure_profile`);
 #: prefill-sized rows at context 0
@@ -221,6 +230,10 @@ def _check_tables(data: dict[str, Any], where: str) -> None:
     host = data.get("host")
     if isinstance(host, bool) or not isinstance(host, (int, float)) or not math.isfinite(host) or host < 0:
         raise bad(f"host is {host!r}, not a finite number of seconds >= 0")
+    per_walk = data.get("walk", 0.0)
+    if (isinstance(per_walk, bool) or not isinstance(per_walk, (int, float)) or not math.isfinite(per_walk)
+            or per_walk < 0):
+        raise bad(f"walk is {per_walk!r}, not a finite number of seconds >= 0")
     if data.get("eager") is not None:
         for name, depth in (("attention", 2), ("mlp", 1)):
             walk((data["eager"] or {}).get(name), depth, f"eager.{name}")
@@ -269,6 +282,8 @@ class Profile:
         self.warp_cost = {int(k): {int(v): num(row) for v, row in t.items()} for k, t in data["warp"].items()}
         self._warp = {k: {v: Curve(row) for v, row in t.items()} for k, t in self.warp_cost.items()}
         self.host = float(data["host"])
+        #: seconds one layer walk costs beyond its sublayers (``walk``; 0 in profiles without it)
+        self.walk = float(data.get("walk", 0.0))
         #: the tables price captured passes (a GPU profile measured with graphs on)
         self.captures = data["model"].get("capture") == "graphs"
         #: the tables were measured with static-shape passes (``capture`` static or graphs): each at
@@ -419,7 +434,7 @@ class Profile:
         if op.kind == "L":
             eager = self._eager is not None and self.eager(op)
             rows, span = self.ran(op, eager)
-            return (op.attention * self.attention_cost(rows, op.context, eager, span)
+            return (self.walk + op.attention * self.attention_cost(rows, op.context, eager, span)
                     + op.mlp * (self._eager[1] if eager else self._mlp)(rows))
         if op.kind == "H":
             return self.head(op.rows, op.vocab)
@@ -459,9 +474,9 @@ class Profile:
         return out
 
     def pass_cost(self, rows: int, context: int = 512) -> float:
-        """Seconds of a full pass of ``rows`` new tokens after ``context`` cached ones: every layer,
-        the head on every row, the host (a verification of ``rows - 1`` drafts)."""
-        return (self.shape["num_layers"] * self.layer_cost(rows, context)
+        """Seconds of a full pass of ``rows`` new tokens after ``context`` cached ones: one walk of every
+        layer, the head on every row, the host (a verification of ``rows - 1`` drafts)."""
+        return (self.walk + self.shape["num_layers"] * self.layer_cost(rows, context)
                 + self.head(rows, self.shape["vocab_size"]) + self.host)
 
     def plain_step(self, context: int = 512) -> float:
@@ -544,7 +559,7 @@ def default_path(model, device: torch.device) -> Path:
     info = machine(device)
     tag = "-".join(f"{k}{v}" for k, v in sorted(info["versions"].items()))
     shape = model_shape(model)
-    runtime = f"{model.linear_kernel}-{model.capture}-{shape['dtype']}"
+    runtime = f"{model.linear_kernel}-{model.capture}-{shape['dtype']}-m{MEASUREMENT}"
     # the shape's digest too: a random model reshaped under the same name is another model (issue 39)
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
     return cache_dir() / "profiles" / f"{machine_name(info)}__{model.name}-{digest}__{runtime}__{tag}.json"

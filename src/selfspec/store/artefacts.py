@@ -126,6 +126,21 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def artefact_digest(path: str | Path) -> str:
+    """16 hex digits naming what an artefact directory holds: its files' names and bytes (the same
+    directory trained again is another artefact, whatever its path). A run records the digest of
+    every artefact its methods read, and resumes only with the same ones."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for file in sorted(p for p in Path(path).iterdir() if p.is_file() and not p.name.startswith(".")):
+        h.update(file.name.encode() + b"\0")
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
 def rebuild_hint(path: Path, kind: str | None = None) -> str:
     """How to write the artefact at ``path`` afresh: the training job of its kind."""
     return (f"rebuild it with `python -m selfspec.train job={_job(kind)} model=<model> artefact_dir={path}` "

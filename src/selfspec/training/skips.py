@@ -183,18 +183,21 @@ class TimedObjective:
         runs = [_decode_time(van, self.prompts, self.n_new) for _ in range(max(2, self.repeats))]
         return statistics.median(s / t for s, t, _, _ in runs)
 
-    def remeasure_baseline(self) -> float:
+    def remeasure_baseline(self, first: float | None = None) -> float:
         """Time vanilla again after the search and take it as the baseline from here on; returns the
-        new time over the first. Candidates are only comparable if the machine's load did not change
-        while they were timed: a drift past :data:`BASELINE_DRIFT` either way is said in the log (a
-        search begun under load, or loaded midway, ranks its candidates by the load, not the skip set)."""
-        first, self.vanilla_spt = self.vanilla_spt, self.baseline()
+        new time over ``first`` (the search's first baseline: its trace's, when it was resumed; default
+        this objective's). Candidates are only comparable if the machine's load did not change while
+        they were timed: a drift past :data:`BASELINE_DRIFT` either way is said in the log (a search
+        begun under load, loaded midway, or resumed on a machine loaded otherwise ranks its candidates
+        by the load, not the skip set)."""
+        first = self.vanilla_spt if first is None else first
+        self.vanilla_spt = self.baseline()
         drift = self.vanilla_spt / first
         if not 1 / BASELINE_DRIFT <= drift <= BASELINE_DRIFT:
             log.warning("vanilla's decode time moved from %.1f to %.1f ms per token during the timed skip search "
                         "(%.2fx): the machine's load changed, so the candidates' times are not comparable; search "
-                        "again on a quiet machine (or job.search=bo_model, which prices candidates instead)",
-                        first * 1e3, self.vanilla_spt * 1e3, drift)
+                        "again on a quiet machine, deleting its trace if it was resumed (or job.search=bo_model, "
+                        "which prices candidates instead)", first * 1e3, self.vanilla_spt * 1e3, drift)
         return drift
 
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
@@ -613,7 +616,8 @@ def search(ctx) -> Result:
     # one measured check of the result (also for the cost-model searches), on the same dev set
     with torch.inference_mode():
         timed = objective if kind == "bo" else TimedObjective(model, prompts, n_new, decoding, 1)
-        drift = timed.remeasure_baseline() if kind == "bo" else None
+        # against the trace's first baseline: a resumed search's candidates span both processes
+        drift = timed.remeasure_baseline(trace.header["vanilla_seconds_per_token"]) if kind == "bo" else None
         check = timed(skip)
     metrics = {
         "search": kind,
