@@ -679,6 +679,10 @@ def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkey
     b = evaluate(compose(common + ["model.random.intermediate_size=64"]), tmp_path / "b")
     assert a["profile"]["path"] != b["profile"]["path"]
     assert Profile.load(b["profile"]["path"]).shape["intermediate_size"] == 64
+    # the same shape under another name (a GGUF file given a name of its own) is priced as it is, not
+    # measured again: the README's model.gguf_path example measured SmolLM2's profile once more
+    c = evaluate(compose(common + ["model.name=my-model"]), tmp_path / "c")
+    assert c["profile"]["path"] == a["profile"]["path"]
 
 
 def test_each_layer_walk_is_charged_its_own_call():

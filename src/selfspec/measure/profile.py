@@ -553,13 +553,17 @@ def matching_shipped(model) -> "Profile | None":
 
 def default_path(model, device: torch.device) -> Path:
     """Where this machine's profile of ``model`` is kept: the asset cache, keyed by machine, model
-    (its name and its shape's digest) and runtime (kernel, capture), and the library versions."""
+    shape (its family and a digest of :func:`model_shape`) and runtime (kernel, capture), and the
+    library versions. Not by the model's name: what a step costs depends on the shape alone, so a
+    model evaluated under another name (a GGUF file given as ``model.gguf_path=... model.name=...``)
+    is priced with the profile its shape already has, and a random model reshaped under the same
+    name is another model (issue 39)."""
     from selfspec.store.assets import cache_dir
 
     info = machine(device)
     tag = "-".join(f"{k}{v}" for k, v in sorted(info["versions"].items()))
     shape = model_shape(model)
     runtime = f"{model.linear_kernel}-{model.capture}-{shape['dtype']}-m{MEASUREMENT}"
-    # the shape's digest too: a random model reshaped under the same name is another model (issue 39)
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
-    return cache_dir() / "profiles" / f"{machine_name(info)}__{model.name}-{digest}__{runtime}__{tag}.json"
+    family = "".join(c if c.isalnum() else "-" for c in shape["model_type"]) or "model"
+    return cache_dir() / "profiles" / f"{machine_name(info)}__{family}-{digest}__{runtime}__{tag}.json"
