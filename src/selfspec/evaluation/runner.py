@@ -3,7 +3,8 @@
 docs/design.md §2.6 and §3 (Spec-Bench's conventions): one process, one runtime, batch size 1;
 ``warmup`` generations per method before anything is timed; then per example the baseline, the
 method under test and the comparison methods run back to back (interleaved, so slow drifts of the
-machine hit every method alike). Each finished generation is appended to ``results.jsonl`` at
+machine hit every method alike), after one untimed prompt step of the example by the baseline (so
+the first of them does not pay for a prompt the others find warm: :func:`_settle`). Each finished generation is appended to ``results.jsonl`` at
 once (an interrupted run keeps it; a re-run into the same directory skips it), and
 ``summary.json`` is rewritten from all rows at the end. A re-run whose model, task, sampling,
 budget, methods or number of samples differ is refused (:class:`ResumeMismatch`) before anything in the directory
@@ -746,6 +747,17 @@ def _write_samples(out_dir: Path, task, rows: dict[str, list[dict[str, Any]]]) -
     return written
 
 
+def _settle(run: MethodRun, ids: list[int]) -> None:
+    """One untimed step of an example's prompt (its prefill and one token, greedy) by the baseline,
+    before that example's timed generations, its carried state put back: the first method timed on
+    a prompt would otherwise pay what the later ones find done (on 2 CPU cores in bf16, vanilla's
+    prompt step took 3-14% longer than the same step of the methods after it, most after an HF
+    peer's generation; docs/2026-12-01-bfloat16-on-the-cpu.md), lending every method that much of
+    the prompt's time against vanilla."""
+    with run.decoder.kept_state():
+        run.decoder.generate(ids, 1, Sampling())
+
+
 def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, baseline: str, progress: bool) -> None:
     """Per example, per sample, every method back to back; each row appended as it finishes."""
     from tqdm.auto import tqdm
@@ -756,6 +768,7 @@ def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, basel
     bar = tqdm(todo, desc=f"{task.name} {under_test}", unit="ex", disable=not progress, dynamic_ncols=True)
     for step, ex in enumerate(bar):
         ids = prompts[ex.id]
+        _settle(runs[0], ids)
         for i in range(plan.n_samples):
             s = sample_sampling(sampling, i)
             for run in runs:
