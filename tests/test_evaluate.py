@@ -89,11 +89,13 @@ def test_each_example_is_settled_by_an_untimed_prompt_step_of_the_baseline(tiny,
     once, untimed (one token, greedy), and only for examples with work left."""
     from selfspec.decoding.vanilla import Vanilla
 
+    QUIET = ["profile=null"]  # no profile of the tiny model measured here (its own vanilla generations)
+
     calls = []
     real = Vanilla.generate
     monkeypatch.setattr(Vanilla, "generate",
                         lambda self, ids, n, sampling=None: calls.append((list(ids), n)) or real(self, ids, n, sampling))
-    evaluate(_cfg(), tmp_path, loaded=tiny)
+    evaluate(_cfg(*QUIET), tmp_path, loaded=tiny)
     rows = ResultsFile(tmp_path / RESULTS).rows()
     prompts = [r["prompt_tokens"] for r in rows if r["method"] == "vanilla"]
     assert [n for _, n in calls] == [8, 1, 8, 1, 8]  # warm-up, then per example: settle, timed
@@ -101,8 +103,12 @@ def test_each_example_is_settled_by_an_untimed_prompt_step_of_the_baseline(tiny,
     assert calls[1][0] == calls[2][0] != calls[3][0] == calls[4][0]
     assert [r["new_tokens"] for r in rows if r["method"] == "vanilla"] == [8, 8]  # the settle left no row
     calls.clear()
-    evaluate(_cfg("n_examples=3"), tmp_path, loaded=tiny)  # resumed: only the new example is settled
+    evaluate(_cfg("n_examples=3", *QUIET), tmp_path, loaded=tiny)  # resumed: only the new example is settled
     assert [n for _, n in calls] == [8, 1, 8]
+    calls.clear()  # in batches: a wave's examples are settled, alone, before the wave's timed batches
+    evaluate(_cfg("n_examples=3", "batch_size=2", *QUIET), tmp_path / "batched", loaded=tiny)
+    assert [n for _, n in calls] == [8, 1, 1, 1, 8, 8, 8]  # warm-up; the wave of 3: settles, timed
+    assert [ids for ids, _ in calls[1:4]] == [ids for ids, _ in calls[4:]]
 
 
 def test_resume_skips_finished_examples(tiny, tmp_path, monkeypatch):

@@ -48,12 +48,19 @@ def waves(examples: list, size: int) -> list[list]:
 
 def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_samples: int, budget: int,
                  sampling_of: Callable[[int], Any], row_of: Callable, append_row: Callable[[dict], None],
-                 log_batch: Callable[[dict], None], on_wave: Callable[[int], None] | None = None) -> None:
+                 log_batch: Callable[[dict], None], on_wave: Callable[[int], None] | None = None,
+                 settle: Callable[[Any], None] | None = None) -> None:
     """Decode ``todo`` in waves (module docstring): per wave, sample and method, one batch; each
     generation's row built by ``row_of(example, run, generation, sample, sampling)`` and handed to
-    ``append_row`` as it finishes, each batch's line to ``log_batch``."""
+    ``append_row`` as it finishes, each batch's line to ``log_batch``. ``settle(example)`` runs, untimed,
+    for each example of a wave with work left before the wave's first batch (the runner's prompt step
+    of the baseline, as before each example at ``batch_size=1``)."""
     slots = {run.name: [run.decoder.fork() for _ in range(size)] for run in runs if run.decoder.own_loop}
     for w, wave in enumerate(waves(todo, size)):
+        if settle is not None:
+            for ex in wave:
+                if any((ex.id, i, run.name) not in done for i in range(n_samples) for run in runs):
+                    settle(ex)
         for i in range(n_samples):
             s = sampling_of(i)
             for run in runs:

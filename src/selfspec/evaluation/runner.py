@@ -790,8 +790,8 @@ def _loop(plan: RunPlan, runs, todo, prompts, done, tok, results, tracker, basel
 
 def _loop_batched(plan: RunPlan, runs, todo, prompts, done, tok, results, out_dir: Path, progress: bool) -> None:
     """``batch_size > 1``: the examples in waves, each method decoding a wave as one continuous batch
-    (:mod:`selfspec.evaluation.batches`); each row appended as its sequence finishes, each batch a line
-    of batches.jsonl."""
+    (:mod:`selfspec.evaluation.batches`), each example of a wave settled first (:func:`_settle`); each
+    row appended as its sequence finishes, each batch a line of batches.jsonl."""
     from tqdm.auto import tqdm
 
     from selfspec.evaluation.batches import WAVE, decode_waves, open_batches
@@ -807,7 +807,8 @@ def _loop_batched(plan: RunPlan, runs, todo, prompts, done, tok, results, out_di
     try:
         decode_waves(runs, todo, prompts, done, plan.batch_size, plan.n_samples, plan.budget,
                      lambda i: sample_sampling(plan.sampling, i), row_of, results.append, batches.append,
-                     on_wave=lambda w: bar.update(min(len(todo) - bar.n, WAVE * plan.batch_size)))
+                     on_wave=lambda w: bar.update(min(len(todo) - bar.n, WAVE * plan.batch_size)),
+                     settle=lambda ex: _settle(runs[0], prompts[ex.id]))
     finally:
         bar.close()
         batches.close()
