@@ -104,35 +104,53 @@ def test_a_batch_refuses_a_model_whose_passes_take_static_shapes():
         Batch(model, 2)
 
 
-def test_batched_rows_are_bit_identical_to_their_own_pass():
+@pytest.mark.parametrize("in_cpp", [True, False], ids=["one-operator", "python"])
+def test_batched_rows_are_bit_identical_to_their_own_pass(in_cpp, monkeypatch):
     """The primitive under every batch: ``run_batched`` over passes of 1 to 20 rows at several cache
-    lengths, float32 past 32 rows in all (the linears in blocks), equals each pass run alone."""
+    lengths, float32 past 32 rows in all (the linears in blocks), with a skip set and kept states,
+    equals each pass run alone (states, kept states and caches); in the one operator
+    (``csrc/layer_walk.cpp``, taken for the whole batch) and in the Python walk."""
     from selfspec.models.batch import Walk
+    from selfspec.models.layered import LayeredModel, SkipSet
 
     model = tiny_family("llama")
+    assert model._walk is not None  # the Llama shape takes the operator
+    taken = []
+    original = LayeredModel._walk_in_cpp
+    monkeypatch.setattr(LayeredModel, "_walk_in_cpp",
+                        lambda self, walks, *a: taken.append((len(walks), out := original(self, walks, *a))) or out)
+    if not in_cpp:
+        model._walk = None
     g = torch.Generator().manual_seed(0)
-    shapes = [(1, 10), (4, 3), (20, 17), (9, 0), (1, 30)]  # (rows, cached positions)
-    caches, items, alone = [], [], []
-    with torch.inference_mode():
-        for rows, past in shapes:
-            ids = torch.randint(0, 256, (1, past + rows), generator=g)
-            pair = []
-            for _ in range(2):
-                cache = model.new_cache(64)
-                if past:
-                    model.forward(ids[:, :past], cache, start=0)
-                pair.append(cache)
-            h = model.embed(ids[:, past:])
-            rope = model.rope(model.positions(past, rows), h)
-            mask = model.causal_mask(rows, past)
-            alone.append(model.walk(h, range(4), pair[0], rope, mask))
-            items.append(Walk(h, pair[1], rope, mask, None))
-            caches.append(pair)
-        together = model.run_batched(items, range(4), None)
-    for a, b, (c1, c2) in zip(alone, together, caches):
-        assert torch.equal(a, b)
-        for i in range(4):
-            assert all(torch.equal(x, y) for x, y in zip(c1.layer_kv(i), c2.layer_kv(i)))
+    # (rows, cached positions); a prefill into an empty cache has no mask, which the operator does not take
+    shapes = [(1, 10), (4, 3), (20, 17), (9, 1 if in_cpp else 0), (1, 30)]
+    for skip in (None, SkipSet.of(attn=[1], mlp=[0, 3])):
+        caches, items, alone, kept = [], [], [], []
+        with torch.inference_mode():
+            for rows, past in shapes:
+                ids = torch.randint(0, 256, (1, past + rows), generator=g)
+                pair = []
+                for _ in range(2):
+                    cache = model.new_cache(64)
+                    if past:
+                        model.forward(ids[:, :past], cache, start=0)
+                    pair.append(cache)
+                h = model.embed(ids[:, past:])
+                rope = model.rope(model.positions(past, rows), h)
+                mask = None if rows == 1 else model.causal_mask(rows, past)
+                keep = [{1: torch.full((min(rows, 2), h.shape[-1]), float("nan"))} for _ in range(2)]
+                alone.append(model.walk(h, range(4), pair[0], rope, mask, skip, keep[0]))
+                items.append(Walk(h, pair[1], rope, mask, keep[1]))
+                caches.append(pair)
+                kept.append(keep)
+            taken.clear()
+            together = model.run_batched(items, range(4), skip)
+        assert [n for n, out in taken if out is not None] == ([len(shapes)] if in_cpp else [])
+        for a, b, (c1, c2), (k1, k2) in zip(alone, together, caches, kept):
+            assert torch.equal(a, b) and torch.equal(k1[1], k2[1]) and not k1[1].isnan().any()
+            assert c1.lengths == c2.lengths
+            for i in range(4):
+                assert all(torch.equal(x, y) for x, y in zip(c1.layer_kv(i), c2.layer_kv(i)))
 
 
 def test_an_evaluation_in_batches_decodes_what_it_decodes_one_at_a_time(tiny, tmp_path):

@@ -42,6 +42,7 @@ from typing import Protocol
 import torch
 
 from selfspec.models import kernels
+from selfspec.models.batch import Walk
 from selfspec.models.cache import Appended, LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
@@ -454,27 +455,19 @@ class LayeredModel:
                 "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
                 "scaling": scaling.pop()}
 
-    def _walk_in_cpp(self, h: torch.Tensor, layers, kv, rope, mask, keep=None, skip: SkipSet | None = None
-                     ) -> torch.Tensor | None:
+    def _walk_in_cpp(self, walks: list, layers, skip: SkipSet | None = None) -> torch.Tensor | None:
         """The walk of :meth:`run_layers` as one operator (``csrc/layer_walk.cpp``: the same
-        operators in the same order, called from C++), where it applies: a plain-Llama model
-        (:meth:`_walk_weights`), no gradient, at most :data:`~selfspec.models.kernels.MAX_ROWS`
+        operators in the same order, called from C++) over one pass or several sequences' passes
+        (``walks``, each a :class:`~selfspec.models.batch.Walk`; their rows concatenated, as
+        :meth:`run_batched` takes them), where it applies: a plain-Llama model
+        (:meth:`_walk_weights`), no gradient, each pass at most :data:`~selfspec.models.kernels.MAX_ROWS`
         rows after a cache whose layers all hold the same positions (those whose attention runs,
         under a ``skip`` set), no mask for one row or a boolean one; kept states (``keep``, as
-        :meth:`run_layers`) are copied and skipped sublayers left out by the operator; else None
-        (the Python walk)."""
-        walk, n = self._walk, h.shape[1]
-        if (walk is None or type(kv) is not LayerCache or n > kernels.MAX_ROWS or torch.is_grad_enabled()
-                or h.dtype != self.dtype or not len(layers)):
+        :meth:`run_layers`) are copied and skipped sublayers left out by the operator. Returns the
+        states after the last layer, every pass's rows in order, or None (the Python walk)."""
+        walk = self._walk
+        if walk is None or torch.is_grad_enabled() or not len(layers):
             return None
-        if mask is None:
-            if n != 1:
-                return None
-            allowed = torch.empty(0, dtype=torch.bool)
-        elif mask.dtype != torch.bool or mask.shape[:-2].numel() != 1:
-            return None
-        else:
-            allowed = mask
         layers = list(layers)
         if skip is None:  # a decoding step: no per-layer lists to build
             no_attn, no_mlp, attending = [], [], layers
@@ -482,23 +475,49 @@ class LayeredModel:
             no_attn = [i for i in layers if i in skip.attn]
             no_mlp = [i for i in layers if i in skip.mlp]
             attending = [i for i in layers if i not in skip.attn]
-        lengths = kv.lengths
-        start = lengths[attending[0]] if attending else 0
-        if (start + n > kv.max_length or any(lengths[i] != start for i in attending)
-                or allowed.numel() and allowed.shape[-1] != start + n):
-            return None
-        cos, sin = rope
-        if cos.dtype != self.dtype:
-            return None
-        kept = sorted(keep) if keep else []  # a few layers: checked one by one, not the walk's layers
-        if kept and not all(i in layers and keep[i].dtype == h.dtype and keep[i].dim() == 2 for i in kept):
-            return None
-        out = torch.ops.selfspec.layer_walk(h, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
-                                            walk["gate_up"], walk["down"], kv.keys, kv.values, cos, sin, allowed,
-                                            start, self.head_dim, walk["eps"], walk["scaling"], kept,
-                                            [keep[i] for i in kept], no_attn, no_mlp)
-        for i in attending:
-            lengths[i] = start + n
+        bounds, keys, values, cos, sin, allowed, starts, kept = [0], [], [], [], [], [], [], []
+        for b, w in enumerate(walks):
+            n, kv = w.h.shape[1], w.kv
+            if type(kv) is not LayerCache or n > kernels.MAX_ROWS or w.h.dtype != self.dtype:
+                return None
+            if w.mask is None:
+                if n != 1:
+                    return None
+                mask = torch.empty(0, dtype=torch.bool)
+            elif w.mask.dtype != torch.bool or w.mask.shape[:-2].numel() != 1:
+                return None
+            else:
+                mask = w.mask
+            lengths = kv.lengths
+            start = lengths[attending[0]] if attending else 0
+            if (start + n > kv.max_length or any(lengths[i] != start for i in attending)
+                    or mask.numel() and mask.shape[-1] != start + n):
+                return None
+            c, s = w.rope
+            if c.dtype != self.dtype:
+                return None
+            for i in sorted(w.keep) if w.keep else ():  # a few layers: checked one by one, not the walk's layers
+                if i not in layers or w.keep[i].dtype != self.dtype or w.keep[i].dim() != 2:
+                    return None
+                kept.append((i, b, w.keep[i]))
+            bounds.append(bounds[-1] + n)
+            keys += kv.keys
+            values += kv.values
+            cos.append(c)
+            sin.append(s)
+            allowed.append(mask)
+            starts.append(start)
+        kept.sort(key=lambda e: e[:2])
+        h = walks[0].h if len(walks) == 1 else torch.cat([w.h for w in walks], dim=1)
+        out = torch.ops.selfspec.layer_walk(h, bounds, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
+                                            walk["gate_up"], walk["down"], keys, values, cos, sin, allowed, starts,
+                                            self.head_dim, walk["eps"], walk["scaling"], kernels.MAX_ROWS,
+                                            [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept],
+                                            no_attn, no_mlp)
+        for w, start, (a, b) in zip(walks, starts, zip(bounds, bounds[1:])):
+            lengths = w.kv.lengths
+            for i in attending:
+                lengths[i] = start + b - a
         return out
 
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
@@ -522,7 +541,7 @@ class LayeredModel:
     def walk(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
              skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """:meth:`run_layers`'s walk itself, unrecorded and alone (the C++ walk where it applies)."""
-        out = self._walk_in_cpp(h, layers, kv, rope, mask, keep, skip)
+        out = self._walk_in_cpp([Walk(h, kv, rope, mask, keep)], layers, skip)
         if out is not None:
             return out
         for i in layers:
@@ -544,9 +563,14 @@ class LayeredModel:
         depend on the block), and the attention runs each pass's rows over its own keys, as its own
         walk runs them. So every row equals the one its pass alone computes, bit for bit, and the
         weights are read once for all of them (:mod:`selfspec.models.batch`: several generations
-        decoding at once). Returns each pass's states after the last layer."""
+        decoding at once); in one operator where every pass suits it (:meth:`_walk_in_cpp`), which
+        calls each sequence's attention from C++ rather than from Python. Returns each pass's states
+        after the last layer."""
         ends = list(itertools.accumulate(p.h.shape[1] for p in passes))
         bounds = list(zip([0] + ends[:-1], ends))
+        h = self._walk_in_cpp(passes, layers, skip)
+        if h is not None:
+            return [h[:, a:b] for a, b in bounds]
         h = torch.cat([p.h for p in passes], dim=1)
         for i in layers:
             if skip is None or i not in skip.attn:
