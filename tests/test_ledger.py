@@ -274,7 +274,9 @@ def test_contention_is_flagged_from_the_baselines_step_times(tiny, tmp_path):
     assert contention(base, profile, quiet["ratio"] + 0.01, here, min_seconds=0)["flagged"] is False
     # another machine's profile cannot tell, nor can a run shorter than the least judged time
     assert contention(base, profile, 1.25, here | {"hardware": "Another CPU"}, min_seconds=0) is None
-    assert contention(base, profile, 1.25, here) is None
+    short = sum(r["seconds"] for r in base)  # what the profile predicts of the run (a busy machine's profile: more)
+    assert contention(base, profile, 1.25, here, min_seconds=short * 1.01) is None
+    assert contention(base, profile, 1.25, here, min_seconds=short * 0.99) is not None
 
 
 def test_a_batched_run_is_judged_by_its_batches_not_by_its_sequences(tiny, tmp_path, monkeypatch):
