@@ -104,8 +104,9 @@ def test_a_batch_refuses_a_model_whose_passes_take_static_shapes():
         Batch(model, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("in_cpp", [True, False], ids=["one-operator", "python"])
-def test_batched_rows_are_bit_identical_to_their_own_pass(in_cpp, monkeypatch):
+def test_batched_rows_are_bit_identical_to_their_own_pass(in_cpp, dtype, monkeypatch):
     """The primitive under every batch: ``run_batched`` over passes of 1 to 20 rows at several cache
     lengths, float32 past 32 rows in all (the linears in blocks), with a skip set and kept states,
     equals each pass run alone (states, kept states and caches); in the one operator
@@ -114,6 +115,8 @@ def test_batched_rows_are_bit_identical_to_their_own_pass(in_cpp, monkeypatch):
     from selfspec.models.layered import LayeredModel, SkipSet
 
     model = tiny_family("llama")
+    if dtype != torch.float32:
+        model = LayeredModel(model.hf.to(dtype), name="tiny-llama-bf16", linear_kernel="auto")
     assert model._walk is not None  # the Llama shape takes the operator
     taken = []
     original = LayeredModel._walk_in_cpp
@@ -138,7 +141,7 @@ def test_batched_rows_are_bit_identical_to_their_own_pass(in_cpp, monkeypatch):
                 h = model.embed(ids[:, past:])
                 rope = model.rope(model.positions(past, rows), h)
                 mask = None if rows == 1 else model.causal_mask(rows, past)
-                keep = [{1: torch.full((min(rows, 2), h.shape[-1]), float("nan"))} for _ in range(2)]
+                keep = [{1: torch.full((min(rows, 2), h.shape[-1]), float("nan"), dtype=dtype)} for _ in range(2)]
                 alone.append(model.walk(h, range(4), pair[0], rope, mask, skip, keep[0]))
                 items.append(Walk(h, pair[1], rope, mask, keep[1]))
                 caches.append(pair)

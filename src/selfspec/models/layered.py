@@ -48,6 +48,9 @@ from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
 from selfspec.models.passes import PASS, Pass, Rows, SkipSet
 
+#: the one-operator walk's mask of a one-row pass without one (made once, not per step)
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
 __all__ = ["KV", "LayeredModel", "Pass", "Rope", "Rows", "SkipSet", "UnsupportedModelError", "fuse_rows"]
 
 
@@ -483,7 +486,7 @@ class LayeredModel:
             if w.mask is None:
                 if n != 1:
                     return None
-                mask = torch.empty(0, dtype=torch.bool)
+                mask = _NO_MASK
             elif w.mask.dtype != torch.bool or w.mask.shape[:-2].numel() != 1:
                 return None
             else:
@@ -509,9 +512,12 @@ class LayeredModel:
             starts.append(start)
         kept.sort(key=lambda e: e[:2])
         h = walks[0].h if len(walks) == 1 else torch.cat([w.h for w in walks], dim=1)
+        # the linears' blocks, as kernels.linear(rows_apart=True) takes them: float32 in blocks of at most
+        # MAX_ROWS rows, bfloat16 all at once (its kernel's rows never depend on the block)
+        block = kernels.MAX_ROWS if self.dtype == torch.float32 else max(h.shape[1], 1)
         out = torch.ops.selfspec.layer_walk(h, bounds, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
                                             walk["gate_up"], walk["down"], keys, values, cos, sin, allowed, starts,
-                                            self.head_dim, walk["eps"], walk["scaling"], kernels.MAX_ROWS,
+                                            self.head_dim, walk["eps"], walk["scaling"], block,
                                             [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept],
                                             no_attn, no_mlp)
         for w, start, (a, b) in zip(walks, starts, zip(bounds, bounds[1:])):
