@@ -48,29 +48,50 @@ def test_a_gguf_files_shape_is_read_once_per_version_of_the_file(tmp_path, monke
     """Found timing the tests (2026-11-29): every check of the embedded default's memory read SmolLM2's
     GGUF metadata again (gguf's reader parses the tokenizer's 49,152 strings: 3-8 s), so each test of
     settings refused before the load took about 5 s. A file's shape is now read once per process for
-    each version of the file (its path, size, modification time and inode)."""
+    each version of the file (its path, size, modification time and inode). Found again (2026-12-02):
+    each new process read it again, 3-5 s before any model loaded, tiny-random's included (its
+    vocabulary is SmolLM2's tokenizer's): each of the README's commands paid it. The shape is now
+    kept on disk too, per version of the file; a record of another version, or not one selfspec
+    wrote, is not taken."""
+    import json
     import os
     import shutil
 
     from selfspec.models import loading
     from selfspec.store.assets import asset_path
 
+    gguf = asset_path("smollm2-gguf")  # before the cache moves: the asset stays where it was fetched
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     reads = []
     real = loading._read_gguf
     monkeypatch.setattr(loading, "_read_gguf", lambda *a: reads.append(a[0]) or real(*a))
     peak._cached_gguf_shape.cache_clear()
-    first = peak.shape_of(model_config("smollm2-135m"))
-    assert peak.shape_of(model_config("smollm2-135m")) == first and len(reads) == 1
+    first = peak._gguf_shape(gguf, "smollm2-135m")
+    assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 1
+    peak._cached_gguf_shape.cache_clear()  # as a new process
+    assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 1  # from the disk
+    (record,) = (tmp_path / "cache" / "gguf-shapes").glob("*.json")
+    kept = json.loads(record.read_text())
+    kept["shape"]["layers"] += 1
+    kept["version"]["size"] += 1  # a record of another version of the file at this one's name: not taken
+    record.write_text(json.dumps(kept))
+    peak._cached_gguf_shape.cache_clear()
+    assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 2
+    record.write_text("{not json")  # not one selfspec wrote
+    peak._cached_gguf_shape.cache_clear()
+    assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 3
     copy = tmp_path / "copy.gguf"
-    shutil.copyfile(asset_path("smollm2-gguf"), copy)
-    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 2
-    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 2
+    shutil.copyfile(gguf, copy)
+    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 4
+    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 4
     stat = copy.stat()
     os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # another version of the file
-    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 3
+    peak._cached_gguf_shape.cache_clear()
+    assert peak._gguf_shape(copy, "copy") == first and len(reads) == 5
     copy.unlink()
     with pytest.raises(loading.ModelLoadError, match="copy.gguf"):
         peak._gguf_shape(copy, "copy")
+    peak._cached_gguf_shape.cache_clear()
 
 
 def test_activation_terms_grow_with_batch_and_sequence():
