@@ -220,6 +220,12 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
     built = library.stat().st_mtime_ns
     build(checkouts[1], timeout=120)  # the other checkout: no rebuild
     assert library.stat().st_mtime_ns == built
+    # the same cache through a symbolic link (found 2026-12-02: the Slurm test's jobs, whose cache
+    # links the machine's, rebuilt the kernels the test's own process had built, and back): no rebuild
+    (tmp_path / "linked").symlink_to(cache)
+    subprocess.run([sys.executable, "-c", load], env={**env, "PYTHONPATH": str(checkouts[1]),
+                   "SELFSPEC_CACHE": str(tmp_path / "linked")}, capture_output=True, text=True, timeout=120, check=True)
+    assert library.stat().st_mtime_ns == built
     (library.parent / "lock").touch()  # what a build killed midway leaves
     build(checkouts[0], timeout=120)
     assert library.stat().st_mtime_ns == built and not (library.parent / "lock").exists()

@@ -76,17 +76,20 @@ def slurm():
 
 @pytest.fixture(scope="module")
 def job_cache(tmp_path_factory):
-    """``SELFSPEC_CACHE`` for the jobs: the machine's assets (links), its own kernel build folder. The
-    jobs build the CPU kernels once for the module instead of waiting on a shared folder that other
-    checkouts on this machine may be rebuilding (minutes on a busy machine)."""
+    """``SELFSPEC_CACHE`` for the jobs: the machine's cache, its entries linked (assets, profiles,
+    the CPU kernels' build folders). The jobs once built the kernels in a folder of their own, so
+    as not to wait on a shared folder another checkout might be rebuilding; since each environment
+    has its own build folder (issue 52), that wait cannot happen, and the two first jobs spent about
+    40 s of the test building the kernels that this environment had built already."""
     from selfspec.store.assets import cache_dir
 
     cache = tmp_path_factory.mktemp("selfspec-cache")
     shared = cache_dir()
-    if shared.is_dir():
-        for entry in shared.iterdir():
-            if entry.name != "kernels":
-                (cache / entry.name).symlink_to(entry)
+    shared.mkdir(parents=True, exist_ok=True)
+    for name in ("kernels", "profiles", "gguf-shapes"):  # made here if absent, so the jobs write them there
+        (shared / name).mkdir(exist_ok=True)
+    for entry in shared.iterdir():
+        (cache / entry.name).symlink_to(entry)
     return cache
 
 

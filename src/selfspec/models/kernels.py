@@ -106,9 +106,12 @@ def build_name() -> str:
 
 
 def _build_dir() -> Path:
+    """The build folder, its path resolved: torch's build file records the staged sources' absolute
+    paths, so a cache reached through a symbolic link (a linked ``SELFSPEC_CACHE``, a home directory
+    on another disk) rebuilt the kernels (~40 s) at every switch between the two spellings."""
     from selfspec.store.assets import cache_dir
 
-    return cache_dir() / "kernels" / build_name()
+    return (cache_dir() / "kernels" / build_name()).resolve()
 
 
 #: the sources, compiled together into one library
