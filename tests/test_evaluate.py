@@ -292,15 +292,6 @@ def test_evaluate_entry_multirun_joblib(tmp_path):
         assert (p.parent / RESULTS).exists() and (p.parent / ".hydra" / "config.yaml").exists()
 
 
-@pytest.mark.slow
-def test_evaluate_entry_multirun_submitit_local(tmp_path):
-    _run(["-m", *SMALL, "warmup=0", "n_examples=1", "max_new_tokens=4", "method=vanilla",
-                  "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
-    (summary,) = (tmp_path / "sweep").glob(f"*/{SUMMARY}")
-    assert json.loads(summary.read_text())["methods"]["vanilla"]["new_tokens"] >= 1
-    assert list((tmp_path / "sweep" / ".submitit").iterdir())
-
-
 def test_a_model_loaded_from_another_config_is_refused(tiny, tmp_path):
     """``loaded`` (one model shared by several steps, as the demo does) must come from the run's
     model config: another one is refused by the keys that differ, before anything is written; a

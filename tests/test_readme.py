@@ -16,6 +16,7 @@ model.gguf_file=...``) are composed as written and checked (:func:`prose_model_s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
@@ -270,5 +271,10 @@ def test_readme_commands_work_as_written(scratch, demo_run):
                        ("skip_set", "tiny-random-xsum")):
         assert (root / "outputs" / "artefacts" / kind / name / "meta.json").is_file(), (kind, name)
     assert len(list((root / "outputs" / "multirun").rglob("summary.json"))) >= 12 + 3 + 2 + 2
+    # docs/usage.md's submitit_local sweep ran its jobs through submitit (the only test that runs it)
+    (submitit,) = (root / "outputs" / "multirun").rglob(".submitit")
+    summaries = list(submitit.parent.glob("*/summary.json"))
+    assert len(summaries) == 2 and all(json.loads(p.read_text())["methods"]["vanilla"]["new_tokens"] >= 1
+                                       for p in summaries) and list(submitit.iterdir())
     index = (root / "outputs" / "report" / "index.html").read_text()
     assert "from 0 run directories" not in index and "(outputs/multirun)" in index
