@@ -72,10 +72,10 @@ def test_a_gguf_files_shape_is_read_once_per_version_of_the_file(tmp_path, monke
     assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 1
     peak._cached_gguf_shape.cache_clear()  # as a new process
     assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 1  # from the disk
-    (record,) = (tmp_path / "cache" / "gguf-shapes").glob("*.json")
+    (record,) = (tmp_path / "cache" / "gguf-shapes-1").glob("*.json")
     kept = json.loads(record.read_text())
-    kept["shape"]["layers"] += 1
-    kept["version"]["size"] += 1  # a record of another version of the file at this one's name: not taken
+    kept["value"]["layers"] += 1
+    kept["stamp"]["size"] += 1  # a record of another version of the file: not taken
     record.write_text(json.dumps(kept))
     peak._cached_gguf_shape.cache_clear()
     assert peak._gguf_shape(gguf, "smollm2-135m") == first and len(reads) == 2

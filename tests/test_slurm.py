@@ -75,22 +75,15 @@ def slurm():
 
 
 @pytest.fixture(scope="module")
-def job_cache(tmp_path_factory):
-    """``SELFSPEC_CACHE`` for the jobs: the machine's cache, its entries linked (assets, profiles,
-    the CPU kernels' build folders). The jobs once built the kernels in a folder of their own, so
-    as not to wait on a shared folder another checkout might be rebuilding; since each environment
-    has its own build folder (issue 52), that wait cannot happen, and the two first jobs spent about
-    40 s of the test building the kernels that this environment had built already."""
+def job_cache():
+    """``SELFSPEC_CACHE`` for the jobs: the machine's cache (assets, profiles, the CPU kernels' build
+    folder). The jobs once built the kernels in a cache of their own, so as not to wait on a shared
+    folder another checkout might be rebuilding; since each environment has its own build folder
+    (issue 52), that wait cannot happen, and the first two jobs spent about 35 s of the test building
+    kernels this environment had built already."""
     from selfspec.store.assets import cache_dir
 
-    cache = tmp_path_factory.mktemp("selfspec-cache")
-    shared = cache_dir()
-    shared.mkdir(parents=True, exist_ok=True)
-    for name in ("kernels", "profiles", "gguf-shapes"):  # made here if absent, so the jobs write them there
-        (shared / name).mkdir(exist_ok=True)
-    for entry in shared.iterdir():
-        (cache / entry.name).symlink_to(entry)
-    return cache
+    return cache_dir()
 
 
 def sweep_args(sweep: Path, n: int) -> list[str]:

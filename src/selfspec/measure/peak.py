@@ -108,10 +108,11 @@ SIZES = {
 
 def _gguf_shape(path: Path, name: str) -> Shape:
     """A GGUF file's shape from its metadata (:func:`_read_gguf_shape`), read once for one version of
-    the file (its path, size, modification time and inode): gguf's reader parses every metadata
-    field, the tokenizer's 49,152 strings included, which took 3–8 s for SmolLM2's file. Kept per
-    process, and on disk under the asset cache (:func:`_shape_record`), so a later process (every run
-    of a GGUF model, and of tiny-random, whose vocabulary is its tokenizer's) does not read it again."""
+    the file: gguf's reader parses every metadata field, the tokenizer's 49,152 strings included,
+    which took 3–8 s for SmolLM2's file. Kept per process, and on disk
+    (:func:`~selfspec.store.files.per_file_version`, ``<cache>/gguf-shapes-1/``), so a later process
+    (every run of a GGUF model, and of tiny-random, whose vocabulary is its tokenizer's) does not read
+    it again."""
     try:
         stat = Path(path).stat()
     except OSError:
@@ -119,43 +120,16 @@ def _gguf_shape(path: Path, name: str) -> Shape:
     return _cached_gguf_shape(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, name)
 
 
-#: the version of :func:`_read_gguf_shape` whose shapes the records on disk hold: raise it when what
-#: the reader derives from a file changes, so that no record of an older reader is taken
-SHAPE_READER = 1
-
-
-def _shape_record(version: dict[str, Any]) -> Path:
-    """Where the shape of one version of a GGUF file is kept: ``<cache>/gguf-shapes/<digest>.json``,
-    named by the version (the record holds the version too, and is taken only where it matches)."""
-    import hashlib
-    import json
-
-    from selfspec.store.assets import cache_dir
-
-    digest = hashlib.sha256(json.dumps(version, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / "gguf-shapes" / f"{digest}.json"
-
-
 @functools.lru_cache(maxsize=16)
 def _cached_gguf_shape(path: str, size: int, mtime_ns: int, inode: int, name: str) -> Shape:
-    from dataclasses import asdict
+    from dataclasses import asdict, fields
 
-    from selfspec.store.files import read_json, write_json
+    from selfspec.store.files import per_file_version
 
-    version = {"path": path, "size": size, "mtime_ns": mtime_ns, "inode": inode, "reader": SHAPE_READER}
-    record = _shape_record(version)
-    try:
-        kept = read_json(record, limit=1 << 16)
-        if kept.get("version") == version:
-            return Shape(**kept["shape"])
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
-        pass  # none kept, or not one this code wrote: read the file
-    shape = _read_gguf_shape(Path(path), name)
-    try:
-        write_json(record, {"version": version, "shape": asdict(shape)})
-    except OSError:
-        pass  # a cache that cannot be written: read again next time
-    return shape
+    keys = {f.name for f in fields(Shape)}
+    kept = per_file_version("gguf-shapes-1", path, lambda p: asdict(_read_gguf_shape(p, name)),
+                            valid=lambda value: isinstance(value, dict) and set(value) == keys)
+    return Shape(**kept)
 
 
 def _read_gguf_shape(path: Path, name: str) -> Shape:

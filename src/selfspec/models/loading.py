@@ -433,27 +433,13 @@ def _gguf_path(source: Source) -> Path:
 
 
 def source_sha256(gguf: Path) -> str:
-    """The sha256 of a local GGUF file's bytes, read once per content: remembered in
-    ``<cache>/sha256/`` with the file's resolved path, size, mtime_ns, ctime_ns and inode,
-    and hashed again when any of them changes (a write moves the ctime even when the mtime is
-    restored), so an unchanged multi-GB file is not read at every load."""
-    path = gguf.resolve()
-    st = path.stat()
-    stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-             "inode": st.st_ino}
-    entry = assets.cache_dir() / "sha256" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.json"
-    try:
-        known = json.loads(entry.read_text())
-        if {k: known.get(k) for k in stamp} == stamp and re.fullmatch(r"[0-9a-f]{64}", str(known.get("sha256"))):
-            return known["sha256"]
-    except (OSError, ValueError, AttributeError):
-        pass
-    digest = assets.sha256_of(path)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**stamp, "sha256": digest}))
-    os.replace(tmp, entry)
-    return digest
+    """The sha256 of a local GGUF file's bytes, read once per version of the file
+    (:func:`~selfspec.store.files.per_file_version`, ``<cache>/sha256/``), so an unchanged
+    multi-GB file is not read at every load."""
+    from selfspec.store.files import per_file_version
+
+    return per_file_version("sha256", gguf, assets.sha256_of,
+                            valid=lambda digest: re.fullmatch(r"[0-9a-f]{64}", str(digest)) is not None)
 
 
 def _cache_name(source: Source, gguf: Path) -> str:

@@ -14,7 +14,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -110,6 +110,37 @@ def strict_json(text: str) -> Any:
 def read_json(path: str | Path, limit: int | None = None) -> Any:
     """:func:`strict_json` of :func:`read_text` of ``path``."""
     return strict_json(read_text(path, limit))
+
+
+def per_file_version(kind: str, path: str | Path, derive: Callable[[Path], Any],
+                     valid: Callable[[Any], bool] = lambda value: True) -> Any:
+    """What ``derive`` makes of the file at ``path`` (a JSON value), derived once per version of the
+    file: kept in ``<cache>/<kind>/`` with the file's resolved path, size, mtime_ns, ctime_ns and
+    inode, and derived again when any of them changes (a write moves the ctime even when the mtime
+    is restored) or when the kept value is not ``valid``. A record that cannot be read or written
+    is no obstacle: the value is derived. ``kind`` names what is derived, and its version: a new
+    ``kind`` when what ``derive`` makes of a file changes, so no record of the old one is taken."""
+    import hashlib
+
+    from selfspec.store.assets import cache_dir
+
+    path = Path(path).resolve()
+    st = path.stat()
+    stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+             "inode": st.st_ino}
+    record = cache_dir() / kind / f"{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.json"
+    try:
+        kept = read_json(record, limit=1 << 20)
+        if kept.get("stamp") == stamp and valid(kept["value"]):
+            return kept["value"]
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        pass  # none kept, another version's, or not one selfspec wrote
+    value = derive(path)
+    try:
+        write_json(record, {"stamp": stamp, "value": value})
+    except OSError:
+        pass  # a cache that cannot be written: derived again next time
+    return value
 
 
 def check_writable(directory: str | Path, what: str) -> None:
