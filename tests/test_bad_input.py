@@ -573,6 +573,34 @@ def test_local_gguf_file_loads_once_converted_from_every_spelling(tmp_path, conv
     assert conversions == ["tiny.gguf", "tiny.gguf"]  # ... then read from the cache (+1: the reference)
 
 
+def test_a_gguf_files_metadata_is_parsed_once_per_conversion(tmp_path, conversions, monkeypatch):
+    """transformers builds a new reader of the file for its tokenizer, its config and its weights,
+    and the check before them one more: four parses of every token string (Gemma 3's 262,144 took
+    about 20 s each). Now one, shared; another file opened meanwhile gets its own reader."""
+    import gguf
+
+    path, other = write_gguf(tmp_path / "tiny.gguf"), write_gguf(tmp_path / "other.gguf", seed=1)
+    parsed, real = [], gguf.GGUFReader.__init__
+
+    def counted(self, file, *args, **kwargs):
+        parsed.append(Path(file).name)
+        real(self, file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    from selfspec.models import loading
+
+    dequantise = loading._dequantise
+
+    def with_another_file(gguf_path, name):
+        assert gguf.GGUFReader(other).fields is not gguf.GGUFReader(gguf_path).fields
+        return dequantise(gguf_path, name)
+
+    monkeypatch.setattr(loading, "_dequantise", with_another_file)
+    load_model(_model(gguf_path=str(path)))
+    assert conversions == ["tiny.gguf"] and parsed == ["tiny.gguf", "other.gguf"]
+    assert isinstance(gguf.GGUFReader, type)  # restored after the conversion
+
+
 def test_unsupported_gguf_architecture_is_refused_before_dequantising(tmp_path, conversions):
     path = write_gguf(tmp_path / "other.gguf", arch="gpt2")
     for keys in ({"gguf_path": str(path)}, {"name_or_path": str(path)}):
