@@ -193,14 +193,21 @@ def test_kernel_choice_is_refused_or_explained():
 
 
 @pytest.mark.slow
-def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_build(tmp_path):
+@needs_kernel
+def test_kernel_builds_are_shared_between_checkouts_once_per_environment_and_never_wait_on_a_dead_build(tmp_path):
     """Issue 20. Reproduction (before): two checkouts sharing one ``SELFSPEC_CACHE`` rebuilt the
     kernels on every switch (torch's build file records the sources' absolute paths), and a build
     killed midway left torch's ``lock`` file, on which every later process slept silently until it
-    was 10 minutes old. Now: one build serves both checkouts, a leftover ``lock`` is no obstacle,
-    and a process that finds a build in progress says what it waits for."""
+    was 10 minutes old. Issue 52's probe: two venvs sharing one cache rebuilt them on every switch
+    too (12 full rebuilds in an hour): the folder was named by the sources, torch's version and the
+    flags, but torch's builder writes the venv's include and library paths into its build file.
+    Now: one build serves both checkouts, a link to the cache and a process with another ``ninja``
+    first on its ``PATH`` (:func:`~selfspec.models.kernels._own_ninja`), a leftover ``lock`` is no obstacle,
+    a process that finds a build in progress says what it waits for, and each environment has its
+    own folder, built once: switching environments four times builds twice. (One test, so that the
+    first environment's build, ~40 s, serves both halves.)"""
     import shutil
-    import time
+    import threading
 
     cache = tmp_path / "cache"
     checkouts = []
@@ -208,11 +215,13 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
         shutil.copytree(Path(kernels.__file__).parents[1], tmp_path / name / "selfspec",
                         ignore=shutil.ignore_patterns("__pycache__"))
         checkouts.append(tmp_path / name)
-    env = {**os.environ, "SELFSPEC_CACHE": str(cache)}
-    load = "import logging; logging.basicConfig(); from selfspec.models import kernels; kernels.load()"
+    tools = os.path.dirname(sys.executable)  # where ninja is, for the second environment
+    env = {**os.environ, "SELFSPEC_CACHE": str(cache), "PATH": f"{tools}:{os.environ.get('PATH', '')}"}
+    load = ("import logging; logging.basicConfig(); from selfspec.models import kernels; kernels.load(); "
+            "print(kernels._build_dir())")
 
-    def build(checkout, timeout=600):
-        return subprocess.run([sys.executable, "-c", load], env={**env, "PYTHONPATH": str(checkout)},
+    def build(checkout, timeout=600, python=sys.executable, **extra):
+        return subprocess.run([python, "-c", load], env={**env, "PYTHONPATH": str(checkout), **extra},
                               capture_output=True, text=True, timeout=timeout, check=True)
 
     build(checkouts[0])
@@ -223,21 +232,50 @@ def test_kernel_builds_are_shared_between_checkouts_and_never_wait_on_a_dead_bui
     # the same cache through a symbolic link (found 2026-12-02: the Slurm test's jobs, whose cache
     # links the machine's, rebuilt the kernels the test's own process had built, and back): no rebuild
     (tmp_path / "linked").symlink_to(cache)
-    subprocess.run([sys.executable, "-c", load], env={**env, "PYTHONPATH": str(checkouts[1]),
-                   "SELFSPEC_CACHE": str(tmp_path / "linked")}, capture_output=True, text=True, timeout=120, check=True)
+    build(checkouts[1], timeout=120, SELFSPEC_CACHE=str(tmp_path / "linked"))
     assert library.stat().st_mtime_ns == built
+    # another ninja first on PATH (found 2026-12-02: Debian's 1.11 and the environment's 1.13 keep
+    # build logs of other formats, and each rebuilt everything the other had built): not run
+    other = tmp_path / "other-ninja"
+    other.mkdir()
+    (other / "ninja").write_text(f"#!/bin/sh\ntouch {other / 'ran'}\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    build(checkouts[1], timeout=120, PATH=f"{other}{os.pathsep}{env['PATH']}")
+    assert not (other / "ran").exists() and library.stat().st_mtime_ns == built
     (library.parent / "lock").touch()  # what a build killed midway leaves
     build(checkouts[0], timeout=120)
     assert library.stat().st_mtime_ns == built and not (library.parent / "lock").exists()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from selfspec.store.locks import hold\n"
+    # a build in progress (the lock held until the waiting process has said so): it is named
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from selfspec.store.locks import hold\n"
                                f"with hold({str(library.parent / 'selfspec-build.lock')!r}, 'x'):\n"
-                               "    print('held', flush=True); time.sleep(12)"],
-                              env={**env, "PYTHONPATH": str(checkouts[1])}, stdout=subprocess.PIPE, text=True)
+                               "    print('held', flush=True); sys.stdin.readline()"],
+                              env={**env, "PYTHONPATH": str(checkouts[1])}, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    t0 = time.perf_counter()
-    waited = build(checkouts[0], timeout=120)
-    holder.wait()
-    assert f"waiting for pid {holder.pid}" in waited.stderr and time.perf_counter() - t0 >= 1
+    release = threading.Timer(120, holder.stdin.close)  # a waiter that never says so fails, not hangs
+    release.start()
+    waiter = subprocess.Popen([sys.executable, "-c", load], env={**env, "PYTHONPATH": str(checkouts[0])},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = None
+    for line in iter(waiter.stderr.readline, ""):
+        if f"waiting for pid {holder.pid}" in line:
+            said = line
+            break
+    release.cancel()
+    holder.stdin.close()  # the build in progress ends
+    holder.wait(timeout=60)
+    waiter.communicate(timeout=120)
+    assert said and waiter.returncode == 0 and library.stat().st_mtime_ns == built
+    # a second environment on the same cache: its own folder, built once; switching back and forth
+    # builds nothing more, and the first environment's build is still the one made above
+    second = str(_second_environment(tmp_path / "venv"))
+    folders: dict[str, tuple[Path, int]] = {}
+    for python in [sys.executable, second] * 2:
+        out = build(checkouts[0], python=python)
+        so = (Path(out.stdout.strip().splitlines()[-1]) / "selfspec_skinny.so").resolve()
+        assert folders.setdefault(python, (so, so.stat().st_mtime_ns)) == (so, so.stat().st_mtime_ns), python
+    assert folders[sys.executable] == (library.resolve(), built) and folders[second][0] != library.resolve()
+    assert len(list(cache.glob("kernels/skinny-*/selfspec_skinny.so"))) == 2
 
 
 def test_the_kernel_build_folder_is_one_per_environment(monkeypatch):
@@ -265,29 +303,6 @@ def _second_environment(root: Path) -> Path:
     (own / "torch").symlink_to(site / "torch")
     (own / "zz-first-environment.pth").write_text(f"{site}\n")
     return root / "bin" / "python"
-
-
-@pytest.mark.slow
-@needs_kernel
-def test_two_environments_sharing_a_cache_build_once_each(tmp_path):
-    """Issue 52's probe: two venvs sharing one cache rebuilt the kernels on every switch (12 full
-    rebuilds in an hour): the folder was named by the sources, torch's version and the flags, but
-    torch's builder writes the venv's include and library paths into its build file, so each
-    venv's build invalidated the other's. Now each environment has its own folder, built once:
-    switching four times builds twice."""
-    cache = tmp_path / "cache"
-    source = Path(kernels.__file__).parents[2]
-    tools = os.path.dirname(sys.executable)  # where ninja is
-    env = {**os.environ, "SELFSPEC_CACHE": str(cache), "PYTHONPATH": str(source),
-           "PATH": f"{tools}:{os.environ.get('PATH', '')}"}
-    pythons = [sys.executable, str(_second_environment(tmp_path / "venv"))]
-    code = "from selfspec.models import kernels; kernels.load(); print(kernels._build_dir())"
-    built: dict[str, int] = {}
-    for python in pythons * 2:
-        out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=900, check=True)
-        library = Path(out.stdout.strip().splitlines()[-1]) / "selfspec_skinny.so"
-        assert built.setdefault(python, library.stat().st_mtime_ns) == library.stat().st_mtime_ns, python
-    assert len(list(cache.glob("kernels/skinny-*/selfspec_skinny.so"))) == 2
 
 
 @needs_kernel

@@ -166,11 +166,39 @@ def load() -> None:
         (folder / "lock").unlink(missing_ok=True)
         from torch.utils.cpp_extension import load as build
 
+        held.enter_context(_own_ninja())
         try:
             build("selfspec_skinny", _stage_sources(folder), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                   build_directory=str(folder), is_python_module=False, verbose=False)
         except (OSError, RuntimeError, ImportError) as err:  # no compiler / ninja, compile error
             raise KernelUnavailable(f"building {SOURCE.name} in {folder} failed: {err}") from err
+
+
+@contextlib.contextmanager
+def _own_ninja():
+    """Within the block, ``ninja`` on ``PATH`` is this environment's (the ``ninja`` package, a
+    dependency), whatever ``PATH`` the process was given. torch's builder runs the first ``ninja`` on
+    ``PATH``, and ninjas of other versions (Debian's 1.11 in ``/usr/bin``, pip's 1.13) keep build logs
+    of other formats: each discards the other's log and rebuilds everything (found 2026-12-02: a
+    process with the environment's ``bin`` on ``PATH``, such as an activated venv or the README's
+    test, and one without it rebuilt the kernels, ~40 s, at every switch; three builds in one
+    ``make test``). Where the package's program is not found, ``PATH`` is left as it is."""
+    try:
+        from ninja import BIN_DIR
+    except ImportError:
+        BIN_DIR = ""
+    if not BIN_DIR or not os.access(os.path.join(BIN_DIR, "ninja"), os.X_OK):
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([BIN_DIR, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 def _load_read_only(folder: Path, err: OSError) -> None:
