@@ -19,16 +19,11 @@ before any weights load (:func:`check_model_type`): supporting it means one adap
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Callable
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.gemma3 import modeling_gemma3
-from transformers.models.llama import modeling_llama
-from transformers.models.mistral import modeling_mistral
-from transformers.models.qwen2 import modeling_qwen2
-from transformers.models.qwen3 import modeling_qwen3
 
 from selfspec.config.registry import Registry
 
@@ -49,8 +44,14 @@ class Llama:
     (q/k/v_proj, o_proj) → residual → post_attention_layernorm → mlp (gate/up_proj, act_fn,
     down_proj) → residual``."""
 
-    #: the family's modeling module: its ``apply_rotary_pos_emb`` and ``eager_attention_forward``
-    modeling: ModuleType = modeling_llama
+    #: the family's modeling module (:attr:`modeling`): its ``apply_rotary_pos_emb`` and
+    #: ``eager_attention_forward``; imported when an adapter is built, so that what only names
+    #: methods or reads runs (the report, ``project``, config checks) does not import transformers' models
+    modeling_module: str = "transformers.models.llama.modeling_llama"
+
+    @property
+    def modeling(self) -> ModuleType:
+        return importlib.import_module(self.modeling_module)
 
     def __init__(self, hf: torch.nn.Module, attn_implementation: str) -> None:
         inner = hf.model
@@ -61,8 +62,11 @@ class Llama:
         #: the attention function of ``attn_implementation``: SDPA through transformers' wrapper
         #: (the CPU kernels take over where they apply, :func:`selfspec.models.kernels.attention`),
         #: or the family's eager attention
-        self.attend: Callable = sdpa_attention_forward if attn_implementation == "sdpa" \
-            else self.modeling.eager_attention_forward
+        if attn_implementation == "sdpa":
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as attend
+        else:
+            attend = self.modeling.eager_attention_forward
+        self.attend: Callable = attend
         self.additive_mask = attn_implementation != "sdpa"  # eager adds the mask to the scores
 
     # --- per layer ----------------------------------------------------------------------------
@@ -139,7 +143,7 @@ class Mistral(Llama):
     """Mistral: the Llama layout with a sliding attention window on every layer (``sliding_window``),
     which the runtime's masks enforce (:meth:`Llama.window`), so contexts may be longer."""
 
-    modeling = modeling_mistral
+    modeling_module = "transformers.models.mistral.modeling_mistral"
 
     def window(self, i: int) -> int | None:
         return getattr(self.config, "sliding_window", None) or None
@@ -150,7 +154,7 @@ class Qwen2(Llama):
     sliding window on the layers the config makes sliding (``use_sliding_window``, from
     ``max_window_layers`` on), which the runtime's masks enforce."""
 
-    modeling = modeling_qwen2
+    modeling_module = "transformers.models.qwen2.modeling_qwen2"
 
     def window(self, i: int) -> int | None:
         return getattr(self.layers[i].self_attn, "sliding_window", None) or None
@@ -161,7 +165,7 @@ class Qwen3(Qwen2):
     k before the rotary embedding (``self_attn.q_norm``, ``k_norm``; the library's modules run
     them, the CPU kernels do not fuse them)."""
 
-    modeling = modeling_qwen3
+    modeling_module = "transformers.models.qwen3.modeling_qwen3"
     normalises_qk = True
 
     def qk_norm(self, i: int, q: torch.Tensor, k: torch.Tensor, norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +186,7 @@ class Gemma3(Llama):
     positions behind (the runtime's masks, so contexts may be longer). Logit soft-capping and
     bidirectional attention, which Gemma 3 checkpoints leave off, are refused by name."""
 
-    modeling = modeling_gemma3
+    modeling_module = "transformers.models.gemma3.modeling_gemma3"
     normalises_qk = True
     unit_offset_norms = True
 

@@ -37,9 +37,10 @@ vocabulary). Greedy selection (an argmax) is no op: it is part of a step's host 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["COMPONENTS", "LABELS", "HeadOp", "LayerOp", "Ledger", "LinearOp", "Op", "WarpOp", "as_op", "phase"]
 
@@ -151,6 +152,8 @@ class Ledger:
     # --- time ------------------------------------------------------------------------------
     def _now(self):
         if self.cuda:
+            import torch
+
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
