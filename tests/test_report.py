@@ -605,3 +605,21 @@ def test_a_summary_with_a_batch_size_that_is_not_a_positive_integer_is_skipped(t
     with caplog.at_level("WARNING"):
         assert read_run(run) == []
     assert "field 'config.batch_size' is 0, not a positive integer" in caplog.text
+
+
+def test_reading_and_naming_import_no_model_code():
+    """Found 2026-12-02: every ``make tables``, ``make project``, the W&B dashboard script and an
+    entry point's refusal of bad input paid ~5 s of importing transformers' models before doing
+    anything (the families imported them to name their rotary and attention functions). Now they
+    are imported when a model's adapter is built: a fresh interpreter that imports the report, the
+    entry points and names every method imports no transformers model module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, selfspec.reporting, selfspec.report, selfspec.project, selfspec.evaluate, selfspec.train\n"
+            "from selfspec.decoding import METHODS, method_title\n"
+            "[method_title(m) for m in METHODS]\n"
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
