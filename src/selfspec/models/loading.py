@@ -43,6 +43,7 @@ A loaded model carries two identities that artefacts record and check: :func:`fi
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -464,18 +465,37 @@ def _gguf_value(reader, key: str):
 
 def gguf_architecture(path: Path) -> str | None:
     """A GGUF file's ``general.architecture`` (metadata only: no tensor is read)."""
+    return _gguf_value(_gguf_reader()(path), "general.architecture")
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader() -> type:
+    """``gguf.GGUFReader`` reading through a plain ``numpy.ndarray`` view of its memory map instead
+    of the ``numpy.memmap`` object: the same mapped pages, nothing copied, the tensors views of them
+    as before. The reader parses the metadata in millions of small reads (a length, then a string,
+    per token of the vocabulary), and each went through ``memmap``'s Python-level ``__getitem__``
+    and ``__array_finalize__``: Gemma 3 270M's metadata took 11.4 s to parse, 4.0 s through the view
+    (quiet Zen 4)."""
+    import numpy as np
     from gguf import GGUFReader
 
-    return _gguf_value(GGUFReader(path), "general.architecture")
+    class PlainViewReader(GGUFReader):
+        @property
+        def data(self):
+            return self._view
+
+        @data.setter
+        def data(self, mapped):  # the reader's memory map; the view keeps it alive (its base)
+            self._view = mapped.view(np.ndarray)
+
+    return PlainViewReader
 
 
 def _read_gguf(gguf: Path, name: str):
-    """A GGUF file's reader (metadata and tensor index; no tensor is read), or a
-    :class:`ModelLoadError` naming the file."""
-    from gguf import GGUFReader
-
+    """A GGUF file's reader (metadata and tensor index; no tensor is read; :func:`_gguf_reader`), or
+    a :class:`ModelLoadError` naming the file."""
     try:
-        return GGUFReader(gguf)
+        return _gguf_reader()(gguf)
     except MemoryError:
         raise
     except Exception as err:
