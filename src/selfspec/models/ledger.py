@@ -141,6 +141,10 @@ class Ledger:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        if self.cuda:  # imported here, so that what only reads the component names imports no torch
+            import torch
+
+            self._event = torch.cuda.Event
         #: the component now charged (``host`` outside every phase)
         self.current = "host"
         #: ops of the step in progress (:meth:`take_ops` hands them to the step's trace)
@@ -152,9 +156,7 @@ class Ledger:
     # --- time ------------------------------------------------------------------------------
     def _now(self):
         if self.cuda:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
+            event = self._event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
