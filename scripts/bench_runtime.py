@@ -84,6 +84,10 @@ def write_profile(model, out: Path | None) -> None:
         print(f"warning: load average {load:.2f} while measuring the profile: other processes spoil its "
               "figures; measure it on a quiet machine", file=sys.stderr)
     profile = measure_profile(model, log=lambda line: print(f"profile: {line}", file=sys.stderr))
+    busy = profile.data.get("others_busy")
+    if busy is not None and busy > 0.1:
+        print(f"warning: other processes took {100 * busy:.0f}% of the CPUs while the profile was measured: "
+              "its figures are spoiled; measure it again on a quiet machine", file=sys.stderr)
     cached = default_path(model, model.device)
     profile.save(cached)
     out = out or Path("outputs/profiles") / f"{profile.name}.json"

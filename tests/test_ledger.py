@@ -195,6 +195,61 @@ def test_measured_profile_of_the_tiny_model(tiny):
     assert again.plain_step(32) == pytest.approx(p.plain_step(32))
 
 
+def test_others_busy_counts_other_processes_not_this_one():
+    """The share of the CPUs other processes took (/proc/stat less this process's own time): a
+    process spinning on every CPU beside a sleep counts; this process spinning does not."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from selfspec.measure.costs import OthersBusy
+
+    if OthersBusy._now() is None:
+        pytest.skip("no /proc/stat here")
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)  # the interpreters started
+        busy = OthersBusy()
+        time.sleep(1.0)
+        assert busy.share() > 0.6
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    # this process busy on every CPU: were its own time counted, the share would be about 1
+    own = OthersBusy()
+    a = torch.randn(256, 256)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+    assert own.share() < 0.75
+
+
+def test_a_profile_measured_under_load_prices_the_run_but_is_not_kept(tiny, tmp_path, monkeypatch, caplog):
+    """evaluate's profile=auto measures this machine's profile once and keeps it for every later
+    run: one measured while other processes took the CPUs is used by the run that measured it, with
+    a warning, and not kept (the next run measures again); a quiet one is kept."""
+    from selfspec.evaluation import profiling
+    from selfspec.measure import costs
+
+    path = tmp_path / "profile.json"
+    monkeypatch.setattr("selfspec.measure.profile.default_path", lambda model, device: path)
+    monkeypatch.setattr("selfspec.measure.profile.matching_shipped", lambda model: None)
+    small = profiling.measure_profile
+    monkeypatch.setattr(profiling, "measure_profile", lambda model: small(
+        model, rows=(1, 2), prefill_rows=(), contexts=(0,), repeats=1))
+    monkeypatch.setattr(costs.OthersBusy, "share", lambda self: 0.6)
+    with caplog.at_level("WARNING"):
+        spoiled = profiling.machine_profile(tiny.model)
+    assert spoiled.data["others_busy"] == 0.6 and not path.exists()
+    assert "60% of the CPUs" in caplog.text and "not kept" in caplog.text
+    monkeypatch.setattr(costs.OthersBusy, "share", lambda self: 0.02)
+    quiet = profiling.machine_profile(tiny.model)
+    assert path.exists() and Profile.load(path).data["others_busy"] == 0.02 and quiet.data["others_busy"] == 0.02
+
+
 def test_a_profile_measured_with_graphs_measures_every_width_it_replays():
     """A capturing model replays decoding passes up to the largest bucket (the searches' branch
     passes, PPD's largest trees): its profile measures that width, so a projection onto it prices

@@ -49,7 +49,10 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
     if rows is None:
         rows = profile_rows(model.capture)
 
+    from selfspec.measure.costs import OthersBusy
+
     started = time.time()
+    others = OthersBusy()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     limit = model.max_context - max(max(rows), 1) - 2
     contexts = sorted({min(int(c), limit) for c in contexts if c >= 0})
@@ -106,6 +109,7 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
     if log:
         log(f"host work of drafting steps: {data['host_steps']}")
     data["seconds_to_measure"] = round(time.time() - started, 1)
+    data["others_busy"] = others.share()
     return profile
 
 
@@ -282,6 +286,11 @@ def run_profile(spec: str | None, model) -> Profile | None:
     return profile
 
 
+#: others' share of the CPUs (:class:`~selfspec.measure.costs.OthersBusy`) above which a profile
+#: measured for the cache is spoiled: a quarter, half a core of a 2-core machine
+SPOILED_SHARE = 0.25
+
+
 def machine_profile(model) -> Profile:
     """This machine's cost profile of ``model`` (evaluate's ``profile=auto``): the one kept in the
     asset cache (:func:`~selfspec.measure.profile.default_path`), else a shipped one of the same CPU,
@@ -299,6 +308,14 @@ def machine_profile(model) -> Profile:
         return profile
     log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
     profile = measure_profile(model)
+    busy = profile.data.get("others_busy")
+    if busy is not None and busy > SPOILED_SHARE:
+        # every later run here would be priced with it (trees, skip sets, gates, predictions)
+        log.warning("the cost profile of %s was measured while other processes took %.0f%% of the CPUs: its "
+                    "figures are spoiled, so it prices this run only and is not kept at %s; measure it on a "
+                    "quiet machine (make profile MODEL=...), or the next run measures it again",
+                    model.name, 100 * busy, path)
+        return profile
     profile.save(path)
     return profile
 

@@ -27,7 +27,7 @@ import torch
 from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
 from selfspec.models.passes import CHAIN
 
-__all__ = ["CostCurve", "context_cache", "evict_caches", "last_level_cache_bytes", "measure_bandwidth", "measure_curve",
+__all__ = ["CostCurve", "OthersBusy", "context_cache", "evict_caches", "last_level_cache_bytes", "measure_bandwidth", "measure_curve",
            "synchronizer", "time_call", "time_forward", "weight_bytes"]
 
 
@@ -128,6 +128,45 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
     if reduce != "median":
         raise ValueError(f"reduce must be median or min, got {reduce!r}")
     return statistics.median(timed)
+
+
+class OthersBusy:
+    """How much of this machine's CPUs other processes (and, in a VM, the hypervisor's steal) took
+    between :meth:`start` and :meth:`share`: the machine's busy time (Linux ``/proc/stat``) less this
+    process's own CPU time, over the wall time times the CPUs. Timings measured while it is high are
+    spoiled (two niced background processes make a 2-thread step 3-4x slower); a load average
+    cannot tell, as it counts this process and the jobs that ran just before it. None where
+    ``/proc/stat`` cannot be read."""
+
+    def __init__(self) -> None:
+        self._start = self._now()
+
+    @staticmethod
+    def _now() -> tuple[float, float, float] | None:
+        import os
+
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+        busy = sum(fields[:8]) - fields[3] - fields[4]
+        own = os.times()
+        return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    def share(self) -> float | None:
+        """Others' share of all CPUs since this object was made (0 = none, 1 = all of them)."""
+        import os
+
+        end = self._now()
+        if self._start is None or end is None:
+            return None
+        wall = end[0] - self._start[0]
+        if wall <= 0:
+            return None
+        others = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        return max(0.0, others) / (wall * (os.cpu_count() or 1))
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, cold: bool = False) -> float:
