@@ -340,7 +340,8 @@ class Profile:
         """What a run records of the profile it was costed with."""
         m = self.machine
         return {"name": self.name, "path": self.path, "device": m["device"], "hardware": m["hardware"],
-                "threads": m.get("threads"), "measured": self.data.get("measured")}
+                "threads": m.get("threads"), "measured": self.data.get("measured"),
+                "others_busy": self.data.get("others_busy")}
 
     # --- costs ---------------------------------------------------------------------------------
     def attention_cost(self, rows: int, context: int, eager: bool = False, span: int | None = None) -> float:
