@@ -132,8 +132,8 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
 
 class OthersBusy:
     """How much of this machine's CPUs other processes (and, in a VM, the hypervisor's steal) took
-    between :meth:`start` and :meth:`share`: the machine's busy time (Linux ``/proc/stat``) less this
-    process's own CPU time, over the wall time times the CPUs. Timings measured while it is high are
+    between its making and :meth:`share`: the machine's busy time (Linux ``/proc/stat``, all its CPUs)
+    less this process's own CPU time, over the wall time times the CPUs. Timings measured while it is high are
     spoiled (two niced background processes make a 2-thread step 3-4x slower); a load average
     cannot tell, as it counts this process and the jobs that ran just before it. None where
     ``/proc/stat`` cannot be read."""
