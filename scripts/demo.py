@@ -131,9 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def choose_dtype(requested: str, model: str) -> tuple[str, str]:
     """The demo's model dtype and why. ``auto``: on a CPU whose bfloat16 linears run on its
     dot-product units (:func:`selfspec.models.kernels.paths`: AMX tiles or VDPBF16PS) bfloat16,
-    where a step reads half the bytes and a verification pass of a few tokens costs little more
-    than a step, the regime where drafts pay (docs/2026-12-01-bfloat16-on-the-cpu.md); elsewhere
-    the model config's dtype (bfloat16 there would widen every value to float32: slower passes)."""
+    where a step reads half the bytes and a pass of several tokens multiplies on those units (on
+    AMD Zen 4 a step measured 0.75 of float32's and an 8-token pass 1.8 steps, against float32's
+    2.3; AMX, meant to make such a pass cost about a step, is not yet measured:
+    docs/2026-12-01-bfloat16-on-the-cpu.md); elsewhere the model config's dtype (bfloat16 there
+    would widen every value to float32: slower passes)."""
     from selfspec.config import model_config
     from selfspec.models import kernels
 
@@ -145,8 +147,8 @@ def choose_dtype(requested: str, model: str) -> tuple[str, str]:
     if bf16 in ("amx", "avx512_bf16"):
         units = "AMX tiles" if bf16 == "amx" else "AVX-512-BF16 dot products"
         return "bfloat16", (f"this CPU multiplies bfloat16 on its {units} (skinny_bf16 path {bf16}): a step reads half "
-                            f"float32's bytes and a verification pass of a few tokens costs little more than a step "
-                            f"(--dtype float32 for the model config's {configured})")
+                            f"float32's bytes and a pass of several tokens multiplies on those units, not widened to "
+                            f"float32 (--dtype float32 for the model config's {configured})")
     why = "the CPU kernels cannot run here" if not paths else "this CPU has no bfloat16 dot-product units"
     return configured, f"{why}, so the model config's {configured} (bfloat16 linears would widen to float32)"
 
