@@ -576,14 +576,21 @@ def print_estimate(rows: list[dict], budget: float | None) -> None:
 
 
 def check_out(out: Path) -> None:
-    """Refuse, before anything runs, an ``--out`` the check cannot write: an existing directory, or a
-    path whose folder (or the folder beside it for the check's artefacts) cannot take a new file."""
+    """Refuse, before anything runs, an ``--out`` the check cannot write: an existing directory, a
+    path whose folder (or the folder beside it for the check's artefacts) cannot take a new file, or
+    the JSON or artefacts' folder of an earlier check. A second check into the first one's folder would
+    train its artefacts again, and every evaluation would then refuse to resume the first one's runs
+    (decoded with the artefacts it replaced): the methods section lost, and the earlier JSON overwritten."""
     from selfspec.store.files import check_directory
 
     if out.is_dir():
         raise SystemExit(f"--out {out}: is a directory; give the JSON file's path (e.g. {out / 'check.json'})")
     if out.suffix != ".json":
         raise SystemExit(f"--out {out}: give a path ending in .json (its artefacts go to {out.with_suffix('')}/)")
+    work = out.with_suffix("")
+    if out.exists() or (work.is_dir() and any(work.iterdir())):
+        raise SystemExit(f"--out {out}: an earlier check wrote {'it' if out.exists() else work}; give a new path "
+                         f"(e.g. {out.with_name(out.stem + '-2.json')}), or leave --out out for one named by the time")
     try:
         check_directory(out.parent, "--out")
         check_directory(out.with_suffix(""), "--out (its artefacts' folder)")

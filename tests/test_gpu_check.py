@@ -157,6 +157,27 @@ def test_gpu_check_refuses_an_out_it_cannot_write_before_running(tmp_path, monke
     assert not ran
 
 
+def test_gpu_check_refuses_the_out_of_an_earlier_check(tmp_path, monkeypatch):
+    """A second check into the first one's --out trained its artefacts again, and every evaluation of
+    the methods section then refused to resume the first check's runs (ResumeMismatch: decoded with
+    the artefacts just replaced), while the first JSON was overwritten (seen rerunning the dry run).
+    docs/gpu.md names its --out, and the GPU session is told to run the check again if time is left."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
+    import gpu_check
+
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_section", lambda *a: ran.append(a))
+    (tmp_path / "done.json").write_text("{}")
+    with pytest.raises(SystemExit, match="an earlier check wrote it; give a new path .*done-2.json"):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "done.json")])
+    assert (tmp_path / "done.json").read_text() == "{}"
+    (tmp_path / "cut" / "evaluate").mkdir(parents=True)  # a check stopped before its first JSON
+    with pytest.raises(SystemExit, match="an earlier check wrote .*cut; give a new path"):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "cut.json")])
+    assert not ran and not (tmp_path / "cut.json").exists()
+
+
 def test_a_failing_method_or_section_is_recorded_and_the_check_goes_on(tmp_path, monkeypatch):
     """One exception (an out-of-memory on a GPU) ended the whole check, and a section's figures were
     saved only at its end. Now the method's or section's traceback goes into the JSON, written after
