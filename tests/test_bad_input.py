@@ -443,6 +443,8 @@ JOB_BAD = [
     (["job=draft_vocab", "profile=null"], r"profile=null is not allowed: .*job=draft_vocab"),
     (["job=skips", "profile=nonexistent-profile"], r"profile=nonexistent-profile is not allowed"),
     (["job=ppd_tree", "job.prompts=/nonexistent"], r"job\.prompts=/nonexistent is not allowed: no artefact there"),
+    (["job=ppd_tree", "job.data=/nonexistent.json"], r"job\.data=/nonexistent\.json is not allowed: no such file"),
+    (["job=ppd_tree", "job.data=/etc/hostname", "job.hub_id=a/b"], r"job\.hub_id=a/b is not allowed: set job\.data"),
 ]
 
 

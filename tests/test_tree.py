@@ -231,3 +231,36 @@ def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
     dec = build_decoder(cfg, tiny.model)
     assert max(lay.size for lay in dec.layouts.values()) == 5
     assert dec.generate(prompt_ids, 10).tokens == ref
+
+
+def test_ppd_tree_job_validates_on_the_local_sharegpt_file_it_is_given(tiny, tmp_path, monkeypatch):
+    """job.data (as job=prompts has it): a user who trained the prompt tokens on a local ShareGPT file
+    builds the tree from later conversations of the same file, the offline asset not read (before,
+    the tree job read only the asset, and refused to run without it)."""
+    import json
+
+    import selfspec.store.assets as assets
+    import selfspec.tasks.sharegpt as sharegpt
+    from selfspec.config import compose
+    from selfspec.models.prompts import PromptTokens, save_prompts
+    from selfspec.train import run_job
+
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"Question {i}: what follows {i}?"},
+                                                {"from": "gpt", "value": f"{i + 1}."}]} for i in range(4)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(records))
+    read = []
+    original = sharegpt.iter_sharegpt
+    monkeypatch.setattr(sharegpt, "iter_sharegpt", lambda path=None: read.append(path) or original(path))
+    monkeypatch.setattr(assets, "asset_path", lambda name, *a: pytest.fail(f"the offline asset {name} was read"))
+    monkeypatch.setattr(sharegpt, "asset_path", assets.asset_path)
+    save_prompts(tmp_path / "p", PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
+    common = ["job=ppd_tree", "model=tiny-random", f"job.prompts={tmp_path / 'p'}", f"job.data={data}",
+              "job.n_prompts=2", "job.max_new_tokens=6", "job.sizes=[1,3]", "job.plot=false"]
+    out = run_job(compose([*common, "job.skip_conversations=2", f"artefact_dir={tmp_path / 't'}"],
+                          config_name="train"), tiny)
+    assert out["chosen_size"] in (1, 3) and read == [data]
+    with pytest.raises(ValueError, match=r"holds no conversation with a first user turn after "
+                                         r"job.skip_conversations=4: lower it"):
+        run_job(compose([*common, "job.skip_conversations=4", f"artefact_dir={tmp_path / 't2'}"],
+                        config_name="train"), tiny)

@@ -38,6 +38,7 @@ from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys
+from selfspec.training.prompt_tuning import sharegpt_options, sharegpt_path
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +82,13 @@ def tree_latency(profile, model, trees: dict[int, SparseTree], n_ept: int, conte
     return profile.price(ops) + profile.host_step("tree")
 
 
-def validation_prompts(tokenizer, chat: bool, n: int, skip: int) -> list[list[int]]:
-    """First user turns of ShareGPT conversations ``skip…`` (after the training ones)."""
+def validation_prompts(tokenizer, chat: bool, n: int, skip: int, path: Path | None = None) -> list[list[int]]:
+    """First user turns of ShareGPT conversations ``skip…`` (after the training ones) of ``path``
+    (None: the offline asset)."""
     from selfspec.tasks.sharegpt import iter_sharegpt
 
     out = []
-    for record in itertools.islice(iter_sharegpt(), skip, None):
+    for record in itertools.islice(iter_sharegpt(path), skip, None):
         turns = [t for t in record.get("conversations", []) if str(t.get("from")).lower() in ("human", "user")]
         if not turns or not str(turns[0].get("value", "")).strip():
             continue
@@ -144,6 +146,7 @@ def prepare(cfg) -> dict:
         "prompts": artefact_option(key("prompts"), job.prompts, "prompts"),
         "top_k": checks.integer(key("top_k"), job.top_k, 1, why="guesses per prompt token"),
         "n_prompts": checks.integer(key("n_prompts"), job.n_prompts, 1),
+        **sharegpt_options(job),
         "skip_conversations": checks.integer(key("skip_conversations"), job.skip_conversations, 0),
         "max_new_tokens": checks.integer(key("max_new_tokens"), job.max_new_tokens, 1),
         "sizes": sizes,
@@ -160,7 +163,9 @@ def prepare(cfg) -> dict:
         if not (opts["prompts"] / "meta.json").exists():
             raise FileNotFoundError(f"no prompts artefact at {opts['prompts']}; run python -m selfspec.train "
                                     f"job=prompts model={cfg.model.name} first or set job.prompts")
-    asset_path("sharegpt")  # the validation conversations (not fetched: names the command)
+    opts["path"] = sharegpt_path(job)
+    if opts["path"] is None:
+        asset_path("sharegpt")  # the validation conversations (not fetched: names the command)
     return opts
 
 
@@ -183,7 +188,12 @@ def acceptance_statistics(loaded, prompts, opts: dict) -> torch.Tensor:
     t0 = time.perf_counter()
     vanilla = Vanilla(loaded.model)
     seqs = []
-    for ids in validation_prompts(loaded.tokenizer, loaded.chat, opts["n_prompts"], opts["skip_conversations"]):
+    prompts_ids = validation_prompts(loaded.tokenizer, loaded.chat, opts["n_prompts"], opts["skip_conversations"],
+                                     opts["path"])
+    if not prompts_ids:
+        raise ValueError(f"{opts['path'] or 'the sharegpt asset'} holds no conversation with a first user turn after "
+                         f"job.skip_conversations={opts['skip_conversations']}: lower it, or give more data")
+    for ids in prompts_ids:
         gen = vanilla.generate(ids, opts["max_new_tokens"])
         seqs.append((ids + gen.tokens, len(ids)))
     p = rank_statistics(loaded.model, prompts, seqs, opts["top_k"])

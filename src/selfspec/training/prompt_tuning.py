@@ -44,6 +44,20 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 
 
 # --- data ------------------------------------------------------------------------------------
+def sharegpt_options(job) -> dict:
+    """``job.data`` and ``job.hub_id`` checked (at most one; a local file that exists): where a job
+    reads ShareGPT from (:func:`sharegpt_path`). The prompts job trains on it, the tree job
+    (:mod:`selfspec.training.ppd_tree`) validates on later conversations of it."""
+    key = "job.{}".format
+    data = checks.optional(checks.text, key("data"), job.data, why="a local ShareGPT JSON file")
+    hub_id = checks.optional(checks.text, key("hub_id"), job.hub_id)
+    if data is not None and hub_id is not None:
+        raise checks.refuse(key("hub_id"), hub_id, "set job.data (a local file) or job.hub_id, not both")
+    if data is not None and not Path(data).expanduser().is_file():
+        raise checks.refuse(key("data"), data, "no such file")
+    return {"data": data, "hub_id": hub_id}
+
+
 def sharegpt_path(job) -> Path | None:
     """``job.data`` (a local ShareGPT JSON), else ``job.hub_id`` downloaded from the hub, else
     ``None`` = the offline asset (docs/design.md §5)."""
@@ -63,18 +77,11 @@ def prepare(cfg) -> dict:
 
     job, key = cfg.job, "job.{}".format
     m = checks.integer(key("m"), job.m, 1, why="prompt tokens")
-    data = checks.optional(checks.text, key("data"), job.data, why="a local ShareGPT JSON file")
-    hub_id = checks.optional(checks.text, key("hub_id"), job.hub_id)
-    if data is not None and hub_id is not None:
-        raise checks.refuse(key("hub_id"), hub_id, "set job.data (a local file) or job.hub_id, not both")
-    if data is not None and not Path(data).expanduser().is_file():
-        raise checks.refuse(key("data"), data, "no such file")
     opts = {
         "m": m,
         "n_ept": checks.integer(key("n_ept"), job.n_ept, 1, why="ensemble prompt tokens per prompt token"),
         "alpha": checks.probability(key("alpha"), job.alpha, low_open=True, why="KL decay per token distance"),
-        "data": data,
-        "hub_id": hub_id,
+        **sharegpt_options(job),
         "n_conversations": checks.integer(key("n_conversations"), job.n_conversations, 1),
         "held_out": checks.integer(key("held_out"), job.held_out, 1, why="conversations for the held-out accuracy"),
         "context_length": checks.integer(key("context_length"), job.context_length, 2 * m + 2,
