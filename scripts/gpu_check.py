@@ -433,8 +433,8 @@ def training_section(loaded, model: str, overrides: list[str], p: dict, deadline
             out["skipped"].append(job)
             continue
         with isolated.part(out, job, f"training {job}"):
-            cfg = compose([f"model={model}", *overrides, *COMMON, f"job={job}", *BASE[job], *p["train_extra"]],
-                          config_name="train")
+            cfg = compose([f"model={model}", *overrides, *COMMON, f"job={job}", *BASE[job], *p["train_extra"],
+                           *p.get("job_data", {}).get(job, [])], config_name="train")
             est = memory.job_estimate(job, shape, cfg, loaded.model.dtype, loaded.model.device)
             release()
             resident = meter.current()
@@ -620,6 +620,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="the JSON (default outputs/gpu_check/<time>.json)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which nothing runs (default 300 on a GPU, none with --dry-run)")
+    ap.add_argument("--sharegpt", type=Path, default=None,
+                    help="a local ShareGPT JSON for the training section's prompts and tree jobs (job.data), where "
+                         "the offline asset is not in the cache (a lent machine: scripts/gpu_bundle.py carries a few "
+                         "conversations of it)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"the sections to run, comma-separated (default: all of {','.join(SECTIONS)}; the "
                          "ledgers need profile)")
@@ -632,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     if {"ledger", "ledger_long"} & set(chosen) and "profile" not in chosen:
         raise SystemExit("--sections: the ledgers price the step traces on the profile the same check measures; "
                          "add profile")
+    if args.sharegpt is not None and not args.sharegpt.is_file():
+        raise SystemExit(f"--sharegpt {args.sharegpt}: no such file (a ShareGPT JSON: a list of conversations)")
     budget = args.budget if args.budget is not None else (None if args.dry_run else 300.0)
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise SystemExit(f"--budget must be a positive number of seconds, got {args.budget}")
@@ -649,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ["SELFSPEC_OUTPUTS"] = str(work / "outputs")
     p = plan(args.dry_run)
+    if args.sharegpt is not None:
+        # the prompts job trains on its first conversations, the tree validates on later ones
+        data = f"job.data={args.sharegpt.absolute()}"
+        p["job_data"] = {"prompts": [data], "ppd_tree": [data, "job.skip_conversations=8"]}
     t0 = time.perf_counter()
     end = t0 + budget if budget is not None else float("inf")
     report = {"dry_run": args.dry_run, "settings": p, "sections_chosen": chosen, "budget_seconds": budget,

@@ -1,0 +1,176 @@
+"""What a lent GPU machine needs beside the checkout, made here: ``.gpu/`` (ignored) for the device
+tool's ``carry``, and the two calls that take it there and run ``scripts/gpu_device.sh``.
+
+    python scripts/gpu_bundle.py            # wheels, the text assets, SmolLM2's GGUF in two parts
+    python scripts/gpu_bundle.py --no-gguf  # one call: random weights with no tokenizer (no text sections)
+
+The lent machine (docs/gpu.md, "A lent machine") has a CUDA torch, transformers and most of the
+scientific stack, no package index and no model hub, and a call carries at most 64 MiB. What it lacks
+was found by running ``scripts/gpu_check.py --dry-run`` in a Python 3.12 environment holding the
+machine's own versions (torch 2.11.0+cu130, transformers 5.17.0, numpy 2.5.2, ...) and nothing of
+selfspec's, adding each package the run asked for: ``PACKAGES``. Each travels as a wheel for
+CPython 3.12 at the version this environment has (the one the tests ran), built here where PyPI has
+only a source archive (antlr4 4.9.3, which omegaconf needs: a newer one fails at every compose with
+"Could not deserialize ATN"). transformers travels too, at this environment's version: the CUDA path
+was tested with it, and the machine's older one stays beneath it.
+
+Assets (``selfspec.store.assets``, checked against their pins there): XSum (the methods section's
+prompts) and SmolLM2's GGUF, which gives the real model, and the tokenizer that the random shapes
+borrow; without it, those shapes run without text and the training and methods sections are left
+out. At 94 MiB it goes in two calls: the first leaves part 1 on the warm machine, the second brings
+part 2 with the rest and runs the check; the machine goes back 30 s after a call ends, so make the
+second call at once. ShareGPT (120 MiB, the prompt tokens' training data) does not travel: the
+prompt tokens' job reads the first ``SHAREGPT_RECORDS`` of its conversations instead, from a small
+JSON file (``gpu_check.py --sharegpt``): PPD's prompts, tree and methods rows need that job's artefact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: what the lent machine lacks for scripts/gpu_check.py (found as the module docstring says), and
+#: transformers at the tested version
+PACKAGES = ("omegaconf", "hydra-core", "antlr4-python3-runtime", "gguf", "bayesian-optimization", "rouge-score",
+            "nltk", "transformers")
+#: the platforms the machine's pip takes (CPython 3.12, glibc)
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+#: the asset folders that travel whole (small), and the one split in two
+ASSETS = ("xsum",)
+GGUF_ASSET = "smollm2-gguf"
+#: ShareGPT conversations carried for the prompts job (gpu_check's reads 5)
+SHAREGPT_RECORDS = 64
+#: a call's carry limit, less room for the checkout itself and the rest
+PART_BYTES = 56 * 2**20
+LIMIT_BYTES = 64 * 2**20
+
+
+def wheels(dest: Path, python: str) -> list[Path]:
+    """One wheel per package of ``PACKAGES`` at this environment's version, for CPython ``python``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in PACKAGES:
+        pin = f"{name}=={importlib.metadata.version(name)}"
+        before = set(dest.iterdir())
+        download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", python, "--implementation", "cp",
+                    *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), pin]
+        if subprocess.run(download, capture_output=True, text=True).returncode != 0:
+            # PyPI has a source archive only: its wheel, built here (pure Python, so any CPython 3 takes it)
+            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), pin],
+                                   capture_output=True, text=True)
+            if built.returncode != 0:
+                raise SystemExit(f"gpu_bundle: no wheel of {pin} for CPython {python}: {built.stderr.strip()[-400:]}")
+        if not any(w.suffix == ".whl" for w in set(dest.iterdir()) - before):
+            raise SystemExit(f"gpu_bundle: pip wrote no wheel of {pin} into {dest}")
+    return sorted(dest.glob("*.whl"))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bundle(out: Path, gguf: bool, python: str) -> dict:
+    """Writes ``out`` (emptied first): ``call1/`` (part 1 of the GGUF) and ``call2/`` (wheels, assets,
+    part 2); returns the manifest it also writes as ``call2/manifest.json``."""
+    from selfspec.store.assets import asset_path
+
+    if out.exists():
+        shutil.rmtree(out)
+    call2 = out / "call2"
+    manifest: dict = {"python": python, "wheels": [w.name for w in wheels(call2 / "wheels", python)], "assets": {}}
+    for name in ASSETS:
+        folder = asset_path(name).parent if asset_path(name).is_file() else asset_path(name)
+        shutil.copytree(folder, call2 / "cache" / name)
+        manifest["assets"][name] = "whole"
+    from selfspec.tasks.sharegpt import iter_sharegpt
+
+    records = [r for _, r in zip(range(SHAREGPT_RECORDS), iter_sharegpt())]
+    (call2 / "sharegpt.json").write_text(json.dumps(records))
+    manifest["sharegpt_records"] = len(records)
+    if gguf:
+        path = asset_path(GGUF_ASSET)  # verified against its pin
+        data_folder = call2 / "cache" / GGUF_ASSET
+        data_folder.mkdir(parents=True)
+        shutil.copy2(path.parent / ".asset.json", data_folder / ".asset.json")
+        (out / "call1").mkdir(parents=True)
+        with path.open("rb") as f:
+            (out / "call1" / f"{path.name}.part1").write_bytes(f.read(PART_BYTES))
+            (call2 / f"{path.name}.part2").write_bytes(f.read())
+        manifest["assets"][GGUF_ASSET] = {"file": path.name, "sha256": sha256(path), "parts": 2}
+    (call2 / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    sizes = {name: sum(f.stat().st_size for f in (out / name).rglob("*") if f.is_file())
+             for name in ("call1", "call2") if (out / name).exists()}
+    checkout = sum((ROOT / f).stat().st_size for f in subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split() if (ROOT / f).is_file())
+    for name, size in sizes.items():
+        if size + checkout > LIMIT_BYTES:
+            raise SystemExit(f"gpu_bundle: {name} ({size / 2**20:.1f} MiB) and the checkout ({checkout / 2**20:.1f} MiB) "
+                             f"exceed a call's {LIMIT_BYTES >> 20} MiB")
+    manifest["mib"] = {name: round(size / 2**20, 1) for name, size in sizes.items()} | {"checkout": round(checkout / 2**20, 1)}
+    (call2 / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def join(bundle: Path, stage: Path, cache: Path) -> str:
+    """On the lent machine (standard library only): the bundle's assets into ``cache``, the GGUF joined
+    from part 1 (``stage``, left by call 1) and part 2 and checked against the manifest's sha256. Where
+    part 1 is not there (a fresh machine) or the joined file is not the pinned one, the GGUF's folder is
+    removed, so the check runs without SmolLM2 (and says so). Returns what it did, in a line."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    cache.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(bundle / "cache", cache, dirs_exist_ok=True)
+    gguf = manifest["assets"].get(GGUF_ASSET)
+    if not gguf:
+        return "no GGUF in this bundle: the random shapes run without text"
+    part1, part2 = stage / f"{gguf['file']}.part1", bundle / f"{gguf['file']}.part2"
+    target = cache / GGUF_ASSET / gguf["file"]
+    if not part1.is_file():
+        shutil.rmtree(cache / GGUF_ASSET)
+        return f"{part1} is not here (not the warm machine of call 1): the random shapes run without text"
+    with target.open("wb") as f:
+        for part in (part1, part2):
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+    digest = sha256(target)
+    if digest != gguf["sha256"]:
+        shutil.rmtree(cache / GGUF_ASSET)
+        return f"{target.name}: joined with sha256 {digest}, not the bundle's {gguf['sha256']}: left out"
+    return f"{target.name}: joined, sha256 as pinned"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / ".gpu", help="the folder to write (default .gpu, ignored)")
+    ap.add_argument("--no-gguf", action="store_true", help="leave SmolLM2's GGUF out: one call, no text sections")
+    ap.add_argument("--python", default="3.12", help="the lent machine's CPython (default 3.12)")
+    ap.add_argument("--join", nargs=3, type=Path, metavar=("BUNDLE", "STAGE", "CACHE"),
+                    help="on the lent machine (scripts/gpu_device.sh): the bundle's assets into CACHE, the GGUF joined")
+    args = ap.parse_args(argv)
+    if args.join:
+        print(join(*args.join))
+        return 0
+    sys.path.insert(0, str(ROOT / "src"))
+    manifest = bundle(args.out.resolve(), not args.no_gguf, args.python)
+    rel = args.out.resolve().relative_to(ROOT) if args.out.resolve().is_relative_to(ROOT) else args.out
+    print(json.dumps(manifest["mib"]), file=sys.stderr)
+    print("the device tool's calls, the second at once after the first (docs/gpu.md):")
+    if "call1" in manifest["mib"]:
+        print(f"  1. run(command='bash scripts/gpu_device.sh stage', carry=['{rel}/call1'], timeout_s=120)")
+    print(f"  2. run(command='bash scripts/gpu_device.sh check 480', carry=['{rel}/call2'], timeout_s=600)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

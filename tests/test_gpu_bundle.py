@@ -1,0 +1,99 @@
+"""scripts/gpu_bundle.py and scripts/gpu_device.sh: what a lent GPU machine gets beside the checkout,
+and how it is put together there (docs/gpu.md, "A lent machine")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bundle_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_bundle
+
+    return gpu_bundle
+
+
+@pytest.mark.slow
+def test_the_bundle_joins_on_the_machine_into_the_pinned_assets(bundle_module, tmp_path, monkeypatch):
+    """Each call's part fits its 64 MiB with the checkout; on the machine the two parts of SmolLM2's
+    GGUF join into the pinned file and XSum arrives whole; a second call on a fresh machine (part 1
+    gone) and a damaged part both leave the GGUF out instead of handing the check a wrong one."""
+    from selfspec.store.assets import ASSETS, asset_path, check
+
+    monkeypatch.setattr(bundle_module, "wheels", lambda dest, python: [])  # no PyPI in tests
+    out = tmp_path / "gpu"
+    manifest = bundle_module.bundle(out, True, "3.12")
+    assert all(mib + manifest["mib"]["checkout"] <= 64 for name, mib in manifest["mib"].items() if name != "checkout")
+    records = json.loads((out / "call2" / "sharegpt.json").read_text())
+    assert len(records) == bundle_module.SHAREGPT_RECORDS and all(r["conversations"] for r in records)
+
+    stage = tmp_path / "stage"  # what call 1 leaves on the machine
+    stage.mkdir()
+    for part in (out / "call1").iterdir():
+        part.rename(stage / part.name)
+    cache = tmp_path / "cache"
+    assert bundle_module.join(out / "call2", stage, cache).endswith("joined, sha256 as pinned")
+    assert check("smollm2-gguf", cache) is None and check("xsum", cache) is None
+    name = asset_path("smollm2-gguf").name
+    assert hashlib.sha256((cache / "smollm2-gguf" / name).read_bytes()).hexdigest() == ASSETS["smollm2-gguf"].files[name]
+
+    fresh = tmp_path / "fresh"
+    assert "is not here" in bundle_module.join(out / "call2", tmp_path / "gone", fresh)
+    assert not (fresh / "smollm2-gguf").exists() and check("xsum", fresh) is None
+    part2 = out / "call2" / f"{name}.part2"
+    data = bytearray(part2.read_bytes())
+    data[-1] ^= 1
+    part2.write_bytes(bytes(data))
+    assert "not the bundle's" in bundle_module.join(out / "call2", stage, tmp_path / "damaged")
+    assert not (tmp_path / "damaged" / "smollm2-gguf").exists()
+
+
+def test_the_device_script_parses_and_names_its_modes():
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_device.sh")]).returncode == 0
+    usage = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_device.sh")], capture_output=True, text=True)
+    assert usage.returncode == 2 and "stage | check" in usage.stderr
+
+
+def test_every_package_the_bundle_carries_is_installed_here(bundle_module):
+    """Each travels at this environment's version (the one the tests ran), so each must be here."""
+    import importlib.metadata
+
+    assert all(importlib.metadata.version(name) for name in bundle_module.PACKAGES)
+
+
+def test_gpu_check_gives_its_sharegpt_file_to_the_prompts_and_tree_jobs(tmp_path, monkeypatch):
+    """The lent machine has no ShareGPT asset (120 MiB): --sharegpt hands both jobs that read it a
+    small file, and both compose and check with it; a missing file is refused before anything runs."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
+    import gpu_check
+
+    from selfspec.config import compose
+    from selfspec.training import prompt_tuning
+
+    with pytest.raises(SystemExit, match="--sharegpt .*missing.json: no such file"):
+        gpu_check.main(["--dry-run", "--sharegpt", str(tmp_path / "missing.json"), "--out", str(tmp_path / "a.json")])
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"id": str(i), "conversations": [{"from": "human", "value": f"hi {i}"},
+                                                                 {"from": "gpt", "value": "hello"}]}
+                                for i in range(12)]))
+    plans = []
+    monkeypatch.setattr(gpu_check, "run_section", lambda section, result, loaded, p, *a: plans.append(p) or loaded)
+    monkeypatch.setattr(gpu_check, "load_entry", lambda name, overrides, p: ({"model": {"overrides": overrides}}, "m"))
+    assert gpu_check.main(["--dry-run", "--sections", "training", "--sharegpt", str(data),
+                           "--out", str(tmp_path / "b.json")]) == 0
+    job_data = plans[0]["job_data"]
+    assert set(job_data) == {"prompts", "ppd_tree"} and all(f"job.data={data}" in o for o in job_data.values())
+    cfg = compose(["model=tiny-random", "job=prompts", *job_data["prompts"]], config_name="train")
+    assert prompt_tuning.prepare(cfg)["path"] == data
+    cfg = compose(["model=tiny-random", "job=ppd_tree", *job_data["ppd_tree"]], config_name="train")
+    assert prompt_tuning.sharegpt_path(cfg.job) == data and cfg.job.skip_conversations < 12
