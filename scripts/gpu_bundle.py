@@ -6,7 +6,7 @@ tool's ``carry``, and the two calls that take it there and run ``scripts/gpu_dev
 
 The lent machine (docs/gpu.md, "A lent machine") has a CUDA torch, transformers and most of the
 scientific stack, no package index and no model hub, and a call carries at most 64 MiB. What it lacks
-was found by running ``scripts/gpu_check.py --dry-run`` in a Python 3.12 environment holding the
+was found by running ``scripts/gpu_device.sh check 480 --dry-run`` (gpu_check.py's dry run) in a Python 3.12 environment holding the
 machine's own versions (torch 2.11.0+cu130, transformers 5.17.0, numpy 2.5.2, ...) and nothing of
 selfspec's, adding each package the run asked for: ``PACKAGES``. Each travels as a wheel for
 CPython 3.12 at the version this environment has (the one the tests ran), built here where PyPI has
@@ -36,6 +36,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: what the bundle is written into, emptied first: ignored (.gitignore), read there by scripts/gpu_device.sh
+OUT = ROOT / ".gpu"
 
 #: what the lent machine lacks for scripts/gpu_check.py (found as the module docstring says), and
 #: transformers at the tested version
@@ -87,6 +89,8 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
     from selfspec.store.assets import asset_path
 
     if out.exists():
+        if out.is_dir() and any(out.iterdir()) and not (out / "call2" / "manifest.json").exists():
+            raise SystemExit(f"gpu_bundle: {out} holds something else than an earlier bundle; not emptied")
         shutil.rmtree(out)
     call2 = out / "call2"
     manifest: dict = {"python": python, "wheels": [w.name for w in wheels(call2 / "wheels", python)], "assets": {}}
@@ -152,7 +156,6 @@ def join(bundle: Path, stage: Path, cache: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / ".gpu", help="the folder to write (default .gpu, ignored)")
     ap.add_argument("--no-gguf", action="store_true", help="leave SmolLM2's GGUF out: one call, no text sections")
     ap.add_argument("--python", default="3.12", help="the lent machine's CPython (default 3.12)")
     ap.add_argument("--join", nargs=3, type=Path, metavar=("BUNDLE", "STAGE", "CACHE"),
@@ -162,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(join(*args.join))
         return 0
     sys.path.insert(0, str(ROOT / "src"))
-    manifest = bundle(args.out.resolve(), not args.no_gguf, args.python)
-    rel = args.out.resolve().relative_to(ROOT) if args.out.resolve().is_relative_to(ROOT) else args.out
+    manifest = bundle(OUT, not args.no_gguf, args.python)
+    rel = OUT.relative_to(ROOT)
     print(json.dumps(manifest["mib"]), file=sys.stderr)
     print("the device tool's calls, the second at once after the first (docs/gpu.md):")
     if "call1" in manifest["mib"]:

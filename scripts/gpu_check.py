@@ -575,6 +575,17 @@ def print_estimate(rows: list[dict], budget: float | None) -> None:
         print(f"  {r['starts_at']:>5.0f} s  {r['section']:<12} {r['model']:<22} {secs}{mark}", flush=True)
 
 
+def sharegpt_overrides(path: Path) -> dict[str, list[str]]:
+    """The training section's overrides for a local ShareGPT file: the prompts job trains on its first
+    conversations (and holds one out), the tree validates on the ones after them."""
+    from measure_memory import BASE
+
+    given = dict(o.split("=", 1) for o in BASE["prompts"])
+    read = int(given["job.n_conversations"]) + int(given["job.held_out"])
+    data = f"job.data={path.absolute()}"
+    return {"prompts": [data], "ppd_tree": [data, f"job.skip_conversations={read}"]}
+
+
 def check_out(out: Path) -> None:
     """Refuse, before anything runs, an ``--out`` the check cannot write: an existing directory, a
     path whose folder (or the folder beside it for the check's artefacts) cannot take a new file, or
@@ -622,8 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds after which nothing runs (default 300 on a GPU, none with --dry-run)")
     ap.add_argument("--sharegpt", type=Path, default=None,
                     help="a local ShareGPT JSON for the training section's prompts and tree jobs (job.data), where "
-                         "the offline asset is not in the cache (a lent machine: scripts/gpu_bundle.py carries a few "
-                         "conversations of it)")
+                         "the offline asset is not in the cache (a lent machine: scripts/gpu_bundle.py carries 64 "
+                         "conversations of it; the jobs read 7)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"the sections to run, comma-separated (default: all of {','.join(SECTIONS)}; the "
                          "ledgers need profile)")
@@ -656,9 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SELFSPEC_OUTPUTS"] = str(work / "outputs")
     p = plan(args.dry_run)
     if args.sharegpt is not None:
-        # the prompts job trains on its first conversations, the tree validates on later ones
-        data = f"job.data={args.sharegpt.absolute()}"
-        p["job_data"] = {"prompts": [data], "ppd_tree": [data, "job.skip_conversations=8"]}
+        p["job_data"] = sharegpt_overrides(args.sharegpt)
     t0 = time.perf_counter()
     end = t0 + budget if budget is not None else float("inf")
     report = {"dry_run": args.dry_run, "settings": p, "sections_chosen": chosen, "budget_seconds": budget,

@@ -20,13 +20,14 @@ stage)
   ;;
 check)
   budget=${2:-480}
+  [[ "$budget" =~ ^[0-9]+$ ]] || { echo "check BUDGET: whole seconds, got '$budget'" >&2; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$BUNDLE"/wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src SELFSPEC_CACHE=/tmp/selfspec-cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     WANDB_MODE=disabled PYTHONUNBUFFERED=1
   python3 scripts/gpu_bundle.py --join "$BUNDLE" "$STAGE" "$SELFSPEC_CACHE" || exit 1
   work=$(mktemp -d /tmp/selfspec-check-XXXX) && ln -sfn "$work" "$OUT/check" || exit 1
-  timeout -s INT $((budget + 60)) python3 scripts/gpu_check.py --budget "$budget" --out "$OUT/check.json" \
+  timeout -k 20 -s INT $((budget + 60)) python3 scripts/gpu_check.py --budget "$budget" --out "$OUT/check.json" \
     --sharegpt "$BUNDLE/sharegpt.json" "${@:3}" \
     2>&1 | tee "$OUT/check.log"
   rc=$?

@@ -96,4 +96,24 @@ def test_gpu_check_gives_its_sharegpt_file_to_the_prompts_and_tree_jobs(tmp_path
     cfg = compose(["model=tiny-random", "job=prompts", *job_data["prompts"]], config_name="train")
     assert prompt_tuning.prepare(cfg)["path"] == data
     cfg = compose(["model=tiny-random", "job=ppd_tree", *job_data["ppd_tree"]], config_name="train")
-    assert prompt_tuning.sharegpt_path(cfg.job) == data and cfg.job.skip_conversations < 12
+    assert prompt_tuning.sharegpt_path(cfg.job) == data
+    # the tree validates on conversations after those the prompts job trained on and held out, and the
+    # carried ones reach: 5 read by the prompts job, 2 by the tree, of the bundle's 64
+    from gpu_bundle import SHAREGPT_RECORDS
+    from measure_memory import BASE
+
+    prompts = dict(o.split("=", 1) for o in BASE["prompts"])
+    read = int(prompts["job.n_conversations"]) + int(prompts["job.held_out"])
+    tree_prompts = int(dict(o.split("=", 1) for o in BASE["ppd_tree"])["job.n_prompts"])
+    assert cfg.job.skip_conversations == read and read + tree_prompts <= SHAREGPT_RECORDS
+
+
+def test_the_bundle_empties_only_an_earlier_bundle_and_the_device_script_checks_its_budget(bundle_module, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="holds something else than an earlier bundle; not emptied"):
+        bundle_module.bundle(tmp_path / "mine", False, "3.12")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_device.sh"), "check", "--dry-run"],
+                         capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
+    assert bad.returncode == 2 and "check BUDGET: whole seconds, got '--dry-run'" in bad.stderr

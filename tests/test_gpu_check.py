@@ -161,7 +161,7 @@ def test_gpu_check_refuses_the_out_of_an_earlier_check(tmp_path, monkeypatch):
     """A second check into the first one's --out trained its artefacts again, and every evaluation of
     the methods section then refused to resume the first check's runs (ResumeMismatch: decoded with
     the artefacts just replaced), while the first JSON was overwritten (seen rerunning the dry run).
-    docs/gpu.md names its --out, and the GPU session is told to run the check again if time is left."""
+    docs/gpu.md names its --out, and issue 50 asks for a second run where a machine's time allows one."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
     import gpu_check

@@ -100,3 +100,16 @@ def test_progress_bar_on_stderr_only_when_asked(tmp_path, capsys):
     train(make(), loss_fn, batch_fn, TrainConfig(**{**CFG, "steps": 8}), tmp_path / "ck", progress=True)
     out, err = capsys.readouterr()
     assert out == "" and "train: 100%" in err and "8/8" in err and "loss=" in err and "<00:00" in err
+
+
+def test_a_setting_added_since_at_its_null_default_is_no_change():
+    """A tree artefact built before ppd_tree had ``data`` (null: the offline asset, as before) is the
+    same job; a rerun into it was refused as "trained with other settings" (data: '<unset>' -> None).
+    A value given, or one taken away, still is a change."""
+    from selfspec.training.loop import changed_settings
+
+    assert changed_settings({"a": 1}, {"a": 1, "data": None}) == []
+    assert changed_settings({"a": 1, "data": None}, {"a": 1}) == []
+    assert changed_settings({"a": 1}, {"a": 1, "data": "x.json"}) == ["data: '<unset>' -> 'x.json'"]
+    assert changed_settings({"a": 1, "data": "x.json"}, {"a": 1}) == ["data: 'x.json' -> '<unset>'"]
+    assert changed_settings({"a": 1}, {"a": 2}) == ["a: 1 -> 2"]

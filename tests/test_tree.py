@@ -259,7 +259,11 @@ def test_ppd_tree_job_validates_on_the_local_sharegpt_file_it_is_given(tiny, tmp
               "job.n_prompts=2", "job.max_new_tokens=6", "job.sizes=[1,3]", "job.plot=false"]
     out = run_job(compose([*common, "job.skip_conversations=2", f"artefact_dir={tmp_path / 't'}"],
                           config_name="train"), tiny)
-    assert out["chosen_size"] in (1, 3) and read == [data]
+    assert out["chosen_size"] in (1, 3) and read and all(path == data for path in read)
+    (tmp_path / "empty.json").write_text("[]")  # not ShareGPT: refused before the model is used
+    with pytest.raises(ValueError, match=r"empty.json holds no complete ShareGPT conversation; check job.data"):
+        run_job(compose([*common[:3], f"job.data={tmp_path / 'empty.json'}", *common[4:],
+                         f"artefact_dir={tmp_path / 't3'}"], config_name="train"), tiny)
     with pytest.raises(ValueError, match=r"holds no conversation with a first user turn after "
                                          r"job.skip_conversations=4: lower it"):
         run_job(compose([*common, "job.skip_conversations=4", f"artefact_dir={tmp_path / 't2'}"],

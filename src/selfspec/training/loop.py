@@ -155,10 +155,15 @@ _UNSET = "<unset>"
 def changed_settings(before: dict[str, Any], now: dict[str, Any], may_change: tuple[str, ...] = RESUMABLE,
                      prefix: str = "") -> list[str]:
     """``"<prefix><key>: <old> -> <new>"`` for each setting that differs, but for ``may_change``: what
-    a refused resume or rerun names (:func:`check_resume`, the job driver's finished artefacts)."""
+    a refused resume or rerun names (:func:`check_resume`, the job driver's finished artefacts). A key
+    on one side only whose value on the other is null is no change: a setting added since, at the
+    null default that keeps the behaviour before it (ppd_tree's ``data``)."""
+    def value(settings: dict[str, Any], k: str) -> Any:  # absent = null where neither side has a value
+        return settings.get(k) if before.get(k) is None and now.get(k) is None else settings.get(k, _UNSET)
+
     return [f"{prefix}{k}: {before.get(k, _UNSET)!r} -> {now.get(k, _UNSET)!r}"
             for k in sorted(set(before) | set(now))
-            if k not in may_change and before.get(k, _UNSET) != now.get(k, _UNSET)]
+            if k not in may_change and value(before, k) != value(now, k)]
 
 
 def check_resume(ckpt_dir: Path, saved: dict[str, Any], settings: dict[str, Any]) -> None:

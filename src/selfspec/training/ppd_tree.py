@@ -166,6 +166,11 @@ def prepare(cfg) -> dict:
     opts["path"] = sharegpt_path(job)
     if opts["path"] is None:
         asset_path("sharegpt")  # the validation conversations (not fetched: names the command)
+    else:  # a local file that is not ShareGPT fails here, before the model loads
+        from selfspec.tasks.sharegpt import iter_sharegpt
+
+        if next(iter_sharegpt(opts["path"]), None) is None:
+            raise ValueError(f"{opts['path']} holds no complete ShareGPT conversation; check job.data")
     return opts
 
 
@@ -193,6 +198,9 @@ def acceptance_statistics(loaded, prompts, opts: dict) -> torch.Tensor:
     if not prompts_ids:
         raise ValueError(f"{opts['path'] or 'the sharegpt asset'} holds no conversation with a first user turn after "
                          f"job.skip_conversations={opts['skip_conversations']}: lower it, or give more data")
+    if len(prompts_ids) < opts["n_prompts"]:
+        log.warning("%s: %d validation conversations after job.skip_conversations=%d, not job.n_prompts=%d",
+                    opts["path"] or "the sharegpt asset", len(prompts_ids), opts["skip_conversations"], opts["n_prompts"])
     for ids in prompts_ids:
         gen = vanilla.generate(ids, opts["max_new_tokens"])
         seqs.append((ids + gen.tokens, len(ids)))
