@@ -27,7 +27,6 @@ JSON file (``gpu_check.py --sharegpt``): PPD's prompts, tree and methods rows ne
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import shutil
@@ -75,14 +74,6 @@ def wheels(dest: Path, python: str) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def bundle(out: Path, gguf: bool, python: str) -> dict:
     """Writes ``out`` (emptied first): ``call1/`` (part 1 of the GGUF) and ``call2/`` (wheels, assets,
     part 2); returns the manifest it also writes as ``call2/manifest.json``."""
@@ -95,8 +86,8 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
     call2 = out / "call2"
     manifest: dict = {"python": python, "wheels": [w.name for w in wheels(call2 / "wheels", python)], "assets": {}}
     for name in ASSETS:
-        folder = asset_path(name).parent if asset_path(name).is_file() else asset_path(name)
-        shutil.copytree(folder, call2 / "cache" / name)
+        path = asset_path(name)  # verified against its pin
+        shutil.copytree(path.parent if path.is_file() else path, call2 / "cache" / name)
         manifest["assets"][name] = "whole"
     from selfspec.tasks.sharegpt import iter_sharegpt
 
@@ -112,8 +103,7 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
         with path.open("rb") as f:
             (out / "call1" / f"{path.name}.part1").write_bytes(f.read(PART_BYTES))
             (call2 / f"{path.name}.part2").write_bytes(f.read())
-        manifest["assets"][GGUF_ASSET] = {"file": path.name, "sha256": sha256(path), "parts": 2}
-    (call2 / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        manifest["assets"][GGUF_ASSET] = {"file": path.name, "parts": 2}
     sizes = {name: sum(f.stat().st_size for f in (out / name).rglob("*") if f.is_file())
              for name in ("call1", "call2") if (out / name).exists()}
     checkout = sum((ROOT / f).stat().st_size for f in subprocess.run(
@@ -128,10 +118,13 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
 
 
 def join(bundle: Path, stage: Path, cache: Path) -> str:
-    """On the lent machine (standard library only): the bundle's assets into ``cache``, the GGUF joined
-    from part 1 (``stage``, left by call 1) and part 2 and checked against the manifest's sha256. Where
-    part 1 is not there (a fresh machine) or the joined file is not the pinned one, the GGUF's folder is
-    removed, so the check runs without SmolLM2 (and says so). Returns what it did, in a line."""
+    """On the lent machine: the bundle's assets into ``cache``, the GGUF joined from part 1 (``stage``,
+    left by call 1) and part 2 and checked against its pin by the asset cache's own check
+    (:func:`selfspec.store.assets.check`, which every later read repeats). Where part 1 is not there (a
+    fresh machine) or the joined file is not the pinned one, the GGUF's folder is removed, so the check
+    runs without SmolLM2 (and says so). Returns what it did, in a line."""
+    from selfspec.store.assets import check
+
     manifest = json.loads((bundle / "manifest.json").read_text())
     cache.mkdir(parents=True, exist_ok=True)
     shutil.copytree(bundle / "cache", cache, dirs_exist_ok=True)
@@ -147,10 +140,10 @@ def join(bundle: Path, stage: Path, cache: Path) -> str:
         for part in (part1, part2):
             with part.open("rb") as src:
                 shutil.copyfileobj(src, f, 1 << 20)
-    digest = sha256(target)
-    if digest != gguf["sha256"]:
+    problem = check(GGUF_ASSET, cache)
+    if problem is not None:
         shutil.rmtree(cache / GGUF_ASSET)
-        return f"{target.name}: joined with sha256 {digest}, not the bundle's {gguf['sha256']}: left out"
+        return f"{target.name}: joined, but {problem}: left out"
     return f"{target.name}: joined, sha256 as pinned"
 
 
@@ -161,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--join", nargs=3, type=Path, metavar=("BUNDLE", "STAGE", "CACHE"),
                     help="on the lent machine (scripts/gpu_device.sh): the bundle's assets into CACHE, the GGUF joined")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
     if args.join:
         print(join(*args.join))
         return 0
-    sys.path.insert(0, str(ROOT / "src"))
     manifest = bundle(OUT, not args.no_gguf, args.python)
     rel = OUT.relative_to(ROOT)
     print(json.dumps(manifest["mib"]), file=sys.stderr)

@@ -38,7 +38,7 @@ from selfspec.measure.peak import MemoryModel, Shape, Term, layer_bytes, scores_
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.ledger import HeadOp, LayerOp
 from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys
-from selfspec.training.prompt_tuning import sharegpt_options, sharegpt_path
+from selfspec.training.prompt_tuning import sharegpt_options, sharegpt_source
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,6 @@ def prepare(cfg) -> dict:
     """Every key of conf/job/ppd_tree.yaml checked, the prompts artefact found and the ShareGPT asset
     present — all that can fail without the model (the driver calls it first)."""
     from selfspec.store.artefacts import artefact_option, default_artefact_dir
-    from selfspec.store.assets import asset_path
 
     job, key = cfg.job, "job.{}".format
     checks.renamed("job", job, {"latency_repeats": TIMED_BY_PROFILE})
@@ -163,14 +162,7 @@ def prepare(cfg) -> dict:
         if not (opts["prompts"] / "meta.json").exists():
             raise FileNotFoundError(f"no prompts artefact at {opts['prompts']}; run python -m selfspec.train "
                                     f"job=prompts model={cfg.model.name} first or set job.prompts")
-    opts["path"] = sharegpt_path(job)
-    if opts["path"] is None:
-        asset_path("sharegpt")  # the validation conversations (not fetched: names the command)
-    else:  # a local file that is not ShareGPT fails here, before the model loads
-        from selfspec.tasks.sharegpt import iter_sharegpt
-
-        if next(iter_sharegpt(opts["path"]), None) is None:
-            raise ValueError(f"{opts['path']} holds no complete ShareGPT conversation; check job.data")
+    opts["path"] = sharegpt_source(job)  # the validation conversations
     return opts
 
 

@@ -70,11 +70,20 @@ def sharegpt_path(job) -> Path | None:
     return None
 
 
+def sharegpt_source(job) -> Path | None:
+    """:func:`sharegpt_path`, its first complete conversation read: a file that is not ShareGPT, or
+    the offline asset not fetched (``None``), fails here, before a model loads."""
+    from selfspec.tasks.sharegpt import iter_sharegpt
+
+    path = sharegpt_path(job)
+    if next(iter_sharegpt(path), None) is None:
+        raise ValueError(f"{path or 'the sharegpt asset'} holds no complete ShareGPT conversation; check job.data")
+    return path
+
+
 def prepare(cfg) -> dict:
     """Every key of conf/job/prompts.yaml checked and the ShareGPT file found and its first record
     read — all that can fail without the model (the driver calls it first)."""
-    from selfspec.tasks.sharegpt import iter_sharegpt
-
     job, key = cfg.job, "job.{}".format
     m = checks.integer(key("m"), job.m, 1, why="prompt tokens")
     opts = {
@@ -93,9 +102,7 @@ def prepare(cfg) -> dict:
     }
     job_keys(job, [*opts, *TrainConfig.keys()])
     opts["train"] = TrainConfig.from_config(job, seed=cfg.seed)
-    opts["path"] = sharegpt_path(job)
-    if next(iter_sharegpt(opts["path"]), None) is None:
-        raise ValueError(f"{opts['path'] or 'the sharegpt asset'} holds no complete ShareGPT conversation; check job.data")
+    opts["path"] = sharegpt_source(job)
     return opts
 
 
