@@ -51,10 +51,16 @@
 #define BF16_NB 48  // weight rows per parallel task (AVX-512-BF16 path)
 #endif
 #ifndef BF16_PD
-// AVX-512-BF16 path: tiles of weight rows prefetched ahead. 4 against 1 and 2, built in turns three
-// times over SmolLM2's linears on 2 Zen 5 cores: one row 8.0-9.0 against 8.6-9.6 ms (PD 1), eight rows
-// 9.1-9.6 against 10.1-12.0 ms.
-#define BF16_PD 4
+// AVX-512-BF16 path: tiles of weight rows prefetched ahead, into L2 (BF16_PF_HINT). Into L1 4 tiles
+// ahead measured 4 against 1 and 2 on 2 Zen 5 cores (SmolLM2's linears, built in turns three times:
+// one row 8.0-9.0 against 8.6-9.6 ms, eight rows 9.1-9.6 against 10.1-12.0 ms); into L2 8 tiles
+// ahead against that, on 2 Zen 4 cores (4 rounds in turns): eight rows 10.6-12.4 against 13.8-17.6 ms,
+// one row the same (docs/2026-12-01-bfloat16-on-the-cpu.md). A prefetch does no arithmetic: the bits
+// are the same at every distance and hint.
+#define BF16_PD 8
+#endif
+#ifndef BF16_PF_HINT
+#define BF16_PF_HINT _MM_HINT_T1
 #endif
 #ifndef AMX_PF
 #define AMX_PF 4  // AMX path: blocks of 32 values of K prefetched ahead in each weight row (0: none)
@@ -99,7 +105,7 @@ SELFSPEC_DPBF16 inline void dp_tile(const BF16* x, const BF16* w, int64_t K, BF1
   int64_t line = 0;
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    for (int64_t p = 0; p < per_block && line < lines; ++p, ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    for (int64_t p = 0; p < per_block && line < lines; ++p, ++line) _mm_prefetch(pf + line * 64, BF16_PF_HINT);
     __m512bh wv[NR];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) wv[r] = load32(w + r * K + k);
