@@ -25,13 +25,19 @@ import sys
 from pathlib import Path
 
 
+#: timed repeats of the runtime figures (the profile's are measure_profile's unless --repeats is given)
+REPEATS = 7
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="conf/model name")
     p.add_argument("--ks", default="1,2,4,8,16,32", help="new-token counts k of v(k)")
     p.add_argument("--contexts", default="128,512,1024", help="context lengths")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per decoding run (vanilla vs generate)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats (medians)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"timed repeats, of which medians are taken: the runtime figures' (default {REPEATS}) and "
+                        "the profile's (by default as many as profile=auto measures; recorded in the profile)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer (when installed)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -56,24 +62,27 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ks = tuple(int(k) for k in args.ks.split(","))
     contexts = tuple(int(c) for c in args.contexts.split(","))
+    if args.repeats is not None and args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     if 1 not in ks or min(ks) < 1:
         raise SystemExit(f"--ks must include 1 and only positive counts, got {args.ks}")
     cfg = compose([f"model={args.model}", *args.overrides])
     loaded = load_model(cfg.model)
     if not args.profile_only:
-        report = runtime_report(loaded, ks, contexts, args.new_tokens, args.repeats, llama_cpp=not args.no_llama_cpp)
+        report = runtime_report(loaded, ks, contexts, args.new_tokens, args.repeats or REPEATS, llama_cpp=not args.no_llama_cpp)
         print(format_report(report))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1, default=str))
             print(f"figures: {args.out}")
     if not args.no_profile:
-        write_profile(loaded.model, args.profile_out)
+        write_profile(loaded.model, args.profile_out, args.repeats)
     return 0
 
 
-def write_profile(model, out: Path | None) -> None:
-    """Measure this machine's cost profile of ``model``; keep it in the asset cache and at ``out``."""
+def write_profile(model, out: Path | None, repeats: int | None = None) -> None:
+    """Measure this machine's cost profile of ``model`` (medians of ``repeats`` timings, by default
+    :func:`~selfspec.evaluation.profiling.measure_profile`'s); keep it in the asset cache and at ``out``."""
     import os
 
     from selfspec.evaluation.profiling import measure_profile
@@ -83,7 +92,7 @@ def write_profile(model, out: Path | None) -> None:
     if load > 0.5:
         print(f"warning: load average {load:.2f} while measuring the profile: other processes spoil its "
               "figures; measure it on a quiet machine", file=sys.stderr)
-    profile = measure_profile(model, log=lambda line: print(f"profile: {line}", file=sys.stderr))
+    profile = measure_profile(model, **({"repeats": repeats} if repeats else {}), log=lambda line: print(f"profile: {line}", file=sys.stderr))
     busy = profile.data.get("others_busy")
     if busy is not None and busy > 0.1:
         print(f"warning: other processes took {100 * busy:.0f}% of the CPUs while the profile was measured: "

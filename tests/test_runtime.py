@@ -360,16 +360,28 @@ def test_weight_bytes_counts_a_tied_head_once(tiny):
 
 
 def test_bench_runtime_script(tmp_path):
-    out = tmp_path / "runtime.json"
+    """The figures, and the profile measured with the repeats asked for (``--repeats`` once set the
+    runtime figures' only: the profile took its own 5 whatever was given)."""
+    out, profile = tmp_path / "runtime.json", tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_runtime.py"), "--model", "tiny-random",
                            "--contexts", "32,64", "--ks", "1,2,4", "--repeats", "1", "--new-tokens", "8",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--out", str(out), "--profile-out", str(profile)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(profile.read_text())["repeats"] == 1
     assert "v(k)" in proc.stdout and "ratio" in proc.stdout and "bandwidth" in proc.stdout
     r = json.loads(out.read_text())
     assert set(r["v"]) == {"32", "64"} and r["v"]["64"]["1"] == 1.0
     assert r["same_tokens_as_generate"] is True and r["vanilla_over_generate"] > 0
     assert 0 < r["bandwidth_fraction"] and r["linear_kernel"] in ("skinny", "torch")
+
+
+def test_bench_runtime_refuses_repeats_below_one_before_a_model_loads(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_runtime", ROOT / "scripts" / "bench_runtime.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr("selfspec.models.loading.load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
+        script.main(["--model", "tiny-random", "--repeats", "0", "--profile-only"])
 
 
 def test_decode_rates_leave_the_prefill_out(tiny, monkeypatch):

@@ -85,6 +85,7 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
         "machine": machine(model.device),
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "load_average": load,
+        "repeats": repeats,
         "seconds_to_measure": None,
         "attention": attention,
         "mlp": mlp,
