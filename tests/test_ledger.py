@@ -195,6 +195,20 @@ def test_measured_profile_of_the_tiny_model(tiny):
     assert again.plain_step(32) == pytest.approx(p.plain_step(32))
 
 
+def test_a_measured_profile_names_its_dtype_where_it_is_not_float32():
+    """A bfloat16 profile was named like the float32 one of its machine and model
+    (``cpu-amd-epyc-avx512-bf16-2t__smollm2-135m``), so a run priced with it said float32."""
+    from omegaconf import OmegaConf
+
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+
+    for dtype, tail in (("float32", "__tiny-random"), ("bfloat16", "__tiny-random__bfloat16")):
+        model = load_model(OmegaConf.merge(model_config("tiny-random"), {"dtype": dtype})).model
+        p = measure_profile(model, rows=(1,), prefill_rows=(8,), contexts=(0,), repeats=1)
+        assert p.shape["dtype"] == dtype and p.name.endswith(tail), p.name
+
+
 def test_others_busy_counts_other_processes_not_this_one():
     """The share of the CPUs other processes took (/proc/stat less this process's own time): a
     process spinning on every CPU beside a sleep counts; this process spinning does not."""

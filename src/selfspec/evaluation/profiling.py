@@ -99,7 +99,10 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
         "walk": walk,
         "measurement": MEASUREMENT,
     } | ({"eager": eager} if eager else {}) | ({"spans": spans} if model.steps is not None else {})
-    data["name"] = f"{machine_name(data['machine'])}__{model.name}"
+    # the dtype named where it is not float32, as the shipped profiles are named: a bf16 profile under a
+    # float32 profile's name would price runs mislabelled
+    dtype = data["model"]["shape"].get("dtype", "float32")
+    data["name"] = f"{machine_name(data['machine'])}__{model.name}" + ("" if dtype == "float32" else f"__{dtype}")
     profile = Profile(data)
     in_time("the host work")
     prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
