@@ -37,7 +37,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per decoding run (vanilla vs generate)")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"timed repeats, of which medians are taken: the runtime figures' (default {REPEATS}) and "
-                        "the profile's (by default as many as profile=auto measures; recorded in the profile)")
+                        "the profile's (default measure_profile's REPEATS, as profile=auto measures; recorded in the profile)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer (when installed)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -85,14 +85,14 @@ def write_profile(model, out: Path | None, repeats: int | None = None) -> None:
     :func:`~selfspec.evaluation.profiling.measure_profile`'s); keep it in the asset cache and at ``out``."""
     import os
 
-    from selfspec.evaluation.profiling import measure_profile
+    from selfspec.evaluation.profiling import REPEATS as REPEATS_OF_A_PROFILE, measure_profile
     from selfspec.measure.profile import default_path
 
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"warning: load average {load:.2f} while measuring the profile: other processes spoil its "
               "figures; measure it on a quiet machine", file=sys.stderr)
-    profile = measure_profile(model, **({"repeats": repeats} if repeats else {}), log=lambda line: print(f"profile: {line}", file=sys.stderr))
+    profile = measure_profile(model, repeats=repeats or REPEATS_OF_A_PROFILE, log=lambda line: print(f"profile: {line}", file=sys.stderr))
     busy = profile.data.get("others_busy")
     if busy is not None and busy > 0.1:
         print(f"warning: other processes took {100 * busy:.0f}% of the CPUs while the profile was measured: "

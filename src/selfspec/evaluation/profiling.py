@@ -31,8 +31,12 @@ class ProfileDeadline(TimeoutError):
 log = logging.getLogger(__name__)
 
 
+#: timed repeats per table entry (medians) unless a caller asks for others
+REPEATS = 5
+
+
 def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: Iterable[int] = PREFILL_ROWS,
-                    contexts: Iterable[int] = CONTEXTS, repeats: int = 5, log=None, deadline: float | None = None
+                    contexts: Iterable[int] = CONTEXTS, repeats: int = REPEATS, log=None, deadline: float | None = None
                     ) -> Profile:
     """Measure this machine's profile of ``model`` (module docstring). About a minute for
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model. ``rows``: by default
