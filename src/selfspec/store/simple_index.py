@@ -1,8 +1,8 @@
 """Find and stream one distribution file through the package indexes pip is configured with.
 
-Used by :mod:`selfspec.store.assets` when ``pip download`` itself cannot fetch a file (bigbench's sdist
-declares a direct-URL dependency, which pip refuses even with ``--no-deps`` because it builds the
-sdist's metadata). The indexes are pip's own: ``index-url`` then every ``extra-index-url``, read
+Used by :mod:`selfspec.store.assets` when ``pip download`` itself cannot fetch a file (an sdist that
+declares a direct-URL dependency, as bigbench's did, which pip refuses even with ``--no-deps`` because
+it builds the sdist's metadata). The indexes are pip's own: ``index-url`` then every ``extra-index-url``, read
 from pip's configuration and ``PIP_INDEX_URL`` / ``PIP_EXTRA_INDEX_URL`` (``pip config list``), so
 a mirror or a local ``file://`` index works as it does for pip. Both forms of the simple repository
 API are understood: the HTML page (PEP 503) and the JSON listing (PEP 691); which one came back is
