@@ -352,8 +352,8 @@ def asset_path(name: str, cache: Path | None = None) -> Path:
 
 
 def fetch(name: str, cache: Path | None = None) -> Path:
-    """Download (a ``shipped`` asset: copy), verify and extract asset ``name``; a no-op when already fetched and verified
-    (:func:`check`); a damaged copy is fetched again (a warning names the file).
+    """Download (a ``shipped`` asset: copy), verify and extract asset ``name``; a no-op when already
+    fetched and verified (:func:`check`); a damaged copy is fetched again (a warning names the file).
 
     Returns :func:`asset_path`. Raises :class:`AssetError` naming the asset and the cause.
     """
