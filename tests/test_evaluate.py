@@ -137,9 +137,9 @@ def test_a_resumed_run_says_which_carried_state_started_afresh(tiny, tmp_path, c
     with caplog.at_level("WARNING"):
         s = evaluate(compose(SMALL + dv), tmp_path, loaded=tiny)
     restarted = {"draft_verify": ["gate", "drafter.draft_stop"]}
-    assert s["resumed"] == {"examples_before": 1, "restarted": restarted}
+    assert s["resumed"] == {"examples_before": 1, "generations_before": 2, "restarted": restarted}
     assert json.loads((tmp_path / SUMMARY).read_text())["resumed"] == s["resumed"]
-    assert ("resuming: 1 of 2 examples were finished by an earlier process; the state these methods carry from one "
+    assert ("resuming: 2 of 4 generations were finished by an earlier process; the state these methods carry from one "
             "example to the next starts afresh here, so the examples after differ from an uninterrupted run's: "
             "draft_verify (gate, drafter.draft_stop)") in caplog.text
 
@@ -304,3 +304,141 @@ def test_a_model_loaded_from_another_config_is_refused(tiny, tmp_path):
     differ = r"than 'smollm2-135m': model\.chat, model\.gguf_asset, model\.name, model\.random, model\.tokenizer differ"
     with pytest.raises(ValueError, match=differ):
         run_job(compose(["job=heads", "model=smollm2-135m", "job.steps=1"], config_name="train"), loaded=tiny)
+
+
+def _digests_named(message: str, path) -> bool:
+    """Whether a refusal names ``path`` and two different sha256 prefixes."""
+    import re
+
+    return str(path) in message and len(set(re.findall(r"\b[0-9a-f]{12,64}\b", message))) >= 2
+
+
+def _local_xsum(path, references=("Summary 0.", "Summary 1.", "Summary 2.")) -> list[str]:
+    """A local XSum data file of ``len(references)`` records; the overrides that read it, in file order."""
+    path.write_text("".join(json.dumps({"id": f"r{i}", "document": f"Document number {i} says hello.", "summary": ref})
+                            + "\n" for i, ref in enumerate(references)))
+    return ["task=xsum", "task.source=local", f"task.data_files=[{path}]", "task.shuffle_seed=null"]
+
+
+def test_a_run_resumes_only_over_the_same_model_file(tmp_path, monkeypatch):
+    """Issue 68, BAD 2: a GGUF replaced at the same path by other weights of the same size was mixed into
+    a resumed run (one example from each model in one summary). The run records the file's sha256 and
+    refuses to resume over other bytes, naming the file and both digests, leaving the directory as it was;
+    over the same bytes it resumes."""
+    from test_bad_input import write_gguf
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf")
+    args = ["model=smollm2-135m", f"model.gguf_path={path}", "model.name=g", "model.chat=false",
+            "max_new_tokens=4", "warmup=0", "progress=false", "profile=null", "logger=none",
+            *_local_xsum(tmp_path / "data.jsonl")]
+    run = tmp_path / "run"
+    first = evaluate(compose([*args, "n_examples=1"]), run)
+    assert first["inputs"]["model"] == {str(path.resolve()): hashlib.sha256(path.read_bytes()).hexdigest()}
+    size = path.stat().st_size
+    write_gguf(path, seed=1)
+    assert path.stat().st_size == size
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(ResumeMismatch, match=r"model file .*m\.gguf changed") as err:
+        evaluate(compose([*args, "n_examples=2"]), run)
+    assert _digests_named(str(err.value), path.resolve())
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    write_gguf(path)  # the first bytes again: resumed
+    assert evaluate(compose([*args, "n_examples=2"]), run)["resumed"]["examples_before"] == 1
+
+
+def test_a_run_resumes_only_over_the_same_data_files(tiny, tmp_path):
+    """Issue 68, BAD 3: a local data file edited between runs was mixed in (the old rows of an edited
+    record kept and scored against its new reference). The run records each data file's sha256 and
+    refuses to resume over an edited file, naming it and both digests."""
+    data = tmp_path / "data.jsonl"
+    args = SMALL + _local_xsum(data) + ["profile=null"]
+    run = tmp_path / "run"
+    first = evaluate(compose([*args, "n_examples=1"]), run, loaded=tiny)
+    assert first["inputs"]["data"] == {str(data.resolve()): hashlib.sha256(data.read_bytes()).hexdigest()}
+    _local_xsum(data, ("Another reference.", "Summary 1.", "Summary 2."))
+    with pytest.raises(ResumeMismatch, match=r"data file .*data\.jsonl changed") as err:
+        evaluate(compose([*args, "n_examples=2"]), run, loaded=tiny)
+    assert _digests_named(str(err.value), data.resolve())
+
+
+def test_a_batch_size_beyond_the_examples_is_refused_before_the_model_loads():
+    """Issue 68, BAD 1: ``batch_size=1e9`` with 2 examples forked a decoder per batch slot up front and grew
+    memory without bound, printing nothing. A batch holds one sequence per example at most."""
+    from selfspec.config.checks import ConfigError
+    from selfspec.evaluation import prepare
+
+    with pytest.raises(ConfigError, match=r"batch_size=1000000000 is not allowed: at most the 2 examples"):
+        prepare(compose(SMALL + ["batch_size=1000000000"]))
+    assert prepare(compose(SMALL + ["batch_size=2"])).batch_size == 2
+
+
+def test_the_memory_check_scales_the_cache_and_prefill_by_the_batch():
+    """Issue 68, BAD 1: the evaluation's memory estimate had no batch factor, so B caches passed the check
+    and failed after the load; now B sequences' caches and prefills count, and the refusal names batch_size."""
+    import torch
+
+    from selfspec import memory
+    from selfspec.measure import peak
+
+    def estimate(b):
+        cfg = compose(["model=tiny-random", "task=xsum", f"batch_size={b}"])
+        return memory.job_estimate("evaluate", peak.SIZES["8B"], cfg, torch.bfloat16, torch.device("cpu"), 4096, 2048)
+
+    one, eight = estimate(1), estimate(8)
+    assert one.weights == eight.weights
+    cache = [t.bytes for e in (one, eight) for t in e.parts if t.name == "cache"]
+    assert cache[1] == pytest.approx(8 * cache[0])
+    assert "batch_size" in eight.largest().setting
+
+
+def test_a_resumed_batched_run_covers_every_sequence_it_reports(tiny, tmp_path, caplog):
+    """Issue 68: after an interrupted batched run was resumed, ``summary.batches`` covered only some sequences
+    (a finished sequence's row was kept, its batch's line never written), and the resume line said "0 of 3
+    examples were finished" with rows kept. Now a batch's rows are kept with its line, so the resumed run
+    decodes the interrupted batch again; every figure says how many sequences it covers."""
+    from selfspec.models.batch import Batch
+
+    args = SMALL + ["n_examples=3", "batch_size=2", "method=ngram", "profile=null",
+                    "method.draft_schedule=adaptive", "method.never_slower=false", "compare=[]"]
+    real, calls = Batch.run, []
+
+    def interrupted(self, jobs, done=None):
+        calls.append(1)
+        if len(calls) < 2:
+            return real(self, jobs, done)
+
+        def once(i, out):  # the method's first sequence finishes, then the run is stopped
+            done(i, out)
+            raise KeyboardInterrupt
+
+        return real(self, jobs, once)
+
+    Batch.run = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(compose(args), tmp_path, loaded=tiny)
+    finally:
+        Batch.run = real
+    rows = ResultsFile(tmp_path / RESULTS).rows()
+    assert sorted(r["method"] for r in rows) == ["vanilla", "vanilla", "vanilla"]  # the wave's vanilla batch
+    with caplog.at_level("INFO"):
+        s = evaluate(compose(args), tmp_path, loaded=tiny)
+    assert "3 of 6 generations already in its results" in caplog.text
+    for name, b in s["batches"].items():
+        assert b["sequences"] == b["rows"] == 3 and b["complete"] and b["speedup"] is not None, name
+
+
+def test_a_batch_summary_that_covers_other_sequences_than_its_rows_withholds_its_speedup():
+    """A method whose batches cover other sequences than the rows reported (a batch's rows kept without its
+    line, or a line without its rows) is marked, and no speedup is taken against it or from it."""
+    from selfspec.evaluation.batches import batch_summary
+
+    line = {"wave": 0, "sample": 0, "size": 2, "seconds": 1.0, "steps": 4}
+    lines = [line | {"method": "vanilla", "sequences": 2, "new_tokens": 8},
+             line | {"method": "ngram", "sequences": 1, "new_tokens": 4}]
+    rows = {m: [{"seconds": 1.0}, {"seconds": 1.0}] for m in ("vanilla", "ngram")}
+    out = batch_summary(lines, rows, "vanilla")
+    assert out["vanilla"]["complete"] and not out["ngram"]["complete"]
+    assert (out["ngram"]["sequences"], out["ngram"]["rows"]) == (1, 2)
+    assert out["ngram"]["speedup"] is None and out["vanilla"]["speedup"] == 1.0

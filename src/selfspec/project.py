@@ -61,22 +61,26 @@ def project_run(run_dir: Path, profile) -> dict[str, dict[str, Any]]:
                      | ({"unpriced": e["ledger"]["unpriced"]} if (e["ledger"] or {}).get("unpriced") else {})
                      for m, e in per_method.items()}
         _gates(summary, rows, projected, profile)
-        _batches(run_dir, summary, projected, profile)
+        _batches(run_dir, summary, rows, projected, profile)
         summary.setdefault("projections", {})[projection_name(profile, shape)] = \
             projected | {"_profile": profile.summary() | {"dtype": profile.shape["dtype"], "trace_dtype": shape["dtype"]}}
         write_json(run_dir / SUMMARY, summary)
     return projected
 
 
-def _batches(run_dir: Path, summary: dict[str, Any], projected: dict[str, dict[str, Any]], profile) -> None:
+def _batches(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], projected: dict[str, dict[str, Any]],
+             profile) -> None:
     """A run in batches (``batch_size > 1``): each method's batches (``batches.jsonl``: every pass it
     ran, a batched walk at all its sequences' rows) priced on ``profile``, as ``batch_predicted_speedup``
-    (its predicted throughput over the baseline's) and ``batch_predicted_seconds``."""
+    (its predicted throughput over the baseline's; none where a method's batches cover other sequences
+    than its ``rows``, as in the run's own summary) and ``batch_predicted_seconds``."""
+    from selfspec.evaluation.aggregate import common_rows
     from selfspec.evaluation.batches import batch_summary, open_batches
 
     if int(summary.get("batch_size") or 1) <= 1 or not (run_dir / "batches.jsonl").exists():
         return
-    for name, b in batch_summary(open_batches(run_dir).rows(), {}, summary["baseline"], profile).items():
+    finished = common_rows(rows, list(summary["methods"]), summary["baseline"])
+    for name, b in batch_summary(open_batches(run_dir).rows(), finished, summary["baseline"], profile).items():
         if name in projected and "predicted_seconds" in b:
             projected[name] |= {"batch_predicted_seconds": b["predicted_seconds"],
                                 "batch_predicted_speedup": b.get("predicted_speedup")}

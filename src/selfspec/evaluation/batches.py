@@ -11,18 +11,23 @@ the gate's decision) is made by that sequence's slot, from its own history. ``hf
 wave as one left-padded batch of transformers' ``generate``; the other HF peers (assisted generation)
 decode one sequence at a time and are refused.
 
-Every generation is a row of ``results.jsonl`` as at ``batch_size=1`` (``batch``: the size and wave),
-appended as it finishes; its ``seconds`` are the sequence's latency, from its first step to its last,
-waits for the other sequences included. Each (wave, sample, method) is a line of ``batches.jsonl``: the
-batch's wall seconds, its sequences, tokens and steps, and every pass it ran as a ledger op (a walk's
-rows are all its sequences' rows; :attr:`~selfspec.models.batch.Batch.ops`). The summary's ``batches``
-reports per method the throughput (new tokens per second of batch wall time), the mean latency, the
-speedup over the baseline's throughput, and the batch seconds a profile predicts: every pass priced at
-its rows (a pass of B·k rows) plus the profile's host time per sequence step.
+Every generation is a row of ``results.jsonl`` as at ``batch_size=1`` (``batch``: the size and wave); its
+``seconds`` are the sequence's latency, from its first step to its last, waits for the other sequences
+included. Each (wave, sample, method) is a line of ``batches.jsonl``: the batch's wall seconds, its
+sequences, tokens and steps, and every pass it ran as a ledger op (a walk's rows are all its sequences'
+rows; :attr:`~selfspec.models.batch.Batch.ops`). A batch's rows are appended when the batch ends, just
+before its line: an interrupted batch leaves none, so a resumed run decodes it again whole (issue 68: a
+finished sequence's row kept without its batch's line left the summary covering some sequences only).
+The summary's ``batches`` reports per method the throughput (new tokens per second of batch wall time),
+the mean latency, the speedup over the baseline's throughput, and the batch seconds a profile predicts:
+every pass priced at its rows (a pass of B·k rows) plus the profile's host time per sequence step; each
+method's ``sequences`` (in its batches) and ``rows`` (the generations reported), and no speedup where
+they differ.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any, Callable
@@ -30,6 +35,8 @@ from typing import Any, Callable
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.batch import Batch
 from selfspec.tracking import ResultsFile
+
+log = logging.getLogger(__name__)
 
 BATCHES = "batches.jsonl"
 #: what every line of batches.jsonl holds
@@ -51,11 +58,13 @@ def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_sample
                  log_batch: Callable[[dict], None], on_wave: Callable[[int], None] | None = None,
                  settle: Callable[[Any], None] | None = None) -> None:
     """Decode ``todo`` in waves (module docstring): per wave, sample and method, one batch; each
-    generation's row built by ``row_of(example, run, generation, sample, sampling)`` and handed to
-    ``append_row`` as it finishes, each batch's line to ``log_batch``. ``settle(example)`` runs, untimed,
-    for each example of a wave with work left before the wave's first batch (the runner's prompt step
-    of the baseline, as before each example at ``batch_size=1``)."""
-    slots = {run.name: [run.decoder.fork() for _ in range(size)] for run in runs if run.decoder.own_loop}
+    generation's row built by ``row_of(example, run, generation, sample, sampling)`` as it finishes and
+    handed to ``append_row`` when its batch ends, then the batch's line to ``log_batch``.
+    ``settle(example)`` runs, untimed, for each example of a wave with work left before the wave's first
+    batch (the runner's prompt step of the baseline, as before each example at ``batch_size=1``). A
+    method's decoder is forked once per slot a batch can fill: ``size``, or fewer examples."""
+    forks = min(size, len(todo))
+    slots = {run.name: [run.decoder.fork() for _ in range(forks)] for run in runs if run.decoder.own_loop}
     for w, wave in enumerate(waves(todo, size)):
         if settle is not None:
             for ex in wave:
@@ -68,14 +77,16 @@ def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_sample
                 if not examples:
                     continue
 
-                def finished(j: int, gen, examples=examples, run=run, s=s, i=i) -> None:
-                    append_row(row_of(examples[j], run, gen, i, s) | {"batch": {"size": size, "wave": w}})
+                kept: list[dict] = []
+
+                def finished(j: int, gen, examples=examples, run=run, s=s, i=i, kept=kept) -> None:
+                    kept.append(row_of(examples[j], run, gen, i, s) | {"batch": {"size": size, "wave": w}})
 
                 t0 = time.perf_counter()
                 if run.decoder.own_loop:
-                    batch = Batch(run.decoder.model, size)
-                    forks = slots[run.name]
-                    gens = batch.run([lambda slot, p=prompts[ex.id]: forks[slot].generate(p, budget, s)
+                    batch = Batch(run.decoder.model, forks)
+                    mine = slots[run.name]
+                    gens = batch.run([lambda slot, p=prompts[ex.id]: mine[slot].generate(p, budget, s)
                                       for ex in examples], done=finished)
                     ran = {"rounds": batch.rounds, "passes": {str(k): v for k, v in sorted(batch.passes.items())},
                            "ops": [op.row() for op in batch.ops]}
@@ -88,6 +99,8 @@ def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_sample
                             gens.append(gen)
                     ran = {}
                 seconds = time.perf_counter() - t0
+                for row in kept:
+                    append_row(row)
                 log_batch({"wave": w, "sample": i, "method": run.name, "size": size, "sequences": len(examples),
                            "seconds": seconds, "new_tokens": sum(g.new_tokens for g in gens),
                            "steps": sum(g.steps for g in gens), **ran})
@@ -96,18 +109,21 @@ def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_sample
 
 
 def batch_summary(lines: list[dict], rows: dict[str, list[dict]], baseline: str, profile=None) -> dict[str, Any]:
-    """Per method, over its batches: ``size``, ``sequences``, ``tokens_per_s`` (new tokens / batch wall
-    seconds: the throughput), ``latency_s`` (mean seconds of a sequence, of ``rows``), ``speedup`` (its
-    throughput over the baseline's), and with a ``profile`` ``predicted_seconds`` (every pass of its
-    batches priced, plus the profile's host time per sequence step), ``measured_over_predicted`` and
-    ``predicted_speedup``."""
+    """Per method, over its batches: ``size``, ``sequences`` (in its batches), ``rows`` (its generations in
+    ``rows``, the ones the summary reports) and ``complete`` (the two agree), ``tokens_per_s`` (new tokens /
+    batch wall seconds: the throughput), ``latency_s`` (mean seconds of a sequence, of ``rows``), ``speedup``
+    (its throughput over the baseline's; null unless both are complete: throughputs over other sequences
+    do not compare), and with a ``profile`` ``predicted_seconds`` (every pass of its batches priced, plus
+    the profile's host time per sequence step), ``measured_over_predicted`` and ``predicted_speedup``."""
     out: dict[str, Any] = {}
     for name in dict.fromkeys(line["method"] for line in lines):
         mine = [line for line in lines if line["method"] == name]
         seconds = sum(line["seconds"] for line in mine)
         tokens = sum(line["new_tokens"] for line in mine)
-        r: dict[str, Any] = {"size": mine[0]["size"], "batches": len(mine),
-                             "sequences": sum(line["sequences"] for line in mine), "new_tokens": tokens,
+        sequences = sum(line["sequences"] for line in mine)
+        r: dict[str, Any] = {"size": mine[0]["size"], "batches": len(mine), "sequences": sequences,
+                             "rows": len(rows.get(name, [])), "complete": sequences == len(rows.get(name, [])),
+                             "new_tokens": tokens,
                              "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None,
                              "latency_s": statistics.mean(x["seconds"] for x in rows.get(name, [])) if rows.get(name)
                              else None}
@@ -117,7 +133,12 @@ def batch_summary(lines: list[dict], rows: dict[str, list[dict]], baseline: str,
             r["measured_over_predicted"] = seconds / predicted if predicted else None
         out[name] = r
     base = out.get(baseline) or {}
-    for r in out.values():
+    for name, r in out.items():
+        if not (r["complete"] and base.get("complete")):
+            log.warning("batches of %s cover %d sequences, its rows %d (the baseline %s: %s of %s): no batch speedup "
+                        "is taken", name, r["sequences"], r["rows"], baseline, base.get("sequences"), base.get("rows"))
+            r["speedup"] = None
+            continue
         r["speedup"] = speedup(per_token(base.get("seconds"), base.get("new_tokens")),
                                per_token(r["seconds"], r["new_tokens"]))
         if "predicted_seconds" in base and "predicted_seconds" in r:

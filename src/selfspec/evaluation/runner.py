@@ -7,8 +7,10 @@ machine hit every method alike), after one untimed prompt step of the example by
 the first of them does not pay for a prompt the others find warm: :func:`_settle`). Each finished generation is appended to ``results.jsonl`` at
 once (an interrupted run keeps it; a re-run into the same directory skips it), and
 ``summary.json`` is rewritten from all rows at the end. A re-run whose model, task, sampling,
-budget, methods or number of samples differ is refused (:class:`ResumeMismatch`) before anything in the directory
-changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once a run really starts.
+budget, methods or number of samples differ, or whose model, data or artefact files hold other bytes
+(their digests: :func:`_identity`'s ``inputs``, :func:`_check_artefacts`), is refused (:class:`ResumeMismatch`)
+before anything in the directory changes; ``run_config.json`` (and Hydra's ``.hydra/``) are written only once
+a run really starts.
 
 Bad input stops before the model loads: every config value (run options, sampling, task, each
 method's options, the model config, the logger) is checked, whether the task can be scored here
@@ -68,14 +70,18 @@ _RESUME_DEFAULTS = {"batch_size": 1}
 
 # --- memory (selfspec.measure.peak) ----------------------------------------------------------------
 def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> list[list[Term]]:
-    """The cache of the longest sequence (``context``: prompt and new tokens) and the prompt's prefill
-    (``prompt`` rows; the whole context when not given)."""
+    """The caches of ``batch_size`` sequences as long as the longest (``context``: prompt and new tokens)
+    and their prompts' prefills (``prompt`` rows each; the whole context when not given): a batch keeps a
+    cache per sequence, and in bfloat16 its prefills may run as one pass (issue 68: without the batch
+    factor, B caches passed the check and failed after the load)."""
     prompt = context if prompt is None else min(prompt, context)
+    batch = int(cfg.batch_size)
+    also = " or batch_size" if batch > 1 else ""
     return [[
-        Term("cache", context * s.kv_per_token * b,
-             "max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)"),
-        Term("prefill", layer_bytes(s, prompt, b) + scores_bytes(s, prompt, prompt, b) + s.vocab * 4,
-             "the task's prompts"),
+        Term("cache", context * s.kv_per_token * b * batch,
+             ("max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)") + also),
+        Term("prefill", (layer_bytes(s, prompt, b) + scores_bytes(s, prompt, prompt, b) + s.vocab * 4) * batch,
+             "the task's prompts" + also),
     ]]
 
 
@@ -340,7 +346,11 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     _check_for_model(cfg, method_cfgs, method_options, under_test, budget)
     check_logger(cfg.get("logger"), run_tags(cfg, "evaluate", under_test))
     task.check_scoring()  # after the config values: it asks the machine (HumanEval: bubblewrap)
-    return RunPlan(sampling, task, task.examples(), budget, under_test, method_cfgs, n_samples, method_options, profile,
+    examples = task.examples()
+    if batch_size > len(examples):  # issue 68: 1e9 slots forked up front grew memory without bound
+        raise checks.refuse("batch_size", batch_size, f"at most the {len(examples)} examples selected (n_examples "
+                            "and the task's pool)", "a batch decodes one sequence per example at a time")
+    return RunPlan(sampling, task, examples, budget, under_test, method_cfgs, n_samples, method_options, profile,
                    batch_size)
 
 
@@ -384,7 +394,31 @@ def _check_resume(out_dir: Path, identity: dict[str, Any]) -> None:
         raise ResumeMismatch(
             f"{out_dir} holds results of a different configuration (changed: {', '.join(changed)}); "
             "evaluate into a new run directory (hydra.run.dir=...)")
+    _check_inputs(out_dir, before.get("inputs"), identity["inputs"], record)
     ResultsFile(results, ROW_KEYS).check()
+
+
+def _check_inputs(out_dir: Path, before: dict[str, dict[str, str]] | None, now: dict[str, dict[str, str]],
+                  record: Path) -> None:
+    """Refuse to resume over files whose bytes changed since the run's first examples (``inputs``:
+    ``{"model"|"data": {path: digest}}``, :func:`_identity`), naming the file and both digests (issue 68: a
+    GGUF replaced at its path, or an edited data file, was mixed into the resumed run). A record from
+    before inputs were recorded is resumed, and said in the log."""
+    if before is None:
+        log.info("%s predates input digests in run records: its model and data files cannot be compared with "
+                 "these", record)
+        return
+    for kind, files in now.items():
+        was = before.get(kind) or {}
+        for path in sorted(set(was) | set(files)):
+            old, new = was.get(path), files.get(path)
+            if old == new:
+                continue
+            what = (f"changed since its first examples (sha256 {old[:16]} then, {new[:16]} now)" if old and new
+                    else "is new" if new else "is gone")
+            raise ResumeMismatch(
+                f"{out_dir} holds results decoded with other {kind} files: {kind} file {path} {what}; evaluate "
+                "into a new run directory (hydra.run.dir=...), or restore the file the run began with")
 
 
 def _check_artefacts(out_dir: Path, artefacts: dict[str, dict[str, str]]) -> None:
@@ -510,9 +544,12 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     _check_resume(out_dir, identity)
     check_writable(out_dir, "the run directory (hydra.run.dir=...)")
 
-    from selfspec.models.loading import model_for
+    from selfspec.models.loading import hub_revision, model_for
 
     loaded = model_for(cfg.model, loaded)
+    if hub_revision(loaded):  # a hub repo's files are known once downloaded: its commit
+        identity["inputs"]["model"] |= hub_revision(loaded)
+        _check_resume(out_dir, identity)
     profile = run_profile(plan.profile, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer
     threads = _threads(cfg, loaded.model.device, profile)
@@ -527,7 +564,7 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     results = ResultsFile(out_dir / RESULTS, ROW_KEYS)
     ids = set(prompts)
     done, todo = _progress(results, ids, examples, runs, n_samples)
-    resumed = _resumed(out_dir, runs, len(examples), len(todo)) if done else None
+    resumed = _resumed(out_dir, runs, len(examples), len(todo), len(done), n_samples) if done else None
 
     own_tracker = tracker is None
     tracker = tracker or start_run(cfg, JOB, dir=out_dir, method_label=under_test)
@@ -549,7 +586,8 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
         results.close()
 
     rows = [r for r in results.rows() if str(r["id"]) in ids]
-    summary = _summary(cfg, plan, out_dir, loaded, runs, rows, profile, threads, info, artefacts) | {"resumed": resumed}
+    summary = (_summary(cfg, plan, out_dir, loaded, runs, rows, profile, threads, info, artefacts, identity["inputs"])
+               | {"resumed": resumed})
     write_json(out_dir / SUMMARY, summary)
     _track_summary(tracker, summary, rows, names, under_test, info)
     if own_tracker:
@@ -589,20 +627,24 @@ def _check_room(plan: RunPlan, runs: list[MethodRun], prompts: dict[str, list[in
             f"the {model.max_context} model {model.name} holds: lower {', '.join(lower[:-1])} or {lower[-1]}")
 
 
-def _resumed(out_dir: Path, runs: list[MethodRun], n_examples: int, n_todo: int) -> dict[str, Any]:
-    """A resumed run's record (``summary.json``: ``resumed``) and its warning: the examples an
-    earlier process finished, and per method the state it carries from one example to the next
-    (:meth:`~selfspec.decoding.base.Decoder.carried`), which starts afresh in this process (issue 52:
-    a resumed SWIFT run restarted its layer search without a word)."""
+def _resumed(out_dir: Path, runs: list[MethodRun], n_examples: int, n_todo: int, n_done: int,
+             n_samples: int) -> dict[str, Any]:
+    """A resumed run's record (``summary.json``: ``resumed``) and its warning: the generations an earlier
+    process finished (``n_done`` of every method's ``n_examples`` × ``n_samples``; issue 68: "0 of 6 examples
+    were finished" was said with rows of 4 kept) and the examples every method finished, and per method the
+    state it carries from one example to the next (:meth:`~selfspec.decoding.base.Decoder.carried`), which
+    starts afresh in this process (issue 52: a resumed SWIFT run restarted its layer search without a word)."""
     before = n_examples - n_todo
     restarted = {r.name: r.decoder.carried() for r in runs if r.decoder.carried()}
-    log.info("resuming %s: %d of %d examples already finished", out_dir, before, n_examples)
+    total = n_examples * n_samples * len(runs)
+    log.info("resuming %s: %d of %d generations already in its results (%d of %d examples finished by every "
+             "method)", out_dir, n_done, total, before, n_examples)
     if restarted:
-        log.warning("resuming: %d of %d examples were finished by an earlier process; the state these methods carry "
-                    "from one example to the next starts afresh here, so the examples after differ from an "
-                    "uninterrupted run's: %s", before, n_examples,
+        log.warning("resuming: %d of %d generations were finished by an earlier process; the state these methods "
+                    "carry from one example to the next starts afresh here, so the examples after differ from an "
+                    "uninterrupted run's: %s", n_done, total,
                     "; ".join(f"{name} ({', '.join(what)})" for name, what in restarted.items()))
-    return {"examples_before": before, "restarted": restarted}
+    return {"examples_before": before, "generations_before": n_done, "restarted": restarted}
 
 
 def _progress(results: ResultsFile, ids: set, examples, runs: list[MethodRun], n_samples: int) -> tuple[set, list]:
@@ -616,11 +658,17 @@ def _progress(results: ResultsFile, ids: set, examples, runs: list[MethodRun], n
 
 def _identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
     """What a run directory's results depend on (``run_config.json``): a rerun into it must match
-    (:func:`_check_resume`); ``n_examples`` is left out, so a run may grow or shrink its selection."""
+    (:func:`_check_resume`); ``n_examples`` is left out, so a run may grow or shrink its selection.
+    ``inputs`` holds the content digests of the files read, by path: the model's
+    (:func:`~selfspec.models.loading.source_digests`) and the task's data
+    (:meth:`~selfspec.tasks.Task.data_digests`)."""
+    from selfspec.models.loading import source_digests
+
+    inputs = {"model": source_digests(cfg.model), "data": plan.task.data_digests()}
     return to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
                         | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": plan.budget,
                         "baseline": next(iter(plan.method_cfgs)), "methods": plan.method_cfgs,
-                        "n_samples": plan.n_samples, "batch_size": plan.batch_size})
+                        "n_samples": plan.n_samples, "batch_size": plan.batch_size, "inputs": inputs})
 
 
 def _track_summary(tracker: Tracker, summary: dict[str, Any], rows: list[dict], names: list[str], under_test: str,
@@ -633,7 +681,7 @@ def _track_summary(tracker: Tracker, summary: dict[str, Any], rows: list[dict], 
 
 
 def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, profile, threads, info,
-             artefacts) -> dict[str, Any]:
+             artefacts, inputs) -> dict[str, Any]:
     """summary.json of a finished run: every method's figures over ``rows`` (:func:`summarize`), the
     samples files written beside it, and what produced it (model, config, machine, profile, contention)."""
     sampling, task, budget, examples = plan.sampling, plan.task, plan.budget, plan.examples
@@ -675,6 +723,7 @@ def _summary(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, runs, rows, 
         "method_configs": {r.name: OmegaConf.to_container(r.cfg, resolve=True) for r in runs},
         "artefacts": {method: sorted(paths) for method, paths in artefacts.items()},
         "artefact_digests": artefacts,
+        "inputs": inputs,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 

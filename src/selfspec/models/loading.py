@@ -33,7 +33,7 @@ the file. A GGUF file is dequantised by transformers on first load (~20 s for Sm
 result is kept as a plain safetensors directory in the cache, so later loads take about a second.
 The cache entry is named by the sha256 of the file's bytes: an offline asset's pinned hash (the
 file was verified against it), another file's hash, computed once and remembered by its path,
-size, times and inode (:func:`source_sha256`). A file with other bytes is converted again; the
+size, times and inode (:func:`~selfspec.store.files.content_sha256`). A file with other bytes is converted again; the
 same bytes under another name share the conversion.
 
 A loaded model carries two identities that artefacts record and check: :func:`fingerprint`
@@ -434,21 +434,45 @@ def _gguf_path(source: Source) -> Path:
     return Path(source.where)
 
 
-def source_sha256(gguf: Path) -> str:
-    """The sha256 of a local GGUF file's bytes, read once per version of the file
-    (:func:`~selfspec.store.files.per_file_version`, ``<cache>/sha256/``), so an unchanged
-    multi-GB file is not read at every load."""
-    from selfspec.store.files import per_file_version
+def source_digests(cfg) -> dict[str, str]:
+    """The sha256 of every file a model config's weights and tokenizer are read from, by path, known
+    before the model loads: a GGUF file's (:func:`~selfspec.store.files.content_sha256`, read once per
+    version of the file), an offline asset's pins, every file of a local directory. A random model has
+    none (its config and seed fix it); a hub repo's files are known once downloaded: its commit is
+    :func:`hub_revision`. A run resumes only over the same digests (issue 68: a GGUF replaced at the same
+    path was mixed into a resumed run)."""
+    from selfspec.store.files import content_sha256
 
-    return per_file_version("sha256", gguf, assets.sha256_of,
-                            valid=lambda digest: re.fullmatch(r"[0-9a-f]{64}", str(digest)) is not None)
+    source = model_source(cfg)
+    if source.kind == "asset":
+        return assets.asset_digests(source.where)
+    if source.kind == "gguf":
+        path = Path(source.where).resolve()
+        return {str(path): content_sha256(path)}
+    local = Path(source.where).expanduser()
+    if source.kind == "pretrained" and local.is_dir():
+        return {str(f.resolve()): content_sha256(f) for f in sorted(local.iterdir())
+                if f.is_file() and not f.name.startswith(".")}
+    return {}
+
+
+def hub_revision(loaded: LoadedModel) -> dict[str, str]:
+    """``{"hub <id>": commit}`` of a model loaded from the hub (transformers records the commit it
+    resolved), else nothing: :func:`source_digests` covers local files."""
+    source = model_source(loaded.cfg)
+    commit = getattr(loaded.model.hf.config, "_commit_hash", None)
+    if source.kind in ("pretrained", "hub_gguf") and not Path(source.where).expanduser().exists() and commit:
+        return {f"hub {source.where}" + (f"/{source.file}" if source.file else ""): str(commit)}
+    return {}
 
 
 def _cache_name(source: Source, gguf: Path) -> str:
     """The conversion cache entry of a GGUF file: its name and the sha256 of its bytes, the pinned
     one for an offline asset (:func:`~selfspec.store.assets.asset_path` verified the file against it), the
-    file's own (:func:`source_sha256`) otherwise. A file with one byte changed gets another entry."""
-    digest = assets.ASSETS[source.where].files[gguf.name] if source.kind == "asset" else source_sha256(gguf)
+    file's own (:func:`~selfspec.store.files.content_sha256`) otherwise. A file with one byte changed gets another entry."""
+    from selfspec.store.files import content_sha256
+
+    digest = assets.ASSETS[source.where].files[gguf.name] if source.kind == "asset" else content_sha256(gguf)
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gguf.stem)}-{digest[:16]}"
 
 

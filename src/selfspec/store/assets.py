@@ -351,6 +351,12 @@ def asset_path(name: str, cache: Path | None = None) -> Path:
     return cache / name / (asset.joined or asset.local_name(asset.members[0]))
 
 
+def asset_digests(name: str) -> dict[str, str]:
+    """The pinned sha256 of every file of asset ``name``, keyed ``<name>/<file>``: what a run read from
+    it (:func:`asset_path` verifies the files against these pins before anything reads them)."""
+    return {f"{name}/{path}": digest for path, digest in _asset(name).files.items()}
+
+
 def fetch(name: str, cache: Path | None = None) -> Path:
     """Download (a ``shipped`` asset: copy), verify and extract asset ``name``; a no-op when already
     fetched and verified (:func:`check`); a damaged copy is fetched again (a warning names the file).

@@ -143,6 +143,17 @@ def per_file_version(kind: str, path: str | Path, derive: Callable[[Path], Any],
     return value
 
 
+def content_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read once per version of the file (:func:`per_file_version`,
+    ``<cache>/sha256/``), so an unchanged multi-GB file is not read again at every run."""
+    import re
+
+    from selfspec.store.assets import sha256_of
+
+    return per_file_version("sha256", path, sha256_of,
+                            valid=lambda digest: re.fullmatch(r"[0-9a-f]{64}", str(digest)) is not None)
+
+
 def check_writable(directory: str | Path, what: str) -> None:
     """Raise :class:`PermissionError` naming ``what`` unless a file can be created in ``directory``
     (an unnamed temporary file: nothing is left behind)."""

@@ -19,6 +19,7 @@ class CnnDm(SummarisationTask):
     title = "CNN/DM"
     score_column = ("rouge2", "ROUGE-2")
     hub_id = "abisee/cnn_dailymail"
+    asset = "cnndm"
     hub_config = "3.0.0"
     document_field = "article"
     summary_field = "highlights"
@@ -26,7 +27,7 @@ class CnnDm(SummarisationTask):
     required = {"article": str, "highlights": str}
 
     def offline_records(self) -> list[dict[str, Any]]:
-        rows = read_jsonl(asset_path("cnndm"), {"source": str, "true_cnd": str},
+        rows = read_jsonl(asset_path(self.asset), {"source": str, "true_cnd": str},
                           skip_comments=True)
         return [{"id": r.get("idx", str(i)), "article": r["source"], "highlights": r["true_cnd"]}
                 for i, r in enumerate(rows)]

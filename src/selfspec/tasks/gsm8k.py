@@ -43,13 +43,14 @@ class GSM8K(Task):
     title = "GSM8K"
     score_column = ("accuracy", "Acc.")
     hub_id = "openai/gsm8k"
+    asset = "gsm-symbolic"
     hub_config = "main"
     required = {"question": str, "answer": str}
     defaults = {"n_examples": 1000}
     paper_stop = ["\nQuestion:"]
 
     def offline_records(self) -> list[dict[str, Any]]:
-        return gsm_symbolic_records(asset_path("gsm-symbolic"), GSM_SYMBOLIC_SIZE)
+        return gsm_symbolic_records(asset_path(self.asset), GSM_SYMBOLIC_SIZE)
 
     def make_example(self, record: dict[str, Any], index: int,
                      exemplars: list[dict[str, Any]]) -> Example:

@@ -111,6 +111,7 @@ class HumanEval(Task):
     title = "HumanEval"
     score_column = ("pass@1", "pass@1")
     hub_id = "openai/openai_humaneval"
+    asset = "humaneval"
     required = {"task_id": str, "prompt": str, "test": str, "entry_point": str}
     id_field = "task_id"
     config_class = HumanEvalConfig
@@ -119,7 +120,7 @@ class HumanEval(Task):
     paper_chat_template = False  # the paper's prompt is raw code, also for chat models
 
     def offline_records(self) -> list[dict[str, Any]]:
-        return read_jsonl(asset_path("humaneval"), self.required)
+        return read_jsonl(asset_path(self.asset), self.required)
 
     def make_example(self, record: dict[str, Any], index: int,
                      exemplars: list[dict[str, Any]]) -> Example:

@@ -19,6 +19,7 @@ class MTBench(Task):
     name = "mtbench"
     title = "MT-Bench"
     hub_id = "HuggingFaceH4/mt_bench_prompts"
+    asset = "mtbench"
     hub_split = "train"
     hub_rename = {"prompt": "turns", "prompt_id": "question_id"}
     required = {"turns": list, "category": str}
@@ -26,7 +27,7 @@ class MTBench(Task):
     id_field = "question_id"
 
     def offline_records(self) -> list[dict[str, Any]]:
-        return read_jsonl(asset_path("mtbench"), self.required)
+        return read_jsonl(asset_path(self.asset), self.required)
 
     def record_problem(self, record: dict[str, Any]) -> str | None:
         turns = record["turns"]

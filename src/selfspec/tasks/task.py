@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import glob
 import gzip
+import hashlib
 import json
 import warnings
 import zlib
@@ -347,6 +348,8 @@ class Task:
     title: ClassVar[str]
     score_column: ClassVar[tuple[str, str] | None] = None
     hub_id: ClassVar[str]
+    #: the offline asset (:mod:`selfspec.store.assets`) :meth:`offline_records` reads
+    asset: ClassVar[str]
     hub_config: ClassVar[str | None] = None
     hub_split: ClassVar[str] = "test"
     required: ClassVar[dict[str, type | tuple[type, ...]]]
@@ -541,10 +544,27 @@ class Task:
             split = self.cfg.split or self.hub_split
             ds = datasets.load_dataset(self.hub_id, self.hub_config, split=split)
             records = [{self.hub_rename.get(k, k): v for k, v in r.items()} for r in ds]
+            self._hub_digest = hashlib.sha256(json.dumps(records, sort_keys=True, default=str).encode()).hexdigest()
             where = f"{self.hub_id} split {split}, row"
         for i, r in enumerate(records):
             check_record(r, self.required, f"{where} {i}", self._record_problem)
         return records
+
+    def data_digests(self) -> dict[str, str]:
+        """A content digest of everything the examples were read from, by where: the sha256 of each local
+        data file (:func:`~selfspec.store.files.content_sha256`), the offline asset's pins, or the sha256 of
+        the hub split's records as read. A run resumes only over the same digests (issue 68: an edited
+        data file's old rows were kept and scored against its new references)."""
+        from selfspec.store.assets import asset_digests
+        from selfspec.store.files import content_sha256
+
+        self.examples()
+        if self.cfg.source == "local":
+            return {str(p.resolve()): content_sha256(p) for p in data_paths(self.cfg.data_files)}
+        if self.cfg.source == "offline":
+            return asset_digests(self.asset)
+        config = f"/{self.hub_config}" if self.hub_config else ""
+        return {f"hub {self.hub_id}{config} split {self.cfg.split or self.hub_split}": self._hub_digest}
 
     def encode(self, example: Example, tokenizer: Any) -> list[int]:
         """Token ids of the rendered prompt, keeping the last ``max_prompt_tokens``.

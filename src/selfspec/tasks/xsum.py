@@ -18,10 +18,11 @@ class XSum(SummarisationTask):
     title = "XSum"
     score_column = ("rouge2", "ROUGE-2")
     hub_id = "EdinburghNLP/xsum"
+    asset = "xsum"
     document_field = "document"
     summary_field = "summary"
     instruction = "Summarize the article above in one sentence."
     required = {"document": str, "summary": str}
 
     def offline_records(self) -> list[dict[str, Any]]:
-        return read_jsonl(asset_path("xsum"), self.required)
+        return read_jsonl(asset_path(self.asset), self.required)
