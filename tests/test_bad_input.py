@@ -771,3 +771,47 @@ def test_a_launchers_impossible_settings_are_refused_before_a_job_is_submitted(t
                            f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-2000:]
     assert not (tmp_path / "sweep" / ".submitit").exists()
+
+
+# --- scripts/bench.py ----------------------------------------------------------------------------
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench
+
+    return bench
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", ",", "", "2,", "0", "-1", "2,2"])
+def test_bench_batch_sizes_other_than_positive_integers_are_refused_naming_the_flag(bench, capsys, value):
+    """Issue 68's probe: ``--batch-sizes abc``, ``1.5`` and ``,`` ended in a raw ValueError, and
+    ``''`` ran a plain benchmark as if the flag were not given. Now argparse refuses each, naming
+    the flag and what it takes, before anything is composed."""
+    with pytest.raises(SystemExit) as caught:
+        bench.parse(["--batch-sizes", value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"argument --batch-sizes: takes comma-separated positive integers, each once "
+                     rf"\(1,2,4,8\), got {re.escape(repr(value))}$", err), err
+    assert bench.parse(["--batch-sizes", " 1, 2,8"]).batch_sizes == [1, 2, 8]
+
+
+def test_bench_batch_sizes_check_the_memory_of_every_size_before_the_model_loads(bench, no_model_load, monkeypatch,
+                                                                                tmp_path):
+    """Issue 68's probe: ``bench.py --batch-sizes`` loaded the model once and handed it to each run,
+    so the runner's memory check (made only when it loads the model itself) never ran. Now every
+    size's config, its ``batch_size`` included, is checked before the one load."""
+    import selfspec.measure.peak as peak
+
+    checked = []
+
+    def check_fits(job, model, cfg, context=peak.EVAL_CONTEXT, prompt=None):
+        checked.append(int(cfg.batch_size))
+        if cfg.batch_size > 2:
+            raise peak.MemoryRefused(f"batch_size={cfg.batch_size} does not fit (simulated)")
+
+    monkeypatch.setattr(peak, "check_fits", check_fits)
+    with pytest.raises(peak.MemoryRefused, match=r"batch_size=4 does not fit"):
+        bench.main(["--model", "tiny-random", "--n", "4", "--warmup", "0", "--methods", "vanilla", "--batch-sizes",
+                    "1,2,4", "--out", str(tmp_path / "bench"), "--", "logger=none", "progress=false"])
+    assert checked == [1, 2, 4]
