@@ -633,6 +633,42 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         load_model(_model(gguf_path=str(path)))
 
 
+@pytest.mark.parametrize("part", ["tensors", "metadata"])
+def test_a_truncated_gguf_file_is_refused_naming_its_size_and_what_it_lacks(tmp_path, conversions, part):
+    """Issue 68's probe: a GGUF file cut short (an interrupted download) was refused with numpy's
+    internals ("cannot reshape array of size 294 ...", "When changing to a larger dtype, its size must
+    be a divisor ..."). Now the memory check's shape read and the load both say the file is shorter
+    than its tensors (or its metadata) need, with the sizes, and to download it again."""
+    from selfspec.measure.peak import shape_of
+
+    data = write_gguf(tmp_path / "full.gguf").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:len(data) // 2 if part == "tensors" else 500])
+    size = path.stat().st_size
+    need = (rf"shorter than its tensors need \({size} bytes, the tensors end at {len(data)}\)" if part == "tensors"
+            else rf"shorter than its metadata needs \({size} bytes, the metadata runs past the end\)")
+    message = rf"^model config 'g': GGUF file {re.escape(str(path))} is {need}: download it again$"
+    with pytest.raises(ModelLoadError, match=message):
+        shape_of(_model(gguf_path=str(path)))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_model(gguf_path=str(path)))
+    assert conversions == [] and not (tmp_path / "cache" / "models").exists()
+
+
+def test_a_fifo_as_gguf_path_is_called_not_a_regular_file(tmp_path):
+    """Issue 68's probe: a named pipe given as ``model.gguf_path`` was refused as "not a directory";
+    now the message says what it is."""
+    import os
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=rf"model\.gguf_path={re.escape(str(fifo))} is not allowed: must be a "
+                                          r"regular GGUF file, and it is a FIFO$"):
+        load_model(_model(gguf_path=str(fifo)))
+    with pytest.raises(ConfigError, match=r"is not allowed: must be a regular GGUF file, and it is a directory$"):
+        load_model(_model(gguf_path=str(tmp_path)))
+
+
 def test_gguf_file_with_one_byte_changed_is_converted_again(tmp_path, conversions):
     """Finding: a GGUF file's conversion was cached under its path, size and modification time, so
     other bytes could be read as the earlier file's model. Reproduction: load a tiny GGUF file, flip
