@@ -524,6 +524,33 @@ def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.json"]  # no temporary left
 
 
+def test_a_file_size_limit_names_the_file_and_the_limit(tmp_path, monkeypatch):
+    """Issue 68's probe: under ``ulimit -f`` a write ended in a raw ``OSError: [Errno 27] File too
+    large`` naming no file (a full disk gets a named message). The limit is now said the same way:
+    the file, the limit (``ulimit -f``) and that the run resumes; what was there stays."""
+    import errno
+
+    from selfspec.store.files import write_json
+
+    results = ResultsFile(tmp_path / "results.jsonl")
+    results.append({"id": "a"})
+    write_json(tmp_path / "summary.json", {"n": 1})
+
+    def too_large(*args, **kwargs):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(os, "fsync", too_large)
+    with pytest.raises(OSError, match=f"the file-size limit stopped writing {tmp_path / 'results.jsonl'} "
+                                      r"\(File too large\): raise the limit \(ulimit -f\) and run the same command "
+                                      r"again \(a run resumes where it stopped\)"):
+        results.append({"id": "b"})
+    monkeypatch.setattr(os, "replace", too_large)
+    with pytest.raises(OSError, match=f"the file-size limit stopped writing {tmp_path / 'summary.json'}"):
+        write_json(tmp_path / "summary.json", {"n": 2})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"n": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.json"]  # no temporary left
+
+
 def test_a_full_disk_is_said_once(monkeypatch):
     """Issue 52's probe: on a full disk the results file was named, but the last line printed was a
     second raw OSError from closing it (the runner closes it in its ``finally``): the row stayed in
