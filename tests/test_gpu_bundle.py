@@ -151,3 +151,29 @@ def test_the_device_script_without_a_bundle_names_the_commands_that_make_and_sta
         "stage: no part of the GGUF here (.gpu/call1/*.part1): make the bundle with `python scripts/gpu_bundle.py` "
         "and run this call with carry=['.gpu/call1'] (docs/gpu.md)")
 
+
+def test_join_without_a_bundle_names_the_missing_file_and_what_makes_it(bundle_module, tmp_path):
+    """Issue 68's probe: ``gpu_bundle.py --join`` with no bundle at its path gave a raw
+    FileNotFoundError traceback; now one line names the file and the command that makes it."""
+    with pytest.raises(SystemExit) as caught:
+        bundle_module.main(["--join", str(tmp_path / "call2"), str(tmp_path / "stage"), str(tmp_path / "cache")])
+    assert str(caught.value) == (f"gpu_bundle --join: {tmp_path / 'call2' / 'manifest.json'} is not there: make the "
+                                 "bundle with `python scripts/gpu_bundle.py` and carry its .gpu/call2 with the call")
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("python", ["foo", "3", "3.9", "python3.12", "/usr/bin/python3", "3.12.1", ""])
+def test_the_bundle_refuses_a_python_it_cannot_fetch_wheels_for(bundle_module, monkeypatch, capsys, python):
+    """Issue 68's probe: ``--python foo`` was silently ignored: pip refused ``--python-version foo``
+    for every package, and each wheel was then built for this interpreter instead. ``--python`` is
+    the lent machine's CPython as MAJOR.MINOR (pip's ``--python-version``), 3.10 or newer
+    (selfspec's requires-python); anything else is refused before the bundle is touched."""
+    monkeypatch.setattr(bundle_module, "bundle", lambda *a: pytest.fail("the bundle was made"))
+    with pytest.raises(SystemExit) as caught:
+        bundle_module.main(["--python", python])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"argument --python: the lent machine's CPython as MAJOR.MINOR, 3.10 or newer (3.12), got {python!r}")
+    made = []
+    monkeypatch.setattr(bundle_module, "bundle", lambda out, gguf, python: made.append(python) or {"mib": {}})
+    assert bundle_module.main(["--python", "3.13"]) == 0 and made == ["3.13"]
