@@ -501,7 +501,7 @@ def _gguf_reader(checked: bool = False) -> type:
 
         def _build_tensors(self, start_offs, fields):
             end = 0
-            for field in fields:  # the parts of a tensor's entry: name length, name, dims, shape, type, offset
+            for field in fields:  # a tensor entry's parts: name length, name, number of dims, dims, type, offset
                 dims, ggml_type, offset = field.parts[3], field.parts[4][0], field.parts[5][0]
                 block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
                 end = max(end, start_offs + int(offset) + math.prod(int(d) for d in dims) * type_bytes // block)
