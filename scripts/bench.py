@@ -29,11 +29,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes``: comma-separated positive integers, each once (``1,2,4,8``). Anything else is
+    refused by argparse, naming the flag (issue 68: ``abc``, ``1.5`` and ``,`` ended in a raw
+    ValueError, and an empty value ran a plain benchmark as if the flag were not given)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(re.fullmatch(r"[0-9]+", p) and int(p) >= 1 for p in parts) or len(set(map(int, parts))) < len(parts):
+        raise argparse.ArgumentTypeError(f"takes comma-separated positive integers, each once (1,2,4,8), got {text!r}")
+    return [int(p) for p in parts]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,8 +58,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget per example (0 = the task's)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up generations per method")
     p.add_argument("--out", type=Path, default=None, help="run directory (default outputs/bench/<model>/<time>)")
-    p.add_argument("--batch-sizes", default=None,
-                   help="comma-separated batch sizes: one run per size, throughput and speedup at each")
+    p.add_argument("--batch-sizes", type=batch_sizes, default=None,
+                   help="comma-separated batch sizes (positive integers): one run per size, throughput and "
+                   "speedup at each")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides of conf/evaluate.yaml (after --)")
     return p.parse_args(argv)
 
@@ -71,18 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     ] for task in tasks}
     cfgs = {task: compose(o) for task, o in overrides.items()}
     out = args.out or ROOT / "outputs" / "bench" / args.model / time.strftime("%Y-%m-%d_%H-%M-%S")
-    if args.batch_sizes:
-        sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-        if len(tasks) > 1 or any(b < 1 for b in sizes):
-            raise SystemExit("--batch-sizes takes one task and sizes >= 1")
-        return by_batch_size(overrides[tasks[0]], label, sizes, out)
+    if args.batch_sizes is not None:
+        if len(tasks) > 1:
+            raise SystemExit(f"--batch-sizes takes one task, got --task {args.task}")
+        return by_batch_size(overrides[tasks[0]], label, args.batch_sizes, out)
     loaded = None
     if len(tasks) > 1:  # every task's run is checked before the one model load
         from selfspec.evaluation.runner import prepare
         from selfspec.models.loading import load_model
 
         for cfg in cfgs.values():
-            prepare(cfg, label)
+            check_memory(cfg, prepare(cfg, label))
         loaded = load_model(cfgs[tasks[0]].model)
     for task, cfg in cfgs.items():
         run_dir = out / task if len(tasks) > 1 else out
@@ -90,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         print(report(summary))
         print(f"\nresults: {run_dir}\n")
     return 0
+
+
+def check_memory(cfg, plan) -> None:
+    """The runner's memory check of ``cfg`` (:func:`selfspec.measure.peak.check_fits`, its
+    ``batch_size`` included) for the run ``plan`` describes. :func:`~selfspec.evaluation.evaluate`
+    makes it only when it loads the model itself; here one model serves several runs, so each run's
+    config is checked before that load (issue 68: ``--batch-sizes`` ran every size unchecked)."""
+    from selfspec.evaluation.runner import JOB, MEMORY
+    from selfspec.measure.peak import EVAL_CONTEXT, check_fits
+
+    prompt = getattr(plan.task.cfg, "max_prompt_tokens", None) or EVAL_CONTEXT
+    check_fits(JOB, MEMORY, cfg, prompt + plan.budget, prompt)
 
 
 def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path) -> int:
@@ -106,8 +129,8 @@ def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path)
 
     cfgs = {b: compose([*overrides, f"batch_size={b}"]) for b in sizes}
     cfg = cfgs[sizes[0]]
-    for c in cfgs.values():
-        prepare(c, label)  # every size checked before the model loads
+    for c in cfgs.values():  # every size checked before the model loads, its memory at its batch size too
+        check_memory(c, prepare(c, label))
     loaded = load_model(cfgs[sizes[0]].model)
     gpus = [Profile.load(p) for name, p in shipped().items() if name.startswith("cuda-")]
     table: dict = {}

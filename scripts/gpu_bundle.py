@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,21 @@ SHAREGPT_RECORDS = 64
 #: a call's carry limit, less room for the checkout itself and the rest
 PART_BYTES = 56 * 2**20
 LIMIT_BYTES = 64 * 2**20
+#: the oldest CPython ``--python`` may name: selfspec's requires-python (pyproject.toml)
+OLDEST_PYTHON = (3, 10)
+
+
+def python_version(text: str) -> str:
+    """``--python``: the lent machine's CPython as MAJOR.MINOR, which pip's ``--python-version`` takes
+    and the manifest records (issue 68: ``foo`` was silently ignored: pip refused it for every
+    package, and each wheel was then built for this interpreter instead, as if for a source-only
+    package); 3.10 or newer, as selfspec requires."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", text)
+    if m is None or m.group(1) != "3" or (3, int(m.group(2))) < OLDEST_PYTHON:
+        oldest = ".".join(map(str, OLDEST_PYTHON))
+        raise argparse.ArgumentTypeError(f"the lent machine's CPython as MAJOR.MINOR, {oldest} or newer (3.12), "
+                                         f"got {text!r}")
+    return text
 
 
 def wheels(dest: Path, python: str) -> list[Path]:
@@ -125,6 +141,9 @@ def join(bundle: Path, stage: Path, cache: Path) -> str:
     runs without SmolLM2 (and says so). Returns what it did, in a line."""
     from selfspec.store.assets import check
 
+    if not (bundle / "manifest.json").is_file():
+        raise SystemExit(f"gpu_bundle --join: {bundle / 'manifest.json'} is not there: make the bundle with "
+                         "`python scripts/gpu_bundle.py` and carry its .gpu/call2 with the call")
     manifest = json.loads((bundle / "manifest.json").read_text())
     cache.mkdir(parents=True, exist_ok=True)
     shutil.copytree(bundle / "cache", cache, dirs_exist_ok=True)
@@ -150,7 +169,8 @@ def join(bundle: Path, stage: Path, cache: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-gguf", action="store_true", help="leave SmolLM2's GGUF out: one call, no text sections")
-    ap.add_argument("--python", default="3.12", help="the lent machine's CPython (default 3.12)")
+    ap.add_argument("--python", type=python_version, default="3.12",
+                    help="the lent machine's CPython as MAJOR.MINOR (default 3.12): the wheels' target")
     ap.add_argument("--join", nargs=3, type=Path, metavar=("BUNDLE", "STAGE", "CACHE"),
                     help="on the lent machine (scripts/gpu_device.sh): the bundle's assets into CACHE, the GGUF joined")
     args = ap.parse_args(argv)

@@ -633,6 +633,42 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         load_model(_model(gguf_path=str(path)))
 
 
+@pytest.mark.parametrize("part", ["tensors", "metadata"])
+def test_a_truncated_gguf_file_is_refused_naming_its_size_and_what_it_lacks(tmp_path, conversions, part):
+    """Issue 68's probe: a GGUF file cut short (an interrupted download) was refused with numpy's
+    internals ("cannot reshape array of size 294 ...", "When changing to a larger dtype, its size must
+    be a divisor ..."). Now the memory check's shape read and the load both say the file is shorter
+    than its tensors (or its metadata) need, with the sizes, and to download it again."""
+    from selfspec.measure.peak import shape_of
+
+    data = write_gguf(tmp_path / "full.gguf").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:len(data) // 2 if part == "tensors" else 500])
+    size = path.stat().st_size
+    need = (rf"shorter than its tensors need \({size} bytes, the tensors end at {len(data)}\)" if part == "tensors"
+            else rf"shorter than its metadata needs \({size} bytes, the metadata runs past the end\)")
+    message = rf"^model config 'g': GGUF file {re.escape(str(path))} is {need}: download it again$"
+    with pytest.raises(ModelLoadError, match=message):
+        shape_of(_model(gguf_path=str(path)))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(_model(gguf_path=str(path)))
+    assert conversions == [] and not (tmp_path / "cache" / "models").exists()
+
+
+def test_a_fifo_as_gguf_path_is_called_not_a_regular_file(tmp_path):
+    """Issue 68's probe: a named pipe given as ``model.gguf_path`` was refused as "not a directory";
+    now the message says what it is."""
+    import os
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=rf"model\.gguf_path={re.escape(str(fifo))} is not allowed: must be a "
+                                          r"regular GGUF file, and it is a FIFO$"):
+        load_model(_model(gguf_path=str(fifo)))
+    with pytest.raises(ConfigError, match=r"is not allowed: must be a regular GGUF file, and it is a directory$"):
+        load_model(_model(gguf_path=str(tmp_path)))
+
+
 def test_gguf_file_with_one_byte_changed_is_converted_again(tmp_path, conversions):
     """Finding: a GGUF file's conversion was cached under its path, size and modification time, so
     other bytes could be read as the earlier file's model. Reproduction: load a tiny GGUF file, flip
@@ -771,3 +807,47 @@ def test_a_launchers_impossible_settings_are_refused_before_a_job_is_submitted(t
                            f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and re.search(message, proc.stderr), proc.stderr[-2000:]
     assert not (tmp_path / "sweep" / ".submitit").exists()
+
+
+# --- scripts/bench.py ----------------------------------------------------------------------------
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench
+
+    return bench
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", ",", "", "2,", "0", "-1", "2,2"])
+def test_bench_batch_sizes_other_than_positive_integers_are_refused_naming_the_flag(bench, capsys, value):
+    """Issue 68's probe: ``--batch-sizes abc``, ``1.5`` and ``,`` ended in a raw ValueError, and
+    ``''`` ran a plain benchmark as if the flag were not given. Now argparse refuses each, naming
+    the flag and what it takes, before anything is composed."""
+    with pytest.raises(SystemExit) as caught:
+        bench.parse(["--batch-sizes", value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"argument --batch-sizes: takes comma-separated positive integers, each once "
+                     rf"\(1,2,4,8\), got {re.escape(repr(value))}$", err), err
+    assert bench.parse(["--batch-sizes", " 1, 2,8"]).batch_sizes == [1, 2, 8]
+
+
+def test_bench_batch_sizes_check_the_memory_of_every_size_before_the_model_loads(bench, no_model_load, monkeypatch,
+                                                                                tmp_path):
+    """Issue 68's probe: ``bench.py --batch-sizes`` loaded the model once and handed it to each run,
+    so the runner's memory check (made only when it loads the model itself) never ran. Now every
+    size's config, its ``batch_size`` included, is checked before the one load."""
+    import selfspec.measure.peak as peak
+
+    checked = []
+
+    def check_fits(job, model, cfg, context=peak.EVAL_CONTEXT, prompt=None):
+        checked.append(int(cfg.batch_size))
+        if cfg.batch_size > 2:
+            raise peak.MemoryRefused(f"batch_size={cfg.batch_size} does not fit (simulated)")
+
+    monkeypatch.setattr(peak, "check_fits", check_fits)
+    with pytest.raises(peak.MemoryRefused, match=r"batch_size=4 does not fit"):
+        bench.main(["--model", "tiny-random", "--n", "4", "--warmup", "0", "--methods", "vanilla", "--batch-sizes",
+                    "1,2,4", "--out", str(tmp_path / "bench"), "--", "logger=none", "progress=false"])
+    assert checked == [1, 2, 4]

@@ -116,4 +116,64 @@ def test_the_bundle_empties_only_an_earlier_bundle_and_the_device_script_checks_
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_device.sh"), "check", "--dry-run"],
                          capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)})
-    assert bad.returncode == 2 and "check BUDGET: whole seconds, got '--dry-run'" in bad.stderr
+    assert bad.returncode == 2 and "check BUDGET: whole seconds from 1 to 540" in bad.stderr
+    assert "got '--dry-run'" in bad.stderr
+
+
+def _device(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """scripts/gpu_device.sh run in ``tmp_path``, a checkout with no bundle carried into it."""
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_device.sh"), *args], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}, timeout=60)
+
+
+@pytest.mark.parametrize("budget", ["0", "541", "99999999999999999999", "0480", "-5", "4.5"])
+def test_the_device_script_refuses_a_budget_its_call_cannot_hold_before_anything_runs(tmp_path, budget):
+    """Issue 68's probe: ``check 0`` passed the script's own check, and 99999999999999999999 wrapped
+    around in bash's arithmetic. A budget is whole seconds from 1 to 540: a device call runs at most
+    600 s and the check gets its budget plus 60 s. Refused before pip or anything else runs."""
+    bad = _device(tmp_path, "check", budget)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"check BUDGET: whole seconds from 1 to 540 (a device call runs at most 600 s, the check its budget plus "
+        f"60 s), got '{budget}'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_device_script_without_a_bundle_names_the_commands_that_make_and_stage_it(tmp_path):
+    """Issue 68's probe: ``check`` on a checkout the bundle was not carried into failed with pip's
+    words (no wheel matched the glob); ``stage`` with cp's. Now each names what to run first."""
+    check = _device(tmp_path, "check", "480")
+    assert check.returncode == 2 and check.stderr.strip() == (
+        "check: no bundle here (.gpu/call2/manifest.json): make it with `python scripts/gpu_bundle.py`, run "
+        "`bash scripts/gpu_device.sh stage` with carry=['.gpu/call1'], then this check with carry=['.gpu/call2'] "
+        "(docs/gpu.md)")
+    stage = _device(tmp_path, "stage")
+    assert stage.returncode == 2 and stage.stderr.strip() == (
+        "stage: no part of the GGUF here (.gpu/call1/*.part1): make the bundle with `python scripts/gpu_bundle.py` "
+        "and run this call with carry=['.gpu/call1'] (docs/gpu.md)")
+
+
+def test_join_without_a_bundle_names_the_missing_file_and_what_makes_it(bundle_module, tmp_path):
+    """Issue 68's probe: ``gpu_bundle.py --join`` with no bundle at its path gave a raw
+    FileNotFoundError traceback; now one line names the file and the command that makes it."""
+    with pytest.raises(SystemExit) as caught:
+        bundle_module.main(["--join", str(tmp_path / "call2"), str(tmp_path / "stage"), str(tmp_path / "cache")])
+    assert str(caught.value) == (f"gpu_bundle --join: {tmp_path / 'call2' / 'manifest.json'} is not there: make the "
+                                 "bundle with `python scripts/gpu_bundle.py` and carry its .gpu/call2 with the call")
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("python", ["foo", "3", "3.9", "python3.12", "/usr/bin/python3", "3.12.1", ""])
+def test_the_bundle_refuses_a_python_it_cannot_fetch_wheels_for(bundle_module, monkeypatch, capsys, python):
+    """Issue 68's probe: ``--python foo`` was silently ignored: pip refused ``--python-version foo``
+    for every package, and each wheel was then built for this interpreter instead. ``--python`` is
+    the lent machine's CPython as MAJOR.MINOR (pip's ``--python-version``), 3.10 or newer
+    (selfspec's requires-python); anything else is refused before the bundle is touched."""
+    monkeypatch.setattr(bundle_module, "bundle", lambda *a: pytest.fail("the bundle was made"))
+    with pytest.raises(SystemExit) as caught:
+        bundle_module.main(["--python", python])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"argument --python: the lent machine's CPython as MAJOR.MINOR, 3.10 or newer (3.12), got {python!r}")
+    made = []
+    monkeypatch.setattr(bundle_module, "bundle", lambda out, gguf, python: made.append(python) or {"mib": {}})
+    assert bundle_module.main(["--python", "3.13"]) == 0 and made == ["3.13"]

@@ -499,9 +499,15 @@ def test_the_command_line_refuses_a_run_directory_at_a_file_before_hydra_makes_i
     assert afile.read_text() == "mine"
 
 
-def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error,said,remedy", [
+    ("ENOSPC", "no space left on the device writing", "free some space"),
+    ("EFBIG", "the file-size limit stopped writing", r"raise the limit \(ulimit -f\)"),
+])
+def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch, error, said, remedy):
     """Issue 39's probe: a full disk gave a raw ``OSError [Errno 28]`` naming no file (nothing was
-    lost, and the run resumed). Each write now names its file; what was there stays."""
+    lost, and the run resumed). Each write now names its file; what was there stays. Issue 68's:
+    under ``ulimit -f`` a write ended in a raw ``OSError [Errno 27] File too large`` naming no file;
+    the limit is now said the same way, with ``ulimit -f`` to raise."""
     import errno
 
     from selfspec.store.files import write_json
@@ -511,14 +517,14 @@ def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
     write_json(tmp_path / "summary.json", {"n": 1})
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(getattr(errno, error), os.strerror(getattr(errno, error)))
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError, match=f"no space left on the device writing {tmp_path / 'results.jsonl'} .* "
+    with pytest.raises(OSError, match=f"{said} {tmp_path / 'results.jsonl'} .*: {remedy} and "
                                       r"run the same command again \(a run resumes where it stopped\)"):
         results.append({"id": "b"})
     monkeypatch.setattr(os, "replace", full)
-    with pytest.raises(OSError, match=f"no space left on the device writing {tmp_path / 'summary.json'}"):
+    with pytest.raises(OSError, match=f"{said} {tmp_path / 'summary.json'}"):
         write_json(tmp_path / "summary.json", {"n": 2})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"n": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl", "summary.json"]  # no temporary left

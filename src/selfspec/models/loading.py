@@ -62,6 +62,7 @@ from selfspec.config import checks
 from selfspec.models.families import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 from selfspec.store import assets
+from selfspec.store.files import not_plain
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,10 @@ def _named_source(path: str, gguf_file: str | None) -> Source:
 def _gguf_file_source(value: Any, key: str) -> Source:
     """A local GGUF file: it must exist and start with the GGUF magic bytes."""
     path = Path(checks.text(key, value)).expanduser()
-    if not path.is_file():
-        raise checks.refuse(key, value, "no such file" if not path.exists() else "must be a GGUF file, not a directory")
+    if not path.is_file():  # a directory, a FIFO (issue 68: called "not a directory"), a device, ...
+        if not path.exists():
+            raise checks.refuse(key, value, "no such file")
+        raise checks.refuse(key, value, f"must be a regular GGUF file, and it {not_plain(path.stat())}")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise checks.refuse(key, value, "not a GGUF file (it does not start with the GGUF magic bytes)")
@@ -492,16 +495,24 @@ def gguf_architecture(path: Path) -> str | None:
     return _gguf_value(_gguf_reader()(path), "general.architecture")
 
 
-@functools.lru_cache(maxsize=1)
-def _gguf_reader() -> type:
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(checked: bool = False) -> type:
     """``gguf.GGUFReader`` reading through a plain ``numpy.ndarray`` view of its memory map instead
     of the ``numpy.memmap`` object: the same mapped pages, nothing copied, the tensors views of them
     as before. The reader parses the metadata in millions of small reads (a length, then a string,
     per token of the vocabulary), and each went through ``memmap``'s Python-level ``__getitem__``
     and ``__array_finalize__``: Gemma 3 270M's metadata took 11.4 s to parse, 4.0 s through the view
-    (quiet Zen 4)."""
+    (quiet Zen 4).
+
+    A file shorter than its tensors need (an interrupted download) raises :class:`_CutShort` with
+    both sizes before gguf's reader views a tensor past the end (numpy's "cannot reshape array of
+    size ..."). ``checked``: every read is checked against the file's size too, which finds metadata
+    that runs past the end (numpy's "When changing to a larger dtype ..."); :func:`_read_gguf` reads
+    that way only after a plain read failed, the checks costing every small read."""
+    import math
+
     import numpy as np
-    from gguf import GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
     class PlainViewReader(GGUFReader):
         @property
@@ -512,18 +523,55 @@ def _gguf_reader() -> type:
         def data(self, mapped):  # the reader's memory map; the view keeps it alive (its base)
             self._view = mapped.view(np.ndarray)
 
-    return PlainViewReader
+        def _build_tensors(self, start_offs, fields):
+            end = 0
+            for field in fields:  # a tensor entry's parts: name length, name, number of dims, dims, type, offset
+                dims, ggml_type, offset = field.parts[3], field.parts[4][0], field.parts[5][0]
+                block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
+                end = max(end, start_offs + int(offset) + math.prod(int(d) for d in dims) * type_bytes // block)
+            if end > self._view.size:
+                raise _CutShort(f"is shorter than its tensors need ({self._view.size} bytes, the tensors end at {end})")
+            super()._build_tensors(start_offs, fields)
+
+    class CheckedReader(PlainViewReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if offset + int(count) * np.dtype(dtype).itemsize > self._view.size:
+                raise _CutShort(f"is shorter than its metadata needs ({self._view.size} bytes, the metadata runs "
+                                "past the end)")
+            return super()._get(offset, dtype, count, override_order)
+
+    return CheckedReader if checked else PlainViewReader
+
+
+class _CutShort(ValueError):
+    """A GGUF file ends before what its header describes (:func:`_gguf_reader`)."""
 
 
 def _read_gguf(gguf: Path, name: str):
     """A GGUF file's reader (metadata and tensor index; no tensor is read; :func:`_gguf_reader`), or
-    a :class:`ModelLoadError` naming the file."""
+    a :class:`ModelLoadError` naming the file: one cut short (issue 68) says so, with its size, and
+    to download it again."""
     try:
         return _gguf_reader()(gguf)
     except MemoryError:
         raise
     except Exception as err:
+        problem = err if isinstance(err, _CutShort) else _cut_short(gguf)
+        if problem is not None:
+            raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} {problem}: download it again") from err
         raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} cannot be read: {_one_line(err)}") from err
+
+
+def _cut_short(gguf: Path) -> _CutShort | None:
+    """After a failed read of ``gguf``: whether its metadata runs past its end (read again, each read
+    checked: :func:`_gguf_reader`); None when the read fails otherwise."""
+    try:
+        _gguf_reader(checked=True)(gguf)
+    except _CutShort as err:
+        return err
+    except Exception:
+        return None
+    return None
 
 
 def _one_line(err: BaseException) -> str:

@@ -183,16 +183,21 @@ def check_directory(path: str | Path, key: str) -> None:
 
 @contextlib.contextmanager
 def disk_space(path: str | Path) -> Iterator[None]:
-    """Name ``path`` in a full disk's error (issue 39: a raw ``OSError [Errno 28]`` named no file).
-    What was written before stays: a run resumes where it stopped once there is space."""
+    """Name ``path`` in a full disk's error (issue 39: a raw ``OSError [Errno 28]`` named no file),
+    and in the error of a write past the process's file-size limit (issue 68: ``ulimit -f`` gave a
+    raw ``OSError [Errno 27]``; Python ignores SIGXFSZ, so the write fails with EFBIG). What was
+    written before stays: a run resumes where it stopped once there is space, or a higher limit."""
     try:
         yield
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno == errno.EFBIG:
+            what, remedy = "the file-size limit stopped writing", "raise the limit (ulimit -f)"
+        elif err.errno in (errno.ENOSPC, errno.EDQUOT):
+            what, remedy = "no space left on the device writing", "free some space"
+        else:
             raise
-        raise OSError(err.errno, f"no space left on the device writing {path} ({os.strerror(err.errno)}): free "
-                                 "some space and run the same command again (a run resumes where it stopped)",
-                      str(path)) from None
+        raise OSError(err.errno, f"{what} {path} ({os.strerror(err.errno)}): {remedy} and run the same command "
+                                 "again (a run resumes where it stopped)", str(path)) from None
 
 
 def write_text(path: str | Path, text: str) -> Path:
