@@ -187,6 +187,27 @@ def test_missing_asset_says_how_to_fetch(fake):
         assets.asset_path("nope", cache)
 
 
+def test_a_shipped_archive_changed_or_missing_is_refused_naming_it_and_the_remedy(tmp_path, monkeypatch):
+    """Issue 68: the CNN/DM archive that ships with selfspec was refused, when changed, as any
+    download (a sha256 mismatch, no remedy), and when missing fetch raised a raw FileNotFoundError.
+    Each now stops with one message naming the shipped file and how to restore it; nothing is
+    left in the cache."""
+    asset = assets.ASSETS["cnndm"]
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    archive = Path(shutil.copy(assets.SHIPPED / asset.filename, shipped / asset.filename))
+    flip_last_byte(archive)
+    monkeypatch.setattr(assets, "SHIPPED", shipped)
+    cache = tmp_path / "cache"
+    remedy = r"ships with selfspec.*reinstall selfspec \(`pip install --force-reinstall --no-deps .+`\)"
+    with pytest.raises(AssetError, match=rf"'cnndm'.*{re.escape(str(archive))}.*has sha256 .* not its pinned.*{remedy}"):
+        assets.fetch("cnndm", cache)
+    archive.unlink()
+    with pytest.raises(AssetError, match=rf"'cnndm'.*{re.escape(str(archive))} is missing.*{remedy}"):
+        assets.fetch("cnndm", cache)
+    assert list(cache.iterdir()) == []
+
+
 def test_tar_folder_member(tmp_path, monkeypatch):
     archive = _tar(tmp_path / "pkg-1.0.tar.gz", {"pkg-1.0/pkg/gen/a.py": b"a", "pkg-1.0/pkg/gen/b.py":
                                                  b"bb", "pkg-1.0/pkg/other.py": b"c"})

@@ -1,5 +1,6 @@
 """Batches (issue 54): several prompts decoded at once, each sequence accepting its own number of tokens,
-each equal to its single-prompt output. Every method, greedy and sampled, mixed prompt lengths, sequences
+each equal to its single-prompt output from the same carried state (issue 68: under sampling, the batch-1
+run's only where the method carries nothing from one example to the next). Every method, greedy and sampled, mixed prompt lengths, sequences
 that end early, and batches of 2 to 16 with prompts joining as others leave (selfspec.models.batch)."""
 
 from __future__ import annotations
@@ -94,6 +95,70 @@ def test_prompts_join_as_sequences_leave(size, method):
     assert [g.tokens for g in batched] == cut == [g.tokens for g in alone]
     assert sum(g.stop_reason == "eos" for g in batched) >= 1
     assert max(batch.passes) == size  # every slot in one pass at some step
+
+
+#: README, "Batches": under sampling a batched sequence equals its batch-1 output where the method carries
+#: no state from one example to the next (``Decoder.carried()`` empty): vanilla, and with ``never_slower=false``
+#: these configurations
+CARRY_NOTHING = [
+    {"name": "vanilla"},
+    {"name": "draft_verify_static", "skip_attn": [1, 2], "skip_mlp": [2], "never_slower": False},
+    {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "never_slower": False},
+    {"name": "del", "max_draft": 4, "cost_model": "parameters", "never_slower": False},
+    {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.3, "never_slower": False},
+    {"name": "ngram", "draft_schedule": "constant", "never_slower": False},
+    {"name": "ngram", "draft_schedule": "adaptive", "never_slower": False},
+    {"name": "ppd"},  # built with no gate (``make``)
+    {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "search_state": "example",
+     "never_slower": False},
+    {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False},
+    {"name": "clasp", "interval": 4, "never_slower": False},
+]
+#: ... and not where it carries state: the speculation gate (``never_slower: true``), Draft & Verify's adaptive
+#: draft-stop threshold, the n-gram lookup's priced acceptance table, SWIFT's layer search
+CARRY_STATE = [
+    {"name": "del", "max_draft": 4, "cost_model": "parameters"},
+    {"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4, "never_slower": False},
+    {"name": "ngram", "draft_schedule": "priced", "never_slower": False},
+    {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "never_slower": False},
+]
+
+
+def _label(method: dict) -> str:
+    return "-".join([method["name"], *(str(method[k]) for k in ("draft_schedule", "search_state") if k in method)]
+                    + (["gated"] if "never_slower" not in method and method["name"] not in ("vanilla", "ppd") else []))
+
+
+@pytest.mark.parametrize("method", CARRY_NOTHING + CARRY_STATE, ids=_label)
+def test_a_sampled_sequence_of_a_batch_is_its_batch_1_output_where_nothing_carries_over(method):
+    """Issue 68 (README, "Batches"): under sampling, 6 prompts decoded by one decoder one after another
+    (batch 1, as the evaluation does) and by a batch of 2 slots, each slot a fork taking the next prompt
+    as one leaves. Every batched sequence is what its slot, decoding its own prompts one at a time,
+    decodes; a method that carries nothing from one example to the next (``carried()`` empty) thus
+    decodes the batch-1 sequences. One that carries state starts an example from what its slot learned
+    from the slot's own examples, not from every example before it, so its sequences are not the
+    batch-1 ones (they keep the distribution: ``test_sampled_batches_keep_the_target_distribution``)."""
+    model = tiny_family("llama")
+    ps = prompts(6)
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=3)
+    decoder = make(model, method)
+    one = decoder.fork()
+    alone = [one.generate(p, N_NEW, sampling).tokens for p in ps]
+    slots, took = [decoder.fork() for _ in range(2)], [[], []]
+
+    def job(slot: int, j: int):
+        took[slot].append(j)
+        return slots[slot].generate(ps[j], N_NEW, sampling)
+
+    batched = [g.tokens for g in Batch(model, 2).run([lambda slot, j=j: job(slot, j) for j in range(len(ps))])]
+    assert all(len(mine) > 1 for mine in took)  # each slot decoded several examples
+    for mine in took:
+        replay = decoder.fork()
+        assert [replay.generate(ps[j], N_NEW, sampling).tokens for j in mine] == [batched[j] for j in mine]
+    if method in CARRY_NOTHING:
+        assert decoder.carried() == [] and batched == alone
+    else:
+        assert decoder.carried() and batched != alone
 
 
 def test_a_batch_refuses_a_model_whose_passes_take_static_shapes():

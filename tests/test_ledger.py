@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -239,6 +240,40 @@ def test_others_busy_counts_other_processes_not_this_one():
     while time.monotonic() < end:
         a = torch.tanh(a @ a)
     assert own.share() < 0.75
+
+
+def test_a_malformed_shipped_profile_stops_only_the_runs_that_need_it(tiny, tiny_profile, tmp_path, monkeypatch,
+                                                                       caplog):
+    """Issue 68: one malformed shipped profile (any model's) stopped every ``profile=auto`` run that had
+    no cached profile, and the report's paper notes, which read every shipped profile's model. Now the
+    scans skip it with a warning naming the file and the remedy, and take the good one; a run that
+    names it is refused before its model loads, naming the file and the remedy."""
+    from types import SimpleNamespace
+
+    from selfspec.config.checks import ConfigError
+    from selfspec.evaluation import profiling
+    from selfspec.measure import profile as profiles
+
+    model = tiny.model
+    shipped = tmp_path / "profiles"
+    data = copy.deepcopy(tiny_profile.data) | {"name": "this-machine__tiny-random", "machine": profiles.machine(model.device)}
+    data["model"] |= {"linear_kernel": model.linear_kernel, "capture": model.capture}
+    Profile(data).save(shipped / "this-machine__tiny-random.json")
+    broken = shipped / "another-machine__smollm2-135m.json"  # scanned first
+    broken.write_text('{"format": 3, "name": ')
+    monkeypatch.setattr(profiles, "SHIPPED", shipped)
+    monkeypatch.setattr(profiles, "default_path", lambda model, device: tmp_path / "cache" / "none.json")
+    remedy = r"ships with selfspec.*reinstall selfspec.*make profile"
+    with caplog.at_level("WARNING"):
+        assert profiling.machine_profile(model).name == "this-machine__tiny-random"
+    assert str(broken) in caplog.text and re.search(remedy, caplog.text)
+    profiles.shipped_models.cache_clear()
+    try:
+        assert profiles.shipped_models() == {"this-machine__tiny-random": model.name}
+    finally:
+        profiles.shipped_models.cache_clear()
+    with pytest.raises(ConfigError, match=rf"profile=another-machine__smollm2-135m .*{broken} is not valid JSON.*{remedy}"):
+        profiling.profile_spec(SimpleNamespace(profile="another-machine__smollm2-135m"))
 
 
 def test_a_profile_measured_under_load_prices_the_run_but_is_not_kept(tiny, tmp_path, monkeypatch, caplog):

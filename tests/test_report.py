@@ -285,6 +285,47 @@ def test_newest_run_wins_and_unknown_table_is_named(tiny, real_runs, runs, tmp_p
         build_report([runs], tmp_path / "r", tables=["nope"])
 
 
+def test_every_run_left_out_is_named_and_the_answer_comes_from_a_run_the_page_lists(tmp_path, caplog):
+    """Issue 68: of two runs of one setting the report kept the newer without a word, and with
+    ``newest_only=false`` its table showed one run while the answer above it (1.35×) came from the
+    other, which the page did not list. Now a run left out (an older run of the same setting, a
+    summary that cannot be read) is named with why, in the log and on the page beside the inputs;
+    ``newest_only=false`` gives each run of a setting its own row; the answer, the headline and the
+    table agree."""
+    import html
+    import os
+
+    root = tmp_path / "runs"
+    for name, speedup, mtime in (("old", 1.35, 1e9), ("new", 1.19, 2e9)):
+        run = write_run(root / name, table=None, task="xsum", method="ngram",
+                        methods={"vanilla": entry(20.0, 1.0), "ngram": entry(20 * speedup, speedup)})
+        os.utime(run / "summary.json", (mtime, mtime))
+    (root / "broken").mkdir()
+    (root / "broken" / "summary.json").write_text("{")
+    old, broken = str(root / "old"), str(root / "broken" / "summary.json")
+
+    with caplog.at_level("INFO"):
+        newest = build_report([root], tmp_path / "newest", None, make_plots=False)
+    page = newest.index.read_text()
+    for path in (old, broken):
+        assert path in caplog.text and html.escape(path) in page, path
+    assert "newest_only=true" in caplog.text and "newest_only=true" in page
+    assert [a.speedup for a in newest.answers] == [1.19]
+    assert newest.headline == ["runs · smollm2-135m · N-gram lookup (beyond the papers): XSum 1.19×"]
+    assert {r.provenance["source"] for r in newest.records} == {str(root / "new")}
+    assert sorted(x.source for x in newest.left_out) == sorted([broken, old])
+
+    every = build_report([root], tmp_path / "every", None, newest_only=False, make_plots=False)
+    md = (every.out_dir / "tables" / "runs.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| N-gram lookup")]
+    assert len(rows) == 2 and "(1.19×)" in rows[0] and "(1.35×)" in rows[1]  # newest first, each its src
+    assert old in md and str(root / "new") in md
+    assert [x.source for x in every.left_out] == [broken]  # every run of the setting is listed
+    assert [a.speedup for a in every.answers] == [1.35]  # the fastest run the page lists
+    assert every.headline == ["runs · smollm2-135m · N-gram lookup (beyond the papers): XSum 1.19× / 1.35× "
+                              "(2 runs, newest first)"]
+
+
 def test_latex_escaping_and_lossy_marker():
     assert tex_escape("D&V_1 50% ×") == r"D\&V\_1 50\% $\times$"
     rec = Record(table="ppd_speedup", model="m", task="mtbench", method="ppd", temperature=0.7,

@@ -456,8 +456,11 @@ class Decoder(Carries):
         """The policy state that carries over from one example to the next
         (:mod:`selfspec.decoding.carried`), by name: the decoder's own carried attributes
         (``search``), then its parts' (``gate``, ``threads``, ``context.acceptance``,
-        ``drafter.draft_stop``), less a draft-stop rule with nothing that changes (a static
-        threshold). What a new process starts afresh when it resumes a run."""
+        ``drafter.draft_stop``), less an attribute that holds nothing (None: the n-gram lookup's
+        acceptance table under a schedule other than ``priced``) and a draft-stop rule with nothing
+        that changes (a static threshold). What a new process starts afresh when it resumes a run,
+        and what makes a sampled sequence of a batch differ from its batch-1 output (README, "Batches":
+        a batch slot learns it from its own examples)."""
         holders = [("", self), *((name, part) for name, part in vars(self).items()
                                  if part is not None and any(part is p for p in self.parts))]
         names = []
@@ -467,8 +470,8 @@ class Decoder(Carries):
             if part.carries is None:
                 names.append(name)
                 continue
-            names += [f"{name}.{a}" if name else a for a in part.carries
-                      if not (isinstance(getattr(part, a), DraftStop) and getattr(part, a).state() is None)]
+            names += [f"{name}.{a}" if name else a for a in part.carries if getattr(part, a) is not None
+                      and not (isinstance(getattr(part, a), DraftStop) and getattr(part, a).state() is None)]
         return names
 
     @contextlib.contextmanager

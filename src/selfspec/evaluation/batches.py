@@ -7,7 +7,10 @@ another, so a slow drift of the machine hits them alike, as the interleaving per
 ``batch_size=1``. Each slot is a fork of the method's decoder (:meth:`~selfspec.decoding.base.Decoder.fork`):
 it carries its own policy state (a draft-stop threshold, a gate, SWIFT's layer search) over the examples
 it decodes, so every choice a method makes per sequence (DEL's exit layer, PPD's tree, the n-gram match,
-the gate's decision) is made by that sequence's slot, from its own history. ``hf_generate`` decodes each
+the gate's decision) is made by that sequence's slot, from its own history. Its history is not the
+batch-1 run's (the examples before it in the run), so under sampling a method that carries state
+(:meth:`~selfspec.decoding.base.Decoder.carried`) decodes other sequences than at batch 1, of the same
+distribution; greedy, and for a method that carries none, they are the batch-1 ones. ``hf_generate`` decodes each
 wave as one left-padded batch of transformers' ``generate``; the other HF peers (assisted generation)
 decode one sequence at a time and are refused.
 

@@ -267,9 +267,10 @@ def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, 
 
 def profile_spec(cfg) -> str | None:
     """A run's or a training job's ``profile``: ``auto``, None, or the file of a named / given profile
-    (which must exist); checked before the model loads."""
+    (which must exist and be readable: a malformed one, a damaged shipped one too, is refused naming
+    its file and the remedy, issue 68); checked before the model loads."""
     from selfspec.config import checks
-    from selfspec.measure.profile import resolve
+    from selfspec.measure.profile import Profile, resolve
 
     spec = checks.optional(checks.text, "profile", cfg.profile)
     if spec in (None, "auto"):
@@ -278,7 +279,8 @@ def profile_spec(cfg) -> str | None:
         path = resolve(spec)
         if not path.is_file():
             raise FileNotFoundError(f"no profile file at {path}")
-    except FileNotFoundError as err:
+        Profile.load(path)
+    except (OSError, ValueError) as err:
         raise checks.refuse("profile", spec, "auto, null, a profile file or a shipped profile's name", str(err)) from None
     return str(path)
 

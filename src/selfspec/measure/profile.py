@@ -64,13 +64,16 @@ import bisect
 import functools
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from selfspec.models.capture import BUCKETS, bucket
+
+log = logging.getLogger(__name__)
 from selfspec.models.ledger import COMPONENTS, LayerOp, Op, as_op
 from selfspec.store.runinfo import cpu_name
 
@@ -198,7 +201,7 @@ def _check_tables(data: dict[str, Any], where: str) -> None:
     may hold a 0: a tiny model's MLP is the difference of two timings, clamped at 0; that every step
     costs something is checked once the profile is built.)"""
     def bad(what: str) -> ValueError:
-        return ValueError(f"profile {where}: {what}; measure it again (make profile) or pick another profile")
+        return ValueError(f"profile {where}: {what}; {remedy(where)}")
 
     model, machine_ = data.get("model"), data.get("machine")
     if not isinstance(data.get("name"), str) or not isinstance(model, dict) or not isinstance(machine_, dict):
@@ -264,7 +267,7 @@ class Profile:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"profile {where}: format {found!r}, "
-                             f"this selfspec reads format {FORMAT}; measure it again (make profile)")
+                             f"this selfspec reads format {FORMAT}; {remedy(path)}")
         _check_tables(data, where)
         self.data = data
         self.path = path
@@ -302,8 +305,7 @@ class Profile:
         self.decoding_rows = max((max(row) for c, row in self.attention.items() if c > 0),
                                  default=max(self.attention[0]))
         if not self.plain_step() > 0:  # a priced schedule divides by what a pass costs
-            raise ValueError(f"profile {where}: it prices a plain step at {self.plain_step()!r} s: measure it again "
-                             "(make profile) or pick another profile")
+            raise ValueError(f"profile {where}: it prices a plain step at {self.plain_step()!r} s: {remedy(path)}")
 
     # --- identity ------------------------------------------------------------------------------
     @property
@@ -496,11 +498,11 @@ class Profile:
             raise FileNotFoundError(f"no profile at {path}: measure one with `make profile MODEL=...` "
                                     f"or name a shipped one ({', '.join(shipped()) or 'none shipped'})") from None
         except ValueError as e:
-            raise ValueError(f"profile {e}: measure it again (make profile)") from None
+            raise ValueError(f"profile {e}: {remedy(path)}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"profile {path} is not valid JSON ({e}): measure it again (make profile)") from None
+            raise ValueError(f"profile {path} is not valid JSON ({e}): {remedy(path)}") from None
         return cls(data, str(path))
 
     def save(self, path) -> Path:
@@ -521,10 +523,33 @@ def shipped() -> dict[str, Path]:
     return {p.stem: p for p in sorted(SHIPPED.glob("*.json"))}
 
 
+def remedy(path: str | Path | None) -> str:
+    """What to do about a profile that cannot be read: measure it again (``make profile``), or pick
+    another; for one that ships with selfspec (a damaged copy: issue 68), restore selfspec's file
+    (:func:`~selfspec.store.files.restore_hint`), or measure this machine's own."""
+    if path is not None and Path(path).resolve().parent == SHIPPED.resolve():
+        from selfspec.store.files import restore_hint
+
+        return (f"it ships with selfspec and is damaged: {restore_hint(path)}, or measure this machine's own "
+                "(make profile) and run with profile=auto")
+    return "measure it again (make profile) or pick another profile"
+
+
+def readable_shipped() -> Iterator[Profile]:
+    """The shipped profiles that can be read, in name order; a malformed one is skipped with a warning
+    naming its file and the remedy (issue 68: one such file stopped every ``profile=auto`` run without
+    a cached profile, and every report, though only a run of its own machine and model would use it)."""
+    for path in shipped().values():
+        try:
+            yield Profile.load(path)
+        except (OSError, ValueError) as err:
+            log.warning("skipping a shipped profile that cannot be read: %s", err)
+
+
 @functools.lru_cache(maxsize=1)
 def shipped_models() -> dict[str, str]:
-    """The model each shipped profile was measured for, by profile name (read once)."""
-    return {name: Profile.load(path).data["model"]["name"] for name, path in shipped().items()}
+    """The model each readable shipped profile was measured for, by profile name (read once)."""
+    return {Path(p.path).stem: p.data["model"]["name"] for p in readable_shipped()}
 
 
 def resolve(spec: str) -> Path:
@@ -543,8 +568,7 @@ def matching_shipped(model) -> "Profile | None":
     """A shipped profile measured on a machine like this one (device, hardware, threads, library
     versions) for this model's shape and runtime (linear kernel, capture), or None."""
     info = machine(model.device)
-    for path in shipped().values():
-        p = Profile.load(path)
+    for p in readable_shipped():
         m = p.data["model"]
         if (p.describes(info) and p.machine.get("versions") == info["versions"] and p.shape == model_shape(model)
                 and m.get("linear_kernel") == model.linear_kernel and m.get("capture") == model.capture):

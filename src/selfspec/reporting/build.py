@@ -33,7 +33,7 @@ from selfspec.reporting.html import TaskSection, write_index
 from selfspec.reporting.layouts import DEFAULT, LAYOUTS, TASK_TITLE, get_layout, task_order
 from selfspec.reporting.breakdown import LOADED
 from selfspec.reporting.paper import paper_records
-from selfspec.reporting.records import Record, collect, find_runs, latest_only
+from selfspec.reporting.records import LeftOut, Record, collect_runs, find_runs, newest_per_setting
 from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title,
                                        method_variant_title, to_latex, to_markdown)
 from selfspec.store.figure import Plot
@@ -58,6 +58,8 @@ class ReportResult:
     #: per (model, task, decoding): the fastest lossless method (what the page leads with)
     answers: list[Answer] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
+    #: the runs (or some of their records) left out of the tables, and why: named in the log and on the page
+    left_out: list[LeftOut] = field(default_factory=list)
 
 
 def group_by_table(records: Iterable[Record]) -> dict[str, list[Record]]:
@@ -68,26 +70,30 @@ def group_by_table(records: Iterable[Record]) -> dict[str, list[Record]]:
 
 
 def headline(tables: dict[str, list[Record]]) -> list[str]:
-    """One line per (table, model, method under test): its speedup on each task."""
+    """One line per (table, model, method under test): its speedup on each task; where several runs
+    of one setting are listed (``newest_only=false``), each run's, newest first, as the table's rows."""
     lines = []
     for table_id, recs in tables.items():
         layout = get_layout(table_id)
         metric = layout.headline
-        per: dict[tuple, dict[str, Any]] = defaultdict(dict)
-        for r in recs:
+        per: dict[tuple, dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
+        for r in sorted(recs, key=lambda r: -r.provenance.get("mtime", 0.0)):
             if r.method == "vanilla" or not isinstance(r.metric(metric), (int, float)):
                 continue
             name = method_title(r)
             if r.variant:
                 name += f" [{r.variant}]"
-            if r.field("temperature") != "greedy":
-                name += f" ({r.field('temperature')})"
-            per[(r.model, method_rank(r), name)][r.task] = (r.metric(metric), r.loaded)
+            if r.decoding != "greedy":  # the temperature, and the batch size when it is not 1
+                name += f" ({r.decoding})"
+            per[(r.model, method_rank(r), name)][r.task].append(r)
+        unit = "×" if metric == "speedup" else ""
         for (model, _, name), by_task in sorted(per.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
-            unit = "×" if metric == "speedup" else ""
-            cells = ", ".join(f"{TASK_TITLE.get(t, t)} {v:.2f}{unit}" + (f" {LOADED}" if loaded else "")
-                              for t, (v, loaded) in sorted(by_task.items(), key=lambda kv: str(kv[0])))
-            lines.append(f"{table_id} · {model} · {name}: {cells}")
+            cells = []
+            for task, runs in sorted(by_task.items(), key=lambda kv: str(kv[0])):
+                values = " / ".join(f"{r.metric(metric):.2f}{unit}" + (f" {LOADED}" if r.loaded else "") for r in runs)
+                more = f" ({len(runs)} runs, newest first)" if len(runs) > 1 else ""
+                cells.append(f"{TASK_TITLE.get(task, task)} {values}{more}")
+            lines.append(f"{table_id} · {model} · {name}: {', '.join(cells)}")
     return lines
 
 
@@ -110,8 +116,8 @@ def build_report(
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"report formats {unknown}: choose from {list(FORMATS)}")
-    runs, records, by_table = _records_by_table(inputs, tables, newest_only, extra_records)
-    result = ReportResult(out_dir=out_dir, index=None, records=records)
+    runs, records, by_table, left_out = _records_by_table(inputs, tables, newest_only, extra_records)
+    result = ReportResult(out_dir=out_dir, index=None, records=records, left_out=left_out)
     rendered, all_md = _write_tables(result, by_table, formats, paper)
     result.answers = answers(r for recs in by_table.values() for r in recs)
     if all_md:
@@ -127,34 +133,39 @@ def build_report(
     result.files.append(write_markdown(out_dir / "dashboard.md"))  # the W&B panel layout
     result.headline = headline(by_table)
     result.index = write_index(out_dir, rendered, result.plots, result.answers,
-                               {"n_runs": len(runs), "inputs": inputs}, runtime_reports(inputs), result.sections,
+                               {"n_runs": len(runs), "inputs": inputs, "left_out": left_out}, runtime_reports(inputs), result.sections,
                                loaded_warnings([r for recs in by_table.values() for r in recs]))
     result.plots += [s.plot for s in result.sections if s.plot is not None]
     return result
 
 
 def _records_by_table(inputs: list[Path], tables: Iterable[str] | None, newest_only: bool,
-                      extra_records: Iterable[Record]) -> tuple[list, list[Record], dict[str, list[Record]]]:
-    """The runs under ``inputs``, their records (the newest per configuration when ``newest_only``)
-    and the records per table (``tables``: only those, an unknown id refused by name)."""
+                      extra_records: Iterable[Record]) -> tuple[list, list[Record], dict[str, list[Record]], list[LeftOut]]:
+    """The runs under ``inputs``, their records (the newest per setting when ``newest_only``), the
+    records per table (``tables``: only those, an unknown id refused by name) and what is left out
+    (runs that cannot be read; with ``newest_only``, older runs of a setting), each logged."""
     wanted = list(tables) if tables is not None else None
     for t in wanted or []:
         get_layout(t)  # an unknown id stops here, naming the known ones
     runs = find_runs(inputs)
-    records = collect(runs) + list(extra_records)
+    records, left_out = collect_runs(runs)
+    records += list(extra_records)
     if not records:
         log.warning("nothing to report: no readable evaluation summary (summary.json) under %s%s; run "
                     "`python -m selfspec.evaluate ...` first, or point inputs=[...] at its run directories",
                     ", ".join(map(str, inputs)), f" ({len(runs)} found, none usable)" if runs else "")
     if newest_only:
-        records = latest_only(records)
+        records, older = newest_per_setting(records)
+        for why in older:
+            log.info("left out %s", why)
+        left_out += older
     by_table = group_by_table(records)
     if wanted is not None:
         by_table = {t: by_table[t] for t in wanted if t in by_table}
         missing = [t for t in wanted if t not in by_table]
         if missing:
             log.warning("no results for table(s) %s under %s", ", ".join(missing), ", ".join(map(str, inputs)))
-    return runs, records, by_table
+    return runs, records, by_table, left_out
 
 
 def _write_tables(result: ReportResult, by_table: dict[str, list[Record]], formats: list[str],

@@ -59,6 +59,15 @@ def warnings_html(warnings: list[str]) -> str:
     return "".join(f"<div class='warning' role='alert'>{html.escape(w)}</div>" for w in warnings)
 
 
+def left_out_html(left_out: list[Any]) -> str:
+    """The runs (or some of their records) the tables leave out, each with why, under the page's
+    inputs (empty when none is)."""
+    if not left_out:
+        return ""
+    items = "".join(f"<li>{html.escape(str(x))}</li>" for x in left_out)
+    return f"<p class='notes' id='left-out'>Left out of the tables:</p><ul class='notes'>{items}</ul>"
+
+
 def section_html(section: TaskSection, out_dir: Path) -> str:
     """One task's heading, its warnings, then its ledger chart across the page."""
     parts = [f"<h3 id='{html.escape(section.anchor)}'>{html.escape(section.title)}</h3>",
@@ -202,7 +211,7 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
              "<h1>selfspec report</h1>", warnings_html(list(warnings)),
              f"<p class='notes'>Generated {e(time.strftime('%Y-%m-%d %H:%M:%S'))} by <code>python -m "
              f"selfspec.report</code> from {e(str(info.get('n_runs', 0)))} run directories "
-             f"({e(', '.join(map(str, info.get('inputs', []))))}).</p>",
+             f"({e(', '.join(map(str, info.get('inputs', []))))}).</p>", left_out_html(info.get("left_out", [])),
              "<h2 id='answer'>Fastest lossless method per task</h2>", answer_html(answers)]
     if not tables:
         parts.append("<p>No results found. Run <code>make sweep EXPERIMENT=...</code> or "

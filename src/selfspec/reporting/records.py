@@ -457,30 +457,47 @@ def _check_contention(contention: dict[str, Any] | None) -> None:
             raise MalformedSummary(f"field 'contention.spoiled[{i}]' lacks its 'method' or 'id'")
 
 
+@dataclass(frozen=True)
+class LeftOut:
+    """A run, or some of its records, that the report leaves out of its tables, and why (issue 68:
+    an older run of one setting was dropped without a word). ``source``: the run directory, or the
+    file that could not be read."""
+
+    source: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.why}"
+
+
 def read_run(run_dir: str | Path) -> list[Record]:
     """The records of one evaluation run directory (empty when it has no summary yet, or one that
     cannot be read or is malformed: a warning line names the file and the field)."""
-    run_dir = Path(run_dir)
+    records, left_out = _read_run(Path(run_dir))
+    if left_out is not None:
+        log.warning("skipping %s", left_out)
+    return records
+
+
+def _read_run(run_dir: Path) -> tuple[list[Record], LeftOut | None]:
+    """:func:`read_run`'s records, and why the run is left out (None: it is not)."""
     path = run_dir / SUMMARY
     if not os.path.lexists(path):
-        return []
+        return [], None
     try:
         summary = read_json(path)
         check_summary(summary)
     except (OSError, ValueError) as err:
-        log.warning("skipping %s: %s", path, err)
-        return []
+        return [], LeftOut(str(path), str(err))
     try:
         cfg, overrides, choices = run_config(run_dir, summary)
     except (OSError, ValueError) as err:  # issue 52: one malformed .hydra/ file aborted the whole report
-        log.warning("skipping %s: %s", run_dir, err)
-        return []
+        return [], LeftOut(str(run_dir), str(err))
     try:
         return records_from_summary(summary, cfg, source=str(run_dir), origin="run",
-                                    overrides=overrides, choices=choices)
+                                    overrides=overrides, choices=choices), None
     except MalformedSummary as err:  # a config field the records read (batch_size)
-        log.warning("skipping %s: %s", path, err)
-        return []
+        return [], LeftOut(str(path), str(err))
 
 
 def find_runs(inputs: Iterable[str | Path]) -> list[Path]:
@@ -499,18 +516,51 @@ def find_runs(inputs: Iterable[str | Path]) -> list[Path]:
 
 def collect(inputs: Iterable[str | Path]) -> list[Record]:
     """Every record under ``inputs`` (run directories or folders that contain them)."""
+    return collect_runs(find_runs(inputs))[0]
+
+
+def collect_runs(runs: Iterable[Path]) -> tuple[list[Record], list[LeftOut]]:
+    """The records of ``runs`` (run directories), and the runs left out (a warning line each): those
+    whose summary or ``.hydra/`` files cannot be read."""
     records: list[Record] = []
-    for run in find_runs(inputs):
-        records.extend(read_run(run))
-    return records
+    left_out: list[LeftOut] = []
+    for run in runs:
+        found, why = _read_run(Path(run))
+        records.extend(found)
+        if why is not None:
+            log.warning("skipping %s", why)
+            left_out.append(why)
+    return records, left_out
+
+
+def setting(r: Record) -> tuple:
+    """What makes two records runs of one setting, of which ``newest_only`` keeps the newest: the
+    table, model, task, method label, variant, temperature, batch size (and the paper's model)."""
+    return (r.table, r.model, r.task, r.method, r.variant, r.field("temperature"), r.batch_size, r.paper_model)
 
 
 def latest_only(records: list[Record]) -> list[Record]:
-    """Keep, per (table, model, task, method, variant, temperature, batch size), the record of the
-    newest run (by its summary's modification time), so a re-run replaces a table row."""
+    """Keep, per setting (:func:`setting`), the record of the newest run (by its summary's
+    modification time), so a re-run replaces a table row."""
+    return newest_per_setting(records)[0]
+
+
+def newest_per_setting(records: list[Record]) -> tuple[list[Record], list[LeftOut]]:
+    """:func:`latest_only`'s records, and what it leaves out: per older run, its records that a newer
+    run of the same setting replaces, naming that run."""
     best: dict[tuple, Record] = {}
     for r in records:
-        key = (r.table, r.model, r.task, r.method, r.variant, r.field("temperature"), r.batch_size, r.paper_model)
+        key = setting(r)
         if key not in best or r.provenance.get("mtime", 0.0) >= best[key].provenance.get("mtime", 0.0):
             best[key] = r
-    return list(best.values())
+    replaced: dict[tuple, list[str]] = {}
+    for r in records:
+        newer = best[setting(r)]
+        if newer is not r:
+            where = (str(r.provenance.get("source")), str(newer.provenance.get("source")), r.model, r.task, r.decoding)
+            replaced.setdefault(where, []).append(r.method)
+    left_out = [LeftOut(old, f"its {', '.join(methods)} ({model} · {task}, {decoding}): {new} is a newer run of the "
+                             "same setting, shown instead (newest_only=true keeps the newest run per setting; "
+                             "newest_only=false lists every run)")
+                for (old, new, model, task, decoding), methods in replaced.items()]
+    return list(best.values()), left_out

@@ -34,6 +34,9 @@ SPEEDUP_CELLS = ("tps_speedup", "speedup")
 PROJECTED = "projected:"
 #: the mark of a projection that is not the target machine's own (its note says why)
 UNGATED = "‡"
+#: the note of a table where several records share a row label (:func:`_group_rows`)
+SAME_LABEL = ("rows of one label: several runs fill that row's cells, one row each, newest first (newest_only=false "
+              "lists every run of a setting); each row's src names its run")
 #: the title of a table's projections (:attr:`Table.projections`)
 PROJECTIONS_TITLE = "projected on machine profiles"
 
@@ -294,6 +297,8 @@ def build_table(layout: Layout, measured: list[Record], paper: list[Record] | No
     table = Table(layout=layout, groups=groups, group_cells=group_cells, blocks=[])
     _fill(table, models, measured, reference, paper_by_setting)
     table.notes += _notes(measured, matching, reference)
+    if any(len({row.label for row in b.rows}) < len(b.rows) for b in table.blocks):
+        table.notes.append(SAME_LABEL)
     table.notes += list(layout.notes)
     table.warnings = loaded_warnings(measured)
     projected = [(g, projection_kinds(in_group[g])) for g in groups]
@@ -400,13 +405,19 @@ def loaded_warnings(records: list[Record]) -> list[str]:
 
 
 def _group_rows(records, layout) -> tuple[dict[tuple, dict[Any, Record]], dict[tuple, str]]:
-    """Records -> ``{row key: {column group: record}}`` in row order, and each row's label."""
+    """Records -> ``{row key: {column group: record}}`` in row order, and each row's label. Where
+    several records fall in one cell (runs of one setting under ``newest_only=false``, or records the
+    layout's row fields do not tell apart), each takes a row of its own, newest first, right below
+    the first: no record is dropped (issue 68)."""
     by_row: dict[tuple, dict[Any, Record]] = {}
     labels: dict[tuple, str] = {}
-    for r in sorted(records, key=lambda r: _row_key(r, layout)):
-        key = _row_key(r, layout)
+    for r in sorted(records, key=lambda r: (_row_key(r, layout), -r.provenance.get("mtime", 0.0))):
+        column, n = _column(r, layout), 0
+        while column in by_row.get((*_row_key(r, layout), n), {}):
+            n += 1
+        key = (*_row_key(r, layout), n)
         labels.setdefault(key, row_label(r, layout))
-        by_row.setdefault(key, {})[_column(r, layout)] = r
+        by_row.setdefault(key, {})[column] = r
     return by_row, labels
 
 

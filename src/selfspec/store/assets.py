@@ -374,11 +374,12 @@ def fetch(name: str, cache: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".tmp-{name}-", dir=cache) as tmp:
         tmp = Path(tmp)
         if asset.shipped:  # selfspec's own copy of the archive, checked like a downloaded one
-            (tmp / "download").mkdir()
-            archive = Path(shutil.copy(SHIPPED / asset.filename, tmp / "download" / asset.filename))
+            archive = _copy_shipped(asset, tmp / "download")
         else:
             archive = download(asset, tmp / "download")
         digest = sha256_of(archive)
+        if digest != asset.sha256 and asset.shipped:
+            raise AssetError(_shipped_damage(asset, f"has sha256 {digest}, not its pinned {asset.sha256}"))
         if digest != asset.sha256:
             raise AssetError(
                 f"asset {name!r}: sha256 mismatch for {archive.name} "
@@ -397,6 +398,30 @@ def fetch(name: str, cache: Path | None = None) -> Path:
             shutil.rmtree(target)
         os.replace(staged, target)
     return asset_path(name, cache)
+
+
+def _copy_shipped(asset: Asset, dest: Path) -> Path:
+    """A copy in ``dest`` of the archive of ``asset`` that ships with selfspec (:data:`SHIPPED`); an
+    :class:`AssetError` naming it and the remedy when it cannot be read (issue 68: a missing one
+    raised a raw FileNotFoundError)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(shutil.copy(SHIPPED / asset.filename, dest / asset.filename))
+    except FileNotFoundError:
+        raise AssetError(_shipped_damage(asset, "is missing")) from None
+    except OSError as err:
+        raise AssetError(_shipped_damage(asset, f"cannot be read ({err.strerror or err})")) from None
+
+
+def _shipped_damage(asset: Asset, problem: str) -> str:
+    """Why the archive of ``asset`` that ships with selfspec cannot be used, with the remedy: it is
+    part of selfspec (no index serves it), so selfspec's copy is restored as it is installed here
+    (:func:`~selfspec.store.files.restore_hint`)."""
+    from selfspec.store.files import restore_hint
+
+    path = SHIPPED / asset.filename
+    return (f"asset {asset.name!r} ({asset.description}): {path} {problem}; its archive ships with selfspec, "
+            f"so no index serves it: {restore_hint(path)}; nothing was kept")
 
 
 def fetch_all(names: list[str] | None = None, cache: Path | None = None) -> dict[str, Path]:

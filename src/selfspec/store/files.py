@@ -2,6 +2,8 @@
 directory, then a rename), a full disk's error naming the file, strict JSON values, and the checks
 that a directory can be made and written before a run writes into it (issue 39). Files that runs or
 other programs left are read only as regular files of bounded size, their JSON strict (issue 52).
+A file that ships with selfspec and is damaged or missing is refused with how to get it back, as
+selfspec is installed here (:func:`restore_hint`, issue 68).
 """
 
 from __future__ import annotations
@@ -105,6 +107,35 @@ def strict_json(text: str) -> Any:
     writes null for a figure that is not finite, so no file it wrote holds one; issue 52: a summary's
     Infinity was reported as "inf× faster")."""
     return json.loads(text, parse_constant=_not_finite, parse_float=_finite)
+
+
+def restore_hint(path: str | Path) -> str:
+    """How to get back ``path``, a file that ships with selfspec, as selfspec is installed here:
+    from git in a source checkout (``make install`` and ``pip install -e .`` install the checkout's
+    own files, so installing again would not replace it), else by reinstalling the package (from
+    where it was installed, as pip recorded it)."""
+    import selfspec
+
+    root = Path(selfspec.__file__).resolve().parents[2]
+    path = Path(path).resolve()
+    if (root / "pyproject.toml").is_file() and path.is_relative_to(root):
+        rel = path.relative_to(root).as_posix()
+        if (root / ".git").exists():
+            return f"restore selfspec's copy from git (`git -C {root} checkout -- {rel}`)"
+        return f"restore {rel} from a fresh copy of selfspec's source ({root} has no git history)"
+    return f"reinstall selfspec (`pip install --force-reinstall --no-deps {_installed_from()}`)"
+
+
+def _installed_from() -> str:
+    """Where pip installed selfspec from (its ``direct_url.json``), else the package name."""
+    from importlib import metadata
+
+    try:
+        recorded = json.loads(metadata.distribution("selfspec").read_text("direct_url.json") or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        recorded = {}
+    url = recorded.get("url") if isinstance(recorded, dict) else None
+    return url.removeprefix("file://") if isinstance(url, str) and url.startswith("file://") else "selfspec"
 
 
 def read_json(path: str | Path, limit: int | None = None) -> Any:
