@@ -62,7 +62,8 @@ def alone_and_batched(model, method: dict, ps: list[list[int]], size: int, sampl
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["name"] + ("-" + m["prefill"] if "prefill" in m else ""))
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["name"] + ("-" + m["prefill"] if "prefill" in m else "")
+                         + ("-" + m["draft_weights"] if "draft_weights" in m else ""))
 def test_every_sequence_of_a_batch_decodes_what_it_decodes_alone(family, method):
     """Greedy and sampled, 6 prompts of 6 to 30 tokens in one batch: each sequence's tokens and step
     trace are its single-prompt run's (greedy: vanilla's tokens too), and the batch ran passes of

@@ -223,11 +223,17 @@ EVERY_METHOD = [
     {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "never_slower": False},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "never_slower": False},
     {"name": "clasp", "interval": 4, "never_slower": False},
+    # drafts over a quantised copy of the weights (issue 69): on their own, and as a skip-set draft's weights
+    {"name": "quant_draft", "max_draft": 4, "never_slower": False},
+    {"name": "quant_draft", "draft_weights": "int4", "max_draft": 4, "never_slower": False},
+    {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "max_draft": 4, "never_slower": False,
+     "draft_weights": "int8"},
 ]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-@pytest.mark.parametrize("method", EVERY_METHOD, ids=lambda m: m["name"] + ("-" + m["prefill"] if "prefill" in m else ""))
+@pytest.mark.parametrize("method", EVERY_METHOD, ids=lambda m: m["name"] + ("-" + m["prefill"] if "prefill" in m else "")
+                         + ("-" + m["draft_weights"] if "draft_weights" in m else ""))
 def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, method):
     """Every pass of every method at most a bucket long takes the static shape (trees, partial
     layers, kept states included: ``missed`` stays 0), and the tokens are the dynamic path's, greedy
@@ -265,7 +271,7 @@ def test_every_method_gives_the_dynamic_tokens_with_every_pass_static(family, me
     kinds = static.steps.kinds
     expected = {"draft_verify": "chain", "early_exit": "chain/partial", "del": "chain+keep/partial",
                 "adadecode": "chain/partial", "ngram": "chain", "ppd": "tree", "swift": "tree", "knapspec": "chain",
-                "clasp": "chain"}[name]
+                "clasp": "chain", "quant_draft": "chain"}[name]
     assert kinds[expected] > 0, kinds
     if name in ("knapspec", "clasp"):  # the searches' branch passes; KnapSpec's sublayer states, a sublayer each
         assert kinds["scratch/partial"] > 0 and (name == "clasp" or kinds["chain/partial"] > 0), kinds

@@ -28,6 +28,7 @@ METHODS = Registry("method", {
     "swift": "selfspec.decoding.swift:Swift",
     "knapspec": "selfspec.decoding.knapspec:KnapSpec",
     "clasp": "selfspec.decoding.knapspec:CLaSp",
+    "quant_draft": "selfspec.decoding.quant_draft:QuantDraft",
     "ngram": "selfspec.decoding.ngram:NgramLookup",
     "hf_generate": "selfspec.decoding.peers:HFGenerate",
     "hf_prompt_lookup": "selfspec.decoding.peers:HFPromptLookup",

@@ -53,6 +53,7 @@ from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_opti
 from selfspec.decoding.part_options import ContextFirst, Gated
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab, draft_logits
 from selfspec.models.layered import LayeredModel, Pass, SkipSet
+from selfspec.models.quantised import FORMATS
 from selfspec.store.artefacts import artefact_option
 
 #: ``last_token`` values: with one token of budget left, a plain step or one draft verified anyway
@@ -69,7 +70,9 @@ class DecodingOptions(Options):
     """The decoding settings of a method drafting with skipped sublayers, besides where its skip
     set comes from (Draft & Verify's searched set; KnapSpec's and CLaSp's, searched while
     decoding): ``max_draft`` K >= 1; ``draft_stop``, the shared sub-config of
-    :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft`` (module docstring). The
+    :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft`` (module docstring);
+    ``draft_weights``, the weights the drafts read: null, the target's own, or a quantised copy of them
+    (``int8``, ``int4``: :mod:`selfspec.models.quantised`; the verification reads the target's). The
     paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused, naming their
     ``draft_stop`` keys."""
 
@@ -81,6 +84,8 @@ class DecodingOptions(Options):
     last_token: str = key(checks.choice, LAST_TOKEN, why="one token of budget left: a plain step, or draft and verify "
                           "one token anyway (the authors' code)")
     eos_draft: str = key(checks.choice, EOS_DRAFT, why="after an EOS draft: stop drafting, or go on (the authors' code)")
+    draft_weights: str | None = key(nullable(checks.choice), FORMATS,
+                                    why="the weights the drafts read: null = the target's, or a quantised copy")
 
 
 @dataclass(frozen=True)
@@ -207,10 +212,10 @@ class SkipSetDrafter(Drafter):
         return max(room, 1) if self.decoding.last_token == "draft" else room
 
     def draft_logits(self, h: torch.Tensor, ledger=None) -> torch.Tensor:
-        """The draft distribution's logits: the model's own head on the skip-set pass, truncated to
-        the draft vocabulary when ``draft_vocab`` is set (:func:`selfspec.models.heads.draft_logits`);
-        recorded in ``ledger`` when given."""
-        return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger)[0]
+        """The draft distribution's logits: the model's own head (of the draft's weights) on the
+        skip-set pass, truncated to the draft vocabulary when ``draft_vocab`` is set
+        (:func:`selfspec.models.heads.draft_logits`); recorded in ``ledger`` when given."""
+        return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger, self.decoding.draft_weights)[0]
 
     def skips(self, state: DecodeState) -> SkipSet:
         """The skip set the step drafts with: the searched one, fixed (KnapSpec and CLaSp choose
@@ -225,7 +230,7 @@ class SkipSetDrafter(Drafter):
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
         eos = self.eos if self.decoding.eos_draft == "stop" else frozenset()
-        token, p = state.pending, Pass(skip=self.skips(state))
+        token, p = state.pending, Pass(skip=self.skips(state), weights=self.decoding.draft_weights)
         for j in range(k_max):
             ids.fill_(token)
             h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=state.ledger)

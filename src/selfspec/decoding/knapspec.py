@@ -347,7 +347,8 @@ class SearchedSkipDrafter(SkipSetDrafter):
             return clasp_search(model, last, state.cache, context + int(blocks[0].shape[0]) - 1, self.skip_layers,
                                 ledger)
         n = state.cache.length(0)
-        costs = (self.profile.attention_cost(1, n), self.profile.mlp_cost(1))
+        weights = self.decoding.draft_weights or ""  # a draft over a quantised copy costs that copy's price
+        costs = (self.profile.attention_cost(1, n, weights=weights), self.profile.mlp_cost(1, weights))
         return knapspec_search(model, blocks, state.cache, context, sublayer_weights(*costs), costs,
                                self.similarity_floor, ledger)
 

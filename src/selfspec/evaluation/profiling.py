@@ -16,9 +16,9 @@ from typing import Any, Iterable
 
 import torch
 
-from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, MEASUREMENT, PREFILL_ROWS, ROWS,
-                                     VOCAB_FRACTIONS, WARP_ROWS, WARP_SETTINGS, Profile, machine, machine_name,
-                                     model_shape)
+from selfspec.measure.profile import (CONTEXTS, FORMAT, HOST_TREE_NODES, HOST_WORK, MEASUREMENT, PREFILL_ROWS,
+                                     QUANT_ROWS, ROWS, VOCAB_FRACTIONS, WARP_ROWS, WARP_SETTINGS, Profile, machine,
+                                     machine_name, model_shape)
 from selfspec.models.capture import BUCKETS
 from selfspec.models.ledger import as_op
 
@@ -76,6 +76,8 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
                                 log, also=whole_pass, spans=spans, walk=walk)
     in_time("the eager tables")
     eager = _measure_eager(model, rows, contexts, repeats, log) if model.capture == "graphs" else None
+    in_time("the quantised copies")
+    quantised = _measure_quantised(model, contexts, repeats, walk, log)
     in_time("the heads")
     head = _measure_heads(model, rows + prefill_rows[:1], repeats)
     linear = _measure_linear(model, rows, repeats)
@@ -102,7 +104,8 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
         "host": 0.0,
         "walk": walk,
         "measurement": MEASUREMENT,
-    } | ({"eager": eager} if eager else {}) | ({"spans": spans} if model.steps is not None else {})
+    } | ({"eager": eager} if eager else {}) | ({"spans": spans} if model.steps is not None else {}) \
+      | ({"quantised": quantised} if quantised else {})
     # the dtype named where it is not float32, as the shipped profiles are named: a bf16 profile under a
     # float32 profile's name would price runs mislabelled
     dtype = data["model"]["shape"].get("dtype", "float32")
@@ -156,17 +159,19 @@ def _measure_plain_host(model, profile: Profile, prompt: list[int], new: int, re
 
 
 def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None, spans: dict | None = None,
-               walk: float = 0.0) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+               walk: float = 0.0, weights: str | None = None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.measure.profile`):
     per context, whole passes of each row count in ``widths[context]`` with and without the MLPs,
     less one walk's own cost (``walk``), divided by the layer count (the MLP: the median over
     contexts of the difference). ``also(cache, context, rows)`` times anything else on the same
-    cache; ``spans`` receives each context's cache slots."""
+    cache; ``spans`` receives each context's cache slots; ``weights``: the passes read that quantised
+    copy of the weights (the ``quantised`` tables)."""
     from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
+    from selfspec.models.passes import Pass
 
     L = model.num_layers
-    no_mlp = SkipSet.of(mlp=range(L))
+    every, no_mlp = Pass(weights=weights), Pass(skip=SkipSet.of(mlp=range(L)), weights=weights)
     attention: dict[str, dict[str, float]] = {}
     mlp: dict[int, list[float]] = {}
     for context, rows in widths.items():
@@ -175,8 +180,8 @@ def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also
             spans[str(context)] = cache.max_length
         attention[str(context)] = {}
         for n in rows:
-            full = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, cold=True)
-            attn = time_forward(model, cache, context, n, repeats=repeats, logits_rows=0, skip=no_mlp, cold=True)
+            full = time_forward(model, cache, context, n, p=every, repeats=repeats, logits_rows=0, cold=True)
+            attn = time_forward(model, cache, context, n, p=no_mlp, repeats=repeats, logits_rows=0, cold=True)
             attention[str(context)][str(n)] = max(attn - walk, 0.0) / L
             mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
             if also is not None:
@@ -363,11 +368,12 @@ def untrained_ppd(model, nodes: int):
                state_zero=options.state_zero)
 
 
-def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, float]]:
-    """LM-head products by rows, for the full vocabulary and truncated ones."""
+def _measure_heads(model, rows: list[int], repeats: int, weights: str | None = None) -> dict[int, dict[int, float]]:
+    """LM-head products by rows, for the full vocabulary and truncated ones (``weights``: of that
+    quantised copy's head)."""
     from selfspec.measure.costs import time_call
 
-    weight = model.lm_head_weight
+    weight = model.lm_head_weight if weights is None else model.weight_set(weights).head
     out: dict[int, dict[int, float]] = {}
     for fraction in VOCAB_FRACTIONS:
         v = max(1, int(weight.shape[0] * fraction))
@@ -376,6 +382,25 @@ def _measure_heads(model, rows: list[int], repeats: int) -> dict[int, dict[int, 
         for n in rows:
             x = torch.randn(1, n, model.hidden_size, dtype=model.dtype, device=model.device)
             out[v][n] = time_call(lambda: model.head(x, w).float(), model.device, repeats, cold=True)
+    return out
+
+
+def _measure_quantised(model, contexts: list[int], repeats: int, walk: float, log=None) -> dict[str, dict] | None:
+    """The ``quantised`` tables: per format of :data:`~selfspec.models.quantised.FORMATS`, the attention
+    and MLP sublayers and the head over that copy of the weights, at :data:`QUANT_ROWS` (None where the
+    runtime cannot run a quantised copy: its linears are not the CPU kernels)."""
+    from selfspec.models.quantised import FORMATS, problem
+
+    if problem(model) is not None:
+        return None
+    out = {}
+    for fmt in FORMATS:
+        attention, mlp = _sublayers(model, {c: list(QUANT_ROWS) for c in contexts}, repeats, walk=walk, weights=fmt)
+        head = _measure_heads(model, list(QUANT_ROWS), repeats, fmt)
+        out[fmt] = {"attention": attention, "mlp": mlp,
+                    "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()}}
+        if log:
+            log(f"passes over the {fmt} copy of the weights")
     return out
 
 
@@ -416,11 +441,12 @@ def _measure_linear(model, rows: list[int], repeats: int) -> dict[int, float]:
 def _measure_tree(model, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
     """Whole tree passes (the rows' positions and ancestor mask given, the head on every node) by size."""
     from selfspec.measure.costs import context_cache, time_forward
+    from selfspec.models.passes import Pass, Rows
 
     cache = context_cache(model, context, max(sizes))
     out = {}
     for n in sizes:
-        tree = (torch.arange(n, device=model.device), torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
+        tree = Rows.tree(torch.arange(n, device=model.device), torch.ones(n, n, dtype=torch.bool, device=model.device).tril())
         h = model.embed(torch.zeros(1, n, dtype=torch.long, device=model.device))
-        out[n] = time_forward(model, cache, context, h=h, tree=tree, repeats=repeats, cold=True)
+        out[n] = time_forward(model, cache, context, p=Pass(rows=tree), h=h, repeats=repeats, cold=True)
     return out

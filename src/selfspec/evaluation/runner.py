@@ -73,16 +73,30 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
     """The caches of ``batch_size`` sequences as long as the longest (``context``: prompt and new tokens)
     and their prompts' prefills (``prompt`` rows each; the whole context when not given): a batch keeps a
     cache per sequence, and in bfloat16 its prefills may run as one pass (issue 68: without the batch
-    factor, B caches passed the check and failed after the load)."""
+    factor, B caches passed the check and failed after the load); and the quantised copies of the weights
+    the methods' drafts read (``draft_weights``: every linear and the LM head, held beside the target's)."""
     prompt = context if prompt is None else min(prompt, context)
     batch = int(cfg.batch_size)
     also = " or batch_size" if batch > 1 else ""
+    copies = [Term(f"the {fmt} copy of the weights", draft_copy_bytes(s, fmt), "method.draft_weights")
+              for fmt in sorted({str(m.draft_weights) for m in method_configs(cfg).values()
+                                 if m.get("draft_weights") is not None})]
     return [[
         Term("cache", context * s.kv_per_token * b * batch,
              ("max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)") + also),
         Term("prefill", (layer_bytes(s, prompt, b) + scores_bytes(s, prompt, prompt, b) + s.vocab * 4) * batch,
              "the task's prompts" + also),
+        *copies,
     ]]
+
+
+def draft_copy_bytes(s: Shape, fmt: str) -> int:
+    """Bytes of a quantised copy (:mod:`selfspec.models.quantised`) of a model of shape ``s``: every
+    decoder layer's linears and the LM head (the embedding and the norms stay the target's)."""
+    from selfspec.models.quantised import packed_bytes
+
+    layer_weights = s.params - s.vocab * s.hidden * (1 if s.tied else 2) - s.hidden
+    return packed_bytes(fmt, 1, s.hidden) * (layer_weights // s.hidden + s.vocab)
 
 
 #: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)
@@ -287,10 +301,18 @@ def _check_for_model(cfg: DictConfig, method_cfgs: dict[str, DictConfig], option
     """Each method's keys bounded by the model's layer count, read from its config without loading
     it (:func:`~selfspec.measure.peak.shape_of`), and what the token budget leaves without effect
     (:meth:`~selfspec.decoding.base.Decoder.check_run`)."""
+    from selfspec.models.loading import resolve_device
+
     layers = shape_of(cfg.model).layers
     for name, m in method_cfgs.items():
         with _in_method_config(name, under_test):
             decoder_class(str(m.name)).check_run(options[name], layers, budget)
+            weights = getattr(options[name], "draft_weights", None)
+            if weights is not None and (str(cfg.model.linear_kernel) == "torch"
+                                        or resolve_device(str(cfg.model.device)).type != "cpu"):
+                raise checks.refuse("method.draft_weights", weights, "null with model.linear_kernel=torch or on a GPU",
+                                    "a quantised copy of the weights runs on the runtime's CPU kernels "
+                                    "(models/csrc/quant_linear.cpp): model.linear_kernel=auto or skinny on a CPU")
 
 
 def _check_priced_choices(profile: str | None, method_cfgs: dict[str, DictConfig],
@@ -596,9 +618,31 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     return summary
 
 
+def _check_draft_weights(plan: RunPlan, model, profile) -> None:
+    """A method whose drafts read a quantised copy (``draft_weights``) is refused, naming it, where the
+    loaded model cannot run one (:func:`~selfspec.models.quantised.problem`) or the run's profile has no
+    prices of its passes (a profile measured before quantised drafts): before anything is decoded."""
+    from selfspec.models.quantised import problem
+
+    for name, options in plan.method_options.items():
+        weights = getattr(options, "draft_weights", None)
+        if weights is None:
+            continue
+        with _in_method_config(name, plan.under_test):
+            why = problem(model)
+            if why is not None:
+                raise checks.refuse("method.draft_weights", weights, "null for this model", why)
+            if profile is not None and weights not in profile.formats:
+                raise checks.ConfigError(
+                    f"method.draft_weights={weights}: profile {profile.name} ({profile.path or 'in memory'}) has no prices "
+                    f"of passes over {weights} weights (measured before quantised drafts): measure it again "
+                    "(profile=auto, or make profile), or set profile=null")
+
+
 def _decoders(plan: RunPlan, loaded, profile, threads: str) -> list[MethodRun]:
     """Every method's decoder, built before the loop: a missing artefact fails here, with the
     method's message."""
+    _check_draft_weights(plan, loaded.model, profile)
     common = dict(eos_token_ids=loaded.eos_token_ids, stop_strings=plan.task.stop, tokenizer=loaded.tokenizer)
     return [MethodRun(name, m, build_decoder(m, loaded.model, profile=profile, threads=threads,
                                              options=plan.method_options[name], **common))

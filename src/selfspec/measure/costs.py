@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
-from selfspec.models.passes import CHAIN
+from selfspec.models.layered import LayeredModel, Pass
+from selfspec.models.passes import PASS
 
 __all__ = ["CostCurve", "OthersBusy", "context_cache", "evict_caches", "last_level_cache_bytes", "measure_bandwidth", "measure_curve",
            "synchronizer", "time_call", "time_forward", "weight_bytes"]
@@ -83,28 +83,27 @@ def context_cache(model: LayeredModel, context: int, extra: int, seed: int = 0):
     return cache
 
 
-def time_forward(model: LayeredModel, cache, context: int, n: int | None = None, *, repeats: int = 5,
-                 reduce: str = "median", skip: SkipSet | None = None, h: torch.Tensor | None = None,
-                 tree: tuple[torch.Tensor, torch.Tensor] | None = None, logits_rows: int | None = None, layers: range | None = None,
+def time_forward(model: LayeredModel, cache, context: int, n: int | None = None, *, p: Pass = PASS, repeats: int = 5,
+                 reduce: str = "median", h: torch.Tensor | None = None, logits_rows: int | None = None,
                  head: Callable[[torch.Tensor], torch.Tensor] | None = None, cold: bool = False) -> float:
     """Seconds of one forward of ``n`` new tokens after ``context`` cached positions.
 
-    The pass runs ``layers`` (default all; ``skip`` sublayers left out) and the final norm + LM
-    head on ``logits_rows`` rows (default all ``n``: a verification pass scores every token;
-    0 = no head; ``head``: another head on the final states, e.g. a truncated draft vocabulary's
-    :meth:`~selfspec.models.heads.DraftVocab.model_logits`), then one host sync on the result, as a
-    decoding step has. ``h`` and ``tree`` (:meth:`~selfspec.models.layered.LayeredModel.forward`'s)
-    are given for tree passes (PPD), which take the path a decoder's tree takes. The cache is rolled back to ``context``
-    before every run. ``reduce``: ``median`` (default) or ``min`` of ``repeats`` timed runs. ``cold``:
-    the CPU's caches are pushed out before every run (:func:`evict_caches`, untimed), as a cost
-    profile measures: a pass repeated back to back finds part of its weights still cached.
+    The pass is ``p`` (:class:`~selfspec.models.passes.Pass`: its layers, skipped sublayers, where its
+    rows sit and the weights it reads; default every layer, a chain over the target's weights), then
+    the final norm + LM head on ``logits_rows`` rows (default all ``n``: a verification pass scores
+    every token; 0 = no head; ``head``: another head on the final states, e.g. a truncated draft
+    vocabulary's :meth:`~selfspec.models.heads.DraftVocab.model_logits`), then one host sync on the
+    result, as a decoding step has. ``h``: the rows' hidden states (a tree pass's, PPD's) instead of
+    token ids. The cache is rolled back to ``context`` before every run. ``reduce``: ``median``
+    (default) or ``min`` of ``repeats`` timed runs. ``cold``: the CPU's caches are pushed out before
+    every run (:func:`evict_caches`, untimed), as a cost profile measures: a pass repeated back to back
+    finds part of its weights still cached.
     """
     if h is None and n is None:
         raise ValueError("time_forward needs n (new tokens) or h (their hidden states)")
     n = int(h.shape[1]) if h is not None else int(n)
     rows = n if logits_rows is None else int(logits_rows)
     ids = None if h is not None else torch.zeros(1, n, dtype=torch.long, device=model.device)
-    p = Pass(layers, skip, Rows.tree(*tree) if tree is not None else CHAIN)
     sync = synchronizer(model.device)
     times = []
     with torch.inference_mode():
@@ -282,7 +281,7 @@ def measure_curve(model: LayeredModel, ks=(1, 2, 4, 8, 16, 32), contexts=(512,),
         if not layer:
             # the head timed on its own (embedding + final norm + LM head, no layer): a difference
             # of two medians would drown a small head in a shared machine's noise
-            head = time_forward(model, cache, context, 1, repeats=repeats, logits_rows=1, layers=range(0))
+            head = time_forward(model, cache, context, 1, p=Pass(range(0)), repeats=repeats, logits_rows=1)
             layer = max(seconds[context][1] - head, 0.0) / model.num_layers
     return CostCurve(model.name, str(model.device), str(model.dtype).replace("torch.", ""), model.linear_kernel,
                      seconds, layer, head)

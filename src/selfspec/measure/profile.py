@@ -38,6 +38,11 @@ other machine with a profile of the same model shape:
   bucket's rows and attends over its whole (padded, masked) cache, so a walk that recorded its
   bucket and slots (:class:`~selfspec.models.ledger.LayerOp`) is priced at those: a 5-row pass at
   the 8-row price, a pass over a pooled cache of 1,280 slots at the slots' price, not its context's;
+* ``quantised`` (optional; a CPU profile whose runtime runs quantised copies of the weights):
+  per format (``int8``, ``int4``: :mod:`selfspec.models.quantised`), ``attention``, ``mlp`` and ``head``
+  tables as above, measured over that copy: what a quantised self-draft's walks and head products
+  cost (a walk or head op records its format, :class:`~selfspec.models.ledger.LayerOp`). A run whose
+  ops read a format the profile did not measure is refused before it decodes;
 * ``eager`` (optional): ``attention`` and ``mlp`` tables as above, measured with the static-pass
   runner off. A profile measured with CUDA graphs (``model.capture`` ``graphs``) prices its
   tables as captured passes; a decoding pass that ran eagerly (a ledger walk flagged so, or, in a
@@ -82,8 +87,9 @@ __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"
 FORMAT = 3
 #: how this selfspec measures a profile's tables, part of a cached profile's file name (so a cache
 #: measured the old way is measured again) and recorded in the profile (``measurement``): 2 = the
-#: CPU's caches pushed out before every timed run, and ``walk`` measured (1 or absent: neither)
-MEASUREMENT = 2
+#: CPU's caches pushed out before every timed run, and ``walk`` measured (1 or absent: neither); 3 =
+#: and the quantised copies' tables (``quantised``)
+MEASUREMENT = 3
 #: rows measured at every context (a chain of k + 1, a tree: PPD's paper trees reach 120 rows; with
 #: CUDA graphs also the largest bucket, :func:`selfspec.evaluation.profiling.measure_profile`);
 #: prefill-sized rows at context 0
@@ -94,6 +100,8 @@ CONTEXTS = (0, 128, 512, 1024)
 WARP_SETTINGS = {1: {"temperature": 0.6, "top_p": 0.95}, 0: {"temperature": 0.6}}
 #: rows warped at once: one at a time (chain verification), more for a tree or a batch of drafts
 WARP_ROWS = (1, 4, 16)
+#: rows of the quantised tables (a draft chain's one row, a batch's or a verification-sized pass's few)
+QUANT_ROWS = (1, 2, 4, 8, 16)
 #: truncated vocabularies measured besides the full head, as fractions of it
 VOCAB_FRACTIONS = (1, 1 / 4, 1 / 16)
 #: PPD tree sizes (candidate nodes) whose host work ``host_steps`` measures (with 3 prompt tokens,
@@ -240,6 +248,13 @@ def _check_tables(data: dict[str, Any], where: str) -> None:
     if data.get("eager") is not None:
         for name, depth in (("attention", 2), ("mlp", 1)):
             walk((data["eager"] or {}).get(name), depth, f"eager.{name}")
+    quantised = data.get("quantised")
+    if quantised is not None:
+        if not isinstance(quantised, dict):
+            raise bad(f"quantised is {quantised!r}, not a table of formats")
+        for fmt, tables in quantised.items():
+            for name, depth in (("attention", 2), ("mlp", 1), ("head", 2)):
+                walk((tables or {}).get(name) if isinstance(tables, dict) else None, depth, f"quantised.{fmt}.{name}")
     spans = data.get("spans")
     if spans is not None:
         if not isinstance(spans, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
@@ -298,6 +313,10 @@ class Profile:
         eager = data.get("eager")
         self._eager = None if not eager else (
             {int(c): Curve(num(row)) for c, row in eager["attention"].items()}, Curve(num(eager["mlp"])))
+        #: per quantised format, its (attention curves by context, MLP curve, head curves by vocabulary)
+        self._quantised = {fmt: ({int(c): Curve(num(row)) for c, row in t["attention"].items()}, Curve(num(t["mlp"])),
+                                 {int(v): Curve(num(row)) for v, row in t["head"].items()})
+                           for fmt, t in (data.get("quantised") or {}).items()}
         #: seconds a drafting step's host work adds, by the step's source (``host_steps``)
         self.host_steps = {k: float(v) for k, v in (data.get("host_steps") or {}).items()}
         #: the most rows measured at a decoding context (after cached positions); a profile's wider
@@ -346,10 +365,28 @@ class Profile:
                 "others_busy": self.data.get("others_busy")}
 
     # --- costs ---------------------------------------------------------------------------------
-    def attention_cost(self, rows: int, context: int, eager: bool = False, span: int | None = None) -> float:
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The quantised weight formats whose passes this profile prices (``quantised``)."""
+        return tuple(self._quantised)
+
+    def _tables(self, weights: str) -> tuple:
+        """The quantised tables of format ``weights``, or a :class:`ValueError` saying the profile has none."""
+        found = self._quantised.get(weights)
+        if found is None:
+            raise ValueError(f"profile {self.name} has no prices of passes over {weights} weights (measured by a "
+                             f"selfspec before quantised drafts, or where they cannot run): measure it again "
+                             f"(make profile, or profile=auto)")
+        return found
+
+    def attention_cost(self, rows: int, context: int, eager: bool = False, span: int | None = None,
+                       weights: str = "") -> float:
         """Seconds of one attention sublayer on ``rows`` new rows after ``context`` cached positions
         (``eager``: from the eager tables); ``span``, a static pass's cache slots, prices it by the
-        slots it attends over where the profile records the slots its own passes spanned."""
+        slots it attends over where the profile records the slots its own passes spanned; ``weights``:
+        over that quantised copy (its own tables)."""
+        if weights:
+            return Curve({c: curve(rows) for c, curve in self._tables(weights)[0].items()}, past="slope")(context)
         table = self._eager[0] if eager else self._attention
         if span and self.spans and not eager:
             return Curve({self.spans[c]: curve(rows) for c, curve in table.items() if c in self.spans})(span)
@@ -364,9 +401,9 @@ class Profile:
             return op.rows, None
         return op.padded or bucket(max(op.rows, 1)) or op.rows, op.span or None
 
-    def mlp_cost(self, rows: int) -> float:
-        """Seconds of one MLP sublayer on ``rows`` rows."""
-        return self._mlp(rows)
+    def mlp_cost(self, rows: int, weights: str = "") -> float:
+        """Seconds of one MLP sublayer on ``rows`` rows (``weights``: over that quantised copy)."""
+        return self._tables(weights)[1](rows) if weights else self._mlp(rows)
 
     def layer_cost(self, rows: int, context: int) -> float:
         """Seconds of one decoder layer (attention and MLP) on ``rows`` new tokens after ``context``."""
@@ -422,8 +459,11 @@ class Profile:
         (:attr:`~selfspec.decoding.base.StepTrace.source`)."""
         return self.host_steps.get(source, 0.0)
 
-    def head(self, rows: int, vocab: int) -> float:
-        return Curve({v: cost(rows) for v, cost in self._head.items()})(vocab)
+    def head(self, rows: int, vocab: int, weights: str = "") -> float:
+        """Seconds of a head product of ``rows`` states against ``vocab`` rows (``weights``: of that
+        quantised copy's head)."""
+        heads = self._tables(weights)[2] if weights else self._head
+        return Curve({v: cost(rows) for v, cost in heads.items()})(vocab)
 
     def head_layers(self, vocab: int, context: int = 512) -> float:
         """A head of ``vocab`` rows on one state, in units of one decoder layer on one token at
@@ -434,13 +474,16 @@ class Profile:
     def op(self, op: "Op | list") -> float:
         """Seconds of one ledger op (:mod:`selfspec.models.ledger`; a record or a trace's stored list)."""
         op = as_op(op)
+        if op.kind == "L" and op.weights:  # a walk over a quantised copy (a draft's): its own tables, dynamic
+            return (self.walk + op.attention * self.attention_cost(op.rows, op.context, weights=op.weights)
+                    + op.mlp * self.mlp_cost(op.rows, op.weights))
         if op.kind == "L":
             eager = self._eager is not None and self.eager(op)
             rows, span = self.ran(op, eager)
             return (self.walk + op.attention * self.attention_cost(rows, op.context, eager, span)
                     + op.mlp * (self._eager[1] if eager else self._mlp)(rows))
         if op.kind == "H":
-            return self.head(op.rows, op.vocab)
+            return self.head(op.rows, op.vocab, op.weights)
         if op.kind == "X":
             return self._linear(op.rows)
         by_vocab = self._warp[int(op.nucleus)]

@@ -75,6 +75,7 @@ class _Parked:
     skip: Any = None
     x: torch.Tensor | None = None
     weight: torch.Tensor | None = None
+    weights: str | None = None
 
 
 class Batch:
@@ -109,13 +110,16 @@ class Batch:
 
         return self._main is not None and getcurrent() is not self._main
 
-    def layers(self, model, h, layers, kv, rope, mask, skip, keep, component: str = "host") -> torch.Tensor:
+    def layers(self, model, h, layers, kv, rope, mask, skip, keep, component: str = "host",
+               weights: str | None = None) -> torch.Tensor:
         """A generation's layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers`): parked
-        until the batch runs it with the others of its kind, then its states."""
+        until the batch runs it with the others of its kind (the same layers, skipped sublayers and
+        weights), then its states."""
         if not self._parks():
-            return model.walk(h, layers, kv, rope, mask, skip, keep)
-        key = ("layers", tuple(layers), skip)
-        return self._main.switch(_Parked(key, component, Walk(h, kv, rope, mask, keep), layers, skip))
+            return model.walk(h, layers, kv, rope, mask, skip, keep, weights)
+        key = ("layers", tuple(layers), skip, weights)
+        return self._main.switch(_Parked(key, component, Walk(h, kv, rope, mask, keep), layers, skip,
+                                         weights=weights))
 
     def head(self, model, x, weight, component: str = "host") -> torch.Tensor:
         """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head`), parked likewise."""
@@ -186,7 +190,8 @@ class Batch:
         outs: dict[int, torch.Tensor] = {}
         if len(together) > 1:
             if kind == "layers":
-                states = model.run_batched([c.walk for c in together], together[0].layers, together[0].skip)
+                states = model.run_batched([c.walk for c in together], together[0].layers, together[0].skip,
+                                           together[0].weights)
                 self.rows.append(sum(c.walk.h.shape[1] for c in together))
             else:
                 flat = [c.x.reshape(1, -1, c.x.shape[-1]) for c in together]
@@ -200,19 +205,21 @@ class Batch:
             if id(c) not in outs:
                 self.passes[1] += 1
                 self._record(kind, [c])
-                outs[id(c)] = (model.walk(c.walk.h, c.layers, c.walk.kv, c.walk.rope, c.walk.mask, c.skip, c.walk.keep)
-                               if kind == "layers" else model.linear(c.x, c.weight))
+                outs[id(c)] = (model.walk(c.walk.h, c.layers, c.walk.kv, c.walk.rope, c.walk.mask, c.skip, c.walk.keep,
+                                          c.weights) if kind == "layers" else model.linear(c.x, c.weight))
         return [outs[id(c)] for c in calls]
 
     def _record(self, kind: str, calls: list[_Parked]) -> None:
         """The ledger op of a walk or head product run for ``calls``, before it runs (the caches' lengths
         are the contexts its rows attend to): charged to the component most of them charge it to."""
+        from selfspec.models.quantised import weights_format
         from selfspec.models.ledger import HeadOp, LayerOp
 
         component = collections.Counter(c.component for c in calls).most_common(1)[0][0]
         if kind == "head":
             rows = sum(c.x.numel() // c.x.shape[-1] for c in calls)
-            self.ops.append(HeadOp(component, rows, int(calls[0].weight.shape[0])))
+            self.ops.append(HeadOp(component, rows, int(calls[0].weight.shape[0]),
+                                   weights_format(calls[0].weight) or ""))
             return
         layers, skip = list(calls[0].layers), calls[0].skip
         if not layers:
@@ -222,7 +229,7 @@ class Batch:
         sizes = [c.walk.h.shape[1] for c in calls]
         contexts = [c.walk.kv.length(layers[0]) if hasattr(c.walk.kv, "length") else 0 for c in calls]
         context = round(sum(n * t for n, t in zip(sizes, contexts)) / sum(sizes))
-        self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context))
+        self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context, weights=calls[0].weights or ""))
 
     def _joins(self, call: _Parked) -> bool:
         """Whether a parked call's rows can share a pass with others and stay what they are alone: the

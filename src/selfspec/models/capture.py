@@ -130,9 +130,10 @@ class _Pass:
     static buffers (``kept``), handed to the caller's views after the pass."""
 
     def __init__(self, model: Any, max_length: int, layers: range, skip, size: int, from_ids: bool,
-                 tree: bool = False, keep: tuple[int, ...] = ()) -> None:
+                 tree: bool = False, keep: tuple[int, ...] = (), weights: str | None = None) -> None:
         dev = model.device
         self.model, self.layers, self.skip, self.size, self.keep = model, layers, skip, size, keep
+        self.weights = weights  # the pass's weights (Pass.weights: None, the target's, or a quantised copy's)
         self.ids = torch.zeros(1, size, dtype=torch.long, device=dev) if from_ids else None
         self.h = None if from_ids else torch.zeros(1, size, model.hidden_size, dtype=model.dtype, device=dev)
         self.start = torch.zeros(1, dtype=torch.long, device=dev)
@@ -187,7 +188,8 @@ class _Pass:
         # no ledger here: the caller (LayeredModel.forward) records the pass once, captured or not
         h = m.embed(self.ids) if self.ids is not None else self.h
         keep = {layer: self.kept[j] for j, layer in enumerate(self.keep)} if self.keep else None
-        return m.run_layers(h, self.layers, writes, m.rope(positions.unsqueeze(0), h), mask, self.skip, keep)
+        return m.run_layers(h, self.layers, writes, m.rope(positions.unsqueeze(0), h), mask, self.skip, keep,
+                            weights=self.weights)
 
     def capture(self, cache: LayerCache, pool) -> None:
         """Record :meth:`body` on ``cache`` as a CUDA graph, after two warm-up runs on a side stream
@@ -306,7 +308,7 @@ class StepRunner:
         ids, h = (x, None) if from_ids else (None, x)
         if static is None or (static.cache is not None and static.cache is not cache):
             static = _Pass(model, cache.max_length, layers, skip, size, from_ids=from_ids, tree=tree is not None,
-                           keep=kept)
+                           keep=kept, weights=p.weights)
             static.load(ids, h, start, n, tree, base)
             if self.mode == "graphs":
                 static.capture(cache, self._pool)

@@ -38,6 +38,7 @@ import torch
 from selfspec.config import checks
 from selfspec.config.options import Options, key, nullable
 from selfspec.models.ledger import Ledger, phase
+from selfspec.models.quantised import weights_format
 from selfspec.store.artefacts import load_artefact, save_artefact
 
 KINDS = ("linear", "full", "lm_head")
@@ -274,24 +275,30 @@ class DraftVocab:
             rows = self._other.get(id(weight))
             if rows is None:
                 rows = self._other[id(weight)] = self._rows(weight)
-        sub = self.model.head(x.to(rows.dtype), rows, ledger).float()
+        sub = self.model.head(x if weights_format(rows) else x.to(rows.dtype), rows, ledger).float()
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
 
-    def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:
+    def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None, weight: torch.Tensor | None = None
+                     ) -> torch.Tensor:
         """The model's final norm and the truncated LM head on hidden states ``h`` (a full-depth
-        or skip-set draft: Draft & Verify)."""
-        return self.logits(self.model.final_norm(h), ledger=ledger)
+        or skip-set draft: Draft & Verify; ``weight``: another ``|V|×d`` head, a quantised copy's)."""
+        return self.logits(self.model.final_norm(h), weight, ledger)
 
     def stats(self) -> dict:
         """What a run records per generation: the size and the artefact's held-out coverage."""
         return {"draft_vocab_size": self.size, "draft_vocab_coverage": self.meta.get("coverage")}
 
 
-def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None, ledger: Ledger | None = None) -> torch.Tensor:
+def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None, ledger: Ledger | None = None,
+                 weights: str | None = None) -> torch.Tensor:
     """Final norm + LM head on ``h``, truncated to ``vocab`` when one is given (the one place a
-    final-head draft is scored: Draft & Verify's drafts), recorded in ``ledger`` when given."""
-    return model.logits(h, ledger) if vocab is None else vocab.model_logits(h, ledger)
+    final-head draft is scored: Draft & Verify's drafts), recorded in ``ledger`` when given;
+    ``weights``: the head of that quantised copy of the weights (a quantised draft's), None the target's."""
+    head = None if weights is None else model.weight_set(weights).head
+    if vocab is not None:
+        return vocab.model_logits(h, ledger, head)
+    return model.logits(h, ledger) if head is None else model.head(model.final_norm(h), head, ledger).float()
 
 
 def draft_vocab_tensors(ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:

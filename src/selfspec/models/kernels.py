@@ -65,6 +65,7 @@ ATTENTION_SOURCE = Path(__file__).with_name("csrc") / "rowwise_attention.cpp"
 HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("avx2.h", "bf16_dot.h", "isa.h"))
 LAYER_OPS_SOURCE = Path(__file__).with_name("csrc") / "layer_ops.cpp"
 LAYER_WALK_SOURCE = Path(__file__).with_name("csrc") / "layer_walk.cpp"
+QUANT_SOURCE = Path(__file__).with_name("csrc") / "quant_linear.cpp"
 
 #: compiler flags. ``-fopenmp`` makes ``at::parallel_for`` (inlined into the kernels) run on torch's
 #: OpenMP threads: without it the kernels ran on one thread whatever ``torch.set_num_threads`` said
@@ -116,7 +117,7 @@ def _build_dir() -> Path:
 
 #: the sources, compiled together into one library
 SOURCES = (SOURCE, Path(__file__).with_name("csrc") / "bf16_dot.cpp", ATTENTION_SOURCE, LAYER_OPS_SOURCE,
-           LAYER_WALK_SOURCE)
+           LAYER_WALK_SOURCE, QUANT_SOURCE)
 
 
 def _stage_sources(folder: Path) -> list[str]:
@@ -246,7 +247,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     than :data:`MAX_ROWS` rows runs in blocks of at most that many through the skinny kernel, so that
     each row's arithmetic is its own pass's (a batch of several sequences' few-row passes,
     :meth:`selfspec.models.layered.LayeredModel.run_batched`), where ``F.linear`` would block the rows
-    together."""
+    together. A quantised ``weight`` (packed int8 or uint8 rows, :mod:`selfspec.models.quantised`: a
+    draft's) runs through its own kernel (``csrc/quant_linear.cpp``), whose rows never depend on the call's."""
+    if weight.dtype in (torch.int8, torch.uint8):
+        if not skinny:
+            raise KernelUnavailable("a quantised weight runs on the CPU kernels (model.linear_kernel=skinny or auto "
+                                    "on a CPU with AVX2); this model's linears are torch's")
+        y = torch.ops.selfspec.quant_linear(x, weight)
+        return y if bias is None else y + bias
     if (skinny and x.dtype == weight.dtype and x.device.type == "cpu" and x.shape[-1] % 8 == 0
             and not _wants_grad(x)):
         if x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]:

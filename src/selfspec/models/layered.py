@@ -47,6 +47,7 @@ from selfspec.models.cache import Appended, LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
 from selfspec.models.passes import PASS, Pass, Rows, SkipSet
+from selfspec.models.quantised import WeightSet, weight_set, weights_format
 
 #: the one-operator walk's mask of a one-row pass without one (made once, not per step)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
@@ -171,6 +172,8 @@ class LayeredModel:
         self._pooled: LayerCache | None = None
         #: the batch of generations decoding at once on this model (:class:`selfspec.models.batch.Batch`), or None
         self.batch = None
+        #: quantised copies of the weights, by format, made at the first pass that reads one (:meth:`weight_set`)
+        self._weight_sets: dict[str, WeightSet] = {}
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -282,6 +285,27 @@ class LayeredModel:
         places = [{key: next(views) for key in layer} for layer in per_layer]
         return places + [{"head": next(views)}]
 
+    def weight_set(self, weights: str | None) -> WeightSet | None:
+        """The weights a pass with ``Pass.weights = weights`` reads: None for the target's own, else this
+        model's copy in that format (:mod:`selfspec.models.quantised`), made at the first call (seconds)
+        and held once."""
+        if weights is None:
+            return None
+        found = self._weight_sets.get(weights)
+        if found is None:
+            from selfspec.models.quantised import problem
+
+            why = problem(self)
+            if why is not None:
+                raise ValueError(f"passes over {weights} weights cannot run: {why}")
+            found = self._weight_sets[weights] = weight_set(self, weights)
+        return found
+
+    @property
+    def weight_sets(self) -> dict[str, WeightSet]:
+        """The quantised copies made so far, by format."""
+        return dict(self._weight_sets)
+
     def _linears(self) -> list[torch.nn.Linear]:
         """The decoder layers' linear modules and the LM head."""
         mods = [m for m in self.family.layers.modules() if isinstance(m, torch.nn.Linear)]
@@ -356,19 +380,20 @@ class LayeredModel:
         arithmetic its own, at any row count: :func:`kernels.linear`)."""
         return kernels.linear(x, weight, bias, self._cpu_ops, rows_apart)
 
-    def attention(self, i, h, rope, kv: KV | None, mask=None) -> torch.Tensor:
+    def attention(self, i, h, rope, kv: KV | None, mask=None, ws: WeightSet | None = None) -> torch.Tensor:
         """Attention sublayer of layer ``i`` with its residual; writes layer ``i``'s K/V to ``kv``.
 
         The family's attention with the q/k/v projections as one product (:meth:`_heads`): the
         family's rotary function (of the layer's kind), the K/V write, the layer's window narrowing
         the mask, then the attention function (:meth:`_attend`), the output projection and the
-        family's output norm if any (:meth:`_attention_out`)."""
-        return self._attention_out(i, h, self._attend(i, *self._heads(i, h), rope, kv, mask))
+        family's output norm if any (:meth:`_attention_out`). ``ws``: the quantised weights the
+        projections read (:meth:`weight_set`; None: the target's)."""
+        return self._attention_out(i, h, self._attend(i, *self._heads(i, h, ws=ws), rope, kv, mask), ws=ws)
 
-    def _heads(self, i: int, h: torch.Tensor, rows_apart: bool = False):
+    def _heads(self, i: int, h: torch.Tensor, rows_apart: bool = False, ws: WeightSet | None = None):
         """Layer ``i``'s queries, keys and values of the rows of ``h``, each ``[1, n, heads, D]``."""
         fam = self.family
-        weight, bias, sizes = self._qkv[i]
+        weight, bias, sizes = (self._qkv if ws is None else ws.qkv)[i]
         x = self.norm(fam.attention_norm(i), h)
         q, k, v = self.linear(x, weight, bias, rows_apart).split(sizes, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
@@ -395,33 +420,36 @@ class LayeredModel:
             mask = self.window_mask(mask, positions, positions if kv is None else kv.key_positions(i), window)
         return kernels.attention(fam.attend, attn, q, k, v, mask, attn.scaling, **fam.attention_kwargs(i))
 
-    def _attention_out(self, i: int, h: torch.Tensor, out: torch.Tensor, rows_apart: bool = False) -> torch.Tensor:
+    def _attention_out(self, i: int, h: torch.Tensor, out: torch.Tensor, rows_apart: bool = False,
+                       ws: WeightSet | None = None) -> torch.Tensor:
         """The output projection of layer ``i``'s attention ``out`` (``[1, n, heads, D]``), its output
         norm if any, and the residual onto ``h``."""
         fam = self.family
         o = fam.out_proj(i)
-        out = self.linear(out.reshape(*h.shape[:-1], -1).contiguous(), o.weight, o.bias, rows_apart)
+        weight, bias = (o.weight, o.bias) if ws is None else ws.out[i]
+        out = self.linear(out.reshape(*h.shape[:-1], -1).contiguous(), weight, bias, rows_apart)
         post = fam.attention_out_norm(i)
         return h + (out if post is None else self.norm(post, out))
 
-    def mlp(self, i: int, h: torch.Tensor, rows_apart: bool = False) -> torch.Tensor:
+    def mlp(self, i: int, h: torch.Tensor, rows_apart: bool = False, ws: WeightSet | None = None) -> torch.Tensor:
         """MLP sublayer of layer ``i`` with its residual: ``down(act(gate(x)) * up(x))``, gate and up
-        as one product, and the family's output norm if any."""
+        as one product, and the family's output norm if any (``ws``: as :meth:`attention`)."""
         fam = self.family
-        weight, bias, sizes = self._gate_up[i]
+        weight, bias, sizes = (self._gate_up if ws is None else ws.gate_up)[i]
         gate, up = self.linear(self.norm(fam.mlp_norm(i), h), weight, bias, rows_apart).split(sizes, dim=-1)
         down = fam.down_proj(i)
-        out = self.linear(fam.act(i)(gate) * up, down.weight, down.bias, rows_apart)
+        weight, bias = (down.weight, down.bias) if ws is None else ws.down[i]
+        out = self.linear(fam.act(i)(gate) * up, weight, bias, rows_apart)
         post = fam.mlp_out_norm(i)
         return h + (out if post is None else self.norm(post, out))
 
     def run_layer(self, i: int, h: torch.Tensor, rope, kv: KV | None, mask: torch.Tensor | None = None,
-                  skip_attn: bool = False, skip_mlp: bool = False) -> torch.Tensor:
+                  skip_attn: bool = False, skip_mlp: bool = False, ws: WeightSet | None = None) -> torch.Tensor:
         """One decoder layer; a skipped sublayer leaves ``h`` (and layer ``i``'s cache) unchanged."""
         if not skip_attn:
-            h = self.attention(i, h, rope, kv, mask)
+            h = self.attention(i, h, rope, kv, mask, ws)
         if not skip_mlp:
-            h = self.mlp(i, h)
+            h = self.mlp(i, h, ws=ws)
         return h
 
     def _walk_weights(self) -> dict | None:
@@ -458,7 +486,8 @@ class LayeredModel:
                 "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
                 "scaling": scaling.pop()}
 
-    def _walk_in_cpp(self, walks: list, layers, skip: SkipSet | None = None) -> torch.Tensor | None:
+    def _walk_in_cpp(self, walks: list, layers, skip: SkipSet | None = None, ws: WeightSet | None = None
+                     ) -> torch.Tensor | None:
         """The walk of :meth:`run_layers` as one operator (``csrc/layer_walk.cpp``: the same
         operators in the same order, called from C++) over one pass or several sequences' passes
         (``walks``, each a :class:`~selfspec.models.batch.Walk`; their rows concatenated, as
@@ -467,8 +496,9 @@ class LayeredModel:
         rows after a cache whose layers all hold the same positions (those whose attention runs,
         under a ``skip`` set), no mask for one row or a boolean one; kept states (``keep``, as
         :meth:`run_layers`) are copied and skipped sublayers left out by the operator. Returns the
-        states after the last layer, every pass's rows in order, or None (the Python walk)."""
-        walk = self._walk
+        states after the last layer, every pass's rows in order, or None (the Python walk). ``ws``: the
+        quantised weights the linears read (their walk weights, :class:`~selfspec.models.quantised.WeightSet`)."""
+        walk = self._walk if ws is None else ws.walk
         if walk is None or torch.is_grad_enabled() or not len(layers):
             return None
         layers = list(layers)
@@ -528,39 +558,44 @@ class LayeredModel:
 
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
                    skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None,
-                   eager: bool = False, ledger: Ledger | None = None) -> torch.Tensor:
+                   eager: bool = False, ledger: Ledger | None = None, weights: str | None = None) -> torch.Tensor:
         """The layer primitive: run ``layers`` (a range or any increasing subset) over the rows of
         ``h [1, n, d]`` at the positions ``rope`` encodes, writing K/V to ``kv`` and attending under
         ``mask``; ``skip`` leaves sublayers out (Draft & Verify); ``keep`` ``{layer: out}`` copies
         the last ``len(out)`` rows of the state after each of those layers into ``out`` (early
         exit's exit-query cache, DEL's shadow tokens). Returns the states after the last layer run.
         The walk is recorded in ``ledger`` when one is given (``eager``: as a decoding pass that a
-        capturing model ran eagerly)."""
+        capturing model ran eagerly). ``weights``: the linears read a quantised copy in that format
+        (:meth:`weight_set`, a draft's: ``Pass.weights``), None the target's."""
         if ledger is not None:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
-            _record_walk(ledger, h.shape[1], layers, skip, context, eager)
+            _record_walk(ledger, h.shape[1], layers, skip, context, eager, weights=weights)
         if self.batch is not None:  # several generations decode at once: their walks run together
-            return self.batch.layers(self, h, layers, kv, rope, mask, skip, keep, ledger.current if ledger else "host")
-        return self.walk(h, layers, kv, rope, mask, skip, keep)
+            return self.batch.layers(self, h, layers, kv, rope, mask, skip, keep, ledger.current if ledger else "host",
+                                     weights)
+        return self.walk(h, layers, kv, rope, mask, skip, keep, weights)
 
     def walk(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
-             skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+             skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None,
+             weights: str | None = None) -> torch.Tensor:
         """:meth:`run_layers`'s walk itself, unrecorded and alone (the C++ walk where it applies)."""
-        out = self._walk_in_cpp([Walk(h, kv, rope, mask, keep)], layers, skip)
+        ws = self.weight_set(weights)
+        out = self._walk_in_cpp([Walk(h, kv, rope, mask, keep)], layers, skip, ws)
         if out is not None:
             return out
         for i in layers:
             if skip is None:
-                h = self.mlp(i, self.attention(i, h, rope, kv, mask))
+                h = self.mlp(i, self.attention(i, h, rope, kv, mask, ws), ws=ws)
             else:
-                h = self.run_layer(i, h, rope, kv, mask, i in skip.attn, i in skip.mlp)
+                h = self.run_layer(i, h, rope, kv, mask, i in skip.attn, i in skip.mlp, ws)
             if keep is not None and i in keep:
                 out = keep[i]
                 out.copy_(h[0, h.shape[1] - out.shape[0]:])
         return h
 
-    def run_batched(self, passes: list, layers, skip: SkipSet | None) -> list[torch.Tensor]:
+    def run_batched(self, passes: list, layers, skip: SkipSet | None, weights: str | None = None
+                    ) -> list[torch.Tensor]:
         """:meth:`walk` over several passes at once, each a :class:`~selfspec.models.batch.Walk` (its
         hidden states, K/V, rotary tables, mask and kept states), through the same ``layers`` with the
         same ``skip``: the norms and linears take every pass's rows in one product, each row's
@@ -574,18 +609,19 @@ class LayeredModel:
         after the last layer."""
         ends = list(itertools.accumulate(p.h.shape[1] for p in passes))
         bounds = list(zip([0] + ends[:-1], ends))
-        h = self._walk_in_cpp(passes, layers, skip)
+        ws = self.weight_set(weights)
+        h = self._walk_in_cpp(passes, layers, skip, ws)
         if h is not None:
             return [h[:, a:b] for a, b in bounds]
         h = torch.cat([p.h for p in passes], dim=1)
         for i in layers:
             if skip is None or i not in skip.attn:
-                q, k, v = self._heads(i, h, rows_apart=True)
+                q, k, v = self._heads(i, h, rows_apart=True, ws=ws)
                 out = [self._attend(i, q[:, a:b], k[:, a:b], v[:, a:b], p.rope, p.kv, p.mask)
                        for p, (a, b) in zip(passes, bounds)]
-                h = self._attention_out(i, h, torch.cat(out, dim=1), rows_apart=True)
+                h = self._attention_out(i, h, torch.cat(out, dim=1), rows_apart=True, ws=ws)
             if skip is None or i not in skip.mlp:
-                h = self.mlp(i, h, rows_apart=True)
+                h = self.mlp(i, h, rows_apart=True, ws=ws)
             for p, (a, b) in zip(passes, bounds):
                 if p.keep is not None and i in p.keep:
                     out = p.keep[i]
@@ -596,11 +632,12 @@ class LayeredModel:
         return self.norm(self.family.norm, h)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None) -> torch.Tensor:
-        """The LM head (or another ``|rows|×d`` head ``weight``) on normalised states, in the
-        model's dtype (recorded in ``ledger`` when one is given)."""
+        """The LM head (or another ``|rows|×d`` head ``weight``: rows of it, or of a quantised copy's,
+        :attr:`~selfspec.models.quantised.WeightSet.head`) on normalised states, in the model's dtype
+        (recorded in ``ledger`` when one is given)."""
         weight = self.family.lm_head.weight if weight is None else weight
         if ledger is not None:
-            ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]))
+            ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]), weights_format(weight))
         if self.batch is not None:  # several generations decode at once: their head products run together
             return self.batch.head(self, x, weight, ledger.current if ledger else "host")
         return self.linear(x, weight)
@@ -640,7 +677,7 @@ class LayeredModel:
             out = self.steps.run(self, p, x, cache, start, keep)
             if out is not None:
                 if ledger is not None:
-                    _record_walk(ledger, out.shape[1], layers, p.skip, start, ran=self.steps.last)
+                    _record_walk(ledger, out.shape[1], layers, p.skip, start, ran=self.steps.last, weights=p.weights)
                 return out
         h = x if x.is_floating_point() else self.embed(x)
         n = h.shape[1]
@@ -658,11 +695,13 @@ class LayeredModel:
         if checkpoint:
             if keep is not None:
                 raise ValueError("forward: checkpoint=True keeps no states (keep=...): a training pass has none to keep")
+            if p.weights is not None:
+                raise ValueError("forward: checkpoint=True trains through the target's weights, not a quantised copy")
             return self._checkpointed(h, layers, cache, start, rope, mask, p.skip)
         # a decoding pass (the cache holds positions) that a capturing model (static or graphs) runs
         # here ran eagerly: a profile measured with graphs prices it apart (selfspec.measure.profile)
         eager = self.steps is not None and start > 0
-        return self.run_layers(h, layers, cache, rope, mask, p.skip, keep, eager, ledger)
+        return self.run_layers(h, layers, cache, rope, mask, p.skip, keep, eager, ledger, p.weights)
 
     def _scratch(self, p: Pass, h: torch.Tensor, cache: LayerCache, layers: range, ledger: Ledger | None
                  ) -> torch.Tensor:
@@ -689,7 +728,7 @@ class LayeredModel:
                 if attn and mlp:
                     continue  # the layer left out whole
                 part = SkipSet.of([i] if attn else (), [i] if mlp else ()) if attn or mlp else None
-                x = self.steps.run(self, Pass(range(i, i + 1), part, rows, p.at_least), out, cache, start)
+                x = self.steps.run(self, Pass(range(i, i + 1), part, rows, p.at_least, p.weights), out, cache, start)
                 if x is None:
                     if ran:  # the runner's conditions are the same for every layer of the pass
                         raise RuntimeError(f"a scratch pass: layer {i} of {layers} took the dynamic path after the "
@@ -698,7 +737,7 @@ class LayeredModel:
                 out, ran = x, True
             else:  # every layer static (or left out)
                 if ledger is not None:
-                    _record_walk(ledger, out.shape[1], layers, skip, rows.context, ran=self.steps.last)
+                    _record_walk(ledger, out.shape[1], layers, skip, rows.context, ran=self.steps.last, weights=p.weights)
                 return out
         rope = mask = None
         if skip is None or any(i not in skip.attn for i in layers):  # an MLP walk needs neither
@@ -706,7 +745,7 @@ class LayeredModel:
             mask = self.prepare_mask(torch.cat([past, rows.allowed], dim=1))
             rope = self.rope((rows.context + rows.offsets).unsqueeze(0), h)
         return self.run_layers(h, layers, Appended(cache, rows.context), rope, mask, skip,
-                               eager=self.steps is not None, ledger=ledger)
+                               eager=self.steps is not None, ledger=ledger, weights=p.weights)
 
     def _checkpointed(self, h, layers, cache: LayerCache | None, start: int, rope, mask, skip) -> torch.Tensor:
         """:meth:`run_layers` one layer at a time under ``torch.utils.checkpoint``: backward keeps each
@@ -721,7 +760,7 @@ class LayeredModel:
 
 
 def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False,
-                 ran: tuple[int, int] | None = None) -> None:
+                 ran: tuple[int, int] | None = None, weights: str | None = None) -> None:
     """A layer walk in ``ledger``: its rows, the sublayers run and the cached positions they attend
     to; ``ran``: a static pass's bucket rows and the cache slots its attention spans
     (:attr:`selfspec.models.capture.StepRunner.last`), what it costs. A sliding layer is recorded at
@@ -734,4 +773,4 @@ def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, contex
         attention -= sum(i in skip.attn for i in layers)
         mlp -= sum(i in skip.mlp for i in layers)
     padded, span = ran if ran is not None else (0, 0)
-    ledger.layers(int(rows), attention, mlp, int(context), eager, padded, span)
+    ledger.layers(int(rows), attention, mlp, int(context), eager, padded, span, weights or "")

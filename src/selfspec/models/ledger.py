@@ -28,7 +28,8 @@ trace (:meth:`~LayerOp.row`; :func:`as_op` reads one back): ``[component, "L", r
 sublayers, MLP sublayers, context]`` (with a seventh entry, 1, when a model that captures its passes
 ran this walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`; a static
 pass adds, after a seventh entry of 0, its bucket's rows and the cache slots it attends over),
-``[component, "H", rows, vocabulary rows]``, ``[component, "X", rows, in features, out features]``
+``[component, "H", rows, vocabulary rows]`` (a walk or head product over a quantised copy of the
+weights, a draft's, says its format in the kind: ``"L:int8"``, ``"H:int4"``), ``[component, "X", rows, in features, out features]``
 or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``: logit rows warped into the
 target distribution (:func:`selfspec.decoding.sampling.warp`; ``nucleus`` 1 when top-p sorts the
 vocabulary). Greedy selection (an argmax) is no op: it is part of a step's host time.
@@ -57,7 +58,8 @@ class LayerOp(NamedTuple):
     A static-shape (captured) pass also records what it ran (:mod:`selfspec.models.capture`):
     ``padded``, the rows of its bucket (a 5-row pass runs 8), and ``span``, the cache slots its
     attention spans (the whole buffer, masked); 0 where the walk ran dynamically, at its own rows
-    and context."""
+    and context. ``weights``: the format of the quantised copy its linears read (a draft's:
+    ``int8``, ``int4``), "" for the target's own; stored in the kind (``"L:int8"``)."""
 
     component: str
     rows: int
@@ -67,25 +69,28 @@ class LayerOp(NamedTuple):
     eager: bool = False
     padded: int = 0
     span: int = 0
+    weights: str = ""
     kind = "L"
 
     def row(self) -> list:
-        head = [self.component, "L", self.rows, self.attention, self.mlp, self.context]
+        head = [self.component, _kind("L", self.weights), self.rows, self.attention, self.mlp, self.context]
         if self.padded:
             return head + [int(self.eager), self.padded, self.span]
         return head + ([1] if self.eager else [])
 
 
 class HeadOp(NamedTuple):
-    """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""
+    """An LM-head product: ``rows`` states against ``vocab`` rows of the head (``weights``: of a quantised
+    copy's head, as :class:`LayerOp`)."""
 
     component: str
     rows: int
     vocab: int
+    weights: str = ""
     kind = "H"
 
     def row(self) -> list:
-        return [self.component, "H", self.rows, self.vocab]
+        return [self.component, _kind("H", self.weights), self.rows, self.vocab]
 
 
 class LinearOp(NamedTuple):
@@ -114,6 +119,12 @@ class WarpOp(NamedTuple):
         return [self.component, "W", self.rows, self.vocab, int(self.nucleus)]
 
 
+def _kind(kind: str, weights: str) -> str:
+    """A walk's or head product's stored kind: ``L`` / ``H``, with the quantised weights' format after a
+    colon (``L:int8``) where the op read a quantised copy."""
+    return f"{kind}:{weights}" if weights else kind
+
+
 Op = Union[LayerOp, HeadOp, LinearOp, WarpOp]
 _RECORDS = (LayerOp, HeadOp, LinearOp, WarpOp)
 _KINDS = {cls.kind: cls for cls in _RECORDS}
@@ -124,12 +135,17 @@ def as_op(op: "Op | list") -> Op:
     if isinstance(op, _RECORDS):
         return op
     try:
-        cls = _KINDS[op[1]]
-    except (KeyError, IndexError, TypeError):
+        kind, _, weights = op[1].partition(":")
+        cls = _KINDS[kind]
+        if weights and cls not in (LayerOp, HeadOp):
+            raise KeyError(weights)
+    except (KeyError, IndexError, TypeError, AttributeError):
         raise ValueError(f"unknown ledger op {op!r}") from None
     if cls is LayerOp:
         return LayerOp(op[0], *op[2:6], eager=len(op) > 6 and bool(op[6]), padded=op[7] if len(op) > 8 else 0,
-                       span=op[8] if len(op) > 8 else 0)
+                       span=op[8] if len(op) > 8 else 0, weights=weights)
+    if cls is HeadOp:
+        return HeadOp(op[0], op[2], op[3], weights)
     if cls is WarpOp:
         return WarpOp(op[0], op[2], op[3], bool(op[4]))
     return cls(op[0], *op[2:])
@@ -205,21 +221,24 @@ class Ledger:
 
     # --- ops -------------------------------------------------------------------------------
     def layers(self, rows: int, attention: int, mlp: int, context: int, eager: bool = False, padded: int = 0,
-               span: int = 0) -> None:
+               span: int = 0, weights: str = "") -> None:
         """A layer walk of ``rows`` new rows: ``attention`` and ``mlp`` sublayers run, attending to
         ``context`` cached positions (consecutive walks of the same shape merge). ``eager``: the
         model captures its passes, and this one ran eagerly (a profile prices the two apart);
-        ``padded`` and ``span``: a static pass's bucket and the cache slots it attends over."""
+        ``padded`` and ``span``: a static pass's bucket and the cache slots it attends over;
+        ``weights``: a quantised copy's format, "" for the target's weights."""
         last = self.ops[-1] if self.ops else None
         if (type(last) is LayerOp and last.component == self.current and last.rows == rows
-                and last.context == context and last.eager == eager and last.padded == padded and last.span == span):
+                and last.context == context and last.eager == eager and last.padded == padded and last.span == span
+                and last.weights == weights):
             self.ops[-1] = last._replace(attention=last.attention + attention, mlp=last.mlp + mlp)
         else:
-            self.ops.append(LayerOp(self.current, rows, attention, mlp, context, eager, padded, span))
+            self.ops.append(LayerOp(self.current, rows, attention, mlp, context, eager, padded, span, weights))
 
-    def head(self, rows: int, vocab: int) -> None:
-        """An LM-head product: ``rows`` states against ``vocab`` rows of the head."""
-        self.ops.append(HeadOp(self.current, rows, vocab))
+    def head(self, rows: int, vocab: int, weights: str | None = None) -> None:
+        """An LM-head product: ``rows`` states against ``vocab`` rows of the head (``weights``: a
+        quantised copy's format, None for the target's head)."""
+        self.ops.append(HeadOp(self.current, rows, vocab, weights or ""))
 
     def linear(self, rows: int, d_in: int, d_out: int) -> None:
         """A small head transform (an exit head's ``d × d`` map before the LM head)."""

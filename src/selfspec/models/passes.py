@@ -7,7 +7,8 @@ SWIFT §3.3), rows that sit after a prefix of the cache and leave the cache as i
 searches' candidate passes: CLaSp §3.3, KnapSpec, SWIFT's matchness), and rows at explicit
 positions under an explicit mask (the skip search's and prompt training's packed sequences).
 :class:`Pass` says which: its layers, the sublayers it skips, where its rows sit (:class:`Rows`) and
-the smallest static shape it runs in. :meth:`selfspec.models.layered.LayeredModel.forward` runs it;
+the smallest static shape it runs in, and which weights its linears read (the target's, or a quantised
+copy of them: a draft's, :mod:`selfspec.models.quantised`). :meth:`selfspec.models.layered.LayeredModel.forward` runs it;
 the static-pass runner keys and captures it by :meth:`Pass.key` (:mod:`selfspec.models.capture`).
 A method with a new shape of pass builds the record in its own module; the runtime gains no entry
 point for it.
@@ -89,21 +90,31 @@ class Pass:
     """One pass of the runtime (module docstring): ``layers`` (None: every layer) with ``skip``'s
     sublayers left out, over rows placed as ``rows`` says; ``at_least``: the fewest rows of the static
     shape it runs in on a model whose passes take static shapes (passes of varying widths that a
-    method repeats, such as KnapSpec's sublayer states, then share one shape)."""
+    method repeats, such as KnapSpec's sublayer states, then share one shape); ``weights``: None, the
+    target's own weights, or a quantised copy's format (``int8``, ``int4``: a draft that reads a
+    fraction of the bytes, :data:`selfspec.models.quantised.FORMATS`)."""
 
     layers: range | None = None
     skip: SkipSet | None = None
     rows: Rows = field(default=CHAIN)
     at_least: int = 1
+    weights: str | None = None
+
+    def __post_init__(self) -> None:
+        from selfspec.models.quantised import FORMATS
+
+        if self.weights is not None and self.weights not in FORMATS:
+            raise ValueError(f"Pass.weights must be None (the target's) or one of {', '.join(FORMATS)}, "
+                             f"got {self.weights!r}")
 
     def layer_range(self, num_layers: int) -> range:
         return range(num_layers) if self.layers is None else self.layers
 
     def key(self, num_layers: int, kept: tuple[int, ...]) -> tuple:
         """What a static pass of this record is keyed by, besides its bucket, cache and input: the layer
-        range, the sublayers skipped, where its rows sit, the layers whose states it keeps."""
+        range, the sublayers skipped, where its rows sit, the layers whose states it keeps, the weights."""
         layers = self.layer_range(num_layers)
-        return layers.start, layers.stop, self.skip, self.rows.kind, kept
+        return layers.start, layers.stop, self.skip, self.rows.kind, kept, self.weights
 
 
 #: the plain pass: every layer, rows after the cache

@@ -52,6 +52,7 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArr
                       at::IntArrayRef keep_seqs, at::TensorList keep, at::IntArrayRef skip_attn,
                       at::IntArrayRef skip_mlp) {
   static const auto linear_op = op<Linear>("selfspec::skinny_linear");
+  static const auto quant_op = op<Linear>("selfspec::quant_linear");
   static const auto norm = op<Norm>("selfspec::rms_norm");
   static const auto rotary = op<Rotary>("selfspec::rotary");
   static const auto attention = op<Attention>("selfspec::rowwise_attention");
@@ -66,8 +67,11 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArr
   TORCH_CHECK(keep_layers.size() == keep.size() && keep_seqs.size() == keep.size(),
               "layer_walk: one kept-state buffer per kept layer and sequence");
   TORCH_CHECK(block >= 1, "layer_walk: blocks of at least one row");
-  // x @ W^T over every row, in blocks of at most `block` rows
+  // x @ W^T over every row, in blocks of at most `block` rows; a quantised copy of W (int8 or uint8 packed
+  // rows, selfspec.models.quantised: a draft's weights) through its own kernel, whose rows never depend on
+  // the call's
   const auto linear = [&](const at::Tensor& x, const at::Tensor& w) {
+    if (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte) return quant_op.call(x, w);
     if (x.size(1) <= block) return linear_op.call(x, w);
     std::vector<at::Tensor> parts;
     for (const at::Tensor& rows : x.split(block, 1)) parts.push_back(linear_op.call(rows.contiguous(), w));

@@ -1,0 +1,227 @@
+// y = x @ W^T for a few rows of x, W a quantised copy of a weight (selfspec.models.quantised): the draft
+// passes of a quantised self-draft (issue 69). On a memory-bound CPU a draft costs what it reads; these
+// weights read a quarter (int8) or about a sixth (int4) of float32's bytes.
+//
+// Formats, one row of W per row of the packed tensor, in blocks of 32 values along K:
+//   int8 (torch.int8, [N, K + K/8] bytes): the K values q (int8), then K/32 float32 scales s_b;
+//        w[k] = s_b * q[k] for k in block b (Q8_0's rounding: s = amax/127).
+//   int4 (torch.uint8, [N, K/2 + K/8] bytes): per block 16 bytes, byte j holding the block's value j in
+//        its low nibble and value j + 16 in its high nibble, each stored as q + 8 (q in [-8, 7]); then the
+//        K/32 float32 scales (symmetric: s = amax/7).
+//
+// Integer dot products, as llama.cpp's quantised kernels do: each row of x is rounded per block of 32 to
+// int8 with its own scale (s_x = amax/127, round half to even), each block's 32 products summed in int32
+// lanes (exact), and the block's sum times s_w * s_x accumulated in float32 lanes by FMA over the blocks
+// in order, then reduced by a fixed horizontal sum. int8 weights go through the sign trick (|w| times x
+// carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127, or VNNI's vpdpbusd); int4
+// weights are the unsigned nibbles q + 8, and 8 times x's sums per lane are taken off (exact).
+//
+// Every output element's instruction sequence is fixed by the weight's shape: a row's result does not
+// depend on the other rows of the call or on the thread count, and there is one path (AVX2), so a draft
+// is the same on every CPU that runs it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "avx2.h"
+
+namespace {
+
+using selfspec_avx2::hsum;
+
+constexpr int64_t QB = 32;  // values per block
+constexpr int MB = 4;       // rows of x per block of the tile loop
+#ifndef QNB
+#define QNB 32
+#endif
+constexpr int64_t NB = QNB;  // weight rows per parallel task
+#ifndef QPD
+#define QPD 4  // tiles prefetched ahead
+#endif
+#ifndef QPF_HINT
+#define QPF_HINT _MM_HINT_T0
+#endif
+
+// x rounded per block: q (int8, M x K), s (float, M x K/32) and, for the int4 format's offset, 8 times each
+// block's 8 lane sums of 4 consecutive values (int32, M x K/4)
+struct Rounded {
+  std::vector<int8_t> q;
+  std::vector<float> s;
+  std::vector<int32_t> sum4x8;
+};
+
+// s = amax/127 and q = v / s rounded half to even (vdivps and vcvtps2dq, exact-rounded: the scalar
+// nearbyint(v / s) to the bit)
+Rounded round_rows(const float* x, int64_t M, int64_t K) {
+  Rounded r;
+  const int64_t blocks = M * K / QB;
+  r.q.resize(M * K);
+  r.s.resize(blocks);
+  r.sum4x8.resize(M * K / 4);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* v = x + i * QB;
+    __m256 a[4];
+    for (int c = 0; c < 4; ++c) a[c] = _mm256_loadu_ps(v + 8 * c);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float s = _mm_cvtss_f32(m4) / 127.f;
+    r.s[i] = s;
+    int8_t* q = &r.q[i * QB];
+    if (s > 0.f) {
+      const __m256 sv = _mm256_set1_ps(s);
+      __m256i n[4];
+      for (int c = 0; c < 4; ++c) n[c] = _mm256_cvtps_epi32(_mm256_div_ps(a[c], sv));
+      // the packs work per 128-bit half: groups of 4 values come out as 0 2 4 6 | 1 3 5 7
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
+    } else {
+      std::memset(q, 0, QB);
+    }
+    const __m256i sums = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+        _mm256_set1_epi16(1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.sum4x8[i * 8]), _mm256_slli_epi32(sums, 3));
+  }
+  return r;
+}
+
+inline __m256i dot(__m256i u, __m256i s) {  // lanes: sums of 4 products u8 x s8 (exact: no pair passes 32767)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+template <bool Q4>
+struct Layout {
+  int64_t K, stride, scales, block_bytes;  // values per row, bytes per row, offset of the scales, bytes per block
+  explicit Layout(int64_t k)
+      : K(k), stride(Q4 ? k / 2 + k / 8 : k + k / 8), scales(Q4 ? k / 2 : k), block_bytes(Q4 ? 16 : 32) {}
+  float scale(const uint8_t* row, int64_t b) const {
+    float s;
+    std::memcpy(&s, row + scales + 4 * b, 4);
+    return s;
+  }
+  // block b of a row as the unsigned operand: int8's |q| (its signs in `sign`), int4's nibbles q + 8
+  __m256i unsigned_block(const uint8_t* row, int64_t b, __m256i& sign) const {
+    if constexpr (Q4) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+      return _mm256_set_m128i(hi, lo);
+    } else {
+      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QB));
+      return _mm256_sign_epi8(sign, sign);  // |q|
+    }
+  }
+};
+
+// MBR rows of x times NR rows of W: MBR*NR float accumulators of 8 lanes
+template <int MBR, int NR, bool Q4>
+inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, float* y, int64_t ldy,
+                 bool pf) {
+  __m256 acc[MBR][NR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MBR; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t K = L.K, blocks = K / QB;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i xq[MBR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MBR; ++m) xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.q[(m0 + m) * K + b * QB]));
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      __m256i sign;
+      const uint8_t* row = w + r * L.stride;
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(row + QPD * NR * L.stride + b * L.block_bytes), QPF_HINT);
+      const __m256i u = L.unsigned_block(row, b, sign);
+      const float sw = L.scale(row, b);
+#pragma GCC unroll 8
+      for (int m = 0; m < MBR; ++m) {
+        const __m256i s = Q4 ? xq[m] : _mm256_sign_epi8(xq[m], sign);
+        __m256i d = dot(u, s);
+        if constexpr (Q4)  // the nibbles are q + 8: take 8 x's lane sums off
+          d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.sum4x8[((m0 + m) * blocks + b) * 8])));
+        const __m256 scale = _mm256_set1_ps(sw * x.s[(m0 + m) * blocks + b]);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[m][r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MBR; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) y[m * ldy + r] = hsum(acc[m][r]);
+}
+
+template <int NR, bool Q4>
+inline void tile_rows(int mb, const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, float* y,
+                      int64_t ldy, bool pf) {
+  switch (mb) {
+    case 4: tile<4, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
+    case 3: tile<3, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
+    case 2: tile<2, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
+    default: tile<1, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
+  }
+}
+
+constexpr int NR = 4;  // weight rows per tile
+
+template <bool Q4>
+void task(const Rounded& x, const uint8_t* w, float* y, int64_t M, int64_t N, const Layout<Q4>& L, int64_t n,
+          int64_t n_end) {
+  for (; n + NR <= n_end; n += NR)
+    for (int64_t m0 = 0; m0 < M; m0 += MB)  // the tile QPD tiles ahead prefetched during the first block of x
+      tile_rows<NR, Q4>(static_cast<int>(std::min<int64_t>(MB, M - m0)), x, m0, w + n * L.stride, L,
+                        y + m0 * N + n, N, m0 == 0 && n + (QPD + 1) * NR <= n_end);
+  for (; n < n_end; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      tile_rows<1, Q4>(static_cast<int>(std::min<int64_t>(MB, M - m0)), x, m0, w + n * L.stride, L,
+                       y + m0 * N + n, N, false);
+}
+
+template <bool Q4>
+void run(const float* xp, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+  const Layout<Q4> L(K);
+  const Rounded x = round_rows(xp, M, K);
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n = b0 * NB, n_end = std::min(N, b1 * NB);
+    task<Q4>(x, w, y, M, N, L, n, n_end);
+  });
+}
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed) {
+  const bool q4 = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || packed.scalar_type() == at::kChar, "quant_linear: an int8 (int8 format) or uint8 (int4 format) "
+              "packed weight");
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous(), "quant_linear: a contiguous 2-D packed weight");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "quant_linear: float32 or bfloat16 x");
+  const int64_t K = x_in.size(-1), N = packed.size(0);
+  TORCH_CHECK(K % QB == 0, "quant_linear: in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(packed.size(1) == (q4 ? K / 2 + K / 8 : K + K / 8), "quant_linear: a packed row of ", packed.size(1),
+              " bytes does not hold ", K, " values in the ", q4 ? "int4" : "int8", " format");
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  if (q4)
+    run<true>(x.data_ptr<float>(), w, y.data_ptr<float>(), M, N, K);
+  else
+    run<false>(x.data_ptr<float>(), w, y.data_ptr<float>(), M, N, K);
+  return y.to(x_in.scalar_type()).view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(selfspec, m) { m.def("quant_linear(Tensor x, Tensor packed) -> Tensor"); }
+TORCH_LIBRARY_IMPL(selfspec, CPU, m) { m.impl("quant_linear", &quant_linear); }

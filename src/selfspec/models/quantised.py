@@ -1,0 +1,141 @@
+"""Quantised copies of the target's own weights, for drafting (issue 69; ML-SpecQD, arXiv 2503.13565 §3:
+the target's weights cast to 4 bits draft for it; QuantSpec, arXiv 2502.10424).
+
+On a memory-bound CPU a pass costs about what it reads. A draft over a copy of every linear and the LM
+head rounded per block of 32 values reads about 0.28 (``int8``) or 0.16 (``int4``) of float32's bytes, and
+agrees with the target on most greedy tokens, so it is a draft that costs a fraction of a step. Its
+tokens are only proposals: verification runs the target's own weights, so the output is the target's.
+
+Formats (one packed row per weight row, ``csrc/quant_linear.cpp`` reads them):
+
+``int8``  one scale per 32 values, ``s = amax / 127``, ``q = round(w / s)`` (llama.cpp's Q8_0 rounding);
+          a ``torch.int8`` tensor ``[N, K + K/8]``: the K values, then K/32 float32 scales as bytes.
+``int4``  one scale per 32 values, symmetric, ``s = amax / 7``, ``q = round(w / s)`` in [-7, 7], stored as
+          ``q + 8``; a ``torch.uint8`` tensor ``[N, K/2 + K/8]``: per block 16 bytes, byte j holding value
+          j (low nibble) and value j + 16 (high nibble), then the scales.
+
+The copy is made from the loaded target (float32 or bfloat16, read as float32) at the first draft that
+asks for it, held once per model (:meth:`selfspec.models.layered.LayeredModel.weight_set`), and never
+written over the target's weights; the embedding table is the target's own (a lookup reads one row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BLOCK", "FORMATS", "WeightSet", "dequantise", "packed_bytes", "problem", "quantise", "weights_format"]
+
+#: the quantised formats a pass may read (``Pass.weights``), besides the target's own (None)
+FORMATS = ("int8", "int4")
+#: values per block (one scale each)
+BLOCK = 32
+#: the largest magnitude of a stored value, per format
+_LEVELS = {"int8": 127, "int4": 7}
+
+
+def weights_format(weight: torch.Tensor) -> str | None:
+    """The format of a weight the runtime multiplies by: None for the target's own (a float tensor),
+    ``int8`` or ``int4`` for a quantised copy's packed rows."""
+    if weight.dtype == torch.int8:
+        return "int8"
+    return "int4" if weight.dtype == torch.uint8 else None
+
+
+def packed_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes of an ``n × k`` weight in format ``fmt``."""
+    return n * (k // 2 + k // 8 if fmt == "int4" else k + k // 8)
+
+
+def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096) -> torch.Tensor:
+    """``weight`` (``[N, K]``, K a multiple of 32) in format ``fmt`` (module docstring), ``rows`` rows at a
+    time (the float32 copy of a 151,936-row head would otherwise double the memory it takes)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}: one of {', '.join(FORMATS)}")
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"a weight of {k} input features cannot be quantised in blocks of {BLOCK}")
+    out = torch.empty(n, packed_bytes(fmt, 1, k), dtype=torch.uint8 if fmt == "int4" else torch.int8)
+    level = _LEVELS[fmt]
+    for a in range(0, n, rows):
+        w = weight[a:a + rows].detach().to(device="cpu", dtype=torch.float32).reshape(-1, k // BLOCK, BLOCK)
+        scale = w.abs().amax(-1) / level
+        q = torch.where(scale.unsqueeze(-1) > 0, w / scale.unsqueeze(-1), torch.zeros_like(w))
+        q = q.round().clamp_(-level, level).to(torch.int8)
+        scales = scale.to(torch.float32).contiguous().view(torch.uint8).reshape(len(w), -1)
+        if fmt == "int8":
+            out[a:a + rows] = torch.cat([q.reshape(len(w), k).view(torch.uint8), scales], 1).view(torch.int8)
+        else:
+            stored = (q + 8).to(torch.uint8)
+            nibbles = stored[..., :16] | (stored[..., 16:] << 4)  # value j low, value j + 16 high
+            out[a:a + rows] = torch.cat([nibbles.reshape(len(w), k // 2), scales], 1)
+    return out
+
+
+def dequantise(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The float32 weight ``[N, k]`` a packed one stands for (tests, agreement studies)."""
+    fmt = "int4" if packed.dtype == torch.uint8 else "int8"
+    raw = packed.view(torch.uint8)
+    n, blocks = packed.shape[0], k // BLOCK
+    values = k // 2 if fmt == "int4" else k
+    scales = raw[:, values:].contiguous().view(torch.float32).reshape(n, blocks, 1)
+    if fmt == "int8":
+        q = raw[:, :values].view(torch.int8).to(torch.float32).reshape(n, blocks, BLOCK)
+    else:
+        nib = raw[:, :values].reshape(n, blocks, 16)
+        q = torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.float32) - 8
+    return (q * scales).reshape(n, k)
+
+
+def problem(model) -> str | None:
+    """Why ``model`` (a :class:`~selfspec.models.layered.LayeredModel`) cannot run passes over a quantised
+    copy of its weights, or None: the copy runs on the runtime's CPU kernels, and every linear's input
+    features must fill whole blocks of :data:`BLOCK` values."""
+    if model.linear_kernel != "skinny":
+        return (f"a quantised copy runs on the CPU kernels, and {model.name}'s linears are torch's (model.linear_kernel="
+                f"skinny or auto on a CPU with AVX2)")
+    widths = {int(w.shape[1]) for w, _, _ in model._qkv + model._gate_up}
+    widths |= {int(model.family.out_proj(i).weight.shape[1]) for i in range(model.num_layers)}
+    widths |= {int(model.family.down_proj(i).weight.shape[1]) for i in range(model.num_layers)}
+    odd = sorted(w for w in widths if w % BLOCK)
+    if odd:
+        return f"{model.name}'s linears read {odd[0]} features, not whole blocks of {BLOCK}"
+    return None
+
+
+@dataclass
+class WeightSet:
+    """The weights a pass reads in one format: per layer the fused q|k|v (with the target's bias and the
+    split sizes), the output projection, the fused gate|up and the down projection, each packed, and the
+    LM head packed; ``walk``: the one-operator walk's weights with these in place of the target's (None
+    where the target's walk does not apply). Biases and norms are the target's own (float)."""
+
+    fmt: str
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]]
+    out: list[tuple[torch.Tensor, torch.Tensor | None]]
+    gate_up: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]]
+    down: list[tuple[torch.Tensor, torch.Tensor | None]]
+    head: torch.Tensor
+    walk: dict | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the memory estimate counts them)."""
+        packed = [w for w, *_ in self.qkv + self.out + self.gate_up + self.down] + [self.head]
+        return sum(t.numel() * t.element_size() for t in packed)
+
+
+def weight_set(model, fmt: str) -> WeightSet:
+    """``model``'s (a :class:`~selfspec.models.layered.LayeredModel`) weights in format ``fmt``."""
+    fam = model.family
+    qkv = [(quantise(w, fmt), b, sizes) for w, b, sizes in model._qkv]
+    gate_up = [(quantise(w, fmt), b, sizes) for w, b, sizes in model._gate_up]
+    out = [(quantise(fam.out_proj(i).weight, fmt), fam.out_proj(i).bias) for i in range(model.num_layers)]
+    down = [(quantise(fam.down_proj(i).weight, fmt), fam.down_proj(i).bias) for i in range(model.num_layers)]
+    head = quantise(fam.lm_head.weight, fmt)
+    walk = None
+    if model._walk is not None:
+        walk = dict(model._walk, qkv=[w for w, _, _ in qkv], out=[w for w, _ in out], gate_up=[w for w, _, _ in gate_up],
+                    down=[w for w, _ in down])
+    return WeightSet(fmt, qkv, out, gate_up, down, head, walk)

@@ -1,0 +1,234 @@
+"""Quantised self-drafts (issue 69): the copy's formats, the kernel against an independent reference, a pass
+over the copy as a value of the runtime, the methods lossless (greedy and in distribution), their drafts
+reading the copy, and their prices in a cost profile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cpu_like_profile, method_config
+from selfspec.decoding import Sampling, build_decoder
+from selfspec.decoding.vanilla import Vanilla
+from selfspec.models import quantised
+from selfspec.models.passes import Pass, SkipSet
+
+LEVELS = {"int8": 127, "int4": 7}
+
+
+def _reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, written independently: each row of ``x`` rounded per block of 32 to int8
+    (scale amax/127, half to even), each block's integer dot product with the weight's stored integers
+    exact, times both scales, summed over the blocks in float64."""
+    k = x.shape[-1]
+    w = quantised.dequantise(packed, k).double().reshape(packed.shape[0], k // 32, 32)
+    raw = packed.view(torch.uint8)
+    values = k // 2 if packed.dtype == torch.uint8 else k
+    sw = raw[:, values:].contiguous().view(torch.float32).double().reshape(-1, k // 32, 1)
+    qw = torch.round(w / torch.where(sw > 0, sw, torch.ones_like(sw)))  # the stored integers
+    xb = x.double().reshape(x.shape[0], k // 32, 32)
+    sx = xb.abs().amax(-1, keepdim=True).float().double() / 127
+    qx = torch.where(sx > 0, torch.round((xb.float() / sx.float()).double()), torch.zeros_like(xb))
+    dots = torch.einsum("mbk,nbk->mnb", qx, qw)
+    return (dots * (sw.squeeze(-1).float().unsqueeze(0) * sx.squeeze(-1).float().unsqueeze(1)).double()).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", quantised.FORMATS)
+def test_a_copy_rounds_each_block_of_32_to_its_own_scale(fmt):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g)
+    w[3, :32] = 0  # a block of zeros keeps a zero scale
+    packed = quantised.quantise(w, fmt)
+    assert packed.dtype == (torch.uint8 if fmt == "int4" else torch.int8)
+    assert packed.numel() == quantised.packed_bytes(fmt, 48, 96)
+    back = quantised.dequantise(packed, 96)
+    scale = w.reshape(48, 3, 32).abs().amax(-1, keepdim=True) / LEVELS[fmt]
+    err = (back - w).reshape(48, 3, 32).abs()
+    assert torch.all(err <= scale / 2 + 1e-6) and torch.all(back[3, :32] == 0)
+    assert quantised.weights_format(packed) == fmt and quantised.weights_format(w) is None
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantised.quantise(torch.randn(4, 40), fmt)
+
+
+@pytest.mark.parametrize("fmt", quantised.FORMATS)
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 97), (1536, 64)])
+def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k, n):
+    """Against the reference, and every row as its own one-row call computes it, bit for bit, on one
+    thread or two and call after call: a draft is deterministic, and a batch's rows are their own."""
+    from selfspec.models import kernels
+
+    kernels.load()
+    g = torch.Generator().manual_seed(k + n)
+    packed = quantised.quantise(torch.randn(n, k, generator=g) * 0.05, fmt)
+    x = torch.randn(9, k, generator=g)
+    x[2, 32:64] = 0
+    y = torch.ops.selfspec.quant_linear(x, packed)
+    ref = _reference(x, packed)
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(torch.cat([torch.ops.selfspec.quant_linear(x[i:i + 1], packed) for i in range(9)]), y)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.selfspec.quant_linear(x, packed), y)
+    finally:
+        torch.set_num_threads(threads)
+    half = torch.ops.selfspec.quant_linear(x.bfloat16(), packed)  # a bfloat16 target's draft: bf16 in and out
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), y, rtol=0.05, atol=0.05 * y.abs().max().item())
+    with pytest.raises(RuntimeError, match="does not hold"):
+        torch.ops.selfspec.quant_linear(x[:, :32], packed)
+
+
+def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, monkeypatch):
+    """``Pass(weights="int8")`` reads the copy (other states than the target's pass), the one-operator walk
+    and the Python walk give it the same bits, and making the copy changes no weight of the target."""
+    m = tiny.model
+    before = {k: v.clone() for k, v in m.hf.state_dict().items()}
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    with torch.inference_mode():
+        target = m.forward(ids, m.new_cache(16))
+        draft = m.forward(ids, m.new_cache(16), Pass(weights="int8"))
+        monkeypatch.setattr(type(m), "_walk_in_cpp", lambda self, *a, **k: None)
+        python = m.forward(ids, m.new_cache(16), Pass(weights="int8"))
+    assert not torch.equal(draft, target) and torch.allclose(draft, target, atol=0.1)
+    assert torch.equal(python, draft)
+    assert all(torch.equal(before[k], v) for k, v in m.hf.state_dict().items())
+    fam = m.family
+    target = [w for w, _, _ in m._qkv + m._gate_up] + [fam.lm_head.weight] + [
+        fam.out_proj(i).weight for i in range(m.num_layers)] + [fam.down_proj(i).weight for i in range(m.num_layers)]
+    assert set(m.weight_sets) == {"int8"}
+    assert m.weight_sets["int8"].nbytes == sum(w.numel() for w in target) * 9 // 8  # 8 bits and a scale per 32
+    with pytest.raises(ValueError, match="Pass.weights must be None"):
+        Pass(weights="int3")
+
+
+#: methods drafting over a quantised copy: on its own, and as the weights of every skip-set draft
+QUANTISED = [
+    {"name": "quant_draft"},
+    {"name": "quant_draft", "draft_weights": "int4"},
+    {"name": "quant_draft", "max_draft": 3, "draft_stop": None},
+    {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "draft_weights": "int8"},
+    {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8"},
+    {"name": "clasp", "interval": 4, "draft_weights": "int4"},
+]
+
+
+def _label(m: dict) -> str:
+    return "-".join(str(v) for k, v in m.items() if k in ("name", "draft_weights", "max_draft"))
+
+
+@pytest.fixture(scope="module")
+def measured(tiny):
+    """This machine's profile of the tiny model, measured with its quantised tables (small and quick)."""
+    from selfspec.evaluation.profiling import measure_profile
+
+    return measure_profile(tiny.model, rows=(1, 2), prefill_rows=(), contexts=(0, 16), repeats=1)
+
+
+@pytest.mark.parametrize("method", QUANTISED, ids=_label)
+def test_quantised_drafts_decode_vanillas_tokens(tiny, measured, method):
+    """Greedy: vanilla's tokens, every draft op over the copy and every verification over the target (KnapSpec
+    weighs its knapsack with the copy's prices)."""
+    m = tiny.model
+    dec = build_decoder(method_config(method["name"], never_slower=False,
+                                      **{k: v for k, v in method.items() if k != "name"}), m, profile=measured)
+    ids = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3]
+    want = Vanilla(m).generate(ids, 24).tokens
+    got = dec.generate(ids, 24)
+    assert got.tokens == want
+    fmt = method.get("draft_weights", "int8")
+    drafts = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "draft" and op[1][0] in "LH"]
+    assert drafts and all(op[1].endswith(":" + fmt) for op in drafts)  # every draft op read the copy
+    verifies = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "verify"]
+    assert verifies and all(":" not in op[1] for op in verifies)  # the verification the target's weights
+
+
+def test_a_quantised_drafts_logits_are_not_the_targets(tiny):
+    """The guard against a draft that silently reads the target's weights (an agreement of 1.000 would hide
+    it): the same state's draft logits differ from the target's, by the rounding only."""
+    from selfspec.models.heads import draft_logits
+
+    m = tiny.model
+    h = torch.randn(1, 1, m.hidden_size)
+    with torch.inference_mode():
+        target, draft = draft_logits(m, h), draft_logits(m, h, weights="int8")
+    assert not torch.equal(target, draft) and torch.allclose(target, draft, atol=0.05)
+
+
+@pytest.mark.parametrize("fmt", quantised.FORMATS)
+def test_sampling_with_a_quantised_draft_keeps_the_target_distribution(peaked_llama, fmt):
+    """Speculative sampling with the draft's own distribution as q: the first two tokens of 400 draws
+    against p(a)·p(b|a) under top-k 3 (an unbiased sampler: total variation ~0.05)."""
+    from conftest import first_two_tokens_tv
+
+    dec = build_decoder(method_config("quant_draft", never_slower=False, draft_weights=fmt, max_draft=4), peaked_llama)
+    assert first_two_tokens_tv(dec, [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)) < 0.12
+
+
+def test_a_profile_prices_quantised_passes_from_their_own_tables(tiny, measured):
+    """A measured profile holds each format's attention, MLP and head tables; a walk or head op over a copy
+    is priced from them; a profile without them refuses such an op, naming the format and the remedy."""
+    from selfspec.measure.profile import Profile
+    from selfspec.models.ledger import HeadOp, LayerOp
+
+    profile = Profile(measured.data)  # what its file holds, read back
+    assert set(profile.formats) == set(quantised.FORMATS)
+    walk = LayerOp("draft", 1, 4, 4, 16, weights="int8")
+    assert profile.op(walk) == pytest.approx(profile.walk + 4 * profile.attention_cost(1, 16, weights="int8")
+                                             + 4 * profile.mlp_cost(1, "int8"))
+    assert profile.op(HeadOp("draft", 1, tiny.model.vocab_size, "int4")) > 0
+    assert profile.op(walk.row()) == profile.op(walk)  # a trace's stored form: "L:int8"
+    with pytest.raises(ValueError, match="no prices of passes over int8 weights.*measure it again"):
+        cpu_like_profile(tiny.model).op(walk)
+
+
+def test_an_evaluation_refuses_a_quantised_draft_its_profile_cannot_price(tiny, tmp_path):
+    from selfspec.config import compose
+    from selfspec.config.checks import ConfigError
+    from selfspec.evaluation import evaluate
+
+    path = cpu_like_profile(tiny.model).save(tmp_path / "old.json")
+    cfg = compose(["model=tiny-random", "method=quant_draft", f"profile={path}", "n_examples=1", "max_new_tokens=4",
+                   "warmup=0", "progress=false"])
+    with pytest.raises(ConfigError, match="draft_weights=int8: profile .* no prices of passes over int8"):
+        evaluate(cfg, tmp_path / "run", loaded=tiny)
+    assert not (tmp_path / "run" / "results.jsonl").exists()
+    with pytest.raises(ConfigError, match=r"method\.draft_weights=int8 is not allowed: null with model\.linear_kernel"):
+        evaluate(compose(["model=tiny-random", "method=quant_draft", "model.linear_kernel=torch", "n_examples=1"]),
+                 tmp_path / "run2")
+    with pytest.raises(ConfigError, match=r"method\.draft_weights=null is not allowed: int8 or int4"):
+        evaluate(compose(["model=tiny-random", "method=quant_draft", "method.draft_weights=null", "n_examples=1"]),
+                 tmp_path / "run3")
+
+
+def test_the_memory_estimate_counts_the_copies_the_methods_read():
+    from selfspec import memory
+    from selfspec.config import compose
+    from selfspec.measure import peak
+
+    def total(*extra):
+        cfg = compose(["model=tiny-random", "task=xsum", *extra])
+        return memory.job_estimate("evaluate", peak.SIZES["8B"], cfg, torch.bfloat16, torch.device("cpu"), 1024, 512)
+
+    plain, int8 = total(), total("method=quant_draft")
+    both = total("method=quant_draft", "compare=[quant_draft_int4]")
+    copy = {t.name: t.bytes for t in int8.parts}["the int8 copy of the weights"]
+    s = peak.SIZES["8B"]  # untied: the head is copied, the embedding table is not
+    assert copy == pytest.approx((s.params - s.vocab * s.hidden) * 1.125, rel=0.01)
+    assert int8.total - plain.total == pytest.approx(copy)
+    assert {t.name for t in both.parts} >= {"the int8 copy of the weights", "the int4 copy of the weights"}
+
+
+@pytest.mark.slow
+def test_smollm2s_quantised_drafts_decode_vanillas_tokens_and_agree_with_it(smol):
+    """On the embedded model: greedy output equal to vanilla's, and the int8 draft accepted far more often
+    than a layer-skip draft (the figure issue 69 measured: 0.99 teacher-forced)."""
+    from selfspec.tasks import build_task
+
+    task = build_task({"name": "humaneval", "n_examples": 1}, model_chat=smol.chat)
+    ids = task.encode(task.examples()[0], smol.tokenizer)
+    want = Vanilla(smol.model, eos_token_ids=smol.eos_token_ids).generate(ids, 48).tokens
+    for fmt, floor in (("int8", 0.9), ("int4", 0.5)):
+        dec = build_decoder(method_config("quant_draft", never_slower=False, draft_weights=fmt), smol.model,
+                            eos_token_ids=smol.eos_token_ids)
+        got = dec.generate(ids, 48)
+        assert got.tokens == want and got.acceptance_rate > floor, (fmt, got.acceptance_rate)
