@@ -1,0 +1,163 @@
+"""Quantised self-drafts (issue 69): per format, the copy's bytes against float32's, its teacher-forced greedy
+agreement with the target, and what a one-row draft pass over it costs against the target's step, side by
+side in one process.
+
+    python scripts/bench_quant_drafts.py                                # SmolLM2, four HumanEval, one XSum, one GSM8K
+    python scripts/bench_quant_drafts.py --model gemma3-270m --tokens 64
+    python scripts/bench_quant_drafts.py -- model.dtype=bfloat16         # a bf16 target (extra model overrides)
+
+Agreement: the target's greedy continuation of each prompt (``--tokens`` new tokens), then one pass over the
+prompt and that continuation through the copy; the share of positions where the copy's argmax is the target's
+next token (a draft's acceptance at that position if every earlier one was accepted). Beside it, the agreement
+of the same rounded weights multiplied by float activations (a second model whose linears hold the copy
+dequantised): what rounding the activations per block, as the kernel's integer dot products do, costs. Cost: a draft pass of
+one row after ``--context`` positions (every layer and the head, over the copy) and the target's step at the
+same context, interleaved in rounds, medians; the ratio is what a draft costs in steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="conf/model name")
+    p.add_argument("--tokens", type=int, default=96, help="greedy tokens per prompt (agreement)")
+    p.add_argument("--context", type=int, default=512, help="cached positions before a timed pass")
+    p.add_argument("--rounds", type=int, default=7, help="timing rounds (each: every pass, 10 times; medians)")
+    p.add_argument("overrides", nargs="*", help="model config overrides (model.dtype=bfloat16)")
+    args = p.parse_args(argv)
+    for name in ("tokens", "context", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    return args
+
+
+def prompts(loaded) -> list[list[int]]:
+    """Four HumanEval prompts, one XSum article, one GSM8K question (issue 69's mix)."""
+    from selfspec.tasks import build_task
+
+    out = []
+    for name, n in (("humaneval", 4), ("xsum", 1), ("gsm8k", 1)):
+        task = build_task({"name": name, "n_examples": n, "max_prompt_tokens": 384}, model_chat=loaded.chat)
+        out += [task.encode(ex, loaded.tokenizer) for ex in task.examples()]
+    return out
+
+
+def agreement(model, ids: list[int], n: int, weights: str) -> tuple[int, int]:
+    """(positions where the copy's argmax is the target's greedy next token, positions) over ``n`` tokens."""
+    from selfspec.decoding.vanilla import Vanilla
+    from selfspec.models.passes import Pass
+
+    target = Vanilla(model).generate(ids, n).tokens
+    seq = torch.tensor([ids + target[:-1]])
+    with torch.inference_mode():
+        h = model.forward(seq, model.new_cache(seq.shape[1] + 1), Pass(weights=weights))
+        logits = model.head(model.final_norm(h[:, len(ids) - 1:]), model.weight_set(weights).head)
+    guess = logits[0].argmax(-1).tolist()
+    return sum(a == b for a, b in zip(guess, target)), len(target)
+
+
+def rounded_twin(cfg, fmt: str):
+    """A second model of ``cfg`` whose decoder linears and LM head hold the ``fmt`` copy's values as float
+    weights (dequantised): the copy's rounding without the activations'."""
+    from selfspec.models.loading import load_model
+    from selfspec.models.quantised import dequantise, quantise
+
+    twin = load_model(cfg).model
+    fam = twin.family
+    with torch.no_grad():
+        for w in ([w for w, _, _ in twin._qkv + twin._gate_up] + [fam.lm_head.weight]
+                  + [fam.out_proj(i).weight for i in range(twin.num_layers)]
+                  + [fam.down_proj(i).weight for i in range(twin.num_layers)]):
+            w.copy_(dequantise(quantise(w, fmt), w.shape[1]).to(w.dtype))
+    return twin
+
+
+def float_agreement(model, twin, ids: list[int], n: int) -> tuple[int, int]:
+    """:func:`agreement` of ``twin`` (:func:`rounded_twin`) over its own float weights."""
+    from selfspec.decoding.vanilla import Vanilla
+
+    target = Vanilla(model).generate(ids, n).tokens
+    seq = torch.tensor([ids + target[:-1]])
+    with torch.inference_mode():
+        h = twin.forward(seq, twin.new_cache(seq.shape[1] + 1))
+        guess = twin.logits(h[:, len(ids) - 1:])[0].argmax(-1).tolist()
+    return sum(a == b for a, b in zip(guess, target)), len(target)
+
+
+def timings(model, context: int, rounds: int) -> dict[str, float]:
+    """Median seconds of a one-row pass and its head, over the target's weights and each copy's."""
+    from selfspec.models.passes import Pass
+    from selfspec.models.quantised import FORMATS
+
+    with torch.inference_mode():
+        cache = model.new_cache(context + 2)
+        model.forward(torch.randint(100, 1000, (1, context)), cache)
+        x = torch.randint(100, 1000, (1, 1))
+        runs = {"target": Pass(), **{fmt: Pass(weights=fmt) for fmt in FORMATS}}
+
+        def one(p: Pass) -> None:
+            h = model.forward(x, cache, p, start=context)
+            cache.truncate(context)
+            head = None if p.weights is None else model.weight_set(p.weights).head
+            model.head(model.final_norm(h), head).argmax(-1).item()
+
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(rounds):
+            for k, p in runs.items():
+                one(p)
+                ts = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    one(p)
+                    ts.append(time.perf_counter() - t0)
+                times[k].append(statistics.median(ts))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from omegaconf import OmegaConf
+
+    from selfspec.config import model_config
+    from selfspec.models.loading import load_model
+    from selfspec.models.quantised import FORMATS, packed_bytes
+
+    cfg = OmegaConf.merge(model_config(args.model), OmegaConf.from_dotlist([o.removeprefix("model.")
+                                                                           for o in args.overrides]))
+    loaded = load_model(cfg)
+    model = loaded.model
+    for fmt in FORMATS:
+        t0 = time.perf_counter()
+        model.weight_set(fmt)
+        print(f"{fmt} copy made in {time.perf_counter() - t0:.2f} s", flush=True)
+    ps = prompts(loaded)
+    agree, weights_only = {}, {}
+    for fmt in FORMATS:
+        hits = [agreement(model, p, args.tokens, fmt) for p in ps]
+        agree[fmt] = sum(h for h, _ in hits) / sum(n for _, n in hits)
+        twin = rounded_twin(cfg, fmt)
+        hits = [float_agreement(model, twin, p, args.tokens) for p in ps]
+        weights_only[fmt] = sum(h for h, _ in hits) / sum(n for _, n in hits)
+        del twin
+    cost = timings(model, args.context, args.rounds)
+    elem = model.lm_head_weight.element_size()
+    print(f"\n{args.model} ({str(model.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads), "
+          f"{len(ps)} prompts x {args.tokens} tokens, passes after {args.context} positions:")
+    print(f"{'weights':<9}{'bytes vs target':>17}{'agreement':>11}{'float x':>9}{'pass ms':>9}{'steps':>7}")
+    print(f"{'target':<9}{1.0:>17.3f}{1.0:>11.3f}{1.0:>9.3f}{cost['target'] * 1e3:>9.2f}{1.0:>7.2f}")
+    for fmt in FORMATS:
+        ratio = packed_bytes(fmt, 1, 1024) / (1024 * elem)
+        print(f"{fmt:<9}{ratio:>17.3f}{agree[fmt]:>11.3f}{weights_only[fmt]:>9.3f}{cost[fmt] * 1e3:>9.2f}"
+              f"{cost[fmt] / cost['target']:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
