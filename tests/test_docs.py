@@ -96,3 +96,25 @@ def test_readme_is_a_front_page_and_results_pages_are_dated():
         assert re.search(r"`(python|make) [^`]+`", text), f"{page.name}: names no command"
         assert page.name in readme or any(page.name in p.read_text() for p in (ROOT / "docs").glob("*.md")
                                           if p != page), f"{page.name}: no page links to it"
+
+
+def _cells(line: str) -> int:
+    """The cells of a Markdown table row (``|`` inside backticks or escaped does not split)."""
+    text = re.sub(r"`[^`]*`", "x", line.strip()).replace("\\|", "x")
+    return len(text.strip("|").split("|"))
+
+
+def test_every_table_renders_with_its_headers_cells():
+    """Issue 71: the README's first table had 4 header cells and rows of 5 (a column inserted into the wrong
+    table), so a Markdown renderer dropped the ``method=`` names and showed stray figures. Every row of every
+    table on the front page and the docs pages has its header's cell count."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if re.fullmatch(r"\|( *:?-+:? *\|)+", line.strip()) and i > 0:
+                width = _cells(lines[i - 1])
+                assert _cells(line) == width, f"{page.name}:{i + 1}: the separator has {_cells(line)} cells, the header {width}"
+                for j in range(i + 1, len(lines)):
+                    if not lines[j].lstrip().startswith("|"):
+                        break
+                    assert _cells(lines[j]) == width, f"{page.name}:{j + 1}: {_cells(lines[j])} cells, the header {width}"

@@ -104,8 +104,8 @@ def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, m
 #: methods drafting over a quantised copy: on its own, and as the weights of every skip-set draft
 QUANTISED = [
     {"name": "quant_draft"},
-    {"name": "quant_draft", "draft_weights": "int4"},
-    {"name": "quant_draft", "max_draft": 3, "draft_stop": None},
+    {"name": "quant_draft", "draft_weights": "int4", "max_draft": 3},
+    {"name": "quant_draft_int4"},  # with Draft & Verify's adaptive draft exit
     {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "draft_weights": "int8"},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8"},
     {"name": "clasp", "interval": 4, "draft_weights": "int4"},
@@ -135,7 +135,7 @@ def test_quantised_drafts_decode_vanillas_tokens(tiny, measured, method):
     want = Vanilla(m).generate(ids, 24).tokens
     got = dec.generate(ids, 24)
     assert got.tokens == want
-    fmt = method.get("draft_weights", "int8")
+    fmt = method.get("draft_weights", "int4" if method["name"].endswith("int4") else "int8")
     drafts = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "draft" and op[1][0] in "LH"]
     assert drafts and all(op[1].endswith(":" + fmt) for op in drafts)  # every draft op read the copy
     verifies = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "verify"]
@@ -227,8 +227,7 @@ def test_smollm2s_quantised_drafts_decode_vanillas_tokens_and_agree_with_it(smol
     task = build_task({"name": "humaneval", "n_examples": 1}, model_chat=smol.chat)
     ids = task.encode(task.examples()[0], smol.tokenizer)
     want = Vanilla(smol.model, eos_token_ids=smol.eos_token_ids).generate(ids, 48).tokens
-    for fmt, floor in (("int8", 0.9), ("int4", 0.5)):
-        dec = build_decoder(method_config("quant_draft", never_slower=False, draft_weights=fmt), smol.model,
-                            eos_token_ids=smol.eos_token_ids)
+    for name, floor in (("quant_draft", 0.9), ("quant_draft_int4", 0.5)):
+        dec = build_decoder(method_config(name, never_slower=False), smol.model, eos_token_ids=smol.eos_token_ids)
         got = dec.generate(ids, 48)
-        assert got.tokens == want and got.acceptance_rate > floor, (fmt, got.acceptance_rate)
+        assert got.tokens == want and got.acceptance_rate > floor, (name, got.acceptance_rate)
