@@ -411,7 +411,7 @@ class Decoder(Carries):
             state.count("plain_steps_gated")
             state.trace_step = StepTrace(gated=True)
         ledger = state.ledger
-        gate.record(speculated, len(new), gate.price(ledger.ops, state.trace_step.source)
+        gate.record(speculated, len(new), gate.price(ledger.ops, state.trace_step.source, state.trace_step.drafted)
                     if gate.deterministic and ledger is not None else time.perf_counter() - t0)
         return new
 

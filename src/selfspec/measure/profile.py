@@ -33,6 +33,11 @@ other machine with a profile of the same model shape:
   mean trees of 3-13 nodes, so one figure per source is kept.)
   Measured by running those methods (random prompt tokens and trees): the seconds of their
   ``draft``, ``tree`` and ``host`` components less the ops priced there;
+* ``host_draft`` (optional; 0 where absent): what each token a chain drafts with the model itself adds
+  to the host work of its step (a ``self`` step of Draft & Verify, a quantised self-draft, KnapSpec,
+  CLaSp, SWIFT, early exit, DEL, AdaDecode): the drafter's call into the runtime for the token, the
+  draft's pick. A cheap draft (a quantised copy: a third of a step) makes it a share that matters.
+  Measured by running drafts of a fixed length through the skip-set drafter, less their priced ops;
 * ``spans`` (optional; a profile measured with static-shape passes, ``capture`` static or graphs):
   per context, the cache slots the measured passes attended over. A static pass runs at its
   bucket's rows and attends over its whole (padded, masked) cache, so a walk that recorded its
@@ -241,10 +246,10 @@ def _check_tables(data: dict[str, Any], where: str) -> None:
     host = data.get("host")
     if isinstance(host, bool) or not isinstance(host, (int, float)) or not math.isfinite(host) or host < 0:
         raise bad(f"host is {host!r}, not a finite number of seconds >= 0")
-    per_walk = data.get("walk", 0.0)
-    if (isinstance(per_walk, bool) or not isinstance(per_walk, (int, float)) or not math.isfinite(per_walk)
-            or per_walk < 0):
-        raise bad(f"walk is {per_walk!r}, not a finite number of seconds >= 0")
+    for name in ("walk", "host_draft"):
+        value = data.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise bad(f"{name} is {value!r}, not a finite number of seconds >= 0")
     if data.get("eager") is not None:
         for name, depth in (("attention", 2), ("mlp", 1)):
             walk((data["eager"] or {}).get(name), depth, f"eager.{name}")
@@ -317,6 +322,8 @@ class Profile:
         self._quantised = {fmt: ({int(c): Curve(num(row)) for c, row in t["attention"].items()}, Curve(num(t["mlp"])),
                                  {int(v): Curve(num(row)) for v, row in t["head"].items()})
                            for fmt, t in (data.get("quantised") or {}).items()}
+        #: seconds each self-drafted token adds to its step's host work (``host_draft``; 0 in profiles without it)
+        self.host_draft = float(data.get("host_draft", 0.0))
         #: seconds a drafting step's host work adds, by the step's source (``host_steps``)
         self.host_steps = {k: float(v) for k, v in (data.get("host_steps") or {}).items()}
         #: the most rows measured at a decoding context (after cached positions); a profile's wider
@@ -454,10 +461,11 @@ class Profile:
                        f"{self.decoding_rows} rows")
         return "; ".join(why) + " (measure it again with this selfspec)" if why else None
 
-    def host_step(self, source: str | None) -> float:
+    def host_step(self, source: str | None, drafted: int = 0) -> float:
         """What a step's own host work adds to :attr:`host` (``host_steps``), by its source
-        (:attr:`~selfspec.decoding.base.StepTrace.source`)."""
-        return self.host_steps.get(source, 0.0)
+        (:attr:`~selfspec.decoding.base.StepTrace.source`), and ``host_draft`` per token a ``self`` step
+        ``drafted``."""
+        return self.host_steps.get(source, 0.0) + (self.host_draft * drafted if source == "self" else 0.0)
 
     def head(self, rows: int, vocab: int, weights: str = "") -> float:
         """Seconds of a head product of ``rows`` states against ``vocab`` rows (``weights``: of that
@@ -516,7 +524,7 @@ class Profile:
             # a step's own overhead (selecting the token, the host sync) follows its last pass
             last = next((op.component for op in reversed(ops) if op.kind == "L"), "host")
             out[last] += host
-            out["host"] += self.host_step(step.get("source"))
+            out["host"] += self.host_step(step.get("source"), int(step.get("drafted") or 0))
         return out
 
     def pass_cost(self, rows: int, context: int = 512) -> float:
