@@ -900,19 +900,22 @@ def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
-    """``csrc/layer_walk.cpp`` runs a Llama model's layers with the same operators, in the same
-    order, as the Python walk: hidden states, kept states and cache bit for bit, for one-token
-    steps, k-token passes and drafting with skipped sublayers (whose layers' caches stay behind)
-    after a prompt; and it is the path taken (a family it does not fit falls back)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_the_walk_in_one_operator_equals_the_python_walk(dtype, family, monkeypatch):
+    """``csrc/layer_walk.cpp`` runs a Llama model's layers (and Qwen2's, with their q/k/v biases) with the
+    same operators, in the same order, as the Python walk: hidden states, kept states and cache bit for
+    bit, for one-token steps, k-token passes, drafting with skipped sublayers (whose layers' caches stay
+    behind) and drafting over a quantised copy of the weights after a prompt; and it is the path taken (a
+    family it does not fit falls back)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from selfspec.models.layered import LayeredModel, Pass, SkipSet
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
-                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512))
+    config, cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    hf = cls(config(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512))
     model = LayeredModel(hf.to(dtype), name="wide", linear_kernel="auto")
     assert model._walk is not None
     taken = []
@@ -934,14 +937,18 @@ def test_the_walk_in_one_operator_equals_the_python_walk(dtype, monkeypatch):
                 cache.truncate(81)
             outs.append(model.forward(ids[:, 81:82], cache).clone())
             # drafting with a skip set (Draft & Verify): layer 1's attention and two MLPs left out
+            # drafting over the int8 copy (a quantised self-draft)
+            for j in range(82, 84):
+                outs.append(model.forward(ids[:, j:j + 1], cache, Pass(weights="int8")).clone())
             skip = SkipSet.of(attn=[1], mlp=[0, 2])
-            for j in range(82, 85):
+            for j in range(84, 87):
                 outs.append(model.forward(ids[:, j:j + 1], cache, Pass(skip=skip)).clone())
             outs.append(torch.tensor(cache.lengths))
-        return outs + [t[:, :, :85].clone() for t in cache.keys + cache.values]
+        return outs + [t[:, :, :87].clone() for t in cache.keys + cache.values]
 
     walked = run()
-    assert sum(out is not None for out in taken) == 8  # every pass after the prompt, kept states and skips too
+    assert sum(out is not None for out in taken) == 10  # every pass after the prompt, kept states, skips, copies
     assert not any(t.isnan().any() for t in walked)
     model._walk = None
+    model._weight_sets.clear()  # the copy made again without the operator's weights: the Python walk
     assert all(torch.equal(a, b) for a, b in zip(walked, run()))

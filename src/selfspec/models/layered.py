@@ -455,8 +455,8 @@ class LayeredModel:
     def _walk_weights(self) -> dict | None:
         """Per layer, the weights of a walk in one operator (``csrc/layer_walk.cpp``): the CPU
         operators are on, every layer has the plain Llama layout (no q/k or output norms, no
-        window, one rotary kind, no biases, SiLU, Llama's norm form, one epsilon and attention
-        scale) and SDPA with
+        window, one rotary kind, no biases but q/k/v biases in every layer or none (Qwen2's), SiLU,
+        Llama's norm form, one epsilon and attention scale) and SDPA with
         the row-wise attention kernel; else None."""
         fam, n = self.family, self.num_layers
         from transformers.activations import SiLUActivation
@@ -474,14 +474,16 @@ class LayeredModel:
         scaling = {float(fam.attention_module(i).scaling) for i in range(n)}
         plain = all(fam.window(i) is None and fam.rope_kind(i) is None and fam.attention_out_norm(i) is None
                     and fam.mlp_out_norm(i) is None and isinstance(fam.act(i), SiLUActivation)
-                    and self._qkv[i][1] is None and self._gate_up[i][1] is None
+                    and self._gate_up[i][1] is None
                     and out[i].bias is None and down[i].bias is None
                     and self._gate_up[i][2][0] == self._gate_up[i][2][1] for i in range(n))
         weights = [m.weight for m in norm1 + norm2 + out + down]
-        if (not plain or len(eps) != 1 or len(scaling) != 1
-                or any(w.dtype != self.dtype or w.shape[-1] % 8 for w in weights)):
+        biases = [b for _, b, _ in self._qkv if b is not None]
+        if (not plain or len(eps) != 1 or len(scaling) != 1 or len(biases) not in (0, n)
+                or any(w.dtype != self.dtype or w.shape[-1] % 8 for w in weights)
+                or any(b.dtype != self.dtype for b in biases)):
             return None
-        return {"norm1": [m.weight for m in norm1], "qkv": [w for w, _, _ in self._qkv],
+        return {"norm1": [m.weight for m in norm1], "qkv": [w for w, _, _ in self._qkv], "qkv_bias": biases,
                 "out": [m.weight for m in out], "norm2": [m.weight for m in norm2],
                 "gate_up": [w for w, _, _ in self._gate_up], "down": [m.weight for m in down], "eps": eps.pop(),
                 "scaling": scaling.pop()}
@@ -545,7 +547,8 @@ class LayeredModel:
         # the linears' blocks, as kernels.linear(rows_apart=True) takes them: float32 in blocks of at most
         # MAX_ROWS rows, bfloat16 all at once (its kernel's rows never depend on the block)
         block = kernels.MAX_ROWS if self.dtype == torch.float32 else max(h.shape[1], 1)
-        out = torch.ops.selfspec.layer_walk(h, bounds, layers, walk["norm1"], walk["qkv"], walk["out"], walk["norm2"],
+        out = torch.ops.selfspec.layer_walk(h, bounds, layers, walk["norm1"], walk["qkv"], walk["qkv_bias"], walk["out"],
+                                            walk["norm2"],
                                             walk["gate_up"], walk["down"], keys, values, cos, sin, allowed, starts,
                                             self.head_dim, walk["eps"], walk["scaling"], block,
                                             [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept],

@@ -9,7 +9,8 @@
 // from Python, B calls a layer. The arithmetic is unchanged, so every output is bit-identical to the
 // Python walk (tests/test_runtime.py and tests/test_batch.py check it).
 //
-// Per layer i of `layers`: x = rms_norm(h, norm1[i]); q|k|v = skinny_linear(x, qkv[i]), split,
+// Per layer i of `layers`: x = rms_norm(h, norm1[i]); q|k|v = skinny_linear(x, qkv[i]) (+ qkv_bias[i] where
+// the model has q/k/v biases: Qwen2; `qkv_bias` is empty where it has none), split,
 // viewed as heads and transposed; q, k = rotary(q, k, cos, sin); k and v written to the layer's
 // cache at [start, start + n); attention of q over the cache's first start + n keys
 // (rowwise_attention, under `allowed` when given); h += skinny_linear(attention, out[i]);
@@ -45,7 +46,7 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 // the attention runs each sequence's rows over its own cache. The linear kernel's rows do not depend
 // on the block (skinny_linear.cpp), so each row equals the one its sequence's walk alone computes.
 at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArrayRef layers, at::TensorList norm1,
-                      at::TensorList qkv, at::TensorList out, at::TensorList norm2, at::TensorList gate_up,
+                      at::TensorList qkv, at::TensorList qkv_bias, at::TensorList out, at::TensorList norm2, at::TensorList gate_up,
                       at::TensorList down, at::TensorList keys, at::TensorList values, at::TensorList cos,
                       at::TensorList sin, at::TensorList allowed, at::IntArrayRef starts, int64_t head_dim,
                       double eps, double scaling, int64_t block, at::IntArrayRef keep_layers,
@@ -67,6 +68,8 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArr
   TORCH_CHECK(keep_layers.size() == keep.size() && keep_seqs.size() == keep.size(),
               "layer_walk: one kept-state buffer per kept layer and sequence");
   TORCH_CHECK(block >= 1, "layer_walk: blocks of at least one row");
+  TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == L,
+              "layer_walk: a q/k/v bias for every layer, or none");
   // x @ W^T over every row, in blocks of at most `block` rows; a quantised copy of W (int8 or uint8 packed
   // rows, selfspec.models.quantised: a draft's weights) through its own kernel, whose rows never depend on
   // the call's
@@ -89,7 +92,9 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArr
     no_mlp += !mlp;
     if (attend) {  // attention sublayer
       const at::Tensor x = norm.call(h, norm1[i], eps, false);
-      const auto parts = linear(x, qkv[i]).split_with_sizes({q_size, kv_size, kv_size}, -1);
+      // the bias added after the product, as the Python walk's linear adds it (selfspec.models.kernels.linear)
+      const at::Tensor qkv_out = qkv_bias.empty() ? linear(x, qkv[i]) : linear(x, qkv[i]) + qkv_bias[i];
+      const auto parts = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
       std::vector<at::Tensor> attended;
       attended.reserve(B);
       for (int64_t b = 0; b < B; ++b) {  // each sequence's rows over its own cache
@@ -131,7 +136,8 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArr
 
 TORCH_LIBRARY_FRAGMENT(selfspec, m) {
   m.def(
-      "layer_walk(Tensor h, int[] bounds, int[] layers, Tensor[] norm1, Tensor[] qkv, Tensor[] out, Tensor[] norm2, "
+      "layer_walk(Tensor h, int[] bounds, int[] layers, Tensor[] norm1, Tensor[] qkv, Tensor[] qkv_bias, Tensor[] out, "
+      "Tensor[] norm2, "
       "Tensor[] gate_up, Tensor[] down, Tensor[] keys, Tensor[] values, Tensor[] cos, Tensor[] sin, "
       "Tensor[] allowed, int[] starts, int head_dim, float eps, float scaling, int block, int[] keep_layers, "
       "int[] keep_seqs, Tensor[] keep, int[] skip_attn, int[] skip_mlp) -> Tensor");
