@@ -66,11 +66,13 @@ def save_artefact(
     train_config: Any = None,
     metrics: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    kernel_paths: dict[str, str] | None,
 ) -> Path:
     """Write ``path/`` atomically with ``tensors.safetensors`` and ``meta.json``.
 
     ``loaded_model`` is a :class:`~selfspec.models.loading.LoadedModel` (its name, fingerprint and
-    weights digest go into the metadata).
+    weights digest go into the metadata); ``kernel_paths``, the caller's
+    :func:`selfspec.models.kernels.paths`, goes into its run record (:func:`~selfspec.store.runinfo.run_info`).
     """
     from selfspec.store.runinfo import run_info
 
@@ -89,7 +91,7 @@ def save_artefact(
         "train_config": _plain(train_config),
         "metrics": metrics or {},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "run": run_info(),
+        "run": run_info(kernel_paths=kernel_paths),
     }
     meta.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
