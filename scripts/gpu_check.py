@@ -658,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
+    from selfspec.models.kernels import paths
     from selfspec.store.runinfo import run_info
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -671,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     end = t0 + budget if budget is not None else float("inf")
     report = {"dry_run": args.dry_run, "settings": p, "sections_chosen": chosen, "budget_seconds": budget,
-              "run_info": run_info(), "load_average": [os.getloadavg()[0]], "models": {}, "skipped": {},
+              "run_info": run_info(kernel_paths=paths()), "load_average": [os.getloadavg()[0]], "models": {}, "skipped": {},
               "composed": compose_models(p) | (compose_models(plan(False)) if args.dry_run else {})}
 
     def save() -> None:  # what is done so far survives a failure or a machine taken back

@@ -182,7 +182,7 @@ def test_skip_set_artefact_round_trip_and_errors(tiny8, tmp_path):
     from selfspec.store.artefacts import save_artefact
 
     skip = SkipSet.of(attn=[1, 7], mlp=[0])
-    save_artefact(tmp_path / "sk", "skip_set", skip_set_tensors(skip, 8), tiny8)
+    save_artefact(tmp_path / "sk", "skip_set", skip_set_tensors(skip, 8), tiny8, kernel_paths=None)
     cfg = method_config("draft_verify", **{"skip_set": str(tmp_path / "sk")})
     assert resolve_skip_set(cfg, tiny8.model, tiny8.tokenizer) == skip
     dec = build_decoder(cfg, tiny8.model, tokenizer=tiny8.tokenizer)

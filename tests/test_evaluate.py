@@ -155,7 +155,8 @@ def test_a_run_resumes_only_with_the_artefacts_it_was_decoded_with(tiny, tmp_pat
 
     def searched(attn):
         tensors = skip_set_tensors(SkipSet.of(attn, [2]), tiny.model.num_layers)
-        return save_artefact(tmp_path / "skip", "skip_set", tensors, tiny, extra={"attn": attn, "mlp": [2]})
+        return save_artefact(tmp_path / "skip", "skip_set", tensors, tiny, extra={"attn": attn, "mlp": [2]},
+                             kernel_paths=None)
 
     path = searched([1])
     run = tmp_path / "run"

@@ -130,7 +130,7 @@ def test_from_config_loads_artefacts_and_names_missing_ones(tiny, prompt_ids, tm
     trees = {0: SparseTree((), (2,)), 1: SparseTree(((0,), (1,)), (1, 2, 0)),
              2: SparseTree(((0,), (0, 0)), (0, 1, 2))}
     save_artefact(tmp_path / "t", "ppd_tree", {"tau": torch.ones(1)}, tiny,
-                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
+                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}}, kernel_paths=None)
     cfg = method_config("ppd", **{"prompts": str(tmp_path / "p"), "tree": str(tmp_path / "t"),
                             "posterior_threshold": 0.09, "posterior_alpha": 0.3, "tree_size": None,
                             "state_zero": True})

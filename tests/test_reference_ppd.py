@@ -94,7 +94,7 @@ def save(loaded, tmp_path, prompts: torch.Tensor, trees: dict[int, SparseTree]):
     """The artefacts both loops read: prompt embeddings ``[m, 1, d]`` and the tree."""
     save_prompts(tmp_path / "prompts", PromptTokens(prompts.clone()), loaded)
     save_artefact(tmp_path / "tree", "ppd_tree", {"tau": torch.ones(1)}, loaded,
-                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
+                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}}, kernel_paths=None)
     return tmp_path / "prompts", tmp_path / "tree"
 
 

@@ -74,21 +74,22 @@ def test_every_job_says_its_own_memory_and_the_memory_model_knows_no_job():
     assert not [n for n in memory.jobs() if f'"{n}"' in inspect.getsource(memory)]  # no job is a special case
 
 
-def test_no_table_keyed_by_a_job_name_outside_the_registry():
-    """The artefact kind a job writes is the job's own (``JOB.kind``): the store asks the registry
-    which job rebuilds an artefact (issue 53: ``store/artefacts.JOBS`` was a second table), and the
-    registry's order runs a job after those whose artefacts it reads."""
-    import inspect
-
+def test_the_store_names_the_job_the_registry_has_for_each_kind():
+    """The artefact kind a job writes is the job's own (``JOB.kind``). The store names the job that
+    rebuilds an artefact from its own table (:data:`selfspec.store.artefacts.WRITTEN_BY`): it lies
+    below the jobs and imports none of them (issue 71: asking the registry closed a circle of eight
+    modules; tests/test_imports.py). That table is the registry's, both ways (issue 53:
+    ``store/artefacts.JOBS`` was a second table that nothing held to the jobs), and the registry's
+    order runs a job after those whose artefacts it reads."""
     from selfspec.store import artefacts
-    from selfspec.train import JOBS, job_writing
+    from selfspec.train import JOBS
 
-    assert {kind: job_writing(kind) for kind in ("heads", "prompts", "ppd_tree", "skip_set", "draft_vocab")} == \
-        {"heads": "heads", "prompts": "prompts", "ppd_tree": "ppd_tree", "skip_set": "skips", "draft_vocab": "draft_vocab"}
-    assert job_writing("medusa_heads") is None
-    assert not [n for n in JOBS if f'"{n}"' in inspect.getsource(artefacts)]
+    assert artefacts.WRITTEN_BY == {JOBS[name].kind: name for name in JOBS}
+    assert len({JOBS[name].kind for name in JOBS}) == len(JOBS)  # one job per kind
     assert list(JOBS).index("ppd_tree") > list(JOBS).index("prompts")
     assert "job=skips" in artefacts.rebuild_hint(artefacts.Path("/x"), "skip_set")
+    assert "job=<job>" in artefacts.rebuild_hint(artefacts.Path("/x"), "medusa_heads")
+    assert "job=<job>" in artefacts.rebuild_hint(artefacts.Path("/x"))
 
 
 def test_an_evaluation_checks_each_method_once(tmp_path, monkeypatch):

@@ -485,7 +485,7 @@ def sampling_runs(tiny, tmp_path_factory):
     save_prompts(root / "prompts", PromptTokens(torch.randn(2, 1, tiny.model.hidden_size, generator=g) * 0.5), tiny)
     trees = {0: SparseTree((), (2,)), 1: SparseTree(((0,), (1,)), (1, 2, 0)), 2: SparseTree(((0,), (0, 0)), (0, 1, 2))}
     save_artefact(root / "tree", "ppd_tree", {"tau": torch.ones(1)}, tiny,
-                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}})
+                  extra={"trees": {str(k): t.to_dict() for k, t in trees.items()}}, kernel_paths=None)
     ppd = [f"method.prompts={root / 'prompts'}", f"method.tree={root / 'tree'}"]
     runs = root / "runs"
     for decoding, sampling in (("greedy", []), ("T0.2", ["sampling.temperature=0.2", "sampling.top_p=0.85"])):

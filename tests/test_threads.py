@@ -147,7 +147,7 @@ def test_mkl_runs_strict_once_selfspec_is_imported():
 
     assert numerics.mode() == numerics.DEFAULT == "AUTO,STRICT"
     assert numerics.thread_dependence() is None
-    assert hardware()["mkl_cbwr"] == "AUTO,STRICT" and hardware()["cpu_capability"]
+    assert hardware(None)["mkl_cbwr"] == "AUTO,STRICT" and hardware(None)["cpu_capability"]
     assert _run("import torch, selfspec.numerics as n; print(n.mode())") == "AUTO,STRICT"
 
 

@@ -48,6 +48,8 @@ if __name__ == "__main__":
     import sys
 
     from selfspec.config import check_command_line
+    from selfspec.store.files import check_run_dir_argument
 
+    check_run_dir_argument(sys.argv[1:])
     check_command_line(sys.argv[1:], "evaluate")
     main()

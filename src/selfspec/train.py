@@ -36,12 +36,6 @@ def job_named(name: str) -> driver.Job:
     return JOBS.lookup(name)
 
 
-def job_writing(kind: str) -> str | None:
-    """The name of the job that writes artefacts of ``kind`` (its :attr:`~selfspec.training.driver.Job.kind`),
-    None for a kind no job writes."""
-    return next((name for name in JOBS if JOBS[name].kind == kind), None)
-
-
 def job_of(cfg: DictConfig) -> driver.Job:
     """The :class:`~selfspec.training.driver.Job` of ``cfg.job.name``."""
     return job_named(str(cfg.job.name))
@@ -67,6 +61,8 @@ if __name__ == "__main__":
     import sys
 
     from selfspec.config import check_command_line
+    from selfspec.store.files import check_run_dir_argument
 
+    check_run_dir_argument(sys.argv[1:])
     check_command_line(sys.argv[1:], "train")
     main()

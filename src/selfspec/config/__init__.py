@@ -121,15 +121,13 @@ def check_launcher(launcher) -> None:
 
 def check_command_line(argv: list[str], config_name: str) -> None:
     """What an entry point's command line asks of Hydra itself, checked before Hydra acts on it, with
-    one message and exit status 1: the run directory (:func:`selfspec.store.files.check_run_dir_argument`)
-    and, for a multirun, the launcher's settings (a Hydra callback cannot stop a sweep: Hydra turns
-    its exceptions into warnings). Only the launcher's own overrides are composed for that, so a
-    sweep's lists need no expanding."""
+    one message and exit status 1: for a multirun, the launcher's settings (a Hydra callback cannot
+    stop a sweep: Hydra turns its exceptions into warnings). Only the launcher's own overrides are
+    composed for that, so a sweep's lists need no expanding. The run directory is the store's to
+    check, and the entry point checks it first (:func:`selfspec.store.files.check_run_dir_argument`:
+    config lies below the store and imports none of it)."""
     import sys
 
-    from selfspec.store.files import check_run_dir_argument
-
-    check_run_dir_argument(argv)
     if not {"-m", "--multirun"} & set(argv):
         return
     own = [a for a in argv if a.startswith(("hydra/launcher=", "hydra.launcher."))]

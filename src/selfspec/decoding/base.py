@@ -509,9 +509,7 @@ class Decoder(Carries):
         self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None
     ) -> Generation:
         """Decode up to ``max_new_tokens`` after ``prompt_ids`` (batch size 1)."""
-        sampling = sampling or Sampling()
-        prompt = self.prompt_tensor(prompt_ids, max_new_tokens)
-        n_prompt = prompt.shape[1]
+        prompt, n_prompt, sampling = self.generation_inputs(prompt_ids, max_new_tokens, sampling)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
@@ -564,6 +562,15 @@ class Decoder(Carries):
             trace=state.trace,
             ledger=ledger.seconds,
         )
+
+    def generation_inputs(self, prompt_ids, max_new_tokens: int, sampling: Sampling | None
+                          ) -> tuple[torch.Tensor, int, Sampling]:
+        """What every :meth:`generate` starts from (this loop's and the peers'): the sampling settings
+        (None: greedy), the ``[1, n]`` prompt on the model's device (:meth:`prompt_tensor`: an empty
+        prompt or budget stops here) and its length ``n``; returned as ``(prompt, n, sampling)``."""
+        sampling = sampling or Sampling()
+        prompt = self.prompt_tensor(prompt_ids, max_new_tokens)
+        return prompt, prompt.shape[1], sampling
 
     def prompt_tensor(self, prompt_ids, max_new_tokens: int) -> torch.Tensor:
         """``[1, n]`` prompt on the model's device; an empty prompt or budget stops here."""

@@ -77,9 +77,7 @@ class HFPeer(Decoder):
     def generate(
         self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None
     ) -> Generation:
-        sampling = sampling or Sampling()
-        prompt = self.prompt_tensor(prompt_ids, max_new_tokens)
-        n_prompt = prompt.shape[1]
+        prompt, n_prompt, sampling = self.generation_inputs(prompt_ids, max_new_tokens, sampling)
         eos = sorted(self.eos_token_ids)
         kwargs = dict(
             self.generate_kwargs,

@@ -555,6 +555,7 @@ def evaluate(cfg: DictConfig, out_dir: str | Path, loaded=None, tracker: Tracker
 
 def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker | None) -> dict[str, Any]:
     """:func:`evaluate` once the run owns ``out_dir``."""
+    from selfspec.models import kernels
     from selfspec.store.runinfo import run_info
 
     sampling, task, examples, budget = plan.sampling, plan.task, plan.examples, plan.budget
@@ -591,7 +592,8 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     own_tracker = tracker is None
     tracker = tracker or start_run(cfg, JOB, dir=out_dir, method_label=under_test)
     info = run_info(seed=int(cfg.seed), device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
-                    linear_kernel=loaded.model.linear_kernel, capture=loaded.model.capture)
+                    linear_kernel=loaded.model.linear_kernel, capture=loaded.model.capture,
+                    kernel_paths=kernels.paths())
     for paths in artefacts.values():
         for p in paths:
             tracker.use_artifact(p)

@@ -37,6 +37,7 @@ import torch
 
 from selfspec.config import checks
 from selfspec.config.options import Options, key, nullable
+from selfspec.models import kernels
 from selfspec.models.ledger import Ledger, phase
 from selfspec.models.quantised import weights_format
 from selfspec.store.artefacts import load_artefact, save_artefact
@@ -156,7 +157,8 @@ def save_heads(path, heads: IntermediateHeads, loaded_model, **meta) -> Path:
     metrics = meta.pop("metrics", None)
     tensors, fields = heads_contents(heads)
     return save_artefact(path, ARTEFACT_KIND, tensors, loaded_model, task=task,
-                         train_config=train_config, metrics=metrics, extra={**fields, **meta})
+                         train_config=train_config, metrics=metrics, extra={**fields, **meta},
+                         kernel_paths=kernels.paths())
 
 
 def load_heads(path, model, vocab: "DraftVocab | None" = None) -> IntermediateHeads:
@@ -313,7 +315,7 @@ def save_draft_vocab(path, ids: torch.Tensor, counts: torch.Tensor, loaded_model
     train_config = meta.pop("train_config", None)
     metrics = meta.pop("metrics", None)
     return save_artefact(path, VOCAB_KIND, draft_vocab_tensors(ids, counts), loaded_model, task=task,
-                         train_config=train_config, metrics=metrics, extra=meta)
+                         train_config=train_config, metrics=metrics, extra=meta, kernel_paths=kernels.paths())
 
 
 def load_draft_vocab(path, model, key: str = "method.draft_vocab") -> DraftVocab:

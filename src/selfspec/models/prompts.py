@@ -75,11 +75,12 @@ def prompts_contents(prompts: PromptTokens) -> tuple[dict[str, torch.Tensor], di
 
 def save_prompts(path: str | Path, prompts: PromptTokens, loaded_model, *, train_config=None,
                  metrics=None, task: str | None = None) -> Path:
+    from selfspec.models.kernels import paths
     from selfspec.store.artefacts import save_artefact
 
     tensors, fields = prompts_contents(prompts)
     return save_artefact(path, KIND, tensors, loaded_model, task=task, train_config=train_config,
-                         metrics=metrics, extra=fields)
+                         metrics=metrics, extra=fields, kernel_paths=paths())
 
 
 def load_prompts(path: str | Path, loaded_model=None, model=None) -> PromptTokens:

@@ -32,6 +32,12 @@ ARTEFACT_FORMAT = 2
 #: the artefact formats read (docs/design.md, "Formats read"): 2, written from issue 53 on, and 1, a
 #: meta.json without a ``format`` field, with a weights digest (written from 2026-11-22, 82b9eff, on)
 ARTEFACT_FORMATS = (1, 2)
+#: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``), for the
+#: remedy a refusal names. Each job says the kind it writes itself (``JOB.kind``, found through the job
+#: registry, :data:`selfspec.train.JOBS`), but the jobs lie floors above the store (tests/test_imports.py),
+#: so the store cannot ask them: tests/test_registry.py checks this table against the registry, both ways
+WRITTEN_BY = {"heads": "heads", "prompts": "prompts", "skip_set": "skips", "ppd_tree": "ppd_tree",
+              "draft_vocab": "draft_vocab"}
 
 
 class ArtefactError(ValueError):
@@ -66,11 +72,13 @@ def save_artefact(
     train_config: Any = None,
     metrics: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    kernel_paths: dict[str, str] | None,
 ) -> Path:
     """Write ``path/`` atomically with ``tensors.safetensors`` and ``meta.json``.
 
     ``loaded_model`` is a :class:`~selfspec.models.loading.LoadedModel` (its name, fingerprint and
-    weights digest go into the metadata).
+    weights digest go into the metadata); ``kernel_paths``, the caller's
+    :func:`selfspec.models.kernels.paths`, goes into its run record (:func:`~selfspec.store.runinfo.run_info`).
     """
     from selfspec.store.runinfo import run_info
 
@@ -89,7 +97,7 @@ def save_artefact(
         "train_config": _plain(train_config),
         "metrics": metrics or {},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "run": run_info(),
+        "run": run_info(kernel_paths=kernel_paths),
     }
     meta.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,10 +156,8 @@ def rebuild_hint(path: Path, kind: str | None = None) -> str:
 
 
 def _job(kind: str | None) -> str:
-    """The training job that writes ``kind`` (:func:`selfspec.train.job_writing`), for a message."""
-    from selfspec.train import job_writing
-
-    return (job_writing(kind) if kind else None) or "<job>"
+    """The training job that writes ``kind`` (:data:`WRITTEN_BY`), for a message."""
+    return (WRITTEN_BY.get(kind) if isinstance(kind, str) else None) or "<job>"
 
 
 def artefact_option(key: str, value: Any, kind: str) -> Path | None:

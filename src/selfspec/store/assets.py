@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from selfspec.store import simple_index
+from selfspec.store.files import cache_dir, restore_hint, sha256_of
 
 __all__ = [
     "ASSETS",
@@ -339,11 +340,6 @@ DEFAULT_ASSETS = tuple(name for name, a in ASSETS.items() if a.default)
 ALL_ASSETS = tuple(name for name, a in ASSETS.items() if not a.large)
 
 
-def cache_dir() -> Path:
-    """The asset cache: ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec``."""
-    return Path(os.environ.get("SELFSPEC_CACHE") or Path.home() / ".cache" / "selfspec")
-
-
 def _asset(name: str) -> Asset:
     try:
         return ASSETS[name]
@@ -492,8 +488,6 @@ def _shipped_damage(asset: Asset, problem: str) -> str:
     """Why the archive of ``asset`` that ships with selfspec cannot be used, with the remedy: it is
     part of selfspec (no index serves it), so selfspec's copy is restored as it is installed here
     (:func:`~selfspec.store.files.restore_hint`)."""
-    from selfspec.store.files import restore_hint
-
     path = SHIPPED / asset.filename
     return (f"asset {asset.name!r} ({asset.description}): {path} {problem}; its archive ships with selfspec, "
             f"so no index serves it: {restore_hint(path)}; nothing was kept")
@@ -502,15 +496,6 @@ def _shipped_damage(asset: Asset, problem: str) -> str:
 def fetch_all(names: list[str] | None = None, cache: Path | None = None) -> dict[str, Path]:
     """Fetch several assets (the :data:`DEFAULT_ASSETS` by default); returns ``{name: asset_path}``."""
     return {n: fetch(n, cache) for n in (names or list(DEFAULT_ASSETS))}
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def download(asset: Asset | Part, dest: Path) -> Path:

@@ -143,6 +143,22 @@ def read_json(path: str | Path, limit: int | None = None) -> Any:
     return strict_json(read_text(path, limit))
 
 
+def cache_dir() -> Path:
+    """The cache: ``$SELFSPEC_CACHE`` or ``~/.cache/selfspec`` (offline assets, derived values, built kernels)."""
+    return Path(os.environ.get("SELFSPEC_CACHE") or Path.home() / ".cache" / "selfspec")
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def per_file_version(kind: str, path: str | Path, derive: Callable[[Path], Any],
                      valid: Callable[[Any], bool] = lambda value: True) -> Any:
     """What ``derive`` makes of the file at ``path`` (a JSON value), derived once per version of the
@@ -152,8 +168,6 @@ def per_file_version(kind: str, path: str | Path, derive: Callable[[Path], Any],
     is no obstacle: the value is derived. ``kind`` names what is derived, and its version: a new
     ``kind`` when what ``derive`` makes of a file changes, so no record of the old one is taken."""
     import hashlib
-
-    from selfspec.store.assets import cache_dir
 
     path = Path(path).resolve()
     st = path.stat()
@@ -178,8 +192,6 @@ def content_sha256(path: str | Path) -> str:
     """The sha256 of a file's bytes, read once per version of the file (:func:`per_file_version`,
     ``<cache>/sha256/``), so an unchanged multi-GB file is not read again at every run."""
     import re
-
-    from selfspec.store.assets import sha256_of
 
     return per_file_version("sha256", path, sha256_of,
                             valid=lambda digest: re.fullmatch(r"[0-9a-f]{64}", str(digest)) is not None)

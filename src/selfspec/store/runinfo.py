@@ -25,12 +25,12 @@ def git_commit() -> str | None:
         return None
 
 
-def hardware() -> dict[str, Any]:
+def hardware(kernel_paths: dict[str, str] | None) -> dict[str, Any]:
     """The machine: platform, CPU (its model name and the instruction set torch's kernels use),
     threads, MKL's reproducibility mode (:mod:`selfspec.numerics`: on some CPUs the bits of torch's
     GEMM depend on the thread count unless it is strict), the paths the runtime's CPU kernels take
-    (:func:`selfspec.models.kernels.paths`: in bfloat16 each gives its own bits) and the GPU."""
-    from selfspec.models.kernels import paths
+    (``kernel_paths``, the caller's :func:`selfspec.models.kernels.paths`: in bfloat16 each gives its
+    own bits; the store lies below the models, so they are handed in) and the GPU."""
     from selfspec.numerics import mode
 
     info: dict[str, Any] = {
@@ -40,7 +40,7 @@ def hardware() -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_threads": torch.get_num_threads(),
         "mkl_cbwr": mode(),
-        "kernel_paths": paths(),
+        "kernel_paths": kernel_paths,
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -64,11 +64,13 @@ def versions() -> dict[str, str]:
 
 
 def run_info(seed: int | None = None, device: str | None = None, dtype: str | None = None,
-             linear_kernel: str | None = None, capture: str | None = None) -> dict[str, Any]:
-    """What a result needs to be trusted: commit, library versions, hardware, seed, device, dtype,
+             linear_kernel: str | None = None, capture: str | None = None, *,
+             kernel_paths: dict[str, str] | None) -> dict[str, Any]:
+    """What a result needs to be trusted: commit, library versions, hardware (with ``kernel_paths``,
+    the caller's :func:`selfspec.models.kernels.paths`: :func:`hardware`), seed, device, dtype,
     the runtime's linear kernel (``skinny`` or ``torch``: their outputs differ in the last bits) and
     its capture mode (``graphs``, ``static`` or ``off``: static passes attend over the whole buffer)."""
-    info = {"git_commit": git_commit(), "versions": versions(), "hardware": hardware()}
+    info = {"git_commit": git_commit(), "versions": versions(), "hardware": hardware(kernel_paths)}
     if linear_kernel is not None:
         info["linear_kernel"] = linear_kernel
     if capture is not None:

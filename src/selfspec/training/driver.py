@@ -255,10 +255,12 @@ def check_finished(out: Path, job: Job, cfg) -> None:
 
 def save(job: Job, ctx: Context, result: Result) -> Path:
     """Write the artefact (atomically), copy the result's files into it, remove its checkpoint."""
+    from selfspec.models.kernels import paths
     from selfspec.store.artefacts import save_artefact
 
     path = save_artefact(ctx.out, job.kind, result.tensors, ctx.loaded, task=result.task,
-                         train_config=ctx.cfg.job, metrics=result.metrics, extra=result.meta)
+                         train_config=ctx.cfg.job, metrics=result.metrics, extra=result.meta,
+                         kernel_paths=paths())
     for name, source in result.files.items():
         shutil.copy2(source, path / name)
     if result.checkpoint is not None:

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "avx2.h"
+#include "prefetch.h"
 
 #ifndef BF16_NB
 #define BF16_NB 48  // weight rows per parallel task (AVX-512-BF16 path)
@@ -91,7 +92,7 @@ SELFSPEC_DPBF16 inline float sum16(__m512 v) {
 }
 
 // MB rows of x times NR rows of W: MB * NR accumulators of 16 lanes held in registers; meanwhile
-// `lines` cache lines from `pf` on (a later tile's weight rows) are prefetched, spread over K.
+// `lines` cache lines from `pf` on (a later tile's weight rows) are prefetched, spread over K (prefetch.h).
 template <int MB, int NR>
 SELFSPEC_DPBF16 inline void dp_tile(const BF16* x, const BF16* w, int64_t K, BF16* y, int64_t ldy, const char* pf,
                                     int64_t lines) {
@@ -100,12 +101,10 @@ SELFSPEC_DPBF16 inline void dp_tile(const BF16* x, const BF16* w, int64_t K, BF1
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int64_t blocks = (K + 31) / 32;
-  const int64_t per_block = (lines + blocks - 1) / blocks;
-  int64_t line = 0;
+  selfspec_prefetch::Spread<BF16_PF_HINT> prefetch(pf, lines, (K + 31) / 32);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    for (int64_t p = 0; p < per_block && line < lines; ++p, ++line) _mm_prefetch(pf + line * 64, BF16_PF_HINT);
+    prefetch.step();
     __m512bh wv[NR];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) wv[r] = load32(w + r * K + k);
@@ -157,17 +156,14 @@ SELFSPEC_DPBF16 inline void dp_tile_rows(int mb, const BF16* x, const BF16* w, i
 template <int MB, int NR>
 SELFSPEC_DPBF16 void dp_task(const BF16* x, const BF16* w, BF16* y, int64_t M, int64_t N, int64_t K, int64_t n,
                              int64_t n_end) {
-  const int64_t blocks = (M + MB - 1) / MB;
-  const int64_t tile_lines = (NR * K * 2 + 63) / 64;
-  const int64_t lines_per_block = (tile_lines + blocks - 1) / blocks;
+  const int64_t lines_per_block = selfspec_prefetch::lines_per_block(NR * K * 2, (M + MB - 1) / MB);
   const char* end = reinterpret_cast<const char*>(w + n_end * K);
   for (; n + NR <= n_end; n += NR) {
     const char* ahead = reinterpret_cast<const char*>(w + (n + NR * BF16_PD) * K);
     for (int64_t m0 = 0, b = 0; m0 < M; m0 += MB, ++b) {
-      const char* pf = ahead + b * lines_per_block * 64;
-      const int64_t lines = std::max<int64_t>(0, std::min<int64_t>(lines_per_block, (end - pf) / 64));
+      const auto pf = selfspec_prefetch::share(ahead, b, lines_per_block, end);
       dp_tile_rows<NR>(static_cast<int>(std::min<int64_t>(MB, M - m0)), x + m0 * K, w + n * K, K, y + m0 * N + n, N,
-                       pf, lines);
+                       pf.from, pf.lines);
     }
   }
   for (; n < n_end; ++n)

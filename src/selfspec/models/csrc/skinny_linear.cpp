@@ -26,6 +26,7 @@
 #include "avx2.h"
 #include "bf16_dot.h"
 #include "isa.h"
+#include "prefetch.h"
 
 #ifndef SKINNY_NB
 #define SKINNY_NB 48
@@ -51,11 +52,12 @@ namespace {
 
 using selfspec_avx2::hsum;
 using selfspec_avx2::load8;
+using selfspec_prefetch::Spread;
 
 // MB rows of x times NR rows of W: MB*NR accumulators of 8 lanes, kept in registers (every loop
 // over m and r is unrolled; K is a multiple of 8, checked by the caller). Meanwhile ``lines`` cache
 // lines from ``pf`` on are prefetched, spread over the K loop, so that memory streams the weight
-// rows a later tile needs while this one computes.
+// rows a later tile needs while this one computes (prefetch.h).
 template <int MB, int NR, typename W>
 inline void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, const char* pf, int64_t lines) {
   __m256 acc[MB][NR];
@@ -63,10 +65,9 @@ inline void tile(const float* x, const W* w, int64_t K, float* y, int64_t ldy, c
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
-  const int64_t per_step = (lines + K / 8 - 1) / (K / 8);
-  int64_t line = 0;
+  Spread<_MM_HINT_T0> prefetch(pf, lines, K / 8);
   for (int64_t k = 0; k < K; k += 8) {
-    for (int64_t p = 0; p < per_step && line < lines; ++p, ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    prefetch.step();
     __m256 wv[NR];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) wv[r] = load8(w + r * K + k);
@@ -109,9 +110,8 @@ constexpr int MB = 6;  // rows of x per block
 template <typename W>
 void run_avx2(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t NB = SKINNY_NB;  // weight rows per parallel task
-  const int64_t blocks = (M + MB - 1) / MB;
-  const int64_t tile_lines = (NR * K * static_cast<int64_t>(sizeof(W)) + 63) / 64;
-  const int64_t lines_per_block = (tile_lines + blocks - 1) / blocks;
+  const int64_t lines_per_block =
+      selfspec_prefetch::lines_per_block(NR * K * static_cast<int64_t>(sizeof(W)), (M + MB - 1) / MB);
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n_end = std::min(N, b1 * NB);
     const char* end = reinterpret_cast<const char*>(wp + n_end * K);
@@ -120,10 +120,9 @@ void run_avx2(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int
     for (; n + NR <= n_end; n += NR) {
       const char* ahead = reinterpret_cast<const char*>(wp + (n + NR * SKINNY_PD) * K);
       for (int64_t m0 = 0, b = 0; m0 < M; m0 += MB, ++b) {
-        const char* pf = ahead + b * lines_per_block * 64;
-        const int64_t lines = std::max<int64_t>(0, std::min<int64_t>(lines_per_block, (end - pf) / 64));
+        const auto pf = selfspec_prefetch::share(ahead, b, lines_per_block, end);
         tile_rows<NR, W>(static_cast<int>(std::min<int64_t>(MB, M - m0)), xp + m0 * K, wp + n * K, K,
-                         yp + m0 * N + n, N, pf, lines);
+                         yp + m0 * N + n, N, pf.from, pf.lines);
       }
     }
     for (; n < n_end; ++n)
@@ -171,10 +170,9 @@ SELFSPEC_AVX512 inline void tile512(const float* x, const W* w, int64_t K, float
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 16
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
-  const int64_t per_step = (lines + K / 8 - 1) / (K / 8);
-  int64_t line = 0;
+  Spread<SKINNY512_PF_HINT> prefetch(pf, lines, K / 8);
   for (int64_t k = 0; k < K; k += 8) {
-    for (int64_t q = 0; q < per_step && line < lines; ++q, ++line) _mm_prefetch(pf + line * 64, SKINNY512_PF_HINT);
+    prefetch.step();
     __m512 wv[NP];
 #pragma GCC unroll 16
     for (int p = 0; p < NP; ++p) wv[p] = load8x2(w + 2 * p * K + k, w + (2 * p + 1) * K + k);
@@ -221,10 +219,9 @@ SELFSPEC_AVX512 void task512(const float* xp, const W* wp, float* yp, int64_t M,
   for (; n + NR512 <= n_end; n += NR512) {
     const char* ahead = reinterpret_cast<const char*>(wp + (n + NR512 * SKINNY512_PD) * K);
     for (int64_t m0 = 0, b = 0; m0 < M; m0 += MB, ++b) {
-      const char* pf = ahead + b * lines_per_block * 64;
-      const int64_t lines = std::max<int64_t>(0, std::min<int64_t>(lines_per_block, (end - pf) / 64));
+      const auto pf = selfspec_prefetch::share(ahead, b, lines_per_block, end);
       tile512_rows<NP512, W>(static_cast<int>(std::min<int64_t>(MB, M - m0)), xp + m0 * K, wp + n * K, K,
-                             yp + m0 * N + n, N, pf, lines);
+                             yp + m0 * N + n, N, pf.from, pf.lines);
     }
   }
   for (; n + 2 <= n_end; n += 2)
@@ -240,9 +237,8 @@ SELFSPEC_AVX512 void task512(const float* xp, const W* wp, float* yp, int64_t M,
 template <typename W>
 void run_avx512(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t NB = SKINNY_NB;  // weight rows per parallel task
-  const int64_t blocks = (M + MB - 1) / MB;
-  const int64_t tile_lines = (NR512 * K * static_cast<int64_t>(sizeof(W)) + 63) / 64;
-  const int64_t lines_per_block = (tile_lines + blocks - 1) / blocks;
+  const int64_t lines_per_block =
+      selfspec_prefetch::lines_per_block(NR512 * K * static_cast<int64_t>(sizeof(W)), (M + MB - 1) / MB);
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     task512<W>(xp, wp, yp, M, N, K, b0 * NB, std::min(N, b1 * NB), lines_per_block);
   });
