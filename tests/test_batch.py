@@ -283,3 +283,22 @@ def test_sampled_batches_keep_the_target_distribution(peaked_llama, method):
     dec = build_decoder(method_config(method, never_slower=False, **keys), peaked_llama)
     ids = [5, 17, 99, 3, 42, 7, 5, 17]
     assert first_two_tokens_tv(dec, ids, Sampling(temperature=1.0, top_k=3, seed=0), batch=8) < 0.12
+
+
+def test_an_interrupted_batch_leaves_the_grad_mode_as_it_was():
+    """A batch stopped by an exception (here an interrupt as its first sequence finishes) ends its other
+    generations inside the batch: left suspended, the garbage collector ended them later and their exits
+    left inference mode on for the rest of the process (a training job after it had no gradients)."""
+    import gc
+
+    model = tiny_family("llama")
+    ps = prompts(3)
+    decoders = [Vanilla(model) for _ in range(2)]
+
+    def interrupt(i, gen):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Batch(model, 2).run([lambda slot, p=p: decoders[slot].generate(p, N_NEW) for p in ps], done=interrupt)
+    gc.collect()
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

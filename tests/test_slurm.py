@@ -242,7 +242,8 @@ def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache,
     for num, d in sorted(dirs.items()):
         after, printed = rows(d), job_log(sweep, second, num)
         total = n * n_methods(d)
-        resumed = re.search(r"resuming .*: (\d+) of (\d+) examples already finished", printed)
+        resumed = re.search(r"resuming .*: \d+ of \d+ generations already in its results \((\d+) of (\d+) examples "
+                            r"finished by every method\)", printed)
         assert resumed, printed[-3000:]
         keys = [(r["id"], r["sample"], r["method"]) for r in map(json.loads, after)]
         assert len(keys) == len(set(keys)) == total  # each (example, sample, method) once

@@ -37,6 +37,7 @@ run alone, inside their generation: :func:`selfspec.decoding.branches.branch_pas
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -76,6 +77,23 @@ class _Parked:
     x: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     weights: str | None = None
+
+
+@contextlib.contextmanager
+def _unwound(live: dict):
+    """On an exception (a generation's error, an interrupt), end every generation still live inside the
+    block, each unwinding its own context managers there (its ``inference_mode`` among them): a
+    greenlet left suspended is ended later by the garbage collector, and its exits then set the
+    thread's grad mode back to what it was inside the batch, leaving inference mode on for the rest of
+    the process (found: a training job after an interrupted batched evaluation in the same process had
+    no gradients)."""
+    try:
+        yield
+    except BaseException:
+        for g in list(live):
+            if not g.dead:
+                g.throw()  # GreenletExit: the generation's ``with`` blocks exit, innermost first
+        raise
 
 
 class Batch:
@@ -159,7 +177,7 @@ class Batch:
         self._main = getcurrent()
         self.model.batch = self
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), _unwound(live):
                 while waiting or live:
                     while waiting and free:
                         i, job = waiting.popleft()
