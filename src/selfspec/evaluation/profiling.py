@@ -234,38 +234,50 @@ def _measure_walk(model, context: int, repeats: int) -> float:
     return max(extra / (L - 1), 0.0)
 
 
+def _host_beyond_ops(decoder, profile: "Profile", tokens: list[int], new: int, repeats: int, source: str,
+                     per_draft: bool = False) -> list[float]:
+    """Per generation of ``decoder`` after ``tokens`` (``repeats // 2`` of them, after a warm-up: under
+    graphs, the captures), the seconds of its host work (the components outside the passes' own:
+    :data:`~selfspec.measure.profile.HOST_WORK`) beyond the model work priced inside it (a draft's walk and
+    head), per step whose drafts came from ``source``, or per token those steps drafted (``per_draft``).
+    Empty where it drafted nothing."""
+    from selfspec.decoding import Sampling
+
+    decoder.generate(tokens, new, Sampling())
+    out = []
+    for _ in range(max(1, repeats // 2)):
+        g = decoder.generate(tokens, new, Sampling())
+        steps = [t.row() for t in g.trace[1:]]
+        drafting = [st for st in steps if st["source"] == source]
+        units = sum(st.get("drafted", 0) for st in drafting) if per_draft else len(drafting)
+        if not units:
+            return []
+        seconds = sum(g.ledger[k] for k in HOST_WORK)
+        priced = sum(profile.op(op) for st in steps for op in map(as_op, st["ops"]) if op.component in HOST_WORK)
+        out.append(max(0.0, (seconds - priced) / units))
+    return out
+
+
+def _repeating(prompt: list[int]) -> list[int]:
+    """A prompt as long as ``prompt`` that repeats its first eighth (a context drafts from itself)."""
+    segment = prompt[: max(4, len(prompt) // 8)]
+    return (segment * (len(prompt) // len(segment) + 1))[: len(prompt)]
+
+
 def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int) -> dict[str, Any]:
     """``host_steps`` (module docstring): per drafting step, the seconds beyond its priced ops and
     ``host``: the median over generations of PPD with random prompt tokens and random trees of
     :data:`HOST_TREE_NODES` candidates, and of the n-gram lookup on a prompt that repeats itself
     (so it drafts)."""
     from selfspec.config import method_config
-    from selfspec.decoding import Sampling, build_decoder
-
-    def extra(decoder, tokens: list[int], source: str) -> list[float]:
-        decoder.generate(tokens, new, Sampling())  # warm-up (under graphs: the captures)
-        per_step = []
-        for _ in range(max(1, repeats // 2)):
-            g = decoder.generate(tokens, new, Sampling())
-            steps = [t.row() for t in g.trace[1:]]
-            drafting = [st for st in steps if st["source"] == source]
-            if not drafting:
-                return []
-            # the time outside the passes' own components (verification, plain steps), less the
-            # model work inside it (a draft head's product): what the method does on the host
-            seconds = sum(g.ledger[k] for k in HOST_WORK)
-            priced = sum(profile.op(op) for st in steps for op in map(as_op, st["ops"])
-                         if op.component in HOST_WORK)
-            per_step.append(max(0.0, (seconds - priced) / len(drafting)))
-        return per_step
+    from selfspec.decoding import build_decoder
 
     tree: list[float] = []
     for nodes in HOST_TREE_NODES:
-        tree += extra(untrained_ppd(model, nodes), prompt, "tree")
+        tree += _host_beyond_ops(untrained_ppd(model, nodes), profile, prompt, new, repeats, "tree")
     out: dict[str, Any] = {"tree": statistics.median(tree)} if tree else {}
-    segment = prompt[: max(4, len(prompt) // 8)]
     ngram = build_decoder(method_config("ngram", never_slower=False, draft_schedule="adaptive"), model)
-    context = extra(ngram, (segment * (len(prompt) // len(segment) + 1))[: len(prompt)], "context")
+    context = _host_beyond_ops(ngram, profile, _repeating(prompt), new, repeats, "context")
     if context:
         out["context"] = statistics.median(context)
     return out
@@ -280,7 +292,7 @@ def _measure_host_draft(model, profile: "Profile", prompt: list[int], new: int, 
     cores), else through the skip-set drafter with every layer but the last MLP (a draft of about a step,
     whose noise is the step's: the same drafts measured 9.5-12.3 ms against 9.9 priced)."""
     from selfspec.config import method_config
-    from selfspec.decoding import Sampling, build_decoder
+    from selfspec.decoding import build_decoder
     from selfspec.models.quantised import problem
 
     if problem(model) is None:
@@ -288,21 +300,9 @@ def _measure_host_draft(model, profile: "Profile", prompt: list[int], new: int, 
     else:
         config = method_config("draft_verify", never_slower=False, draft_stop=None, max_draft=4, skip_attn=[],
                                skip_mlp=[model.num_layers - 1])
-    decoder = build_decoder(config, model)
-    segment = prompt[: max(4, len(prompt) // 8)]
-    tokens = (segment * (len(prompt) // len(segment) + 1))[: len(prompt)]
-    decoder.generate(tokens, new, Sampling())  # warm-up
-    per_draft = []
-    for _ in range(max(1, repeats // 2)):
-        g = decoder.generate(tokens, new, Sampling())
-        steps = [t.row() for t in g.trace[1:]]
-        drafted = sum(st.get("drafted", 0) for st in steps if st["source"] == "self")
-        if not drafted:
-            return 0.0
-        seconds = sum(g.ledger[k] for k in HOST_WORK)
-        priced = sum(profile.op(op) for st in steps for op in map(as_op, st["ops"]) if op.component in HOST_WORK)
-        per_draft.append(max(0.0, (seconds - priced) / drafted))
-    return statistics.median(per_draft)
+    per_draft = _host_beyond_ops(build_decoder(config, model), profile, _repeating(prompt), new, repeats, "self",
+                                 per_draft=True)
+    return statistics.median(per_draft) if per_draft else 0.0
 
 
 def profile_spec(cfg) -> str | None:

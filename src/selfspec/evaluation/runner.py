@@ -570,8 +570,9 @@ def _run(cfg: DictConfig, plan: RunPlan, out_dir: Path, loaded, tracker: Tracker
     from selfspec.models.loading import hub_revision, model_for
 
     loaded = model_for(cfg.model, loaded)
-    if hub_revision(loaded):  # a hub repo's files are known once downloaded: its commit
-        identity["inputs"]["model"] |= hub_revision(loaded)
+    commit = hub_revision(loaded)  # a hub repo's files are known once downloaded: its commit
+    if commit:
+        identity["inputs"]["model"] |= commit
         _check_resume(out_dir, identity)
     profile = run_profile(plan.profile, loaded.model)  # a profile of another model shape stops here
     tok = loaded.tokenizer

@@ -300,7 +300,7 @@ def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None, ledger
     head = None if weights is None else model.weight_set(weights).head
     if vocab is not None:
         return vocab.model_logits(h, ledger, head)
-    return model.logits(h, ledger) if head is None else model.head(model.final_norm(h), head, ledger).float()
+    return model.head(model.final_norm(h), head, ledger).float()
 
 
 def draft_vocab_tensors(ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ from selfspec.models.cache import Appended, LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
 from selfspec.models.passes import PASS, Pass, Rows, SkipSet
-from selfspec.models.quantised import WeightSet, weight_set, weights_format
+from selfspec.models.quantised import WeightSet, problem, weight_set, weights_format
 
 #: the one-operator walk's mask of a one-row pass without one (made once, not per step)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
@@ -293,8 +293,6 @@ class LayeredModel:
             return None
         found = self._weight_sets.get(weights)
         if found is None:
-            from selfspec.models.quantised import problem
-
             why = problem(self)
             if why is not None:
                 raise ValueError(f"passes over {weights} weights cannot run: {why}")

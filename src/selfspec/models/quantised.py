@@ -75,7 +75,7 @@ def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096) -> torch.Tensor:
 
 def dequantise(packed: torch.Tensor, k: int) -> torch.Tensor:
     """The float32 weight ``[N, k]`` a packed one stands for (tests, agreement studies)."""
-    fmt = "int4" if packed.dtype == torch.uint8 else "int8"
+    fmt = weights_format(packed)
     raw = packed.view(torch.uint8)
     n, blocks = packed.shape[0], k // BLOCK
     values = k // 2 if fmt == "int4" else k

@@ -6,15 +6,15 @@
 //   int8 (torch.int8, [N, K + K/8] bytes): the K values q (int8), then K/32 float32 scales s_b;
 //        w[k] = s_b * q[k] for k in block b (Q8_0's rounding: s = amax/127).
 //   int4 (torch.uint8, [N, K/2 + K/8] bytes): per block 16 bytes, byte j holding the block's value j in
-//        its low nibble and value j + 16 in its high nibble, each stored as q + 8 (q in [-8, 7]); then the
+//        its low nibble and value j + 16 in its high nibble, each stored as q + 8 (q in [-7, 7]); then the
 //        K/32 float32 scales (symmetric: s = amax/7).
 //
 // Integer dot products, as llama.cpp's quantised kernels do: each row of x is rounded per block of 32 to
 // int8 with its own scale (s_x = amax/127, round half to even), each block's 32 products summed in int32
 // lanes (exact), and the block's sum times s_w * s_x accumulated in float32 lanes by FMA over the blocks
 // in order, then reduced by a fixed horizontal sum. int8 weights go through the sign trick (|w| times x
-// carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127, or VNNI's vpdpbusd); int4
-// weights are the unsigned nibbles q + 8, and 8 times x's sums per lane are taken off (exact).
+// carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127); int4 weights are the unsigned
+// nibbles q + 8, and 8 times x's sums per lane are taken off (exact).
 //
 // Every output element's instruction sequence is fixed by the weight's shape: a row's result does not
 // depend on the other rows of the call or on the thread count, and there is one path (AVX2), so a draft
@@ -47,8 +47,8 @@ constexpr int64_t NB = QNB;  // weight rows per parallel task
 #define QPF_HINT _MM_HINT_T0
 #endif
 
-// x rounded per block: q (int8, M x K), s (float, M x K/32) and, for the int4 format's offset, 8 times each
-// block's 8 lane sums of 4 consecutive values (int32, M x K/4)
+// x rounded per block: q (int8, M x K), s (float, M x K/32) and, for the int4 format's offset only, 8 times
+// each block's 8 lane sums of 4 consecutive values (int32, M x K/4)
 struct Rounded {
   std::vector<int8_t> q;
   std::vector<float> s;
@@ -57,12 +57,12 @@ struct Rounded {
 
 // s = amax/127 and q = v / s rounded half to even (vdivps and vcvtps2dq, exact-rounded: the scalar
 // nearbyint(v / s) to the bit)
-Rounded round_rows(const float* x, int64_t M, int64_t K) {
+Rounded round_rows(const float* x, int64_t M, int64_t K, bool sums) {
   Rounded r;
   const int64_t blocks = M * K / QB;
   r.q.resize(M * K);
   r.s.resize(blocks);
-  r.sum4x8.resize(M * K / 4);
+  if (sums) r.sum4x8.resize(M * K / 4);
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < blocks; ++i) {
     const float* v = x + i * QB;
@@ -87,10 +87,11 @@ Rounded round_rows(const float* x, int64_t M, int64_t K) {
     } else {
       std::memset(q, 0, QB);
     }
-    const __m256i sums = _mm256_madd_epi16(
+    if (!sums) continue;
+    const __m256i lane_sums = _mm256_madd_epi16(
         _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
         _mm256_set1_epi16(1));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.sum4x8[i * 8]), _mm256_slli_epi32(sums, 3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.sum4x8[i * 8]), _mm256_slli_epi32(lane_sums, 3));
   }
   return r;
 }
@@ -190,7 +191,7 @@ void task(const Rounded& x, const uint8_t* w, float* y, int64_t M, int64_t N, co
 template <bool Q4>
 void run(const float* xp, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
   const Layout<Q4> L(K);
-  const Rounded x = round_rows(xp, M, K);
+  const Rounded x = round_rows(xp, M, K, Q4);
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n = b0 * NB, n_end = std::min(N, b1 * NB);
     task<Q4>(x, w, y, M, N, L, n, n_end);
