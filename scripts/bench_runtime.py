@@ -45,6 +45,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write the cost profile here too (default outputs/profiles/<profile name>.json)")
     p.add_argument("--profile-only", action="store_true", help="measure the cost profile only (make profile)")
     p.add_argument("--no-profile", action="store_true", help="leave the cost profile out")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the profile: where measuring every point is estimated to take longer, fewer "
+                        "are measured, and the profile says which (default: every point; evaluate's profile=auto "
+                        "gives 300)")
     p.add_argument("overrides", nargs="*", help="model config overrides, e.g. model.dtype=bfloat16 (after --)")
     return p.parse_args(argv)
 
@@ -64,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = tuple(int(c) for c in args.contexts.split(","))
     if args.repeats is not None and args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+    if args.budget is not None and not args.budget > 0:
+        raise SystemExit(f"--budget must be a positive number of seconds, got {args.budget}")
     if 1 not in ks or min(ks) < 1:
         raise SystemExit(f"--ks must include 1 and only positive counts, got {args.ks}")
     cfg = compose([f"model={args.model}", *args.overrides])
@@ -76,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(report, indent=1, default=str))
             print(f"figures: {args.out}")
     if not args.no_profile:
-        write_profile(loaded.model, args.profile_out, args.repeats)
+        write_profile(loaded.model, args.profile_out, args.repeats, args.budget)
     return 0
 
 
-def write_profile(model, out: Path | None, repeats: int | None = None) -> None:
+def write_profile(model, out: Path | None, repeats: int | None = None, budget: float | None = None) -> None:
     """Measure this machine's cost profile of ``model`` (medians of ``repeats`` timings, by default
-    :func:`~selfspec.evaluation.profiling.measure_profile`'s); keep it in the asset cache and at ``out``."""
+    :func:`~selfspec.evaluation.profiling.measure_profile`'s; within ``budget`` seconds, fewer points where
+    every one would take longer); keep it in the asset cache and at ``out``."""
     import os
 
     from selfspec.evaluation.profiling import REPEATS as REPEATS_OF_A_PROFILE, measure_profile
@@ -92,7 +99,8 @@ def write_profile(model, out: Path | None, repeats: int | None = None) -> None:
     if load > 0.5:
         print(f"warning: load average {load:.2f} while measuring the profile: other processes spoil its "
               "figures; measure it on a quiet machine", file=sys.stderr)
-    profile = measure_profile(model, repeats=repeats or REPEATS_OF_A_PROFILE, log=lambda line: print(f"profile: {line}", file=sys.stderr))
+    profile = measure_profile(model, repeats=repeats or REPEATS_OF_A_PROFILE, budget=budget,
+                              log=lambda line: print(f"profile: {line}", file=sys.stderr))
     busy = profile.data.get("others_busy")
     if busy is not None and busy > 0.1:
         print(f"warning: other processes took {100 * busy:.0f}% of the CPUs while the profile was measured: "

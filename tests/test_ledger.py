@@ -196,6 +196,30 @@ def test_measured_profile_of_the_tiny_model(tiny):
     assert again.plain_step(32) == pytest.approx(p.plain_step(32))
 
 
+def test_a_profile_over_its_budget_measures_fewer_points_prices_every_row_and_says_so(tiny):
+    """Issue 70: at 1.5B parameters the full profile took longer than a 15-minute run (killed before it
+    decoded a token, no progress shown). Over its budget a profile measures a thinner plan, records
+    it, logs its stages with the time so far, and still prices every row count and context it kept."""
+    from selfspec.evaluation.profiling import ProfilePlan, _ends_and_powers
+
+    lines = []
+    asked = dict(rows=(1, 2, 3, 4, 8, 16), prefill_rows=(16, 32), contexts=(0, 8, 16, 32), repeats=4)
+    full = measure_profile(tiny.model, **asked, budget=1e6, log=lines.append)
+    assert "plan" not in full.data and full.data["repeats"] == 4 and set(full.attention) == {0, 8, 16, 32}
+    assert not any("beyond its budget" in line for line in lines) and any(" min" in line for line in lines)
+    lines.clear()
+    thin = measure_profile(tiny.model, **asked, budget=1e-9, log=lines.append)
+    plan = ProfilePlan(**{k: v for k, v in thin.data["plan"].items() if k != "budget"})
+    assert thin.data["plan"]["budget"] == 1e-9 and thin.data["repeats"] == plan.repeats == 3
+    assert plan.mlp == "once" and len(plan.rows) < len(asked["rows"]) and plan.rows[0] == 1 and plan.rows[-1] == 16
+    assert any("beyond its budget" in line and "the thinnest plan" in line for line in lines), lines
+    assert set(thin.attention) == set(plan.contexts) and 8 not in plan.contexts
+    assert all(set(thin.attention[c]) >= set(plan.rows) for c in plan.contexts)
+    assert {int(n) for n in thin.data["mlp"]} == {*plan.rows, *plan.prefill_rows}  # an MLP for every row count
+    assert thin.plain_step(32) > 0 and thin.head(1, tiny.model.vocab_size) > 0
+    assert _ends_and_powers((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128), 5) == (1, 2, 8, 32, 128)
+
+
 def test_a_measured_profile_names_its_dtype_where_it_is_not_float32():
     """A bfloat16 profile was named like the float32 one of its machine and model
     (``cpu-amd-epyc-avx512-bf16-2t__smollm2-135m``), so a run priced with it said float32."""
@@ -287,8 +311,8 @@ def test_a_profile_measured_under_load_prices_the_run_but_is_not_kept(tiny, tmp_
     monkeypatch.setattr("selfspec.measure.profile.default_path", lambda model, device: path)
     monkeypatch.setattr("selfspec.measure.profile.matching_shipped", lambda model: None)
     small = profiling.measure_profile
-    monkeypatch.setattr(profiling, "measure_profile", lambda model: small(
-        model, rows=(1, 2), prefill_rows=(), contexts=(0,), repeats=1))
+    monkeypatch.setattr(profiling, "measure_profile", lambda model, **kw: small(
+        model, rows=(1, 2), prefill_rows=(), contexts=(0,), repeats=1, **kw))
     monkeypatch.setattr(costs.OthersBusy, "share", lambda self: 0.6)
     with caplog.at_level("WARNING"):
         spoiled = profiling.machine_profile(tiny.model)

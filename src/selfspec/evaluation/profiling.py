@@ -11,6 +11,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -33,66 +34,217 @@ log = logging.getLogger(__name__)
 
 #: timed repeats per table entry (medians) unless a caller asks for others
 REPEATS = 5
+#: seconds evaluate's ``profile=auto`` gives the measurement of a profile it has to make (issue 70: at
+#: 1.5B parameters every point of the full plan takes about half an hour on 2 cores): past what the
+#: full plan is estimated to take, a thinner plan (:data:`THINNER`) is measured, and says so
+BUDGET = 300.0
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What a profile measures: ``rows`` at every context of ``contexts``, ``prefill_rows`` at context
+    0, ``quant_rows`` over the quantised copies, each entry the median of ``repeats`` timed runs;
+    ``mlp`` ``every`` (the MLP table the median over contexts of full less attention-only passes) or
+    ``once`` (full passes at one context only, the one the ``pass`` table is measured at, and at
+    context 0 for prefill rows: an MLP's cost does not depend on the context); the host work on
+    generations of ``host_new`` tokens after ``host_prompt``."""
+
+    rows: tuple[int, ...]
+    prefill_rows: tuple[int, ...]
+    contexts: tuple[int, ...]
+    quant_rows: tuple[int, ...] = QUANT_ROWS
+    repeats: int = REPEATS
+    mlp: str = "every"
+    host_prompt: int = 256
+    host_new: int = 48
+
+    def describe(self) -> str:
+        return (f"rows {','.join(map(str, self.rows))} at contexts {','.join(map(str, self.contexts))}, prefill "
+                f"{','.join(map(str, self.prefill_rows)) or 'none'}, medians of {self.repeats}, MLP at "
+                f"{'every context' if self.mlp == 'every' else 'one context'}, host work over {self.host_new} tokens")
+
+
+def _ends_and_powers(rows: tuple[int, ...], keep: int) -> tuple[int, ...]:
+    """At most ``keep`` of ``rows``: the first, the last and powers of two between, evenly thinned."""
+    rows = tuple(sorted(rows))
+    if len(rows) <= keep:
+        return rows
+    powers = [n for n in rows[1:-1] if n & (n - 1) == 0] or list(rows[1:-1])
+    step = max(1, -(-len(powers) // max(keep - 2, 1)))
+    return tuple(sorted({rows[0], *powers[::step][: keep - 2], rows[-1]}))
+
+
+#: the plans a budget steps down through, each thinner than the last (applied to the plan asked for)
+THINNER = (
+    lambda p: replace(p, repeats=min(p.repeats, 3)),
+    lambda p: replace(p, mlp="once"),
+    lambda p: replace(p, rows=_ends_and_powers(p.rows, 8), prefill_rows=_ends_and_powers(p.prefill_rows, 2),
+                      host_prompt=128, host_new=24),
+    lambda p: replace(p, rows=_ends_and_powers(p.rows, 5), quant_rows=_ends_and_powers(p.quant_rows, 3),
+                      contexts=tuple(c for c in p.contexts if c in (0, max(p.contexts)) or c == _pass_context(p.contexts)),
+                      host_prompt=64, host_new=16),
+)
+
+
+def _pass_context(contexts) -> int:
+    """The context the ``pass`` table (and, planned ``once``, the MLP) is measured at: the nearest 512."""
+    return min(contexts, key=lambda c: abs(c - 512))
+
+
+class _Costs:
+    """A plan's time, estimated from a few probe passes on the loaded model (one row and the widest,
+    with and without the MLPs, and the head) as costs linear in rows."""
+
+    def __init__(self, model, context: int, widest: int) -> None:
+        from selfspec.measure.costs import context_cache, time_call, time_forward
+        from selfspec.models.layered import SkipSet
+        from selfspec.models.passes import Pass
+
+        cache = context_cache(model, context, widest)
+        attn_only = Pass(skip=SkipSet.of(mlp=range(model.num_layers)))
+        fit = {}
+        for name, p in (("full", Pass()), ("attention", attn_only)):
+            one, wide = (time_forward(model, cache, context, n, p=p, repeats=1, logits_rows=0) for n in (1, widest))
+            slope = max(wide - one, 0.0) / max(widest - 1, 1)
+            fit[name] = (one - slope, slope)
+        x = torch.randn(1, widest, model.hidden_size, dtype=model.dtype, device=model.device)
+        self.head_row = time_call(lambda: model.head(x, model.lm_head_weight), model.device, 1) / widest
+        self.fit = fit
+
+    def passes(self, n: int, kind: str = "full") -> float:
+        a, b = self.fit[kind]
+        return max(a + b * n, 0.0)
+
+    def plan(self, p: ProfilePlan) -> float:
+        """Seconds of measuring ``p`` (tables and host work), roughly."""
+        runs, at = p.repeats + 1, _pass_context(p.contexts)
+        s = 0.0
+        for c in p.contexts:
+            for n in sorted({*p.rows, *(p.prefill_rows if c == 0 else ())}):
+                full = p.mlp == "every" or c == at or n not in p.rows
+                s += runs * (self.passes(n, "attention") + (self.passes(n) if full else 0.0))
+        s += runs * sum(2 * self.passes(n) + 2 * n * self.head_row for n in p.rows)  # the pass table, the trees
+        s += runs * 2 * sum(0.5 * (self.passes(n) + self.passes(n, "attention")) for c in p.contexts
+                            for n in p.quant_rows)  # a quantised copy reads a quarter to half the bytes
+        s += runs * 1.4 * sum(self.head_row * n for n in (*p.rows, *p.prefill_rows[:1], *p.quant_rows))
+        generations = 6 * (1 + p.repeats // 2)  # vanilla, three trees, the n-gram lookup, a draft
+        s += generations * (self.passes(p.host_prompt) + p.host_new * self.passes(1))
+        return s + 2 * max(3, p.repeats) * self.passes(1)
+
+
+def plan_profile(model, asked: ProfilePlan, budget: float | None, log=None) -> tuple[ProfilePlan, float | None]:
+    """The plan measured: ``asked`` where no ``budget`` (seconds) is given or its estimate fits; else
+    the first of :data:`THINNER`'s steps that fits, or the thinnest, said either way through ``log``.
+    Returns the plan and its estimated seconds (None without a budget)."""
+    if budget is None:
+        return asked, None
+    costs = _Costs(model, _pass_context(asked.contexts), max(asked.rows))
+    plan, estimate = asked, costs.plan(asked)
+    full = estimate
+    for thinner in THINNER:
+        if estimate <= budget:
+            break
+        plan = thinner(plan)
+        estimate = costs.plan(plan)
+    if plan != asked and log:
+        log(f"every point of the profile would take about {full / 60:.0f} min here, beyond its budget of "
+            f"{budget / 60:.0f} min: measuring fewer ({plan.describe()}), about {estimate / 60:.1f} min"
+            + ("" if estimate <= budget else ", the thinnest plan there is")
+            + f"; `make profile MODEL={model.name}` measures every point")
+    return plan, estimate
 
 
 def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: Iterable[int] = PREFILL_ROWS,
-                    contexts: Iterable[int] = CONTEXTS, repeats: int = REPEATS, log=None, deadline: float | None = None
-                    ) -> Profile:
+                    contexts: Iterable[int] = CONTEXTS, repeats: int = REPEATS, log=None, deadline: float | None = None,
+                    budget: float | None = None) -> Profile:
     """Measure this machine's profile of ``model`` (module docstring). About a minute for
     SmolLM2-135M on 2 CPU cores; seconds for a tiny model. ``rows``: by default
     :data:`~selfspec.measure.profile.ROWS`, and the largest bucket's where the model captures CUDA
     graphs (it replays decoding passes that wide: the searches' branch passes, PPD's largest trees).
     ``deadline`` (a ``time.perf_counter()`` instant): past it, :class:`ProfileDeadline` is raised at the
-    next measured table (``make gpu-check`` bounds each section's time)."""
-    from selfspec.measure.costs import time_forward
-
-    def in_time(what: str) -> None:
-        if deadline is not None and time.perf_counter() > deadline:
-            raise ProfileDeadline(f"the profile's time limit passed before {what} was measured")
-
-    if rows is None:
-        rows = profile_rows(model.capture)
-
+    next measured table (``make gpu-check`` bounds each section's time). ``budget`` (seconds): where
+    the plan asked for is estimated to take longer, fewer points are measured (:func:`plan_profile`),
+    and the profile records the plan it measured (``plan``). ``log`` receives each stage with the
+    time so far and the estimate."""
+    started = time.time()
+    steps = _Steps(log, deadline, started)
+    rows = tuple(rows) if rows is not None else profile_rows(model.capture)
+    limit = model.max_context - max(max(rows), 1) - 2
+    asked = ProfilePlan(rows=tuple(sorted(set(rows))), prefill_rows=tuple(r for r in prefill_rows if r < model.max_context - 2),
+                        contexts=tuple(sorted({min(int(c), limit) for c in contexts if c >= 0})), repeats=repeats)
+    plan, steps.estimate = plan_profile(model, asked, budget, log)
     from selfspec.measure.costs import OthersBusy
 
-    started = time.time()
     others = OthersBusy()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    limit = model.max_context - max(max(rows), 1) - 2
-    contexts = sorted({min(int(c), limit) for c in contexts if c >= 0})
-    rows, prefill_rows = list(rows), [r for r in prefill_rows if r < model.max_context - 2]
-    pass_context = min(contexts, key=lambda c: abs(c - 512))
+    data = _measure_tables(model, plan, steps) | {
+        "format": FORMAT, "name": "", "machine": machine(model.device), "load_average": load,
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "repeats": plan.repeats,
+        "seconds_to_measure": None, "host": 0.0, "measurement": MEASUREMENT,
+        "model": {"name": model.name, "shape": model_shape(model), "linear_kernel": model.linear_kernel,
+                  "capture": model.capture}} | ({"plan": asdict(plan) | {"budget": budget}} if plan != asked else {})
+    # the dtype named where it is not float32, as the shipped profiles are named: a bf16 profile under a
+    # float32 profile's name would price runs mislabelled
+    dtype = data["model"]["shape"].get("dtype", "float32")
+    data["name"] = f"{machine_name(data['machine'])}__{model.name}" + ("" if dtype == "float32" else f"__{dtype}")
+    profile = Profile(data)
+    _measure_host_work(model, profile, plan, steps)
+    data["seconds_to_measure"] = round(time.time() - started, 1)
+    data["others_busy"] = others.share()
+    return profile
+
+
+class _Steps:
+    """A profile's stages: each checked against the ``deadline`` before it starts and told to ``log``
+    with the minutes so far and, where a plan was estimated, of about how many."""
+
+    def __init__(self, log, deadline: float | None, started: float) -> None:
+        self.log, self.deadline, self.started, self.estimate = log, deadline, started, None
+
+    def before(self, what: str) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise ProfileDeadline(f"the profile's time limit passed before {what} was measured")
+
+    def done(self, what: str) -> None:
+        if self.log:
+            so_far = (time.time() - self.started) / 60
+            self.log(f"{what} ({so_far:.1f} min" + (f" of about {self.estimate / 60:.1f})" if self.estimate else ")"))
+
+
+def _measure_tables(model, plan: ProfilePlan, steps: _Steps) -> dict[str, Any]:
+    """The profile's cost tables (module docstring of :mod:`selfspec.measure.profile`) as ``plan`` says."""
+    from selfspec.measure.costs import time_forward
+
+    pass_context = _pass_context(plan.contexts)
     whole: dict[int, dict[int, float]] = {}
 
     def whole_pass(cache, context: int, n: int) -> None:  # the L_fp(n) curve, kept for reading
-        in_time(f"the pass of {n} rows at context {context}")
-        if n in rows and context == pass_context:
-            whole.setdefault(context, {})[n] = time_forward(model, cache, context, n, repeats=repeats, cold=True)
+        steps.before(f"the pass of {n} rows at context {context}")
+        if n in plan.rows and context == pass_context:
+            whole.setdefault(context, {})[n] = time_forward(model, cache, context, n, repeats=plan.repeats, cold=True)
 
     spans: dict[str, int] = {}  # a static pass attends over its whole cache: the slots each context's spanned
-    in_time("a walk's own cost")
-    walk = _measure_walk(model, pass_context, repeats) if model.device.type == "cpu" else 0.0
-    attention, mlp = _sublayers(model, {c: sorted({*rows, *(prefill_rows if c == 0 else ())}) for c in contexts}, repeats,
-                                log, also=whole_pass, spans=spans, walk=walk)
-    in_time("the eager tables")
-    eager = _measure_eager(model, rows, contexts, repeats, log) if model.capture == "graphs" else None
-    in_time("the quantised copies")
-    quantised = _measure_quantised(model, contexts, repeats, walk, log)
-    in_time("the heads")
-    head = _measure_heads(model, rows + prefill_rows[:1], repeats)
-    linear = _measure_linear(model, rows, repeats)
-    in_time("the tree passes")
-    tree = _measure_tree(model, rows, min(contexts[-1], 512), repeats)
-    data = {
-        "format": FORMAT,
-        "name": "",
-        "model": {"name": model.name, "shape": model_shape(model), "linear_kernel": model.linear_kernel,
-                  "capture": model.capture},
-        "machine": machine(model.device),
-        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "load_average": load,
-        "repeats": repeats,
-        "seconds_to_measure": None,
+    steps.before("a walk's own cost")
+    walk = _measure_walk(model, pass_context, plan.repeats) if model.device.type == "cpu" else 0.0
+    widths = {c: sorted({*plan.rows, *(plan.prefill_rows if c == 0 else ())}) for c in plan.contexts}
+    full_at = None if plan.mlp == "every" else {c: (plan.rows if c == pass_context else ()) + plan.prefill_rows * (c == 0)
+                                              for c in plan.contexts}
+    attention, mlp = _sublayers(model, widths, plan.repeats, steps.done, also=whole_pass, spans=spans, walk=walk,
+                                full_at=full_at)
+    steps.before("the eager tables")
+    eager = _measure_eager(model, list(plan.rows), list(plan.contexts), plan.repeats, steps.done) \
+        if model.capture == "graphs" else None
+    steps.before("the quantised copies")
+    quantised = _measure_quantised(model, plan, walk, steps.done)
+    steps.before("the heads")
+    head = _measure_heads(model, list(plan.rows) + list(plan.prefill_rows[:1]), plan.repeats)
+    linear = _measure_linear(model, list(plan.rows), plan.repeats)
+    steps.done("the heads and an exit head's transform")
+    steps.before("the tree passes")
+    tree = _measure_tree(model, list(plan.rows), min(plan.contexts[-1], 512), plan.repeats)
+    warps = _measure_warps(model, plan.repeats)
+    steps.done("the tree passes and the sampling warps")
+    return {
         "attention": attention,
         "mlp": mlp,
         "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()},
@@ -100,29 +252,24 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
         "tree": {str(n): t for n, t in tree.items()},
         "pass": {str(c): {str(n): t for n, t in row.items()} for c, row in whole.items()},
         "warp": {str(k): {str(v): {str(n): t for n, t in row.items()} for v, row in table.items()}
-                 for k, table in _measure_warps(model, repeats).items()},
-        "host": 0.0,
+                 for k, table in warps.items()},
         "walk": walk,
-        "measurement": MEASUREMENT,
     } | ({"eager": eager} if eager else {}) | ({"spans": spans} if model.steps is not None else {}) \
       | ({"quantised": quantised} if quantised else {})
-    # the dtype named where it is not float32, as the shipped profiles are named: a bf16 profile under a
-    # float32 profile's name would price runs mislabelled
-    dtype = data["model"]["shape"].get("dtype", "float32")
-    data["name"] = f"{machine_name(data['machine'])}__{model.name}" + ("" if dtype == "float32" else f"__{dtype}")
-    profile = Profile(data)
-    in_time("the host work")
-    prompt = list(range(10, 10 + max(1, min(256, model.max_context // 4))))
-    new = max(2, min(48, model.max_context - len(prompt) - 2))
-    data["host"] = profile.host = _measure_plain_host(model, profile, prompt, new, repeats)
-    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, repeats)
+
+
+def _measure_host_work(model, profile: Profile, plan: ProfilePlan, steps: _Steps) -> None:
+    """``host``, ``host_steps`` and ``host_draft`` (module docstring of :mod:`selfspec.measure.profile`),
+    measured on generations as ``plan`` says, into ``profile`` and its data."""
+    steps.before("the host work")
+    data = profile.data
+    prompt = list(range(10, 10 + max(1, min(plan.host_prompt, model.max_context // 4))))
+    new = max(2, min(plan.host_new, model.max_context - len(prompt) - 2))
+    data["host"] = profile.host = _measure_plain_host(model, profile, prompt, new, plan.repeats)
+    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, plan.repeats)
     profile.host_steps = dict(data["host_steps"])
-    data["host_draft"] = profile.host_draft = _measure_host_draft(model, profile, prompt, new, repeats)
-    if log:
-        log(f"host work of drafting steps: {data['host_steps']}")
-    data["seconds_to_measure"] = round(time.time() - started, 1)
-    data["others_busy"] = others.share()
-    return profile
+    data["host_draft"] = profile.host_draft = _measure_host_draft(model, profile, prompt, new, plan.repeats)
+    steps.done(f"host work of drafting steps: {data['host_steps']}")
 
 
 def profile_rows(capture: str) -> tuple[int, ...]:
@@ -160,13 +307,15 @@ def _measure_plain_host(model, profile: Profile, prompt: list[int], new: int, re
 
 
 def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also=None, spans: dict | None = None,
-               walk: float = 0.0, weights: str | None = None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+               walk: float = 0.0, weights: str | None = None, full_at: dict[int, Iterable[int]] | None = None
+               ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The ``attention`` and ``mlp`` tables (module docstring of :mod:`selfspec.measure.profile`):
     per context, whole passes of each row count in ``widths[context]`` with and without the MLPs,
     less one walk's own cost (``walk``), divided by the layer count (the MLP: the median over
     contexts of the difference). ``also(cache, context, rows)`` times anything else on the same
     cache; ``spans`` receives each context's cache slots; ``weights``: the passes read that quantised
-    copy of the weights (the ``quantised`` tables)."""
+    copy of the weights (the ``quantised`` tables); ``full_at``: per context, the row counts whose
+    full passes are timed there (default every one: :class:`ProfilePlan`'s ``mlp``)."""
     from selfspec.measure.costs import context_cache, time_forward
     from selfspec.models.layered import SkipSet
     from selfspec.models.passes import Pass
@@ -181,10 +330,11 @@ def _sublayers(model, widths: dict[int, list[int]], repeats: int, log=None, also
             spans[str(context)] = cache.max_length
         attention[str(context)] = {}
         for n in rows:
-            full = time_forward(model, cache, context, n, p=every, repeats=repeats, logits_rows=0, cold=True)
             attn = time_forward(model, cache, context, n, p=no_mlp, repeats=repeats, logits_rows=0, cold=True)
             attention[str(context)][str(n)] = max(attn - walk, 0.0) / L
-            mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
+            if full_at is None or n in full_at[context]:
+                full = time_forward(model, cache, context, n, p=every, repeats=repeats, logits_rows=0, cold=True)
+                mlp.setdefault(n, []).append(max(full - attn, 0.0) / L)
             if also is not None:
                 also(cache, context, n)
         if log:
@@ -356,8 +506,9 @@ def machine_profile(model) -> Profile:
         log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "
                  "this machine's own", profile.name)
         return profile
-    log.info("measuring this machine's cost profile of %s (once; kept at %s)", model.name, path)
-    profile = measure_profile(model)
+    log.info("measuring this machine's cost profile of %s (once, within about %.0f min; kept at %s)", model.name,
+             BUDGET / 60, path)
+    profile = measure_profile(model, budget=BUDGET, log=lambda line: log.info("cost profile of %s: %s", model.name, line))
     busy = profile.data.get("others_busy")
     if busy is not None and busy > SPOILED_SHARE:
         # every later run here would be priced with it (trees, skip sets, gates, predictions)
@@ -420,18 +571,20 @@ def _measure_heads(model, rows: list[int], repeats: int, weights: str | None = N
     return out
 
 
-def _measure_quantised(model, contexts: list[int], repeats: int, walk: float, log=None) -> dict[str, dict] | None:
+def _measure_quantised(model, plan: ProfilePlan, walk: float, log=None) -> dict[str, dict] | None:
     """The ``quantised`` tables: per format of :data:`~selfspec.models.quantised.FORMATS`, the attention
-    and MLP sublayers and the head over that copy of the weights, at :data:`QUANT_ROWS` (None where the
-    runtime cannot run a quantised copy: its linears are not the CPU kernels)."""
+    and MLP sublayers and the head over that copy of the weights, at the plan's ``quant_rows``
+    (:data:`QUANT_ROWS`) and contexts (None where the runtime cannot run a quantised copy: its
+    linears are not the CPU kernels)."""
     from selfspec.models.quantised import FORMATS, problem
 
     if problem(model) is not None:
         return None
     out = {}
     for fmt in FORMATS:
-        attention, mlp = _sublayers(model, {c: list(QUANT_ROWS) for c in contexts}, repeats, walk=walk, weights=fmt)
-        head = _measure_heads(model, list(QUANT_ROWS), repeats, fmt)
+        attention, mlp = _sublayers(model, {c: list(plan.quant_rows) for c in plan.contexts}, plan.repeats, walk=walk,
+                                    weights=fmt)
+        head = _measure_heads(model, list(plan.quant_rows), plan.repeats, fmt)
         out[fmt] = {"attention": attention, "mlp": mlp,
                     "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()}}
         if log:
