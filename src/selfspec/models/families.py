@@ -38,6 +38,11 @@ class UnsupportedModelError(ValueError):
     """The model family has a layer structure the runtime has no adapter for."""
 
 
+class ModelLoadError(RuntimeError):
+    """A model config could not be turned into a model; the message names the config (raised by
+    :mod:`selfspec.models.loading` and :mod:`selfspec.models.gguf_file`)."""
+
+
 class Llama:
     """The Llama layout (model_type ``llama``): ``hf.model.{embed_tokens, layers, norm,
     rotary_emb}`` and ``hf.lm_head``; each decoder layer is ``input_layernorm → self_attn
