@@ -774,7 +774,7 @@ def test_artefact_of_other_weights_is_refused(tiny, tmp_path):
 
 
 def test_artefact_formats_read_and_refused(tiny, tmp_path):
-    """docs/design.md, "Formats read": an artefact of format 2 (this selfspec's) and of format 1 (no
+    """docs/design/assets-and-formats.md §9: an artefact of format 2 (this selfspec's) and of format 1 (no
     ``format`` field, with a weights digest) load; one older than format 1 (no weights digest) or of a
     newer format is refused, naming the job that rebuilds it."""
     from selfspec.store.artefacts import ARTEFACT_FORMAT

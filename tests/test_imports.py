@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "selfspec"
 
 #: the floors, lowest first: what a floor may import is on it or below it. This is the one place they
-#: are written down (docs/design.md §1 points here).
+#: are written down (docs/design/contracts.md §1 points here).
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the package itself (its __init__ sets MKL's reproducibility mode) and that mode
     ("ground", ("selfspec", "numerics")),
