@@ -13,7 +13,7 @@
 Same examples, warm-up first, methods interleaved per example (selfspec.evaluation.runner: no
 second timing loop). Prints tokens/s, speedup against vanilla, the decode speedup (after the
 prompt's step: under sampling each method's samples end at other lengths), the speedup the run's cost profile predicts from the
-step traces (docs/design.md §2.8), tau (mean accepted tokens per step,
+step traces (docs/design/contracts.md §2.8), tau (mean accepted tokens per step,
 bonus included), acceptance rate and consistency with vanilla, and the run's contention check; with ``hf_generate`` in the list,
 also the ratio vanilla tokens/s / generate tokens/s (selfspec's runtime should not be slower).
 Results land in ``--out`` (results.jsonl, summary.json), as for ``python -m selfspec.evaluate``.

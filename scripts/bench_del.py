@@ -5,7 +5,7 @@
 
 Same process, same examples, methods interleaved per example, one warm-up generation first;
 greedy; speedup = vanilla seconds per token / method seconds per token over the same examples
-(docs/design.md §2.6). Every method's tokens are checked against vanilla's. "best fixed" is the
+(docs/design/contracts.md §2.6). Every method's tokens are checked against vanilla's. "best fixed" is the
 fixed (ℓ, γ) with the highest speedup on that task (an oracle choice, as the DEL paper's static
 baselines). Prints a Markdown table and writes JSON to --out.
 """

@@ -5,7 +5,7 @@
 For each task, the evaluation runner (``python -m selfspec.evaluate``'s own code) runs vanilla and
 the lossless methods on the same examples twice on one loaded ``model.dtype=bfloat16`` model: with
 ``kernels.ROWWISE_DTYPES`` empty (masked attention of a verification pass in one SDPA call, as
-before) and on (each row as a one-token step calls it; docs/design.md §4). Prints consistency
+before) and on (each row as a one-token step calls it; docs/design/runtime.md §4). Prints consistency
 (share of examples whose tokens equal vanilla's) and seconds per token per method and mode;
 results land in ``<out>/<off|on>/<task>/`` (results.jsonl, summary.json).
 """

@@ -589,15 +589,15 @@ def test_a_gguf_files_metadata_is_parsed_once_per_conversion(tmp_path, conversio
         real(self, file, *args, **kwargs)
 
     monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
-    from selfspec.models import loading
+    from selfspec.models import gguf_file
 
-    dequantise = loading._dequantise
+    dequantise = gguf_file.dequantise
 
     def with_another_file(gguf_path, name):
         assert gguf.GGUFReader(other).fields is not gguf.GGUFReader(gguf_path).fields
         return dequantise(gguf_path, name)
 
-    monkeypatch.setattr(loading, "_dequantise", with_another_file)
+    monkeypatch.setattr(gguf_file, "dequantise", with_another_file)
     load_model(_model(gguf_path=str(path)))
     assert conversions == ["tiny.gguf"] and parsed == ["tiny.gguf", "other.gguf"]
     assert isinstance(gguf.GGUFReader, type)  # restored after the conversion
@@ -774,7 +774,7 @@ def test_artefact_of_other_weights_is_refused(tiny, tmp_path):
 
 
 def test_artefact_formats_read_and_refused(tiny, tmp_path):
-    """docs/design.md, "Formats read": an artefact of format 2 (this selfspec's) and of format 1 (no
+    """docs/design/assets-and-formats.md §9: an artefact of format 2 (this selfspec's) and of format 1 (no
     ``format`` field, with a weights digest) load; one older than format 1 (no weights digest) or of a
     newer format is refused, naming the job that rebuilds it."""
     from selfspec.store.artefacts import ARTEFACT_FORMAT

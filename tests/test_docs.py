@@ -30,10 +30,11 @@ def _sources():
 def _pages():
     yield ROOT / "README.md"
     yield from sorted((ROOT / "docs").glob("*.md"))
+    yield from sorted((ROOT / "docs" / "design").glob("*.md"))
 
 
 def test_every_cited_document_is_in_the_repository():
-    """A citation such as ``docs/design.md §2.3`` must point at a file a user has."""
+    """A citation such as ``docs/design/contracts.md §2.3`` must point at a file a user has."""
     missing = []
     for path in _sources():
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
@@ -44,16 +45,44 @@ def test_every_cited_document_is_in_the_repository():
     assert not [p for p in PENDING if (ROOT / p).is_file()], "a pending page landed: take it out of PENDING"
 
 
+def _design_sections() -> dict[str, set[str]]:
+    """The sections of the design notes, by page: each page of ``docs/design/`` has its ``## N.``
+    sections, its ``### N.M`` subsections and, on the page of §2, the core contracts (``1. **...**``:
+    §2.1, §2.2, ...); the index, ``docs/design.md``, every section its table lists and the contracts."""
+    pages = {}
+    for page in sorted((ROOT / "docs" / "design").glob("*.md")):
+        text = page.read_text()
+        found = set(re.findall(r"^## (\d+)\.", text, re.M)) | set(re.findall(r"^### (\d+\.\d+) ", text, re.M))
+        if "2" in found:
+            contracts = text.split("\n## 2.")[1].split("\n## ")[0]
+            found |= {f"2.{n}" for n in re.findall(r"^(\d+)\. \*\*", contracts, re.M)}
+        pages[f"docs/design/{page.name}"] = found
+    index = (ROOT / "docs" / "design.md").read_text()
+    listed = set(re.findall(r"^\| (\d+) \| \[", index, re.M)) | set(re.findall(r"^- §(\d+\.\d+) ", index, re.M))
+    pages["docs/design.md"] = listed
+    return pages
+
+
 def test_design_sections_cited_exist():
-    """``docs/design.md §N`` / ``§N.M`` citations name sections the page has."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    sections = set(re.findall(r"^## (\d+)\.", text, re.M))
-    contracts = {f"2.{n}" for n in re.findall(r"^(\d+)\. \*\*", text.split("## 3.")[0].split("## 2.")[1], re.M)}
+    """``docs/design.md §N`` (the index) and ``docs/design/<page>.md §N`` / ``§N.M`` citations name
+    sections the index lists or the page has; the index lists every page's sections, each linked to
+    its page, and every section is on one page."""
+    pages = _design_sections()
+    index = pages.pop("docs/design.md")
+    on_pages = [s for found in pages.values() for s in found if "." not in s]
+    assert len(on_pages) == len(set(on_pages)), "a section on two pages"
+    assert {s for s in index if "." not in s} == set(on_pages), "the index lists other sections than the pages hold"
+    assert {s for s in index if "." in s} == {s for found in pages.values() for s in found if s.startswith("2.")}
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        if m := re.match(r"^\| (\d+) \| \[[^]]+\]\(design/([\w-]+\.md)#", line):
+            assert m[1] in pages[f"docs/design/{m[2]}"], f"the index puts §{m[1]} on {m[2]}, which lacks it"
+    pages["docs/design.md"] = index
     bad = []
     for path in _sources():
-        for ref in re.findall(r"docs/design\.md §(\d+(?:\.\d+)?)", path.read_text(errors="replace")):
-            if ref not in sections | contracts:
-                bad.append(f"{path.relative_to(ROOT)}: §{ref}")
+        for page, ref in re.findall(r"(docs/design(?:\.md|/[\w-]+\.md)) §(\d+(?:\.\d+)?)",
+                                    path.read_text(errors="replace")):
+            if ref not in pages.get(page, set()):
+                bad.append(f"{path.relative_to(ROOT)}: {page} §{ref}")
     assert not bad, bad
 
 
@@ -108,7 +137,7 @@ def test_every_table_renders_with_its_headers_cells():
     """Issue 71: the README's first table had 4 header cells and rows of 5 (a column inserted into the wrong
     table), so a Markdown renderer dropped the ``method=`` names and showed stray figures. Every row of every
     table on the front page and the docs pages has its header's cell count."""
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for page in _pages():
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
             if re.fullmatch(r"\|( *:?-+:? *\|)+", line.strip()) and i > 0:
@@ -118,3 +147,47 @@ def test_every_table_renders_with_its_headers_cells():
                     if not lines[j].lstrip().startswith("|"):
                         break
                     assert _cells(lines[j]) == width, f"{page.name}:{j + 1}: {_cells(lines[j])} cells, the header {width}"
+
+
+def _worked_example() -> tuple[str, str]:
+    """The YAML and the Python of docs/extending.md's worked example, as a reader copies them."""
+    import textwrap
+
+    text = (ROOT / "docs" / "extending.md").read_text()
+    section = text[text.index("**Worked example"):]
+    (yaml,) = re.findall(r"^ *```yaml\n(.*?)^ *```$", section, re.M | re.S)[:1]
+    (python,) = re.findall(r"^ *```python\n(.*?)^ *```$", section, re.M | re.S)[:1]
+    return textwrap.dedent(yaml), textwrap.dedent(python)
+
+
+def test_the_worked_example_decodes_like_vanilla(tiny, tmp_path, monkeypatch):
+    """Issue 71: docs/extending.md's worked example showed an API the runtime no longer had
+    (``run_layers``). Its code and YAML run here as written: the method is registered, checked and
+    built as any method is (``build_decoder``, with the gate), and decodes vanilla's tokens under greedy
+    decoding on the tiny random model, its drafts accepted in part."""
+    import shutil
+    import sys
+
+    import torch
+
+    from selfspec.config import method_config
+    from selfspec.decoding import METHODS, build_decoder
+
+    yaml, python = _worked_example()
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / "method" / "shallow_draft.yaml").write_text(yaml)
+    monkeypatch.setenv("SELFSPEC_CONF", str(conf))
+    (tmp_path / "worked_example_shallow_draft.py").write_text(python)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "worked_example_shallow_draft", raising=False)
+    monkeypatch.setitem(METHODS._entries, "shallow_draft", "worked_example_shallow_draft:ShallowDraft")
+
+    ids = tiny.tokenizer("The capital of France is", return_tensors="pt").input_ids[0].tolist()
+    with torch.inference_mode():
+        want = build_decoder(method_config("vanilla"), tiny.model).generate(ids, 24).tokens
+        for gated in (True, False):
+            dec = build_decoder(method_config("shallow_draft", never_slower=gated), tiny.model)
+            out = dec.generate(ids, 24)
+            assert out.tokens == want
+    assert out.stats["verifications"] > 0  # ungated, it drafted

@@ -217,7 +217,7 @@ def test_method_configs_compose(method):
 
 
 def test_acceptance_average_start_and_scope():
-    """``draft_stop.ar_start`` / ``ar_per_example`` (docs/design.md §8): the paper's text starts AR at
+    """``draft_stop.ar_start`` / ``ar_per_example`` (docs/design/fidelity.md §8): the paper's text starts AR at
     the first round's rate; the authors' code starts it at 0 (β1 from the first round) in every
     call, so its first update raises θ even after a fully accepted draft. θ always carries over."""
     text = adaptive_rule(threshold=0.6, target=0.9)
@@ -298,7 +298,7 @@ def test_paper_config_and_presets_run_the_authors_loop():
 
 
 def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
-    """The evaluation's warm-up (docs/design.md §2.3): each decoder's carried policy state — the
+    """The evaluation's warm-up (docs/design/contracts.md §2.3): each decoder's carried policy state — the
     threshold, its acceptance average and the speculation gate — is put back afterwards, so the
     measured examples decode as a fresh decoder would (greedy: the same steps)."""
     from types import SimpleNamespace

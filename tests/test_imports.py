@@ -7,6 +7,11 @@ entry point inside one to word a refusal, and closed a circle of eight modules),
 A module's floor is its folder under ``src/selfspec/`` (``selfspec.decoding.tree``: ``decoding``), or
 its own name for a module beside the folders (``selfspec.train``: ``train``; the package's own
 ``__init__``: ``selfspec``). A module may import its own floor and the floors below it.
+
+A private name (one with a leading underscore) is used only within its own folder: no module takes
+``from selfspec.models.loading import _name``, nor ``loading._name`` off an imported module, from
+another folder (issue 71: ``measure/peak.py`` read GGUF files through two of ``models/loading.py``'s
+private functions). What one folder needs of another is given a public name.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "selfspec"
 
 #: the floors, lowest first: what a floor may import is on it or below it. This is the one place they
-#: are written down (docs/design.md §1 points here).
+#: are written down (docs/design/contracts.md §1 points here).
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the package itself (its __init__ sets MKL's reproducibility mode) and that mode
     ("ground", ("selfspec", "numerics")),
@@ -106,6 +111,57 @@ def imports(modules: dict[str, Path] | None = None) -> list[Import]:
                 if target and target != module:
                     found.append(Import(module, target, path, node.lineno))
     return found
+
+
+def _folder(module: str) -> str:
+    """A module's folder under ``src/selfspec/`` (or its own name beside the folders)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def private_uses(modules: dict[str, Path] | None = None) -> list[str]:
+    """Each private name of a module of the package used from another folder, as ``file:line: source
+    uses target._name``: imported by name (``from selfspec.models.loading import _name``, relative or
+    absolute, wherever the import stands) or read off an imported module (``loading._name``,
+    ``selfspec.models.loading._name``). Dunder names are not private."""
+    modules = modules or _modules()
+    out = []
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.endswith("__")
+
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        local: dict[str, str] = {}  # a name bound to a module of the package -> that module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == PACKAGE and alias.asname and alias.name in modules:
+                        local[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                if base.split(".")[0] != PACKAGE:
+                    continue
+                for alias in node.names:
+                    name = f"{base}.{alias.name}"
+                    if name in modules:
+                        local[alias.asname or alias.name] = name
+                    elif private(alias.name) and _folder(_resolve(base, modules) or base) != _folder(module):
+                        out.append(f"{_where(Import(module, base, path, node.lineno))}: {module} imports "
+                                   f"{base}.{alias.name}")
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and private(node.attr)):
+                continue
+            owner = local.get(node.value.id) if isinstance(node.value, ast.Name) else None
+            if owner is None and ast.unparse(node.value) in modules:
+                owner = ast.unparse(node.value)
+            if owner is not None and _folder(owner) != _folder(module):
+                out.append(f"{_where(Import(module, owner, path, node.lineno))}: {module} uses {owner}.{node.attr}")
+    return out
 
 
 def with_packages(found: list[Import]) -> list[Import]:
@@ -246,6 +302,40 @@ def test_no_circle_of_imports():
     packages an import runs first: :func:`with_packages`)."""
     found = circles(with_packages(imports()))
     assert not found, "\n".join(found)
+
+
+def test_private_uses_are_read(tmp_path):
+    """The private-name reader sees each way across a folder (a guard against one that finds nothing):
+    ``from a import _x`` (absolute, relative, in a function), ``module._x`` off ``from a import module``,
+    ``import a.module as m`` and the dotted name; not a private name within its own folder, nor a dunder."""
+    for folder in ("low", "high"):
+        (tmp_path / folder).mkdir()
+    files = {
+        "selfspec.low.base": "_hidden = 1\n",
+        "selfspec.low.peer": "from selfspec.low.base import _hidden\n",
+        "selfspec.high.user": ("from selfspec.low.base import _hidden\n"
+                               "from ..low import base\n"
+                               "import selfspec.low.base as b\n"
+                               "import selfspec.low.base\n"
+                               "def f():\n"
+                               "    from ..low.base import _hidden as h\n"
+                               "    return base._hidden, b._hidden, selfspec.low.base._hidden, base.__doc__\n"),
+    }
+    modules = {}
+    for name, text in files.items():
+        _, folder, leaf = name.split(".")
+        path = tmp_path / folder / f"{leaf}.py"
+        path.write_text(text)
+        modules[name] = path
+    found = [line.split(": ", 1)[1] for line in private_uses(modules)]
+    assert sorted(found) == sorted(["selfspec.high.user imports selfspec.low.base._hidden"] * 2
+                                   + ["selfspec.high.user uses selfspec.low.base._hidden"] * 3)
+
+
+def test_no_private_name_is_used_across_folders():
+    """What a folder takes from another it takes by a public name (module docstring)."""
+    found = private_uses()
+    assert not found, "private names used from another folder:\n" + "\n".join(found)
 
 
 def test_every_exception_is_still_needed():

@@ -45,7 +45,7 @@ def synthetic_profile(**changes) -> Profile:
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"format": FORMAT - 1}, rf"format {FORMAT - 1}, this selfspec reads format {FORMAT}"),  # docs/design.md §9
+    ({"format": FORMAT - 1}, rf"format {FORMAT - 1}, this selfspec reads format {FORMAT}"),  # docs/design/assets-and-formats.md §9
     ({"mlp": None}, r"mlp is missing or empty"),
     ({"mlp": {"1": float("nan"), "2": 3e-3}}, r"mlp\[1\] is nan, not a finite number of seconds >= 0"),
     ({"linear": {"1": -1e-3}}, r"linear\[1\] is -0\.001, not a finite"),

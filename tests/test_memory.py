@@ -57,15 +57,15 @@ def test_a_gguf_files_shape_is_read_once_per_version_of_the_file(tmp_path, monke
     import os
     import shutil
 
-    from selfspec.models import loading
+    from selfspec.models import gguf_file, loading
     from selfspec.store.assets import asset_path
 
     gguf = asset_path("smollm2-gguf")  # before the cache moves: the asset stays where it was fetched
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     reads = []
-    real = loading._read_gguf
+    real = gguf_file.read
     parsed = real(gguf, "smollm2-135m")  # parsed once (3-5 s): each read below is counted, the files are alike
-    monkeypatch.setattr(loading, "_read_gguf",
+    monkeypatch.setattr(gguf_file, "read",
                         lambda path, name: reads.append(path) or (parsed if Path(path).is_file() else real(path, name)))
     peak._cached_gguf_shape.cache_clear()
     first = peak._gguf_shape(gguf, "smollm2-135m")

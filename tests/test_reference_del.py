@@ -5,7 +5,7 @@ final norm + LM head at every candidate layer, no artefact). Equal outputs and e
 round drafted, accepted, committed, exit layer and γ, and the controller after each step, its
 plan (ℓ, γ, stop threshold τ_ℓ) and its per-layer statistics (agreement rate α_ℓ, mean
 confidence of matched and of mismatched shadow tokens); floats within the tolerances of
-tests/reference/traces.py (docs/design.md, "Fidelity to the authors' code")."""
+tests/reference/traces.py (docs/design/fidelity.md)."""
 
 from __future__ import annotations
 

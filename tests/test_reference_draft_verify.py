@@ -1,4 +1,4 @@
-"""Draft & Verify against the authors' loop, step for step (docs/design.md §8).
+"""Draft & Verify against the authors' loop, step for step (docs/design/fidelity.md §8).
 
 The reference (``tests/reference/draft_verify.py``) re-implements the authors' decoding loop on
 transformers' own model. ``method=draft_verify_paper`` must reproduce it exactly on the same prompt

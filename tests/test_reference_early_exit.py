@@ -2,7 +2,7 @@
 reference loop re-implemented from facebookresearch/LayerSkip (tests/reference/layerskip.py) on
 the same prompt ids, with the model's own final norm + LM head as exit head (``exit_head:
 lm_head``, no artefact). Equal outputs and equal traces: per round drafted, accepted, committed,
-exit layer and draft limit (docs/design.md, "Fidelity to the authors' code")."""
+exit layer and draft limit (docs/design/fidelity.md)."""
 
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def test_records_from_a_run_directory(runs):
 
 
 def test_run_formats_read_and_refused(real_runs, tmp_path, caplog):
-    """docs/design.md, "Formats read": a run of format 2 (this selfspec's: summary.json's ``format``)
+    """docs/design/assets-and-formats.md §9: a run of format 2 (this selfspec's: summary.json's ``format``)
     and of format 1 (no ``format`` field; its Draft & Verify adaptive rule recorded with its
     threshold alone) read to the same records; a run older than format 1 (no ``method_configs``,
     ``method``, ``run_info`` or ``config``) or of a newer format is left out with one warning line,

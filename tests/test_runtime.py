@@ -564,7 +564,7 @@ def test_k_token_pass_equals_k_one_token_steps(dtype, model, monkeypatch):
     Qwen3's per-head q/k norms run the library's row-wise RMSNorm; Gemma 3's norms, q/k norms
     included, run the fused operator in Gemma's ``(1 + w)`` form, and its sliding layers' window of
     8 is passed, so a pass's rows are narrowed each by its own position); in bfloat16 a last-bit
-    difference flips argmaxes at near-ties (docs/design.md §4)."""
+    difference flips argmaxes at near-ties (docs/design/runtime.md §4)."""
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
 

@@ -1,4 +1,4 @@
-"""The speedup is defined once (:mod:`selfspec.measure.speedup`, docs/design.md §2.6)."""
+"""The speedup is defined once (:mod:`selfspec.measure.speedup`, docs/design/contracts.md §2.6)."""
 
 from pathlib import Path
 

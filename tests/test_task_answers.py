@@ -1,5 +1,5 @@
 """Issue 13: the embedded default's (SmolLM2-135M-Instruct) vanilla outputs, in its default prompt
-format, are real answers on a few examples of each task (docs/design.md §6, prompt formats).
+format, are real answers on a few examples of each task (docs/design/reproduction.md §6, prompt formats).
 
 Cheap by design (two examples per task, 32-64 new tokens, article prompts clipped to 384 tokens):
 about 330 new tokens in all (HumanEval's replies stop at their closing fence); the file took 2.3 to

@@ -3,4 +3,4 @@ here from reading it (never copied), or of the paper's algorithm where the code 
 (AdaDecode), on transformers' own modules (the model's decoder layers, final norm and LM head,
 with transformers' ``DynamicCache``). The reference tests (``tests/test_reference_*.py``) run them
 and selfspec's ``*_paper`` configurations on the same prompt and compare outputs and per-step
-traces (docs/design.md, "Fidelity to the authors' code")."""
+traces (docs/design/fidelity.md)."""

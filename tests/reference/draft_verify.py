@@ -30,7 +30,7 @@ Only θ leaves the call: their notebooks pass the returned threshold to the next
 no warm-up for this method.
 
 ``deviations`` switches on, by name, selfspec's documented deviations from this loop
-(docs/design.md §8), so a test can show that a configuration differs from the authors' loop by
+(docs/design/fidelity.md §8), so a test can show that a configuration differs from the authors' loop by
 exactly the ones it names: ``ar_first_rate`` (AR starts at the first round's rate: the paper's
 text, β1 = 0 at the first round), ``ar_carried`` (AR is carried from the previous call: pass the
 previous :attr:`Result.ar` as ``ar``), ``plain_last_token`` (one token of budget left: a plain step,

@@ -1,9 +1,9 @@
 """DEL's controller (COLM 2025, §4) on the LayerSkip loop of :mod:`reference.layerskip`.
 
 Sources. DEL's code (hoenza/DEL) builds on LayerSkip's loop; it could not be read from this
-machine, so this reference is written from the facts recorded from it (docs/design.md §6) and
+machine, so this reference is written from the facts recorded from it (docs/design/reproduction.md §6) and
 the paper, and takes selfspec's choice where neither fixes a detail (each marked *assumed* here
-and listed in docs/design.md, "Fidelity to the authors' code"). What it does:
+and listed in docs/design/fidelity.md). What it does:
 
 * **shadow tokens** (recorded): after each verification, the final norm + LM head on every
   candidate layer's state of the verified rows whose context was right (the round's input and

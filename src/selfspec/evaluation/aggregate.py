@@ -1,4 +1,4 @@
-"""Aggregation of per-example result rows into per-method figures (docs/design.md §2.6, §3).
+"""Aggregation of per-example result rows into per-method figures (docs/design/contracts.md §2.6, §3).
 
 Every figure is computed over the generations that **every** method finished, so the baseline and
 the methods are compared on the same examples. A generation is one ``(id, sample)`` pair: with

@@ -137,17 +137,17 @@ def _read_gguf_shape(path: Path, name: str) -> Shape:
     or zero field gave a raw TypeError or ZeroDivisionError, and a lying ``feed_forward_length`` a
     1,472 GB estimate blamed on the prompts): present, a positive whole number, the heads dividing the
     width, and the parameters the metadata describes those the tensors hold (within 1%)."""
-    from selfspec.models.loading import _gguf_value, _read_gguf
+    from selfspec.models import gguf_file
 
-    reader = _read_gguf(path, name)
-    arch = _gguf_value(reader, "general.architecture")
+    reader = gguf_file.read(path, name)
+    arch = gguf_file.metadata_value(reader, "general.architecture")
 
     def bad(what: str) -> ValueError:
         return ValueError(f"model config {name!r}: GGUF file {path}: {what}: not a model file selfspec can size; "
                           "fetch it again (make assets) or point model.gguf_path at another file")
 
     def get(key: str, optional: bool = False) -> int | None:
-        value = _gguf_value(reader, f"{arch}.{key}")
+        value = gguf_file.metadata_value(reader, f"{arch}.{key}")
         if value is None and optional:
             return None
         if value is None:
@@ -193,7 +193,7 @@ def shape_of(model_cfg) -> Shape:
         from transformers import AutoConfig
 
         return Shape.of_hf_config(AutoConfig.from_pretrained(source.where))
-    return _gguf_shape(loading._gguf_path(source), name)
+    return _gguf_shape(loading.local_gguf(source), name)
 
 
 # --- the terms ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The speedup, defined once (docs/design.md §2.6, "Timing"): vanilla's seconds per token divided
+"""The speedup, defined once (docs/design/contracts.md §2.6, "Timing"): vanilla's seconds per token divided
 by the method's, on the same examples.
 
 Every figure called a speedup is this ratio: measured (:mod:`selfspec.evaluation.aggregate`: wall

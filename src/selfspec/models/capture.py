@@ -49,7 +49,7 @@ the padding. The buckets reach 256 rows so that PPD's trees at the paper's sizes
 token), replay as graphs too; with 32 rows as the largest, such passes ran eagerly at 0.21-0.33x
 vanilla on an H100/H200. Anything
 else — a long prefill, a training pass — takes the dynamic path; the outputs are the same either
-way (docs/design.md §4), only the speed differs. A decoding pass (one after the prompt: the cache
+way (docs/design/runtime.md §4), only the speed differs. A decoding pass (one after the prompt: the cache
 already holds positions) that takes the dynamic path, whatever its size, is counted in
 :attr:`StepRunner.missed`, by kind. The LM head and the exit
 heads (full or truncated) stay outside: each is one matrix product on ``[rows, d]``, a static shape

@@ -5,7 +5,7 @@ embedding, decoder layers, final norm, rotary embedding and LM head live, which 
 what, the family's own rotary and attention functions (imported from its modeling module by
 name), and what each layer's attention needs besides q, k, v and a mask. The runtime
 (:mod:`selfspec.models.layered`) reuses the library's modules, weights and functions through an
-adapter; no family's numerics are written again (docs/design.md §2.1).
+adapter; no family's numerics are written again (docs/design/contracts.md §2.1).
 
 An adapter is small: :class:`Llama` is the layout every supported family shares (a pre-norm
 attention sublayer and a pre-norm MLP sublayer, each added to the residual stream; q/k/v and
@@ -36,6 +36,11 @@ ADAPTER_NEEDS = ("where the embedding, decoder layers, final norm, rotary embedd
 
 class UnsupportedModelError(ValueError):
     """The model family has a layer structure the runtime has no adapter for."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model config could not be turned into a model; the message names the config (raised by
+    :mod:`selfspec.models.loading` and :mod:`selfspec.models.gguf_file`)."""
 
 
 class Llama:

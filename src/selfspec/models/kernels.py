@@ -315,7 +315,7 @@ def rowwise_attention(query, key, value, allowed=None, scaling=None) -> torch.Te
 
     SDPA's CPU kernels block the queries of a call together, so row ``i`` of a ``q``-row call
     differs in the last bits from a one-row call (in float32 too); in bfloat16 those bits flip
-    argmaxes at near-ties (docs/design.md §4). With the kernel (``csrc/rowwise_attention.cpp``,
+    argmaxes at near-ties (docs/design/runtime.md §4). With the kernel (``csrc/rowwise_attention.cpp``,
     float32 / bfloat16, one call for all rows) the row-invariance is by construction; without it,
     each row makes the SDPA call a one-token step makes (a view of the cache when its keys are a
     prefix, else gathered in order; no mask; ``enable_gqa``), which is exact too but costs one

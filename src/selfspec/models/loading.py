@@ -29,7 +29,8 @@ first). A GGUF file's architecture (its ``general.architecture`` metadata) and a
 repo's ``config.json`` are checked against the families :class:`LayeredModel` drives before any
 weights are read; so are a GGUF file's shape keys (present, and consistent with each other and with
 its tensors), and whatever transformers still refuses in it is one :class:`ModelLoadError` naming
-the file. A GGUF file is dequantised by transformers on first load (~20 s for SmolLM2) and the
+the file (reading, checking and dequantising a GGUF file: :mod:`selfspec.models.gguf_file`). A GGUF
+file is dequantised by transformers on first load (~20 s for SmolLM2) and the
 result is kept as a plain safetensors directory in the cache, so later loads take about a second.
 The cache entry is named by the sha256 of the file's bytes: an offline asset's pinned hash (the
 file was verified against it), another file's hash, computed once and remembered by its path,
@@ -42,8 +43,6 @@ A loaded model carries two identities that artefacts record and check: :func:`fi
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import inspect
 import json
@@ -59,7 +58,8 @@ from typing import Any, NamedTuple
 import torch
 
 from selfspec.config import checks
-from selfspec.models.families import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_type
+from selfspec.models import gguf_file
+from selfspec.models.families import SUPPORTED_MODEL_TYPES, ModelLoadError, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 from selfspec.store import assets
 from selfspec.store.files import not_plain
@@ -79,10 +79,6 @@ ATTENTION = ("sdpa", "eager")
 LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")
 #: values sampled per tensor by :func:`weights_digest`
 DIGEST_SAMPLES = 64
-
-
-class ModelLoadError(RuntimeError):
-    """A model config could not be turned into a model; the message names the config."""
 
 
 @dataclass
@@ -424,7 +420,7 @@ def _load_pretrained(path: str, attn: str, name: str):
     return hf, tok
 
 
-def _gguf_path(source: Source) -> Path:
+def local_gguf(source: Source) -> Path:
     """The local GGUF file of a ``gguf``, ``hub_gguf`` (downloaded) or ``asset`` source."""
     if source.kind == "asset":
         from selfspec.store.assets import asset_path
@@ -479,216 +475,20 @@ def _cache_name(source: Source, gguf: Path) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', gguf.stem)}-{digest[:16]}"
 
 
-def _gguf_value(reader, key: str):
-    """A scalar or string metadata value of a GGUF file (None when absent or an array)."""
-    from gguf import GGUFValueType
-
-    field = reader.fields.get(key)
-    if field is None or not field.data or field.types[0] == GGUFValueType.ARRAY:
-        return None
-    value = field.parts[field.data[0]]
-    return bytes(value).decode("utf-8") if field.types[0] == GGUFValueType.STRING else value[0].item()
-
-
-def gguf_architecture(path: Path) -> str | None:
-    """A GGUF file's ``general.architecture`` (metadata only: no tensor is read)."""
-    return _gguf_value(_gguf_reader()(path), "general.architecture")
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(checked: bool = False) -> type:
-    """``gguf.GGUFReader`` reading through a plain ``numpy.ndarray`` view of its memory map instead
-    of the ``numpy.memmap`` object: the same mapped pages, nothing copied, the tensors views of them
-    as before. The reader parses the metadata in millions of small reads (a length, then a string,
-    per token of the vocabulary), and each went through ``memmap``'s Python-level ``__getitem__``
-    and ``__array_finalize__``: Gemma 3 270M's metadata took 11.4 s to parse, 4.0 s through the view
-    (quiet Zen 4).
-
-    A file shorter than its tensors need (an interrupted download) raises :class:`_CutShort` with
-    both sizes before gguf's reader views a tensor past the end (numpy's "cannot reshape array of
-    size ..."). ``checked``: every read is checked against the file's size too, which finds metadata
-    that runs past the end (numpy's "When changing to a larger dtype ..."); :func:`_read_gguf` reads
-    that way only after a plain read failed, the checks costing every small read."""
-    import math
-
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    class PlainViewReader(GGUFReader):
-        @property
-        def data(self):
-            return self._view
-
-        @data.setter
-        def data(self, mapped):  # the reader's memory map; the view keeps it alive (its base)
-            self._view = mapped.view(np.ndarray)
-
-        def _build_tensors(self, start_offs, fields):
-            end = 0
-            for field in fields:  # a tensor entry's parts: name length, name, number of dims, dims, type, offset
-                dims, ggml_type, offset = field.parts[3], field.parts[4][0], field.parts[5][0]
-                block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type))]
-                end = max(end, start_offs + int(offset) + math.prod(int(d) for d in dims) * type_bytes // block)
-            if end > self._view.size:
-                raise _CutShort(f"is shorter than its tensors need ({self._view.size} bytes, the tensors end at {end})")
-            super()._build_tensors(start_offs, fields)
-
-    class CheckedReader(PlainViewReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            if offset + int(count) * np.dtype(dtype).itemsize > self._view.size:
-                raise _CutShort(f"is shorter than its metadata needs ({self._view.size} bytes, the metadata runs "
-                                "past the end)")
-            return super()._get(offset, dtype, count, override_order)
-
-    return CheckedReader if checked else PlainViewReader
-
-
-class _CutShort(ValueError):
-    """A GGUF file ends before what its header describes (:func:`_gguf_reader`)."""
-
-
-def _read_gguf(gguf: Path, name: str):
-    """A GGUF file's reader (metadata and tensor index; no tensor is read; :func:`_gguf_reader`), or
-    a :class:`ModelLoadError` naming the file: one cut short (issue 68) says so, with its size, and
-    to download it again."""
-    try:
-        return _gguf_reader()(gguf)
-    except MemoryError:
-        raise
-    except Exception as err:
-        problem = err if isinstance(err, _CutShort) else _cut_short(gguf)
-        if problem is not None:
-            raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} {problem}: download it again") from err
-        raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} cannot be read: {_one_line(err)}") from err
-
-
-def _cut_short(gguf: Path) -> _CutShort | None:
-    """After a failed read of ``gguf``: whether its metadata runs past its end (read again, each read
-    checked: :func:`_gguf_reader`); None when the read fails otherwise."""
-    try:
-        _gguf_reader(checked=True)(gguf)
-    except _CutShort as err:
-        return err
-    except Exception:
-        return None
-    return None
-
-
-def _one_line(err: BaseException) -> str:
-    """An exception as one line: its last non-empty line, with its type when that line has none."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    line = lines[-1] if lines else ""
-    return line if re.match(r"^\w+(Error|Exception): ", line) else f"{type(err).__name__}: {line}"
-
-
-def gguf_metadata_problem(reader, arch: str) -> str | None:
-    """What in a GGUF file's metadata transformers cannot build the model from (None: nothing found):
-    a missing key llama.cpp requires of these families (transformers would take a default, such as
-    32 blocks or another norm epsilon, and build another model), a head count that does not divide
-    the hidden size (or a KV head count the head count), a block count other than the number of
-    ``blk.N`` tensor blocks."""
-    keys = {k: f"{arch}.{k}" for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                                       "attention.head_count", "attention.head_count_kv",
-                                       "attention.layer_norm_rms_epsilon")}
-    missing = [key for k, key in keys.items() if k != "attention.head_count_kv" and _gguf_value(reader, key) is None]
-    missing += [k for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if k not in reader.fields]
-    if missing:
-        return f"missing key{'s' * (len(missing) > 1)} {', '.join(missing)}"
-    blocks, hidden, heads = (int(_gguf_value(reader, keys[k])) for k in ("block_count", "embedding_length",
-                                                                         "attention.head_count"))
-    kv = _gguf_value(reader, keys["attention.head_count_kv"])
-    if heads <= 0 or hidden % heads:
-        return f"{keys['embedding_length']}={hidden} is not a multiple of {keys['attention.head_count']}={heads}"
-    if kv is not None and (int(kv) <= 0 or heads % int(kv)):
-        return f"{keys['attention.head_count']}={heads} is not a multiple of {keys['attention.head_count_kv']}={kv}"
-    found = {int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
-    if found != set(range(blocks)):
-        return (f"{keys['block_count']}={blocks} but the file holds tensors of {len(found)} blocks"
-                + (f" (blk.{min(found)} to blk.{max(found)})" if found else ""))
-    return None
-
-
-def _check_gguf(gguf: Path, name: str):
-    """Before anything is dequantised: the file's model family is one :class:`LayeredModel` drives, and
-    its metadata describes a model its tensors hold (:func:`gguf_metadata_problem`). Returns the
-    file's reader."""
-    reader = _read_gguf(gguf, name)
-    arch = _gguf_value(reader, "general.architecture")
-    check_model_type(GGUF_ARCHITECTURES.get(arch, arch), name, f"GGUF file {gguf}")
-    problem = gguf_metadata_problem(reader, arch)
-    if problem:
-        raise ModelLoadError(f"model config {name!r}: GGUF file {gguf} has inconsistent metadata: {problem}")
-    return reader
-
-
-@contextlib.contextmanager
-def _parsed_once(gguf: Path, reader):
-    """Within the block, ``gguf.GGUFReader`` of this file is ``reader``, the one already parsed.
-
-    transformers builds a new reader each time it reads a GGUF file (its tokenizer, its config, its
-    weights: three per conversion), and a reader parses the whole metadata, every token string of
-    the vocabulary one by one: Gemma 3's 262,144 took about 20 s each on a 2-core machine, most of
-    the conversion. The reader only reads the file (a read-only memory map), so one serves all.
-    Other files, and other arguments, get a reader of their own."""
-    import gguf as gguf_package
-
-    real, target = gguf_package.GGUFReader, gguf.resolve()
-
-    def reader_of(path, *args, **kwargs):
-        if not args and not kwargs and Path(path).resolve() == target:
-            return reader
-        return real(path, *args, **kwargs)
-
-    gguf_package.GGUFReader = reader_of
-    try:
-        yield
-    finally:
-        gguf_package.GGUFReader = real
-
-
-def _dequantise(gguf: Path, name: str):
-    """transformers' tokenizer and float32 model of a GGUF file. Anything transformers refuses, a
-    weight the model its metadata describes needs and the file does not hold, or one of another
-    shape (transformers would initialise either at random) is one :class:`ModelLoadError` naming
-    the file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    where = f"model config {name!r}: GGUF file {gguf}"
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                        ignore_mismatched_sizes=True, output_loading_info=True)
-    except MemoryError:
-        raise
-    except Exception as err:
-        raise ModelLoadError(f"{where}: transformers cannot build a model from it (its metadata or tensors are "
-                             f"inconsistent): {_one_line(err)}") from err
-    mismatched = sorted(info.get("mismatched_keys") or [])
-    if mismatched:
-        key, in_file, wanted = mismatched[0]
-        raise ModelLoadError(f"{where} has inconsistent metadata: tensor {key} has shape {tuple(in_file)} in the "
-                             f"file, {tuple(wanted)} by its metadata ({len(mismatched)} such tensor(s))")
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:
-        raise ModelLoadError(f"{where} lacks {len(missing)} weight(s) its metadata calls for (e.g. {missing[0]}); "
-                             "transformers would initialise them at random")
-    return hf, tok
-
-
 def _converted(source: Source, name: str) -> Path:
     """The safetensors directory a GGUF source is dequantised into, once (:func:`_cache_name`).
 
-    The file's metadata is checked first (:func:`_check_gguf`), so an unsupported family or an
+    The file's metadata is checked first (:func:`~selfspec.models.gguf_file.check`), so an unsupported family or an
     inconsistent file is refused before anything is dequantised.
     """
-    gguf = _gguf_path(source)
+    gguf = local_gguf(source)
     converted = assets.cache_dir() / "models" / _cache_name(source, gguf)
     if (converted / "config.json").exists():
         return converted
-    reader = _check_gguf(gguf, name)
+    reader = gguf_file.check(gguf, name)
     log.info("converting %s to safetensors in %s (once)", gguf.name, converted)
-    with _parsed_once(gguf, reader):
-        hf, tok = _dequantise(gguf, name)
+    with gguf_file.parsed_once(gguf, reader):
+        hf, tok = gguf_file.dequantise(gguf, name)
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config

@@ -96,7 +96,7 @@ class Record:
 
     @property
     def losslessness(self) -> str:
-        """What the method keeps of vanilla's output (docs/design.md §2.4): ``tokens`` (greedy: the
+        """What the method keeps of vanilla's output (docs/design/contracts.md §2.4): ``tokens`` (greedy: the
         same tokens, measured by consistency), ``distribution`` (sampling: speculative sampling keeps
         vanilla's output distribution; token-level consistency does not apply) or ``lossy`` (PPD's
         typical acceptance under sampling)."""
@@ -364,7 +364,7 @@ class MalformedSummary(ValueError):
     """A summary.json whose shape or figures are not what an evaluation writes (names the field)."""
 
 
-#: the run record formats this selfspec reads (docs/design.md, "Formats read"): 2, written from issue 53
+#: the run record formats this selfspec reads (docs/design/assets-and-formats.md §9): 2, written from issue 53
 #: on (summary.json's ``format``: :data:`selfspec.evaluation.runner.RUN_FORMAT`), and 1, the summaries
 #: without a ``format`` field, written from 2026-11-22 (7f0543e) to issue 53
 RUN_FORMATS = (1, 2)
@@ -380,7 +380,7 @@ def run_format(summary: dict[str, Any], fields: tuple[str, ...] = RUN_FIELDS) ->
     found = summary.get("format", 1)
     if found not in RUN_FORMATS:
         raise MalformedSummary(f"field 'format' is {found!r}: this selfspec reads run formats "
-                               f"{', '.join(map(str, RUN_FORMATS))} (docs/design.md, \"Formats read\")")
+                               f"{', '.join(map(str, RUN_FORMATS))} (docs/design/assets-and-formats.md §9)")
     missing = [k for k in fields if k not in summary]
     if missing:
         raise MalformedSummary(f"field '{missing[0]}' is missing: a run older than format 1 (written before "

@@ -1,10 +1,10 @@
 """Trained artefacts — heads, prompt embeddings, skip sets, trees — as safetensors + ``meta.json``.
 
-docs/design.md §2.5: ``meta.json`` records its format (:data:`ARTEFACT_FORMAT`), the kind, the model name,
+docs/design/contracts.md §2.5: ``meta.json`` records its format (:data:`ARTEFACT_FORMAT`), the kind, the model name,
 the model fingerprint (config + tokenizer), the model's weights digest
 (:func:`selfspec.models.loading.weights_digest`), layer count, hidden size, task, training config
-and training metrics. :func:`load_artefact` checks the format (:data:`ARTEFACT_FORMATS`, docs/design.md,
-"Formats read"), kind, fingerprint and weights and fails with a message naming the mismatch. Writes
+and training metrics. :func:`load_artefact` checks the format (:data:`ARTEFACT_FORMATS`,
+docs/design/assets-and-formats.md §9), kind, fingerprint and weights and fails with a message naming the mismatch. Writes
 are atomic: a temporary directory is filled and renamed into place, so a crash never leaves a
 half-written artefact.
 """
@@ -29,7 +29,7 @@ META = "meta.json"
 TENSORS = "tensors.safetensors"
 #: the format of the artefacts this selfspec writes (meta.json's ``format``)
 ARTEFACT_FORMAT = 2
-#: the artefact formats read (docs/design.md, "Formats read"): 2, written from issue 53 on, and 1, a
+#: the artefact formats read (docs/design/assets-and-formats.md §9): 2, written from issue 53 on, and 1, a
 #: meta.json without a ``format`` field, with a weights digest (written from 2026-11-22, 82b9eff, on)
 ARTEFACT_FORMATS = (1, 2)
 #: artefact kind -> the training job that writes it (``python -m selfspec.train job=<job>``), for the
@@ -203,7 +203,7 @@ def check_format(meta: dict[str, Any], path: Path) -> int:
     found = meta.get("format", 1)
     if found not in ARTEFACT_FORMATS:
         raise ArtefactError(f"{meta.get('kind')} artefact {path} is of format {found!r}; this selfspec reads formats "
-                            f"{', '.join(map(str, ARTEFACT_FORMATS))} (docs/design.md, \"Formats read\"); "
+                            f"{', '.join(map(str, ARTEFACT_FORMATS))} (docs/design/assets-and-formats.md §9); "
                             f"{rebuild_hint(path, meta.get('kind'))}")
     if meta.get("weights") is None:
         raise ArtefactError(f"{meta.get('kind')} artefact {path} has no weights digest: it is older than format 1 "

@@ -4,7 +4,7 @@ Prompt: ``shots`` exemplars ``Question: …\\nAnswer: <solution ending in #### N
 ``Question: {q}\\nAnswer:``; the answer is the number after ``####``, else after "the answer
 is", else the last number (:func:`selfspec.metrics.extract_number`).
 
-Chat format (the default for instruct models; a deviation, docs/design.md §6): each question is a
+Chat format (the default for instruct models; a deviation, docs/design/reproduction.md §6): each question is a
 user turn asking for the reasoning and a last line ``#### <number>``, each exemplar an earlier
 exchange whose reply is its solution; the reply is scored with the same number extraction.
 

@@ -1,9 +1,9 @@
 """HumanEval (Chen et al. 2021): 164 Python functions to complete from signature + docstring.
 
-Paper format: the 0-shot raw prompt (Draft & Verify; docs/design.md §6); the generation is the
+Paper format: the 0-shot raw prompt (Draft & Verify; docs/design/reproduction.md §6); the generation is the
 function body, cut where the first function ends (the standard stop sequences at top level).
 
-Chat format (the default for instruct models; a deviation, docs/design.md §6): the prompt in a
+Chat format (the default for instruct models; a deviation, docs/design/reproduction.md §6): the prompt in a
 fenced code block with a request to complete the function, as one user turn. The reply is cut
 at the end of its code block (a closing fence and a blank line) or of the turn, and
 :func:`completion_from_reply` turns its first code block into a completion that runs after the

@@ -1,9 +1,9 @@
 """Shared shape of the summarisation tasks (XSum, CNN/DM), as in Draft & Verify.
 
-Paper prompt (docs/design.md §6): ``shots`` exemplars ``Article: …\\nSummary: …\\n`` then
+Paper prompt (docs/design/reproduction.md §6): ``shots`` exemplars ``Article: …\\nSummary: …\\n`` then
 ``Article: {x}\\nSummary:``; generations are cut at ``\\nArticle:``; ROUGE F1 with stemming.
 
-Chat prompt (the default for instruct models; a deviation, docs/design.md §6): one user turn
+Chat prompt (the default for instruct models; a deviation, docs/design/reproduction.md §6): one user turn
 holding the article and then the task's instruction (:attr:`SummarisationTask.instruction`); the
 assistant's reply is the summary. It is 0-shot by default: SmolLM2-135M-Instruct copies a 1-shot
 exemplar (the XSum pool's first shuffled record, a football results table) into its summaries even

@@ -14,11 +14,11 @@ types, then :meth:`Task.record_problem`), so a malformed file stops with one
 :class:`TaskDataError` naming the file, the line (JSON lines) or index (JSON array) and the field
 — before any model is loaded, since the entry points read the examples first.
 
-Selection follows the research code (docs/design.md §6, Draft & Verify): the pool is shuffled with
+Selection follows the research code (docs/design/reproduction.md §6, Draft & Verify): the pool is shuffled with
 ``shuffle_seed`` (the permutation ``datasets.Dataset.shuffle(seed=...)`` uses), the first
 ``shots`` records become the in-context exemplars, and the next ``n_examples`` are evaluated.
 
-Prompt formats (``prompt_format``; docs/design.md §6, "Prompt formats"): ``paper`` is the papers'
+Prompt formats (``prompt_format``; docs/design/reproduction.md §6, "Prompt formats"): ``paper`` is the papers'
 raw text prompt (k-shot ``Article: …\\nSummary:``, HumanEval's bare signature); ``chat`` is the
 task's instruction as chat turns (each exemplar an earlier user/assistant exchange) through the
 tokenizer's chat template, with the task's own stop strings and answer extraction; ``auto`` (the

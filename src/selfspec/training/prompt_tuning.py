@@ -60,7 +60,7 @@ def sharegpt_options(job) -> dict:
 
 def sharegpt_path(job) -> Path | None:
     """``job.data`` (a local ShareGPT JSON), else ``job.hub_id`` downloaded from the hub, else
-    ``None`` = the offline asset (docs/design.md §5)."""
+    ``None`` = the offline asset (docs/design/assets-and-formats.md §5)."""
     if job.data:
         return Path(str(job.data)).expanduser()
     if job.hub_id:
