@@ -228,6 +228,8 @@ EVERY_METHOD = [
     {"name": "quant_draft", "draft_weights": "int4", "max_draft": 4, "never_slower": False},
     {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "max_draft": 4, "never_slower": False,
      "draft_weights": "int8"},
+    {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "never_slower": False,
+     "draft_weights": "int8"},
 ]
 
 

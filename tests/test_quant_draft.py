@@ -109,6 +109,7 @@ QUANTISED = [
     {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "draft_weights": "int8"},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8"},
     {"name": "clasp", "interval": 4, "draft_weights": "int4"},
+    {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "draft_weights": "int8"},
 ]
 
 

@@ -50,10 +50,9 @@ from selfspec.config.options import Options, key, nullable
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
-from selfspec.decoding.part_options import ContextFirst, Gated
+from selfspec.decoding.part_options import ContextFirst, Gated, QuantisedDraft
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab, draft_logits
 from selfspec.models.layered import LayeredModel, Pass, SkipSet
-from selfspec.models.quantised import FORMATS
 from selfspec.store.artefacts import artefact_option
 
 #: ``last_token`` values: with one token of budget left, a plain step or one draft verified anyway
@@ -66,14 +65,12 @@ RENAMED = {"gamma0": "draft_stop.threshold", "alpha": "draft_stop.target", "epsi
 
 
 @dataclass(frozen=True)
-class DecodingOptions(Options):
+class DecodingOptions(QuantisedDraft):
     """The decoding settings of a method drafting with skipped sublayers, besides where its skip
     set comes from (Draft & Verify's searched set; KnapSpec's and CLaSp's, searched while
     decoding): ``max_draft`` K >= 1; ``draft_stop``, the shared sub-config of
     :mod:`selfspec.decoding.draft_exit`; ``last_token`` and ``eos_draft`` (module docstring);
-    ``draft_weights``, the weights the drafts read: null, the target's own, or a quantised copy of them
-    (``int8``, ``int4``: :mod:`selfspec.models.quantised`; the verification reads the target's). The
-    paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused, naming their
+    ``draft_weights`` (:class:`~selfspec.decoding.part_options.QuantisedDraft`). The paper's key names (``draft_exit``, ``gamma0``, ``alpha``, ...) are refused, naming their
     ``draft_stop`` keys."""
 
     renamed = {**RENAMED, "draft_exit": "{prefix}.draft_stop ({rule: adaptive}, {rule: static, threshold: p}, or "
@@ -84,8 +81,6 @@ class DecodingOptions(Options):
     last_token: str = key(checks.choice, LAST_TOKEN, why="one token of budget left: a plain step, or draft and verify "
                           "one token anyway (the authors' code)")
     eos_draft: str = key(checks.choice, EOS_DRAFT, why="after an EOS draft: stop drafting, or go on (the authors' code)")
-    draft_weights: str | None = key(nullable(checks.choice), FORMATS,
-                                    why="the weights the drafts read: null = the target's, or a quantised copy")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@
   method whose step can give way to a plain step;
 * :class:`ContextFirst`: ``ngram``, drafts from the context first
   (:class:`selfspec.decoding.ngram.ContextDrafter`), for every method that drafts a chain itself;
+* :class:`QuantisedDraft`: ``draft_weights``, the weights a method's own drafts read (the target's, or a
+  quantised copy of them), for every method that drafts with the model itself through a pass;
 * :class:`LookupOptions`: the n-gram lookup's own keys, read by ``method=ngram`` and inside an
   ``ngram`` sub-config (PPD's too).
 
@@ -17,7 +19,8 @@ import dataclasses
 from typing import Any
 
 from selfspec.config import checks
-from selfspec.config.options import Options, Ref, key
+from selfspec.config.options import Options, Ref, key, nullable
+from selfspec.models.quantised import FORMATS
 
 #: ``draft_schedule`` values of the context drafter (:mod:`selfspec.decoding.ngram`)
 SCHEDULES = ("adaptive", "constant", "priced")
@@ -80,3 +83,12 @@ class ContextFirst(Options):
 
 #: the part option classes, whose keys :func:`selfspec.decoding.build_decoder` takes for the parts
 PARTS = (Gated, ContextFirst)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantisedDraft(Options):
+    """``draft_weights``: the weights the drafts read: null, the target's own, or a quantised copy of
+    them (``int8``, ``int4``: :mod:`selfspec.models.quantised`; the verification reads the target's)."""
+
+    draft_weights: str | None = key(nullable(checks.choice), FORMATS,
+                                    why="the weights the drafts read: null = the target's, or a quantised copy")

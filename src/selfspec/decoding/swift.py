@@ -56,9 +56,10 @@ from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
-from selfspec.decoding.part_options import Gated
+from selfspec.decoding.part_options import Gated, QuantisedDraft
 from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout, verify_tree
+from selfspec.models.heads import draft_logits
 from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
 from selfspec.models.ledger import phase
 
@@ -138,11 +139,12 @@ class SwiftExample:
 
 
 @dataclass(frozen=True)
-class SwiftOptions(Gated):
+class SwiftOptions(Gated, QuantisedDraft):
     """Keys (conf/method/swift*.yaml): ``max_draft`` (25), ``draft_stop`` (the shared sub-config;
     static 0.8), the layer set optimisation's (module docstring; ``bayes_interval`` null = random
     search only, ``optimize: false`` = keep the starting set), the starting set (``skip_attn`` /
-    ``skip_mlp``, null = every odd layer) and ``never_slower``."""
+    ``skip_mlp``, null = every odd layer), ``never_slower`` and ``draft_weights`` (beyond the paper: the
+    drafts, and the matchness the search scores them by, read that quantised copy of the weights)."""
 
     max_draft: int = key(checks.integer, 1, why="the longest draft chain")
     draft_stop: StopOptions | None = key(draft_stop_option)
@@ -227,8 +229,10 @@ class LayerSetDrafter(Carries):
         n = ids.shape[1]
         rows = torch.arange(n, device=model.device)
         causal = Rows.scratch(start, rows, rows.unsqueeze(1) >= rows.unsqueeze(0))
-        out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal), ledger=state.ledger)
-        predicted = model.head(model.final_norm(out), ledger=state.ledger)[0].argmax(-1)
+        weights = self.options.draft_weights
+        out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal, weights=weights),
+                            ledger=state.ledger)
+        predicted = draft_logits(model, out, ledger=state.ledger, weights=weights)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
     def optimization_step(self, state: DecodeState, generated: list[int]) -> None:
@@ -261,14 +265,15 @@ class LayerSetDrafter(Carries):
         draft distribution, whose rows are returned, as many as its support holds), the chain
         token's confidence, and how many candidates each depth has."""
         model, ledger, greedy = self.model, state.ledger, state.sampling.greedy
-        p, threshold = Pass(skip=self.search.skip), self.draft_stop.threshold()
+        weights = self.options.draft_weights
+        p, threshold = Pass(skip=self.search.skip, weights=weights), self.draft_stop.threshold()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
         token, rows, confidences, qs, drawn = state.pending, [], [], [], []
         width = min(TOPK, model.vocab_size)
         for j in range(min(self.max_draft, max(budget, 1))):
             ids.fill_(token)
             h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=ledger)
-            logits = model.logits(h[:, -1], ledger)[0]
+            logits = draft_logits(model, h[:, -1], ledger=ledger, weights=weights)[0]
             if greedy:
                 top = logits.topk(width).indices
                 n = width

@@ -198,16 +198,25 @@ class _Steps:
     """A profile's stages: each checked against the ``deadline`` before it starts and told to ``log``
     with the minutes so far and, where a plan was estimated, of about how many."""
 
+    #: seconds between two lines of the same stage
+    EVERY = 60.0
+
     def __init__(self, log, deadline: float | None, started: float) -> None:
         self.log, self.deadline, self.started, self.estimate = log, deadline, started, None
+        self.said = started
 
     def before(self, what: str) -> None:
+        """Raise :class:`ProfileDeadline` if the deadline passed before ``what``; say it where the
+        stage has been silent for :attr:`EVERY` seconds."""
         if self.deadline is not None and time.perf_counter() > self.deadline:
             raise ProfileDeadline(f"the profile's time limit passed before {what} was measured")
+        if time.time() - self.said >= self.EVERY:
+            self.done(f"measuring {what}")
 
     def done(self, what: str) -> None:
+        self.said = time.time()
         if self.log:
-            so_far = (time.time() - self.started) / 60
+            so_far = (self.said - self.started) / 60
             self.log(f"{what} ({so_far:.1f} min" + (f" of about {self.estimate / 60:.1f})" if self.estimate else ")"))
 
 
@@ -235,7 +244,7 @@ def _measure_tables(model, plan: ProfilePlan, steps: _Steps) -> dict[str, Any]:
     eager = _measure_eager(model, list(plan.rows), list(plan.contexts), plan.repeats, steps.done) \
         if model.capture == "graphs" else None
     steps.before("the quantised copies")
-    quantised = _measure_quantised(model, plan, walk, steps.done)
+    quantised = _measure_quantised(model, plan, walk, steps)
     steps.before("the heads")
     head = _measure_heads(model, list(plan.rows) + list(plan.prefill_rows[:1]), plan.repeats)
     linear = _measure_linear(model, list(plan.rows), plan.repeats)
@@ -571,7 +580,7 @@ def _measure_heads(model, rows: list[int], repeats: int, weights: str | None = N
     return out
 
 
-def _measure_quantised(model, plan: ProfilePlan, walk: float, log=None) -> dict[str, dict] | None:
+def _measure_quantised(model, plan: ProfilePlan, walk: float, steps: _Steps) -> dict[str, dict] | None:
     """The ``quantised`` tables: per format of :data:`~selfspec.models.quantised.FORMATS`, the attention
     and MLP sublayers and the head over that copy of the weights, at the plan's ``quant_rows``
     (:data:`QUANT_ROWS`) and contexts (None where the runtime cannot run a quantised copy: its
@@ -583,12 +592,11 @@ def _measure_quantised(model, plan: ProfilePlan, walk: float, log=None) -> dict[
     out = {}
     for fmt in FORMATS:
         attention, mlp = _sublayers(model, {c: list(plan.quant_rows) for c in plan.contexts}, plan.repeats, walk=walk,
-                                    weights=fmt)
+                                    weights=fmt, also=lambda cache, c, n: steps.before(f"{fmt} passes at context {c}"))
         head = _measure_heads(model, list(plan.quant_rows), plan.repeats, fmt)
         out[fmt] = {"attention": attention, "mlp": mlp,
                     "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()}}
-        if log:
-            log(f"passes over the {fmt} copy of the weights")
+        steps.done(f"passes over the {fmt} copy of the weights")
     return out
 
 
