@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -45,10 +45,26 @@ class Sink:
     row (:func:`_row`) and ``results.jsonl``; batched, also ``batches.jsonl`` and the progress of the
     waves (the sink :func:`~selfspec.evaluation.batches.decode_waves` takes)."""
 
-    def __init__(self, plan: RunPlan, built: Built, done: set, results: ResultsFile,
-                 batches: ResultsFile | None = None, bar=None) -> None:
+    def __init__(self, plan: RunPlan, built: Built, done: set, results: ResultsFile) -> None:
         self.plan, self.built, self.done, self.results = plan, built, done, results
-        self.batches, self.bar = batches, bar
+        self.batches: ResultsFile | None = None
+        self.bar = None
+
+    @contextlib.contextmanager
+    def waves(self, out_dir: Path, n_todo: int) -> Iterator[Sink]:
+        """Batched: ``batches.jsonl`` and the progress bar over the ``n_todo`` examples, open while the waves
+        are decoded."""
+        from tqdm.auto import tqdm
+
+        plan = self.plan
+        self.batches = open_batches(out_dir)
+        self.bar = tqdm(total=n_todo, desc=f"{plan.task.name} {plan.under_test} (batches of {plan.batch_size})",
+                        unit="ex", disable=not plan.progress, dynamic_ncols=True)
+        try:
+            yield self
+        finally:
+            self.bar.close()
+            self.batches.close()
 
     def pending(self, ex, sample: int, run: MethodRun) -> bool:
         """Whether ``run`` has still to generate sample ``sample`` of ``ex``."""
@@ -196,16 +212,8 @@ def _loop_batched(plan: RunPlan, built: Built, todo: list, sink: Sink, out_dir: 
     """``batch_size > 1``: the examples in waves, each method decoding a wave as one continuous batch
     (:mod:`selfspec.evaluation.batches`), each example of a wave settled first (:func:`_settle`); each
     row appended as its sequence finishes, each batch a line of batches.jsonl."""
-    from tqdm.auto import tqdm
-
-    sink.batches = open_batches(out_dir)
-    sink.bar = tqdm(total=len(todo), desc=f"{plan.task.name} {plan.under_test} (batches of {plan.batch_size})",
-                    unit="ex", disable=not plan.progress, dynamic_ncols=True)
-    try:
+    with sink.waves(out_dir, len(todo)):
         decode_waves(built.runs, todo, plan.batch_size, plan.n_samples, plan.budget, sink)
-    finally:
-        sink.bar.close()
-        sink.batches.close()
 
 
 def run_summary(cfg: DictConfig, plan: RunPlan, built: Built, out_dir: Path, rows: list[dict[str, Any]],
