@@ -30,8 +30,9 @@ from selfspec.measure.peak import shape_of
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What :func:`prepare` checked and read before the model loads: all the loop and the summary take
-    of the config (:mod:`selfspec.evaluation.loop`), each value once."""
+    """What :func:`prepare` checked and read before the model loads: every config value the loop and the
+    summary read (:mod:`selfspec.evaluation.loop`), each read once (the summary records the config whole
+    beside them, and the run's identity its model, task and sampling sections)."""
 
     sampling: Sampling
     task: Any
