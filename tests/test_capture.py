@@ -173,7 +173,7 @@ def test_an_evaluation_records_the_passes_that_went_eager(tmp_path, caplog):
     assert "took the eager path" not in caplog.text
     from types import SimpleNamespace
 
-    from selfspec.evaluation.runner import _capture_summary
+    from selfspec.evaluation.loop import _capture_summary
 
     steps = capture.StepRunner("static")
     steps.missed, steps.missed_kinds["tree 131"] = 3, 3

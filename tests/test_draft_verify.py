@@ -303,7 +303,7 @@ def test_warmup_leaves_the_carried_state_as_it_was(tiny8, prompt_ids):
     measured examples decode as a fresh decoder would (greedy: the same steps)."""
     from types import SimpleNamespace
 
-    from selfspec.evaluation.runner import _warmup
+    from selfspec.evaluation.loop import _warmup
 
     def build(label):
         cfg = method_config("draft_verify", **{"skip_attn": [1, 2], "skip_mlp": [6],

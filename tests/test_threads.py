@@ -270,7 +270,7 @@ def test_after_a_burst_of_load_the_policy_comes_back_to_the_configured_count(tin
 
 def test_threads_is_checked_before_the_model_loads(tmp_path):
     from selfspec.config import compose
-    from selfspec.evaluation.runner import _check_run_options
+    from selfspec.evaluation.plan import _check_run_options
 
     with pytest.raises(ConfigError, match="threads"):
         _check_run_options(compose(["model=tiny-random", "threads=some"]))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.batch import Batch
@@ -47,7 +47,7 @@ BATCH_KEYS = ("wave", "method", "seconds")
 #: examples per wave, in batches
 WAVE = 2
 
-__all__ = ["BATCHES", "BATCH_KEYS", "batch_summary", "decode_waves", "waves"]
+__all__ = ["BATCHES", "BATCH_KEYS", "WaveSink", "batch_summary", "decode_waves", "waves"]
 
 
 def waves(examples: list, size: int) -> list[list]:
@@ -56,40 +56,50 @@ def waves(examples: list, size: int) -> list[list]:
     return [examples[i:i + n] for i in range(0, len(examples), n)]
 
 
-def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_samples: int, budget: int,
-                 sampling_of: Callable[[int], Any], row_of: Callable, append_row: Callable[[dict], None],
-                 log_batch: Callable[[dict], None], on_wave: Callable[[int], None] | None = None,
-                 settle: Callable[[Any], None] | None = None) -> None:
-    """Decode ``todo`` in waves (module docstring): per wave, sample and method, one batch; each
-    generation's row built by ``row_of(example, run, generation, sample, sampling)`` as it finishes and
-    handed to ``append_row`` when its batch ends, then the batch's line to ``log_batch``.
-    ``settle(example)`` runs, untimed, for each example of a wave with work left before the wave's first
-    batch (the runner's prompt step of the baseline, as before each example at ``batch_size=1``). A
+class WaveSink(Protocol):
+    """What :func:`decode_waves` reads of the run and hands each generation to (the evaluation's
+    :class:`~selfspec.evaluation.loop.Sink`)."""
+
+    def pending(self, ex, sample: int, run) -> bool: ...  # whether ``run`` still owes sample ``sample`` of ``ex``
+    def prompt(self, ex) -> list[int]: ...
+    def sampling(self, sample: int) -> Any: ...  # sample ``sample``'s sampling settings
+    def settle(self, ex) -> None: ...  # an untimed step of ``ex``'s prompt
+    def row(self, ex, run, gen, sample: int, sampling) -> dict: ...  # a generation's results line
+    def keep(self, row: dict) -> None: ...
+    def batch(self, line: dict) -> None: ...  # a batch's line of batches.jsonl
+    def wave_done(self, wave: int) -> None: ...
+
+
+def decode_waves(runs, todo: list, size: int, n_samples: int, budget: int, sink: WaveSink) -> None:
+    """Decode ``todo`` in waves (module docstring): per wave, sample and method, one batch of the examples
+    ``sink.pending``; each generation's row built by ``sink.row(example, run, generation, sample, sampling)``
+    as it finishes and handed to ``sink.keep`` when its batch ends, then the batch's line to ``sink.batch``.
+    ``sink.settle(example)`` runs, untimed, for each example of a wave with work left before the wave's
+    first batch (the runner's prompt step of the baseline, as before each example at ``batch_size=1``). A
     method's decoder is forked once per slot a batch can fill: ``size``, or fewer examples."""
     forks = min(size, len(todo))
     slots = {run.name: [run.decoder.fork() for _ in range(forks)] for run in runs if run.decoder.own_loop}
     for w, wave in enumerate(waves(todo, size)):
-        if settle is not None:
-            for ex in wave:
-                if any((ex.id, i, run.name) not in done for i in range(n_samples) for run in runs):
-                    settle(ex)
+        for ex in wave:
+            if any(sink.pending(ex, i, run) for i in range(n_samples) for run in runs):
+                sink.settle(ex)
         for i in range(n_samples):
-            s = sampling_of(i)
+            s = sink.sampling(i)
             for run in runs:
-                examples = [ex for ex in wave if (ex.id, i, run.name) not in done]
+                examples = [ex for ex in wave if sink.pending(ex, i, run)]
                 if not examples:
                     continue
 
                 kept: list[dict] = []
 
                 def finished(j: int, gen, examples=examples, run=run, s=s, i=i, kept=kept) -> None:
-                    kept.append(row_of(examples[j], run, gen, i, s) | {"batch": {"size": size, "wave": w}})
+                    kept.append(sink.row(examples[j], run, gen, i, s) | {"batch": {"size": size, "wave": w}})
 
                 t0 = time.perf_counter()
                 if run.decoder.own_loop:
                     batch = Batch(run.decoder.model, forks)
                     mine = slots[run.name]
-                    gens = batch.run([lambda slot, p=prompts[ex.id]: mine[slot].generate(p, budget, s)
+                    gens = batch.run([lambda slot, p=sink.prompt(ex): mine[slot].generate(p, budget, s)
                                       for ex in examples], done=finished)
                     ran = {"rounds": batch.rounds, "passes": {str(k): v for k, v in sorted(batch.passes.items())},
                            "ops": [op.row() for op in batch.ops]}
@@ -97,18 +107,18 @@ def decode_waves(runs, todo: list, prompts: dict, done: set, size: int, n_sample
                     gens = []
                     for k in range(0, len(examples), size):
                         part = examples[k:k + size]
-                        for j, gen in enumerate(run.decoder.generate_batch([prompts[ex.id] for ex in part], budget, s)):
+                        prompts = [sink.prompt(ex) for ex in part]
+                        for j, gen in enumerate(run.decoder.generate_batch(prompts, budget, s)):
                             finished(k + j, gen)
                             gens.append(gen)
                     ran = {}
                 seconds = time.perf_counter() - t0
                 for row in kept:
-                    append_row(row)
-                log_batch({"wave": w, "sample": i, "method": run.name, "size": size, "sequences": len(examples),
-                           "seconds": seconds, "new_tokens": sum(g.new_tokens for g in gens),
-                           "steps": sum(g.steps for g in gens), **ran})
-        if on_wave is not None:
-            on_wave(w)
+                    sink.keep(row)
+                sink.batch({"wave": w, "sample": i, "method": run.name, "size": size, "sequences": len(examples),
+                            "seconds": seconds, "new_tokens": sum(g.new_tokens for g in gens),
+                            "steps": sum(g.steps for g in gens), **ran})
+        sink.wave_done(w)
 
 
 def batch_summary(lines: list[dict], rows: dict[str, list[dict]], baseline: str, profile=None) -> dict[str, Any]:

@@ -365,7 +365,7 @@ class MalformedSummary(ValueError):
 
 
 #: the run record formats this selfspec reads (docs/design/assets-and-formats.md §9): 2, written from issue 53
-#: on (summary.json's ``format``: :data:`selfspec.evaluation.runner.RUN_FORMAT`), and 1, the summaries
+#: on (summary.json's ``format``: :data:`selfspec.evaluation.loop.RUN_FORMAT`), and 1, the summaries
 #: without a ``format`` field, written from 2026-11-22 (7f0543e) to issue 53
 RUN_FORMATS = (1, 2)
 #: the fields a run summary of every format read holds (a tracker's summary: all but ``config`` and
