@@ -1,7 +1,9 @@
 """Dump what every method decodes on the tiny random models, to check that a refactoring changes nothing.
 
 For vanilla and every method configuration of ``tests/test_capture.py``'s ``EVERY_METHOD`` (the list
-``tests/test_batch.py`` batches), on the tiny random Llama and Gemma 3 of ``tests/test_families.py`` and
+``tests/test_batch.py`` batches), and the parts those leave out (:data:`EXTRA`: the speculation gate,
+drafts from the context first, the n-gram schedules, trained-like exit heads of each kind, a draft
+vocabulary), on the tiny random Llama and Gemma 3 of ``tests/test_families.py`` and
 the ``tiny-random`` model config (``tests/conftest.py``'s ``tiny``):
 each of a few prompts (``tests/test_batch.py``'s ``prompts``) decoded alone on dynamic passes, alone on
 static-shape passes (``capture=static``), and as a continuous batch of 3 (dynamic), greedy and sampled
@@ -31,6 +33,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: the tiny random models: ``tests/test_families.py``'s, and the ``tiny-random`` model config
 MODELS = ("llama", "gemma3_text", "tiny-random")
+NGRAM = {"max_ngram": 3, "min_ngram": 2, "max_draft": 6, "draft_schedule": "adaptive"}
+#: configurations beside EVERY_METHOD's: a dict is a method config (``tests/test_batch.py``'s ``make``),
+#: a name one of :func:`_built`'s decoders
+EXTRA = [
+    {"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "max_draft": 4},  # gated (never_slower)
+    {"name": "del", "max_draft": 4, "cost_model": "parameters"},  # gated
+    {"name": "draft_verify", "skip_attn": [1, 2], "skip_mlp": [2], "never_slower": False, "ngram": NGRAM},
+    {"name": "early_exit", "exit_layer": 1, "max_draft": 4, "exit_head": "lm_head", "never_slower": False,
+     "ngram": NGRAM},
+    {"name": "del", "exit_head": "lm_head", "max_draft": 4, "draft_stop": None, "never_slower": False,
+     "ngram": NGRAM},
+    {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.0, "ngram": NGRAM},
+    {"name": "ngram", "draft_schedule": "constant", "never_slower": False},
+    {"name": "ngram", "draft_schedule": "priced", "never_slower": False},
+    {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "search_state": "example",
+     "never_slower": False},
+    "adadecode-linear-heads", "adadecode-full-heads-vocab", "draft_verify-vocab",
+]
 PROMPTS = 6
 BATCH = 3
 SAMPLED_SEED = 3
@@ -63,6 +83,38 @@ def _tiny_random():
     return load_model(model_config("tiny-random")).model
 
 
+def _built(name: str, model):
+    """A decoder the method configs cannot build without artefacts: AdaDecode over trained-like heads
+    (identity plus noise, ``linear``; or full heads over a draft vocabulary), Draft & Verify drafting
+    over a draft vocabulary (every third token and the first 40)."""
+    import torch
+
+    from selfspec.decoding.adadecode import AdaDecode
+    from selfspec.decoding.draft_verify import DraftVerify
+    from selfspec.models.heads import DraftVocab, IntermediateHeads
+    from selfspec.models.passes import SkipSet
+    from conftest import DV_OPTIONS
+
+    vocab = DraftVocab(model, sorted(set(range(0, model.vocab_size, 3)) | set(range(40))))
+    if name == "draft_verify-vocab":
+        return DraftVerify(model, SkipSet.of([1, 2], [2]), DV_OPTIONS, draft_vocab=vocab)
+    kind, with_vocab = ("linear", None) if name == "adadecode-linear-heads" else ("full", vocab)
+    heads = IntermediateHeads.identity(model, [1, 2], kind, vocab=with_vocab)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lin in heads.heads.values():
+            lin.weight.add_(torch.randn(lin.weight.shape, generator=g) * 0.02)
+    return AdaDecode(model, heads, threshold=0.3, max_early=16, exit_layers=None, early_eos=False)
+
+
+def _joins(decoder, batch) -> dict:
+    """How a batch's job hands its generation the batch: ``joins=batch`` where ``generate`` takes it
+    (issue 71); before, the batch was on the model, set by ``Batch.run``, and ``generate`` took none."""
+    import inspect
+
+    return {"joins": batch} if "joins" in inspect.signature(decoder.generate).parameters else {}
+
+
 def dump() -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     import selfspec  # noqa: F401  first: MKL's reproducibility mode
@@ -80,19 +132,22 @@ def dump() -> dict:
     out: dict = {"prompts": ps, "n_new": N_NEW, "runs": {}}
     for family in MODELS:
         dynamic = _tiny_random() if family == "tiny-random" else tiny_family(family)
-        for method in METHODS:
-            label = f"{family}/{_label(method)}"
+        for method in [*METHODS, *EXTRA]:
+            build = (lambda m, method=method: make(m, method)) if isinstance(method, dict) else (
+                lambda m, method=method: _built(method, m))
+            label = f"{family}/{_label(method) if isinstance(method, dict) else method}"
             t0 = time.perf_counter()
             static = dynamic.with_passes(capture.StepRunner("static"))
             runs: dict = {}
             for name, sampling in samplings.items():
                 for mode, model in (("dynamic", dynamic), ("static", static)):
-                    decoder = make(model, method)
+                    decoder = build(model)
                     runs[f"{name}/{mode}/alone"] = [_generation(decoder.fork().generate(p, N_NEW, sampling)) for p in ps]
-                decoder = make(dynamic, method)
+                decoder = build(dynamic)
                 slots = [decoder.fork() for _ in range(BATCH)]
                 batch = Batch(dynamic, BATCH)
-                gens = batch.run([lambda slot, p=p: slots[slot].generate(p, N_NEW, sampling) for p in ps])
+                joins = _joins(decoder, batch)
+                gens = batch.run([lambda slot, p=p: slots[slot].generate(p, N_NEW, sampling, **joins) for p in ps])
                 runs[f"{name}/dynamic/batch{BATCH}"] = {
                     "generations": [_generation(g) for g in gens], "rounds": batch.rounds,
                     "passes": {str(k): v for k, v in sorted(batch.passes.items())}, "rows": batch.rows,

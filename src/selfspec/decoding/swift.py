@@ -227,8 +227,9 @@ class LayerSetDrafter(Carries):
         n = ids.shape[1]
         rows = torch.arange(n, device=model.device)
         causal = Rows.scratch(start, rows, rows.unsqueeze(1) >= rows.unsqueeze(0))
-        out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal), ledger=state.ledger)
-        predicted = model.head(model.final_norm(out), ledger=state.ledger)[0].argmax(-1)
+        out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal), ledger=state.ledger,
+                            joins=state.joins)
+        predicted = model.head(model.final_norm(out), ledger=state.ledger, joins=state.joins)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
     def optimization_step(self, state: DecodeState, generated: list[int]) -> None:
@@ -267,8 +268,8 @@ class LayerSetDrafter(Carries):
         width = min(TOPK, model.vocab_size)
         for j in range(min(self.max_draft, max(budget, 1))):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=ledger)
-            logits = model.logits(h[:, -1], ledger)[0]
+            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=ledger, joins=state.joins)
+            logits = model.logits(h[:, -1], ledger, state.joins)[0]
             if greedy:
                 top = logits.topk(width).indices
                 n = width
