@@ -106,9 +106,9 @@ def first_two_tokens_tv(dec, ids: list[int], sampling, n: int = 400, seed: int =
     gen = torch.Generator().manual_seed(seed)
     counts: dict = {}
 
-    def draw(d, cache, generator) -> tuple:
+    def draw(d, cache, generator, joins=None) -> tuple:
         cache.truncate(len(ids) - 1)
-        state = DecodeState(list(ids), len(ids), cache, sampling, generator)
+        state = DecodeState(list(ids), len(ids), cache, sampling, generator, joins=joins)
         d.begin(state)
         new = d.step(state, 8)
         if len(new) < 2:
@@ -131,8 +131,9 @@ def first_two_tokens_tv(dec, ids: list[int], sampling, n: int = 400, seed: int =
             draws = [draw(dec, prefix, gen) for _ in range(n)]
         else:
             slots = [dec.fork() for _ in range(batch)]
-            draws = Batch(m, batch).run([lambda slot, j=j: draw(slots[slot], primed(), torch.Generator().manual_seed(seed + j))
-                                         for j in range(n)])
+            together = Batch(m, batch)
+            draws = together.run([lambda slot, j=j: draw(slots[slot], primed(), torch.Generator().manual_seed(seed + j),
+                                                         together) for j in range(n)])
     for pair in draws:
         counts[pair] = counts.get(pair, 0) + 1
     return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(exact) | set(counts))

@@ -57,7 +57,7 @@ def alone_and_batched(model, method: dict, ps: list[list[int]], size: int, sampl
     alone = [decoder.fork().generate(p, n_new, sampling) for p in ps]
     slots = [decoder.fork() for _ in range(size)]
     batch = Batch(model, size)
-    batched = batch.run([lambda slot, p=p: slots[slot].generate(p, n_new, sampling) for p in ps])
+    batched = batch.run([lambda slot, p=p: slots[slot].generate(p, n_new, sampling, joins=batch) for p in ps])
     return alone, batched, batch
 
 
@@ -147,11 +147,13 @@ def test_a_sampled_sequence_of_a_batch_is_its_batch_1_output_where_nothing_carri
     alone = [one.generate(p, N_NEW, sampling).tokens for p in ps]
     slots, took = [decoder.fork() for _ in range(2)], [[], []]
 
+    batch = Batch(model, 2)
+
     def job(slot: int, j: int):
         took[slot].append(j)
-        return slots[slot].generate(ps[j], N_NEW, sampling)
+        return slots[slot].generate(ps[j], N_NEW, sampling, joins=batch)
 
-    batched = [g.tokens for g in Batch(model, 2).run([lambda slot, j=j: job(slot, j) for j in range(len(ps))])]
+    batched = [g.tokens for g in batch.run([lambda slot, j=j: job(slot, j) for j in range(len(ps))])]
     assert all(len(mine) > 1 for mine in took)  # each slot decoded several examples
     for mine in took:
         replay = decoder.fork()
@@ -298,7 +300,8 @@ def test_an_interrupted_batch_leaves_the_grad_mode_as_it_was():
     def interrupt(i, gen):
         raise KeyboardInterrupt
 
+    batch = Batch(model, 2)
     with pytest.raises(KeyboardInterrupt):
-        Batch(model, 2).run([lambda slot, p=p: decoders[slot].generate(p, N_NEW) for p in ps], done=interrupt)
+        batch.run([lambda slot, p=p: decoders[slot].generate(p, N_NEW, joins=batch) for p in ps], done=interrupt)
     gc.collect()
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

@@ -263,24 +263,24 @@ class AdaDecode(Decoder):
             n = h.shape[1]
             start = pos + 1 - n
             h = m.forward(h, cache, Pass(range(j, stop + 1)), start=start,
-                          rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base), ledger=state.ledger)
+                          rope=ss.rope.rows(start - ss.base, pos + 1 - ss.base), ledger=state.ledger, joins=state.joins)
             if allow_exit and stop in self.exit_layers:
                 if self._early(state, ss, stop, h[:, -1]):
                     ss.stack.append(_Segment(stop + 1, h))
                     ss.exit_layers.append(stop)
                     return None
             j = stop + 1
-        return m.logits(h[0], state.ledger)
+        return m.logits(h[0], state.ledger, state.joins)
 
-    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None) -> torch.Tensor:
+    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None, joins=None) -> torch.Tensor:
         """The head's logits at ``layer`` for the last position's state ``h`` (recorded in ``ledger``
-        when given)."""
-        return self.heads.logits(layer, h, ledger)[0]
+        when given; ``joins``: the generation's batch, whose other sequences the head product may yield to)."""
+        return self.heads.logits(layer, h, ledger, joins)[0]
 
     def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> bool:
         """§3.2: predict early (append to ``ss.draft``) if the head's top probability exceeds the
         threshold and, unless ``early_eos``, the token is not EOS."""
-        token, conf, q = pick(self.draft_logits(layer, h_last, state.ledger), state)
+        token, conf, q = pick(self.draft_logits(layer, h_last, state.ledger, state.joins), state)
         if conf <= self.threshold or (not self.early_eos and token in self.eos_token_ids):
             return False
         ss.draft.append(token, conf, q)

@@ -35,7 +35,7 @@ from selfspec.decoding.part_options import PARTS, ContextFirst, Gated
 from selfspec.decoding.sampling import Sampling, select
 from selfspec.measure.costs import synchronizer
 from selfspec.models.cache import LayerCache
-from selfspec.models.layered import LayeredModel
+from selfspec.models.layered import Joins, LayeredModel
 from selfspec.models.ledger import Ledger, Op, phase
 
 
@@ -180,6 +180,10 @@ class DecodeState:
     trace: list[StepTrace] = field(default_factory=list)
     #: the generation's cost ledger, charged with sampled selection's warps (None outside one)
     ledger: Ledger | None = None
+    #: the batch of generations this one decodes in (:data:`~selfspec.models.layered.Joins`), or None
+    #: (alone): a method hands it to every model call of its step (``joins=state.joins``), each of
+    #: which may then yield to the other sequences; the decoder holds no batch and reads none
+    joins: Joins | None = None
 
     @property
     def pending(self) -> int:
@@ -366,8 +370,9 @@ class Decoder(Carries):
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:
         """Run the prompt through the model; return the first new token."""
-        h = self.model.forward(prompt, state.cache, start=0, ledger=state.ledger)
-        return int(select(self.model.logits(h[:, -1], state.ledger), state.sampling, state.generator, state.ledger)[0])
+        h = self.model.forward(prompt, state.cache, start=0, ledger=state.ledger, joins=state.joins)
+        return int(select(self.model.logits(h[:, -1], state.ledger, state.joins), state.sampling, state.generator,
+                          state.ledger)[0])
 
     def first_step(self, state: DecodeState, prompt: torch.Tensor, budget: int) -> list[int]:
         """The step that reads the prompt (traced as ``prefill``): default :meth:`prefill`, which
@@ -423,8 +428,8 @@ class Decoder(Carries):
         with phase(state.ledger, "plain"):
             state.cache.truncate(state.n_cached)
             h = self.model.forward(state.pending_ids(self.model.device), state.cache, start=state.n_cached,
-                                   ledger=state.ledger)
-            return [int(select(self.model.logits(h[:, -1], state.ledger), state.sampling, state.generator,
+                                   ledger=state.ledger, joins=state.joins)
+            return [int(select(self.model.logits(h[:, -1], state.ledger, state.joins), state.sampling, state.generator,
                                state.ledger)[0])]
 
     # --- state carried across examples -------------------------------------------------------
@@ -506,16 +511,19 @@ class Decoder(Carries):
 
     # --- the loop --------------------------------------------------------------------------
     def generate(
-        self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None
+        self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None,
+        joins: Joins | None = None,
     ) -> Generation:
-        """Decode up to ``max_new_tokens`` after ``prompt_ids`` (batch size 1)."""
+        """Decode up to ``max_new_tokens`` after ``prompt_ids``. ``joins``: the batch of generations this
+        one decodes in (:class:`selfspec.models.batch.Batch`: its job hands it here), whose passes its
+        steps' passes join (:attr:`DecodeState.joins`); None: alone."""
         prompt, n_prompt, sampling = self.generation_inputs(prompt_ids, max_new_tokens, sampling)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.model.device)
             generator.manual_seed(sampling.seed)
         cache = self.model.new_cache(self.cache_length(n_prompt, max_new_tokens), reuse=True)
-        state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator)
+        state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator, joins=joins)
         sync = synchronizer(self.model.device)
         ledger = state.ledger = Ledger(self.model.device)  # passed to the passes that record into it
         threads = self.threads

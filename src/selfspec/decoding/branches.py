@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.models.capture import BUCKETS
-from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
+from selfspec.models.layered import Joins, LayeredModel, Pass, Rows, SkipSet
 from selfspec.models.ledger import Ledger
 
 __all__ = ["BLOCKS", "branch_groups", "branch_pass", "sublayer_states"]
@@ -19,7 +19,7 @@ BLOCKS = ("attn", "mlp", "layer")
 
 
 def sublayer_states(model: LayeredModel, ids: torch.Tensor, cache, start: int, ledger: Ledger | None = None,
-                    rows: int = 1) -> list[torch.Tensor]:
+                    rows: int = 1, joins: Joins | None = None) -> list[torch.Tensor]:
     """A full pass of ``ids`` ``[1, n]`` after ``start`` cached positions, writing the cache as a plain
     pass does, that keeps the state of every row after every sublayer: ``2L + 1`` states ``[n, d]``, the
     embedding first, then after layer ``i``'s attention (``2i + 1``) and after its MLP (``2i + 2``); the
@@ -28,14 +28,16 @@ def sublayer_states(model: LayeredModel, ids: torch.Tensor, cache, start: int, l
     plain pass's, and a capturing model runs each at a static shape: the attention one writes the
     layer's K/V, the MLP one touches no cache. ``rows``: the widest such pass the caller makes
     (KnapSpec: ``max_draft + 1``); each runs at a static shape of at least that many rows
-    (:attr:`Pass.at_least`), so each sublayer takes one graph whatever the draft's length."""
+    (:attr:`Pass.at_least`), so each sublayer takes one graph whatever the draft's length. ``joins``: the
+    generation's batch, which each sublayer's pass joins (:data:`~selfspec.models.layered.Joins`: it may
+    yield to the batch's other sequences)."""
     h = model.embed(ids)
     rope = model.rope(model.positions(start, h.shape[1]), h)
     states = [h[0]]
     for i in range(model.num_layers):
         for skip in (SkipSet.of(mlp=[i]), SkipSet.of(attn=[i])):
             h = model.forward(h, cache, Pass(range(i, i + 1), skip, at_least=rows), start=start, rope=rope,
-                              ledger=ledger)
+                              ledger=ledger, joins=joins)
             states.append(h[0])
     return states
 
@@ -70,9 +72,9 @@ def branch_pass(model: LayeredModel, x: torch.Tensor, layer: int, block: str, ca
     (:func:`branch_groups`), each a static scratch pass (the branches see nothing of each other, so a
     group's rows are the whole pass's); only a branch wider than a bucket runs eagerly. Elsewhere the
     ``B·T`` rows are one eager pass, recorded in ``ledger`` as the walks of the groups a capturing
-    model runs, so a projection onto a GPU profile prices what the GPU would run. Inside a batch of
-    generations (:mod:`selfspec.models.batch`) the pass runs alone, within its generation, and is not
-    one of the batch's passes."""
+    model runs, so a projection onto a GPU profile prices what the GPU would run. It is handed no
+    batch: inside a batch of generations (:mod:`selfspec.models.batch`) it runs alone, within its
+    generation, and is not one of the batch's passes (nor does it yield to the other sequences)."""
     if block not in BLOCKS:
         raise ValueError(f"branch_pass: block must be one of {', '.join(BLOCKS)}, got {block!r}")
     b, t, d = x.shape
@@ -85,13 +87,9 @@ def branch_pass(model: LayeredModel, x: torch.Tensor, layer: int, block: str, ca
     own = (branch.unsqueeze(1) == branch.unsqueeze(0)) & (offsets.unsqueeze(1) >= offsets.unsqueeze(0))
     skip = {"attn": SkipSet.of(mlp=[layer]), "mlp": SkipSet.of(attn=[layer]), "layer": None}[block]
     several = model.steps is None and len(groups) > 1  # recorded as the groups a capturing model runs
-    batch, model.batch = model.batch, None  # alone: no generation switches in between
-    try:
-        out = model.forward(x.reshape(1, b * t, d), cache, Pass(range(layer, layer + 1), skip,
-                                                                Rows.scratch(context, offsets, own)),
-                            ledger=None if several else ledger)
-    finally:
-        model.batch = batch
+    out = model.forward(x.reshape(1, b * t, d), cache, Pass(range(layer, layer + 1), skip,
+                                                            Rows.scratch(context, offsets, own)),
+                        ledger=None if several else ledger)
     if several and ledger is not None:
         for _, n in groups:
             ledger.layers(n * t, int(block != "mlp"), int(block != "attn"), int(context))

@@ -180,7 +180,8 @@ class Drafter(Carries):
         model = self.model
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
-        return model.logits(model.forward(ids, state.cache, start=state.n_cached, ledger=state.ledger), state.ledger)[0]
+        h = model.forward(ids, state.cache, start=state.n_cached, ledger=state.ledger, joins=state.joins)
+        return model.logits(h, state.ledger, state.joins)[0]
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         """Learn from a verification: ``accepted`` of ``len(draft)`` drafts, ``committed`` the

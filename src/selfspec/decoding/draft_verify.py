@@ -206,11 +206,12 @@ class SkipSetDrafter(Drafter):
         room = super().draft_room(limit, budget)
         return max(room, 1) if self.decoding.last_token == "draft" else room
 
-    def draft_logits(self, h: torch.Tensor, ledger=None) -> torch.Tensor:
+    def draft_logits(self, h: torch.Tensor, ledger=None, joins=None) -> torch.Tensor:
         """The draft distribution's logits: the model's own head (of the draft's weights) on the
         skip-set pass, truncated to the draft vocabulary when ``draft_vocab`` is set
-        (:func:`selfspec.models.heads.draft_logits`); recorded in ``ledger`` when given."""
-        return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger, self.decoding.draft_weights)[0]
+        (:func:`selfspec.models.heads.draft_logits`); recorded in ``ledger`` when given; ``joins``: the
+        generation's batch (the head product may yield to its other sequences)."""
+        return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger, self.decoding.draft_weights, joins)[0]
 
     def skips(self, state: DecodeState) -> SkipSet:
         """The skip set the step drafts with: the searched one, fixed (KnapSpec and CLaSp choose
@@ -228,8 +229,8 @@ class SkipSetDrafter(Drafter):
         token, p = state.pending, Pass(skip=self.skips(state), weights=self.decoding.draft_weights)
         for j in range(k_max):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=state.ledger)
-            if not draft.add(self.draft_logits(h, state.ledger), state, self.threshold, eos):
+            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=state.ledger, joins=state.joins)
+            if not draft.add(self.draft_logits(h, state.ledger, state.joins), state, self.threshold, eos):
                 break
             token = draft.tokens[-1]
         return draft

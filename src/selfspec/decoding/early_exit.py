@@ -275,7 +275,7 @@ class ExitDrafter(Drafter):
         m, hs = self.model, state.example.hs
         n = h.shape[1]
         keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
-        return m.forward(h, state.cache, Pass(layers), start=start, keep=keep, ledger=state.ledger)
+        return m.forward(h, state.cache, Pass(layers), start=start, keep=keep, ledger=state.ledger, joins=state.joins)
 
     def _lower(self, state: DecodeState, tokens: list[int], i: int, exit_layer: int) -> torch.Tensor:
         """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V; ℓ = ``exit_layer``), its state kept
@@ -295,9 +295,10 @@ class ExitDrafter(Drafter):
         ``prefill: draft``'s first round)."""
         return state.example.opening or [state.pending]
 
-    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None) -> torch.Tensor:
-        """The exit head's logits for the layer-``ℓ`` state ``h`` (recorded in ``ledger`` when given)."""
-        return self.heads.logits(layer, h, ledger)
+    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None, joins=None) -> torch.Tensor:
+        """The exit head's logits for the layer-``ℓ`` state ``h`` (recorded in ``ledger`` when given;
+        ``joins``: the generation's batch, whose other sequences the head product may yield to)."""
+        return self.heads.logits(layer, h, ledger, joins)
 
     def propose(self, state: DecodeState, plan: RoundPlan, k_max: int) -> Draft:
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
@@ -305,8 +306,8 @@ class ExitDrafter(Drafter):
         tokens = self._x0(state)
         for i in range(k_max):
             h = self._lower(state, tokens, i, plan.exit_layer)
-            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state.ledger), state, plan.threshold,
-                             self.eos):
+            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state.ledger, state.joins), state,
+                             plan.threshold, self.eos):
                 break
             tokens = draft.tokens[-1:]
         return draft
@@ -323,7 +324,7 @@ class ExitDrafter(Drafter):
             h, start = torch.cat([ex.prefix, h], dim=1), start - ex.prefix.shape[1]
         ex.opening = ex.prefix = None  # later rounds start from the pending token
         h = self._layers(h, upper, state, start, 0)
-        return m.logits(h[0, -(k + 1):], state.ledger)
+        return m.logits(h[0, -(k + 1):], state.ledger, state.joins)
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         state.trace_step.exit_layer = draft.plan.exit_layer
@@ -558,15 +559,15 @@ class DELDrafter(ExitDrafter):
             kept, final = ex.seed
             ex.seed = None
             with phase(state.ledger, "heads"):
-                self._shadow(state, kept, self.model.logits(final, state.ledger).argmax(-1))
+                self._shadow(state, kept, self.model.logits(final, state.ledger, state.joins).argmax(-1))
         return ex.shadow
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
         if self.heads.kind == "lm_head":  # one batched head for all layers
-            logits = self.heads.logits(self.candidates[0], hs, state.ledger)
+            logits = self.heads.logits(self.candidates[0], hs, state.ledger, state.joins)
         else:
-            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger)
+            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger, state.joins)
                                   for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
         state.example.shadow.update(tok == committed.view(1, -1), conf)
@@ -656,8 +657,9 @@ class DEL(EarlyExit):
         slot = self.drafter.slot
         kept = torch.empty(len(slot), rows, m.hidden_size, dtype=m.dtype, device=m.device)  # the candidate layers' last rows, in layer order
         h = m.forward(prompt, state.cache, start=0, keep={i: kept[j] for i, j in slot.items()},
-                      ledger=state.ledger)
+                      ledger=state.ledger, joins=state.joins)
         state.example.seed = (kept, h[0, n - rows :].clone())
         if self.gate is None:
             state.trace_step.controller = self.drafter.shadow_stats(state).state()
-        return int(select(m.logits(h[:, n - 1], state.ledger)[0], state.sampling, state.generator, state.ledger))
+        return int(select(m.logits(h[:, n - 1], state.ledger, state.joins)[0], state.sampling, state.generator,
+                          state.ledger))

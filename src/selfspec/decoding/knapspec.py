@@ -153,19 +153,22 @@ def clasp_search(model: LayeredModel, xs: list[torch.Tensor], cache, context: in
 
 
 def knapspec_search(model: LayeredModel, xs: list[torch.Tensor], cache, context: int,
-                    weights: tuple[int, int], costs: tuple[float, float], floor: float, ledger=None) -> Chosen:
+                    weights: tuple[int, int], costs: tuple[float, float], floor: float, ledger=None,
+                    joins=None) -> Chosen:
     """KnapSpec §3-4's programme (module docstring): ``xs`` the full model's states ``[T, d]``
     after each sublayer (``2L + 1``, :func:`~selfspec.decoding.branches.sublayer_states`),
     their tokens at positions ``context…``; ``weights`` and ``costs`` the attention and MLP
     sublayers' (:func:`sublayer_weights`, seconds); ``floor`` the mean similarity below which a
-    state is pruned. The surviving end states' skip sets, then the one with the most tokens per time."""
+    state is pruned. The surviving end states' skip sets, then the one with the most tokens per time.
+    The branch passes run alone; the head products comparing the end states join ``joins``, the
+    generation's batch (they may yield to its other sequences)."""
     t = int(xs[0].shape[0])
     ends, parent = _knapsack(model, xs, cache, context, weights, floor, ledger)
     if not ends:
         return Chosen(SkipSet(), t, 0, None, weights)
     final = torch.stack(list(ends.values()))
-    top = model.head(model.final_norm(final), ledger=ledger).argmax(-1)
-    teacher = model.head(model.final_norm(xs[-1]), ledger=ledger).argmax(-1)
+    top = model.head(model.final_norm(final), ledger=ledger, joins=joins).argmax(-1)
+    teacher = model.head(model.final_norm(xs[-1]), ledger=ledger, joins=joins).argmax(-1)
     alphas = ((top == teacher).sum(-1).float() / t).tolist()
     skips = [_backtrack(parent, j) for j in ends]
     pick = _most_tokens_per_time(skips, alphas, costs, model.num_layers)
@@ -315,13 +318,13 @@ class SearchedSkipDrafter(SkipSetDrafter):
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
         if self.selection == "knapspec":
             search.verified = sublayer_states(model, ids, state.cache, state.n_cached, state.ledger,
-                                              rows=self.max_draft + 1)
-            return model.logits(search.verified[-1].unsqueeze(0), state.ledger)[0]
+                                              rows=self.max_draft + 1, joins=state.joins)
+            return model.logits(search.verified[-1].unsqueeze(0), state.ledger, state.joins)[0]
         keep = {i: torch.empty(ids.shape[1], model.hidden_size, dtype=model.dtype, device=model.device)
                 for i in range(model.num_layers)}
-        h = model.forward(ids, state.cache, start=state.n_cached, keep=keep, ledger=state.ledger)
+        h = model.forward(ids, state.cache, start=state.n_cached, keep=keep, ledger=state.ledger, joins=state.joins)
         search.verified = [model.embed(ids)[0], *keep.values()]
-        return model.logits(h, state.ledger)[0]
+        return model.logits(h, state.ledger, state.joins)[0]
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         """The draft-stop rule's update; in a window step, its accepted rows' states join the window,
@@ -350,7 +353,7 @@ class SearchedSkipDrafter(SkipSetDrafter):
         weights = self.decoding.draft_weights or ""  # a draft over a quantised copy costs that copy's price
         costs = (self.profile.attention_cost(1, n, weights=weights), self.profile.mlp_cost(1, weights))
         return knapspec_search(model, blocks, state.cache, context, sublayer_weights(*costs), costs,
-                               self.similarity_floor, ledger)
+                               self.similarity_floor, ledger, state.joins)
 
     def controller(self, state: DecodeState, draft: Draft) -> dict | None:
         """The draft-stop rule's state, how many sublayers the skip set in force after the step

@@ -191,28 +191,31 @@ class PPD(Decoder):
         read, so that pass is not run."""
         m, ex, k = self.model, state.example, self.prompts.m
         n = prompt.shape[1]
-        h = m.forward(prompt, state.cache, start=0, ledger=state.ledger)
-        first = int(select(m.logits(h[:, n - 1], state.ledger), state.sampling, state.generator, state.ledger)[0])
+        h = m.forward(prompt, state.cache, start=0, ledger=state.ledger, joins=state.joins)
+        first = int(select(m.logits(h[:, n - 1], state.ledger, state.joins), state.sampling, state.generator,
+                           state.ledger)[0])
         if self.trees[k].nodes:
             lay = layout(SparseTree((), (k,)), self.prompts.n_ept, m.device)
             # the prompt tokens hang off the prompt's last token (cached at n - 1): a tree without its root
             extra = m.forward(self.prompts.chain().unsqueeze(0), state.cache,
-                              Pass(rows=Rows.tree(lay.offsets[1:] - 1, lay.mask[1:, 1:])), start=n, ledger=state.ledger)
+                              Pass(rows=Rows.tree(lay.offsets[1:] - 1, lay.mask[1:, 1:])), start=n, ledger=state.ledger,
+                              joins=state.joins)
             state.cache.truncate(n)
-            self._next_candidates(ex, extra[0], lay.prompt_rows[0] - 1, state.ledger)
+            self._next_candidates(ex, extra[0], lay.prompt_rows[0] - 1, state.ledger, state.joins)
         else:
             ex.cands, ex.tree_state = None, k
         state.trace_step.controller = {"state": ex.tree_state}
         return first
 
-    def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor, ledger=None) -> None:
+    def _next_candidates(self, ex: PPDExample, hidden: torch.Tensor, rows: torch.Tensor, ledger=None,
+                         joins=None) -> None:
         """Top-k guesses of the accepted node's prompt tokens (EPT logits averaged, PPD §3.2; the head
-        recorded in ``ledger`` when given)."""
+        recorded in ``ledger`` when given, its product joining ``joins``, the generation's batch)."""
         ex.tree_state = int(rows.shape[0])
         if ex.tree_state == 0:
             ex.cands = None
             return
-        logits = PromptTokens.ensemble(self.model.logits(hidden[rows.reshape(-1)], ledger).view(*rows.shape, -1))
+        logits = PromptTokens.ensemble(self.model.logits(hidden[rows.reshape(-1)], ledger, joins).view(*rows.shape, -1))
         ex.cands = logits.topk(self.top_k, dim=-1).indices
 
     @classmethod
@@ -246,7 +249,7 @@ class PPD(Decoder):
         h, best, path, bonus = verify_tree(m, state, lay, h, lambda logits: self._verify(lay, tokens, logits, state),
                                            "tree")
         with phase(state.ledger, "draft"):  # the next step's guesses: the prompt tokens' logits
-            self._next_candidates(ex, h, lay.prompt_rows[best], state.ledger)
+            self._next_candidates(ex, h, lay.prompt_rows[best], state.ledger, state.joins)
         state.trace_step.controller = {"state": ex.tree_state}
         state.count("tree_tokens", lay.size)
         if drafts:

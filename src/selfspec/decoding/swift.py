@@ -231,8 +231,8 @@ class LayerSetDrafter(Carries):
         causal = Rows.scratch(start, rows, rows.unsqueeze(1) >= rows.unsqueeze(0))
         weights = self.options.draft_weights
         out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal, weights=weights),
-                            ledger=state.ledger)
-        predicted = draft_logits(model, out, ledger=state.ledger, weights=weights)[0].argmax(-1)
+                            ledger=state.ledger, joins=state.joins)
+        predicted = draft_logits(model, out, ledger=state.ledger, weights=weights, joins=state.joins)[0].argmax(-1)
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
     def optimization_step(self, state: DecodeState, generated: list[int]) -> None:
@@ -272,8 +272,8 @@ class LayerSetDrafter(Carries):
         width = min(TOPK, model.vocab_size)
         for j in range(min(self.max_draft, max(budget, 1))):
             ids.fill_(token)
-            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=ledger)
-            logits = draft_logits(model, h[:, -1], ledger=ledger, weights=weights)[0]
+            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=ledger, joins=state.joins)
+            logits = draft_logits(model, h[:, -1], ledger=ledger, weights=weights, joins=state.joins)[0]
             if greedy:
                 top = logits.topk(width).indices
                 n = width

@@ -255,8 +255,8 @@ def verify_tree(model: LayeredModel, state: DecodeState, lay: TreeLayout, x: tor
     with phase(ledger, "verify"):
         state.cache.truncate(n_cached)
         h = model.forward(x, state.cache, Pass(rows=Rows.tree(lay.offsets, lay.mask)), start=n_cached,
-                          ledger=ledger)[0]
-        node, bonus = verify(model.logits(h[: lay.n_nodes], ledger))
+                          ledger=ledger, joins=state.joins)[0]
+        node, bonus = verify(model.logits(h[: lay.n_nodes], ledger, state.joins))
     path = lay.path_rows[node]
     state.cache.gather(n_cached, [n_cached] + [n_cached + r for r in path])
     state.drafted = lay.n_nodes - 1

@@ -99,7 +99,7 @@ def decode_waves(runs, todo: list, size: int, n_samples: int, budget: int, sink:
                 if run.decoder.own_loop:
                     batch = Batch(run.decoder.model, forks)
                     mine = slots[run.name]
-                    gens = batch.run([lambda slot, p=sink.prompt(ex): mine[slot].generate(p, budget, s)
+                    gens = batch.run([lambda slot, p=sink.prompt(ex): mine[slot].generate(p, budget, s, joins=batch)
                                       for ex in examples], done=finished)
                     ran = {"rounds": batch.rounds, "passes": {str(k): v for k, v in sorted(batch.passes.items())},
                            "ops": [op.row() for op in batch.ops]}

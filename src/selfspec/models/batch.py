@@ -4,9 +4,12 @@ Self-speculative methods are written for one sequence: a step drafts, verifies a
 tokens as that sequence's draft earns, and its cache keeps that sequence's own length. A batch here
 keeps all of that per sequence and shares only what batching is for, the weights' reads: every
 generation runs its method's own loop (:meth:`~selfspec.decoding.base.Decoder.generate`, unchanged)
-in a greenlet of its own, and when it asks the model for a layer walk
-(:meth:`~selfspec.models.layered.LayeredModel.run_layers`) or a head product
-(:meth:`~selfspec.models.layered.LayeredModel.head`), the call is parked. Once every live generation
+in a greenlet of its own, handed the batch (``generate(..., joins=batch)``), and when it asks the model
+for a layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers`, through ``forward``) or a
+head product (:meth:`~selfspec.models.layered.LayeredModel.head`, ``logits``) with the batch
+(``joins=state.joins``: :data:`~selfspec.models.layered.Joins`, the name that says a call may yield),
+the call is parked (:meth:`Batch.parked_walk`, :meth:`Batch.parked_head`). The model holds no batch:
+a call not handed one runs alone, at once. Once every live generation
 is parked or done, the parked calls that can run together (walks of the same layers with the same
 sublayers skipped; products with the same head) run as one pass of all their rows
 (:meth:`~selfspec.models.layered.LayeredModel.run_batched`), and each generation resumes with its
@@ -31,7 +34,8 @@ rejects drafts, leaves or joins.
 What does not batch: passes of a model whose passes take static shapes (``capture`` static or
 graphs; the runner refuses ``batch_size > 1`` there), the HF peers (transformers' ``generate`` has
 its own batching: :mod:`selfspec.decoding.peers`), and the layer-skip searches' branch passes (they
-run alone, inside their generation: :func:`selfspec.decoding.branches.branch_pass`).
+run alone, inside their generation: :func:`selfspec.decoding.branches.branch_pass` hands the runtime no
+batch).
 """
 
 from __future__ import annotations
@@ -122,25 +126,29 @@ class Batch:
         #: the walks and head products run, as ledger ops (:class:`~selfspec.models.ledger.LayerOp`, ``HeadOp``)
         self.ops: list = []
 
-    # --- the generations' side: parking a call ---------------------------------------------------
+    # --- the generations' side: parking a call (the runtime's, for a call handed the batch) ----------
     def _parks(self) -> bool:
+        """Whether the caller is one of the batch's generations (:meth:`run`): a call handed the batch
+        from outside them (no batch running, or the batch's own greenlet) runs alone."""
         from greenlet import getcurrent
 
         return self._main is not None and getcurrent() is not self._main
 
-    def layers(self, model, h, layers, kv, rope, mask, skip, keep, component: str = "host",
-               weights: str | None = None) -> torch.Tensor:
-        """A generation's layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers`): parked
-        until the batch runs it with the others of its kind (the same layers, skipped sublayers and
-        weights), then its states."""
+    def parked_walk(self, model, h, layers, kv, rope, mask, skip, keep, component: str = "host",
+                    weights: str | None = None) -> torch.Tensor:
+        """A generation's layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers` handed
+        the batch): parked until the batch runs it with the others of its kind (the same layers,
+        skipped sublayers and weights), then its states. The call yields: the other generations run
+        until every live one is parked or done."""
         if not self._parks():
             return model.walk(h, layers, kv, rope, mask, skip, keep, weights)
         key = ("layers", tuple(layers), skip, weights)
         return self._main.switch(_Parked(key, component, Walk(h, kv, rope, mask, keep), layers, skip,
                                          weights=weights))
 
-    def head(self, model, x, weight, component: str = "host") -> torch.Tensor:
-        """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head`), parked likewise."""
+    def parked_head(self, model, x, weight, component: str = "host") -> torch.Tensor:
+        """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head` handed the
+        batch), parked likewise: the call yields."""
         if not self._parks():
             return model.linear(x, weight)
         key = ("head", weight.data_ptr(), tuple(weight.shape))
@@ -149,8 +157,9 @@ class Batch:
     # --- the batch's side ----------------------------------------------------------------------
     def run(self, jobs: Sequence[Callable[[int], Any]], done: Callable[[int, Any], None] | None = None) -> list:
         """Run every job (a function of the batch slot it runs in, ``0 ≤ slot < size``: one generation,
-        e.g. ``lambda slot: decoders[slot].generate(...)``), at most :attr:`size` at once; one that
-        finishes leaves, and the next job joins in its slot. Returns the jobs' results in order;
+        e.g. ``lambda slot: decoders[slot].generate(..., joins=batch)``: a job hands the batch to its
+        generation, whose passes join it only so), at most :attr:`size` at once; one that finishes
+        leaves, and the next job joins in its slot. Returns the jobs' results in order;
         ``done(index, result)`` is called as each finishes. An exception in a job stops the batch and
         is raised here."""
         from greenlet import getcurrent, greenlet
@@ -175,7 +184,6 @@ class Batch:
                 parked[g] = out
 
         self._main = getcurrent()
-        self.model.batch = self
         try:
             with torch.inference_mode(), _unwound(live):
                 while waiting or live:
@@ -196,7 +204,7 @@ class Batch:
                         for g, out in zip(members, outs):
                             advance(g, out)
         finally:
-            self.model.batch, self._main = None, None
+            self._main = None
         return results
 
     def _run(self, kind: str, calls: list[_Parked]) -> list[torch.Tensor]:

@@ -38,6 +38,7 @@ import torch
 from selfspec.config import checks
 from selfspec.config.options import Options, key, nullable
 from selfspec.models import kernels
+from selfspec.models.layered import Joins
 from selfspec.models.ledger import Ledger, phase
 from selfspec.models.quantised import weights_format
 from selfspec.store.artefacts import load_artefact, save_artefact
@@ -109,30 +110,34 @@ class IntermediateHeads(torch.nn.Module):
     def __contains__(self, layer: int) -> bool:
         return layer in self.heads or (self.kind == "lm_head" and layer in self.layers)
 
-    def logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:
+    def logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None = None, joins: Joins | None = None
+               ) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``; with a
         draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``.
-        ``ledger``: the generation's cost ledger, charged with the head under ``heads``."""
+        ``ledger``: the generation's cost ledger, charged with the head under ``heads``; ``joins``: the
+        batch the LM head's product joins (:data:`~selfspec.models.layered.Joins`: the call may yield)."""
         with phase(ledger, "heads"):
-            return self._logits(layer, h, ledger)
+            return self._logits(layer, h, ledger, joins)
 
-    def _logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None) -> torch.Tensor:
+    def _logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None, joins: Joins | None) -> torch.Tensor:
         m, vocab = self.model, self.vocab
         x = m.final_norm(h)
         if self.kind == "lm_head":
-            return m.head(x, ledger=ledger).float() if vocab is None else vocab.logits(x, ledger=ledger)
+            return (m.head(x, ledger=ledger, joins=joins).float() if vocab is None
+                    else vocab.logits(x, ledger=ledger, joins=joins))
         lin = self.heads[str(layer)]
         if self.kind == "full":
             x = x.to(lin.weight.dtype)
             if vocab is not None:
-                return vocab.logits(x, lin.weight, ledger)
+                return vocab.logits(x, lin.weight, ledger, joins)
             if ledger is not None:
                 ledger.head(x.numel() // x.shape[-1], lin.out_features)
             return lin(x).float()
         if ledger is not None:
             ledger.linear(x.numel() // x.shape[-1], lin.in_features, lin.out_features)
         x = lin(x.to(lin.weight.dtype)).to(m.dtype)
-        return m.head(x, ledger=ledger).float() if vocab is None else vocab.logits(x, ledger=ledger)
+        return (m.head(x, ledger=ledger, joins=joins).float() if vocab is None
+                else vocab.logits(x, ledger=ledger, joins=joins))
 
     def forward(self, hiddens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{layer: hidden}`` -> ``{layer: logits}`` for all heads (training)."""
@@ -268,24 +273,27 @@ class DraftVocab:
         """The kept rows of a ``|V|×d`` head, contiguous (the skinny kernel reads them in order)."""
         return weight.detach()[self.ids.to(weight.device)].contiguous()
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None,
+               joins: Joins | None = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of normalised states ``x [..., d]`` (``weight``: another
         ``|V|×d`` head to truncate, e.g. a full-parameter AdaDecode head; default the LM head):
-        the kept rows' scores, ``-inf`` elsewhere (the head recorded in ``ledger`` when given)."""
+        the kept rows' scores, ``-inf`` elsewhere (the head recorded in ``ledger`` when given; ``joins``:
+        the batch the product joins, :data:`~selfspec.models.layered.Joins`: the call may yield)."""
         rows = self.weight
         if weight is not None and weight is not self.model.lm_head_weight:
             rows = self._other.get(id(weight))
             if rows is None:
                 rows = self._other[id(weight)] = self._rows(weight)
-        sub = self.model.head(x if weights_format(rows) else x.to(rows.dtype), rows, ledger).float()
+        sub = self.model.head(x if weights_format(rows) else x.to(rows.dtype), rows, ledger, joins).float()
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
 
-    def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None, weight: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+    def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None, weight: torch.Tensor | None = None,
+                     joins: Joins | None = None) -> torch.Tensor:
         """The model's final norm and the truncated LM head on hidden states ``h`` (a full-depth
-        or skip-set draft: Draft & Verify; ``weight``: another ``|V|×d`` head, a quantised copy's)."""
-        return self.logits(self.model.final_norm(h), weight, ledger)
+        or skip-set draft: Draft & Verify; ``weight``: another ``|V|×d`` head, a quantised copy's;
+        ``joins``: as :meth:`logits`)."""
+        return self.logits(self.model.final_norm(h), weight, ledger, joins)
 
     def stats(self) -> dict:
         """What a run records per generation: the size and the artefact's held-out coverage."""
@@ -293,14 +301,15 @@ class DraftVocab:
 
 
 def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None, ledger: Ledger | None = None,
-                 weights: str | None = None) -> torch.Tensor:
+                 weights: str | None = None, joins: Joins | None = None) -> torch.Tensor:
     """Final norm + LM head on ``h``, truncated to ``vocab`` when one is given (the one place a
     final-head draft is scored: Draft & Verify's drafts), recorded in ``ledger`` when given;
-    ``weights``: the head of that quantised copy of the weights (a quantised draft's), None the target's."""
+    ``weights``: the head of that quantised copy of the weights (a quantised draft's), None the target's;
+    ``joins``: the batch the head product joins (:data:`~selfspec.models.layered.Joins`: the call may yield)."""
     head = None if weights is None else model.weight_set(weights).head
     if vocab is not None:
-        return vocab.model_logits(h, ledger, head)
-    return model.head(model.final_norm(h), head, ledger).float()
+        return vocab.model_logits(h, ledger, head, joins)
+    return model.head(model.final_norm(h), head, ledger, joins).float()
 
 
 def draft_vocab_tensors(ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:

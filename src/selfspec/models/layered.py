@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from selfspec.models import kernels
-from selfspec.models.batch import Walk
+from selfspec.models.batch import Batch, Walk
 from selfspec.models.cache import Appended, LayerCache
 from selfspec.models.families import UnsupportedModelError, adapter
 from selfspec.models.ledger import Ledger
@@ -52,7 +52,15 @@ from selfspec.models.quantised import WeightSet, problem, weight_set, weights_fo
 #: the one-operator walk's mask of a one-row pass without one (made once, not per step)
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 
-__all__ = ["KV", "LayeredModel", "Pass", "Rope", "Rows", "SkipSet", "UnsupportedModelError", "fuse_rows"]
+__all__ = ["KV", "Joins", "LayeredModel", "Pass", "Rope", "Rows", "SkipSet", "UnsupportedModelError", "fuse_rows"]
+
+#: The batch a call joins, handed to :meth:`LayeredModel.forward`, :meth:`~LayeredModel.run_layers`,
+#: :meth:`~LayeredModel.head` and :meth:`~LayeredModel.logits` as ``joins=`` by their caller (a decoder,
+#: from its generation's :attr:`~selfspec.decoding.base.DecodeState.joins`): a call handed one **may
+#: yield** (its generation's greenlet is parked, and the other sequences of the batch run, until the
+#: batch runs its rows with theirs: :class:`selfspec.models.batch.Batch`); a call handed None runs alone,
+#: at once. The model holds no batch: whether a pass joins one is said at the call.
+Joins = Batch
 
 
 class KV(Protocol):
@@ -170,8 +178,6 @@ class LayeredModel:
         self._causal: tuple = (None, None)  # the last causal mask (:meth:`causal_mask`)
         self.capture = passes.mode if passes is not None else "off"
         self._pooled: LayerCache | None = None
-        #: the batch of generations decoding at once on this model (:class:`selfspec.models.batch.Batch`), or None
-        self.batch = None
         #: quantised copies of the weights, by format, made at the first pass that reads one (:meth:`weight_set`)
         self._weight_sets: dict[str, WeightSet] = {}
 
@@ -559,7 +565,8 @@ class LayeredModel:
 
     def run_layers(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
                    skip: SkipSet | None = None, keep: dict[int, torch.Tensor] | None = None,
-                   eager: bool = False, ledger: Ledger | None = None, weights: str | None = None) -> torch.Tensor:
+                   eager: bool = False, ledger: Ledger | None = None, weights: str | None = None,
+                   joins: Joins | None = None) -> torch.Tensor:
         """The layer primitive: run ``layers`` (a range or any increasing subset) over the rows of
         ``h [1, n, d]`` at the positions ``rope`` encodes, writing K/V to ``kv`` and attending under
         ``mask``; ``skip`` leaves sublayers out (Draft & Verify); ``keep`` ``{layer: out}`` copies
@@ -567,14 +574,15 @@ class LayeredModel:
         exit's exit-query cache, DEL's shadow tokens). Returns the states after the last layer run.
         The walk is recorded in ``ledger`` when one is given (``eager``: as a decoding pass that a
         capturing model ran eagerly). ``weights``: the linears read a quantised copy in that format
-        (:meth:`weight_set`, a draft's: ``Pass.weights``), None the target's."""
+        (:meth:`weight_set`, a draft's: ``Pass.weights``), None the target's. ``joins``: the batch the
+        walk joins (:data:`Joins`: the call may yield to the batch's other sequences), None alone."""
         if ledger is not None:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
             _record_walk(ledger, h.shape[1], layers, skip, context, eager, weights=weights)
-        if self.batch is not None:  # several generations decode at once: their walks run together
-            return self.batch.layers(self, h, layers, kv, rope, mask, skip, keep, ledger.current if ledger else "host",
-                                     weights)
+        if joins is not None:  # several generations decode at once: their walks run together
+            return joins.parked_walk(self, h, layers, kv, rope, mask, skip, keep,
+                                     ledger.current if ledger else "host", weights)
         return self.walk(h, layers, kv, rope, mask, skip, keep, weights)
 
     def walk(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
@@ -632,25 +640,28 @@ class LayeredModel:
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(self.family.norm, h)
 
-    def head(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None) -> torch.Tensor:
+    def head(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None,
+             joins: Joins | None = None) -> torch.Tensor:
         """The LM head (or another ``|rows|×d`` head ``weight``: rows of it, or of a quantised copy's,
         :attr:`~selfspec.models.quantised.WeightSet.head`) on normalised states, in the model's dtype
-        (recorded in ``ledger`` when one is given)."""
+        (recorded in ``ledger`` when one is given). ``joins``: the batch the product joins (:data:`Joins`:
+        the call may yield), None alone."""
         weight = self.family.lm_head.weight if weight is None else weight
         if ledger is not None:
             ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]), weights_format(weight))
-        if self.batch is not None:  # several generations decode at once: their head products run together
-            return self.batch.head(self, x, weight, ledger.current if ledger else "host")
+        if joins is not None:  # several generations decode at once: their head products run together
+            return joins.parked_head(self, x, weight, ledger.current if ledger else "host")
         return self.linear(x, weight)
 
-    def logits(self, h: torch.Tensor, ledger: Ledger | None = None) -> torch.Tensor:
-        """Final norm + LM head (float32 logits; recorded in ``ledger`` when one is given)."""
-        return self.head(self.final_norm(h), ledger=ledger).float()
+    def logits(self, h: torch.Tensor, ledger: Ledger | None = None, joins: Joins | None = None) -> torch.Tensor:
+        """Final norm + LM head (float32 logits; recorded in ``ledger`` when one is given; ``joins``: as
+        :meth:`head`)."""
+        return self.head(self.final_norm(h), ledger=ledger, joins=joins).float()
 
     # --- whole passes ----------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cache: LayerCache | None, p: Pass = PASS, *, start: int | None = None,
                 keep: dict[int, torch.Tensor] | None = None, rope: Rope | None = None, checkpoint: bool = False,
-                ledger: Ledger | None = None) -> torch.Tensor:
+                ledger: Ledger | None = None, joins: Joins | None = None) -> torch.Tensor:
         """Run the pass ``p`` (:class:`~selfspec.models.passes.Pass`: its layers, skipped sublayers and
         where its rows sit) over ``x``, token ids ``[1, n]`` or hidden states ``[1, n, d]``: every pass of
         a decoder goes through here. Returns the states after the last layer run ``[1, n, d]`` (before
@@ -666,12 +677,15 @@ class LayeredModel:
         Under ``capture=static|graphs`` a pass of at most 256 rows (packed rows excepted) runs as a
         static-shape (captured) pass (:mod:`selfspec.models.capture`). ``ledger``: the generation's
         cost ledger (:mod:`selfspec.models.ledger`), which records the pass's walk; None records
-        nothing."""
+        nothing. ``joins``: the batch of generations the pass joins (:data:`Joins`: the call may yield to
+        the batch's other sequences until the batch runs its rows with theirs), None alone; a static
+        pass and a training pass (``checkpoint``) run alone whatever it is (a batch refuses a model
+        whose passes take static shapes)."""
         layers, rows = p.layer_range(self.num_layers), p.rows
         if rows.kind == "scratch":
             if keep or checkpoint:
                 raise ValueError("forward: a scratch pass keeps no states and trains nothing (keep, checkpoint)")
-            return self._scratch(p, x if x.is_floating_point() else self.embed(x), cache, layers, ledger)
+            return self._scratch(p, x if x.is_floating_point() else self.embed(x), cache, layers, ledger, joins)
         if start is None:
             start = cache.length(layers[0]) if cache is not None and len(layers) else 0
         if self.steps is not None and rows.kind != "packed":
@@ -702,10 +716,10 @@ class LayeredModel:
         # a decoding pass (the cache holds positions) that a capturing model (static or graphs) runs
         # here ran eagerly: a profile measured with graphs prices it apart (selfspec.measure.profile)
         eager = self.steps is not None and start > 0
-        return self.run_layers(h, layers, cache, rope, mask, p.skip, keep, eager, ledger, p.weights)
+        return self.run_layers(h, layers, cache, rope, mask, p.skip, keep, eager, ledger, p.weights, joins)
 
-    def _scratch(self, p: Pass, h: torch.Tensor, cache: LayerCache, layers: range, ledger: Ledger | None
-                 ) -> torch.Tensor:
+    def _scratch(self, p: Pass, h: torch.Tensor, cache: LayerCache, layers: range, ledger: Ledger | None,
+                 joins: Joins | None = None) -> torch.Tensor:
         """A scratch pass (:meth:`Rows.scratch`): the rows of ``h`` ``[1, n, d]`` after the cache's first
         ``context`` positions, seeing those and the rows ``allowed`` marks, their K/V kept nowhere: on a
         capturing model written past the cache's positions with its lengths left as they were
@@ -719,7 +733,8 @@ class LayeredModel:
         warm-up runs and the recording, dearer than running it eagerly) and push the decoding passes'
         graphs out of the LRU; by layer, every candidate replays the same ``3L`` graphs or fewer per
         bucket. The operators and their order are the whole pass's. Where the runner does not take it
-        (wider than a bucket, no room) it runs eagerly."""
+        (wider than a bucket, no room) it runs eagerly, joining ``joins`` where its caller hands it a
+        batch (SWIFT's matchness passes do; the searches' branch passes are handed none and run alone)."""
         rows, skip = p.rows, p.skip
         if self.steps is not None:
             start = max(cache.length(i) for i in layers)
@@ -746,7 +761,7 @@ class LayeredModel:
             mask = self.prepare_mask(torch.cat([past, rows.allowed], dim=1))
             rope = self.rope((rows.context + rows.offsets).unsqueeze(0), h)
         return self.run_layers(h, layers, Appended(cache, rows.context), rope, mask, skip,
-                               eager=self.steps is not None, ledger=ledger, weights=p.weights)
+                               eager=self.steps is not None, ledger=ledger, weights=p.weights, joins=joins)
 
     def _checkpointed(self, h, layers, cache: LayerCache | None, start: int, rope, mask, skip) -> torch.Tensor:
         """:meth:`run_layers` one layer at a time under ``torch.utils.checkpoint``: backward keeps each
