@@ -211,7 +211,7 @@ def test_a_profile_over_its_budget_measures_fewer_points_prices_every_row_and_sa
     thin = measure_profile(tiny.model, **asked, budget=1e-9, log=lines.append)
     plan = ProfilePlan(**{k: v for k, v in thin.data["plan"].items() if k != "budget"})
     assert thin.data["plan"]["budget"] == 1e-9 and thin.data["repeats"] == plan.repeats == 3
-    assert plan.mlp == "once" and len(plan.rows) < len(asked["rows"]) and plan.rows[0] == 1 and plan.rows[-1] == 16
+    assert plan.mlp == "once" and len(plan.tree_nodes) == 1 and len(plan.rows) < len(asked["rows"]) and plan.rows[0] == 1 and plan.rows[-1] == 16
     assert any("beyond its budget" in line and "the thinnest plan" in line for line in lines), lines
     assert set(thin.attention) == set(plan.contexts) and 8 not in plan.contexts
     assert all(set(thin.attention[c]) >= set(plan.rows) for c in plan.contexts)

@@ -47,7 +47,7 @@ class ProfilePlan:
     ``mlp`` ``every`` (the MLP table the median over contexts of full less attention-only passes) or
     ``once`` (full passes at one context only, the one the ``pass`` table is measured at, and at
     context 0 for prefill rows: an MLP's cost does not depend on the context); the host work on
-    generations of ``host_new`` tokens after ``host_prompt``."""
+    generations of ``host_new`` tokens after ``host_prompt``, PPD's with trees of ``tree_nodes``."""
 
     rows: tuple[int, ...]
     prefill_rows: tuple[int, ...]
@@ -57,6 +57,7 @@ class ProfilePlan:
     mlp: str = "every"
     host_prompt: int = 256
     host_new: int = 48
+    tree_nodes: tuple[int, ...] = HOST_TREE_NODES
 
     def describe(self) -> str:
         return (f"rows {','.join(map(str, self.rows))} at contexts {','.join(map(str, self.contexts))}, prefill "
@@ -79,7 +80,7 @@ THINNER = (
     lambda p: replace(p, repeats=min(p.repeats, 3)),
     lambda p: replace(p, mlp="once"),
     lambda p: replace(p, rows=_ends_and_powers(p.rows, 8), prefill_rows=_ends_and_powers(p.prefill_rows, 2),
-                      host_prompt=128, host_new=24),
+                      host_prompt=128, host_new=24, tree_nodes=p.tree_nodes[len(p.tree_nodes) // 2:][:1]),
     lambda p: replace(p, rows=_ends_and_powers(p.rows, 5), quant_rows=_ends_and_powers(p.quant_rows, 3),
                       contexts=tuple(c for c in p.contexts if c in (0, max(p.contexts)) or c == _pass_context(p.contexts)),
                       host_prompt=64, host_new=16),
@@ -127,8 +128,11 @@ class _Costs:
         s += runs * 2 * sum(0.5 * (self.passes(n) + self.passes(n, "attention")) for c in p.contexts
                             for n in p.quant_rows)  # a quantised copy reads a quarter to half the bytes
         s += runs * 1.4 * sum(self.head_row * n for n in (*p.rows, *p.prefill_rows[:1], *p.quant_rows))
-        generations = 6 * (1 + p.repeats // 2)  # vanilla, three trees, the n-gram lookup, a draft
-        s += generations * (self.passes(p.host_prompt) + p.host_new * self.passes(1))
+        generations = 1 + p.repeats // 2  # of each: vanilla, a draft, the n-gram lookup, PPD's per tree size
+        # a random tree accepts about a token a step: a step per token, of about 4 rows a node (module
+        # docstring of selfspec.measure.profile: trees of 4, 12, 24 nodes make passes of ~20, ~60, ~100 rows)
+        per_token = 3 * self.passes(1) + sum(self.passes(4 * n + 4) for n in p.tree_nodes)
+        s += generations * ((3 + len(p.tree_nodes)) * self.passes(p.host_prompt) + p.host_new * per_token)
         return s + 2 * max(3, p.repeats) * self.passes(1)
 
 
@@ -275,7 +279,7 @@ def _measure_host_work(model, profile: Profile, plan: ProfilePlan, steps: _Steps
     prompt = list(range(10, 10 + max(1, min(plan.host_prompt, model.max_context // 4))))
     new = max(2, min(plan.host_new, model.max_context - len(prompt) - 2))
     data["host"] = profile.host = _measure_plain_host(model, profile, prompt, new, plan.repeats)
-    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, plan.repeats)
+    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, plan.repeats, plan.tree_nodes)
     profile.host_steps = dict(data["host_steps"])
     data["host_draft"] = profile.host_draft = _measure_host_draft(model, profile, prompt, new, plan.repeats)
     steps.done(f"host work of drafting steps: {data['host_steps']}")
@@ -423,16 +427,18 @@ def _repeating(prompt: list[int]) -> list[int]:
     return (segment * (len(prompt) // len(segment) + 1))[: len(prompt)]
 
 
-def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int) -> dict[str, Any]:
+def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int,
+                        tree_nodes: Iterable[int] = HOST_TREE_NODES) -> dict[str, Any]:
     """``host_steps`` (module docstring): per drafting step, the seconds beyond its priced ops and
     ``host``: the median over generations of PPD with random prompt tokens and random trees of
-    :data:`HOST_TREE_NODES` candidates, and of the n-gram lookup on a prompt that repeats itself
+    ``tree_nodes`` candidates (:data:`HOST_TREE_NODES` unless a plan thins them), and of the n-gram
+    lookup on a prompt that repeats itself
     (so it drafts)."""
     from selfspec.config import method_config
     from selfspec.decoding import build_decoder
 
     tree: list[float] = []
-    for nodes in HOST_TREE_NODES:
+    for nodes in tree_nodes:
         tree += _host_beyond_ops(untrained_ppd(model, nodes), profile, prompt, new, repeats, "tree")
     out: dict[str, Any] = {"tree": statistics.median(tree)} if tree else {}
     ngram = build_decoder(method_config("ngram", never_slower=False, draft_schedule="adaptive"), model)
