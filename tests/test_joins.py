@@ -19,8 +19,8 @@ DECODING = SRC / "selfspec" / "decoding"
 BATCH_INTERNALS = {"parked_walk", "parked_head", "_parks", "_main", "run_batched"}
 #: the model calls (and a decoder's helpers around them) that may join a batch: each call of one of these
 #: in a decoder module hands the batch on, or is listed in :data:`ALONE` with the reason it runs alone
-JOINING = {"forward", "logits", "head", "draft_logits", "model_logits", "sublayer_states", "knapspec_search",
-           "_next_candidates"}
+JOINING = {"forward", "run_layers", "logits", "head", "draft_logits", "model_logits", "sublayer_states",
+           "knapspec_search", "_next_candidates"}
 #: (module, function holding the call, called name) -> why that call is handed no batch
 ALONE = {
     ("branches", "branch_pass", "forward"): "a search's branch pass runs alone, within its generation, as it did "
@@ -57,11 +57,12 @@ def _enclosing_functions(tree: ast.Module) -> dict[ast.AST, str]:
 
 def _hands_joins(call: ast.Call) -> bool:
     """Whether ``call`` hands a batch on: a ``joins=`` keyword, or an argument that is ``joins`` or
-    ``<something>.joins``."""
-    values = [k.value for k in call.keywords if k.arg == "joins"] + list(call.args)
-    return any(k.arg == "joins" for k in call.keywords) or any(
-        isinstance(v, ast.Name) and v.id == "joins" or isinstance(v, ast.Attribute) and v.attr == "joins"
-        for v in values)
+    ``<something>.joins`` (``joins=None`` hands none: a call that runs alone is listed in :data:`ALONE`
+    with its reason)."""
+    def is_joins(v: ast.AST) -> bool:
+        return isinstance(v, ast.Name) and v.id == "joins" or isinstance(v, ast.Attribute) and v.attr == "joins"
+
+    return any(k.arg == "joins" and is_joins(k.value) for k in call.keywords) or any(map(is_joins, call.args))
 
 
 def test_no_decoder_module_imports_the_batch():
@@ -138,7 +139,8 @@ def test_every_model_call_of_a_decoder_says_whether_it_joins():
 def test_the_reader_sees_each_kind_of_breach(tmp_path, monkeypatch):
     """The scans find what they look for (a guard against scans that find nothing and so pass
     everything): an import of the batch, a batch read off the model and swapped, a batch's counter
-    read, and a model call that says nothing of joins; the calls that hand the batch on pass."""
+    read, a model call that says nothing of joins and one handed ``joins=None`` outside :data:`ALONE`;
+    the calls that hand the batch on pass."""
     import test_joins
 
     bad = tmp_path / "decoding"
@@ -150,12 +152,15 @@ def test_the_reader_sees_each_kind_of_breach(tmp_path, monkeypatch):
         "    n = state.joins.rounds\n"
         "    return model.forward(x, state.cache, ledger=state.ledger)\n"
         "def fine(model, state, x):\n"
-        "    return model.logits(model.forward(x, state.cache, joins=state.joins), state.ledger, state.joins)\n")
+        "    return model.logits(model.forward(x, state.cache, joins=state.joins), state.ledger, state.joins)\n"
+        "def alone_unsaid(model, state, x):\n"
+        "    return model.run_layers(x, state.cache, joins=None)\n")
     monkeypatch.setattr(test_joins, "DECODING", bad)
     monkeypatch.setattr(test_joins, "ALONE", {})
     for check, says in ((test_no_decoder_module_imports_the_batch, ("bad.py:1: imports Batch",)),
                         (test_no_decoder_module_touches_batch_state, ("bad.py:3: .batch", "bad.py:4: reads .rounds")),
-                        (test_every_model_call_of_a_decoder_says_whether_it_joins, ("bad.py:5: forward",))):
+                        (test_every_model_call_of_a_decoder_says_whether_it_joins, ("bad.py:5: forward",
+                                                                                     "bad.py:9: run_layers"))):
         try:
             check()
         except AssertionError as err:

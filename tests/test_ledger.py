@@ -217,6 +217,15 @@ def test_a_profile_over_its_budget_measures_fewer_points_prices_every_row_and_sa
     assert all(set(thin.attention[c]) >= set(plan.rows) for c in plan.contexts)
     assert {int(n) for n in thin.data["mlp"]} == {*plan.rows, *plan.prefill_rows}  # an MLP for every row count
     assert thin.plain_step(32) > 0 and thin.head(1, tiny.model.vocab_size) > 0
+    # a row count and a context the plan left out are priced between their measured neighbours
+    lo, hi = sorted((thin.attention_cost(2, 16), thin.attention_cost(4, 16)))
+    assert 3 not in plan.rows and lo <= thin.attention_cost(3, 16) <= hi
+    lo, hi = sorted((thin.attention_cost(4, 0), thin.attention_cost(4, 16)))
+    assert lo <= thin.attention_cost(4, 8) <= hi
+    lo, hi = sorted((thin.mlp_cost(2), thin.mlp_cost(4)))
+    assert lo <= thin.mlp_cost(3) <= hi
+    assert thin.summary()["plan"] == thin.data["plan"] and "plan" not in full.summary()  # a run says how it was priced
+    assert set(full.data) - {"plan"} == set(thin.data) - {"plan"}  # the same tables, thinned
     assert _ends_and_powers((1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128), 5) == (1, 2, 8, 32, 128)
 
 

@@ -165,6 +165,16 @@ def test_sampling_with_a_quantised_draft_keeps_the_target_distribution(peaked_ll
     assert first_two_tokens_tv(dec, [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)) < 0.12
 
 
+def test_swifts_sampled_steps_over_a_quantised_copy_keep_the_target_distribution(peaked_llama):
+    """SWIFT's tree of sampled candidates drawn from the copy's warped distribution (its q) with a skip
+    set besides: the first two tokens against p(a)·p(b|a), as above."""
+    from conftest import first_two_tokens_tv
+
+    dec = build_decoder(method_config("swift", never_slower=False, draft_weights="int4", max_draft=4, optimize=False,
+                                      skip_attn=[1], skip_mlp=[1]), peaked_llama)
+    assert first_two_tokens_tv(dec, [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)) < 0.12
+
+
 def test_a_profile_prices_quantised_passes_from_their_own_tables(tiny, measured):
     """A measured profile holds each format's attention, MLP and head tables; a walk or head op over a copy
     is priced from them; a profile without them refuses such an op, naming the format and the remedy."""

@@ -38,6 +38,9 @@ REPEATS = 5
 #: 1.5B parameters every point of the full plan takes about half an hour on 2 cores): past what the
 #: full plan is estimated to take, a thinner plan (:data:`THINNER`) is measured, and says so
 BUDGET = 300.0
+#: the share of a budget a plan's estimate may take (the estimate leaves out the host work's own
+#: overheads and the probes: the 1.5B profile took 4.3 min against an estimate of 3.0)
+TARGET = 0.8
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,9 @@ class ProfilePlan:
     def describe(self) -> str:
         return (f"rows {','.join(map(str, self.rows))} at contexts {','.join(map(str, self.contexts))}, prefill "
                 f"{','.join(map(str, self.prefill_rows)) or 'none'}, medians of {self.repeats}, MLP at "
-                f"{'every context' if self.mlp == 'every' else 'one context'}, host work over {self.host_new} tokens")
+                f"{'every context' if self.mlp == 'every' else 'one context'}, quantised copies at rows "
+                f"{','.join(map(str, self.quant_rows))}, host work over {self.host_new} tokens with PPD trees of "
+                f"{','.join(map(str, self.tree_nodes))} nodes")
 
 
 def _ends_and_powers(rows: tuple[int, ...], keep: int) -> tuple[int, ...]:
@@ -100,6 +105,7 @@ class _Costs:
         from selfspec.measure.costs import context_cache, time_call, time_forward
         from selfspec.models.layered import SkipSet
         from selfspec.models.passes import Pass
+        from selfspec.models.quantised import FORMATS, problem
 
         cache = context_cache(model, context, widest)
         attn_only = Pass(skip=SkipSet.of(mlp=range(model.num_layers)))
@@ -111,6 +117,7 @@ class _Costs:
         x = torch.randn(1, widest, model.hidden_size, dtype=model.dtype, device=model.device)
         self.head_row = time_call(lambda: model.head(x, model.lm_head_weight), model.device, 1) / widest
         self.fit = fit
+        self.copies = 0 if problem(model) is not None else len(FORMATS)  # the quantised tables measured
 
     def passes(self, n: int, kind: str = "full") -> float:
         a, b = self.fit[kind]
@@ -125,8 +132,10 @@ class _Costs:
                 full = p.mlp == "every" or c == at or n not in p.rows
                 s += runs * (self.passes(n, "attention") + (self.passes(n) if full else 0.0))
         s += runs * sum(2 * self.passes(n) + 2 * n * self.head_row for n in p.rows)  # the pass table, the trees
-        s += runs * 2 * sum(0.5 * (self.passes(n) + self.passes(n, "attention")) for c in p.contexts
-                            for n in p.quant_rows)  # a quantised copy reads a quarter to half the bytes
+        s += runs * self.copies * sum(0.5 * (self.passes(n) + self.passes(n, "attention")) for c in p.contexts
+                                      for n in p.quant_rows)  # a quantised copy reads a quarter to half the bytes
+        s += (1 + self.copies) * sum(self.passes(c) for c in p.contexts) + 2 * self.passes(min(max(p.contexts), 512))
+        # (each context's cache filled once per table set, and the walk's and the trees' caches)
         s += runs * 1.4 * sum(self.head_row * n for n in (*p.rows, *p.prefill_rows[:1], *p.quant_rows))
         generations = 1 + p.repeats // 2  # of each: vanilla, a draft, the n-gram lookup, PPD's per tree size
         # a random tree accepts about a token a step: a step per token, of about 4 rows a node (module
@@ -144,16 +153,16 @@ def plan_profile(model, asked: ProfilePlan, budget: float | None, log=None) -> t
         return asked, None
     costs = _Costs(model, _pass_context(asked.contexts), max(asked.rows))
     plan, estimate = asked, costs.plan(asked)
-    full = estimate
+    full, aim = estimate, TARGET * budget  # an estimate leaves things out: aim below the budget
     for thinner in THINNER:
-        if estimate <= budget:
+        if estimate <= aim:
             break
         plan = thinner(plan)
         estimate = costs.plan(plan)
     if plan != asked and log:
         log(f"every point of the profile would take about {full / 60:.0f} min here, beyond its budget of "
             f"{budget / 60:.0f} min: measuring fewer ({plan.describe()}), about {estimate / 60:.1f} min"
-            + ("" if estimate <= budget else ", the thinnest plan there is")
+            + ("" if estimate <= aim else ", the thinnest plan there is")
             + f"; `make profile MODEL={model.name}` measures every point")
     return plan, estimate
 
@@ -176,11 +185,11 @@ def measure_profile(model, *, rows: Iterable[int] | None = None, prefill_rows: I
     limit = model.max_context - max(max(rows), 1) - 2
     asked = ProfilePlan(rows=tuple(sorted(set(rows))), prefill_rows=tuple(r for r in prefill_rows if r < model.max_context - 2),
                         contexts=tuple(sorted({min(int(c), limit) for c in contexts if c >= 0})), repeats=repeats)
-    plan, steps.estimate = plan_profile(model, asked, budget, log)
     from selfspec.measure.costs import OthersBusy
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before the probes' own load
     others = OthersBusy()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    plan, steps.estimate = plan_profile(model, asked, budget, log)
     data = _measure_tables(model, plan, steps) | {
         "format": FORMAT, "name": "", "machine": machine(model.device), "load_average": load,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "repeats": plan.repeats,
@@ -279,8 +288,9 @@ def _measure_host_work(model, profile: Profile, plan: ProfilePlan, steps: _Steps
     prompt = list(range(10, 10 + max(1, min(plan.host_prompt, model.max_context // 4))))
     new = max(2, min(plan.host_new, model.max_context - len(prompt) - 2))
     data["host"] = profile.host = _measure_plain_host(model, profile, prompt, new, plan.repeats)
-    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, plan.repeats, plan.tree_nodes)
+    data["host_steps"] = _measure_host_steps(model, profile, prompt, new, plan.repeats, plan.tree_nodes, steps.before)
     profile.host_steps = dict(data["host_steps"])
+    steps.before("the host work of a chain's drafts")
     data["host_draft"] = profile.host_draft = _measure_host_draft(model, profile, prompt, new, plan.repeats)
     steps.done(f"host work of drafting steps: {data['host_steps']}")
 
@@ -428,17 +438,19 @@ def _repeating(prompt: list[int]) -> list[int]:
 
 
 def _measure_host_steps(model, profile: "Profile", prompt: list[int], new: int, repeats: int,
-                        tree_nodes: Iterable[int] = HOST_TREE_NODES) -> dict[str, Any]:
+                        tree_nodes: Iterable[int] = HOST_TREE_NODES, before=None) -> dict[str, Any]:
     """``host_steps`` (module docstring): per drafting step, the seconds beyond its priced ops and
     ``host``: the median over generations of PPD with random prompt tokens and random trees of
     ``tree_nodes`` candidates (:data:`HOST_TREE_NODES` unless a plan thins them), and of the n-gram
     lookup on a prompt that repeats itself
-    (so it drafts)."""
+    (so it drafts). ``before(what)`` is told each generation set before it runs (a profile's stages)."""
     from selfspec.config import method_config
     from selfspec.decoding import build_decoder
 
     tree: list[float] = []
     for nodes in tree_nodes:
+        if before is not None:
+            before(f"PPD's host work with trees of {nodes} nodes")
         tree += _host_beyond_ops(untrained_ppd(model, nodes), profile, prompt, new, repeats, "tree")
     out: dict[str, Any] = {"tree": statistics.median(tree)} if tree else {}
     ngram = build_decoder(method_config("ngram", never_slower=False, draft_schedule="adaptive"), model)

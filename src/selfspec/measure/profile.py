@@ -365,11 +365,12 @@ class Profile:
         return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads", "kernel_paths"))
 
     def summary(self) -> dict[str, Any]:
-        """What a run records of the profile it was costed with."""
+        """What a run records of the profile it was costed with (``plan``: the thinner plan it was
+        measured with where its measurement had a budget, :mod:`selfspec.evaluation.profiling`)."""
         m = self.machine
         return {"name": self.name, "path": self.path, "device": m["device"], "hardware": m["hardware"],
                 "threads": m.get("threads"), "measured": self.data.get("measured"),
-                "others_busy": self.data.get("others_busy")}
+                "others_busy": self.data.get("others_busy")} | ({"plan": self.data["plan"]} if "plan" in self.data else {})
 
     # --- costs ---------------------------------------------------------------------------------
     @property
