@@ -94,7 +94,8 @@ def test_each_example_is_settled_by_an_untimed_prompt_step_of_the_baseline(tiny,
     calls = []
     real = Vanilla.generate
     monkeypatch.setattr(Vanilla, "generate",
-                        lambda self, ids, n, sampling=None: calls.append((list(ids), n)) or real(self, ids, n, sampling))
+                        lambda self, ids, n, sampling=None, **kw: calls.append((list(ids), n)) or real(self, ids, n, sampling,
+                                                                                         **kw))
     evaluate(_cfg(*QUIET), tmp_path, loaded=tiny)
     rows = ResultsFile(tmp_path / RESULTS).rows()
     prompts = [r["prompt_tokens"] for r in rows if r["method"] == "vanilla"]
