@@ -62,6 +62,19 @@ class ProfilePlan:
     host_new: int = 48
     tree_nodes: tuple[int, ...] = HOST_TREE_NODES
 
+    def widths(self) -> dict[int, list[int]]:
+        """Per context, the row counts whose attention-only passes are timed there."""
+        return {c: sorted({*self.rows, *(self.prefill_rows if c == 0 else ())}) for c in self.contexts}
+
+    def full_at(self) -> dict[int, set[int]] | None:
+        """Per context, the row counts whose full passes are timed there too (None: every one, ``mlp``
+        ``every``): planned ``once``, at the ``pass`` table's context and the prefill rows at context 0."""
+        if self.mlp == "every":
+            return None
+        at = _pass_context(self.contexts)
+        return {c: {n for n in rows if c == at or (c == 0 and n in self.prefill_rows)}
+                for c, rows in self.widths().items()}
+
     def describe(self) -> str:
         return (f"rows {','.join(map(str, self.rows))} at contexts {','.join(map(str, self.contexts))}, prefill "
                 f"{','.join(map(str, self.prefill_rows)) or 'none'}, medians of {self.repeats}, MLP at "
@@ -125,15 +138,12 @@ class _Costs:
 
     def plan(self, p: ProfilePlan) -> float:
         """Seconds of measuring ``p`` (tables and host work), roughly."""
-        runs, at = p.repeats + 1, _pass_context(p.contexts)
-        s = 0.0
-        for c in p.contexts:
-            for n in sorted({*p.rows, *(p.prefill_rows if c == 0 else ())}):
-                full = p.mlp == "every" or c == at or n not in p.rows
-                s += runs * (self.passes(n, "attention") + (self.passes(n) if full else 0.0))
+        runs, full_at = p.repeats + 1, p.full_at()
+        s = runs * sum(self.passes(n, "attention") + (self.passes(n) if full_at is None or n in full_at[c] else 0.0)
+                       for c, rows in p.widths().items() for n in rows)
         s += runs * sum(2 * self.passes(n) + 2 * n * self.head_row for n in p.rows)  # the pass table, the trees
-        s += runs * self.copies * sum(0.5 * (self.passes(n) + self.passes(n, "attention")) for c in p.contexts
-                                      for n in p.quant_rows)  # a quantised copy reads a quarter to half the bytes
+        s += runs * self.copies * len(p.contexts) * sum(0.5 * (self.passes(n) + self.passes(n, "attention"))
+                                                        for n in p.quant_rows)  # a copy reads a quarter to half the bytes
         s += (1 + self.copies) * sum(self.passes(c) for c in p.contexts) + 2 * self.passes(min(max(p.contexts), 512))
         # (each context's cache filled once per table set, and the walk's and the trees' caches)
         s += runs * 1.4 * sum(self.head_row * n for n in (*p.rows, *p.prefill_rows[:1], *p.quant_rows))
@@ -248,11 +258,8 @@ def _measure_tables(model, plan: ProfilePlan, steps: _Steps) -> dict[str, Any]:
     spans: dict[str, int] = {}  # a static pass attends over its whole cache: the slots each context's spanned
     steps.before("a walk's own cost")
     walk = _measure_walk(model, pass_context, plan.repeats) if model.device.type == "cpu" else 0.0
-    widths = {c: sorted({*plan.rows, *(plan.prefill_rows if c == 0 else ())}) for c in plan.contexts}
-    full_at = None if plan.mlp == "every" else {c: (plan.rows if c == pass_context else ()) + plan.prefill_rows * (c == 0)
-                                              for c in plan.contexts}
-    attention, mlp = _sublayers(model, widths, plan.repeats, steps.done, also=whole_pass, spans=spans, walk=walk,
-                                full_at=full_at)
+    attention, mlp = _sublayers(model, plan.widths(), plan.repeats, steps.done, also=whole_pass, spans=spans,
+                                walk=walk, full_at=plan.full_at())
     steps.before("the eager tables")
     eager = _measure_eager(model, list(plan.rows), list(plan.contexts), plan.repeats, steps.done) \
         if model.capture == "graphs" else None
