@@ -303,6 +303,13 @@ EVAL_BAD = [
     (["batch_size=2", "threads=adaptive"], r"batch_size=2 is not allowed: .*threads=adaptive"),
     (["batch_size=2", "compare=[hf_prompt_lookup]"], r"batch_size=2 with method hf_prompt_lookup: it decodes one sequence at a "
                                                 r"time"),
+    (["batch_size=2", "compare=[llama_cpp]"], r"batch_size=2 with method llama_cpp: it decodes one sequence at a time "
+                                          r"\(llama\.cpp\)"),
+    # llama.cpp decodes greedily only: a sampled run refuses it before the model loads, never runs it greedily
+    (["sampling.temperature=0.7", "compare=[llama_cpp]"], r"sampling\.temperature=0\.7 with method llama_cpp: it "
+                                                       r"decodes greedily only"),
+    (["method=llama_cpp", "method.weights=q5"], r"method\.weights=q5 is not allowed: must be one of auto, f32, bf16, "
+                                               r"q8_0, q4_0, q4_k_m, source"),
     (["batch_size=2", "method=ngram", "profile=null", "method.draft_schedule=adaptive"],
      r"batch_size=2 with method ngram's never_slower=true and profile=null"),
     # issue 52's probe: keys bounded by the layer count were refused only after the model loaded

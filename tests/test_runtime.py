@@ -705,7 +705,7 @@ def test_gguf_is_written_from_the_loaded_weights_and_cached(tiny, tmp_path, monk
     from selfspec.models import gguf_export
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    path = gguf_export.cached_gguf(tiny)
+    path = gguf_export.cached_gguf(tiny.model, tiny.tokenizer)
     assert path.parent == tmp_path / "gguf" and tiny.weights_digest in path.name and "float32" in path.name
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
     reader = GGUFReader(path)
@@ -735,9 +735,9 @@ def test_gguf_is_written_from_the_loaded_weights_and_cached(tiny, tmp_path, monk
     assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.eos_token_id") == tiny.tokenizer.eos_token_id
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == tiny.model.vocab_size
     written = path.stat().st_mtime_ns
-    assert gguf_export.cached_gguf(tiny) == path and path.stat().st_mtime_ns == written
-    monkeypatch.setattr(tiny, "weights_digest", "0123456789abcdef")
-    assert gguf_export.gguf_path(tiny) != path
+    assert gguf_export.cached_gguf(tiny.model, tiny.tokenizer) == path and path.stat().st_mtime_ns == written
+    monkeypatch.setattr(tiny.model, "weights_digest", "0123456789abcdef")
+    assert gguf_export.gguf_path(tiny.model) != path
 
 
 def test_a_bfloat16_models_gguf_holds_its_weight_matrices_in_bf16(tmp_path, monkeypatch):
@@ -753,7 +753,7 @@ def test_a_bfloat16_models_gguf_holds_its_weight_matrices_in_bf16(tmp_path, monk
     cfg.dtype = "bfloat16"
     loaded = load_model(cfg)
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    path = gguf_export.cached_gguf(loaded)
+    path = gguf_export.cached_gguf(loaded.model, loaded.tokenizer)
     assert path.name.endswith(".bf16.gguf") and "bfloat16" in path.name
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     hf = loaded.model.hf
@@ -787,7 +787,8 @@ def test_gguf_writer_names_what_it_does_not_cover(tiny):
 
 
 def test_llama_cpp_is_skipped_in_one_line_when_not_installed(tiny, monkeypatch):
-    from selfspec.evaluation import llamacpp, runtime
+    from selfspec.decoding import llamacpp
+    from selfspec.evaluation import runtime
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
     assert llamacpp.import_llama_cpp() is None
@@ -803,12 +804,12 @@ def test_llama_cpp_decodes_the_same_tokens_as_vanilla(tiny, tmp_path, monkeypatc
     """The GGUF file written from tiny-random loads in llama.cpp, which then decodes, from the same
     prompt ids (no BOS added), the tokens vanilla decodes, and tokenizes text as the tokenizer does."""
     from selfspec.decoding.vanilla import Vanilla
-    from selfspec.evaluation.llamacpp import LlamaCppPeer
+    from selfspec.decoding.llamacpp import LlamaCpp
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, tiny.model.vocab_size, (40,), generator=g).tolist()
-    peer = LlamaCppPeer(tiny, 40 + 16 + 1, threads=1)
+    peer = LlamaCpp(tiny.model, tokenizer=tiny.tokenizer, threads=1)
     try:
         out = peer.generate(prompt, 16)
         assert out.prompt_len == 40 and out.new_tokens == 16 and out.seconds > 0
@@ -887,13 +888,14 @@ def test_the_bandwidth_roof_reads_the_working_set_once_per_repeat():
 
 
 def test_llama_cpp_refusing_the_file_is_one_line_not_a_crash(tiny, monkeypatch):
-    from selfspec.evaluation import llamacpp, runtime
+    from selfspec.decoding import llamacpp
+    from selfspec.evaluation import runtime
 
     def refuse(*args, **kwargs):
         raise ValueError("Failed to load model from file: x.gguf")
 
     monkeypatch.setattr(llamacpp, "import_llama_cpp", lambda: object())
-    monkeypatch.setattr(llamacpp, "LlamaCppPeer", refuse)
+    monkeypatch.setattr(llamacpp, "LlamaCpp", refuse)
     peer, line = runtime.llama_cpp_peer(tiny, 64)
     assert peer is None and line == ("llama.cpp: FAILED to load the GGUF file of tiny-random "
                                      "(ValueError: Failed to load model from file: x.gguf)")

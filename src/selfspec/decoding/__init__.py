@@ -34,6 +34,7 @@ METHODS = Registry("method", {
     "hf_prompt_lookup": "selfspec.decoding.peers:HFPromptLookup",
     "hf_early_exit": "selfspec.decoding.peers:HFEarlyExit",
     "hf_assisted": "selfspec.decoding.peers:HFAssisted",
+    "llama_cpp": "selfspec.decoding.llamacpp:LlamaCpp",
 }, lambda name, known: ValueError(f"unknown method {name!r}; choose one of {', '.join(known)} (conf/method/)"))
 
 

@@ -247,6 +247,9 @@ class Decoder(Carries):
     #: whether the decoder decodes in a batch of several sequences (the evaluation's ``batch_size``):
     #: every method of selfspec's loop does (:mod:`selfspec.models.batch`)
     batches: ClassVar[bool] = True
+    #: whether the decoder samples (``sampling.temperature > 0``): every method of selfspec's loop does;
+    #: a peer that decodes greedily only is refused in a sampled run before the model loads
+    samples: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -360,6 +363,11 @@ class Decoder(Carries):
         from selfspec.decoding.gate import SpeculationGate
 
         return SpeculationGate(profile=profile)
+
+    def reserve(self, length: int) -> None:
+        """Make room for generations of up to ``length`` positions before anything is timed. Default:
+        nothing (the runner sizes the model's pooled cache for the decoders of its own loop); a peer
+        with a runtime of its own (llama.cpp) sizes that."""
 
     def begin(self, state: DecodeState) -> None:
         """Per-example set-up before prefill: per-example state goes on ``state.example``, not on

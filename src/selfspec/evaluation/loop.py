@@ -147,10 +147,14 @@ def _reserve(model, runs: list[MethodRun], prompts: list[list[int]], budget: int
     """Size the model's pooled cache (``capture=static|graphs``) for the longest generation of the run,
     before the warm-up: a pool sized by the warm-up's short generations grew at the first timed
     example (and again at each longer prompt), dropping every pass built on it, so under ``graphs``
-    every method captured its graphs again inside timed examples (issue 50)."""
+    every method captured its graphs again inside timed examples (issue 50). A peer with a runtime of
+    its own (:meth:`~selfspec.decoding.base.Decoder.reserve`) is sized alike."""
     lengths = [run.decoder.cache_length(len(p), budget) for run in runs if run.decoder.own_loop for p in prompts]
     if lengths:
         model.reserve(min(max(lengths), model.max_context))
+    for run in runs:  # a peer with a runtime of its own sizes that (llama.cpp's context)
+        if not run.decoder.own_loop and prompts:
+            run.decoder.reserve(max(len(p) for p in prompts) + budget + 1)
 
 
 def _warmup(runs: list[MethodRun], prompts: list[list[int]], n: int, budget: int, sampling: Sampling) -> None:

@@ -106,6 +106,7 @@ def prepare(cfg: DictConfig, label: str | None = None) -> RunPlan:
     _check_priced_choices(profile, method_cfgs, method_options)
     batch_size = int(cfg.batch_size)
     _check_batched_methods(profile, method_cfgs, method_options, batch_size)
+    _check_sampled_methods(sampling, method_cfgs)
     check_model_config(cfg.model)
     _check_for_model(cfg, method_cfgs, method_options, under_test, budget)
     check_logger(cfg.get("logger"), run_tags(cfg, "evaluate", under_test))
@@ -231,8 +232,8 @@ def _batch_size(cfg: DictConfig) -> int:
 
 def _check_batched_methods(profile: str | None, method_cfgs: dict[str, DictConfig], options: dict[str, Options],
                            size: int) -> None:
-    """Under ``batch_size > 1``, a method that cannot decode a batch (transformers' assisted generation,
-    one sequence at a time) is refused, naming it, rather than run one sequence at a time behind the
+    """Under ``batch_size > 1``, a method that cannot decode a batch (transformers' assisted generation and
+    llama.cpp decode one sequence at a time) is refused, naming it, rather than run one sequence at a time behind the
     user's back; so is a speculation gate timed on the wall clock (``never_slower`` with
     ``profile=null``: a sequence's step shares its passes with the batch's other sequences)."""
     if size == 1:
@@ -240,11 +241,22 @@ def _check_batched_methods(profile: str | None, method_cfgs: dict[str, DictConfi
     for name, m in method_cfgs.items():
         if not decoder_class(str(m.name)).batches:
             raise checks.ConfigError(f"batch_size={size} with method {name}: it decodes one sequence at a time "
-                                     "(transformers' assisted generation); leave it out or set batch_size=1")
+                                     f"({decoder_class(str(m.name)).title}); leave it out or set batch_size=1")
         if profile is None and getattr(options[name], "never_slower", False):
             raise checks.ConfigError(f"batch_size={size} with method {name}'s never_slower=true and profile=null: "
                                      "its gate would time steps that share their passes with the batch's other "
                                      "sequences; set profile=auto, method.never_slower=false, or batch_size=1")
+
+
+def _check_sampled_methods(sampling: Sampling, method_cfgs: dict[str, DictConfig]) -> None:
+    """Under sampling, a peer that decodes greedily only (llama.cpp) is refused, naming it, rather than
+    run greedily beside methods that sample."""
+    if sampling.greedy:
+        return
+    for name, m in method_cfgs.items():
+        if not decoder_class(str(m.name)).samples:
+            raise checks.ConfigError(f"sampling.temperature={sampling.temperature} with method {name}: it decodes "
+                                     "greedily only; leave it out or set sampling.temperature=0")
 
 
 def _threads_spec(cfg: DictConfig, profile: str | None) -> str:

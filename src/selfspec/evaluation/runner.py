@@ -46,9 +46,12 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
     prompt = context if prompt is None else min(prompt, context)
     batch = int(cfg.batch_size)
     also = " or batch_size" if batch > 1 else ""
+    methods = method_configs(cfg).values()
     copies = [Term(f"the {fmt} copy of the weights", draft_copy_bytes(s, fmt), "method.draft_weights")
-              for fmt in sorted({str(m.draft_weights) for m in method_configs(cfg).values()
-                                 if m.get("draft_weights") is not None})]
+              for fmt in sorted({str(m.draft_weights) for m in methods if m.get("draft_weights") is not None})]
+    copies += [Term(f"llama.cpp's {fmt} weights and cache", llama_cpp_bytes(s, fmt, cfg, context), "method.weights",
+                    activation=False)
+               for fmt in sorted({str(m.weights) for m in methods if str(m.name) == "llama_cpp"})]
     return [[
         Term("cache", context * s.kv_per_token * b * batch,
              ("max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)") + also),
@@ -65,6 +68,29 @@ def draft_copy_bytes(s: Shape, fmt: str) -> int:
 
     layer_weights = s.params - s.vocab * s.hidden * (1 if s.tied else 2) - s.hidden
     return packed_bytes(fmt, 1, s.hidden) * (layer_weights // s.hidden + s.vocab)
+
+
+def llama_cpp_bytes(s: Shape, weights: str, cfg, context: int) -> int:
+    """What llama.cpp holds for ``method=llama_cpp`` (:mod:`selfspec.decoding.llamacpp`) on a model of shape
+    ``s``: its weights (the file it maps, in the format ``weights`` names: for ``source``, the model's
+    own GGUF file's size) and its KV cache of the run's dtype, as long as ``context`` (rounded up to the
+    power of two its context is made with)."""
+    from selfspec.decoding.llamacpp import MIN_CONTEXT, resolved_weights, weights_bytes
+
+    dtype = torch.bfloat16 if str(cfg.model.get("dtype")) == "bfloat16" else torch.float32
+    fmt = resolved_weights(weights, dtype)
+    source = None
+    if fmt == "source":
+        from selfspec.models.loading import local_gguf, model_source
+
+        try:
+            source = local_gguf(model_source(cfg.model)).stat().st_size
+        except (OSError, ValueError):
+            source = None
+    n_ctx = MIN_CONTEXT
+    while n_ctx < context:
+        n_ctx *= 2
+    return weights_bytes(fmt, s.params, source) + n_ctx * s.kv_per_token * (2 if dtype == torch.bfloat16 else 4)
 
 
 #: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)

@@ -12,7 +12,8 @@
   apart, in an order that alternates, so a ratio is never two moments of a noisy machine;
 * llama.cpp as a third peer when llama-cpp-python is installed (the optional extra, ``make
   llamacpp``; otherwise one line says it was skipped): the loaded model's own weights written as a
-  GGUF file (float32, or BF16 for a bfloat16 model), the same prompt ids, threads and differencing (:mod:`selfspec.evaluation.llamacpp`);
+  GGUF file (float32, or BF16 for a bfloat16 model), the same prompt ids, threads and differencing
+  (:class:`selfspec.decoding.llamacpp.LlamaCpp`, ``weights=auto``);
   for each peer its decoding and prefill (time to the first token) tokens/s, its share of the copy
   bandwidth, and how many of its tokens agree with vanilla's;
 * the LM head's share of a decoding step;
@@ -52,7 +53,7 @@ def _load() -> float | None:
 def decode_rates(loaded, context: int, new_tokens: int, repeats: int,
                  peers: dict[str, Any] | None = None) -> dict[str, Any]:
     """Median decoding tokens/s of vanilla, transformers ``generate`` and any other ``peers``
-    (name -> an object with selfspec's ``generate``, e.g. :class:`~selfspec.evaluation.llamacpp.LlamaCppPeer`)
+    (name -> an object with selfspec's ``generate``, e.g. :class:`~selfspec.decoding.llamacpp.LlamaCpp`)
     on one random prompt of ``context`` tokens, interleaved per repeat.
 
     Decoding only: each repeat generates ``new_tokens`` (no EOS) and, right after, 1 token, and the
@@ -104,13 +105,15 @@ def llama_cpp_peer(loaded, n_ctx: int) -> tuple[Any, str | None]:
     """The llama.cpp peer for ``loaded`` at ``n_ctx`` tokens on torch's threads, or None and the
     one line the report prints instead (not installed, a model the GGUF writer does not cover, or
     llama.cpp refusing the file, with its message: the other peers are still measured)."""
-    from selfspec.evaluation.llamacpp import LlamaCppPeer, NOT_INSTALLED, import_llama_cpp
+    from selfspec.decoding.llamacpp import NOT_INSTALLED, LlamaCpp, import_llama_cpp
     from selfspec.models.gguf_export import ExportUnsupported
 
     if import_llama_cpp() is None:
         return None, NOT_INSTALLED
     try:
-        return LlamaCppPeer(loaded, n_ctx, torch.get_num_threads()), None
+        peer = LlamaCpp(loaded.model, tokenizer=loaded.tokenizer, threads=torch.get_num_threads())
+        peer.reserve(n_ctx)
+        return peer, None
     except ExportUnsupported as err:
         return None, f"llama.cpp: skipped ({err})"
     except (ValueError, RuntimeError) as err:
@@ -181,8 +184,9 @@ def runtime_report(loaded, ks=(1, 2, 4, 8, 16, 32), contexts=(128, 512, 1024), n
         "achieved_bytes_per_s": (weights + kv) / per_token,
         "bandwidth_fraction": (weights + kv) / per_token / bandwidth,
         "peers": {name: peer_figures(rates, name, weights + kv, bandwidth) for name in names},
-        "llama_cpp": ({"version": peer.version, "gguf": str(peer.path), "threads": peer.threads,
-                       "weights": peer.weights, "kv_dtype": peer.weights} if peer is not None else {"skipped": skipped}),
+        "llama_cpp": ({"version": peer.version, "gguf": str(peer.path), "threads": peer.n_threads,
+                       "weights": peer.weights,
+                       "kv_dtype": str(loaded.model.dtype).replace("torch.", "")} if peer is not None else {"skipped": skipped}),
         "new_tokens": new_tokens,
         "seconds": time.perf_counter() - t0,
         "load": [load_start, _load()],

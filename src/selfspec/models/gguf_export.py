@@ -93,12 +93,12 @@ def _head_dim(config) -> int:
 
 
 # --- the cached file --------------------------------------------------------------------------
-def gguf_path(loaded) -> Path:
-    """Where the GGUF file of ``loaded`` (a :class:`~selfspec.models.loading.LoadedModel`) is cached."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", loaded.name)
-    dtype = str(loaded.model.dtype).replace("torch.", "")
-    key = f"{name}-{loaded.weights_digest}-{dtype}-{loaded.fingerprint[:8]}-v{FORMAT}"
-    return assets.cache_dir() / "gguf" / f"{key}.{file_dtype(loaded.model.dtype)}.gguf"
+def gguf_path(model) -> Path:
+    """Where the GGUF file of ``model`` (a loaded :class:`~selfspec.models.layered.LayeredModel`) is cached."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", model.name)
+    dtype = str(model.dtype).replace("torch.", "")
+    key = f"{name}-{model.weights_digest}-{dtype}-{model.fingerprint[:8]}-v{FORMAT}"
+    return assets.cache_dir() / "gguf" / f"{key}.{file_dtype(model.dtype)}.gguf"
 
 
 def file_dtype(dtype: torch.dtype) -> str:
@@ -107,22 +107,23 @@ def file_dtype(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "f32"
 
 
-def cached_gguf(loaded) -> Path:
-    """The GGUF file of ``loaded``, written on first use (:func:`write_gguf`; a few seconds for
-    SmolLM2) into a temporary name beside it and renamed into place."""
-    if loaded.weights_digest is None:
+def cached_gguf(model, tokenizer) -> Path:
+    """The GGUF file of ``model`` (a loaded :class:`~selfspec.models.layered.LayeredModel`) and its
+    ``tokenizer``, written on first use (:func:`write_gguf`; a few seconds for SmolLM2) into a temporary
+    name beside it and renamed into place."""
+    if model.weights_digest is None:
         raise ExportUnsupported("the model has no weights digest to name its GGUF file by")
-    path = gguf_path(loaded)
+    path = gguf_path(model)
     if path.is_file():
         return path
-    problem = export_problem(loaded.model.hf)
+    problem = export_problem(model.hf)
     if problem:
         raise ExportUnsupported(problem)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        log.info("writing %s (%s, from the loaded weights)", path, file_dtype(loaded.model.dtype))
-        write_gguf(loaded.model.hf, loaded.tokenizer, tmp, loaded.name, file_dtype(loaded.model.dtype))
+        log.info("writing %s (%s, from the loaded weights)", path, file_dtype(model.dtype))
+        write_gguf(model.hf, tokenizer, tmp, model.name, file_dtype(model.dtype))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

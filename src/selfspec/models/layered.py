@@ -139,6 +139,9 @@ class LayeredModel:
         self.fingerprint: str | None = None
         #: digest of the weights (set by :func:`~selfspec.models.loading.load_model`); checked likewise
         self.weights_digest: str | None = None
+        #: the GGUF file the weights were read from (set by :func:`~selfspec.models.loading.load_model`);
+        #: None for a checkpoint or a random model
+        self.gguf_source: str | None = None
         self.config = hf_model.config
         fam = self.family
         self.max_context = fam.max_context()

@@ -359,6 +359,8 @@ def load_model(cfg) -> LoadedModel:
                            attn_implementation=attn, passes=capture.StepRunner(mode) if mode != "off" else None)
     layered.fingerprint = fingerprint(hf.config, tok)
     layered.weights_digest = digest
+    if source.kind in ("gguf", "hub_gguf", "asset"):
+        layered.gguf_source = str(local_gguf(source))
     return LoadedModel(layered, tok, name, layered.fingerprint, bool(_get(cfg, "chat")), plain, digest)
 
 

@@ -1,0 +1,233 @@
+"""llama.cpp as a peer: the same model decoded greedily by llama.cpp (llama-cpp-python, the optional
+extra: ``make llamacpp``), in the same sweep and table as selfspec's methods (``method=llama_cpp``).
+
+It answers the question a reader of a speedup table asks next: how far is selfspec's float32-exact
+output from the runtime people decode small models with on a CPU. ``weights`` picks what llama.cpp
+reads (:data:`WEIGHTS`):
+
+``auto``     the run's dtype: ``f32`` for a float32 run, ``bf16`` for bfloat16;
+``f32``,     the model's values in float32 or bfloat16: for a model read from a GGUF file (the embedded
+``bf16``     models, ``model.gguf_path``), llama.cpp's own requantisation of that file (its blocks
+             dequantised: the values selfspec's float32 holds); for a transformers checkpoint of the
+             Llama architecture, the loaded weights written as GGUF
+             (:func:`selfspec.models.gguf_export.cached_gguf`);
+``q8_0``,    llama.cpp's own quantiser applied to those values (``llama_model_quantize``, as its
+``q4_0``,    ``llama-quantize`` tool does): its usual quantised decoding, not lossless;
+``q4_k_m``
+``source``   the GGUF file the model was read from, as shipped (SmolLM2's Q4_1, Qwen2.5-Coder's Q4_K_M).
+
+Each file is made once into the asset cache (``gguf/``, written under a temporary name and renamed into
+place). The KV cache holds the run's dtype (F32 or BF16) whatever the weights; llama.cpp runs on torch's
+thread count. A step is one ``llama_decode`` of the last token and an argmax over the logits llama.cpp
+leaves in its buffer, read in place, as vanilla's step is one forward and an argmax; each token is cut
+at EOS, stop strings and the budget as the layered loop cuts it. Greedy only (a sampled run refuses it:
+llama.cpp's sampler draws from its own generator, so a seeded run could not match the methods').
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+
+from selfspec.config import checks
+from selfspec.config.options import Options, key
+from selfspec.decoding.base import DecodeState, Decoder, Generation, StepTrace
+from selfspec.decoding.sampling import Sampling
+
+log = logging.getLogger(__name__)
+
+#: what the runtime benchmark prints when the extra is absent
+NOT_INSTALLED = "llama.cpp: skipped (llama-cpp-python not installed; `make llamacpp`)"
+#: ``weights`` -> llama.cpp's file type name (``LLAMA_FTYPE_<name>``); ``auto`` and ``source`` resolve first
+FTYPES = {"f32": "ALL_F32", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0",
+          "q4_k_m": "MOSTLY_Q4_K_M"}
+WEIGHTS = ("auto", *FTYPES, "source")
+#: ggml's type number of BF16 (llama-cpp-python 0.3.36 exports no constant for it)
+GGML_TYPE_BF16 = 30
+#: the smallest context a llama.cpp context is made with; it grows by doubling (:meth:`LlamaCpp.reserve`)
+MIN_CONTEXT = 512
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module, or None when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+def resolved_weights(weights: str, dtype: torch.dtype) -> str:
+    """``weights`` with ``auto`` read as the run's dtype (``bf16`` for bfloat16, else ``f32``)."""
+    if weights != "auto":
+        return weights
+    return "bf16" if dtype == torch.bfloat16 else "f32"
+
+
+def weights_bytes(weights: str, params: int, source_bytes: int | None = None) -> int:
+    """Bytes of llama.cpp's weights of a model of ``params`` parameters (its mapped file): 4, 2, 34/32,
+    18/32 or about 4.85/8 bytes a parameter (Q4_K_M mixes Q4_K and Q6_K blocks), or the source file's
+    own size (``source_bytes``; ``source`` weights)."""
+    per = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k_m": 4.85 / 8}
+    if weights == "source":
+        return int(source_bytes or params * 4)
+    return int(params * per[weights])
+
+
+def weights_file(model, tokenizer, weights: str, threads: int) -> Path:
+    """The GGUF file llama.cpp reads for ``weights`` (resolved: not ``auto``), made once (module docstring):
+    from the file ``model`` was read from (``model.gguf_source``) where there is one, else from the loaded
+    weights written as GGUF (Llama models only: :class:`~selfspec.models.gguf_export.ExportUnsupported`
+    otherwise)."""
+    from selfspec.models.gguf_export import cached_gguf, file_dtype
+    from selfspec.store import assets
+
+    source = getattr(model, "gguf_source", None)
+    if weights == "source":
+        if source is None:
+            raise ValueError(f"method.weights=source: {model.name} was not read from a GGUF file; "
+                             "pick f32, bf16, q8_0, q4_0 or q4_k_m")
+        return Path(source)
+    if source is None:
+        written = cached_gguf(model, tokenizer)
+        if weights == file_dtype(model.dtype):
+            return written
+        source = written
+    if model.weights_digest is None:
+        raise ValueError(f"{model.name} has no weights digest to name its llama.cpp file by")
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", model.name)
+    path = assets.cache_dir() / "gguf" / f"{name}-{model.weights_digest}-{(model.fingerprint or '')[:8]}.{weights}.gguf"
+    if not path.is_file():
+        quantise_file(Path(source), path, weights, threads)
+    return path
+
+
+def quantise_file(source: Path, path: Path, weights: str, threads: int) -> None:
+    """``source`` through llama.cpp's quantiser into ``path`` as ``weights`` (:data:`FTYPES`), requantising
+    a quantised source from its dequantised values; written under a temporary name and renamed into place."""
+    llama_cpp = import_llama_cpp()
+    if llama_cpp is None:
+        raise ImportError(NOT_INSTALLED)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{FTYPES[weights]}")
+    params.nthread = int(threads)
+    params.allow_requantize = True
+    try:
+        log.info("llama.cpp: quantising %s into %s (%s)", source, path, weights)
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise RuntimeError(f"llama.cpp could not quantise {source} to {weights} (llama_model_quantize: {rc})")
+        os.replace(tmp, path)
+        log.info("llama.cpp: %s written in %.1f s", path.name, time.perf_counter() - t0)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class LlamaCpp(Decoder):
+    """Greedy decoding of the loaded model in llama.cpp, behind selfspec's ``generate``."""
+
+    name = "llama_cpp"
+    title = "llama.cpp"
+    #: its own arithmetic (and, quantised, its own weights): consistency with vanilla is measured, not promised
+    lossless = False
+    own_loop = False
+    batches = False
+    samples: ClassVar[bool] = False
+
+    @dataclass(frozen=True)
+    class Options(Options):
+        """Keys (conf/method/llama_cpp.yaml): ``weights``, what llama.cpp reads (:data:`WEIGHTS`)."""
+
+        weights: str = key(checks.choice, WEIGHTS, why="auto = the run's dtype; q8_0/q4_0/q4_k_m: llama.cpp's "
+                           "quantiser; source: the GGUF file the model was read from")
+
+    def __init__(self, model, weights: str = "auto", threads: int | None = None, **common) -> None:
+        super().__init__(model, **common)
+        llama_cpp = import_llama_cpp()
+        if llama_cpp is None:
+            raise ImportError(NOT_INSTALLED)
+        self.lib = llama_cpp
+        self.version = getattr(llama_cpp, "__version__", "unknown")
+        self.n_threads = int(threads or torch.get_num_threads())
+        self.weights = resolved_weights(weights, model.dtype)
+        self.path = weights_file(model, self.tokenizer, self.weights, self.n_threads)
+        self.kv_type = GGML_TYPE_BF16 if model.dtype == torch.bfloat16 else llama_cpp.GGML_TYPE_F32
+        self.llm = None
+        self.n_ctx = 0
+        self.n_vocab = 0
+
+    @classmethod
+    def from_config(cls, model, options: Options, **common) -> "LlamaCpp":
+        common.pop("threads", None)  # a thread policy steers selfspec's own loop only
+        return cls(model, options.weights, **common)
+
+    def reserve(self, length: int) -> None:
+        """A llama.cpp context of at least ``length`` positions (the next power of two from
+        :data:`MIN_CONTEXT`), made before anything is timed; a longer generation makes a larger one."""
+        if length <= self.n_ctx:
+            return
+        n_ctx = MIN_CONTEXT
+        while n_ctx < length:
+            n_ctx *= 2
+        if self.llm is not None:
+            self.llm.close()
+        self.llm = self.lib.Llama(
+            model_path=str(self.path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=self.n_threads,
+            n_threads_batch=self.n_threads, type_k=self.kv_type, type_v=self.kv_type, logits_all=False,
+            verbose=False)
+        self.n_ctx = n_ctx
+        self.n_vocab = int(self.llm.n_vocab())
+
+    def _argmax(self) -> int:
+        """The greedy token: the argmax of the last evaluated position's logits, read in place."""
+        logits = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                 sampling: Sampling | None = None) -> Generation:
+        """Up to ``max_new_tokens`` greedy tokens after ``prompt_ids`` (evaluated as given: no BOS is
+        added), cut at EOS, stop strings and the budget; timed from the prefill to the last token."""
+        prompt_t, n_prompt, sampling = self.generation_inputs(prompt_ids, max_new_tokens, sampling)
+        if not sampling.greedy:
+            raise ValueError("method llama_cpp decodes greedily only (sampling.temperature=0)")
+        prompt = prompt_t[0].tolist()
+        self.reserve(n_prompt + max_new_tokens + 1)
+        state = DecodeState(list(prompt), n_prompt, cache=None, sampling=sampling, generator=None)
+        t0 = time.perf_counter()
+        self.llm.reset()
+        self.llm.eval(prompt)
+        reason = self._commit(state, [self._argmax()], max_new_tokens)
+        while reason is None:
+            state.trace_step = StepTrace()
+            self.llm.eval(state.tokens[-1:])
+            reason = self._commit(state, [self._argmax()], max_new_tokens)
+        seconds = time.perf_counter() - t0
+        steps = len(state.accepted_per_step)
+        return Generation(tokens=state.tokens[n_prompt:], prompt_len=n_prompt, seconds=seconds, steps=steps,
+                          accepted_per_step=state.accepted_per_step, drafted_per_step=[0] * steps,
+                          stop_reason=reason, stats={"forward_passes": steps})
+
+    def step(self, state: DecodeState, budget: int) -> list[int]:  # pragma: no cover
+        raise NotImplementedError("llama_cpp decodes through llama.cpp")
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context."""
+        if self.llm is not None:
+            self.llm.close()
+            self.llm, self.n_ctx = None, 0
+
+
+__all__ = ["FTYPES", "LlamaCpp", "NOT_INSTALLED", "WEIGHTS", "import_llama_cpp", "quantise_file", "resolved_weights",
+           "weights_bytes", "weights_file"]
