@@ -243,6 +243,83 @@ def test_a_measured_profile_names_its_dtype_where_it_is_not_float32():
         assert p.shape["dtype"] == dtype and p.name.endswith(tail), p.name
 
 
+def test_machine_names_tell_amd_generations_apart_and_keep_intels_and_old_records():
+    """Issue 72: a Zen 4 and a Zen 5 VM are both "AMD EPYC" with AVX-512-BF16, so their profiles had one
+    name. An AMD CPU whose family is recorded says its generation (family 25 without AVX-512: Zen 3,
+    with it: Zen 4; 26: Zen 5; another: its number, not a guess); Intel's name, and that of a machine
+    recorded before the family was (an old profile's), stay as they were."""
+    from selfspec.measure.profile import machine_name
+
+    epyc = {"device": "cpu", "hardware": "AMD EPYC", "threads": 2,
+            "kernel_paths": {"float32": "avx512", "bfloat16": "avx512_bf16"}}
+    zen3 = {"device": "cpu", "hardware": "AMD EPYC 7B13", "threads": 2,
+            "kernel_paths": {"float32": "avx2", "bfloat16": "widen"}}
+    xeon = {"device": "cpu", "hardware": "Intel(R) Xeon(R) Processor", "threads": 2,
+            "kernel_paths": {"float32": "avx512", "bfloat16": "amx"}}
+    cases = [
+        (zen3 | {"cpu_family": 25, "cpu_model": 1, "cpu_avx512": False}, "cpu-amd-epyc-7b13-zen3-2t"),
+        (epyc | {"cpu_family": 25, "cpu_model": 17, "cpu_avx512": True}, "cpu-amd-epyc-zen4-avx512-bf16-2t"),
+        (epyc | {"cpu_family": 26, "cpu_model": 2, "cpu_avx512": True}, "cpu-amd-epyc-zen5-avx512-bf16-2t"),
+        (epyc | {"cpu_family": 27, "cpu_model": 0, "cpu_avx512": True}, "cpu-amd-epyc-f27-avx512-bf16-2t"),
+        (epyc | {"cpu_family": 25}, "cpu-amd-epyc-f25-avx512-bf16-2t"),  # AVX-512 unknown: no guess
+        (xeon | {"cpu_family": 6, "cpu_model": 143, "cpu_avx512": True}, "cpu-intel-xeon-amx-2t"),
+        (epyc, "cpu-amd-epyc-avx512-bf16-2t"),  # the shipped Zen 4 profiles' record
+        ({"device": "cuda", "hardware": "NVIDIA H100 80GB HBM3", "threads": 2}, "cuda-nvidia-h100-80gb-hbm3"),
+    ]
+    assert [machine_name(info) for info, _ in cases] == [name for _, name in cases]
+
+
+def _cpu_family() -> int | None:
+    """The family /proc/cpuinfo gives this CPU, or None where it gives none (not Linux, an ARM CPU)."""
+    from pathlib import Path
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split(":", 1)[1]) for line in lines if line.startswith("cpu family")), None)
+
+
+def test_the_running_machine_records_its_cpu_family_and_is_looked_up_by_it(tiny):
+    """Issue 72: this machine's profile record carries its CPU's family and model, and the cache it
+    keeps its profiles in is keyed by the name they give (with an AMD CPU's generation)."""
+    from selfspec.measure import profile as profiles
+
+    family = _cpu_family()
+    if family is None:
+        pytest.skip("/proc/cpuinfo gives no CPU family here")
+    info = profiles.machine(torch.device("cpu"))
+    assert info["cpu_family"] == family and isinstance(info["cpu_model"], int)
+    assert isinstance(info["cpu_avx512"], bool)
+    name = profiles.machine_name(info)
+    assert profiles.default_path(tiny.model, torch.device("cpu")).name.startswith(f"{name}__")
+    if "AMD" in info["hardware"]:
+        assert name != profiles.machine_name({k: v for k, v in info.items() if not k.startswith("cpu_")})
+
+
+def test_a_profile_recorded_without_the_cpu_family_is_not_taken_for_this_machine(tiny, tiny_profile, tmp_path,
+                                                                                 monkeypatch):
+    """Issue 72: a shipped profile whose machine record has no CPU family (every one measured before
+    it was recorded: ``cpu-amd-epyc-avx512-bf16-2t`` was a Zen 4) is not taken by ``profile=auto``
+    for this machine, which may be another generation of the same name, nor judges its contention;
+    one recorded with this machine's family is."""
+    from selfspec.measure import profile as profiles
+
+    if _cpu_family() is None:
+        pytest.skip("/proc/cpuinfo gives no CPU family here")
+    model = tiny.model
+    here = profiles.machine(model.device)
+    shipped = tmp_path / "profiles"
+    monkeypatch.setattr(profiles, "SHIPPED", shipped)
+    data = copy.deepcopy(tiny_profile.data)
+    data["model"] |= {"linear_kernel": model.linear_kernel, "capture": model.capture}
+    old = Profile(data | {"name": "old", "machine": {k: v for k, v in here.items() if not k.startswith("cpu_")}})
+    old.save(shipped / "old.json")
+    assert not old.describes(here) and profiles.matching_shipped(model) is None
+    Profile(data | {"name": "new", "machine": here}).save(shipped / "new.json")
+    assert profiles.matching_shipped(model).name == "new"
+
+
 def test_others_busy_counts_other_processes_not_this_one():
     """The share of the CPUs other processes took (/proc/stat less this process's own time): a
     process spinning on every CPU beside a sleep counts; this process spinning does not."""

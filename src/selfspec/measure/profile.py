@@ -85,7 +85,7 @@ from selfspec.models.capture import BUCKETS, bucket
 
 log = logging.getLogger(__name__)
 from selfspec.models.ledger import COMPONENTS, LayerOp, Op, as_op
-from selfspec.store.runinfo import cpu_name
+from selfspec.store.runinfo import cpu_id, cpu_name
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
 
@@ -139,7 +139,9 @@ def model_shape(model) -> dict[str, Any]:
 
 def machine(device: torch.device) -> dict[str, Any]:
     """The machine a profile describes: device, its name, threads, and the libraries that run it
-    (torch, transformers and the digest of the runtime's CPU operators' sources)."""
+    (torch, transformers and the digest of the runtime's CPU operators' sources); on a CPU also the
+    kernels' paths and, where the system says, the CPU's family, model and AVX-512
+    (:func:`~selfspec.store.runinfo.cpu_id`)."""
     import importlib.metadata as md
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -158,6 +160,8 @@ def machine(device: torch.device) -> dict[str, Any]:
     if device.type == "cpu":
         # which instructions the kernels run here: CPUs of one name (a VM's "AMD EPYC") may differ
         info["kernel_paths"] = paths()
+        # and which generation: one name covers several ("AMD EPYC": Zen 3, 4 and 5), each its own costs
+        info |= cpu_id()
     return info
 
 
@@ -165,13 +169,32 @@ def machine_name(info: dict[str, Any]) -> str:
     """A short file-name-safe label of a machine: ``cpu-amd-epyc-7b13-2t``, ``cpu-intel-xeon-2t`` (from
     "Intel(R) Xeon(R) Processor") or ``cuda-nvidia-h100...``; a CPU whose bfloat16 products run on
     its dot-product units says which (``cpu-amd-epyc-avx512-bf16-2t``, ``cpu-intel-xeon-amx-2t``):
-    CPUs of one name may differ there, and so do their bfloat16 costs."""
+    CPUs of one name may differ there, and so do their bfloat16 costs. An AMD CPU whose family the
+    info records (:func:`machine`) says its generation, ``zen3`` (family 25 without AVX-512),
+    ``zen4`` (25 with it), ``zen5`` (26), else ``f<family>`` rather than a guess
+    (``cpu-amd-epyc-zen5-avx512-bf16-2t``): a VM's "AMD EPYC" with AVX-512-BF16 is a Zen 4 or a Zen 5,
+    each with its own costs. Intel's name stays without one (its AMX label tells Sapphire Rapids and
+    later apart); an info recorded before the family was (an old profile's machine) keeps the name
+    it had then."""
     words = "".join(c if c.isalnum() else "-" for c in info["hardware"].lower()).split("-")
     words = [w for w in words if w and w not in {"processor", "core", "with", "radeon", "graphics", "cpu", "r", "tm"}]
     bf16 = (info.get("kernel_paths") or {}).get("bfloat16", "widen")
     units = f"-{bf16.replace('_', '-')}" if info["device"] == "cpu" and bf16 != "widen" else ""
     tail = f"{units}-{info['threads']}t" if info["device"] == "cpu" else ""
+    if "amd" in words and info.get("cpu_family") is not None:
+        tail = f"-{amd_generation(info['cpu_family'], info.get('cpu_avx512'))}{tail}"
     return f"{info['device']}-{'-'.join(words[:5])}{tail}"
+
+
+def amd_generation(family: int, avx512: bool | None) -> str:
+    """An AMD CPU's generation from its family number and AVX-512 (:func:`machine_name`): family 25
+    is Zen 3 without AVX-512 and Zen 4 with it, 26 is Zen 5; any other, or 25 with AVX-512 not
+    recorded, is ``f<family>``."""
+    if family == 26:
+        return "zen5"
+    if family == 25 and avx512 is not None:
+        return "zen4" if avx512 else "zen3"
+    return f"f{family}"
 
 
 class Curve:
@@ -359,10 +382,12 @@ class Profile:
 
     def describes(self, info: dict[str, Any]) -> bool:
         """Whether this profile was measured on the machine ``info`` (:func:`machine`) describes: its
-        device, hardware, threads and, on a CPU, the kernels' paths (a profile from before they were
-        recorded describes no CPU)."""
+        device, hardware, threads and, on a CPU, the kernels' paths and the CPU's family, model and
+        AVX-512 (a profile recorded before them describes no CPU that records them: one named
+        ``cpu-amd-epyc-avx512-bf16-2t`` may be a Zen 4's or a Zen 5's)."""
         mine = self.machine
-        return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads", "kernel_paths"))
+        return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads", "kernel_paths",
+                                                         "cpu_family", "cpu_model", "cpu_avx512"))
 
     def summary(self) -> dict[str, Any]:
         """What a run records of the profile it was costed with (``plan``: the thinner plan it was
@@ -617,8 +642,8 @@ def resolve(spec: str) -> Path:
 
 
 def matching_shipped(model) -> "Profile | None":
-    """A shipped profile measured on a machine like this one (device, hardware, threads, library
-    versions) for this model's shape and runtime (linear kernel, capture), or None."""
+    """A shipped profile measured on a machine like this one (:meth:`Profile.describes`, and the
+    library versions) for this model's shape and runtime (linear kernel, capture), or None."""
     info = machine(model.device)
     for p in readable_shipped():
         m = p.data["model"]

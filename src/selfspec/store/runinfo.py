@@ -84,6 +84,29 @@ def run_info(seed: int | None = None, device: str | None = None, dtype: str | No
     return info
 
 
+def cpu_id() -> dict[str, Any]:
+    """The CPU's vendor family and model numbers and whether it has AVX-512F, from ``/proc/cpuinfo``
+    (its first processor's ``cpu family``, ``model`` and ``flags``): ``cpu_family``, ``cpu_model``,
+    ``cpu_avx512``. A model name does not tell a CPU's generation (a VM's "AMD EPYC" is a Zen 3, 4 or
+    5, and each costs its own); these do. Empty where the file is absent (not Linux) or says no
+    family (an ARM CPU)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():  # the first processor's entry ends here
+            break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    try:
+        return {"cpu_family": int(fields["cpu family"]), "cpu_model": int(fields["model"]),
+                "cpu_avx512": "avx512f" in fields.get("flags", "").split()}
+    except (KeyError, ValueError):
+        return {}
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
     try:
