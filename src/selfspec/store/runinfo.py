@@ -26,7 +26,8 @@ def git_commit() -> str | None:
 
 
 def hardware(kernel_paths: dict[str, str] | None) -> dict[str, Any]:
-    """The machine: platform, CPU (its model name and the instruction set torch's kernels use),
+    """The machine: platform, CPU (its model name, family and model numbers (:func:`cpu_id`) and the
+    instruction set torch's kernels use),
     threads, MKL's reproducibility mode (:mod:`selfspec.numerics`: on some CPUs the bits of torch's
     GEMM depend on the thread count unless it is strict), the paths the runtime's CPU kernels take
     (``kernel_paths``, the caller's :func:`selfspec.models.kernels.paths`: in bfloat16 each gives its
@@ -41,6 +42,7 @@ def hardware(kernel_paths: dict[str, str] | None) -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
         "mkl_cbwr": mode(),
         "kernel_paths": kernel_paths,
+        **cpu_id(),  # the CPU's family and model: Zen 4 and Zen 5 share a name and flags
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
