@@ -101,6 +101,26 @@ def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, m
         Pass(weights="int3")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_copy_is_laid_out_as_the_targets_weights_are(tiny, fmt):
+    """Where the target's weights sit in one huge-page block (:mod:`selfspec.models.arena`), so does the copy:
+    one block, in the order a pass reads it (per layer q|k|v, output, gate|up, down; then the head), each
+    weight packed exactly as :func:`~selfspec.models.quantised.quantise` packs it alone."""
+    from selfspec.models.quantised import quantise
+
+    m = tiny.model
+    if not m.weights_placed:
+        pytest.skip("this platform places no weights in huge pages (not Linux)")
+    ws = m.weight_set(fmt)
+    order = [t for i in range(m.num_layers) for t in (ws.qkv[i][0], ws.out[i][0], ws.gate_up[i][0], ws.down[i][0])]
+    order.append(ws.head)
+    starts = [t.data_ptr() for t in order]
+    assert starts == sorted(starts) and starts[-1] - starts[0] < ws.nbytes + 4096 * len(order)
+    assert all(t.is_contiguous() for t in order)
+    assert torch.equal(ws.gate_up[1][0], quantise(m._gate_up[1][0], fmt))
+    assert torch.equal(ws.head, quantise(m.family.lm_head.weight, fmt))
+
+
 #: methods drafting over a quantised copy: on its own, and as the weights of every skip-set draft
 QUANTISED = [
     {"name": "quant_draft"},

@@ -48,15 +48,22 @@ def packed_bytes(fmt: str, n: int, k: int) -> int:
     return n * (k // 2 + k // 8 if fmt == "int4" else k + k // 8)
 
 
-def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096) -> torch.Tensor:
+def packed_dtype(fmt: str) -> torch.dtype:
+    """The dtype a packed weight of format ``fmt`` is held in."""
+    return torch.uint8 if fmt == "int4" else torch.int8
+
+
+def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096, out: torch.Tensor | None = None) -> torch.Tensor:
     """``weight`` (``[N, K]``, K a multiple of 32) in format ``fmt`` (module docstring), ``rows`` rows at a
-    time (the float32 copy of a 151,936-row head would otherwise double the memory it takes)."""
+    time (the float32 copy of a 151,936-row head would otherwise double the memory it takes); written into
+    ``out`` (``[N, packed_bytes(fmt, 1, K)]`` of :func:`packed_dtype`) where given, else a new tensor."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}: one of {', '.join(FORMATS)}")
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"a weight of {k} input features cannot be quantised in blocks of {BLOCK}")
-    out = torch.empty(n, packed_bytes(fmt, 1, k), dtype=torch.uint8 if fmt == "int4" else torch.int8)
+    if out is None:
+        out = torch.empty(n, packed_bytes(fmt, 1, k), dtype=packed_dtype(fmt))
     level = _LEVELS[fmt]
     for a in range(0, n, rows):
         w = weight[a:a + rows].detach().to(device="cpu", dtype=torch.float32).reshape(-1, k // BLOCK, BLOCK)
@@ -127,13 +134,27 @@ class WeightSet:
 
 
 def weight_set(model, fmt: str) -> WeightSet:
-    """``model``'s (a :class:`~selfspec.models.layered.LayeredModel`) weights in format ``fmt``."""
-    fam = model.family
-    qkv = [(quantise(w, fmt), b, sizes) for w, b, sizes in model._qkv]
-    gate_up = [(quantise(w, fmt), b, sizes) for w, b, sizes in model._gate_up]
-    out = [(quantise(fam.out_proj(i).weight, fmt), fam.out_proj(i).bias) for i in range(model.num_layers)]
-    down = [(quantise(fam.down_proj(i).weight, fmt), fam.down_proj(i).bias) for i in range(model.num_layers)]
-    head = quantise(fam.lm_head.weight, fmt)
+    """``model``'s (a :class:`~selfspec.models.layered.LayeredModel`) weights in format ``fmt``: where the
+    target's weights sit in huge pages (:mod:`selfspec.models.arena`), the copy does too, laid out in the
+    order a pass reads it (per layer q|k|v, output, gate|up, down; then the head), as the target's are: in
+    4 KiB pages a streaming read stops its prefetch at every page and misses the TLB on each."""
+    fam, n = model.family, model.num_layers
+    weights = ([w for w, _, _ in model._qkv], [fam.out_proj(i).weight for i in range(n)],
+               [w for w, _, _ in model._gate_up], [fam.down_proj(i).weight for i in range(n)])
+    order = [kind[i] for i in range(n) for kind in weights] + [fam.lm_head.weight]
+    places = [None] * len(order)
+    if model.weights_placed:
+        from selfspec.models import arena
+
+        shapes = [(int(w.shape[0]), packed_bytes(fmt, 1, int(w.shape[1]))) for w in order]
+        places = [v.view(packed_dtype(fmt)) for v in arena.place(shapes, torch.uint8)]
+    packed = iter([quantise(w, fmt, out=place) for w, place in zip(order, places)])
+    layers = [[next(packed) for _ in weights] for _ in range(n)]
+    head = next(packed)
+    qkv = [(layers[i][0], b, sizes) for i, (_, b, sizes) in enumerate(model._qkv)]
+    out = [(layers[i][1], fam.out_proj(i).bias) for i in range(n)]
+    gate_up = [(layers[i][2], b, sizes) for i, (_, b, sizes) in enumerate(model._gate_up)]
+    down = [(layers[i][3], fam.down_proj(i).bias) for i in range(n)]
     walk = None
     if model._walk is not None:
         walk = dict(model._walk, qkv=[w for w, _, _ in qkv], out=[w for w, _ in out], gate_up=[w for w, _, _ in gate_up],
