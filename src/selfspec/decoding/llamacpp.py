@@ -97,15 +97,17 @@ def weights_file(model, tokenizer, weights: str, threads: int) -> Path:
             raise ValueError(f"method.weights=source: {model.name} was not read from a GGUF file; "
                              "pick f32, bf16, q8_0, q4_0 or q4_k_m")
         return Path(source)
+    origin = ""  # a file made from the loaded weights says the dtype they were written in
     if source is None:
         written = cached_gguf(model, tokenizer)
         if weights == file_dtype(model.dtype):
             return written
-        source = written
+        source, origin = written, f"-from-{file_dtype(model.dtype)}"
     if model.weights_digest is None:
         raise ValueError(f"{model.name} has no weights digest to name its llama.cpp file by")
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", model.name)
-    path = assets.cache_dir() / "gguf" / f"{name}-{model.weights_digest}-{(model.fingerprint or '')[:8]}.{weights}.gguf"
+    key = f"{name}-{model.weights_digest}-{(model.fingerprint or '')[:8]}{origin}"
+    path = assets.cache_dir() / "gguf" / f"{key}.{weights}.gguf"
     if not path.is_file():
         quantise_file(Path(source), path, weights, threads)
     return path
