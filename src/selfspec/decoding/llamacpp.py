@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,31 +82,33 @@ def weights_bytes(weights: str, params: int, source_bytes: int | None = None) ->
     return int(params * per[weights])
 
 
+def context_length(length: int) -> int:
+    """The positions of the llama.cpp context a generation of ``length`` positions gets: the next power
+    of two from :data:`MIN_CONTEXT` (so a few sizes serve every prompt, and the memory estimate knows it)."""
+    n_ctx = MIN_CONTEXT
+    while n_ctx < length:
+        n_ctx *= 2
+    return n_ctx
+
+
 def weights_file(model, tokenizer, weights: str, threads: int) -> Path:
     """The GGUF file llama.cpp reads for ``weights`` (resolved: not ``auto``), made once (module docstring):
     from the file ``model`` was read from (``model.gguf_source``) where there is one, else from the loaded
     weights written as GGUF (Llama models only: :class:`~selfspec.models.gguf_export.ExportUnsupported`
     otherwise)."""
-    from selfspec.models.gguf_export import cached_gguf, file_dtype
-    from selfspec.store import assets
+    from selfspec.models.gguf_export import cached_gguf, gguf_path
 
-    source = getattr(model, "gguf_source", None)
+    source = model.gguf_source
     if weights == "source":
         if source is None:
             raise ValueError(f"method.weights=source: {model.name} was not read from a GGUF file; "
                              "pick f32, bf16, q8_0, q4_0 or q4_k_m")
         return Path(source)
-    origin = ""  # a file made from the loaded weights says the dtype they were written in
     if source is None:
-        written = cached_gguf(model, tokenizer)
-        if weights == file_dtype(model.dtype):
-            return written
-        source, origin = written, f"-from-{file_dtype(model.dtype)}"
+        source = cached_gguf(model, tokenizer)
     if model.weights_digest is None:
         raise ValueError(f"{model.name} has no weights digest to name its llama.cpp file by")
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", model.name)
-    key = f"{name}-{model.weights_digest}-{(model.fingerprint or '')[:8]}{origin}"
-    path = assets.cache_dir() / "gguf" / f"{key}.{weights}.gguf"
+    path = gguf_path(model, weights)  # the written file itself where weights is its dtype
     if not path.is_file():
         quantise_file(Path(source), path, weights, threads)
     return path
@@ -172,17 +173,14 @@ class LlamaCpp(Decoder):
 
     @classmethod
     def from_config(cls, model, options: Options, **common) -> "LlamaCpp":
-        common.pop("threads", None)  # a thread policy steers selfspec's own loop only
         return cls(model, options.weights, **common)
 
     def reserve(self, length: int) -> None:
-        """A llama.cpp context of at least ``length`` positions (the next power of two from
-        :data:`MIN_CONTEXT`), made before anything is timed; a longer generation makes a larger one."""
+        """A llama.cpp context of at least ``length`` positions (:func:`context_length`), made before
+        anything is timed; a longer generation makes a larger one."""
         if length <= self.n_ctx:
             return
-        n_ctx = MIN_CONTEXT
-        while n_ctx < length:
-            n_ctx *= 2
+        n_ctx = context_length(length)
         if self.llm is not None:
             self.llm.close()
         self.llm = self.lib.Llama(
@@ -231,5 +229,5 @@ class LlamaCpp(Decoder):
             self.llm, self.n_ctx = None, 0
 
 
-__all__ = ["FTYPES", "LlamaCpp", "NOT_INSTALLED", "WEIGHTS", "import_llama_cpp", "quantise_file", "resolved_weights",
+__all__ = ["FTYPES", "LlamaCpp", "context_length", "NOT_INSTALLED", "WEIGHTS", "import_llama_cpp", "quantise_file", "resolved_weights",
            "weights_bytes", "weights_file"]

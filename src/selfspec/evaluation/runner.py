@@ -75,7 +75,7 @@ def llama_cpp_bytes(s: Shape, weights: str, cfg, context: int) -> int:
     ``s``: its weights (the file it maps, in the format ``weights`` names: for ``source``, the model's
     own GGUF file's size) and its KV cache of the run's dtype, as long as ``context`` (rounded up to the
     power of two its context is made with)."""
-    from selfspec.decoding.llamacpp import MIN_CONTEXT, resolved_weights, weights_bytes
+    from selfspec.decoding.llamacpp import context_length, resolved_weights, weights_bytes
 
     dtype = torch.bfloat16 if str(cfg.model.get("dtype")) == "bfloat16" else torch.float32
     fmt = resolved_weights(weights, dtype)
@@ -87,10 +87,7 @@ def llama_cpp_bytes(s: Shape, weights: str, cfg, context: int) -> int:
             source = local_gguf(model_source(cfg.model)).stat().st_size
         except (OSError, ValueError):
             source = None
-    n_ctx = MIN_CONTEXT
-    while n_ctx < context:
-        n_ctx *= 2
-    return weights_bytes(fmt, s.params, source) + n_ctx * s.kv_per_token * (2 if dtype == torch.bfloat16 else 4)
+    return weights_bytes(fmt, s.params, source) + context_length(context) * s.kv_per_token * (2 if dtype == torch.bfloat16 else 4)
 
 
 #: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)

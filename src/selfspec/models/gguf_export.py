@@ -93,12 +93,14 @@ def _head_dim(config) -> int:
 
 
 # --- the cached file --------------------------------------------------------------------------
-def gguf_path(model) -> Path:
-    """Where the GGUF file of ``model`` (a loaded :class:`~selfspec.models.layered.LayeredModel`) is cached."""
+def gguf_path(model, weights: str | None = None) -> Path:
+    """Where a GGUF file of ``model`` (a loaded :class:`~selfspec.models.layered.LayeredModel`) is cached:
+    the one written from its weights (``weights`` None: :func:`file_dtype`), or one in llama.cpp's format
+    ``weights`` made from it or from the file the model was read from (:mod:`selfspec.decoding.llamacpp`)."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", model.name)
     dtype = str(model.dtype).replace("torch.", "")
     key = f"{name}-{model.weights_digest}-{dtype}-{model.fingerprint[:8]}-v{FORMAT}"
-    return assets.cache_dir() / "gguf" / f"{key}.{file_dtype(model.dtype)}.gguf"
+    return assets.cache_dir() / "gguf" / f"{key}.{weights or file_dtype(model.dtype)}.gguf"
 
 
 def file_dtype(dtype: torch.dtype) -> str:

@@ -139,22 +139,21 @@ def weight_set(model, fmt: str) -> WeightSet:
     order a pass reads it (per layer q|k|v, output, gate|up, down; then the head), as the target's are: in
     4 KiB pages a streaming read stops its prefetch at every page and misses the TLB on each."""
     fam, n = model.family, model.num_layers
-    weights = ([w for w, _, _ in model._qkv], [fam.out_proj(i).weight for i in range(n)],
-               [w for w, _, _ in model._gate_up], [fam.down_proj(i).weight for i in range(n)])
-    order = [kind[i] for i in range(n) for kind in weights] + [fam.lm_head.weight]
+    # per layer q|k|v, output, gate|up, down (packed[4i + 0..3]); then the head (packed[-1])
+    order = [w for i in range(n) for w in (model._qkv[i][0], fam.out_proj(i).weight, model._gate_up[i][0],
+                                           fam.down_proj(i).weight)] + [fam.lm_head.weight]
     places = [None] * len(order)
     if model.weights_placed:
         from selfspec.models import arena
 
         shapes = [(int(w.shape[0]), packed_bytes(fmt, 1, int(w.shape[1]))) for w in order]
         places = [v.view(packed_dtype(fmt)) for v in arena.place(shapes, torch.uint8)]
-    packed = iter([quantise(w, fmt, out=place) for w, place in zip(order, places)])
-    layers = [[next(packed) for _ in weights] for _ in range(n)]
-    head = next(packed)
-    qkv = [(layers[i][0], b, sizes) for i, (_, b, sizes) in enumerate(model._qkv)]
-    out = [(layers[i][1], fam.out_proj(i).bias) for i in range(n)]
-    gate_up = [(layers[i][2], b, sizes) for i, (_, b, sizes) in enumerate(model._gate_up)]
-    down = [(layers[i][3], fam.down_proj(i).bias) for i in range(n)]
+    packed = [quantise(w, fmt, out=place) for w, place in zip(order, places)]
+    qkv = [(packed[4 * i], b, sizes) for i, (_, b, sizes) in enumerate(model._qkv)]
+    out = [(packed[4 * i + 1], fam.out_proj(i).bias) for i in range(n)]
+    gate_up = [(packed[4 * i + 2], b, sizes) for i, (_, b, sizes) in enumerate(model._gate_up)]
+    down = [(packed[4 * i + 3], fam.down_proj(i).bias) for i in range(n)]
+    head = packed[-1]
     walk = None
     if model._walk is not None:
         walk = dict(model._walk, qkv=[w for w, _, _ in qkv], out=[w for w, _ in out], gate_up=[w for w, _, _ in gate_up],
