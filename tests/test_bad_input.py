@@ -242,6 +242,10 @@ EVAL_BAD = [
     (["method=del", "method.prefill_shadow=0"], r"method\.prefill_shadow=0"),
     (["method=del", "method.shadow_rows=0"], r"method\.shadow_rows=0"),
     (["method=del", "method.head_cost=-1"], r"method\.head_cost=-1 is not allowed: must be >= 0"),
+    (["method=del", "method.draft_weights=int8", "method.cost_model=layers"],
+     r"method\.cost_model=layers is not allowed: set measured or parameters with method\.draft_weights=int8"),
+    (["method=early_exit_paper", "method.draft_weights=int4"],
+     r"method\.prefill=draft is not allowed: set full with method\.draft_weights=int4"),
     (["method=del_heads", "method.candidate_layers=[1]"], r"method\.candidate_layers=\[1\] is not allowed: set "
                                                           r"only with exit_head=lm_head"),
     (["method=ngram", "profile=null"], r"profile=null with method ngram's draft_schedule=priced: .*set profile=auto"),

@@ -117,9 +117,12 @@ def test_shadow_stats_equal_brute_force_decayed_ratios():
 
 @pytest.mark.parametrize("head_cost", [0.0, 2.5])
 @pytest.mark.parametrize("measured", [False, True])
-def test_tpl_argmax_matches_brute_force(head_cost, measured):
+@pytest.mark.parametrize("copy", [None, (0.3, 0.7)])
+def test_tpl_argmax_matches_brute_force(head_cost, measured, copy):
     """DEL's count (every pass costs its layers, v = 1) and the measured variant, where scoring
-    γ+1 tokens in one pass costs v(γ+1) single-token passes (here v(k) = 1 + 0.1·(k-1))."""
+    γ+1 tokens in one pass costs v(γ+1) single-token passes (here v(k) = 1 + 0.1·(k-1)); with drafts
+    over a quantised copy (``copy``: a draft layer at 0.3 of a target layer, the copy's head at 0.7),
+    the drafts cost the copy's rate and verification runs every layer."""
     L = 32
     layers = [1, 3, 5, 7, 11, 15, 23]
     v = (lambda k: 1 + 0.1 * (k - 1)) if measured else (lambda k: 1.0)
@@ -129,12 +132,15 @@ def test_tpl_argmax_matches_brute_force(head_cost, measured):
             best = None
             for (ell, a), g in itertools.product(zip(layers, alpha), range(gmin, gmax + 1)):
                 tokens = sum(a**i for i in range(g + 1))
-                cost = g * (ell + 1 + head_cost) + (ell + 1) + (L - ell - 1 + head_cost) * v(g + 1)
+                if copy is None:
+                    cost = g * (ell + 1 + head_cost) + (ell + 1) + (L - ell - 1 + head_cost) * v(g + 1)
+                else:
+                    cost = g * ((ell + 1) * copy[0] + copy[1]) + (L + head_cost) * v(g + 1)
                 if best is None or tokens / cost > best[2] + 1e-12:
                     best = (ell, g, tokens / cost)
             gammas = torch.arange(gmin, gmax + 1)
             verify = torch.tensor([v(int(g) + 1) for g in gammas]) if measured else None
-            cost = round_cost(torch.tensor(layers), gammas, L, head_cost, verify)
+            cost = round_cost(torch.tensor(layers), gammas, L, head_cost, verify, copy)
             got = tpl_argmax(torch.tensor(alpha), torch.tensor(layers), gammas, cost)
             assert got[:2] == best[:2] and got[2] == pytest.approx(best[2]), (alpha, gmin, gmax)
 

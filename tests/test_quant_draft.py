@@ -130,6 +130,9 @@ QUANTISED = [
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8"},
     {"name": "clasp", "interval": 4, "draft_weights": "int4"},
     {"name": "swift", "context_window": 4, "bayes_interval": 3, "max_draft": 4, "draft_weights": "int8"},
+    {"name": "early_exit", "exit_layer": 1, "max_draft": 3, "draft_weights": "int8"},
+    {"name": "del", "max_draft": 4, "draft_weights": "int4"},
+    {"name": "del", "max_draft": 4, "draft_weights": "int8", "cost_model": "parameters"},
 ]
 
 
@@ -182,6 +185,16 @@ def test_sampling_with_a_quantised_draft_keeps_the_target_distribution(peaked_ll
     from conftest import first_two_tokens_tv
 
     dec = build_decoder(method_config("quant_draft", never_slower=False, draft_weights=fmt, max_draft=4), peaked_llama)
+    assert first_two_tokens_tv(dec, [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)) < 0.12
+
+
+def test_sampled_exits_over_a_quantised_copy_keep_the_target_distribution(peaked_llama):
+    """Early exit's drafts over an int4 copy's lower layers and head, sampled with the copy's distribution
+    as q and verified over every layer of the target: the first two tokens against p(a)·p(b|a), as above."""
+    from conftest import first_two_tokens_tv
+
+    dec = build_decoder(method_config("early_exit", never_slower=False, draft_weights="int4", max_draft=3,
+                                      exit_layer=1), peaked_llama)
     assert first_two_tokens_tv(dec, [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)) < 0.12
 
 
@@ -262,3 +275,40 @@ def test_smollm2s_quantised_drafts_decode_vanillas_tokens_and_agree_with_it(smol
         dec = build_decoder(method_config(name, never_slower=False), smol.model, eos_token_ids=smol.eos_token_ids)
         got = dec.generate(ids, 48)
         assert got.tokens == want and got.acceptance_rate > floor, (name, got.acceptance_rate)
+
+
+@pytest.mark.parametrize("kind", ["lm_head", "linear"])
+def test_an_exit_head_over_a_copy_reads_the_copys_head(tiny, kind):
+    """An exit head over a quantised copy (early exit's and DEL's ``draft_weights``): its LM head product
+    is the copy's (logits not the target's, close to them; an ``lm_head`` exit is exactly the copy's final
+    head), and the ledger prices it at the copy's rate."""
+    from selfspec.models.heads import IntermediateHeads, draft_logits
+    from selfspec.models.ledger import Ledger
+
+    m = tiny.model
+    heads = IntermediateHeads.identity(m, [1], kind=kind)
+    h = torch.randn(1, m.hidden_size)
+    ledger = Ledger(m.device)
+    with torch.inference_mode():
+        target, copy = heads.logits(1, h), heads.logits(1, h, ledger, weights="int8")
+        assert not torch.equal(target, copy) and torch.allclose(target, copy, atol=0.05)
+        if kind == "lm_head":
+            assert torch.equal(copy, draft_logits(m, h, weights="int8"))
+    assert [op.weights for op in ledger.ops if op.kind == "H"] == ["int8"]
+
+
+def test_an_exit_over_a_copy_is_priced_at_the_copys_rate(tiny, measured):
+    """DEL's TPL over a quantised copy: a draft layer and the exit head cost what the profile's quantised
+    tables say (less than the target's), and without a profile what their bytes say."""
+    from selfspec.decoding.early_exit import bytes_share, copy_rates, head_cost_in_layers
+    from selfspec.models.heads import IntermediateHeads
+
+    m = tiny.model
+    heads = IntermediateHeads.identity(m, [1], kind="lm_head")
+    layer, head = copy_rates(m, heads, "int8", measured, 16)
+    one = measured.layer_cost(1, 16)
+    assert layer == pytest.approx((measured.attention_cost(1, 16, weights="int8") + measured.mlp_cost(1, "int8")) / one)
+    assert head == pytest.approx(measured.head(1, m.vocab_size, "int8") / one)
+    assert copy_rates(m, heads, "int4") == (pytest.approx(bytes_share(m, "int4")),
+                                             pytest.approx(head_cost_in_layers(m, heads) * bytes_share(m, "int4")))
+    assert bytes_share(m, "int8") == pytest.approx(36 / 128)  # 32 bytes and a 4-byte scale per 32 float32 values

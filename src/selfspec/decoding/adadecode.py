@@ -55,7 +55,10 @@ Algorithm 1): ``max_early`` bounds the unverified early predictions of one step 
 names no bound; a rejection then wastes at most that many passes), and without ``early_eos`` an
 end-of-sequence token is never predicted early (the pass goes deeper instead: nothing after an
 EOS can be committed, so the passes the next tokens would start are wasted). Both leave the
-output unchanged and change only how the steps are cut. Every step also stops predicting early
+output unchanged and change only how the steps are cut. There is no ``draft_weights``: the deferred deep layers run on
+from each early token's lower-layer states, which must therefore be the target's; AdaDecode's heads draft
+over a quantised copy as early exit's or DEL's exit heads (``exit_head: heads``, ``draft_weights``:
+:mod:`selfspec.decoding.early_exit`). Every step also stops predicting early
 at the token budget (the shared loop's budget; the paper's algorithm has none).
 """
 

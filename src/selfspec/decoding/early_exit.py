@@ -52,6 +52,18 @@ statistics are per example (:class:`EarlyExitExample`, created by ``begin``). TP
 controller's choices are those of the profile, step for step, whatever the machine's load. The step trace's ``controller`` holds
 the round's plan and the per-layer statistics after it (:meth:`DELDrafter.controller`).
 
+**Exits over a quantised copy** (``draft_weights``: ``int8`` or ``int4``, beyond the papers; ML-SpecQD,
+arXiv 2503.13565 §3, drafts over a quantised copy of the target): the drafts run layers ``0..ℓ`` and the
+exit head over the copy of the weights (:mod:`selfspec.models.quantised`; a trained linear head's ``d×d``
+product stays as trained, the LM head it feeds is the copy's; a ``full`` head is its own weight and stays
+as trained). Their layer-``ℓ`` states and lower K/V are then the copy's, not the target's, so step 2's
+exit-query cache does not hold: verification runs every layer over ``x_0, d_1 … d_k`` (the chain's
+full-pass verification, which rewrites the drafted K/V at the target's precision) and keeps the
+candidate layers' states from that pass for DEL's shadow tokens, which are scored with the drafts' own
+head. TPL's round cost is then :func:`round_cost`'s quantised form. ``prefill: draft`` (its first round
+continues from the prompt's layer-``ℓ`` states) and DEL's layer count (``cost_model: layers``, which counts
+the target's layers) are refused with a copy, naming the key.
+
 Statistics: ``exit_layer_mean`` and ``draft_len_mean`` (drafts per round), ``draft_stops``.
 """
 
@@ -68,7 +80,7 @@ from selfspec.config.options import Ref, key, nullable
 from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, StopOptions, draft_stop_option, new_rule
-from selfspec.decoding.part_options import ContextFirst, Gated
+from selfspec.decoding.part_options import ContextFirst, Gated, QuantisedDraft
 from selfspec.decoding.sampling import select
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, Pass
@@ -107,9 +119,10 @@ def exit_heads(model: LayeredModel, options: "ExitHeadOptions", layers):
 
 
 @dataclass(frozen=True)
-class ExitHeadOptions(DraftVocabOptions, Gated, ContextFirst):
+class ExitHeadOptions(DraftVocabOptions, Gated, ContextFirst, QuantisedDraft):
     """The keys early exit and DEL share: ``exit_head``, ``heads`` (a heads artefact,
-    ``exit_head=heads`` only), ``heads_task``, the draft vocabulary's and the parts'."""
+    ``exit_head=heads`` only), ``heads_task``, ``draft_weights`` (the drafts' lower layers and head over a
+    quantised copy, module docstring), the draft vocabulary's and the parts'."""
 
     exit_head: str = key(checks.choice, EXIT_HEADS)
     heads: Path | None = key(artefact_option, "heads")
@@ -135,6 +148,13 @@ class EarlyExitOptions(ExitHeadOptions):
     draft_stop: StopOptions | None = key(draft_stop_option)
     prefill: str = key(checks.choice, PREFILLS, why="full: a full pass commits the first token; draft: the first "
                        "round drafts from the prompt (LayerSkip's code)")
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        if self.prefill == "draft" and self.draft_weights is not None:
+            raise checks.refuse(f"{prefix}.prefill", self.prefill, f"set full with {prefix}.draft_weights="
+                                f"{self.draft_weights}", "prefill=draft verifies from the prompt's layer-ℓ states, "
+                                "which a quantised copy's lower layers do not give exactly")
 
 
 @dataclass(frozen=True)
@@ -168,6 +188,10 @@ class DELOptions(ExitHeadOptions):
             raise checks.refuse(f"{prefix}.candidate_layers", self.candidate_layers, "set only with exit_head=lm_head; "
                                 "with trained heads the candidates are the layers that have a head (set "
                                 "candidate_layers: null)")
+        if self.draft_weights is not None and self.cost_model == "layers":
+            raise checks.refuse(f"{prefix}.cost_model", self.cost_model, f"set measured or parameters with "
+                                f"{prefix}.draft_weights={self.draft_weights}", "DEL's layer count prices every "
+                                "draft layer as a layer of the target's weights")
         if self.head_cost is not None and self.cost_model == "layers":
             raise checks.refuse(f"{prefix}.head_cost", self.head_cost, "set only with cost_model=measured or "
                                 "parameters; DEL's layer count (cost_model=layers) has no head term (set head_cost: "
@@ -180,27 +204,54 @@ MEASURED_NEEDS_PROFILE = ("cost_model=measured prices TPL's costs with this mach
                           "method cost_model=parameters (or layers)")
 
 
-def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int = 512) -> float:
-    """Cost of one exit-head application in units of one decoder layer.
+def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int = 512, weights: str | None = None
+                        ) -> float:
+    """Cost of one exit-head application in units of one decoder layer (of the target's weights).
 
     DEL's TPL counts layers (memory-bound decoding loads each layer's weights once per pass);
     on a small model an LM head is several layers' worth (SmolLM2-135M: ~8), so it is counted.
     With ``profile`` (:class:`~selfspec.measure.profile.Profile`): the head's price on one row (a
     truncated draft vocabulary's at its size) over one layer's at ``context``, and a trained linear
     head's ``d×d`` product priced too; without: parameters read, the head's rows (a truncated draft
-    head's) against a layer's, and ``d×d`` for a linear head.
+    head's) against a layer's, and ``d×d`` for a linear head. ``weights``: the head reads that quantised
+    copy's LM head (an exit over a copy, module docstring; a ``full`` head is its own weight): its price,
+    or its bytes' share of the target's.
     """
     vocab = heads.vocab  # a truncated draft head: its rows
     rows = vocab.size if vocab is not None else model.vocab_size
+    own = heads.kind == "full"  # a trained head of its own, not a copy's
     if profile is not None:
-        d = model.hidden_size
-        linear = profile.op(LinearOp("heads", 1, d, d)) / profile.layer_cost(1, context) if heads.kind == "linear" else 0.0
-        return profile.head_layers(rows, context) + linear
+        d, layer = model.hidden_size, profile.layer_cost(1, context)
+        linear = profile.op(LinearOp("heads", 1, d, d)) / layer if heads.kind == "linear" else 0.0
+        if weights is None or own:
+            return profile.head_layers(rows, context) + linear
+        return profile.head(1, rows, weights) / layer + linear
     layer = model.layer_numel()
     cost = (rows * model.hidden_size if vocab is not None else model.lm_head_weight.numel()) / layer
+    if weights is not None and not own:
+        cost *= bytes_share(model, weights)
     if heads.kind == "linear":
         cost += model.hidden_size**2 / layer
     return cost
+
+
+def bytes_share(model: LayeredModel, weights: str) -> float:
+    """The bytes a quantised copy (format ``weights``) reads per weight, over the target's."""
+    from selfspec.models.quantised import packed_bytes
+
+    d = model.hidden_size
+    return packed_bytes(weights, 1, d) / (d * model.dtype.itemsize)
+
+
+def copy_rates(model: LayeredModel, heads, weights: str, profile=None, context: int = 512) -> tuple[float, float]:
+    """``(layer, head)``: one draft layer and one exit head over the quantised copy ``weights``, in units
+    of one target layer on one token at ``context`` (:func:`round_cost`'s ``copy``): priced by ``profile``
+    where given, else by the bytes each reads (:func:`bytes_share`)."""
+    head = head_cost_in_layers(model, heads, profile, context, weights)
+    if profile is None:
+        return bytes_share(model, weights), head
+    quantised = profile.attention_cost(1, context, weights=weights) + profile.mlp_cost(1, weights)
+    return quantised / profile.layer_cost(1, context), head
 
 
 # --- the decoder -------------------------------------------------------------------------------
@@ -234,12 +285,15 @@ class ExitDrafter(Drafter):
     """Early exit's drafter (module docstring, steps 1-3): layers ``0..ℓ`` and the exit head of
     layer ``ℓ`` draft, up to ``max_draft`` drafts, the draft-stop rule's threshold or an EOS draft
     (``eos``); the scorer runs layers ``ℓ+1..L-1`` over the kept exit-query states. ``keep_layers``:
-    layers whose states are kept for shadow tokens (DEL's candidates; none for fixed early exit)."""
+    layers whose states are kept for shadow tokens (DEL's candidates; none for fixed early exit).
+    ``weights``: the drafts read that quantised copy, and the scorer runs every layer (module docstring)."""
 
     def __init__(self, model: LayeredModel, heads, exit_layer: int, max_draft: int, draft_stop: DraftStop | None,
-                 keep_layers: list[int] = (), *, eos: Iterable[int] = ()) -> None:
+                 keep_layers: list[int] = (), *, eos: Iterable[int] = (), weights: str | None = None) -> None:
         self.model = model
         self.heads = heads
+        #: the weights the drafts read: None the target's, or a quantised copy's format
+        self.weights = weights
         self.max_draft = int(max_draft)
         self.draft_stop = draft_stop or DraftStop()
         self.eos = frozenset(eos)
@@ -270,24 +324,29 @@ class ExitDrafter(Drafter):
     def observe(self, state: DecodeState, draft: Draft, committed: list[int]) -> None:
         """After verifying ``draft``: ``committed`` are the tokens the verified rows produced."""
 
-    def _layers(self, h, layers: range, state: DecodeState, start: int, row: int) -> torch.Tensor:
-        """Run ``layers`` on ``h`` (positions ``start…``); keep candidate-layer states at ``row…``."""
+    def _layers(self, h, layers: range, state: DecodeState, start: int, row: int, weights: str | None = None
+                ) -> torch.Tensor:
+        """Run ``layers`` on ``h`` (positions ``start…``) over ``weights`` (None: the target's); keep
+        candidate-layer states at ``row…`` (the target's only: a copy's states are no shadow token's)."""
         m, hs = self.model, state.example.hs
         n = h.shape[1]
-        keep = {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views of the layers run only
-        return m.forward(h, state.cache, Pass(layers), start=start, keep=keep, ledger=state.ledger, joins=state.joins)
+        keep = {} if weights else {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}
+        return m.forward(h, state.cache, Pass(layers, weights=weights), start=start, keep=keep, ledger=state.ledger,
+                         joins=state.joins)
 
     def _lower(self, state: DecodeState, tokens: list[int], i: int, exit_layer: int) -> torch.Tensor:
         """Step 1/2: ``x_i`` through layers ``0..ℓ`` (exact K/V; ℓ = ``exit_layer``), its state kept
         in the exit-query cache. ``tokens`` is ``[x_i]``, or for ``x_0`` of ``prefill: draft``'s
-        first round the prompt (one pass; the states before ``x_0`` are kept as the round's prefix)."""
+        first round the prompt (one pass; the states before ``x_0`` are kept as the round's prefix).
+        Over a quantised copy (``weights``) the states are the copy's, and nothing is kept."""
         m, ex = self.model, state.example
         n = len(tokens)
         ids = torch.tensor([tokens], device=m.device)
-        h = self._layers(m.embed(ids), range(0, exit_layer + 1), state, state.n_cached + i - n + 1, i)
-        ex.hq[:, i] = h[:, -1]
-        if n > 1:
-            ex.prefix = h[:, :-1]
+        h = self._layers(m.embed(ids), range(0, exit_layer + 1), state, state.n_cached + i - n + 1, i, self.weights)
+        if self.weights is None:
+            ex.hq[:, i] = h[:, -1]
+            if n > 1:
+                ex.prefix = h[:, :-1]
         return h
 
     def _x0(self, state: DecodeState) -> list[int]:
@@ -298,7 +357,7 @@ class ExitDrafter(Drafter):
     def draft_logits(self, layer: int, h: torch.Tensor, ledger=None, joins=None) -> torch.Tensor:
         """The exit head's logits for the layer-``ℓ`` state ``h`` (recorded in ``ledger`` when given;
         ``joins``: the generation's batch, whose other sequences the head product may yield to)."""
-        return self.heads.logits(layer, h, ledger, joins)
+        return self.heads.logits(layer, h, ledger, joins, self.weights)
 
     def propose(self, state: DecodeState, plan: RoundPlan, k_max: int) -> Draft:
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
@@ -315,8 +374,14 @@ class ExitDrafter(Drafter):
     def score(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         """Steps 2-3: the last draft (``x_0`` when nothing was drafted) through layers ``0..ℓ``,
         then layers ``ℓ+1..L-1`` on the exit-query states of ``x_0, d_1 … d_k`` in one pass (after
-        the prompt's, in ``prefill: draft``'s first round)."""
+        the prompt's, in ``prefill: draft``'s first round). Over a quantised copy: every layer over
+        ``x_0, d_1 … d_k``, from their embeddings, after the copy's K/V are dropped."""
         m, k, ex, ell = self.model, len(draft), state.example, draft.plan.exit_layer
+        if self.weights is not None:
+            state.cache.truncate(state.n_cached)
+            ids = torch.tensor([[state.pending, *draft.tokens]], device=m.device)
+            h = self._layers(m.embed(ids), range(0, m.num_layers), state, state.n_cached, 0)
+            return m.logits(h[0], state.ledger, state.joins)
         self._lower(state, draft.tokens[-1:] if k else self._x0(state), k, ell)
         upper = range(ell + 1, m.num_layers)
         h, start = ex.hq[:, : k + 1], state.n_cached
@@ -345,8 +410,9 @@ class EarlyExit(ChainDecoder):
 
     def __init__(self, model: LayeredModel, drafter: ExitDrafter, *, prefill: str, **common) -> None:
         super().__init__(model, reads={"heads": drafter.heads.path}, **common)
-        if prefill not in PREFILLS or (prefill == "draft" and drafter.slot):
-            raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL only full")
+        if prefill not in PREFILLS or (prefill == "draft" and (drafter.slot or drafter.weights)):
+            raise ValueError(f"prefill={prefill!r}: early exit takes one of {PREFILLS}; DEL and drafts over a "
+                             "quantised copy only full")
         #: ``full`` or ``draft`` (module docstring)
         self.prefill_kind = prefill
         self.drafter = drafter
@@ -363,7 +429,7 @@ class EarlyExit(ChainDecoder):
         exit_layer = options.exit_layer
         heads = exit_heads(model, options, [exit_layer])
         drafter = ExitDrafter(model, heads, exit_layer, options.max_draft, new_rule(options.draft_stop),
-                              eos=common.get("eos_token_ids", ()))
+                              eos=common.get("eos_token_ids", ()), weights=options.draft_weights)
         return cls(model, drafter, prefill=options.prefill, draft_vocab=heads.vocab, **common)
 
     # --- per-example statistics and the first step -------------------------------------------
@@ -463,7 +529,7 @@ def expected_tokens(alpha: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
 
 
 def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head_cost: float,
-               verify: torch.Tensor | None = None) -> torch.Tensor:
+               verify: torch.Tensor | None = None, copy: tuple[float, float] | None = None) -> torch.Tensor:
     """``[C, G]``: layers loaded by one round at exit ``ℓ`` with ``γ`` drafts.
 
     ``(γ+1)·(ℓ+1) + (L-ℓ-1) + (γ+1)·h``: ``γ`` draft passes and the last draft's pass through
@@ -476,10 +542,17 @@ def round_cost(layers: torch.Tensor, gammas: torch.Tensor, num_layers: int, head
     pass in units of one token's, ``v(γ+1)`` of the run's cost profile: the verification pass
     (the layers above ``ℓ`` and the final head) is then charged ``(L-ℓ-1+h)·v(γ+1)``. DEL's
     count assumes a memory-bound machine where ``v ≈ 1``; on a CPU it is not (docs/design.md §4).
+
+    ``copy`` (``(q, h_q)``: a draft layer's and an exit head's cost over a quantised copy, in target
+    layers, :func:`copy_rates`): the drafts read the copy, and verification runs every layer (module
+    docstring): ``γ·(ℓ+1)·q + γ·h_q + (L + h)·v(γ+1)``, again ``L + h`` at ``γ = 0``.
     """
     g = gammas.double().unsqueeze(0)
     ell = layers.double().unsqueeze(1)
     v = torch.ones_like(g) if verify is None else verify.double().view(1, -1)
+    if copy is not None:
+        q, head_q = copy
+        return g * (ell + 1) * q + g * head_q + (num_layers + head_cost) * v
     return (g + 1) * (ell + 1) + g * head_cost + (num_layers - ell - 1 + head_cost) * v
 
 
@@ -511,11 +584,12 @@ class DELDrafter(ExitDrafter):
 
     def __init__(self, model: LayeredModel, heads, max_draft: int, min_draft: int, omega: float,
                  draft_stop: DraftStop | None, shadow_rows: int | None, head_cost: float | None, cost_model: str,
-                 *, profile=None, eos: Iterable[int] = ()) -> None:
+                 *, profile=None, eos: Iterable[int] = (), weights: str | None = None) -> None:
         self.gammas = torch.arange(int(min_draft), int(max_draft) + 1)  # the speculation lengths γ
         self.candidates = list(heads.layers)
         super().__init__(model, heads, self.candidates[len(self.candidates) // 2], max_draft,
-                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates, eos=eos)
+                         DynamicThreshold() if draft_stop is None else draft_stop, self.candidates, eos=eos,
+                         weights=weights)
         self.omega = float(omega)
         self.shadow_rows = shadow_rows
         #: ``layers``: DEL's count as the authors' code has it (:func:`layer_count`); ``measured``:
@@ -526,11 +600,14 @@ class DELDrafter(ExitDrafter):
         self._layer_ids = torch.tensor(self.candidates)
         if cost_model == "layers" and head_cost is not None:
             raise ValueError("head_cost is not part of DEL's layer count (cost_model=layers): set it null")
+        if cost_model == "layers" and weights is not None:
+            raise ValueError("DEL's layer count (cost_model=layers) prices drafts over the target's weights: with "
+                             f"draft_weights={weights} set cost_model=measured or parameters")
+        context = max(1, min(512, model.max_context - int(max_draft) - 3))
         if cost_model == "measured":
             if profile is None:
                 raise ValueError(MEASURED_NEEDS_PROFILE)
             # v(γ+1) and the heads at a decoding context the model holds (512 where it can)
-            context = max(1, min(512, model.max_context - int(max_draft) - 3))
             one = profile.pass_cost(1, context)
             self.verify = torch.tensor([profile.pass_cost(int(g) + 1, context) / one for g in self.gammas],
                                        dtype=torch.float64)
@@ -540,9 +617,13 @@ class DELDrafter(ExitDrafter):
             self.head_cost = head_cost_in_layers(model, heads) if head_cost is None else float(head_cost)
         else:
             self.head_cost = 0.0
+        #: a draft layer's and an exit head's cost over the quantised copy (:func:`copy_rates`), None without one
+        self.copy = None if weights is None else copy_rates(model, heads, weights,
+                                                            profile if cost_model == "measured" else None, context)
         #: ``[C, G]``: TPL's denominator per candidate layer and speculation length
         self.cost = (layer_count(self._layer_ids, self.gammas, model.num_layers) if cost_model == "layers" else
-                     round_cost(self._layer_ids, self.gammas, model.num_layers, self.head_cost, self.verify))
+                     round_cost(self._layer_ids, self.gammas, model.num_layers, self.head_cost, self.verify,
+                                self.copy))
 
     def new_example(self, state: DecodeState | None) -> EarlyExitExample:
         ex = super().new_example(state)
@@ -564,10 +645,11 @@ class DELDrafter(ExitDrafter):
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
+        w = self.weights  # the drafts' own head scores the shadow tokens
         if self.heads.kind == "lm_head":  # one batched head for all layers
-            logits = self.heads.logits(self.candidates[0], hs, state.ledger, state.joins)
+            logits = self.heads.logits(self.candidates[0], hs, state.ledger, state.joins, w)
         else:
-            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger, state.joins)
+            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger, state.joins, w)
                                   for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
         state.example.shadow.update(tok == committed.view(1, -1), conf)
@@ -635,7 +717,7 @@ class DEL(EarlyExit):
         drafter = DELDrafter(model, heads, options.max_draft, options.min_draft, options.omega,
                              new_rule(options.draft_stop), options.shadow_rows,
                              options.head_cost, options.cost_model, profile=common.get("profile"),
-                             eos=common.get("eos_token_ids", ()))
+                             eos=common.get("eos_token_ids", ()), weights=options.draft_weights)
         return cls(model, drafter, options.prefill_shadow, draft_vocab=heads.vocab, **common)
 
     def prefill(self, state: DecodeState, prompt: torch.Tensor) -> int:

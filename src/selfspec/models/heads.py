@@ -110,21 +110,25 @@ class IntermediateHeads(torch.nn.Module):
     def __contains__(self, layer: int) -> bool:
         return layer in self.heads or (self.kind == "lm_head" and layer in self.layers)
 
-    def logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None = None, joins: Joins | None = None
-               ) -> torch.Tensor:
+    def logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None = None, joins: Joins | None = None,
+               weights: str | None = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``; with a
         draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``.
         ``ledger``: the generation's cost ledger, charged with the head under ``heads``; ``joins``: the
-        batch the LM head's product joins (:data:`~selfspec.models.layered.Joins`: the call may yield)."""
+        batch the LM head's product joins (:data:`~selfspec.models.layered.Joins`: the call may yield);
+        ``weights``: the LM head product reads that quantised copy's head (an exit over a copy; a
+        ``full`` head is a weight of its own and is read as trained)."""
         with phase(ledger, "heads"):
-            return self._logits(layer, h, ledger, joins)
+            return self._logits(layer, h, ledger, joins, weights)
 
-    def _logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None, joins: Joins | None) -> torch.Tensor:
+    def _logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None, joins: Joins | None,
+                weights: str | None = None) -> torch.Tensor:
         m, vocab = self.model, self.vocab
         x = m.final_norm(h)
+        head = None if weights is None else m.weight_set(weights).head
         if self.kind == "lm_head":
-            return (m.head(x, ledger=ledger, joins=joins).float() if vocab is None
-                    else vocab.logits(x, ledger=ledger, joins=joins))
+            return (m.head(x, head, ledger, joins).float() if vocab is None
+                    else vocab.logits(x, head, ledger, joins))
         lin = self.heads[str(layer)]
         if self.kind == "full":
             x = x.to(lin.weight.dtype)
@@ -136,8 +140,8 @@ class IntermediateHeads(torch.nn.Module):
         if ledger is not None:
             ledger.linear(x.numel() // x.shape[-1], lin.in_features, lin.out_features)
         x = lin(x.to(lin.weight.dtype)).to(m.dtype)
-        return (m.head(x, ledger=ledger, joins=joins).float() if vocab is None
-                else vocab.logits(x, ledger=ledger, joins=joins))
+        return (m.head(x, head, ledger, joins).float() if vocab is None
+                else vocab.logits(x, head, ledger, joins))
 
     def forward(self, hiddens: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``{layer: hidden}`` -> ``{layer: logits}`` for all heads (training)."""
