@@ -466,11 +466,13 @@ def test_impossible_job_config_is_refused_before_the_model_loads(no_model_load, 
 
 
 def test_every_shipped_method_config_passes():
-    """Each conf/method file reads every key it sets; hf_assisted alone needs a value from the user."""
+    """Each conf/method file reads every key it sets; the separate-draft peers alone need a value from the
+    user (their draft model)."""
     cfg = compose(["compare=[" + ",".join(group_options("method")) + "]"])
     for name, m in method_configs(cfg, label="vanilla").items():
-        if name == "hf_assisted":
-            with pytest.raises(ConfigError, match=r"method\.assistant=null"):
+        if name in ("hf_assisted", "llama_cpp_speculative"):
+            key = "assistant" if name == "hf_assisted" else "draft"
+            with pytest.raises(ConfigError, match=rf"method\.{key}=null is not allowed: set method\.{key}=<model"):
                 check_method(m)
         else:
             check_method(m)

@@ -118,3 +118,50 @@ def test_the_memory_estimate_counts_llama_cpps_weights_and_cache():
     assert term.bytes == int(s.params * 34 / 32) + 1024 * s.kv_per_token * 4
     assert not any("llama.cpp" in n for n in (t.name for t in memory_terms(s, compose(["model=tiny-random"]), 4, 600,
                                                                              500)[0]))
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("draft", ["f32", "q8_0"])
+def test_speculative_decoding_with_a_draft_model_gives_the_targets_greedy_tokens(tiny, tmp_path, monkeypatch, draft):
+    """``llama_cpp_speculative``: a draft model's tokens verified by the F32 target in one batch give the
+    target's greedy tokens (vanilla's, on tiny-random in float32) at every budget; a draft that is the target
+    itself is accepted whole (max_draft + 1 tokens a step), its Q8_0 copy drafts that are sometimes rejected."""
+    from selfspec.decoding import llamacpp
+    from selfspec.decoding.llamacpp import LlamaCpp, LlamaCppSpeculative
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    drafting = LlamaCpp(tiny.model, draft, tokenizer=tiny.tokenizer, threads=1)  # makes the draft's file
+    drafting.close()
+    monkeypatch.setattr(llamacpp, "draft_file", lambda name: drafting.path)
+    dec = LlamaCppSpeculative(tiny.model, tokenizer=tiny.tokenizer, threads=1, draft="itself", max_draft=3,
+                              draft_p_min=0.0)
+    try:
+        for seed, budget in ((3, 20), (4, 7), (5, 1)):
+            prompt = _prompt(tiny, seed=seed)
+            out = dec.generate(prompt, budget)
+            assert out.tokens == Vanilla(tiny.model).generate(prompt, budget).tokens
+            if draft == "f32" and budget == 20:
+                assert out.accepted_per_step[1:4] == [4, 4, 4] and out.drafted_per_step[1:4] == [3, 3, 3]
+        assert sum(out.drafted_per_step) == 0  # one token of budget: nothing drafted
+    finally:
+        dec.close()
+
+
+def test_the_memory_estimate_counts_the_draft_models_file_and_cache():
+    """``llama_cpp_speculative``: its draft model's file and KV cache besides the target's weights, named by
+    ``method.draft``; a run reading a draft model holds its files' digests (a replaced draft is no resume)."""
+    from selfspec.evaluation.runner import memory_terms
+    from selfspec.measure.peak import SIZES
+
+    cfg = compose(["model=tiny-random", "method=llama_cpp_speculative", "method.draft=tiny-random"])
+    terms = {t.name: t for t in memory_terms(SIZES["1B"], cfg, 1, 600, 500)[0]}
+    assert terms["llama.cpp's draft model tiny-random, its weights and cache"].setting == "method.draft"
+    assert "llama.cpp's auto weights and cache" in terms
+    from selfspec.evaluation.identity import run_identity
+    from selfspec.evaluation.plan import prepare
+    from selfspec.models.loading import source_digests
+
+    cfg = compose(["model=tiny-random", "method=llama_cpp_speculative", "method.draft=smollm2-135m", "n_examples=1"])
+    inputs = run_identity(cfg, prepare(cfg))["inputs"]
+    assert inputs["models"] == {"smollm2-135m": source_digests(compose(["model=smollm2-135m"]).model)}
+    assert inputs["models"]["smollm2-135m"]  # the draft's GGUF asset, by its pinned digest

@@ -35,6 +35,7 @@ METHODS = Registry("method", {
     "hf_early_exit": "selfspec.decoding.peers:HFEarlyExit",
     "hf_assisted": "selfspec.decoding.peers:HFAssisted",
     "llama_cpp": "selfspec.decoding.llamacpp:LlamaCpp",
+    "llama_cpp_speculative": "selfspec.decoding.llamacpp:LlamaCppSpeculative",
 }, lambda name, known: ValueError(f"unknown method {name!r}; choose one of {', '.join(known)} (conf/method/)"))
 
 

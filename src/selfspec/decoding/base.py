@@ -346,6 +346,13 @@ class Decoder(Carries):
         layers again against the model it builds on. Default: nothing to check."""
 
     @classmethod
+    def models_read(cls, options: Options) -> tuple[str, ...]:
+        """The model configs (conf/model/) the method reads besides the run's model (a separate draft
+        model's), whose files' digests a run's identity holds (:func:`selfspec.evaluation.identity.run_identity`).
+        Default: none."""
+        return ()
+
+    @classmethod
     def needs_profile(cls, options: Options) -> tuple[str, str] | None:
         """The first of the method's checked ``options`` (:func:`~selfspec.decoding.check_method`) that
         prices its choices with the run's cost profile, as ``("key=value", why)``, or None; evaluate

@@ -22,6 +22,19 @@ thread count. A step is one ``llama_decode`` of the last token and an argmax ove
 leaves in its buffer, read in place, as vanilla's step is one forward and an argmax; each token is cut
 at EOS, stop strings and the budget as the layered loop cuts it. Greedy only (a sampled run refuses it:
 llama.cpp's sampler draws from its own generator, so a seeded run could not match the methods').
+
+``llama_cpp_speculative`` (:class:`LlamaCppSpeculative`) is llama.cpp's speculative decoding with a separate
+draft model, the classic two-model peer (Leviathan et al. 2023): ``draft`` names a model config (conf/model/)
+whose GGUF file, as shipped, drafts for the target (``-md`` of llama.cpp's ``llama-speculative-simple``; e.g.
+Qwen2.5-Coder-0.5B for the 1.5B). Its loop is that tool's greedy one (llama.cpp's ``common/speculative.cpp``,
+``common_speculative_gen_draft``): the draft's context keeps the longest prefix it shares with the committed
+tokens and evaluates the rest; it then drafts greedily while its top token's probability among its 10 best
+(llama.cpp's top-k 10 draft sampler) is at least ``draft_p_min``, at most ``max_draft`` tokens (a draft shorter
+than ``draft_min`` is dropped: a plain step); the target evaluates the pending token and the drafts in one
+batch with every row's logits, accepts the drafts its argmax repeats, and its cache is cut after them. The
+output is the target's own greedy tokens (llama.cpp's, as ``llama_cpp`` with the same ``weights``). The
+loop runs in Python over llama-cpp-python's context API, since llama-cpp-python ships no separate-draft
+speculation (its ``draft_model`` hook takes prompt-lookup drafters) and does not build llama.cpp's tools.
 """
 
 from __future__ import annotations
@@ -38,8 +51,9 @@ import numpy as np
 import torch
 
 from selfspec.config import checks
-from selfspec.config.options import Options, key
+from selfspec.config.options import Options, Ref, key
 from selfspec.decoding.base import DecodeState, Decoder, Generation, StepTrace
+from selfspec.decoding.peers import draft_model_option
 from selfspec.decoding.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -209,15 +223,26 @@ class LlamaCpp(Decoder):
         self.llm.reset()
         self.llm.eval(prompt)
         reason = self._commit(state, [self._argmax()], max_new_tokens)
+        self.begin_example(prompt)
         while reason is None:
             state.trace_step = StepTrace()
-            self.llm.eval(state.tokens[-1:])
-            reason = self._commit(state, [self._argmax()], max_new_tokens)
+            state.drafted = 0
+            reason = self._commit(state, self.next_tokens(state, max_new_tokens - (len(state.tokens) - n_prompt)),
+                                  max_new_tokens)
         seconds = time.perf_counter() - t0
         steps = len(state.accepted_per_step)
         return Generation(tokens=state.tokens[n_prompt:], prompt_len=n_prompt, seconds=seconds, steps=steps,
-                          accepted_per_step=state.accepted_per_step, drafted_per_step=[0] * steps,
+                          accepted_per_step=state.accepted_per_step, drafted_per_step=state.drafted_per_step,
                           stop_reason=reason, stats={"forward_passes": steps})
+
+    def begin_example(self, prompt: list[int]) -> None:
+        """After the prompt's step, before the first decoding step (plain llama.cpp: nothing)."""
+
+    def next_tokens(self, state: DecodeState, budget: int) -> list[int]:
+        """One step after the committed ``state.tokens`` (the last of them not yet evaluated): one
+        ``llama_decode`` of that token and its argmax."""
+        self.llm.eval(state.tokens[-1:])
+        return [self._argmax()]
 
     def step(self, state: DecodeState, budget: int) -> list[int]:  # pragma: no cover
         raise NotImplementedError("llama_cpp decodes through llama.cpp")
@@ -229,5 +254,133 @@ class LlamaCpp(Decoder):
             self.llm, self.n_ctx = None, 0
 
 
-__all__ = ["FTYPES", "LlamaCpp", "context_length", "NOT_INSTALLED", "WEIGHTS", "import_llama_cpp", "quantise_file", "resolved_weights",
+def draft_file(name: str) -> Path:
+    """The GGUF file of model config ``name`` (conf/model/), as shipped: a speculative peer's draft, read
+    without loading the model into torch; a model whose weights are no GGUF file is refused, naming the key."""
+    from selfspec.config import model_config
+    from selfspec.models.loading import local_gguf, model_source
+
+    source = model_source(model_config(name))
+    if source.kind not in ("gguf", "hub_gguf", "asset"):
+        raise ValueError(f"method.draft={name}: its weights are not a GGUF file ({source.key}={source.where}); "
+                         "llama.cpp drafts with a model read from one (model.gguf_path or a packaged asset)")
+    return local_gguf(source)
+
+
+class LlamaCppSpeculative(LlamaCpp):
+    """llama.cpp's greedy speculative decoding with a separate draft model (module docstring)."""
+
+    name = "llama_cpp_speculative"
+    title = "llama.cpp, draft model"
+
+    @dataclass(frozen=True)
+    class Options(LlamaCpp.Options):
+        """Keys (conf/method/llama_cpp_speculative.yaml): ``weights`` (the target's, :data:`WEIGHTS`),
+        ``draft`` (the draft's model config name), ``max_draft`` (llama.cpp's ``--draft-max``), ``draft_min``
+        (``--draft-min``) and ``draft_p_min`` (``--draft-p-min``)."""
+
+        draft: str = key(draft_model_option)
+        max_draft: int = key(checks.integer, 1, why="most drafts a step (llama.cpp's --draft-max)")
+        draft_min: int = key(checks.integer, 0, Ref("max_draft"),
+                             why="a shorter draft is dropped (llama.cpp's --draft-min), at most max_draft={max_draft}")
+        draft_p_min: float = key(checks.probability, why="drafting stops at a token whose probability among the "
+                                 "draft's 10 best is below it (llama.cpp's --draft-p-min)")
+
+    @classmethod
+    def models_read(cls, options: Options) -> tuple[str, ...]:
+        return (options.draft,)
+
+    def __init__(self, model, weights: str = "auto", threads: int | None = None, *, draft: str,
+                 max_draft: int = 16, draft_min: int = 0, draft_p_min: float = 0.75, **common) -> None:
+        super().__init__(model, weights, threads, **common)
+        self.draft_name = draft
+        self.draft_path = draft_file(draft)
+        self.max_draft, self.draft_min, self.draft_p_min = int(max_draft), int(draft_min), float(draft_p_min)
+        self.dllm = None
+
+    @classmethod
+    def from_config(cls, model, options: Options, **common) -> "LlamaCppSpeculative":
+        return cls(model, options.weights, draft=options.draft, max_draft=options.max_draft,
+                   draft_min=options.draft_min, draft_p_min=options.draft_p_min, **common)
+
+    def reserve(self, length: int) -> None:
+        """The target's context (:meth:`LlamaCpp.reserve`) and the draft's, as long, its weights as
+        shipped; a draft whose vocabulary is not the target's is refused."""
+        grown = length > self.n_ctx
+        super().reserve(length + self.max_draft)
+        if not grown and self.dllm is not None:
+            return
+        if self.dllm is not None:
+            self.dllm.close()
+        self.dllm = self.lib.Llama(
+            model_path=str(self.draft_path), n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=self.n_ctx,
+            n_threads=self.n_threads, n_threads_batch=self.n_threads, type_k=self.kv_type, type_v=self.kv_type,
+            logits_all=False, verbose=False)
+        probe = b"def add(a, b):\n    return a + b  # The quick brown fox"
+        if (int(self.dllm.n_vocab()) != self.n_vocab
+                or self.dllm.tokenize(probe, add_bos=False) != self.llm.tokenize(probe, add_bos=False)):
+            self.dllm.close()
+            self.dllm = None
+            raise ValueError(f"method.draft={self.draft_name}: its vocabulary is not {self.model.name}'s "
+                             f"({self.draft_path}); a draft model must share the target's tokenizer")
+
+    @staticmethod
+    def _decode(llm, tokens: list[int], every_row: bool) -> None:
+        """Evaluate ``tokens`` after the first ``llm.n_tokens`` positions (the cache cut there first), with
+        every row's logits (``every_row``) or the last's, as ``Llama.eval`` does one batch."""
+        llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+        llm._batch.set_batch(batch=tokens, n_past=llm.n_tokens, logits_all=every_row)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[llm.n_tokens : llm.n_tokens + len(tokens)] = tokens
+        llm.n_tokens += len(tokens)
+
+    def _draft_top(self) -> tuple[int, float]:
+        """The draft's greedy token and its probability among its 10 best logits (llama.cpp's draft sampler)."""
+        row = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.dllm.ctx, -1), shape=(self.n_vocab,))
+        best = np.argpartition(row, -10)[-10:]
+        top = row[best].astype(np.float64)
+        return int(best[top.argmax()]), float(1.0 / np.exp(top - top.max()).sum())
+
+    def begin_example(self, prompt: list[int]) -> None:
+        """The draft's context starts empty: its first step evaluates the prompt (timed, as llama.cpp's)."""
+        self.dllm.reset()
+
+    def next_tokens(self, state: DecodeState, budget: int) -> list[int]:
+        """One round of ``llama-speculative-simple`` (module docstring); ``state.drafted`` the drafts."""
+        committed = state.tokens
+        d, n_old = self.dllm, self.dllm.n_tokens
+        ids = np.asarray(committed[: len(committed) - 1], dtype=d.input_ids.dtype)
+        same = np.flatnonzero(d.input_ids[: min(n_old, len(ids))] != ids[: min(n_old, len(ids))])
+        d.n_tokens = int(same[0]) if same.size else min(n_old, len(ids))  # the longest prefix it shares
+        self._decode(d, committed[d.n_tokens :], every_row=False)
+        drafts: list[int] = []
+        room = min(self.max_draft, budget - 1)
+        while len(drafts) < room:
+            token, p = self._draft_top()
+            if p < self.draft_p_min:
+                break
+            drafts.append(token)
+            if len(drafts) < room:
+                self._decode(d, [token], every_row=False)
+        if len(drafts) < self.draft_min:
+            drafts = []
+        state.drafted = len(drafts)
+        llm, n0 = self.llm, self.llm.n_tokens
+        self._decode(llm, [committed[-1], *drafts], every_row=True)
+        rows = np.ctypeslib.as_array(self.lib.llama_get_logits(llm.ctx), shape=(len(drafts) + 1, self.n_vocab))
+        target = rows.argmax(axis=1)
+        accepted = 0
+        while accepted < len(drafts) and int(target[accepted]) == drafts[accepted]:
+            accepted += 1
+        llm.n_tokens = n0 + 1 + accepted  # the cache is cut after the accepted drafts at the next decode
+        return [*drafts[:accepted], int(target[accepted])]
+
+    def close(self) -> None:
+        super().close()
+        if self.dllm is not None:
+            self.dllm.close()
+            self.dllm = None
+
+
+__all__ = ["FTYPES", "LlamaCpp", "LlamaCppSpeculative", "draft_file", "context_length", "NOT_INSTALLED", "WEIGHTS", "import_llama_cpp", "quantise_file", "resolved_weights",
            "weights_bytes", "weights_file"]

@@ -298,13 +298,14 @@ class HFEarlyExit(_AssistantSchedule):
         return peer
 
 
-def assistant_option(name: str, value: Any) -> str:
-    """``assistant``: the model config (conf/model/) of the draft model, checked to exist."""
+def draft_model_option(name: str, value: Any) -> str:
+    """A separate draft model's key (``hf_assisted``'s ``assistant``, ``llama_cpp_speculative``'s ``draft``):
+    a model config of conf/model/, checked to exist; null is refused, naming the key."""
     from selfspec.config import group_options
 
     if value is None:
-        raise checks.refuse(name, value, "method=hf_assisted needs method.assistant=<model config name of the draft "
-                            "model> (conf/model/), sharing the target's tokenizer")
+        raise checks.refuse(name, value, f"set {name}=<model config name of the draft model> (conf/model/), sharing "
+                            "the target's tokenizer")
     return checks.choice(name, value, group_options("model"), why="a model config of conf/model/")
 
 
@@ -317,9 +318,13 @@ class HFAssisted(_AssistantSchedule):
 
     @dataclasses.dataclass(frozen=True)
     class Options(_AssistantSchedule.Options):
-        """The schedule's keys and ``assistant`` (:func:`assistant_option`)."""
+        """The schedule's keys and ``assistant`` (:func:`draft_model_option`)."""
 
-        assistant: str = key(assistant_option)
+        assistant: str = key(draft_model_option)
+
+    @classmethod
+    def models_read(cls, options: Options) -> tuple[str, ...]:
+        return (options.assistant,)
 
     @classmethod
     def from_config(cls, model, options: Options, **common):

@@ -45,11 +45,18 @@ def run_identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
     """What a run directory's results depend on (``run_config.json``): a rerun into it must match
     (:func:`check_resume`); ``n_examples`` is left out, so a run may grow or shrink its selection.
     ``inputs`` holds the content digests of the files read, by path: the model's
-    (:func:`~selfspec.models.loading.source_digests`) and the task's data
-    (:meth:`~selfspec.tasks.Task.data_digests`)."""
+    (:func:`~selfspec.models.loading.source_digests`), the task's data
+    (:meth:`~selfspec.tasks.Task.data_digests`) and, where a method reads another model (a separate draft
+    model: :meth:`~selfspec.decoding.base.Decoder.models_read`), that model's, by config name."""
+    from selfspec.config import model_config
+    from selfspec.decoding import decoder_class
     from selfspec.models.loading import source_digests
 
     inputs = {"model": source_digests(cfg.model), "data": plan.task.data_digests()}
+    others = sorted({name for label, options in plan.method_options.items()
+                     for name in decoder_class(str(plan.method_cfgs[label].name)).models_read(options)})
+    if others:
+        inputs["models"] = {name: source_digests(model_config(name)) for name in others}
     return to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
                         | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": plan.budget,
                         "baseline": next(iter(plan.method_cfgs)), "methods": plan.method_cfgs,

@@ -31,7 +31,8 @@ from selfspec.evaluation.loop import RUN_FORMAT, Sink, decode, log_summary, run_
 from selfspec.evaluation.plan import (Built, MethodRun, RunPlan, build_runs, check_methods, check_room,
                                       method_configs, method_label, prepare, resolve_threads)
 from selfspec.evaluation.profiling import run_profile
-from selfspec.measure.peak import EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes
+from selfspec.measure.peak import (EVAL_CONTEXT, MemoryModel, Shape, Term, check_fits, layer_bytes, scores_bytes,
+                                   shape_of)
 from selfspec.store.files import check_directory, check_writable, write_json
 from selfspec.store.locks import hold
 from selfspec.tracking import ResultsFile, Tracker, start_run
@@ -51,7 +52,10 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
               for fmt in sorted({str(m.draft_weights) for m in methods if m.get("draft_weights") is not None})]
     copies += [Term(f"llama.cpp's {fmt} weights and cache", llama_cpp_bytes(s, fmt, cfg, context), "method.weights",
                     activation=False)
-               for fmt in sorted({str(m.weights) for m in methods if str(m.name) == "llama_cpp"})]
+               for fmt in sorted({str(m.weights) for m in methods if str(m.name).startswith("llama_cpp")})]
+    copies += [Term(f"llama.cpp's draft model {name}, its weights and cache", llama_cpp_draft_bytes(name, cfg, context),
+                    "method.draft", activation=False)
+               for name in sorted({str(m.draft) for m in methods if str(m.name) == "llama_cpp_speculative"})]
     return [[
         Term("cache", context * s.kv_per_token * b * batch,
              ("max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)") + also),
@@ -88,6 +92,23 @@ def llama_cpp_bytes(s: Shape, weights: str, cfg, context: int) -> int:
         except (OSError, ValueError):
             source = None
     return weights_bytes(fmt, s.params, source) + context_length(context) * s.kv_per_token * (2 if dtype == torch.bfloat16 else 4)
+
+
+def llama_cpp_draft_bytes(name: str, cfg, context: int) -> int:
+    """What llama.cpp holds for ``llama_cpp_speculative``'s draft model ``name`` (a model config): its GGUF file
+    as shipped (mapped; 1.1 bytes a parameter where the file is not fetched yet) and its KV cache of the run's
+    dtype, as long as the target's context."""
+    from selfspec.config import model_config
+    from selfspec.decoding.llamacpp import context_length, draft_file
+
+    draft = model_config(name)
+    shape = shape_of(draft)
+    try:
+        weights = draft_file(name).stat().st_size
+    except (OSError, ValueError):
+        weights = int(shape.params * 1.1)
+    per = 2 if str(cfg.model.get("dtype")) == "bfloat16" else 4
+    return weights + context_length(context) * shape.kv_per_token * per
 
 
 #: an evaluation's memory (fitted by ``scripts/measure_memory.py --fit``, docs/memory_measured.json)
