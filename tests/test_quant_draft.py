@@ -312,3 +312,24 @@ def test_an_exit_over_a_copy_is_priced_at_the_copys_rate(tiny, measured):
     assert copy_rates(m, heads, "int4") == (pytest.approx(bytes_share(m, "int4")),
                                              pytest.approx(head_cost_in_layers(m, heads) * bytes_share(m, "int4")))
     assert bytes_share(m, "int8") == pytest.approx(36 / 128)  # 32 bytes and a 4-byte scale per 32 float32 values
+
+
+def test_an_exit_at_the_last_layer_of_a_copy_drafts_what_the_quantised_self_draft_drafts(tiny, measured):
+    """Over a quantised copy the last layer is an exit (its head is the copy's final head): early exit there
+    drafts the full-depth copy's tokens, step for step what ``quant_draft`` drafts and accepts, and DEL's
+    candidates reach it; without a copy that layer is refused, naming the key."""
+    from selfspec.config.checks import ConfigError
+    from selfspec.decoding.early_exit import EarlyExit
+
+    m = tiny.model
+    last = m.num_layers - 1
+    ids = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3]
+    exit_ = build_decoder(method_config("early_exit", never_slower=False, exit_layer=last, max_draft=4,
+                                        draft_weights="int8"), m).generate(ids, 24)
+    full = build_decoder(method_config("quant_draft", never_slower=False, max_draft=4), m).generate(ids, 24)
+    assert exit_.tokens == full.tokens == Vanilla(m).generate(ids, 24).tokens
+    assert exit_.accepted_per_step == full.accepted_per_step and exit_.drafted_per_step == full.drafted_per_step
+    dec = build_decoder(method_config("del", never_slower=False, draft_weights="int8"), m, profile=measured)
+    assert dec.drafter.candidates == list(range(m.num_layers))
+    with pytest.raises(ConfigError, match=rf"method\.exit_layer={last} is not allowed"):
+        EarlyExit.check_run(EarlyExit.Options.read(method_config("early_exit", exit_layer=last)), m.num_layers)

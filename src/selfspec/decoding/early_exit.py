@@ -96,9 +96,10 @@ PREFILLS = ("full", "draft")
 
 # --- exit heads ------------------------------------------------------------------------------
 def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, data: str | None = None,
-                     vocab=None):
+                     vocab=None, last: bool = False):
     """The :class:`~selfspec.models.heads.IntermediateHeads` a method config asks for (scoring the draft
-    vocabulary ``vocab``'s rows where one is given).
+    vocabulary ``vocab``'s rows where one is given; ``last``: the last layer may be an exit, over a
+    quantised copy, :func:`top_exit`).
 
     ``lm_head``: parameter-free heads (final norm + LM head) at ``layers``; ``heads``: the
     trained artefact at ``heads_path`` (null = the one ``job=heads`` wrote for this model and the
@@ -107,15 +108,15 @@ def build_exit_heads(model: LayeredModel, exit_head: str, heads_path, layers, da
     """
     from selfspec.models.heads import IntermediateHeads, find_heads, load_heads
 
-    if exit_head == "lm_head":
-        return IntermediateHeads(model, layers, "lm_head", vocab=vocab)
+    if exit_head == "lm_head":  # over a quantised copy the last layer is an exit too (its final head is the copy's)
+        return IntermediateHeads(model, layers, "lm_head", vocab=vocab, last=last)
     return load_heads(find_heads(model.name, heads_path, data), model, vocab)
 
 
 def exit_heads(model: LayeredModel, options: "ExitHeadOptions", layers):
     """:func:`build_exit_heads` for a method's options, with its draft vocabulary (``method.draft_vocab``)."""
     return build_exit_heads(model, options.exit_head, options.heads, layers, options.heads_task,
-                            build_draft_vocab(model, options))
+                            build_draft_vocab(model, options), last=options.draft_weights is not None)
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,13 @@ class DELOptions(ExitHeadOptions):
 MEASURED_NEEDS_PROFILE = ("cost_model=measured prices TPL's costs with this machine's cost profile, and the run has "
                           "none: set profile=auto (evaluate finds or measures it) or a profile file, or give the "
                           "method cost_model=parameters (or layers)")
+
+
+def top_exit(num_layers: int, weights: str | None) -> int:
+    """The deepest exit layer: below the last, whose head is the final head itself; over a quantised copy
+    (``weights``) the last too, whose exit is the copy's own final head (the full-depth draft of
+    :mod:`selfspec.decoding.quant_draft`, here with DEL's exit and length chosen per round)."""
+    return num_layers - (1 if weights is not None else 2)
 
 
 def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int = 512, weights: str | None = None
@@ -306,7 +314,7 @@ class ExitDrafter(Drafter):
         if layer not in self.heads.layers:
             raise ValueError(
                 f"method.exit_layer={layer} has no exit head: choose one of {self.heads.layers} "
-                f"({self.heads.kind} heads; for exit_head=lm_head any layer in [0, {self.model.num_layers - 2}])"
+                f"({self.heads.kind} heads; for exit_head=lm_head any layer in [0, {top_exit(self.model.num_layers, self.weights)}])"
             )
         return layer
 
@@ -420,9 +428,10 @@ class EarlyExit(ChainDecoder):
 
     @classmethod
     def check_run(cls, options: EarlyExitOptions, layers: int, budget: int | None = None) -> None:
-        """``exit_layer`` below the last layer."""
-        checks.integer("method.exit_layer", options.exit_layer, 0, layers - 2,
-                       why=f"0-based exit layer ℓ; the model has {layers} layers, the last is the final head itself")
+        """``exit_layer`` below the last layer (the last too over a quantised copy)."""
+        checks.integer("method.exit_layer", options.exit_layer, 0, top_exit(layers, options.draft_weights),
+                       why=f"0-based exit layer ℓ; the model has {layers} layers, the last is the final head itself "
+                           "(an exit only over a quantised copy, draft_weights)")
 
     @classmethod
     def from_config(cls, model: LayeredModel, options: EarlyExitOptions, **common) -> "EarlyExit":
@@ -703,16 +712,18 @@ class DEL(EarlyExit):
 
     @classmethod
     def check_run(cls, options: DELOptions, layers: int, budget: int | None = None) -> None:
-        """``candidate_layers``, where given, below the last layer."""
+        """``candidate_layers``, where given, below the last layer (the last too over a quantised copy)."""
         if options.candidate_layers is not None:
-            checks.listed(checks.integer, "method.candidate_layers", options.candidate_layers, 0, layers - 2,
-                          why=f"exit layers; the model has {layers}, the last is the final head itself")
+            checks.listed(checks.integer, "method.candidate_layers", options.candidate_layers, 0,
+                          top_exit(layers, options.draft_weights),
+                          why=f"exit layers; the model has {layers}, the last is the final head itself (an exit "
+                              "only over a quantised copy, draft_weights)")
 
     @classmethod
     def from_config(cls, model: LayeredModel, options: DELOptions, **common) -> "DEL":
         layers = options.candidate_layers
         if layers is None:
-            layers = range(model.num_layers - 1)
+            layers = range(top_exit(model.num_layers, options.draft_weights) + 1)
         heads = exit_heads(model, options, list(layers))
         drafter = DELDrafter(model, heads, options.max_draft, options.min_draft, options.omega,
                              new_rule(options.draft_stop), options.shadow_rows,

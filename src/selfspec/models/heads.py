@@ -68,7 +68,7 @@ class IntermediateHeads(torch.nn.Module):
     """
 
     def __init__(self, model, layers: Iterable[int], kind: str = "linear", *, vocab: "DraftVocab | None" = None,
-                 path: Path | None = None, meta: dict | None = None) -> None:
+                 path: Path | None = None, meta: dict | None = None, last: bool = False) -> None:
         super().__init__()
         #: the artefact directory and its ``meta.json``, when loaded by :func:`load_heads`
         self.path, self.meta = path, meta or {}
@@ -79,11 +79,12 @@ class IntermediateHeads(torch.nn.Module):
         layers = [int(i) for i in layers]
         if not layers:
             raise ValueError("heads need at least one layer (method/job config: layers)")
-        bad = [i for i in layers if not 0 <= i < model.num_layers - 1]
+        top = model.num_layers - (1 if last and kind == "lm_head" else 2)  # ``last``: a quantised copy's final head
+        bad = [i for i in layers if not 0 <= i <= top]
         if bad or len(set(layers)) != len(layers):
             raise ValueError(
                 f"head layers {layers} invalid for {model.name} ({model.num_layers} layers): give distinct "
-                f"indices in [0, {model.num_layers - 2}] (the last layer is the final head itself)"
+                f"indices in [0, {top}] (the last layer is the final head itself, an exit only over a quantised copy)"
             )
         self.model = model  # LayeredModel is not an nn.Module: not registered
         self.layers = sorted(layers)
