@@ -314,6 +314,15 @@ EVAL_BAD = [
                                                        r"decodes greedily only"),
     (["method=llama_cpp", "method.weights=q5"], r"method\.weights=q5 is not allowed: must be one of auto, f32, bf16, "
                                                r"q8_0, q4_0, q4_k_m, source"),
+    (["method=llama_cpp_speculative", "method.draft=tiny-random", "sampling.temperature=0.7"],
+     r"sampling\.temperature=0\.7 with method llama_cpp_speculative: it decodes greedily only"),
+    (["method=llama_cpp_speculative", "method.draft=tiny-random", "batch_size=2"],
+     r"batch_size=2 with method llama_cpp_speculative: it decodes one sequence at a time"),
+    (["method=llama_cpp_speculative", "method.draft=qwen9"], r"method\.draft=qwen9 is not allowed: must be one of"),
+    (["method=llama_cpp_speculative", "method.draft=tiny-random"],
+     r"method\.draft=tiny-random: its weights are not a GGUF file \(model\.random=random\); llama\.cpp drafts with a model read from one"),
+    (["method=llama_cpp_speculative", "method.draft=tiny-random", "method.draft_min=17"],
+     r"method\.draft_min=17 is not allowed: must be in \[0, 16\]"),
     (["batch_size=2", "method=ngram", "profile=null", "method.draft_schedule=adaptive"],
      r"batch_size=2 with method ngram's never_slower=true and profile=null"),
     # issue 52's probe: keys bounded by the layer count were refused only after the model loaded

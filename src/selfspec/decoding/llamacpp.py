@@ -262,8 +262,8 @@ def draft_file(name: str) -> Path:
 
     source = model_source(model_config(name))
     if source.kind not in ("gguf", "hub_gguf", "asset"):
-        raise ValueError(f"method.draft={name}: its weights are not a GGUF file ({source.key}={source.where}); "
-                         "llama.cpp drafts with a model read from one (model.gguf_path or a packaged asset)")
+        raise checks.ConfigError(f"method.draft={name}: its weights are not a GGUF file ({source.key}={source.where}); "
+                                 "llama.cpp drafts with a model read from one (model.gguf_path or a packaged asset)")
     return local_gguf(source)
 
 
@@ -289,6 +289,12 @@ class LlamaCppSpeculative(LlamaCpp):
     @classmethod
     def models_read(cls, options: Options) -> tuple[str, ...]:
         return (options.draft,)
+
+    @classmethod
+    def check_run(cls, options: Options, layers: int, budget: int | None = None) -> None:
+        """The draft's GGUF file is there (a model whose weights are no GGUF file, or an asset not fetched, is
+        refused before the target loads)."""
+        draft_file(options.draft)
 
     def __init__(self, model, weights: str = "auto", threads: int | None = None, *, draft: str,
                  max_draft: int = 16, draft_min: int = 0, draft_p_min: float = 0.75, **common) -> None:
