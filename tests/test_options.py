@@ -27,11 +27,13 @@ def test_every_method_yaml_sets_exactly_its_options_fields():
 
 def test_every_method_config_reads_to_its_typed_record():
     """Each conf/method/*.yaml (the variants too) reads to a frozen record of its method's class
-    (hf_assisted's needs its draft model named)."""
+    (the separate-draft peers' need their draft model named)."""
     for path in sorted((conf_dir() / "method").glob("*.yaml")):
         cfg = method_config(path.stem)
         if cfg.name == "hf_assisted":
             cfg.assistant = "tiny-random"
+        if cfg.name == "llama_cpp_speculative":
+            cfg.draft = "tiny-random"
         options = check_method(cfg)
         assert type(options) is decoder_class(str(cfg.name)).Options, path.stem
         with pytest.raises(dataclasses.FrozenInstanceError):

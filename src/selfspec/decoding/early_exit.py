@@ -84,7 +84,7 @@ from selfspec.decoding.part_options import ContextFirst, Gated, QuantisedDraft
 from selfspec.decoding.sampling import select
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, Pass
-from selfspec.models.ledger import LinearOp, phase
+from selfspec.models.ledger import HeadOp, LinearOp, phase
 from selfspec.store.artefacts import artefact_option
 
 EXIT_HEADS = ("lm_head", "heads")
@@ -233,7 +233,7 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
         linear = profile.op(LinearOp("heads", 1, d, d)) / layer if heads.kind == "linear" else 0.0
         if weights is None or own:
             return profile.head_layers(rows, context) + linear
-        return profile.head(1, rows, weights) / layer + linear
+        return profile.op(HeadOp("heads", 1, rows, weights)) / layer + linear
     layer = model.layer_numel()
     cost = (rows * model.hidden_size if vocab is not None else model.lm_head_weight.numel()) / layer
     if weights is not None and not own:
