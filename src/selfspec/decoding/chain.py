@@ -176,12 +176,19 @@ class Drafter(Carries):
         """Target logits ``[k + 1, V]`` of ``[pending, d1..dk]`` (row ``j`` predicts the token after
         position ``j``), with every layer's cache holding at least ``n_cached + k + 1`` exact
         positions. Default: truncate every layer to the committed tokens (drafting may have
-        written scratch K/V past them) and run the chain through the full model in one pass."""
+        written scratch K/V past them) and run the chain through the full model in one pass, keeping the
+        layer states :meth:`kept` asks for."""
         model = self.model
         state.cache.truncate(state.n_cached)
         ids = torch.tensor([[state.pending, *draft.tokens]], device=model.device)
-        h = model.forward(ids, state.cache, start=state.n_cached, ledger=state.ledger, joins=state.joins)
+        h = model.forward(ids, state.cache, start=state.n_cached, keep=self.kept(state, len(draft) + 1),
+                          ledger=state.ledger, joins=state.joins)
         return model.logits(h, state.ledger, state.joins)[0]
+
+    def kept(self, state: DecodeState, rows: int) -> dict[int, torch.Tensor] | None:
+        """Where the default :meth:`score` writes the verified rows' states of some layers (layer -> a
+        ``[rows, d]`` view), for a drafter that learns from them (DEL's shadow tokens); default none."""
+        return None
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
         """Learn from a verification: ``accepted`` of ``len(draft)`` drafts, ``committed`` the

@@ -338,7 +338,7 @@ class ExitDrafter(Drafter):
         candidate-layer states at ``row…`` (the target's only: a copy's states are no shadow token's)."""
         m, hs = self.model, state.example.hs
         n = h.shape[1]
-        keep = {} if weights else {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}
+        keep = {} if weights else {i: hs[self.slot[i], row : row + n] for i in layers if i in self.slot}  # views
         return m.forward(h, state.cache, Pass(layers, weights=weights), start=start, keep=keep, ledger=state.ledger,
                          joins=state.joins)
 
@@ -356,6 +356,11 @@ class ExitDrafter(Drafter):
             if n > 1:
                 ex.prefix = h[:, :-1]
         return h
+
+    def kept(self, state: DecodeState, rows: int) -> dict[int, torch.Tensor]:
+        """A verification over every layer (over a quantised copy) keeps the candidate layers' states of
+        its rows for the shadow tokens (:meth:`score`)."""
+        return {i: state.example.hs[j, :rows] for i, j in self.slot.items()}
 
     def _x0(self, state: DecodeState) -> list[int]:
         """The input of the round's first lower pass: the pending token ``[x_0]`` (the prompt in
@@ -385,11 +390,8 @@ class ExitDrafter(Drafter):
         the prompt's, in ``prefill: draft``'s first round). Over a quantised copy: every layer over
         ``x_0, d_1 … d_k``, from their embeddings, after the copy's K/V are dropped."""
         m, k, ex, ell = self.model, len(draft), state.example, draft.plan.exit_layer
-        if self.weights is not None:
-            state.cache.truncate(state.n_cached)
-            ids = torch.tensor([[state.pending, *draft.tokens]], device=m.device)
-            h = self._layers(m.embed(ids), range(0, m.num_layers), state, state.n_cached, 0)
-            return m.logits(h[0], state.ledger, state.joins)
+        if self.weights is not None:  # the chain's full-pass verification, keeping the candidates' states
+            return super().score(state, draft)
         self._lower(state, draft.tokens[-1:] if k else self._x0(state), k, ell)
         upper = range(ell + 1, m.num_layers)
         h, start = ex.hq[:, : k + 1], state.n_cached

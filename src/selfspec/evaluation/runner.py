@@ -44,18 +44,20 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
     cache per sequence, and in bfloat16 its prefills may run as one pass (issue 68: without the batch
     factor, B caches passed the check and failed after the load); and the quantised copies of the weights
     the methods' drafts read (``draft_weights``: every linear and the LM head, held beside the target's)."""
+    from selfspec.decoding import decoder_class
+    from selfspec.decoding.llamacpp import LlamaCpp
+
     prompt = context if prompt is None else min(prompt, context)
     batch = int(cfg.batch_size)
     also = " or batch_size" if batch > 1 else ""
     methods = method_configs(cfg).values()
     copies = [Term(f"the {fmt} copy of the weights", draft_copy_bytes(s, fmt), "method.draft_weights")
               for fmt in sorted({str(m.draft_weights) for m in methods if m.get("draft_weights") is not None})]
+    llama = [m for m in methods if issubclass(decoder_class(str(m.name)), LlamaCpp)]
     copies += [Term(f"llama.cpp's {fmt} weights and cache", llama_cpp_bytes(s, fmt, cfg, context), "method.weights",
-                    activation=False)
-               for fmt in sorted({str(m.weights) for m in methods if str(m.name).startswith("llama_cpp")})]
+                    activation=False) for fmt in sorted({str(m.weights) for m in llama})]
     copies += [Term(f"llama.cpp's draft model {name}, its weights and cache", llama_cpp_draft_bytes(name, cfg, context),
-                    "method.draft", activation=False)
-               for name in sorted({str(m.draft) for m in methods if str(m.name) == "llama_cpp_speculative"})]
+                    "method.draft", activation=False) for name in sorted({str(m.draft) for m in llama if "draft" in m})]
     return [[
         Term("cache", context * s.kv_per_token * b * batch,
              ("max_new_tokens" if context - prompt > prompt else "the task's prompts (or max_new_tokens)") + also),
