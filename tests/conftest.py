@@ -33,15 +33,19 @@ def smol():
     return load_model(model_config("smollm2-135m"))
 
 
-def cpu_like_profile(model):
+def cpu_like_profile(model, quantised: bool = False):
     """A cost profile of ``model``'s shape with fixed prices shaped like the 2-core CPU's (a pass of
     2, 4, 8 and 16 rows costs 1.1, 1.3, 2 and 3.5 steps): decisions priced with it are the same
-    on every machine (the ``priced`` draft schedule's tests; ``method=ngram`` needs a profile)."""
+    on every machine (the ``priced`` draft schedule's tests; ``method=ngram`` needs a profile).
+    ``quantised``: with prices of passes over the int8 and int4 copies too (a third of the target's)."""
     from selfspec.measure.profile import FORMAT, Profile, model_shape
 
     rows = {"1": 1.0, "2": 1.1, "4": 1.3, "8": 2.0, "16": 3.5, "32": 6.5}
     ms = {k: v * 1e-3 for k, v in rows.items()}
     shape = model_shape(model)
+    copies = {fmt: {"attention": {"0": {k: 0.0 for k in rows}, "512": {k: 0.0 for k in rows}},
+                    "mlp": {k: v / 3 for k, v in ms.items()}, "head": {str(shape["vocab_size"]): {k: 0.0 for k in rows}}}
+              for fmt in ("int8", "int4")} if quantised else None
     return Profile({
         "format": FORMAT, "name": "cpu-like",
         "model": {"name": model.name, "shape": shape, "linear_kernel": "skinny", "capture": "off"},
@@ -49,7 +53,7 @@ def cpu_like_profile(model):
         "attention": {"0": {k: 0.0 for k in rows}, "512": {k: 0.0 for k in rows}},
         "mlp": ms, "head": {str(shape["vocab_size"]): {k: 0.0 for k in rows}}, "linear": ms,
         "warp": {w: {str(shape["vocab_size"]): {k: 0.0 for k in rows}} for w in ("0", "1")},
-        "tree": {}, "pass": {}, "host": 0.0,
+        "tree": {}, "pass": {}, "host": 0.0, **({"quantised": copies} if copies else {}),
     })
 
 

@@ -17,8 +17,10 @@ from selfspec.models.batch import Batch, BatchUnavailable
 from test_capture import EVERY_METHOD
 from test_families import N_NEW, PROMPT, tiny_family
 
-#: every method, built directly (tests/test_capture.py's, vanilla first)
-METHODS = [{"name": "vanilla"}, *EVERY_METHOD]
+#: every method, built directly (tests/test_capture.py's, vanilla first), with no speculation gate: in a batch the
+#: gate prices a step at its share of the batch's passes, so its choices, and with them a sequence's steps, are
+#: the batch's, not its batch-1 run's (``test_the_gate_prices_a_step_in_a_batch_at_its_share_of_each_pass``)
+METHODS = [{"name": "vanilla"}, *({"never_slower": False, **m} if m["name"] not in ("ppd",) else m for m in EVERY_METHOD)]
 
 
 def make(model, method: dict):
@@ -34,7 +36,7 @@ def make(model, method: dict):
         prompts = PromptTokens(torch.randn(3, 2, model.hidden_size, generator=g) * 0.5)
         return PPD(model, prompts, random_trees(3, 6, 3, random.Random(0)), **PPD_KEYS)
     return build_decoder(method_config(name, **{k: v for k, v in method.items() if k != "name"}), model,
-                         profile=cpu_like_profile(model))
+                         profile=cpu_like_profile(model, quantised=True))
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -79,6 +81,58 @@ def test_every_sequence_of_a_batch_decodes_what_it_decodes_alone(family, method)
         if sampling.greedy:
             assert [g.tokens for g in batched] == want
         assert max(batch.passes) > 1 and max(batch.rows) > max(len(p) for p in ps[:1])
+
+
+@pytest.mark.parametrize("method", [{"name": "quant_draft", "max_draft": 4}, {"name": "ngram"},
+                                    {"name": "adadecode", "head_kind": "lm_head", "layers": [1, 2], "threshold": 0.3}],
+                         ids=lambda m: m["name"])
+def test_the_gate_prices_a_step_in_a_batch_at_its_share_of_each_pass(method):
+    """The speculation gate in a batch (issue 69): every walk and head product a sequence ran with other
+    sequences' rows is marked in its ledger with that pass's rows before the sequence resumes, so the
+    gate prices each step at its share of the batch's passes (what it cost the batch, not what it would
+    cost alone). Greedy, the tokens stay vanilla's."""
+    model = tiny_family("llama")
+    ps = prompts(6)
+    want = [Vanilla(model).generate(p, N_NEW).tokens for p in ps]
+    decoder = make(model, method)
+    assert decoder.gate is not None and decoder.gate.deterministic
+    slots = [decoder.fork() for _ in range(len(ps))]
+    priced = {id(s.gate): [] for s in slots}
+    for s in slots:
+        record = s.gate.record
+        s.gate.record = lambda arm, units, seconds, record=record, seen=priced[id(s.gate)]: (
+            seen.append(seconds), record(arm, units, seconds))
+    batch = Batch(model, len(ps))
+    gens = batch.run([lambda slot, p=p: slots[slot].generate(p, N_NEW, joins=batch) for p in ps])
+    assert [g.tokens for g in gens] == want
+    passes = {op.rows for op in batch.ops if op.rows > 1}
+    shared = 0
+    for slot, gen in zip(slots, gens):
+        steps = gen.trace[1:]  # the prompt's step is not the gate's
+        assert priced[id(slot.gate)] == pytest.approx(
+            [slot.gate.price(t.ops, t.source, t.drafted) for t in steps])
+        for t in steps:
+            for op in t.ops:
+                if op.kind in ("L", "H") and op.shared:
+                    assert op.shared in passes and op.shared > op.rows
+                    shared += 1
+    assert shared  # the sequences' steps shared passes, and were priced so
+
+
+def test_the_shares_of_a_batchs_passes_add_up_to_the_passes():
+    """Vanilla, four prompts of one length in a batch of four: every decoding pass holds the four
+    sequences' rows at one context, so the sequences' priced steps add up to the batch's own ops."""
+    model = tiny_family("llama")
+    profile = cpu_like_profile(model)
+    ps = [p[:12] for p in prompts(8) if len(p) >= 12][:4]
+    assert len(ps) == 4
+    batch = Batch(model, 4)
+    decoders = [Vanilla(model) for _ in ps]
+    gens = batch.run([lambda slot, p=p: decoders[slot].generate(p, N_NEW, joins=batch) for p in ps])
+    steps = sum(sum(profile.op(op) for t in g.trace[1:] for op in t.ops) for g in gens)
+    decode = [op for op in batch.ops if op.component == "plain"]
+    assert max(op.rows for op in decode) == 4
+    assert steps == pytest.approx(sum(map(profile.op, decode)))
 
 
 @pytest.mark.parametrize("size", [2, 3, 16])
@@ -138,7 +192,9 @@ def test_a_sampled_sequence_of_a_batch_is_its_batch_1_output_where_nothing_carri
     decodes; a method that carries nothing from one example to the next (``carried()`` empty) thus
     decodes the batch-1 sequences. One that carries state starts an example from what its slot learned
     from the slot's own examples, not from every example before it, so its sequences are not the
-    batch-1 ones (they keep the distribution: ``test_sampled_batches_keep_the_target_distribution``)."""
+    batch-1 ones (they keep the distribution: ``test_sampled_batches_keep_the_target_distribution``).
+    The speculation gate's choices also depend on the batch (it prices a step at its share of the
+    batch's passes), so a gated slot's sequences are not even its own examples decoded one at a time."""
     model = tiny_family("llama")
     ps = prompts(6)
     sampling = Sampling(temperature=0.8, top_p=0.9, seed=3)
@@ -155,7 +211,7 @@ def test_a_sampled_sequence_of_a_batch_is_its_batch_1_output_where_nothing_carri
 
     batched = [g.tokens for g in batch.run([lambda slot, j=j: job(slot, j) for j in range(len(ps))])]
     assert all(len(mine) > 1 for mine in took)  # each slot decoded several examples
-    for mine in took:
+    for mine in took if decoder.gate is None else ():  # a gate's choices are the batch's (its shares of passes)
         replay = decoder.fork()
         assert [replay.generate(ps[j], N_NEW, sampling).tokens for j in mine] == [batched[j] for j in mine]
     if method in CARRY_NOTHING:

@@ -143,13 +143,31 @@ def test_a_profile_of_another_model_shape_is_refused_by_name(tiny):
 
 def test_a_ledger_op_is_a_typed_record_stored_as_the_compact_list():
     ops = [LayerOp("verify", 4, 30, 30, 100), LayerOp("tree", 60, 30, 30, 100, eager=True), HeadOp("draft", 1, 49152),
-           LinearOp("heads", 1, 576, 576), WarpOp("plain", 2, 49152, True)]
+           LinearOp("heads", 1, 576, 576), WarpOp("plain", 2, 49152, True),
+           LayerOp("plain", 1, 30, 30, 100, weights="int8", shared=12), HeadOp("plain", 1, 49152, shared=12)]
     rows = [op.row() for op in ops]
     assert rows == [["verify", "L", 4, 30, 30, 100], ["tree", "L", 60, 30, 30, 100, 1], ["draft", "H", 1, 49152],
-                    ["heads", "X", 1, 576, 576], ["plain", "W", 2, 49152, 1]]
+                    ["heads", "X", 1, 576, 576], ["plain", "W", 2, 49152, 1],
+                    ["plain", "L:int8", 1, 30, 30, 100, 0, 0, 0, 12], ["plain", "H", 1, 49152, 12]]
     assert [as_op(r) for r in json.loads(json.dumps(rows))] == ops
     with pytest.raises(ValueError, match="unknown ledger op"):
         as_op(["verify", "Q", 1])
+
+
+def test_an_op_run_in_a_batchs_pass_costs_its_rows_share_of_that_pass(tiny, tiny_profile):
+    """A walk or head product that ran with other sequences' rows (``shared``: the pass's rows) is priced
+    as the pass at all its rows times its own rows' share, so a pass's shares add up to the pass."""
+    from selfspec.measure.profile import Profile
+
+    vocab = tiny.model.vocab_size
+    p = Profile({**tiny_profile.data, "head": {str(vocab): tiny_profile.data["mlp"]}})  # heads that cost something
+    for op in (LayerOp("verify", 3, 4, 4, 200), HeadOp("verify", 3, vocab)):
+        whole = p.op(op._replace(rows=12))
+        assert p.op(op._replace(shared=12)) == pytest.approx(whole * 3 / 12)
+        assert 0 < p.op(op._replace(shared=12)) < p.op(op)  # cheaper than the same rows alone
+        shares = [op._replace(rows=n, shared=12) for n in (3, 1, 8)]
+        assert sum(map(p.op, shares)) == pytest.approx(whole)
+    assert p.op(LayerOp("plain", 1, 4, 4, 200, shared=1)) == p.op(LayerOp("plain", 1, 4, 4, 200))
 
 
 @pytest.mark.parametrize("name", METHODS)

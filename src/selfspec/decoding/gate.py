@@ -40,6 +40,11 @@ profile) or timed on the wall clock (a gate built without a profile):
   2.4 plain steps beyond a plain step's cost on SmolLM2 here) is repeated every ~240 steps
   instead of 128, which halves what a method that does not pay loses to its probes.
 
+**In a batch** (:mod:`selfspec.models.batch`), a sequence's step is priced at what it cost the batch:
+each pass it shared with other sequences' rows at its rows' share of that pass
+(:meth:`~selfspec.measure.profile.Profile.op`, :attr:`~selfspec.models.ledger.LayerOp.shared`), so a
+plain step riding in a wide pass is cheap, and speculation pays only where it beats that.
+
 The gate's state is policy state: it lives on the decoder and carries over between examples (the
 cost of a step is the machine's, not the example's), though not from the evaluation's warm-up
 (``Decoder.kept_state``). Outputs are unaffected: a plain step is the

@@ -506,8 +506,15 @@ class Profile:
         return self.head(1, vocab) / layer if layer > 0 else float("inf")
 
     def op(self, op: "Op | list") -> float:
-        """Seconds of one ledger op (:mod:`selfspec.models.ledger`; a record or a trace's stored list)."""
+        """Seconds of one ledger op (:mod:`selfspec.models.ledger`; a record or a trace's stored list). A
+        walk or head product that ran in a batch's pass with other sequences' rows costs its rows' share
+        of that pass: the pass priced at all its rows (at this op's own context), times this op's rows
+        over them. So a batch's sequences are priced at what their steps cost the batch, and their
+        shares add up to the pass (the speculation gate decides per sequence from that,
+        :mod:`selfspec.decoding.gate`)."""
         op = as_op(op)
+        if op.kind in ("L", "H") and op.shared > op.rows:
+            return self.op(op._replace(rows=op.shared, shared=0)) * op.rows / op.shared
         if op.kind == "L" and op.weights:  # a walk over a quantised copy (a draft's): its own tables, dynamic
             return (self.walk + op.attention * self.attention_cost(op.rows, op.context, weights=op.weights)
                     + op.mlp * self.mlp_cost(op.rows, op.weights))

@@ -81,6 +81,15 @@ class _Parked:
     x: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     weights: str | None = None
+    #: where the generation's ledger recorded the call: (ledger, op index), None unrecorded
+    recorded: tuple | None = None
+
+
+def _rows(call: _Parked) -> int:
+    """The rows of a parked walk or head product."""
+    if call.walk is not None:
+        return int(call.walk.h.shape[1])
+    return call.x.numel() // call.x.shape[-1]
 
 
 @contextlib.contextmanager
@@ -135,24 +144,27 @@ class Batch:
         return self._main is not None and getcurrent() is not self._main
 
     def parked_walk(self, model, h, layers, kv, rope, mask, skip, keep, component: str = "host",
-                    weights: str | None = None) -> torch.Tensor:
+                    weights: str | None = None, recorded: tuple | None = None) -> torch.Tensor:
         """A generation's layer walk (:meth:`~selfspec.models.layered.LayeredModel.run_layers` handed
         the batch): parked until the batch runs it with the others of its kind (the same layers,
         skipped sublayers and weights), then its states. The call yields: the other generations run
-        until every live one is parked or done."""
+        until every live one is parked or done. ``recorded``: where the generation's ledger recorded
+        the walk, ``(ledger, op index)``; a walk run with others' rows is marked there as a share of
+        that pass (:meth:`~selfspec.models.ledger.Ledger.shared`)."""
         if not self._parks():
             return model.walk(h, layers, kv, rope, mask, skip, keep, weights)
         key = ("layers", tuple(layers), skip, weights)
         return self._main.switch(_Parked(key, component, Walk(h, kv, rope, mask, keep), layers, skip,
-                                         weights=weights))
+                                         weights=weights, recorded=recorded))
 
-    def parked_head(self, model, x, weight, component: str = "host") -> torch.Tensor:
+    def parked_head(self, model, x, weight, component: str = "host", recorded: tuple | None = None
+                    ) -> torch.Tensor:
         """A generation's head product (:meth:`~selfspec.models.layered.LayeredModel.head` handed the
-        batch), parked likewise: the call yields."""
+        batch), parked likewise: the call yields (``recorded``: as :meth:`parked_walk`'s)."""
         if not self._parks():
             return model.linear(x, weight)
         key = ("head", weight.data_ptr(), tuple(weight.shape))
-        return self._main.switch(_Parked(key, component, x=x, weight=weight))
+        return self._main.switch(_Parked(key, component, x=x, weight=weight, recorded=recorded))
 
     # --- the batch's side ----------------------------------------------------------------------
     def run(self, jobs: Sequence[Callable[[int], Any]], done: Callable[[int, Any], None] | None = None) -> list:
@@ -227,6 +239,10 @@ class Batch:
             outs = {id(c): s for c, s in zip(together, states)}
             self.passes[len(together)] += 1
             self._record(kind, together)
+            rows = sum(_rows(c) for c in together)
+            for c in together:  # each generation's ledger prices its rows as their share of this pass
+                if c.recorded is not None:
+                    c.recorded[0].shared(c.recorded[1], rows)
         for c in calls:
             if id(c) not in outs:
                 self.passes[1] += 1
@@ -243,7 +259,7 @@ class Batch:
 
         component = collections.Counter(c.component for c in calls).most_common(1)[0][0]
         if kind == "head":
-            rows = sum(c.x.numel() // c.x.shape[-1] for c in calls)
+            rows = sum(map(_rows, calls))
             self.ops.append(HeadOp(component, rows, int(calls[0].weight.shape[0]),
                                    weights_format(calls[0].weight) or ""))
             return
@@ -252,7 +268,7 @@ class Batch:
             return
         attention = sum(skip is None or i not in skip.attn for i in layers)
         mlp = sum(skip is None or i not in skip.mlp for i in layers)
-        sizes = [c.walk.h.shape[1] for c in calls]
+        sizes = [_rows(c) for c in calls]
         contexts = [c.walk.kv.length(layers[0]) if hasattr(c.walk.kv, "length") else 0 for c in calls]
         context = round(sum(n * t for n, t in zip(sizes, contexts)) / sum(sizes))
         self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context, weights=calls[0].weights or ""))

@@ -579,13 +579,16 @@ class LayeredModel:
         capturing model ran eagerly). ``weights``: the linears read a quantised copy in that format
         (:meth:`weight_set`, a draft's: ``Pass.weights``), None the target's. ``joins``: the batch the
         walk joins (:data:`Joins`: the call may yield to the batch's other sequences), None alone."""
+        recorded = None
         if ledger is not None:
             first = next(iter(layers), None)
             context = kv.length(first) if first is not None and hasattr(kv, "length") else 0
-            _record_walk(ledger, h.shape[1], layers, skip, context, eager, weights=weights)
+            before = len(ledger.ops)
+            _record_walk(ledger, h.shape[1], layers, skip, context, eager, weights=weights, merge=joins is None)
+            recorded = (ledger, before) if len(ledger.ops) > before else None
         if joins is not None:  # several generations decode at once: their walks run together
             return joins.parked_walk(self, h, layers, kv, rope, mask, skip, keep,
-                                     ledger.current if ledger else "host", weights)
+                                     ledger.current if ledger else "host", weights, recorded)
         return self.walk(h, layers, kv, rope, mask, skip, keep, weights)
 
     def walk(self, h: torch.Tensor, layers, kv: KV | None, rope, mask: torch.Tensor | None = None,
@@ -653,7 +656,8 @@ class LayeredModel:
         if ledger is not None:
             ledger.head(x.numel() // x.shape[-1], int(weight.shape[0]), weights_format(weight))
         if joins is not None:  # several generations decode at once: their head products run together
-            return joins.parked_head(self, x, weight, ledger.current if ledger else "host")
+            return joins.parked_head(self, x, weight, ledger.current if ledger else "host",
+                                     (ledger, len(ledger.ops) - 1) if ledger is not None else None)
         return self.linear(x, weight)
 
     def logits(self, h: torch.Tensor, ledger: Ledger | None = None, joins: Joins | None = None) -> torch.Tensor:
@@ -779,7 +783,7 @@ class LayeredModel:
 
 
 def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, context: int, eager: bool = False,
-                 ran: tuple[int, int] | None = None, weights: str | None = None) -> None:
+                 ran: tuple[int, int] | None = None, weights: str | None = None, merge: bool = True) -> None:
     """A layer walk in ``ledger``: its rows, the sublayers run and the cached positions they attend
     to; ``ran``: a static pass's bucket rows and the cache slots its attention spans
     (:attr:`selfspec.models.capture.StepRunner.last`), what it costs. A sliding layer is recorded at
@@ -792,4 +796,4 @@ def _record_walk(ledger: Ledger, rows: int, layers, skip: SkipSet | None, contex
         attention -= sum(i in skip.attn for i in layers)
         mlp -= sum(i in skip.mlp for i in layers)
     padded, span = ran if ran is not None else (0, 0)
-    ledger.layers(int(rows), attention, mlp, int(context), eager, padded, span, weights or "")
+    ledger.layers(int(rows), attention, mlp, int(context), eager, padded, span, weights or "", merge)

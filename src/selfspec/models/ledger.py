@@ -29,7 +29,9 @@ sublayers, MLP sublayers, context]`` (with a seventh entry, 1, when a model that
 ran this walk eagerly: a decoding pass no bucket holds, :mod:`selfspec.models.capture`; a static
 pass adds, after a seventh entry of 0, its bucket's rows and the cache slots it attends over),
 ``[component, "H", rows, vocabulary rows]`` (a walk or head product over a quantised copy of the
-weights, a draft's, says its format in the kind: ``"L:int8"``, ``"H:int4"``), ``[component, "X", rows, in features, out features]``
+weights, a draft's, says its format in the kind: ``"L:int8"``, ``"H:int4"``; one that ran in a
+batch's pass with other sequences' rows ends with that pass's rows, after ``0, 0, 0`` in a walk:
+:attr:`LayerOp.shared`), ``[component, "X", rows, in features, out features]``
 or, under sampling, ``[component, "W", rows, vocabulary, nucleus]``: logit rows warped into the
 target distribution (:func:`selfspec.decoding.sampling.warp`; ``nucleus`` 1 when top-p sorts the
 vocabulary). Greedy selection (an argmax) is no op: it is part of a step's host time.
@@ -70,10 +72,15 @@ class LayerOp(NamedTuple):
     padded: int = 0
     span: int = 0
     weights: str = ""
+    #: the rows of the batched pass these rows ran in, theirs among them (:mod:`selfspec.models.batch`);
+    #: 0: the walk ran alone. A profile prices the op as its rows' share of that pass
+    shared: int = 0
     kind = "L"
 
     def row(self) -> list:
         head = [self.component, _kind("L", self.weights), self.rows, self.attention, self.mlp, self.context]
+        if self.shared:
+            return head + [int(self.eager), self.padded, self.span, self.shared]
         if self.padded:
             return head + [int(self.eager), self.padded, self.span]
         return head + ([1] if self.eager else [])
@@ -87,10 +94,12 @@ class HeadOp(NamedTuple):
     rows: int
     vocab: int
     weights: str = ""
+    #: the rows of the batched product these rows ran in (as :attr:`LayerOp.shared`); 0: alone
+    shared: int = 0
     kind = "H"
 
     def row(self) -> list:
-        return [self.component, _kind("H", self.weights), self.rows, self.vocab]
+        return [self.component, _kind("H", self.weights), self.rows, self.vocab] + ([self.shared] if self.shared else [])
 
 
 class LinearOp(NamedTuple):
@@ -143,9 +152,9 @@ def as_op(op: "Op | list") -> Op:
         raise ValueError(f"unknown ledger op {op!r}") from None
     if cls is LayerOp:
         return LayerOp(op[0], *op[2:6], eager=len(op) > 6 and bool(op[6]), padded=op[7] if len(op) > 8 else 0,
-                       span=op[8] if len(op) > 8 else 0, weights=weights)
+                       span=op[8] if len(op) > 8 else 0, weights=weights, shared=op[9] if len(op) > 9 else 0)
     if cls is HeadOp:
-        return HeadOp(op[0], op[2], op[3], weights)
+        return HeadOp(op[0], op[2], op[3], weights, op[4] if len(op) > 4 else 0)
     if cls is WarpOp:
         return WarpOp(op[0], op[2], op[3], bool(op[4]))
     return cls(op[0], *op[2:])
@@ -221,19 +230,26 @@ class Ledger:
 
     # --- ops -------------------------------------------------------------------------------
     def layers(self, rows: int, attention: int, mlp: int, context: int, eager: bool = False, padded: int = 0,
-               span: int = 0, weights: str = "") -> None:
+               span: int = 0, weights: str = "", merge: bool = True) -> None:
         """A layer walk of ``rows`` new rows: ``attention`` and ``mlp`` sublayers run, attending to
-        ``context`` cached positions (consecutive walks of the same shape merge). ``eager``: the
+        ``context`` cached positions (consecutive walks of the same shape merge, unless ``merge`` is
+        False: a walk that may run in a batch's pass, :meth:`shared`). ``eager``: the
         model captures its passes, and this one ran eagerly (a profile prices the two apart);
         ``padded`` and ``span``: a static pass's bucket and the cache slots it attends over;
         ``weights``: a quantised copy's format, "" for the target's weights."""
         last = self.ops[-1] if self.ops else None
-        if (type(last) is LayerOp and last.component == self.current and last.rows == rows
+        if (merge and type(last) is LayerOp and last.component == self.current and last.rows == rows
                 and last.context == context and last.eager == eager and last.padded == padded and last.span == span
-                and last.weights == weights):
+                and last.weights == weights and not last.shared):
             self.ops[-1] = last._replace(attention=last.attention + attention, mlp=last.mlp + mlp)
         else:
             self.ops.append(LayerOp(self.current, rows, attention, mlp, context, eager, padded, span, weights))
+
+    def shared(self, index: int, rows: int) -> None:
+        """The walk or head product recorded at ``index`` ran in a batch's pass of ``rows`` rows, its own
+        among them (:class:`~selfspec.models.batch.Batch`): a profile prices it as its rows' share of that
+        pass (:attr:`LayerOp.shared`)."""
+        self.ops[index] = self.ops[index]._replace(shared=int(rows))
 
     def head(self, rows: int, vocab: int, weights: str | None = None) -> None:
         """An LM-head product: ``rows`` states against ``vocab`` rows of the head (``weights``: a
