@@ -63,6 +63,46 @@ def test_cost_model_drafts_equal_real_first_drafts(tiny, prompt_ids):
         skips.CostModel(model, prompts, 6, OPTS)
 
 
+def test_the_decoded_cost_model_prices_the_candidates_own_decoding(peaked_llama):
+    """``job.drafts=decoded``: a candidate's objective is its real greedy Draft & Verify decoding of the dev
+    prompts, priced with the profile (the prompt's step left out), and its acceptance that decoding's. The
+    teacher-forced model scores drafts after a step's first as if they saw the exact K/V of their
+    predecessors, so where a skip set's drafts chain, the two acceptances differ."""
+    from selfspec.decoding.draft_verify import DraftVerify
+    from selfspec.decoding.vanilla import Vanilla
+
+    model = peaked_llama
+    prompts = [[5, 17, 99, 3, 42, 7, 5, 17], [9, 8, 7, 100, 5, 17, 99]]
+    profile = cpu_like_profile(model)
+    forced = skips.CostModel(model, prompts, 16, OPTS, profile)
+    decoded = skips.DecodedCostModel(model, prompts, 16, OPTS, profile)
+    skip = SkipSet.of(attn=[1])
+
+    def priced(decoder):
+        seconds = tokens = drafted = accepted = 0
+        for ids in prompts:
+            g = decoder.generate(ids, 16)
+            parts = profile.predict([t.row() for t in g.trace])
+            seconds, tokens = seconds + sum(parts.values()) - parts["prefill"], tokens + g.new_tokens - 1
+            drafted, accepted = drafted + sum(g.drafted_per_step), accepted + g.accepted_drafts
+        return seconds / tokens, accepted / drafted if drafted else None
+
+    got = decoded(skip)
+    want_spt, want_rate = priced(DraftVerify(model, skip, OPTS))
+    assert got["objective"] == pytest.approx(want_spt) and got["acceptance_rate"] == pytest.approx(want_rate)
+    assert decoded.vanilla_spt == pytest.approx(priced(Vanilla(model))[0])
+    assert got["speedup"] == pytest.approx(decoded.vanilla_spt / want_spt)
+    assert forced(skip)["acceptance_rate"] != pytest.approx(got["acceptance_rate"], abs=0.01)
+
+
+def test_an_unknown_drafts_scoring_is_refused_before_the_model_loads(tmp_path):
+    from selfspec.config.checks import ConfigError
+    from selfspec.train import run_job
+
+    with pytest.raises(ConfigError, match="job.drafts"):
+        run_job(job_cfg(tmp_path, "job.search=bo_model", "job.drafts=exact"))
+
+
 @pytest.mark.parametrize("search", ["greedy", "bo_model", "bo"])
 def test_search_writes_artefact_trace_and_plot(tmp_path, tiny, search):
     from selfspec.train import run_job
@@ -78,6 +118,21 @@ def test_search_writes_artefact_trace_and_plot(tmp_path, tiny, search):
     assert sorted(skip.attn) == meta["attn"] and sorted(skip.mlp) == meta["mlp"]
     if search != "greedy":
         assert [r["stage"] for r in rows] == ["probe", "bo", "bo"]
+
+
+def test_a_search_on_decoded_drafts_writes_its_artefact_and_is_keyed_apart(tmp_path):
+    """``job.drafts=decoded`` searches as ``forced`` does, in a trace of its own settings: resuming the
+    forced search's trace with decoded drafts is refused (its objectives are another model's)."""
+    from selfspec.train import run_job
+
+    summary = run_job(job_cfg(tmp_path, "job.search=bo_model", "job.drafts=decoded"))
+    assert summary["search"] == "bo_model" and (tmp_path / "sk" / "meta.json").exists()
+    run_job(job_cfg(tmp_path / "f", "job.search=bo_model"))
+    trace = tmp_path / "f" / "sk.search-bo_model" / "trace.jsonl"
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert header["header"]["settings"]["drafts"] == "forced"
+    with pytest.raises(ValueError, match="other settings"):
+        run_job(job_cfg(tmp_path / "f", "job.search=bo_model", "job.drafts=decoded"))
 
 
 def test_resumed_search_continues_its_trace(tmp_path):

@@ -13,7 +13,10 @@ as in the authors' code; values in [0, 1], > 0.5 = skip). Three searches (``job.
 ``bo_model``  the same BO on a deterministic **cost model**: the candidate's drafts are scored
               by teacher forcing (one batched forward over every dev position, see
               :class:`CostModel`), its decoding is simulated with the real draft-exit rule, and
-              time is predicted from per-sublayer costs timed once at the start.
+              time is predicted from the run's cost profile. With ``job.drafts=decoded``
+              (:class:`DecodedCostModel`) the candidate instead decodes the dev prompts, greedy, in
+              the real loop, and its trace is priced with the profile: the acceptance is the real
+              one (teacher forcing scores every draft as a step's first), at a decode per candidate.
 ``greedy``    a deterministic layer-importance pass on the cost model: rank sublayers by the
               agreement they cost per unit of time they save, take the best prefix of that
               ranking, then (``job.refine``) one pass of single-sublayer toggles (at most 6L evaluations).
@@ -53,6 +56,8 @@ from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys, ta
 log = logging.getLogger(__name__)
 
 SEARCHES = ("bo", "bo_model", "greedy")
+#: how the cost model's searches get a candidate's drafts (``job.drafts``)
+DRAFTS = ("forced", "decoded")
 
 
 # --- config and development set (before the model loads) -------------------------------------
@@ -67,6 +72,7 @@ def prepare(cfg) -> dict:
                                why="dev prompts, split over job.tasks: at least one per task")
     opts = {
         "search": search,
+        "drafts": checks.choice(key("drafts"), jc.drafts, DRAFTS),
         "iterations": checks.integer(key("iterations"), jc.iterations, 0),
         "init_points": checks.integer(key("init_points"), jc.init_points, 0),
         "gp_alpha": checks.number(key("gp_alpha"), jc.gp_alpha, 0, low_open=True, why="the GP's noise term"),
@@ -342,6 +348,43 @@ class CostModel:
         }
 
 
+class DecodedCostModel(CostModel):
+    """:class:`CostModel` whose candidates decode (``job.drafts=decoded``): each candidate's Draft & Verify
+    decodes the dev prompts, greedy, ``n_new`` tokens each, in the real loop (its drafts see the K/V their
+    predecessors' draft passes wrote, as they do when it runs), and its step trace is priced with the
+    profile, the prompt's step left out (:meth:`~selfspec.measure.profile.Profile.predict`): deterministic
+    on any load, with the real acceptance, at a decode per candidate. Vanilla's decodes of the same prompts
+    are priced the same way. The greedy search's ranking still scores each sublayer's first drafts by
+    teacher forcing (:meth:`CostModel.draft_agreement`); each prefix and toggle it evaluates decodes."""
+
+    def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: DecodingOptions, profile=None):
+        super().__init__(model, prompts, n_new, decoding, profile)
+        self.prompts = prompts
+        self.vanilla_spt = self._priced(Vanilla(model))[0]
+
+    def _priced(self, decoder) -> tuple[float, int, int, int]:
+        """(predicted seconds per decoded token, decoded tokens, drafted, accepted) of ``decoder`` over the
+        dev prompts, the prompt's step of each left out."""
+        seconds, tokens, drafted, accepted = 0.0, 0, 0, 0
+        for ids in self.prompts:
+            g = decoder.generate(ids, self.n_new)
+            parts = self.profile.predict([t.row() for t in g.trace])
+            seconds += sum(parts.values()) - parts["prefill"]
+            tokens += g.new_tokens - 1
+            drafted += sum(g.drafted_per_step)
+            accepted += g.accepted_drafts
+        return seconds / max(tokens, 1), tokens, drafted, accepted
+
+    def __call__(self, skip: SkipSet) -> dict[str, Any]:
+        spt, tokens, drafted, accepted = self._priced(DraftVerify(self.model, skip, self.decoding))
+        return {
+            "objective": spt,
+            "speedup": speedup(self.vanilla_spt, spt),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tau": tokens / max(1, tokens - accepted) if tokens else None,
+        }
+
+
 # --- the trace ------------------------------------------------------------------------------
 class Trace:
     """``trace.jsonl``: a header row, then one row per evaluation; replayed on resume."""
@@ -566,6 +609,7 @@ def search_settings(ctx, prompts: list[list[int]]) -> dict[str, Any]:
         "warm_start": OmegaConf.to_container(jc.warm_start) if jc.warm_start else [],
         # the cost model's searches price candidates with the run's profile: another profile, another search
         "costs": None if opts["search"] == "bo" else ctx.profile.name,
+        "drafts": None if opts["search"] == "bo" else opts["drafts"],
     }
 
 
@@ -596,7 +640,8 @@ def search(ctx) -> Result:
         if kind == "bo":
             objective = TimedObjective(model, prompts, n_new, decoding, opts["repeats"])
         else:
-            objective = CostModel(model, prompts, n_new, decoding, ctx.profile)
+            objective = (DecodedCostModel if opts["drafts"] == "decoded" else CostModel)(
+                model, prompts, n_new, decoding, ctx.profile)
     t_setup = time.perf_counter() - t_start
     header = {"key": key, "settings": settings, "vanilla_seconds_per_token": objective.vanilla_spt}
     # BO's length is known (probes + random points + iterations); greedy's depends on the ranking
