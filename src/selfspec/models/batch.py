@@ -227,10 +227,11 @@ class Batch:
         together = [c for c in calls if self._joins(c)]
         outs: dict[int, torch.Tensor] = {}
         if len(together) > 1:
+            rows = sum(map(_rows, together))
             if kind == "layers":
                 states = model.run_batched([c.walk for c in together], together[0].layers, together[0].skip,
                                            together[0].weights)
-                self.rows.append(sum(c.walk.h.shape[1] for c in together))
+                self.rows.append(rows)
             else:
                 flat = [c.x.reshape(1, -1, c.x.shape[-1]) for c in together]
                 out = model.linear(torch.cat(flat, dim=1), together[0].weight, rows_apart=True)
@@ -239,7 +240,6 @@ class Batch:
             outs = {id(c): s for c, s in zip(together, states)}
             self.passes[len(together)] += 1
             self._record(kind, together)
-            rows = sum(_rows(c) for c in together)
             for c in together:  # each generation's ledger prices its rows as their share of this pass
                 if c.recorded is not None:
                     c.recorded[0].shared(c.recorded[1], rows)

@@ -155,13 +155,18 @@ def decoding_options(jc) -> DecodingOptions:
     return DecodingOptions.read({k: merged[k] for k in keys}, prefix="job.decoding")
 
 
-def _decode_time(decoder, prompts, n_new) -> tuple[float, int, int, int]:
+def _decode_time(decoder, prompts, n_new, profile=None) -> tuple[float, int, int, int]:
     """(decode seconds without prefill, decoded tokens, drafted, accepted drafts) over the prompts;
-    the prompt's pass is the generation's ledger's ``prefill`` (:mod:`selfspec.models.ledger`)."""
+    the prompt's pass is the generation's ledger's ``prefill`` (:mod:`selfspec.models.ledger`). With a
+    ``profile``, the seconds are each generation's trace priced with it instead of timed."""
     secs, toks, drafted, accepted = 0.0, 0, 0, 0
     for ids in prompts:
         g, _ = decoder.generate_timed(ids, n_new)  # a new skip set's passes built (captured) untimed
-        secs += g.seconds - g.ledger["prefill"]
+        if profile is None:
+            secs += g.seconds - g.ledger["prefill"]
+        else:
+            parts = profile.predict([t.row() for t in g.trace])
+            secs += sum(parts.values()) - parts["prefill"]
         toks += g.new_tokens - 1
         drafted += sum(g.drafted_per_step)
         accepted += g.accepted_drafts
@@ -360,23 +365,13 @@ class DecodedCostModel(CostModel):
     def __init__(self, model: LayeredModel, prompts, n_new: int, decoding: DecodingOptions, profile=None):
         super().__init__(model, prompts, n_new, decoding, profile)
         self.prompts = prompts
-        self.vanilla_spt = self._priced(Vanilla(model))[0]
-
-    def _priced(self, decoder) -> tuple[float, int, int, int]:
-        """(predicted seconds per decoded token, decoded tokens, drafted, accepted) of ``decoder`` over the
-        dev prompts, the prompt's step of each left out."""
-        seconds, tokens, drafted, accepted = 0.0, 0, 0, 0
-        for ids in self.prompts:
-            g = decoder.generate(ids, self.n_new)
-            parts = self.profile.predict([t.row() for t in g.trace])
-            seconds += sum(parts.values()) - parts["prefill"]
-            tokens += g.new_tokens - 1
-            drafted += sum(g.drafted_per_step)
-            accepted += g.accepted_drafts
-        return seconds / max(tokens, 1), tokens, drafted, accepted
+        seconds, tokens, _, _ = _decode_time(Vanilla(model), prompts, n_new, profile)
+        self.vanilla_spt = seconds / max(tokens, 1)
 
     def __call__(self, skip: SkipSet) -> dict[str, Any]:
-        spt, tokens, drafted, accepted = self._priced(DraftVerify(self.model, skip, self.decoding))
+        seconds, tokens, drafted, accepted = _decode_time(DraftVerify(self.model, skip, self.decoding), self.prompts,
+                                                          self.n_new, self.profile)
+        spt = seconds / max(tokens, 1)
         return {
             "objective": spt,
             "speedup": speedup(self.vanilla_spt, spt),
