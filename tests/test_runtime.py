@@ -183,6 +183,53 @@ def test_kernels_run_on_torchs_openmp_threads():
         assert len(eval(proc.stdout.strip().splitlines()[-1])) == 1, proc.stdout
 
 
+needs_onednn = pytest.mark.skipif(kernels.wide_path() != "onednn", reason="this torch has no oneDNN matmul")
+
+
+@needs_kernel
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (1536, 8960), (4000, 576), (64, 64), (40, 8)])
+def test_wide_float32_passes_take_onednn_with_rows_and_threads_apart(shape):
+    """A float32 pass of more than MAX_ROWS rows (the prompt's prefill) is oneDNN's matmul, close to
+    torch's; each row's bits are the same in passes of other row counts and on one thread and two
+    (the thread policy runs a wide pass on either): the bits the runtime's arithmetic promises."""
+    kernels.load()
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
+    x = torch.randn(1, 300, shape[1], generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = kernels.linear(x, w, b)
+        assert torch.equal(full, kernels.wide_linear(x, w, b))
+        torch.testing.assert_close(full, F.linear(x, w, b), rtol=1e-4, atol=1e-3)
+        for rows in (33, 40, 64, 129):
+            assert torch.equal(kernels.linear(x[:, :rows], w, b), full[:, :rows]), rows
+        torch.set_num_threads(1)
+        for rows in (33, 300):
+            assert torch.equal(kernels.linear(x[:, :rows], w, b), full[:, :rows]), rows
+    finally:
+        torch.set_num_threads(threads)
+    assert kernels.paths()["float32_wide"] == "onednn"
+
+
+@needs_kernel
+@needs_onednn
+def test_wide_passes_keep_autograd_and_torch_kernel_on_torchs_gemm(monkeypatch):
+    """A product that needs a gradient (PPD's prompt training) or a model on ``linear_kernel=torch``
+    stays on ``F.linear``: oneDNN's call records no backward."""
+    calls = []
+    monkeypatch.setattr(kernels, "wide_linear", lambda *a: calls.append(1) or F.linear(*a))
+    w = torch.randn(16, 8, requires_grad=True)
+    x = torch.randn(40, 8)
+    kernels.linear(x, w).sum().backward()
+    assert w.grad is not None and calls == []
+    kernels.linear(x, w.detach(), skinny=False)
+    assert calls == []
+    kernels.linear(x, w.detach())
+    assert calls == [1]
+
+
 def test_kernel_choice_is_refused_or_explained():
     with pytest.raises(ValueError, match=r"model.linear_kernel='fast' is not one of auto, skinny, torch"):
         kernels.resolve("fast", torch.device("cpu"), torch.float32)

@@ -1,8 +1,10 @@
 """CPU results that do not depend on the thread count, on every CPU: MKL's conditional numerical
 reproducibility (CNR) mode, strict.
 
-torch's float32 GEMM on the CPU is MKL's: the prompt's prefill, any pass of more than
-:data:`~selfspec.models.kernels.MAX_ROWS` rows (PPD's larger trees), training. MKL may split a
+torch's float32 GEMM on the CPU is MKL's: training, the transformers peers, and with
+``model.linear_kernel=torch`` the prompt's prefill and any pass of more than
+:data:`~selfspec.models.kernels.MAX_ROWS` rows (PPD's larger trees); with the runtime's kernels those
+take oneDNN's matmul (:func:`~selfspec.models.kernels.wide_path`). MKL may split a
 product differently on one and on two threads, and then the sums round differently. On the AMD
 EPYC machines (AVX2) this project was developed on the bits happened to agree; on an Intel Xeon
 (Sapphire Rapids: AVX-512, AMX) an 80-row prefill of a 3-layer model gave logits up to 6e-5 apart

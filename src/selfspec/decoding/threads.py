@@ -27,8 +27,10 @@ Outputs do not depend on the choice. Every operator of a decoding step (passes o
 norm and rotary, the head, token selection) computes each output element by the same instruction
 sequence whatever the thread count; ``tests/test_threads.py`` checks every method's generation at
 one and at two threads, token for token and logit for logit. The prompt's prefill runs through
-torch's GEMM, which is MKL's: on some CPUs (Intel Xeons with AVX-512) its results depend on the
-thread count unless MKL runs in its strict reproducibility mode, which selfspec sets when it is
+a library's GEMM: oneDNN's matmul where torch has it (:func:`~selfspec.models.kernels.wide_linear`:
+the same bits on one thread and two, checked by ``tests/test_runtime.py`` on each machine the tests
+run on), else MKL's, whose results depend on the thread count on some CPUs (Intel Xeons with
+AVX-512) unless MKL runs in its strict reproducibility mode, which selfspec sets when it is
 imported (:mod:`selfspec.numerics`). The prefill still runs at the configured count, as does
 everything outside a generation (the HF peers, training). A step's pass of more than ``MAX_ROWS``
 rows (PPD's larger trees) goes through the same GEMM on whichever count the step has, so under a

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "skinny", "torch")
-#: rows (tokens) up to which the skinny kernel runs; longer inputs (prefill) use torch's GEMM
+#: rows (tokens) up to which the skinny kernel runs in float32; longer inputs (prefill) take :func:`wide_linear`
 MAX_ROWS = 32
 #: dtypes in which attention of up to MAX_ROWS query rows (decoding steps, verification passes,
 #: trees) runs row by row (:func:`rowwise_attention`): exact, so a k-token pass attends as k
@@ -217,14 +217,15 @@ def _load_read_only(folder: Path, err: OSError) -> None:
 
 def paths() -> dict[str, str] | None:
     """The paths this process's CPU kernels take: ``float32`` (``avx2`` or ``avx512``, the path of a
-    many-row pass; the two give the same bits) and ``bfloat16`` (``widen``, ``avx512_bf16`` or
-    ``amx``: each its own bits and costs), or None where the kernels cannot run here. Part of what
+    many-row pass; the two give the same bits), ``bfloat16`` (``widen``, ``avx512_bf16`` or
+    ``amx``: each its own bits and costs) and ``float32_wide`` (:func:`wide_path`), or None where the kernels cannot run here. Part of what
     a machine is to a cost profile (:func:`selfspec.measure.profile.machine`) and to a run's record."""
     try:
         load()
     except KernelUnavailable:
         return None
-    return {"float32": torch.ops.selfspec.skinny_isa(""), "bfloat16": torch.ops.selfspec.skinny_bf16("")}
+    return {"float32": torch.ops.selfspec.skinny_isa(""), "bfloat16": torch.ops.selfspec.skinny_bf16(""),
+            "float32_wide": wide_path()}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,7 +244,8 @@ def _wants_grad(*tensors: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny: bool = True,
            rows_apart: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: the skinny kernel when ``skinny`` (the model's kernel is
-    ``skinny``) and the input suits it, else ``F.linear``. ``rows_apart``: a float32 input of more
+    ``skinny``) and the input suits it; a wider float32 input (more than :data:`MAX_ROWS` rows) by
+    :func:`wide_linear` (oneDNN) where torch has it; else ``F.linear``. ``rows_apart``: a float32 input of more
     than :data:`MAX_ROWS` rows runs in blocks of at most that many through the skinny kernel, so that
     each row's arithmetic is its own pass's (a batch of several sequences' few-row passes,
     :meth:`selfspec.models.layered.LayeredModel.run_batched`), where ``F.linear`` would block the rows
@@ -255,16 +257,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                     "on a CPU with AVX2); this model's linears are torch's")
         y = torch.ops.selfspec.quant_linear(x, weight)
         return y if bias is None else y + bias
-    if (skinny and x.dtype == weight.dtype and x.device.type == "cpu" and x.shape[-1] % 8 == 0
-            and not _wants_grad(x)):
-        if x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]:
-            # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
-            return skinny_linear(x, weight, bias)
-        if rows_apart:
-            rows = x.reshape(1, -1, x.shape[-1])
-            out = torch.cat([skinny_linear(block, weight, bias) for block in rows.split(MAX_ROWS, dim=1)], dim=1)
-            return out.view(*x.shape[:-1], -1)
+    if skinny and x.dtype == weight.dtype and x.device.type == "cpu" and not _wants_grad(x):
+        if x.shape[-1] % 8 == 0:
+            if x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]:
+                # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
+                return skinny_linear(x, weight, bias)
+            if rows_apart:
+                rows = x.reshape(1, -1, x.shape[-1])
+                out = torch.cat([skinny_linear(block, weight, bias) for block in rows.split(MAX_ROWS, dim=1)], dim=1)
+                return out.view(*x.shape[:-1], -1)
+        if x.dtype == torch.float32 and wide_path() == "onednn" and not _wants_grad(weight, *(() if bias is None else (bias,))):
+            return wide_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=1)
+def wide_path() -> str:
+    """Which library multiplies a float32 pass of more than :data:`MAX_ROWS` rows on the CPU (the
+    prompt's prefill, PPD's larger trees) when the runtime's kernels are on: ``onednn`` (oneDNN's
+    matmul, torch's ``mkldnn._linear_pointwise``) where torch has it, else ``torch`` (``F.linear``,
+    MKL's GEMM). On AMD CPUs MKL multiplies float32 with AVX2 code even where the CPU has AVX-512
+    (``MKL_CBWR`` and ``MKL_ENABLE_INSTRUCTIONS`` do not move it), oneDNN with the CPU's widest:
+    on a Zen 5, 2 threads, 480-500 GFLOPS against MKL's 205-225 for prefill shapes, and
+    SmolLM2's XSum prompts prefill in 0.6 s instead of 0.85, Qwen2.5-Coder-1.5B's in 4.1 s instead of
+    8.2 (docs/2026-12-05-quantised-drafts.md, "Prefill on oneDNN"). Its bits are its own (not
+    MKL's). oneDNN promises the same bits on every call with one thread count; across thread counts
+    and row counts it gave the same bits here for every shape tried (SmolLM2's, Qwen's, Llama-3-8B's
+    linears, 33-300 rows, 1-32 threads), and ``tests/test_kernels.py`` checks that on each machine
+    the tests run on: the thread policy (:mod:`selfspec.decoding.threads`) runs a wide pass on either
+    count. Part of :func:`paths`: a cost profile measured with the other library's prefill is not
+    this one's."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if torch.backends.mkldnn.is_available() and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise"):
+        return "onednn"
+    return "torch"
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` of a float32 CPU pass by oneDNN's matmul (:func:`wide_path`): no
+    autograd (the caller keeps products that need a gradient on ``F.linear``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _layer_ops_apply(*tensors: torch.Tensor) -> bool:
