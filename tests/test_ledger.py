@@ -775,6 +775,33 @@ def test_an_older_cached_profile_is_measured_again(tiny, tmp_path, monkeypatch):
     assert s["profile"]["path"] == str(path) and Profile.load(path).data["format"] == FORMAT
 
 
+def test_a_cached_profile_of_other_kernel_paths_is_measured_again(tiny, tmp_path, monkeypatch, caplog):
+    """The cache's file name names the libraries, not the kernels' paths: a profile kept before the
+    prefill's library changed (oneDNN for MKL) priced every later run with the old prefill's costs
+    (and a batched run's contention check then found no profile of this machine)."""
+    import selfspec.measure.profile as profiles
+    from selfspec.evaluation import profiling
+
+    path = tmp_path / "cache" / "tiny.json"
+    monkeypatch.setattr(profiles, "default_path", lambda model, device: path)
+    monkeypatch.setattr(profiles, "matching_shipped", lambda model: None)
+    monkeypatch.setattr("selfspec.measure.costs.OthersBusy.share", lambda self: 0.0)
+    small = profiling.measure_profile
+    monkeypatch.setattr(profiling, "measure_profile", lambda model, **kw: small(
+        model, rows=(1, 2), prefill_rows=(), contexts=(0,), repeats=1, **kw))
+    here = profiles.machine(tiny.model.device)
+    first = profiling.machine_profile(tiny.model)
+    assert first.describes(here) and profiling.machine_profile(tiny.model).data["measured"] == first.data["measured"]
+    stale = Profile.load(path)
+    stale.data["machine"]["kernel_paths"] = {**(here.get("kernel_paths") or {}), "float32_wide": "another library"}
+    stale.data["measured"] = "2000-01-01T00:00:00Z"
+    stale.save(path)
+    with caplog.at_level("WARNING"):
+        again = profiling.machine_profile(tiny.model)
+    assert "other kernel paths" in caplog.text and again.describes(here)
+    assert Profile.load(path).describes(here) and again.data["measured"] != "2000-01-01T00:00:00Z"
+
+
 def test_eager_passes_are_priced_apart_and_withheld_without_eager_prices():
     """Issue 38: a GPU profile is measured with CUDA graphs, so its tables price captured passes; a
     decoding pass that ran eagerly (PPD's trees wider than every bucket: 22,973 kernel launches in

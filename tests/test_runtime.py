@@ -230,6 +230,16 @@ def test_wide_passes_keep_autograd_and_torch_kernel_on_torchs_gemm(monkeypatch):
     assert calls == [1]
 
 
+@needs_kernel
+@needs_onednn
+def test_bench_prefill_script_times_both_libraries():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefill.py"), "--model", "tiny-random",
+                           "--task", "humaneval", "--n", "1", "--rounds", "1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("humaneval")]
+    assert rows == ["torch", "onednn"], proc.stdout
+
+
 def test_kernel_choice_is_refused_or_explained():
     with pytest.raises(ValueError, match=r"model.linear_kernel='fast' is not one of auto, skinny, torch"):
         kernels.resolve("fast", torch.device("cpu"), torch.float32)

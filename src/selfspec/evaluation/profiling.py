@@ -527,14 +527,21 @@ SPOILED_SHARE = 0.25
 
 def machine_profile(model) -> Profile:
     """This machine's cost profile of ``model`` (evaluate's ``profile=auto``): the one kept in the
-    asset cache (:func:`~selfspec.measure.profile.default_path`), else a shipped one of the same CPU,
+    asset cache (:func:`~selfspec.measure.profile.default_path`) if it describes this machine
+    (:meth:`~selfspec.measure.profile.Profile.describes`: its kernels' paths too), else a shipped one of the same CPU,
     threads and libraries, else measured once (:func:`measure_profile`) and kept there."""
-    from selfspec.measure.profile import default_path, matching_shipped
+    from selfspec.measure.profile import default_path, machine, matching_shipped
 
     path = default_path(model, model.device)
     profile = _cached_profile(path)
-    if profile is not None:
+    if profile is not None and profile.describes(machine(model.device)):
         return profile
+    if profile is not None:
+        # the cache's key names the libraries, not every path the kernels take (the bfloat16 units, the
+        # library of a prefill): one kept before such a path changed prices another runtime
+        log.warning("the cached cost profile %s was measured with other kernel paths or on another CPU than "
+                    "this one (%s against %s): measuring it again", path, profile.machine.get("kernel_paths"),
+                    machine(model.device).get("kernel_paths"))
     profile = matching_shipped(model)
     if profile is not None:
         log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "

@@ -280,7 +280,7 @@ def wide_path() -> str:
     (``MKL_CBWR`` and ``MKL_ENABLE_INSTRUCTIONS`` do not move it), oneDNN with the CPU's widest:
     on a Zen 5, 2 threads, 480-500 GFLOPS against MKL's 205-225 for prefill shapes, and
     SmolLM2's XSum prompts prefill in 0.6 s instead of 0.85, Qwen2.5-Coder-1.5B's in 4.1 s instead of
-    8.2 (docs/2026-12-05-quantised-drafts.md, "Prefill on oneDNN"). Its bits are its own (not
+    8.2 (docs/2026-12-06-prefill-on-onednn.md). Its bits are its own (not
     MKL's). oneDNN promises the same bits on every call with one thread count; across thread counts
     and row counts it gave the same bits here for every shape tried (SmolLM2's, Qwen's, Llama-3-8B's
     linears, 33-300 rows, 1-32 threads), and ``tests/test_kernels.py`` checks that on each machine
