@@ -95,7 +95,7 @@ ESTIMATE_H100 = {"llama3-8b-random": {"profile": 60, "ledger": 75, "capture": 10
                                       "training": 60, "methods": 90},
                  "smollm2-135m": {"profile": 50, "ledger": 30, "capture": 80, "ledger_long": 45, "runtime": 25,
                                   "training": 30, "methods": 60},
-                 "gemma3-270m-random": {"profile": 45}}
+                 "gemma3-270m-random": {"profile": 45}, "qwen2.5-coder-1.5b-random": {"profile": 50}}
 
 
 #: Gemma 3 270M's shape with random weights (``model=tiny-gemma3`` grown to it: 18 layers, 5 sliding of window
@@ -110,6 +110,16 @@ GEMMA3_SHAPE = ["model.name=gemma3-270m-random", "model.tokenizer=null",
                 "+model.random.rope_parameters={full_attention:{rope_type:default,rope_theta:1000000.0},"
                 "sliding_attention:{rope_type:default,rope_theta:10000.0}}",
                 "model.dtype=auto", "model.device=auto"]
+
+#: Qwen2.5-Coder-1.5B-Instruct's shape with random weights (``model=tiny-qwen2`` grown to it: 28 layers of width
+#: 1536, GQA 12/2 heads of 128 with q/k/v biases, MLP 8960, a tied 151,936-row head), bf16 on the GPU: the
+#: profile that ``python -m selfspec.project`` prices the 1.5B model's CPU traces with (issue 70)
+QWEN15_SHAPE = ["model.name=qwen2.5-coder-1.5b-random", "model.tokenizer=null",
+                "+model.random.vocab_size=151936", "model.random.hidden_size=1536", "model.random.intermediate_size=8960",
+                "model.random.num_hidden_layers=28", "model.random.num_attention_heads=12",
+                "model.random.num_key_value_heads=2", "model.random.tie_word_embeddings=true",
+                "+model.random.rope_theta=1000000.0", "model.random.rms_norm_eps=1.0e-06",
+                "model.random.max_position_embeddings=32768", "model.dtype=auto", "model.device=auto"]
 
 #: SmolLM2-135M's shape with random weights (model=llama3-8b-random with these overrides), for a GPU
 #: machine that has no copy of SmolLM2's weights (docs/gpu.md: how to bring the 94 MB GGUF file over)
@@ -141,8 +151,10 @@ def plan(dry_run: bool) -> dict:
         # the 8B shape with random weights (SmolLM2's tokenizer for the task prompts) first: its profile and
         # ledger are the check's most valuable figures; SmolLM2 when its weights are here, else its shape
         "models": {"llama3-8b-random": ["+model.tokenizer=smollm2-135m"], "smollm2-135m": []},
-        # Gemma 3 270M's shape, random weights: its profile only (~40 s), for projecting its CPU traces
-        "profile_only": {"gemma3-270m-random": ("tiny-gemma3", GEMMA3_SHAPE)},
+        # Gemma 3 270M's and Qwen2.5-Coder-1.5B's shapes, random weights: their profiles only (~40-50 s each),
+        # for projecting their CPU traces
+        "profile_only": {"gemma3-270m-random": ("tiny-gemma3", GEMMA3_SHAPE),
+                         "qwen2.5-coder-1.5b-random": ("tiny-qwen2", QWEN15_SHAPE)},
         "captures": ["graphs", "off"],
         "runtime": {"ks": [1, 2, 4, 8, 16, 32], "contexts": [128, 512, 1024], "new_tokens": 32, "repeats": 5},
         "profile": None,  # measure_profile's defaults

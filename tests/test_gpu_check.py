@@ -82,7 +82,8 @@ def test_gpu_check_dry_run_writes_measured_figures(tmp_path):
     assert profile["spans"] and set(profile["spans"]) == {"0", "32", "256"}  # static passes: their slots priced
     # the dry run composed the real check's models too: the 8B shape, SmolLM2's random shape, Gemma 3's
     assert report["composed"] == {k: "ok" for k in ("tiny-random", "tiny-gemma3", "llama3-8b-random", "smollm2-135m",
-                                                     "smollm2-135m-random", "gemma3-270m-random")}
+                                                     "smollm2-135m-random", "gemma3-270m-random",
+                                                     "qwen2.5-coder-1.5b-random")}
     # the H100 estimate of the real check, printed first: the default budget reaches both ledgers
     first = [(r["section"], r["model"]) for r in report["estimate"] if r["within_budget"]]
     assert first[:4] == [("profile", "llama3-8b-random"), ("ledger", "llama3-8b-random"),
