@@ -1,10 +1,9 @@
-"""The prompt's prefill with each way the runtime can multiply a pass of more than ``MAX_ROWS`` rows: oneDNN's
-matmul (what the runtime takes where it can, :func:`selfspec.models.kernels.wide_path`) and the other (float32:
-torch's ``F.linear``, MKL's GEMM; bfloat16: the skinny kernel), in turns in one process, on real prompts of each task.
+"""The prompt's prefill with each library that can multiply a float32 pass of more than ``MAX_ROWS`` rows: oneDNN's
+matmul (what the runtime takes where torch has it, :func:`selfspec.models.kernels.wide_path`) and torch's
+``F.linear`` (MKL's GEMM), in turns in one process, on real prompts of each task.
 
     python scripts/bench_prefill.py                                   # SmolLM2, three XSum and three HumanEval prompts
     python scripts/bench_prefill.py --model qwen2.5-coder-1.5b --task xsum
-    python scripts/bench_prefill.py -- model.dtype=bfloat16            # a bf16 model (extra model overrides)
 
 Each timing is the runtime's forward over a prompt into a fresh cache and the head on its last row, as a
 decoding run's first step; each library in turn, ``--rounds`` times; medians per prompt. Docs:
@@ -26,7 +25,6 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--task", default="xsum,humaneval", help="comma-separated conf/task names")
     p.add_argument("--n", type=int, default=3, help="prompts per task")
     p.add_argument("--rounds", type=int, default=2, help="timings of each prompt with each library")
-    p.add_argument("overrides", nargs="*", help="model config overrides (model.dtype=bfloat16)")
     args = p.parse_args(argv)
     for name in ("n", "rounds"):
         if getattr(args, name) < 1:
@@ -46,27 +44,19 @@ def prefill_seconds(model, ids: list[int]) -> float:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from omegaconf import OmegaConf
-
     from selfspec.config import model_config
     from selfspec.models import kernels
     from selfspec.models.loading import load_model
     from selfspec.tasks import build_task
 
-    cfg = OmegaConf.merge(model_config(args.model), OmegaConf.from_dotlist([o.removeprefix("model.")
-                                                                           for o in args.overrides]))
-    loaded = load_model(cfg)
+    loaded = load_model(model_config(args.model))
     model = loaded.model
-    if model.linear_kernel != "skinny":
-        raise SystemExit(f"{args.model} runs on the {model.linear_kernel} kernel here: the wide product is the "
-                         "runtime kernels' prefill")
+    if model.dtype != torch.float32 or model.linear_kernel != "skinny":
+        raise SystemExit(f"{args.model} runs {model.dtype} on the {model.linear_kernel} kernel here: the wide float32 "
+                         "product is the runtime kernels' float32 prefill")
+    libraries = {"torch": lambda: "torch", kernels.wide_path(): kernels.wide_path}
     real = kernels.wide_path
-    other = "skinny" if model.dtype == torch.bfloat16 else "torch"
-    libraries = {other: lambda dtype=torch.float32: other}
-    if real(model.dtype) != other:
-        libraries[real(model.dtype)] = real
-    print(f"{args.model} ({str(model.dtype).removeprefix('torch.')}), {torch.get_num_threads()} threads; "
-          f"libraries: {', '.join(libraries)}", flush=True)
+    print(f"{args.model}, {torch.get_num_threads()} threads; libraries: {', '.join(libraries)}", flush=True)
     try:
         for task_name in args.task.split(","):
             task = build_task({"name": task_name, "n_examples": args.n})

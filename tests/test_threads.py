@@ -278,3 +278,22 @@ def test_threads_is_checked_before_the_model_loads(tmp_path):
         _check_run_options(compose(["model=tiny-random", "threads=adaptive", "profile=null"]))
     assert why_not_adaptive(torch.device("cuda"), FlatProfile()).startswith("it chooses CPU threads")
     assert why_not_adaptive(torch.device("cpu"), None) is not None
+
+
+def test_adaptive_threads_are_refused_where_the_wide_product_depends_on_the_thread_count(monkeypatch):
+    """oneDNN promises the same bits at one thread count only: the policy, which runs a prefill-wide
+    pass (PPD's larger trees) on either count, is refused where a product differs on 1 and N threads."""
+    from selfspec.models import kernels
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread here: nothing to switch")
+    assert kernels.wide_thread_dependence(torch.get_num_threads()) is None  # every CPU the tests ran on
+    assert why_not_adaptive(torch.device("cpu"), FlatProfile()) is None
+    real = kernels.wide_linear
+    monkeypatch.setattr(kernels, "wide_linear", lambda x, w, b=None: real(x, w, b) + (torch.get_num_threads() > 1))
+    kernels.wide_thread_dependence.cache_clear()
+    try:
+        why = why_not_adaptive(torch.device("cpu"), FlatProfile())
+    finally:
+        kernels.wide_thread_dependence.cache_clear()
+    assert why is not None and "oneDNN" in why and "1 and" in why

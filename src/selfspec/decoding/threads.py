@@ -28,8 +28,8 @@ norm and rotary, the head, token selection) computes each output element by the 
 sequence whatever the thread count; ``tests/test_threads.py`` checks every method's generation at
 one and at two threads, token for token and logit for logit. The prompt's prefill runs through
 a library's GEMM: oneDNN's matmul where torch has it (:func:`~selfspec.models.kernels.wide_linear`:
-the same bits on one thread and two, checked by ``tests/test_runtime.py`` on each machine the tests
-run on), else MKL's, whose results depend on the thread count on some CPUs (Intel Xeons with
+the policy is refused where it gives other bits on one thread than on the configured count,
+:func:`~selfspec.models.kernels.wide_thread_dependence`), else MKL's, whose results depend on the thread count on some CPUs (Intel Xeons with
 AVX-512) unless MKL runs in its strict reproducibility mode, which selfspec sets when it is
 imported (:mod:`selfspec.numerics`). The prefill still runs at the configured count, as does
 everything outside a generation (the HF peers, training). A step's pass of more than ``MAX_ROWS``
@@ -67,7 +67,9 @@ def why_not_adaptive(device: torch.device, profile) -> str | None:
         return "it prices steps with this machine's cost profile, and the run has none (profile=auto)"
     from selfspec.numerics import thread_dependence
 
-    why = thread_dependence()
+    from selfspec.models.kernels import wide_thread_dependence
+
+    why = thread_dependence() or wide_thread_dependence(torch.get_num_threads())
     if why:
         return f"it switches thread counts mid-generation, and {why}"
     return None

@@ -533,15 +533,18 @@ def machine_profile(model) -> Profile:
     from selfspec.measure.profile import default_path, machine, matching_shipped
 
     path = default_path(model, model.device)
+    here = machine(model.device)
     profile = _cached_profile(path)
-    if profile is not None and profile.describes(machine(model.device)):
+    if profile is not None and profile.describes(here):
         return profile
     if profile is not None:
         # the cache's key names the libraries, not every path the kernels take (the bfloat16 units, the
         # library of a prefill): one kept before such a path changed prices another runtime
-        log.warning("the cached cost profile %s was measured with other kernel paths or on another CPU than "
-                    "this one (%s against %s): measuring it again", path, profile.machine.get("kernel_paths"),
-                    machine(model.device).get("kernel_paths"))
+        differ = {k: (profile.machine.get(k), here.get(k)) for k in ("threads", "kernel_paths", "cpu_family",
+                                                                       "cpu_model", "cpu_avx512")
+                  if profile.machine.get(k) != here.get(k)}
+        log.warning("the cached cost profile %s describes another machine than this process's (%s: "
+                    "cached, here): not used", path, differ)
     profile = matching_shipped(model)
     if profile is not None:
         log.info("cost profile: the shipped %s (this CPU, threads and libraries); `make profile` measures "

@@ -19,10 +19,10 @@ tree, skip set, exit layer and accepted count: ragged by construction, and nothi
 
 **Lossless per sequence.** Each row of a batched pass is computed as its own pass computes it: the
 linears take the rows in blocks whose arithmetic does not depend on the other rows (the skinny CPU
-kernel, up to :data:`~selfspec.models.kernels.MAX_ROWS` rows a block, any number in bfloat16 on a
-CPU without bfloat16 dot-product units), and the attention runs each pass's rows over that sequence's keys as the pass alone
-would. A pass of more than ``MAX_ROWS`` rows (a prefill, a large PPD tree; in bfloat16 where the CPU has
-AVX-512-BF16 or AMX) computes its linears with a library's GEMM (:func:`~selfspec.models.kernels.wide_linear`, oneDNN's, or torch's), which does
+kernel, up to :data:`~selfspec.models.kernels.MAX_ROWS` float32 rows a block, any number in
+bfloat16), and the attention runs each pass's rows over that sequence's keys as the pass alone
+would. A float32 pass of more than ``MAX_ROWS`` rows (a prefill, a large PPD tree) computes its
+linears with a library's GEMM (:func:`~selfspec.models.kernels.wide_linear`, oneDNN's, or torch's), which does
 not promise rows independent of the block, so it runs alone, as it does outside a
 batch. Every sequence of a batch therefore decodes the tokens it decodes alone, bit for bit
 (tests/test_batch.py), under sampling too (each generation has its own seeded generator).
@@ -277,11 +277,10 @@ class Batch:
     def _joins(self, call: _Parked) -> bool:
         """Whether a parked call's rows can share a pass with others and stay what they are alone: the
         runtime's skinny kernel (row-independent), no gradient, and in float32 at most
-        :data:`~selfspec.models.kernels.MAX_ROWS` rows (more take a library's GEMM alone; in bfloat16 too where
-        the CPU has bfloat16 dot-product units, :func:`~selfspec.models.kernels.wide_path`)."""
+        :data:`~selfspec.models.kernels.MAX_ROWS` rows (more take a library's GEMM alone)."""
         model = self.model
         x = call.walk.h if call.walk is not None else call.x
         if model.linear_kernel != "skinny" or torch.is_grad_enabled() or x.dtype != model.dtype:
             return False
         rows = x.numel() // x.shape[-1]
-        return rows <= kernels.MAX_ROWS or x.dtype == torch.bfloat16 and kernels.wide_path(x.dtype) != "onednn"
+        return x.dtype == torch.bfloat16 or rows <= kernels.MAX_ROWS

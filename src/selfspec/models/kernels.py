@@ -17,9 +17,8 @@ kernel runs passes of more than 6 rows, chosen at runtime (the build flags stay 
 bit-identical to the AVX2 path, 1.07-1.31x faster from 7 to 32 rows on SmolLM2 and slower below
 (``scripts/bench_kernel_paths.py``; ``torch.ops.selfspec.skinny_isa`` forces either path, for tests).
 
-bfloat16 weights and activations take the kernel for up to ``MAX_ROWS`` rows, and for every row count,
-prefill included, on a CPU without bfloat16 dot-product units (torch's bfloat16 GEMM on an AVX2 CPU is 4x
-slower; with AVX-512-BF16 or AMX a wider pass takes oneDNN's, :func:`wide_path`), accumulated in float32 and rounded to bfloat16 once, by
+bfloat16 weights and activations take the kernel for every row count, prefill included (torch's
+bfloat16 GEMM on an AVX2 CPU is 4x slower), accumulated in float32 and rounded to bfloat16 once, by
 the fastest path the CPU has (``csrc/bf16_dot.cpp``; ``torch.ops.selfspec.skinny_bf16`` reports or
 forces it): AMX tiles (TDPBF16PS) where the CPU has AMX-BF16, VDPBF16PS where it has AVX-512-BF16,
 else each value widened exactly to float32 and float32 FMAs. Each path's rows are independent of
@@ -226,7 +225,7 @@ def paths() -> dict[str, str] | None:
     except KernelUnavailable:
         return None
     return {"float32": torch.ops.selfspec.skinny_isa(""), "bfloat16": torch.ops.selfspec.skinny_bf16(""),
-            "float32_wide": wide_path(), "bfloat16_wide": wide_path(torch.bfloat16)}
+            "float32_wide": wide_path()}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,46 +258,63 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.ops.selfspec.quant_linear(x, weight)
         return y if bias is None else y + bias
     if skinny and x.dtype == weight.dtype and x.device.type == "cpu" and not _wants_grad(x):
-        wide = x.numel() > MAX_ROWS * x.shape[-1]
-        if (wide and not rows_apart and wide_path(x.dtype) == "onednn"
-                and not _wants_grad(weight, *(() if bias is None else (bias,)))):
-            return wide_linear(x, weight, bias)
         if x.shape[-1] % 8 == 0:
-            if x.dtype == torch.bfloat16 or not wide:
-                # bfloat16 without its dot-product units: every row count (prefill too)
+            if x.dtype == torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1]:
+                # bfloat16: every row count (prefill too), so that a prompt row equals a decoding row
                 return skinny_linear(x, weight, bias)
             if rows_apart:
                 rows = x.reshape(1, -1, x.shape[-1])
                 out = torch.cat([skinny_linear(block, weight, bias) for block in rows.split(MAX_ROWS, dim=1)], dim=1)
                 return out.view(*x.shape[:-1], -1)
+        if x.dtype == torch.float32 and wide_path() == "onednn" and not _wants_grad(weight, *(() if bias is None else (bias,))):
+            return wide_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-@functools.lru_cache(maxsize=2)
-def wide_path(dtype: torch.dtype = torch.float32) -> str:
-    """Which library multiplies a pass of more than :data:`MAX_ROWS` rows on the CPU (the prompt's
-    prefill, PPD's larger trees) when the runtime's kernels are on. float32: ``onednn`` (oneDNN's
+@functools.lru_cache(maxsize=1)
+def wide_path() -> str:
+    """Which library multiplies a float32 pass of more than :data:`MAX_ROWS` rows on the CPU (the
+    prompt's prefill, PPD's larger trees) when the runtime's kernels are on: ``onednn`` (oneDNN's
     matmul, torch's ``mkldnn._linear_pointwise``) where torch has it, else ``torch`` (``F.linear``,
-    MKL's GEMM). bfloat16: ``onednn`` where the CPU also multiplies bfloat16 on its dot-product units
-    (AVX-512-BF16, AMX: oneDNN reaches about 1 TFLOPS on 2 Zen 5 cores, the skinny kernel 455-560
-    GFLOPS), else ``skinny`` (the skinny kernel at every row count: torch's bfloat16 GEMM on an AVX2
-    CPU is 4x slower). On AMD CPUs MKL multiplies float32 with AVX2 code even where the CPU has AVX-512
+    MKL's GEMM). On AMD CPUs MKL multiplies float32 with AVX2 code even where the CPU has AVX-512
     (``MKL_CBWR`` and ``MKL_ENABLE_INSTRUCTIONS`` do not move it), oneDNN with the CPU's widest:
     on a Zen 5, 2 threads, 480-500 GFLOPS against MKL's 205-225 for prefill shapes, and
     SmolLM2's XSum prompts prefill in 0.6 s instead of 0.85, Qwen2.5-Coder-1.5B's in 4.1 s instead of
     8.2 (docs/2026-12-06-prefill-on-onednn.md). Its bits are its own (not
     MKL's). oneDNN promises the same bits on every call with one thread count; across thread counts
     and row counts it gave the same bits here for every shape tried (SmolLM2's, Qwen's, Llama-3-8B's
-    linears, 33-300 rows, 1-32 threads), and ``tests/test_kernels.py`` checks that on each machine
-    the tests run on: the thread policy (:mod:`selfspec.decoding.threads`) runs a wide pass on either
-    count. Part of :func:`paths`: a cost profile measured with the other library's prefill is not
+    linears, 33-300 rows, 1-32 threads), ``tests/test_runtime.py`` checks that on each machine the
+    tests run on, and the thread policy (:mod:`selfspec.decoding.threads`), which runs a wide pass on
+    either count, is refused where :func:`wide_thread_dependence` finds it otherwise. Part of :func:`paths`: a cost profile measured with the other library's prefill is not
     this one's."""
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    onednn = torch.backends.mkldnn.is_available() and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise")
-    if dtype == torch.bfloat16:
-        units = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        return "onednn" if onednn and units else "skinny"
-    return "onednn" if onednn else "torch"
+    if torch.backends.mkldnn.is_available() and mkldnn is not None and hasattr(mkldnn, "_linear_pointwise"):
+        return "onednn"
+    return "torch"
+
+
+@functools.lru_cache(maxsize=8)
+def wide_thread_dependence(threads: int) -> str | None:
+    """Why a wide float32 pass (:func:`wide_linear`) may give other bits on one thread than on
+    ``threads`` here, or None: it gave the same bits on products of the shapes where a library would
+    split a sum between threads first (few rows and outputs, long inputs) and of model-sized ones. oneDNN
+    promises the same bits at one thread count only; this is what lets the thread policy switch counts."""
+    if wide_path() != "onednn" or threads < 2:
+        return None
+    g = torch.Generator().manual_seed(0)
+    current = torch.get_num_threads()
+    try:
+        for rows, k, n in ((33, 8192, 64), (40, 14336, 512), (33, 576, 1536), (64, 1536, 8960)):
+            x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+            torch.set_num_threads(threads)
+            many = wide_linear(x, w)
+            torch.set_num_threads(1)
+            if not torch.equal(many, wide_linear(x, w)):
+                return (f"oneDNN's matmul (the prefill's and wider passes' linears) gave other bits on 1 and {threads} "
+                        f"threads for a {rows}x{k} @ {k}x{n} product")
+    finally:
+        torch.set_num_threads(current)
+    return None
 
 
 def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
