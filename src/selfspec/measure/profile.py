@@ -505,6 +505,21 @@ class Profile:
         layer = self.layer_cost(1, context)
         return self.head(1, vocab) / layer if layer > 0 else float("inf")
 
+    def _joined(self, op) -> float:
+        """Seconds of a batch's joined pass ``op`` (a walk or head product of several sequences' rows). Its
+        linears keep each row's arithmetic its own (``rows_apart``): in float32 on a CPU, blocks of at most
+        :data:`~selfspec.models.kernels.MAX_ROWS` rows through the skinny kernel, where a single pass that
+        wide takes a library's GEMM (the prefill's: :func:`~selfspec.models.kernels.wide_path`). So it is
+        priced as its blocks, the walk's host work once."""
+        from selfspec.models.kernels import MAX_ROWS
+
+        if self.machine.get("device") != "cpu" or self.shape.get("dtype") != "float32" or op.rows <= MAX_ROWS:
+            return self.op(op)
+        full, rest = divmod(op.rows, MAX_ROWS)
+        blocks = [MAX_ROWS] * full + ([rest] if rest else [])
+        walk = self.walk if op.kind == "L" else 0.0
+        return sum(self.op(op._replace(rows=n)) for n in blocks) - walk * (len(blocks) - 1)
+
     def op(self, op: "Op | list") -> float:
         """Seconds of one ledger op (:mod:`selfspec.models.ledger`; a record or a trace's stored list). A
         walk or head product that ran in a batch's pass with other sequences' rows costs its rows' share
@@ -513,8 +528,8 @@ class Profile:
         shares add up to the pass (the speculation gate decides per sequence from that,
         :mod:`selfspec.decoding.gate`)."""
         op = as_op(op)
-        if op.kind in ("L", "H") and op.shared > op.rows:
-            return self.op(op._replace(rows=op.shared, shared=0)) * op.rows / op.shared
+        if op.kind in ("L", "H") and op.shared and op.shared >= op.rows:
+            return self._joined(op._replace(rows=op.shared, shared=0)) * op.rows / op.shared
         if op.kind == "L" and op.weights:  # a walk over a quantised copy (a draft's): its own tables, dynamic
             return (self.walk + op.attention * self.attention_cost(op.rows, op.context, weights=op.weights)
                     + op.mlp * self.mlp_cost(op.rows, op.weights))

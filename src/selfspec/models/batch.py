@@ -262,7 +262,7 @@ class Batch:
         if kind == "head":
             rows = sum(map(_rows, calls))
             self.ops.append(HeadOp(component, rows, int(calls[0].weight.shape[0]),
-                                   weights_format(calls[0].weight) or ""))
+                                   weights_format(calls[0].weight) or "", shared=rows if len(calls) > 1 else 0))
             return
         layers, skip = list(calls[0].layers), calls[0].skip
         if not layers:
@@ -272,7 +272,8 @@ class Batch:
         sizes = [_rows(c) for c in calls]
         contexts = [c.walk.kv.length(layers[0]) if hasattr(c.walk.kv, "length") else 0 for c in calls]
         context = round(sum(n * t for n, t in zip(sizes, contexts)) / sum(sizes))
-        self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context, weights=calls[0].weights or ""))
+        self.ops.append(LayerOp(component, sum(sizes), attention, mlp, context, weights=calls[0].weights or "",
+                                shared=sum(sizes) if len(calls) > 1 else 0))  # joined: priced as it ran
 
     def _joins(self, call: _Parked) -> bool:
         """Whether a parked call's rows can share a pass with others and stay what they are alone: the
