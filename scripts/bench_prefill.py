@@ -5,8 +5,9 @@ matmul (what the runtime takes where torch has it, :func:`selfspec.models.kernel
     python scripts/bench_prefill.py                                   # SmolLM2, three XSum and three HumanEval prompts
     python scripts/bench_prefill.py --model qwen2.5-coder-1.5b --task xsum
 
-Each timing is the runtime's forward over a prompt into a fresh cache and the head on its last row, as a
-decoding run's first step; each library in turn, ``--rounds`` times; medians per prompt. Docs:
+Each timing is the runtime's forward over a prompt's length of tokens into a fresh cache and the head on one
+row, as a decoding run's first step (its cost does not depend on the tokens' values); each library in turn,
+``--rounds`` times; medians per prompt. Docs:
 docs/2026-12-06-prefill-on-onednn.md.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
@@ -32,14 +32,12 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def prefill_seconds(model, ids: list[int]) -> float:
-    """One prefill of ``ids`` into a fresh cache, with the head on its last row."""
-    with torch.inference_mode():
-        cache = model.new_cache(len(ids) + 1)
-        t0 = time.perf_counter()
-        h = model.forward(torch.tensor([ids], device=model.device), cache)
-        model.logits(h[:, -1]).argmax(-1).item()
-        return time.perf_counter() - t0
+def prefill_seconds(model, n: int) -> float:
+    """One prefill of ``n`` tokens into a fresh cache with the head on one row, timed by the cost profile's
+    own timer (:func:`selfspec.measure.costs.time_forward`: a warm-up run, then the timed one)."""
+    from selfspec.measure.costs import time_forward
+
+    return time_forward(model, model.new_cache(n + 1), 0, n, repeats=1, logits_rows=1)
 
 
 def main(argv=None) -> int:
@@ -62,12 +60,11 @@ def main(argv=None) -> int:
             task = build_task({"name": task_name, "n_examples": args.n})
             prompts = [task.encode(example, loaded.tokenizer) for example in task.examples()]
             times = {name: [[] for _ in prompts] for name in libraries}
-            prefill_seconds(model, prompts[0])  # warm-up
             for _ in range(args.rounds):
                 for name, path in libraries.items():
                     kernels.wide_path = path
                     for i, ids in enumerate(prompts):
-                        times[name][i].append(prefill_seconds(model, ids))
+                        times[name][i].append(prefill_seconds(model, len(ids)))
             for name in libraries:
                 cells = ", ".join(f"{len(ids)}: {statistics.median(t) * 1e3:.0f} ms" for ids, t in zip(prompts, times[name]))
                 print(f"{task_name:<10} {name:<7} {cells}", flush=True)

@@ -65,9 +65,8 @@ def why_not_adaptive(device: torch.device, profile) -> str | None:
         return "torch runs one thread here, so there is nothing to choose (torch.set_num_threads)"
     if profile is None:
         return "it prices steps with this machine's cost profile, and the run has none (profile=auto)"
-    from selfspec.numerics import thread_dependence
-
     from selfspec.models.kernels import wide_thread_dependence
+    from selfspec.numerics import thread_dependence
 
     why = thread_dependence() or wide_thread_dependence(torch.get_num_threads())
     if why:

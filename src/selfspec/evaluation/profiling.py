@@ -535,14 +535,13 @@ def machine_profile(model) -> Profile:
     path = default_path(model, model.device)
     here = machine(model.device)
     profile = _cached_profile(path)
-    if profile is not None and profile.describes(here):
+    # the cache's key names the machine and libraries, not every path the kernels take (the bfloat16 units,
+    # the library of a prefill): one kept before such a path changed prices another runtime. A CPU's thread
+    # count is in the key; a GPU's profile does not depend on its host's
+    differ = {} if profile is None else {k: v for k, v in profile.differences(here).items() if k != "threads"}
+    if profile is not None and not differ:
         return profile
     if profile is not None:
-        # the cache's key names the libraries, not every path the kernels take (the bfloat16 units, the
-        # library of a prefill): one kept before such a path changed prices another runtime
-        differ = {k: (profile.machine.get(k), here.get(k)) for k in ("threads", "kernel_paths", "cpu_family",
-                                                                       "cpu_model", "cpu_avx512")
-                  if profile.machine.get(k) != here.get(k)}
         log.warning("the cached cost profile %s describes another machine than this process's (%s: "
                     "cached, here): not used", path, differ)
     profile = matching_shipped(model)

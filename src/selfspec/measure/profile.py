@@ -385,9 +385,15 @@ class Profile:
         device, hardware, threads and, on a CPU, the kernels' paths and the CPU's family, model and
         AVX-512 (a profile recorded before them describes no CPU that records them: one named
         ``cpu-amd-epyc-avx512-bf16-2t`` may be a Zen 4's or a Zen 5's)."""
+        return not self.differences(info)
+
+    def differences(self, info: dict[str, Any]) -> dict[str, tuple]:
+        """What of :meth:`describes`'s machine record differs between this profile's and ``info``:
+        ``{key: (this profile's, info's)}``."""
         mine = self.machine
-        return all(mine.get(k) == info.get(k) for k in ("device", "hardware", "threads", "kernel_paths",
-                                                         "cpu_family", "cpu_model", "cpu_avx512"))
+        return {k: (mine.get(k), info.get(k)) for k in ("device", "hardware", "threads", "kernel_paths",
+                                                          "cpu_family", "cpu_model", "cpu_avx512")
+                if mine.get(k) != info.get(k)}
 
     def summary(self) -> dict[str, Any]:
         """What a run records of the profile it was costed with (``plan``: the thinner plan it was

@@ -266,7 +266,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 rows = x.reshape(1, -1, x.shape[-1])
                 out = torch.cat([skinny_linear(block, weight, bias) for block in rows.split(MAX_ROWS, dim=1)], dim=1)
                 return out.view(*x.shape[:-1], -1)
-        if x.dtype == torch.float32 and wide_path() == "onednn" and not _wants_grad(weight, *(() if bias is None else (bias,))):
+        if x.dtype == torch.float32 and wide_path() == "onednn" and not _wants_grad(*(t for t in (weight, bias) if t is not None)):
             return wide_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
