@@ -5,6 +5,7 @@ side in one process.
     python scripts/bench_quant_drafts.py                                # SmolLM2, four HumanEval, one XSum, one GSM8K
     python scripts/bench_quant_drafts.py --model gemma3-270m --tokens 64
     python scripts/bench_quant_drafts.py -- model.dtype=bfloat16         # a bf16 target (extra model overrides)
+    python scripts/bench_quant_drafts.py --paths --no-float-x           # each copy's pass on each kernel path too
 
 Agreement: the target's greedy continuation of each prompt (``--tokens`` new tokens), then one pass over the
 prompt and that continuation through the copy; the share of positions where the copy's argmax is the target's
@@ -12,7 +13,9 @@ next token (a draft's acceptance at that position if every earlier one was accep
 of the same rounded weights multiplied by float activations (a second model whose linears hold the copy
 dequantised): what rounding the activations per block, as the kernel's integer dot products do, costs. Cost: a draft pass of
 one row after ``--context`` positions (every layer and the head, over the copy) and the target's step at the
-same context, interleaved in rounds, medians; the ratio is what a draft costs in steps.
+same context, interleaved in rounds, medians; the ratio is what a draft costs in steps. ``--paths``: each copy's
+pass also on every path of the quantised kernel this CPU has (``avx2``: vpmaddubsw and vpmaddwd; ``avx512_vnni``:
+vpdpbusd, where the CPU has it; the two give the same bits, checked here), taking turns with the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="timing rounds (each: every pass, 10 times; medians)")
     p.add_argument("--no-float-x", action="store_true",
                    help="leave out the agreement with float activations (it loads a second copy of the model)")
+    p.add_argument("--paths", action="store_true",
+                   help="time each copy's pass on every path of the quantised kernel this CPU has (avx2, avx512_vnni)")
     p.add_argument("overrides", nargs="*", help="model config overrides (model.dtype=bfloat16)")
     args = p.parse_args(argv)
     for name in ("tokens", "context", "rounds"):
@@ -93,8 +98,17 @@ def float_agreement(model, twin, ids: list[int], n: int) -> tuple[int, int]:
     return sum(a == b for a, b in zip(guess, target)), len(target)
 
 
-def timings(model, context: int, rounds: int) -> dict[str, float]:
-    """Median seconds of a one-row pass and its head, over the target's weights and each copy's."""
+def quant_paths() -> list[str]:
+    """The quantised kernel's paths this CPU has: ``avx2`` and, where the CPU has AVX-512-VNNI, ``avx512_vnni``."""
+    torch.ops.selfspec.skinny_isa("auto")
+    auto = torch.ops.selfspec.quant_path()
+    return ["avx2"] + ([auto] if auto != "avx2" else [])
+
+
+def timings(model, context: int, rounds: int, paths: list[str]) -> dict[str, float]:
+    """Median seconds of a one-row pass and its head, over the target's weights and each copy's; with more
+    than one of ``paths``, each copy's pass on each (``fmt@path``). Returns the logits of the last pass of
+    each in ``_logits`` too (the paths' bits compared)."""
     from selfspec.models.passes import Pass
     from selfspec.models.quantised import FORMATS
 
@@ -102,25 +116,33 @@ def timings(model, context: int, rounds: int) -> dict[str, float]:
         cache = model.new_cache(context + 2)
         model.forward(torch.randint(100, 1000, (1, context)), cache)
         x = torch.randint(100, 1000, (1, 1))
-        runs = {"target": Pass(), **{fmt: Pass(weights=fmt) for fmt in FORMATS}}
+        runs = {"target": (Pass(), None)}
+        for fmt in FORMATS:
+            runs |= ({fmt: (Pass(weights=fmt), None)} if len(paths) < 2
+                     else {f"{fmt}@{path}": (Pass(weights=fmt), path) for path in paths})
+        logits: dict[str, torch.Tensor] = {}
 
-        def one(p: Pass) -> None:
+        def one(k: str) -> None:
+            p, path = runs[k]
+            torch.ops.selfspec.skinny_isa("avx2" if path == "avx2" else "auto")
             h = model.forward(x, cache, p, start=context)
             cache.truncate(context)
             head = None if p.weights is None else model.weight_set(p.weights).head
-            model.head(model.final_norm(h), head).argmax(-1).item()
+            logits[k] = model.head(model.final_norm(h), head)
+            logits[k].argmax(-1).item()
 
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(rounds):
-            for k, p in runs.items():
-                one(p)
+            for k in runs:
+                one(k)
                 ts = []
                 for _ in range(10):
                     t0 = time.perf_counter()
-                    one(p)
+                    one(k)
                     ts.append(time.perf_counter() - t0)
                 times[k].append(statistics.median(ts))
-    return {k: statistics.median(v) for k, v in times.items()}
+        torch.ops.selfspec.skinny_isa("auto")
+    return {k: statistics.median(v) for k, v in times.items()} | {"_logits": logits}
 
 
 def main(argv=None) -> int:
@@ -151,16 +173,22 @@ def main(argv=None) -> int:
         hits = [float_agreement(model, twin, p, args.tokens) for p in ps]
         weights_only[fmt] = sum(h for h, _ in hits) / sum(n for _, n in hits)
         del twin
-    cost = timings(model, args.context, args.rounds)
+    paths = quant_paths() if args.paths else []
+    cost = timings(model, args.context, args.rounds, paths)
+    logits = cost.pop("_logits")
     elem = model.lm_head_weight.element_size()
     print(f"\n{args.model} ({str(model.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads), "
           f"{len(ps)} prompts x {args.tokens} tokens, passes after {args.context} positions:")
-    print(f"{'weights':<9}{'bytes vs target':>17}{'agreement':>11}{'float x':>9}{'pass ms':>9}{'steps':>7}")
-    print(f"{'target':<9}{1.0:>17.3f}{1.0:>11.3f}{1.0:>9.3f}{cost['target'] * 1e3:>9.2f}{1.0:>7.2f}")
+    print(f"{'weights':<18}{'bytes vs target':>17}{'agreement':>11}{'float x':>9}{'pass ms':>9}{'steps':>7}")
+    print(f"{'target':<18}{1.0:>17.3f}{1.0:>11.3f}{1.0:>9.3f}{cost['target'] * 1e3:>9.2f}{1.0:>7.2f}")
     for fmt in FORMATS:
         ratio = packed_bytes(fmt, 1, 1024) / (1024 * elem)
-        print(f"{fmt:<9}{ratio:>17.3f}{agree[fmt]:>11.3f}{weights_only[fmt]:>9.3f}{cost[fmt] * 1e3:>9.2f}"
-              f"{cost[fmt] / cost['target']:>7.2f}")
+        for key in [f"{fmt}@{path}" for path in paths] if len(paths) > 1 else [fmt]:
+            print(f"{key:<18}{ratio:>17.3f}{agree[fmt]:>11.3f}{weights_only[fmt]:>9.3f}{cost[key] * 1e3:>9.2f}"
+                  f"{cost[key] / cost['target']:>7.2f}")
+        if len(paths) > 1:
+            same = all(torch.equal(logits[f"{fmt}@{paths[0]}"], logits[f"{fmt}@{path}"]) for path in paths[1:])
+            print(f"  {fmt}: the paths' logits {'are the same bits' if same else 'DIFFER'}")
     return 0
 
 

@@ -78,6 +78,33 @@ def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k,
         torch.ops.selfspec.quant_linear(x[:, :32], packed)
 
 
+@pytest.mark.parametrize("fmt", quantised.FORMATS)
+def test_the_kernels_vnni_path_gives_its_avx2_paths_bits(fmt):
+    """Where the CPU has AVX-512-VNNI the kernel takes vpdpbusd for each block's integer sums; the AVX2 path
+    (``skinny_isa("avx2")`` forces it) sums the same integers in two instructions. A draft is then the same
+    on every CPU: both paths, bit for bit, at every row count of a pass and on shapes with a remainder of
+    weight rows."""
+    from selfspec.models import kernels
+
+    kernels.load()
+    ops = torch.ops.selfspec
+    if ops.quant_path() != "avx512_vnni":
+        pytest.skip(f"this CPU's quantised kernel takes the {ops.quant_path()} path only (no AVX-512-VNNI)")
+    g = torch.Generator().manual_seed(7)
+    try:
+        for k, n in [(576, 1538), (1536, 97)]:
+            packed = quantised.quantise(torch.randn(n, k, generator=g) * 0.05, fmt)
+            for m in (1, 3, 8):
+                x = torch.randn(m, k, generator=g) * 3
+                vnni = ops.quant_linear(x, packed)
+                ops.skinny_isa("avx2")
+                assert ops.quant_path() == "avx2"
+                assert torch.equal(ops.quant_linear(x, packed), vnni), (k, n, m)
+                ops.skinny_isa("auto")
+    finally:
+        ops.skinny_isa("auto")
+
+
 def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, monkeypatch):
     """``Pass(weights="int8")`` reads the copy (other states than the target's pass), the one-operator walk
     and the Python walk give it the same bits, and making the copy changes no weight of the target."""

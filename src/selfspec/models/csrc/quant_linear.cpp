@@ -16,9 +16,10 @@
 // carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127); int4 weights are the unsigned
 // nibbles q + 8, and 8 times x's sums per lane are taken off (exact).
 //
-// Every output element's instruction sequence is fixed by the weight's shape: a row's result does not
-// depend on the other rows of the call or on the thread count, and there is one path (AVX2), so a draft
-// is the same on every CPU that runs it.
+// Every output element's arithmetic is fixed by the weight's shape: a row's result does not depend on the
+// other rows of the call or on the thread count, and the two paths (AVX2; AVX-512-VNNI where the CPU has
+// it, one instruction for each block's integer sums) give the same bits, so a draft is the same on every
+// CPU that runs it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,9 +27,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "avx2.h"
+#include "isa.h"
+#include "prefetch.h"
 
 namespace {
 
@@ -96,15 +100,10 @@ Rounded round_rows(const float* x, int64_t M, int64_t K, bool sums) {
   return r;
 }
 
-inline __m256i dot(__m256i u, __m256i s) {  // lanes: sums of 4 products u8 x s8 (exact: no pair passes 32767)
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
 template <bool Q4>
 struct Layout {
-  int64_t K, stride, scales, block_bytes;  // values per row, bytes per row, offset of the scales, bytes per block
-  explicit Layout(int64_t k)
-      : K(k), stride(Q4 ? k / 2 + k / 8 : k + k / 8), scales(Q4 ? k / 2 : k), block_bytes(Q4 ? 16 : 32) {}
+  int64_t K, stride, scales;  // values per row, bytes per row, offset of the scales
+  explicit Layout(int64_t k) : K(k), stride(Q4 ? k / 2 + k / 8 : k + k / 8), scales(Q4 ? k / 2 : k) {}
   float scale(const uint8_t* row, int64_t b) const {
     float s;
     std::memcpy(&s, row + scales + 4 * b, 4);
@@ -124,79 +123,43 @@ struct Layout {
   }
 };
 
-// MBR rows of x times NR rows of W: MBR*NR float accumulators of 8 lanes
-template <int MBR, int NR, bool Q4>
-inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, float* y, int64_t ldy,
-                 bool pf) {
-  __m256 acc[MBR][NR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MBR; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
-  const int64_t K = L.K, blocks = K / QB;
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i xq[MBR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MBR; ++m) xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.q[(m0 + m) * K + b * QB]));
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      __m256i sign;
-      const uint8_t* row = w + r * L.stride;
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(row + QPD * NR * L.stride + b * L.block_bytes), QPF_HINT);
-      const __m256i u = L.unsigned_block(row, b, sign);
-      const float sw = L.scale(row, b);
-#pragma GCC unroll 8
-      for (int m = 0; m < MBR; ++m) {
-        const __m256i s = Q4 ? xq[m] : _mm256_sign_epi8(xq[m], sign);
-        __m256i d = dot(u, s);
-        if constexpr (Q4)  // the nibbles are q + 8: take 8 x's lane sums off
-          d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.sum4x8[((m0 + m) * blocks + b) * 8])));
-        const __m256 scale = _mm256_set1_ps(sw * x.s[(m0 + m) * blocks + b]);
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[m][r]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MBR; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) y[m * ldy + r] = hsum(acc[m][r]);
+// The tile loop on each instruction set: AVX2's dot is vpmaddubsw then vpmaddwd; AVX-512-VNNI's (on its 256-bit
+// form) is vpdpbusd, one instruction, the same exact int32 sums (neither saturates at |values| <= 127).
+namespace avx2_path {
+inline __m256i dot(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
+#include "quant_tiles.h"
+}  // namespace avx2_path
 
-template <int NR, bool Q4>
-inline void tile_rows(int mb, const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, float* y,
-                      int64_t ldy, bool pf) {
-  switch (mb) {
-    case 4: tile<4, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
-    case 3: tile<3, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
-    case 2: tile<2, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
-    default: tile<1, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
-  }
-}
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni")
+namespace vnni_path {
+inline __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#include "quant_tiles.h"
+}  // namespace vnni_path
+#pragma GCC pop_options
 
-constexpr int NR = 4;  // weight rows per tile
-
-template <bool Q4>
-void task(const Rounded& x, const uint8_t* w, float* y, int64_t M, int64_t N, const Layout<Q4>& L, int64_t n,
-          int64_t n_end) {
-  for (; n + NR <= n_end; n += NR)
-    for (int64_t m0 = 0; m0 < M; m0 += MB)  // the tile QPD tiles ahead prefetched during the first block of x
-      tile_rows<NR, Q4>(static_cast<int>(std::min<int64_t>(MB, M - m0)), x, m0, w + n * L.stride, L,
-                        y + m0 * N + n, N, m0 == 0 && n + (QPD + 1) * NR <= n_end);
-  for (; n < n_end; ++n)
-    for (int64_t m0 = 0; m0 < M; m0 += MB)
-      tile_rows<1, Q4>(static_cast<int>(std::min<int64_t>(MB, M - m0)), x, m0, w + n * L.stride, L,
-                       y + m0 * N + n, N, false);
+// the VNNI path where the CPU has AVX-512-VNNI (with VL) and the runtime's AVX-512 paths are not switched
+// off (torch.ops.selfspec.skinny_isa("avx2") runs this kernel's AVX2 path too)
+bool use_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  }();
+  return has && selfspec_isa::avx512();
 }
 
 template <bool Q4>
 void run(const float* xp, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const Layout<Q4> L(K);
-  const Rounded x = round_rows(xp, M, K, Q4);
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n = b0 * NB, n_end = std::min(N, b1 * NB);
-    task<Q4>(x, w, y, M, N, L, n, n_end);
-  });
+  if (use_vnni())
+    vnni_path::run_tiles<Q4>(xp, w, y, M, N, K);
+  else
+    avx2_path::run_tiles<Q4>(xp, w, y, M, N, K);
 }
+
+// quant_path(): the path quant_linear takes now, "avx512_vnni" or "avx2"
+std::string quant_path() { return use_vnni() ? "avx512_vnni" : "avx2"; }
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed) {
   const bool q4 = packed.scalar_type() == at::kByte;
@@ -224,5 +187,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(selfspec, m) { m.def("quant_linear(Tensor x, Tensor packed) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(selfspec, m) {
+  m.def("quant_linear(Tensor x, Tensor packed) -> Tensor");
+  m.def("quant_path() -> str", &quant_path);
+}
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) { m.impl("quant_linear", &quant_linear); }
