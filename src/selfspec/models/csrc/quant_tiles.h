@@ -58,8 +58,8 @@ inline void tile_rows(int mb, const Rounded& x, int64_t m0, const uint8_t* w, co
 
 // weight rows per tile. Two rows, with the tile 4 ahead prefetched line by line, against the earlier four rows
 // with each row's block 4 tiles ahead prefetched as it was read (its scales not), on 2 Zen 4 cores, all of
-// SmolLM2's linear shapes, one row, medians of 15 per build, builds in turns: int8 4.8-5.7 against 6.4-7.4 ms
-// (one thread 7.5-9.0 against 12.1-12.4), int4 3.8-4.6 against 3.6-5.0.
+// SmolLM2's linear shapes, one row, medians of 15 per build, builds in turns: int8 4.8-5.7 against 7.2-8.0 ms
+// (one thread 7.5-9.0 against 12.7-14.2), int4 3.8-4.7 against 4.1-5.1 (docs/2026-12-06-zen4.md).
 constexpr int NR = 2;
 
 template <bool Q4>
