@@ -105,10 +105,10 @@ def quant_paths() -> list[str]:
     return ["avx2"] + ([auto] if auto != "avx2" else [])
 
 
-def timings(model, context: int, rounds: int, paths: list[str]) -> dict[str, float]:
-    """Median seconds of a one-row pass and its head, over the target's weights and each copy's; with more
-    than one of ``paths``, each copy's pass on each (``fmt@path``). Returns the logits of the last pass of
-    each in ``_logits`` too (the paths' bits compared)."""
+def timings(model, context: int, rounds: int, paths: list[str]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Median seconds of a one-row pass and its head, over the target's weights and each copy's (with more
+    than one of ``paths``, each copy's pass on each: ``fmt@path``), and each one's last logits (the paths' bits
+    compared)."""
     from selfspec.models.passes import Pass
     from selfspec.models.quantised import FORMATS
 
@@ -142,7 +142,7 @@ def timings(model, context: int, rounds: int, paths: list[str]) -> dict[str, flo
                     ts.append(time.perf_counter() - t0)
                 times[k].append(statistics.median(ts))
         torch.ops.selfspec.skinny_isa("auto")
-    return {k: statistics.median(v) for k, v in times.items()} | {"_logits": logits}
+    return {k: statistics.median(v) for k, v in times.items()}, logits
 
 
 def main(argv=None) -> int:
@@ -174,8 +174,9 @@ def main(argv=None) -> int:
         weights_only[fmt] = sum(h for h, _ in hits) / sum(n for _, n in hits)
         del twin
     paths = quant_paths() if args.paths else []
-    cost = timings(model, args.context, args.rounds, paths)
-    logits = cost.pop("_logits")
+    if args.paths and len(paths) < 2:
+        print("this CPU's quantised kernel has one path (avx2: no AVX-512-VNNI)")
+    cost, logits = timings(model, args.context, args.rounds, paths)
     elem = model.lm_head_weight.element_size()
     print(f"\n{args.model} ({str(model.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads), "
           f"{len(ps)} prompts x {args.tokens} tokens, passes after {args.context} positions:")

@@ -4,6 +4,10 @@ reading the copy, and their prices in a cost profile."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -103,6 +107,26 @@ def test_the_kernels_vnni_path_gives_its_avx2_paths_bits(fmt):
                 ops.skinny_isa("auto")
     finally:
         ops.skinny_isa("auto")
+
+
+def test_the_draft_benchmark_times_and_compares_the_kernels_paths():
+    """``scripts/bench_quant_drafts.py --paths``: each copy's pass on each path this CPU has, the paths' logits
+    compared bit for bit (one path, said so, where the CPU lacks AVX-512-VNNI)."""
+    from selfspec.models import kernels
+
+    kernels.load()
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant_drafts.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", "tiny-random", "--tokens", "4", "--rounds", "1",
+                           "--context", "16", "--no-float-x", "--paths"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("weights")) + 1:]
+    rows = [line.split()[0] for line in table if line.strip() and not line.startswith(" ")]
+    if torch.ops.selfspec.quant_path() == "avx512_vnni":
+        assert rows == ["target", "int8@avx2", "int8@avx512_vnni", "int4@avx2", "int4@avx512_vnni"], proc.stdout
+        assert proc.stdout.count("the paths' logits are the same bits") == 2, proc.stdout
+    else:
+        assert rows == ["target", "int8", "int4"] and "has one path" in proc.stdout, proc.stdout
 
 
 def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, monkeypatch):
