@@ -219,7 +219,10 @@ def paths() -> dict[str, str] | None:
     """The paths this process's CPU kernels take: ``float32`` (``avx2`` or ``avx512``, the path of a
     many-row pass; the two give the same bits), ``bfloat16`` (``widen``, ``avx512_bf16`` or
     ``amx``: each its own bits and costs) and ``float32_wide`` (:func:`wide_path`), or None where the kernels cannot run here. Part of what
-    a machine is to a cost profile (:func:`selfspec.measure.profile.machine`) and to a run's record."""
+    a machine is to a cost profile (:func:`selfspec.measure.profile.machine`) and to a run's record. The quantised
+    drafts' kernel (``torch.ops.selfspec.quant_path()``) takes its AVX-512-VNNI path exactly where ``float32`` is
+    ``avx512`` and the CPU (its family and model, also recorded) has VNNI, with the AVX2 path's bits, so it
+    needs no entry of its own."""
     try:
         load()
     except KernelUnavailable:
