@@ -122,7 +122,7 @@ def test_cache_after_rollback_equals_recomputation(tiny):
     # where nothing matches, draft the pending token repeated (mostly rejected: rollbacks): a
     # 1-gram "match" ending at the last position copies it, then its own copies
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(NgramIndex, "match", lambda self, tokens: real(self, tokens) if real(self, tokens)[0]
+        mp.setattr(NgramIndex, "match", lambda self, tokens, indexed=None: real(self, tokens) if real(self, tokens)[0]
                    else (1, len(tokens) - 1))
         rejected = rolled_back_steps(dec, ids)
     assert rejected > 0  # the rollback path was exercised

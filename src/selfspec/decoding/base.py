@@ -173,6 +173,8 @@ class DecodeState:
     example: Any = None
     #: per-example state of the decoder's context drafter (``Decoder.context``; None without one)
     context: Any = None
+    #: per-example state of the lookup drafting for the method's own drafter (``Drafter.lookup``; None without one)
+    lookup: Any = None
     #: draft tokens proposed in the current step (a method sets it; the loop records it)
     drafted: int = 0
     #: the current step's trace (the method fills it in) and the finished steps' traces
@@ -476,13 +478,19 @@ class Decoder(Carries):
         """The policy state that carries over from one example to the next
         (:mod:`selfspec.decoding.carried`), by name: the decoder's own carried attributes
         (``search``), then its parts' (``gate``, ``threads``, ``context.acceptance``,
-        ``drafter.draft_stop``), less an attribute that holds nothing (None: the n-gram lookup's
+        ``drafter.draft_stop``, ``drafter.lookup.acceptance``), less an attribute that holds nothing (None: the n-gram lookup's
         acceptance table under a schedule other than ``priced``) and a draft-stop rule with nothing
         that changes (a static threshold). What a new process starts afresh when it resumes a run,
         and what makes a sampled sequence of a batch differ from its batch-1 output (README, "Batches":
         a batch slot learns it from its own examples)."""
-        holders = [("", self), *((name, part) for name, part in vars(self).items()
-                                 if part is not None and any(part is p for p in self.parts))]
+        def held(obj, prefix: str = ""):  # the parts among an object's attributes, one level down too
+            for name, part in vars(obj).items():
+                if part is not None and any(part is p for p in self.parts):
+                    yield prefix + name, part
+                    if not prefix:
+                        yield from held(part, f"{name}.")
+
+        holders = [("", self), *held(self)]
         names = []
         for name, part in holders:
             if not isinstance(part, Carries):

@@ -59,7 +59,7 @@ import torch
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop
-from selfspec.decoding.sampling import select, verify_chain, warp
+from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, verify_chain, warp
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
 
@@ -107,6 +107,38 @@ class Draft:
             return False
         return token not in eos
 
+    def extend(self, guesses: list[int], logits: torch.Tensor, state: DecodeState, threshold: float = 0.0,
+               eos: frozenset[int] = frozenset()) -> tuple[int, bool]:
+        """Append what the drafter's own ``logits`` ``[m + 1, V]`` make of ``m`` guessed tokens, a cheaper
+        proposer drafting for the drafter (the n-gram lookup, ``draft_ngram``): row ``i`` is the drafter's
+        distribution after guess ``i - 1`` (row 0: after the draft so far). The guesses are checked by the
+        rule the target checks drafts with, each guess a point mass: greedy, those up to the first that
+        is not the drafter's argmax, then its argmax there; sampling, speculative sampling against the
+        drafter's warped rows, then the resampled or the bonus token. Each appended token is so
+        distributed as the drafter's own draw at its position (under greedy decoding it is that
+        argmax), its warped row is its ``q``, and the draft is one :meth:`add` could have made token by
+        token: a vertical cascade of drafters (Chen et al., Cascade Speculative Drafting, arXiv 2312.11462
+        §3.2; ML-SpecQD, arXiv 2503.13565 §3.3) changes what a draft costs, not what it is. The draft-stop
+        rule and EOS then end the draft at an appended token as :meth:`add` does. Returns (the guesses
+        accepted into the draft, those a stop cut off not counted; whether drafting goes on)."""
+        guess = torch.tensor(guesses, dtype=torch.long, device=logits.device)
+        q = None
+        if state.sampling.greedy:
+            n, nxt = greedy_verify(guess, logits)
+        else:
+            q = warp(logits, state.sampling, state.ledger)
+            n, nxt = speculative_verify(guess, torch.nn.functional.one_hot(guess, q.shape[-1]).to(q.dtype), q,
+                                        state.generator)
+        conf = (logits[: n + 1].float().softmax(-1).amax(-1).tolist() if threshold > 0 else [None] * (n + 1))
+        for i, token in enumerate([*guesses[:n], nxt]):
+            self.append(token, conf[i], None if q is None else q[i])
+            if conf[i] is not None and conf[i] < threshold:
+                self.stopped = True
+                return min(n, i + 1), False
+            if token in eos:
+                return min(n, i + 1), False
+        return n, True
+
     def append(self, token: int, conf: float | None = None, q: torch.Tensor | None = None) -> None:
         self.tokens.append(token)
         self.confidences.append(conf)
@@ -151,6 +183,10 @@ class Drafter(Carries):
 
     draft_stop: DraftStop = DraftStop()
     model: LayeredModel
+    #: a cheaper proposer that drafts for this drafter (:meth:`Draft.extend`; the n-gram lookup of a
+    #: method's ``draft_ngram`` sub-config, :class:`~selfspec.decoding.ngram.ContextDrafter`), its per-example
+    #: state on ``DecodeState.lookup``; None: none
+    lookup: "Drafter | None" = None
 
     def draft_room(self, limit: int, budget: int) -> int:
         """Most drafts a step may propose with ``budget`` tokens left: ``limit``, cut so that the
@@ -277,8 +313,8 @@ class ChainDecoder(Decoder):
 
     @property
     def parts(self) -> tuple[Any, ...]:
-        """The decoder's parts and its own drafter."""
-        return (*super().parts, self.drafter)
+        """The decoder's parts, its own drafter and the lookup drafting for it (None where none)."""
+        return (*super().parts, self.drafter, self.drafter.lookup)
 
     @property
     def proposers(self) -> tuple[tuple[Drafter, str], ...]:
@@ -291,6 +327,8 @@ class ChainDecoder(Decoder):
         super().begin(state)
         self.drafter.draft_stop.start_example()
         state.example = self.drafter.new_example(state)
+        if self.drafter.lookup is not None:
+            state.lookup = self.drafter.lookup.new_example(state)
 
     def step(self, state: DecodeState, budget: int) -> list[int]:
         """The first of :attr:`proposers` that drafts takes the step; the last always does. (With a

@@ -47,10 +47,11 @@ import torch
 
 from selfspec.config import checks
 from selfspec.config.options import Options, key, nullable
-from selfspec.decoding.base import DecodeState
+from selfspec.decoding.base import PRICED_NEEDS_PROFILE, DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
-from selfspec.decoding.part_options import ContextFirst, Gated, QuantisedDraft
+from selfspec.decoding.part_options import (CASCADE_YAML, ContextFirst, Gated, QuantisedDraft, ScheduledLookup,
+                                            context_drafts)
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab, draft_logits
 from selfspec.models.layered import LayeredModel, Pass, SkipSet
 from selfspec.store.artefacts import artefact_option
@@ -81,6 +82,7 @@ class DecodingOptions(QuantisedDraft):
     last_token: str = key(checks.choice, LAST_TOKEN, why="one token of budget left: a plain step, or draft and verify "
                           "one token anyway (the authors' code)")
     eos_draft: str = key(checks.choice, EOS_DRAFT, why="after an EOS draft: stop drafting, or go on (the authors' code)")
+    draft_ngram: ScheduledLookup | None = key(context_drafts, schedule=True, yaml=CASCADE_YAML)
 
 
 @dataclass(frozen=True)
@@ -177,14 +179,22 @@ class SkipSetDrafter(Drafter):
     vocabulary (None = the full head); ``eos``: the tokens that end a generation."""
 
     def __init__(self, model: LayeredModel, skip_set: SkipSet, decoding: DecodingOptions, *, draft_vocab=None,
-                 eos: frozenset[int] = frozenset()) -> None:
+                 eos: frozenset[int] = frozenset(), profile=None) -> None:
+        """``profile``: the run's cost profile (None without one), which prices the lookup's guesses
+        where ``draft_ngram`` is set with ``draft_schedule: priced``."""
+        from selfspec.decoding.ngram import ContextDrafter
+
         self.model = model
         self.skip_set = check_skip_set(skip_set, model.num_layers)
         self.decoding = decoding
         self.max_draft = decoding.max_draft
         self.draft_vocab = draft_vocab
         self.eos = frozenset(eos)
+        self.profile = profile
         self.reset_draft_stop()
+        if decoding.draft_ngram is not None:
+            self.lookup = ContextDrafter(model, decoding.draft_ngram, profile=profile, label="draft_ngram")
+        self._costs: dict[tuple[int, int, SkipSet], float] = {}
 
     # --- draft stop (§3.4; the rules live in selfspec.decoding.draft_exit) -------------------
     def reset_draft_stop(self) -> None:
@@ -218,22 +228,55 @@ class SkipSetDrafter(Drafter):
         theirs while decoding, :mod:`selfspec.decoding.knapspec`)."""
         return self.skip_set
 
+    def draft_cost(self, rows: int, context: int, skip: SkipSet) -> float:
+        """Seconds of one of this drafter's passes of ``rows`` rows at ``context`` with ``skip`` on the run's
+        profile (context in steps of 64): the cost the lookup's ``priced`` schedule weighs its guesses by."""
+        key = (rows, context // 64, skip)
+        if key not in self._costs:
+            vocab = self.draft_vocab.size if self.draft_vocab is not None else None
+            self._costs[key] = self.profile.pass_cost(rows, key[1] * 64 + 32, weights=self.decoding.draft_weights or "",
+                                                      skip=skip, vocab=vocab)
+        return self._costs[key]
+
     def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
         """§3.2-3.4: draft with the skip set until K, the threshold or, with ``eos_draft: stop``, an
         EOS draft (the skip-set pass writes scratch K/V past the committed tokens; :meth:`score`
-        drops them)."""
+        drops them). With a :attr:`lookup` (``draft_ngram``), a pass may take the lookup's guesses of the
+        next tokens as rows after the last draft and keep those the drafter itself would have drafted
+        (:meth:`~selfspec.decoding.chain.Draft.extend`): the same draft, in fewer passes of more rows."""
         model = self.model
         draft = Draft()
         ids = torch.empty((1, 1), dtype=torch.long, device=model.device)
         eos = self.eos if self.decoding.eos_draft == "stop" else frozenset()
-        token, p = state.pending, Pass(skip=self.skips(state), weights=self.decoding.draft_weights)
-        for j in range(k_max):
-            ids.fill_(token)
-            h = model.forward(ids, state.cache, p, start=state.n_cached + j, ledger=state.ledger, joins=state.joins)
-            if not draft.add(self.draft_logits(h, state.ledger, state.joins), state, self.threshold, eos):
+        skip = self.skips(state)
+        token, p = state.pending, Pass(skip=skip, weights=self.decoding.draft_weights)
+        while len(draft) < k_max:
+            j = len(draft)
+            guesses = self.guesses(state, draft, k_max - j - 1, skip)
+            if self.lookup is not None:  # an earlier pass's rejected guesses left their K/V past the draft
+                state.cache.truncate(state.n_cached + j)
+            rows = ids.fill_(token) if not guesses else torch.tensor([[token, *guesses]], device=model.device)
+            h = model.forward(rows, state.cache, p, start=state.n_cached + j, ledger=state.ledger, joins=state.joins)
+            if guesses:
+                logits = draft_logits(model, h[0], self.draft_vocab, state.ledger, self.decoding.draft_weights,
+                                      state.joins)
+                accepted, more = draft.extend(guesses, logits, state, self.threshold, eos)
+                self.lookup.learn(state, state.lookup, len(guesses), accepted)
+            else:
+                more = draft.add(self.draft_logits(h, state.ledger, state.joins), state, self.threshold, eos)
+            if not more:
                 break
             token = draft.tokens[-1]
         return draft
+
+    def guesses(self, state: DecodeState, draft: Draft, room: int, skip: SkipSet) -> list[int]:
+        """The :attr:`lookup`'s guesses of the tokens after ``draft`` (at most ``room``; none without a
+        lookup): an n-gram of the committed tokens and the draft that occurred before, and what followed it."""
+        if self.lookup is None or room < 1:
+            return []
+        context = state.n_cached + len(draft)
+        return self.lookup.guess(state.lookup, [*state.tokens, *draft.tokens], room,
+                                 lambda rows: self.draft_cost(rows, context, skip), indexed=len(state.tokens))
 
 
 class DraftVerify(ChainDecoder):
@@ -253,7 +296,16 @@ class DraftVerify(ChainDecoder):
 
     def new_drafter(self, skip_set: SkipSet, decoding: DecodingOptions) -> SkipSetDrafter:
         """The method's drafter (KnapSpec and CLaSp: one whose skip set is searched)."""
-        return SkipSetDrafter(self.model, skip_set, decoding, draft_vocab=self.draft_vocab, eos=self.eos_token_ids)
+        return SkipSetDrafter(self.model, skip_set, decoding, draft_vocab=self.draft_vocab, eos=self.eos_token_ids,
+                              profile=self.profile)
+
+    @classmethod
+    def needs_profile(cls, options: DraftVerifyOptions) -> tuple[str, str] | None:
+        """``draft_ngram.draft_schedule: priced`` prices the lookup's guesses with the run's profile (and
+        drafts from the context first may, :meth:`Decoder.needs_profile`)."""
+        if options.draft_ngram is not None and options.draft_ngram.draft_schedule == "priced":
+            return "draft_ngram.draft_schedule=priced", PRICED_NEEDS_PROFILE
+        return super().needs_profile(options)
 
     @classmethod
     def check_run(cls, options: DraftVerifyOptions, layers: int, budget: int | None = None) -> None:

@@ -285,13 +285,12 @@ class SearchedSkipDrafter(SkipSetDrafter):
 
     def __init__(self, model: LayeredModel, options: KnapSpecOptions, *, profile=None, **parts) -> None:
         """``options``: the method's checked keys (the decoding settings and the search's)."""
-        super().__init__(model, SkipSet(), options, **parts)
+        super().__init__(model, SkipSet(), options, profile=profile, **parts)
         self.selection = options.selection
         self.interval, self.search_at, self.window = options.interval, options.search_at, options.window
         check_skip_layers(options.skip_layers, model.num_layers)
         self.skip_layers = model.num_layers // 4 if options.skip_layers is None else options.skip_layers
         self.similarity_floor = options.similarity_floor
-        self.profile = profile
         if self.selection == "knapspec" and profile is None:
             raise ValueError(KNAPSPEC_NEEDS_PROFILE)
 

@@ -104,10 +104,12 @@ class NgramIndex:
                     last[tuple(tokens[e - n:e])] = e
         self._next_end = max(self._next_end, len(tokens))
 
-    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+    def match(self, tokens: Sequence[int], indexed: int | None = None) -> tuple[int, int]:
         """``(n, e)``: the longest suffix n-gram of ``tokens`` seen before and the end of its most
-        recent earlier occurrence; ``(0, -1)`` when none matches."""
-        self.extend(tokens)
+        recent earlier occurrence; ``(0, -1)`` when none matches. ``indexed``: only the first that many
+        of ``tokens`` are indexed (the committed ones; the rest, a draft's own tokens, may end the
+        matched suffix but are never indexed, since they may be rejected); default all."""
+        self.extend(tokens if indexed is None else tokens[:indexed])
         size = len(tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             e = self._last[n].get(tuple(tokens[size - n:]))
@@ -206,13 +208,16 @@ class ContextDrafter(Drafter):
     #: the ``priced`` schedule's acceptance per match length carries over between examples
     carries = ("acceptance",)
 
-    def __init__(self, model, lookup: ScheduledLookup, profile=None) -> None:
+    def __init__(self, model, lookup: ScheduledLookup, profile=None, label: str = "ngram") -> None:
         """``lookup``: the checked keys (:func:`~selfspec.decoding.part_options.context_drafts`, or
         ``method=ngram``'s own options); ``profile``: the run's cost profile, which the ``priced``
-        schedule needs."""
+        schedule needs; ``label``: the statistics' prefix (``draft_ngram`` where the lookup drafts for a
+        drafter, :meth:`selfspec.decoding.chain.Draft.extend`)."""
         if lookup.draft_schedule == "priced" and profile is None:
             raise ValueError(PRICED_NEEDS_PROFILE)
         self.model = model
+        #: the prefix of the statistics' names (``<label>_steps``, ``<label>_accepted``)
+        self.label = label
         self.max_ngram, self.min_ngram = lookup.max_ngram, lookup.min_ngram
         self.max_draft = lookup.max_draft
         self.draft_schedule = lookup.draft_schedule
@@ -234,17 +239,27 @@ class ContextDrafter(Drafter):
     def plan(self, state: DecodeState) -> Plan:
         return Plan(state.context.draft_len)
 
-    def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
-        """Step 1 (lookup), the ``priced`` schedule choosing the length from the match's; under
-        sampling the draft distribution is a point mass on each draft."""
-        ex = state.context
-        n_gram, end = ex.index.match(state.tokens)  # once per step: the priced length depends on n
+    def guess(self, ex: NgramExample, tokens: Sequence[int], k_max: int, cost, indexed: int | None = None) -> list[int]:
+        """Step 1 (lookup) for the example ``ex`` over ``tokens`` (``indexed``: how many of them are
+        committed, :meth:`NgramIndex.match`): at most ``k_max`` tokens, ``draft_len`` of them (``adaptive``) or the
+        ``priced`` schedule's length for the match's n, ``cost(rows)`` being the seconds of the pass that
+        checks ``rows - 1`` guesses (a verification; a drafter's own pass where the lookup drafts for it)."""
+        k_max = min(k_max, self.max_draft)
+        n_gram, end = ex.index.match(tokens, indexed)  # once per step: the priced length depends on n
         if n_gram and self.acceptance is not None:
-            context = state.n_cached
-            k_max = self.acceptance.best_length(n_gram, k_max, lambda rows: self.pass_cost(rows, context))
-        tokens = NgramIndex.copy(state.tokens, end, k_max) if n_gram else []
-        ex.match_lens += n_gram if tokens else 0
+            k_max = self.acceptance.best_length(n_gram, k_max, cost)
+        elif self.draft_schedule == "adaptive":
+            k_max = min(k_max, ex.draft_len)
+        out = NgramIndex.copy(tokens, end, k_max) if n_gram else []
+        ex.match_lens += n_gram if out else 0
         ex.last_match = n_gram
+        return out
+
+    def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
+        """Step 1 (:meth:`guess`) before the target's verification; under sampling the draft
+        distribution is a point mass on each draft."""
+        context = state.n_cached
+        tokens = self.guess(state.context, state.tokens, k_max, lambda rows: self.pass_cost(rows, context))
         probs = []
         if tokens and not state.sampling.greedy:
             probs = list(torch.nn.functional.one_hot(torch.tensor(tokens, device=self.model.device),
@@ -252,11 +267,16 @@ class ContextDrafter(Drafter):
         return Draft(tokens, probs, [None] * len(tokens))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int, committed: list[int]) -> None:
+        self.learn(state, state.context, len(draft), accepted)
+
+    def learn(self, state: DecodeState, ex: NgramExample, drafted: int, accepted: int) -> None:
+        """The schedule's update after ``accepted`` of ``drafted`` guesses of ``ex`` were accepted, and the
+        counts (``<label>_steps``, ``<label>_accepted``)."""
         if self.acceptance is not None:
-            self.acceptance.record(state.context.last_match, len(draft), accepted)
-        self.adapt(state.context, accepted, len(draft))
-        state.count("ngram_steps")
-        state.count("ngram_accepted", accepted)
+            self.acceptance.record(ex.last_match, drafted, accepted)
+        self.adapt(ex, accepted, drafted)
+        state.count(f"{self.label}_steps")
+        state.count(f"{self.label}_accepted", accepted)
 
     def adapt(self, ex: NgramExample, accepted: int, drafted: int) -> None:
         """The draft-length controller (module docstring): +2 after a fully accepted draft, -1

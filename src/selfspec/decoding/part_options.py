@@ -26,6 +26,8 @@ from selfspec.models.quantised import FORMATS
 SCHEDULES = ("adaptive", "constant", "priced")
 #: where the lookup's keys are written
 LOOKUP_YAML = "conf/method/ngram/chain.yaml (method/ngram=chain; PPD's: conf/method/ppd_ngram.yaml)"
+#: where the keys of the lookup drafting for a method's drafter are written
+CASCADE_YAML = "conf/method/draft_ngram/cascade.yaml (method/draft_ngram=cascade)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +53,12 @@ class ScheduledLookup(LookupOptions):
     draft_schedule: str = key(draft_schedule)
 
 
-def context_drafts(name: str, value: Any, schedule: bool = False) -> LookupOptions | None:
+def context_drafts(name: str, value: Any, schedule: bool = False, yaml: str = LOOKUP_YAML) -> LookupOptions | None:
     """A method's ``ngram`` sub-config (drafts from the context first, beyond the papers): null =
     off, else the record of :class:`LookupOptions`' keys, and ``draft_schedule`` where the method
     drafts a chain (``schedule``: a :class:`ScheduledLookup`). A missing or unknown key is refused
-    by name; the keys are checked here once, and the drafter reads the record."""
+    by name, pointing at ``yaml``; the keys are checked here once, and the drafter reads the record.
+    The ``draft_ngram`` sub-config (the lookup drafting for the method's drafter) is read the same way."""
     if value is None:
         return None
     reader = ScheduledLookup if schedule else LookupOptions
@@ -63,7 +66,7 @@ def context_drafts(name: str, value: Any, schedule: bool = False) -> LookupOptio
         raise checks.refuse(name, value, f"give null (off) or a mapping of {', '.join(reader.keys())}",
                             why="n-gram drafts from the prompt and the generated text")
     checks.known_keys(name, value, reader.keys(), "an ngram sub-config")
-    checks.required_keys(name, value, reader.keys(), LOOKUP_YAML)
+    checks.required_keys(name, value, reader.keys(), yaml)
     return reader.read(value, name)
 
 

@@ -581,11 +581,21 @@ class Profile:
             out["host"] += self.host_step(step.get("source"), int(step.get("drafted") or 0))
         return out
 
-    def pass_cost(self, rows: int, context: int = 512) -> float:
+    def pass_cost(self, rows: int, context: int = 512, *, weights: str = "", skip=None,
+                  vocab: int | None = None) -> float:
         """Seconds of a full pass of ``rows`` new tokens after ``context`` cached ones: one walk of every
-        layer, the head on every row, the host (a verification of ``rows - 1`` drafts)."""
-        return (self.walk + self.shape["num_layers"] * self.layer_cost(rows, context)
-                + self.head(rows, self.shape["vocab_size"]) + self.host)
+        layer, the head on every row, the host (a verification of ``rows - 1`` drafts). A draft's pass:
+        ``weights``, the quantised copy its linears and head read; ``skip``, the
+        :class:`~selfspec.models.passes.SkipSet` it leaves out; ``vocab``, its head's rows (a draft
+        vocabulary's; default the model's): priced as the ledger op that pass records."""
+        vocab = self.shape["vocab_size"] if vocab is None else vocab
+        if not weights and not skip:
+            return (self.walk + self.shape["num_layers"] * self.layer_cost(rows, context)
+                    + self.head(rows, vocab) + self.host)
+        layers = self.shape["num_layers"]
+        walk = LayerOp("draft", rows, layers - len(skip.attn if skip else ()), layers - len(skip.mlp if skip else ()),
+                       context, weights=weights)
+        return self.op(walk) + self.head(rows, vocab, weights) + self.host
 
     def plain_step(self, context: int = 512) -> float:
         """Seconds of vanilla's step at ``context``: a pass of one row (:meth:`pass_cost`)."""
