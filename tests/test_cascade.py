@@ -12,17 +12,20 @@ from conftest import first_two_tokens_tv, method_config
 from selfspec.decoding import DecodeState, Sampling, build_decoder, check_method
 from selfspec.decoding.chain import Draft
 from selfspec.decoding.draft_verify import DraftVerify
+from selfspec.decoding.ngram import ContextDrafter
 from selfspec.decoding.sampling import warp
 
 CONSTANT = {"max_ngram": 3, "min_ngram": 1, "max_draft": 5, "draft_schedule": "constant"}
-#: drafters the lookup drafts for: the quantised self-draft and Draft & Verify's skip set (KnapSpec's
-#: searched one is priced through the same pass)
+#: drafters the lookup drafts for (label: method, keys): the quantised self-draft, Draft & Verify's skip set,
+#: KnapSpec's and CLaSp's searched ones, and the self-draft after the context drafter's first level
 DRAFTERS = {
-    "quant_draft": {"max_draft": 6},
-    "draft_verify": {"skip_attn": [1], "skip_mlp": [2], "max_draft": 6, "draft_stop": None},
-    "knapspec": {"interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8", "draft_stop": None},
+    "quant_draft": ("quant_draft", {"max_draft": 6}),
+    "draft_verify": ("draft_verify", {"skip_attn": [1], "skip_mlp": [2], "max_draft": 6, "draft_stop": None}),
+    "knapspec": ("knapspec", {"interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8", "draft_stop": None}),
+    "clasp": ("clasp", {"interval": 4, "skip_layers": 1, "draft_stop": None}),
+    "quant_draft_ngram": ("quant_draft_ngram", {"max_draft": 6}),
     # Draft & Verify's adaptive draft stop (its default): a stop may cut a pass's kept guesses off
-    "draft_verify_adaptive": {"skip_attn": [1], "skip_mlp": [2], "max_draft": 6},
+    "draft_verify_adaptive": ("draft_verify", {"skip_attn": [1], "skip_mlp": [2], "max_draft": 6}),
 }
 
 
@@ -101,8 +104,8 @@ def test_the_same_drafts_in_fewer_passes(tiny, measured, looping, name):
     """Greedy: vanilla's tokens, and every step drafts and accepts what the drafter alone drafts and accepts,
     with fewer draft passes where the lookup's guesses were kept."""
     profile = measured
-    cfg = dict(DRAFTERS[name], never_slower=False)
-    name = name.removesuffix("_adaptive")
+    name, cfg = DRAFTERS[name]
+    cfg = dict(cfg, never_slower=False)
     alone = build_decoder(method_config(name, **cfg), tiny.model, profile=profile).generate(looping, 40)
     both = build_decoder(method_config(name, draft_ngram=CONSTANT, **cfg), tiny.model, profile=profile).generate(
         looping, 40)
@@ -110,6 +113,10 @@ def test_the_same_drafts_in_fewer_passes(tiny, measured, looping, name):
     assert alone.tokens == both.tokens == vanilla
     assert both.drafted_per_step == alone.drafted_per_step and both.accepted_per_step == alone.accepted_per_step
     assert both.stats["draft_ngram_accepted"] > 0
+    # the kept guesses are on the step trace: their host work is not priced per draft (Profile.host_step)
+    assert sum(t.guessed for t in both.trace) == both.stats["draft_ngram_accepted"]
+    if "skip_searches" in alone.stats:  # KnapSpec's and CLaSp's searches ran, and chose skip sets
+        assert both.stats["skip_searches"] == alone.stats["skip_searches"] > 0
     if not both.stats.get("draft_stops"):  # each kept guess is a pass saved
         assert _draft_passes(both) == _draft_passes(alone) - both.stats["draft_ngram_accepted"]
     else:
@@ -117,21 +124,68 @@ def test_the_same_drafts_in_fewer_passes(tiny, measured, looping, name):
         assert _draft_passes(both) <= _draft_passes(alone)
 
 
-def test_the_priced_schedule_guesses_where_the_profile_says_it_pays(tiny, measured, looping):
-    dec = build_decoder(method_config("quant_draft_cascade", never_slower=False, max_draft=6), tiny.model,
-                        profile=measured)
-    g = dec.generate(looping, 40)
-    assert g.tokens == build_decoder(method_config("vanilla"), tiny.model).generate(looping, 40).tokens
-    assert g.stats["draft_ngram_steps"] > 0
+def test_the_priced_schedule_guesses_where_the_profile_says_it_pays(tiny, measured, looping, monkeypatch):
+    vanilla = build_decoder(method_config("vanilla"), tiny.model).generate(looping, 40).tokens
+
+    def run():
+        dec = build_decoder(method_config("quant_draft_cascade", never_slower=False, max_draft=6), tiny.model,
+                            profile=measured)
+        return dec, dec.generate(looping, 40)
+
+    dec, g = run()
+    assert g.tokens == vanilla and g.stats["draft_ngram_steps"] > 0
     assert "drafter.lookup.acceptance" in dec.carried()  # its counts carry over between examples
+    # a pass that costs what its rows do never pays for a guess that is not certain: none is sent
+    monkeypatch.setattr(ContextDrafter, "pass_cost", lambda self, rows, context, **draft: float(rows))
+    dec, g = run()
+    assert g.tokens == vanilla and "draft_ngram_steps" not in g.stats
+    # a pass whose rows are free takes guesses wherever the lookup matches
+    monkeypatch.setattr(ContextDrafter, "pass_cost", lambda self, rows, context, **draft: 1.0)
+    dec, g = run()
+    assert g.tokens == vanilla and g.stats["draft_ngram_steps"] > 0
 
 
-def test_sampling_with_the_cascade_keeps_the_target_distribution(peaked_llama):
+def test_a_drafters_pass_is_priced_as_the_ops_it_records(tiny, measured):
+    """Profile.draft_pass_cost: the walk over the copy (less a skip set's sublayers) and the head it records,
+    and one call's host work; the target's pass and a copy's differ."""
+    from selfspec.models.ledger import HeadOp, LayerOp
+    from selfspec.models.passes import SkipSet
+
+    m = tiny.model
+    skip = SkipSet.of(attn=[1], mlp=[1, 2])
+    ops = [LayerOp("draft", 3, m.num_layers - 1, m.num_layers - 2, 16, weights="int8"),
+           HeadOp("draft", 3, m.vocab_size, "int8")]
+    want = sum(measured.op(op) for op in ops) + measured.host_draft
+    assert measured.draft_pass_cost(3, 16, weights="int8", skip=skip) == pytest.approx(want)
+    assert measured.draft_pass_cost(3, 16, weights="int8") != measured.draft_pass_cost(3, 16)
+    assert measured.host_step("self", 5, 2) == pytest.approx(measured.host_steps.get("self", 0.0)
+                                                                 + 3 * measured.host_draft)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sampling_with_the_cascade_keeps_the_target_distribution(peaked_llama, batch):
     """The first two tokens of 400 draws against p(a)·p(b|a) under top-k 3, with the lookup guessing at
-    every draft position it can (the prompt ends with an n-gram it holds)."""
+    every draft position it can (the prompt ends with an n-gram it holds), alone and in batches of two
+    (each sequence its own fork of the decoder)."""
+    ids, sampling = [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)
     dec = build_decoder(method_config("quant_draft_cascade", never_slower=False, max_draft=4,
                                       draft_ngram=CONSTANT), peaked_llama)
-    assert first_two_tokens_tv(dec, [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)) < 0.12
+    kept = sum(dec.generate(ids, 48, Sampling(temperature=1.0, top_k=3, seed=s)).stats["draft_ngram_accepted"]
+               for s in range(4))
+    assert kept > 0  # guesses are kept under sampling too
+    assert first_two_tokens_tv(dec, ids, sampling, batch=batch) < 0.12
+
+
+def test_a_guess_the_drafter_cannot_draw_is_never_kept(monkeypatch):
+    """Speculative sampling keeps a point-mass guess x with probability q(x) exactly: never where q(x) = 0,
+    even at a uniform draw of 0 (u in [0, 1): the rule rejects at u·1 >= q(x))."""
+    import selfspec.decoding.sampling as sampling_module
+
+    monkeypatch.setattr(sampling_module.torch, "rand", lambda *a, **k: torch.zeros(*(a or k["size"])))
+    logits = torch.tensor([[0.0, 2.0, float("-inf")], [0.0, 0.0, 0.0]])
+    draft = Draft()
+    kept, _ = draft.extend([2], logits, _state(Sampling(temperature=1.0, seed=0)))
+    assert kept == 0 and draft.tokens[0] != 2
 
 
 def test_a_priced_cascade_needs_a_profile():

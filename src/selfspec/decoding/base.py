@@ -73,6 +73,9 @@ class StepTrace:
     drafted: int = 0
     #: draft tokens accepted (the bonus token excluded)
     accepted: int = 0
+    #: draft tokens a lookup guessed and the drafter kept (``draft_ngram``): they rode as rows of another
+    #: token's pass, with no call of their own
+    guessed: int = 0
     #: tokens the step committed (after the loop cut at EOS, a stop string or the budget)
     committed: int = 0
     #: most drafts the drafter meant to propose this step (Draft & Verify's K, DEL's γ)
@@ -433,7 +436,8 @@ class Decoder(Carries):
             state.count("plain_steps_gated")
             state.trace_step = StepTrace(gated=True)
         ledger = state.ledger
-        gate.record(speculated, len(new), gate.price(ledger.ops, state.trace_step.source, state.trace_step.drafted)
+        step = state.trace_step
+        gate.record(speculated, len(new), gate.price(ledger.ops, step.source, step.drafted, step.guessed)
                     if gate.deterministic and ledger is not None else time.perf_counter() - t0)
         return new
 

@@ -194,7 +194,6 @@ class SkipSetDrafter(Drafter):
         self.reset_draft_stop()
         if decoding.draft_ngram is not None:
             self.lookup = ContextDrafter(model, decoding.draft_ngram, profile=profile, label="draft_ngram")
-        self._costs: dict[tuple[int, int, SkipSet], float] = {}
 
     # --- draft stop (§3.4; the rules live in selfspec.decoding.draft_exit) -------------------
     def reset_draft_stop(self) -> None:
@@ -217,26 +216,16 @@ class SkipSetDrafter(Drafter):
         return max(room, 1) if self.decoding.last_token == "draft" else room
 
     def draft_logits(self, h: torch.Tensor, ledger=None, joins=None) -> torch.Tensor:
-        """The draft distribution's logits: the model's own head (of the draft's weights) on the
-        skip-set pass, truncated to the draft vocabulary when ``draft_vocab`` is set
-        (:func:`selfspec.models.heads.draft_logits`); recorded in ``ledger`` when given; ``joins``: the
-        generation's batch (the head product may yield to its other sequences)."""
-        return draft_logits(self.model, h[:, -1], self.draft_vocab, ledger, self.decoding.draft_weights, joins)[0]
+        """The draft distribution's logits ``[rows, V]``: the model's own head (of the draft's weights) on
+        every row of the skip-set pass's states ``h`` ``[1, rows, d]``, truncated to the draft vocabulary when
+        ``draft_vocab`` is set (:func:`selfspec.models.heads.draft_logits`); recorded in ``ledger`` when given;
+        ``joins``: the generation's batch (the head product may yield to its other sequences)."""
+        return draft_logits(self.model, h[0], self.draft_vocab, ledger, self.decoding.draft_weights, joins)
 
     def skips(self, state: DecodeState) -> SkipSet:
         """The skip set the step drafts with: the searched one, fixed (KnapSpec and CLaSp choose
         theirs while decoding, :mod:`selfspec.decoding.knapspec`)."""
         return self.skip_set
-
-    def draft_cost(self, rows: int, context: int, skip: SkipSet) -> float:
-        """Seconds of one of this drafter's passes of ``rows`` rows at ``context`` with ``skip`` on the run's
-        profile (context in steps of 64): the cost the lookup's ``priced`` schedule weighs its guesses by."""
-        key = (rows, context // 64, skip)
-        if key not in self._costs:
-            vocab = self.draft_vocab.size if self.draft_vocab is not None else None
-            self._costs[key] = self.profile.pass_cost(rows, key[1] * 64 + 32, weights=self.decoding.draft_weights or "",
-                                                      skip=skip, vocab=vocab)
-        return self._costs[key]
 
     def propose(self, state: DecodeState, plan: Plan, k_max: int) -> Draft:
         """§3.2-3.4: draft with the skip set until K, the threshold or, with ``eos_draft: stop``, an
@@ -257,13 +246,13 @@ class SkipSetDrafter(Drafter):
                 state.cache.truncate(state.n_cached + j)
             rows = ids.fill_(token) if not guesses else torch.tensor([[token, *guesses]], device=model.device)
             h = model.forward(rows, state.cache, p, start=state.n_cached + j, ledger=state.ledger, joins=state.joins)
+            logits = self.draft_logits(h, state.ledger, state.joins)
             if guesses:
-                logits = draft_logits(model, h[0], self.draft_vocab, state.ledger, self.decoding.draft_weights,
-                                      state.joins)
-                accepted, more = draft.extend(guesses, logits, state, self.threshold, eos)
-                self.lookup.learn(state, state.lookup, len(guesses), accepted)
+                kept, more = draft.extend(guesses, logits, state, self.threshold, eos)
+                self.lookup.learn(state, state.lookup, len(guesses), kept)
+                state.trace_step.guessed += kept
             else:
-                more = draft.add(self.draft_logits(h, state.ledger, state.joins), state, self.threshold, eos)
+                more = draft.add(logits[0], state, self.threshold, eos)
             if not more:
                 break
             token = draft.tokens[-1]
@@ -271,12 +260,16 @@ class SkipSetDrafter(Drafter):
 
     def guesses(self, state: DecodeState, draft: Draft, room: int, skip: SkipSet) -> list[int]:
         """The :attr:`lookup`'s guesses of the tokens after ``draft`` (at most ``room``; none without a
-        lookup): an n-gram of the committed tokens and the draft that occurred before, and what followed it."""
+        lookup): an n-gram of the committed tokens and the draft that occurred before, and what followed it,
+        as many as its schedule says (``priced``: weighed against this drafter's pass of that many rows)."""
         if self.lookup is None or room < 1:
             return []
         context = state.n_cached + len(draft)
+        vocab = self.draft_vocab.size if self.draft_vocab is not None else None
         return self.lookup.guess(state.lookup, [*state.tokens, *draft.tokens], room,
-                                 lambda rows: self.draft_cost(rows, context, skip), indexed=len(state.tokens))
+                                 lambda rows: self.lookup.pass_cost(rows, context, weights=self.decoding.draft_weights
+                                                                    or "", skip=skip, vocab=vocab),
+                                 indexed=len(state.tokens))
 
 
 class DraftVerify(ChainDecoder):

@@ -197,11 +197,11 @@ class SpeculationGate(TwoArms):
         spec, plain = self.cost[True], self.cost[False]
         return spec is None or plain is None or spec < plain * (1 - self.margin)
 
-    def price(self, ops: "list[Op | list]", source: str | None = None, drafted: int = 0) -> float:
+    def price(self, ops: "list[Op | list]", source: str | None = None, drafted: int = 0, guessed: int = 0) -> float:
         """Predicted seconds of a step from its ledger ops, its overhead included, and its own host
-        work by its ``source`` and ``drafted`` tokens (:attr:`~selfspec.decoding.base.StepTrace`: PPD's
-        tree, a self-drafted chain's calls per draft)."""
-        return self.profile.price(ops) + self.profile.host_step(source, drafted)
+        work by its ``source``, ``drafted`` tokens and the ``guessed`` ones among them
+        (:attr:`~selfspec.decoding.base.StepTrace`: PPD's tree, a self-drafted chain's calls per draft)."""
+        return self.profile.price(ops) + self.profile.host_step(source, drafted, guessed)
 
     def speculate(self) -> bool:
         """Whether the next step speculates (:meth:`TwoArms.choose`)."""

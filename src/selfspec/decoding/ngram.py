@@ -224,13 +224,16 @@ class ContextDrafter(Drafter):
         self.profile = profile
         #: the ``priced`` schedule's counts, carried over between examples (None for the others)
         self.acceptance = AcceptanceTable(self.max_ngram, self.max_draft) if self.draft_schedule == "priced" else None
-        self._costs: dict[tuple[int, int], float] = {}
+        self._costs: dict[tuple, float] = {}
 
-    def pass_cost(self, rows: int, context: int) -> float:
-        """A verification pass of ``rows`` at ``context`` on the profile (context in steps of 64)."""
-        key = (rows, context // 64)
+    def pass_cost(self, rows: int, context: int, **draft) -> float:
+        """A pass of ``rows`` at ``context`` on the profile (context in steps of 64): the target's
+        verification, or with ``draft`` (:meth:`~selfspec.measure.profile.Profile.draft_pass_cost`'s keys)
+        the drafter's pass the guesses ride in where the lookup drafts for a drafter."""
+        key = (rows, context // 64, *sorted(draft.items()))
         if key not in self._costs:
-            self._costs[key] = self.profile.pass_cost(rows, key[1] * 64 + 32)
+            at = key[1] * 64 + 32
+            self._costs[key] = self.profile.draft_pass_cost(rows, at, **draft) if draft else self.profile.pass_cost(rows, at)
         return self._costs[key]
 
     def new_example(self, state: DecodeState | None) -> NgramExample:
@@ -271,7 +274,9 @@ class ContextDrafter(Drafter):
 
     def learn(self, state: DecodeState, ex: NgramExample, drafted: int, accepted: int) -> None:
         """The schedule's update after ``accepted`` of ``drafted`` guesses of ``ex`` were accepted, and the
-        counts (``<label>_steps``, ``<label>_accepted``)."""
+        counts (``<label>_steps``, ``<label>_accepted``). Where the lookup drafts for a drafter, ``accepted``
+        counts the guesses that entered the draft (:meth:`~selfspec.decoding.chain.Draft.extend`): a guess the
+        drafter agreed with after a draft-stop cut saves no pass, and the ``priced`` schedule weighs what saves."""
         if self.acceptance is not None:
             self.acceptance.record(ex.last_match, drafted, accepted)
         self.adapt(ex, accepted, drafted)

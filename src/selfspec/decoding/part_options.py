@@ -65,7 +65,7 @@ def context_drafts(name: str, value: Any, schedule: bool = False, yaml: str = LO
     if not hasattr(value, "get") or not hasattr(value, "keys"):
         raise checks.refuse(name, value, f"give null (off) or a mapping of {', '.join(reader.keys())}",
                             why="n-gram drafts from the prompt and the generated text")
-    checks.known_keys(name, value, reader.keys(), "an ngram sub-config")
+    checks.known_keys(name, value, reader.keys(), f"an {name.rsplit('.', 1)[-1]} sub-config")
     checks.required_keys(name, value, reader.keys(), yaml)
     return reader.read(value, name)
 

@@ -172,7 +172,7 @@ def verify_chain(
     for j in range(k):
         p = warp(target_logits[j : j + 1], s, ledger)[0]
         x = draft[j]
-        if bool(u[j] * draft_probs[j, x] > p[x]):  # accept iff u <= p(x)/q(x)
+        if bool(u[j] * draft_probs[j, x] >= p[x]):  # accept iff u < p(x)/q(x): never where p(x) = 0, u = 0 too
             n = j
             break
     if n == k:
@@ -201,7 +201,7 @@ def speculative_verify(
         p = target_probs[idx, draft]
         q = draft_probs[idx, draft]
         u = torch.rand(k, generator=generator, device=draft.device)
-        reject = (u * q > p).int()  # accept iff u <= p/q (q > 0 for sampled drafts)
+        reject = (u * q >= p).int()  # accept iff u < p/q (q > 0 for sampled drafts; u in [0, 1), so never where p = 0)
         n = int(torch.cat([reject, reject.new_ones(1)]).argmax())
     else:
         n = 0
@@ -224,7 +224,7 @@ def multi_candidate_verify(p: torch.Tensor, candidates: list[int], q: torch.Tens
         qx = q[x]
         if qx <= 0:  # could not have been drawn: nothing to learn from it
             continue
-        if bool(torch.rand((), generator=generator, device=p.device) * qx <= p[x]):
+        if bool(torch.rand((), generator=generator, device=p.device) * qx < p[x]):  # u < p/q: never where p(x) = 0
             return j, p
         residual = (p - q).clamp_min(0)
         total = residual.sum()

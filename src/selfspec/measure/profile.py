@@ -84,7 +84,7 @@ import torch
 from selfspec.models.capture import BUCKETS, bucket
 
 log = logging.getLogger(__name__)
-from selfspec.models.ledger import COMPONENTS, LayerOp, Op, as_op
+from selfspec.models.ledger import COMPONENTS, HeadOp, LayerOp, Op, as_op
 from selfspec.store.runinfo import cpu_id, cpu_name
 
 __all__ = ["FORMAT", "Profile", "ProfileMismatch", "machine_name", "model_shape"]
@@ -493,11 +493,12 @@ class Profile:
                        f"{self.decoding_rows} rows")
         return "; ".join(why) + " (measure it again with this selfspec)" if why else None
 
-    def host_step(self, source: str | None, drafted: int = 0) -> float:
+    def host_step(self, source: str | None, drafted: int = 0, guessed: int = 0) -> float:
         """What a step's own host work adds to :attr:`host` (``host_steps``), by its source
         (:attr:`~selfspec.decoding.base.StepTrace.source`), and ``host_draft`` per token a ``self`` step
-        ``drafted``."""
-        return self.host_steps.get(source, 0.0) + (self.host_draft * drafted if source == "self" else 0.0)
+        ``drafted`` with a call of its own: less the ``guessed`` ones, which rode in another's pass
+        (:attr:`~selfspec.decoding.base.StepTrace.guessed`)."""
+        return self.host_steps.get(source, 0.0) + (self.host_draft * (drafted - guessed) if source == "self" else 0.0)
 
     def head(self, rows: int, vocab: int, weights: str = "") -> float:
         """Seconds of a head product of ``rows`` states against ``vocab`` rows (``weights``: of that
@@ -578,24 +579,27 @@ class Profile:
             # a step's own overhead (selecting the token, the host sync) follows its last pass
             last = next((op.component for op in reversed(ops) if op.kind == "L"), "host")
             out[last] += host
-            out["host"] += self.host_step(step.get("source"), int(step.get("drafted") or 0))
+            out["host"] += self.host_step(step.get("source"), int(step.get("drafted") or 0),
+                                          int(step.get("guessed") or 0))
         return out
 
-    def pass_cost(self, rows: int, context: int = 512, *, weights: str = "", skip=None,
-                  vocab: int | None = None) -> float:
+    def pass_cost(self, rows: int, context: int = 512) -> float:
         """Seconds of a full pass of ``rows`` new tokens after ``context`` cached ones: one walk of every
-        layer, the head on every row, the host (a verification of ``rows - 1`` drafts). A draft's pass:
-        ``weights``, the quantised copy its linears and head read; ``skip``, the
-        :class:`~selfspec.models.passes.SkipSet` it leaves out; ``vocab``, its head's rows (a draft
-        vocabulary's; default the model's): priced as the ledger op that pass records."""
-        vocab = self.shape["vocab_size"] if vocab is None else vocab
-        if not weights and not skip:
-            return (self.walk + self.shape["num_layers"] * self.layer_cost(rows, context)
-                    + self.head(rows, vocab) + self.host)
+        layer, the head on every row, the host (a verification of ``rows - 1`` drafts)."""
+        return (self.walk + self.shape["num_layers"] * self.layer_cost(rows, context)
+                + self.head(rows, self.shape["vocab_size"]) + self.host)
+
+    def draft_pass_cost(self, rows: int, context: int, *, weights: str = "", skip=None, vocab: int | None = None) -> float:
+        """Seconds of one of a chain drafter's passes of ``rows`` rows after ``context`` cached positions:
+        the ledger ops it records (a walk over ``weights``, the quantised copy its linears and head read,
+        "" the target's, leaving out the sublayers of the :class:`~selfspec.models.passes.SkipSet` ``skip``;
+        the head on every row, ``vocab`` of its rows, a draft vocabulary's or the model's) and its call's
+        host work (``host_draft``)."""
         layers = self.shape["num_layers"]
-        walk = LayerOp("draft", rows, layers - len(skip.attn if skip else ()), layers - len(skip.mlp if skip else ()),
-                       context, weights=weights)
-        return self.op(walk) + self.head(rows, vocab, weights) + self.host
+        skip_attn, skip_mlp = (len(skip.attn), len(skip.mlp)) if skip else (0, 0)
+        ops = [LayerOp("draft", rows, layers - skip_attn, layers - skip_mlp, context, weights=weights),
+               HeadOp("draft", rows, self.shape["vocab_size"] if vocab is None else vocab, weights)]
+        return sum(self.op(op) for op in ops) + self.host_draft
 
     def plain_step(self, context: int = 512) -> float:
         """Seconds of vanilla's step at ``context``: a pass of one row (:meth:`pass_cost`)."""

@@ -145,12 +145,18 @@ def dev_prompts(tasks, tokenizer) -> tuple[list[list[int]], list[str]]:
 # --- timing helpers -------------------------------------------------------------------------
 def decoding_options(jc) -> DecodingOptions:
     """``conf/method/draft_verify.yaml`` as composed (its draft-stop rule's defaults with it) with
-    ``job.decoding`` overrides, checked once: the settings every candidate decodes with."""
+    ``job.decoding`` overrides, checked once: the settings every candidate decodes with. ``draft_ngram``
+    (the lookup drafting for the drafter) is refused: it changes what a draft costs, not what it is, and
+    the search's cost models price one pass per draft."""
     from selfspec.config import load_method_config
 
     keys = DecodingOptions.keys()
     overrides = jc.get("decoding") or {}
     checks.known_keys("job.decoding", overrides, keys, "the Draft & Verify decoding settings")
+    if overrides.get("draft_ngram") is not None:
+        raise checks.refuse("job.decoding.draft_ngram", overrides.get("draft_ngram"), "null",
+                            "a skip set is searched for the drafts themselves; the lookup drafting for the drafter "
+                            "is a decoding setting of the method that reads the skip set (method/draft_ngram=cascade)")
     merged = OmegaConf.merge(OmegaConf.to_container(load_method_config("draft_verify")), overrides)
     return DecodingOptions.read({k: merged[k] for k in keys}, prefix="job.decoding")
 
@@ -599,7 +605,9 @@ def search_settings(ctx, prompts: list[list[int]]) -> dict[str, Any]:
         "search": opts["search"], "model": loaded.name, "fingerprint": loaded.fingerprint,
         "weights": loaded.weights_digest, "tasks": task_label(ctx.cfg, opts),
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16],
-        "max_new_tokens": opts["max_new_tokens"], "decoding": opts["decoding"].config(), "seed": ctx.seed,
+        # draft_ngram is always null here (decoding_options): left out, so traces written before the key resume
+        "max_new_tokens": opts["max_new_tokens"],
+        "decoding": {k: v for k, v in opts["decoding"].config().items() if k != "draft_ngram"}, "seed": ctx.seed,
         "gp_alpha": opts["gp_alpha"], "init_points": opts["init_points"], "probe_fractions": opts["probe_fractions"],
         "warm_start": OmegaConf.to_container(jc.warm_start) if jc.warm_start else [],
         # the cost model's searches price candidates with the run's profile: another profile, another search
