@@ -242,8 +242,6 @@ class SkipSetDrafter(Drafter):
         while len(draft) < k_max:
             j = len(draft)
             guesses = self.guesses(state, draft, k_max - j - 1, skip)
-            if self.lookup is not None:  # an earlier pass's rejected guesses left their K/V past the draft
-                state.cache.truncate(state.n_cached + j)
             rows = ids.fill_(token) if not guesses else torch.tensor([[token, *guesses]], device=model.device)
             h = model.forward(rows, state.cache, p, start=state.n_cached + j, ledger=state.ledger, joins=state.joins)
             logits = self.draft_logits(h, state.ledger, state.joins)
@@ -251,6 +249,8 @@ class SkipSetDrafter(Drafter):
                 kept, more = draft.extend(guesses, logits, state, self.threshold, eos)
                 self.lookup.learn(state, state.lookup, len(guesses), kept)
                 state.trace_step.guessed += kept
+                if more and kept < len(guesses):  # the rejected guesses' K/V, past the draft, go
+                    state.cache.truncate(state.n_cached + len(draft))
             else:
                 more = draft.add(logits[0], state, self.threshold, eos)
             if not more:

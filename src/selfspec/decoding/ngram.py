@@ -96,20 +96,20 @@ class NgramIndex:
         self._last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._next_end = 1  # n-grams ending before this position are indexed
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Index the n-grams of ``tokens`` that end before its last token."""
-        for e in range(self._next_end, len(tokens)):
+    def extend(self, tokens: Sequence[int], size: int | None = None) -> None:
+        """Index the n-grams of ``tokens`` (its first ``size``; default all) that end before its last token."""
+        for e in range(self._next_end, len(tokens) if size is None else size):
             for n, last in self._last.items():
                 if e >= n:
                     last[tuple(tokens[e - n:e])] = e
-        self._next_end = max(self._next_end, len(tokens))
+        self._next_end = max(self._next_end, len(tokens) if size is None else size)
 
     def match(self, tokens: Sequence[int], indexed: int | None = None) -> tuple[int, int]:
         """``(n, e)``: the longest suffix n-gram of ``tokens`` seen before and the end of its most
         recent earlier occurrence; ``(0, -1)`` when none matches. ``indexed``: only the first that many
         of ``tokens`` are indexed (the committed ones; the rest, a draft's own tokens, may end the
         matched suffix but are never indexed, since they may be rejected); default all."""
-        self.extend(tokens if indexed is None else tokens[:indexed])
+        self.extend(tokens, indexed)
         size = len(tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             e = self._last[n].get(tuple(tokens[size - n:]))
