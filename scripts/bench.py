@@ -176,15 +176,16 @@ def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path)
 def batch_table(table: dict, sizes: list[int]) -> str:
     """Per method and batch size: throughput, speedup over vanilla at that size, the profile's predicted
     speedup, consistency with vanilla."""
-    lines = [f"{'method':<22}" + "".join(f"{'B=' + str(b):>34}" for b in sizes),
-             f"{'':<22}" + "".join(f"{'tok/s':>10}{'speedup':>8}{'predicted':>10}{'cons':>6}" for _ in sizes)]
+    w = max([22, *(len(m) + 2 for m in table)])  # a column as wide as the longest method's name
+    lines = [f"{'method':<{w}}" + "".join(f"{'B=' + str(b):>34}" for b in sizes),
+             f"{'':<{w}}" + "".join(f"{'tok/s':>10}{'speedup':>8}{'predicted':>10}{'cons':>6}" for _ in sizes)]
     for m, rows in table.items():
         cells = []
         for b in sizes:
             r = rows.get(b) or {}
             cells.append(f"{_f(r.get('tokens_per_s'), 1):>10}{_f(r.get('speedup'), 2):>8}"
                          f"{_f(r.get('predicted_speedup'), 2):>10}{_f(r.get('consistency'), 2):>6}")
-        lines.append(f"{m:<22}" + "".join(cells))
+        lines.append(f"{m:<{w}}" + "".join(cells))
     return "\n".join(lines)
 
 
@@ -195,15 +196,16 @@ def report(summary: dict) -> str:
     per = summary["methods"]
     base = summary["baseline"]
     info = summary["run_info"]
+    w = max([22, *(len(name) + 2 for name in per)])  # a column as wide as the longest method's name
     lines = [
         f"model {summary['model']}  task {summary['task']}  examples {per[base]['n_examples']}  "
         f"max_new_tokens {summary['max_new_tokens']}  {'greedy' if summary['greedy'] else 'sampling'}  "
         f"{info.get('device')} {info.get('dtype')}  threads {info['hardware'].get('cpu_threads')}",
-        f"{'method':<22}{'tok/s':>9}{'ms/tok':>9}{'speedup':>9}{'decode':>8}{'predicted':>10}{'tau':>7}{'accept':>8}"
+        f"{'method':<{w}}{'tok/s':>9}{'ms/tok':>9}{'speedup':>9}{'decode':>8}{'predicted':>10}{'tau':>7}{'accept':>8}"
         f"{'consist':>9}",
     ]
     for name, m in per.items():
-        lines.append(f"{name:<22}{_f(m['tokens_per_s'], 2):>9}{_f(m['seconds_per_token'] and 1e3 * m['seconds_per_token'], 1):>9}"
+        lines.append(f"{name:<{w}}{_f(m['tokens_per_s'], 2):>9}{_f(m['seconds_per_token'] and 1e3 * m['seconds_per_token'], 1):>9}"
                      f"{_f(m['speedup'], 3):>9}{_f(m.get('decode_speedup'), 3):>8}"
                      f"{_f(m.get('predicted_speedup'), 3):>10}{_f(m['tau'], 2):>7}"
                      f"{_f(m['acceptance_rate'], 3):>8}{_f(m['consistency'], 2):>9}")

@@ -840,6 +840,20 @@ def bench(monkeypatch):
     return bench
 
 
+def test_bench_tables_keep_their_columns_for_a_method_name_longer_than_the_first_column(bench):
+    """``quant_draft_ngram_cascade`` (25 characters) pushed its row's figures out of their columns in
+    both of bench's tables: the first column is as wide as the longest name now."""
+    row = {"n_examples": 1, "tokens_per_s": 50.56, "seconds_per_token": 0.0198, "speedup": 1.656, "decode_speedup": 2.0,
+           "predicted_speedup": 1.58, "tau": 4.62, "acceptance_rate": 0.585, "consistency": 1.0}
+    names = ("vanilla", "quant_draft_ngram_cascade")
+    summary = {"methods": {m: row for m in names}, "baseline": "vanilla", "model": "m", "task": "t",
+               "max_new_tokens": 8, "greedy": True, "run_info": {"device": "cpu", "dtype": "float32", "hardware": {}}}
+    for text in (bench.report(summary), bench.batch_table({m: {1: row} for m in names}, [1])):
+        lines = [x for x in text.splitlines()[1:] if x.strip()]
+        assert len({len(x) for x in lines}) == 1, text  # every row as wide as the header: no column moved
+        assert all(x.startswith(names) or x.startswith(("method", " ")) for x in lines), text
+
+
 @pytest.mark.parametrize("value", ["abc", "1.5", ",", "", "2,", "0", "-1", "2,2"])
 def test_bench_batch_sizes_other_than_positive_integers_are_refused_naming_the_flag(bench, capsys, value):
     """Issue 68's probe: ``--batch-sizes abc``, ``1.5`` and ``,`` ended in a raw ValueError, and
