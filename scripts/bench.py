@@ -176,7 +176,7 @@ def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path)
 def batch_table(table: dict, sizes: list[int]) -> str:
     """Per method and batch size: throughput, speedup over vanilla at that size, the profile's predicted
     speedup, consistency with vanilla."""
-    w = max([22, *(len(m) + 2 for m in table)])  # a column as wide as the longest method's name
+    w = _name_width(table)
     lines = [f"{'method':<{w}}" + "".join(f"{'B=' + str(b):>34}" for b in sizes),
              f"{'':<{w}}" + "".join(f"{'tok/s':>10}{'speedup':>8}{'predicted':>10}{'cons':>6}" for _ in sizes)]
     for m, rows in table.items():
@@ -196,7 +196,7 @@ def report(summary: dict) -> str:
     per = summary["methods"]
     base = summary["baseline"]
     info = summary["run_info"]
-    w = max([22, *(len(name) + 2 for name in per)])  # a column as wide as the longest method's name
+    w = _name_width(per)
     lines = [
         f"model {summary['model']}  task {summary['task']}  examples {per[base]['n_examples']}  "
         f"max_new_tokens {summary['max_new_tokens']}  {'greedy' if summary['greedy'] else 'sampling'}  "
@@ -221,6 +221,11 @@ def report(summary: dict) -> str:
         verdict = "ok" if ratio >= 1.0 else "SLOWER than generate"
         lines.append(f"\n{base} / transformers generate tokens/s: {ratio:.3f}  ({verdict})")
     return "\n".join(lines)
+
+
+def _name_width(names) -> int:
+    """The tables' first column: as wide as the longest method's name and its gap, at least 22."""
+    return max([22, *(len(name) + 2 for name in names)])
 
 
 def _f(v, digits: int) -> str:

@@ -98,11 +98,12 @@ class NgramIndex:
 
     def extend(self, tokens: Sequence[int], size: int | None = None) -> None:
         """Index the n-grams of ``tokens`` (its first ``size``; default all) that end before its last token."""
-        for e in range(self._next_end, len(tokens) if size is None else size):
+        end = len(tokens) if size is None else size
+        for e in range(self._next_end, end):
             for n, last in self._last.items():
                 if e >= n:
                     last[tuple(tokens[e - n:e])] = e
-        self._next_end = max(self._next_end, len(tokens) if size is None else size)
+        self._next_end = max(self._next_end, end)
 
     def match(self, tokens: Sequence[int], indexed: int | None = None) -> tuple[int, int]:
         """``(n, e)``: the longest suffix n-gram of ``tokens`` seen before and the end of its most
