@@ -86,11 +86,30 @@ def job_cache():
     return cache_dir()
 
 
-def sweep_args(sweep: Path, n: int) -> list[str]:
+@pytest.fixture(scope="module")
+def job_profile(job_cache, tmp_path_factory) -> Path:
+    """The jobs' cost profile, measured once before the sweep at their one thread (``make profile``,
+    as docs/usage.md's cluster section asks of jobs sharing a CPU node): with ``profile=auto`` each
+    job measured its own, two jobs running at once on the node spoiled each other's, so none was
+    kept, and all eight jobs measured one (about 16 s each on a Zen 3)."""
+    out = tmp_path_factory.mktemp("profile") / "tiny-random-1t.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), SELFSPEC_CACHE=str(job_cache))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_runtime.py"), "--model", "tiny-random",
+                           "--profile-only", "--threads", "1", "--profile-out", str(out), "--",
+                           "model.linear_kernel=torch"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and out.is_file(), (done.stdout + done.stderr)[-3000:]
+    note(f"the jobs' cost profile: {out}")
+    return out
+
+
+def sweep_args(sweep: Path, n: int, profile: Path) -> list[str]:
     """The sweep: 2 tasks x 2 methods on tiny-random, n examples each, on the test node's
-    resources (1 CPU, no GPU, 4 GB per job instead of the launcher's 8 CPUs, 1 GPU, 64 GB). One
-    warm-up generation per method, so that the first timed one does not include the kernels' build."""
+    resources (1 CPU, no GPU, 4 GB per job instead of the launcher's 8 CPUs, 1 GPU, 64 GB), priced
+    with ``profile``. One warm-up generation per method, so that the first timed one does not include
+    the kernels' build."""
     return ["-m", "model=tiny-random", "model.linear_kernel=torch", f"n_examples={n}", "max_new_tokens=96",
+            f"profile={profile}",
             "warmup=1", "progress=false", f"task={','.join(TASKS)}", f"method={','.join(METHODS)}",
             "hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1",
             "hydra.launcher.gpus_per_node=null", "hydra.launcher.mem_gb=4", "hydra.launcher.timeout_min=30",
@@ -166,7 +185,7 @@ def build_report(sweep: Path, out: Path) -> str:
 
 
 @pytest.mark.timeout(3600)
-def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache, tmp_path):
+def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache, job_profile, tmp_path):
     # enough examples that the job cannot finish in the KillWait seconds between scancel's SIGTERM
     # (which submitit's jobs ignore) and the SIGKILL: with 12, a quiet machine decoding tiny-random at
     # ~900 tok/s finished the remaining ones in time and the "cancelled" job held every row. At 160
@@ -174,7 +193,7 @@ def test_a_cancelled_job_resumes_when_the_sweep_is_resubmitted(slurm, job_cache,
     # (the job is cancelled with at most n // 3 = 13 finished): 96 tokens, not 160, cost 40% less
     n = 40
     sweep = tmp_path / "sweep"
-    cmd, kw = launcher(slurm, job_cache, sweep_args(sweep, n), tmp_path)
+    cmd, kw = launcher(slurm, job_cache, sweep_args(sweep, n, job_profile), tmp_path)
     note("sweep (first submission): " + " ".join(cmd[1:]))
     out = tmp_path / "launcher-1.log"
     with out.open("w") as f:
