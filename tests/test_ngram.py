@@ -318,3 +318,34 @@ def test_config_lacking_a_key_is_refused_by_name():
     """The lookup's values are written once, in the YAML: a config without one names it."""
     with pytest.raises(ConfigError, match=r"lacks method\.max_draft.*conf/method/ngram\.yaml"):
         check_method(OmegaConf.create({"name": "ngram", "max_ngram": 3, "min_ngram": 1, "draft_schedule": "constant"}))
+
+
+def test_drafts_accepted_past_a_stop_string_count_as_accepted(tiny):
+    """The acceptance rate counts the drafts the verification accepted, also those past the point
+    where a stop string then ends the output (they were accepted, only not kept). Counted after the
+    cut, a short answer's last drafts looked rejected: Gemma 3's GSM8K answers (6-20 tokens, ended by
+    ``\\nQuestion:``) showed 0.63. Reference: the same decoding without the stop string, whose steps
+    up to the cut are the same steps, uncut."""
+    base = tiny.tokenizer("a b c d")["input_ids"]
+    ids = base + vanilla_tokens(tiny, base, 12) * 3
+    free = ngram(tiny, max_draft=6, draft_schedule="adaptive").generate(ids, 24)
+    decode, tokens = tiny.tokenizer.decode, free.tokens
+    starts = [sum(free.accepted_per_step[:i]) for i in range(free.steps)]
+    for i in range(1, free.steps - 1):  # a stop string whose first occurrence ends on step i's first token
+        p = starts[i]
+        stop = decode(tokens[: p + 1])  # the output repeats with period 3: a shorter string occurs earlier
+        if free.drafted_per_step[i] and free.accepted_per_step[i] >= 3 and stop.strip() \
+                and stop not in decode(tokens[:p]) and stop in decode(tokens[: p + 1]):
+            break
+    else:
+        pytest.fail(f"no step of {free.accepted_per_step} can be cut by a stop string")
+    cut = build_decoder(method_config("ngram", max_draft=6, draft_schedule="adaptive"), tiny.model,
+                        profile=cpu_like_profile(tiny.model), stop_strings=[stop],
+                        tokenizer=tiny.tokenizer).generate(ids, 24)
+    assert cut.stop_reason == "stop" and cut.tokens == tokens[: p + 1] and cut.steps == i + 1
+    assert cut.accepted_per_step == free.accepted_per_step[:i] + [1]  # what was kept
+    assert cut.verified_per_step == free.accepted_per_step[: i + 1]  # what the verification gave
+    kept_only = sum(max(a - 1, 0) for a, d in zip(cut.accepted_per_step, cut.drafted_per_step) if d)
+    assert cut.accepted_drafts == sum(max(a - 1, 0) for a, d in zip(free.accepted_per_step[: i + 1],
+                                                                     free.drafted_per_step[: i + 1]) if d)
+    assert cut.accepted_drafts > kept_only and cut.acceptance_rate > kept_only / sum(cut.drafted_per_step)

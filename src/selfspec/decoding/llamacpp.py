@@ -233,7 +233,8 @@ class LlamaCpp(Decoder):
         steps = len(state.accepted_per_step)
         return Generation(tokens=state.tokens[n_prompt:], prompt_len=n_prompt, seconds=seconds, steps=steps,
                           accepted_per_step=state.accepted_per_step, drafted_per_step=state.drafted_per_step,
-                          stop_reason=reason, stats={"forward_passes": steps})
+                          stop_reason=reason, stats={"forward_passes": steps},
+                          verified_per_step=state.verified_per_step)
 
     def begin_example(self, prompt: list[int]) -> None:
         """After the prompt's step, before the first decoding step (plain llama.cpp: nothing)."""

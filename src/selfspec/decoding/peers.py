@@ -112,17 +112,19 @@ class HFPeer(Decoder):
         if reason is None:  # transformers stopped on a criterion the cut did not see again
             reason = "stop" if self.stop_strings else "length"
         tokens = state.tokens[len(prompt):]
-        drafted, accepted, left = [], [], len(tokens)
+        drafted, accepted, verified, left = [], [], [], len(tokens)
         for d, c in self._steps:  # keep the steps that produced the kept tokens
             if left <= 0:
                 break
             drafted.append(d)
             accepted.append(min(c, left))
+            verified.append(c)
             left -= c
         stats = {"forward_passes": len(accepted)}
         return Generation(
             tokens=tokens, prompt_len=len(prompt), seconds=seconds, steps=len(accepted),
             accepted_per_step=accepted, drafted_per_step=drafted, stop_reason=reason, stats=stats,
+            verified_per_step=verified,
         )
 
     @contextlib.contextmanager
