@@ -238,10 +238,16 @@ def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch)
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
 
+    from selfspec.evaluation.profiling import measure_profile
+
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
     loaded = load_model(model_config(model))
     assert type(loaded.model.family).__name__.lower() == model.removeprefix("tiny-")
-    train_every_job(model, tmp_path)
+    # the jobs price with a profile of this family measured on a thin plan: profile=auto's full one
+    # took 11 of each family's 19 s (Zen 3), and measures nothing a thin one does not run
+    profile = measure_profile(loaded.model, rows=(1, 2), prefill_rows=(8,), contexts=(0, 16), repeats=1)
+    profile.save(tmp_path / "profile.json")
+    train_every_job(model, tmp_path, profile=tmp_path / "profile.json")
     ids = loaded.tokenizer("Question: 2 + 2? Answer: 4. Question: 3 + 3? Answer:")["input_ids"]
     ref = Vanilla(loaded.model).generate(ids, 12).tokens
     for method in methods_with_artefacts(tmp_path):

@@ -927,6 +927,7 @@ def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkey
     """Issue 39's probe: profile=auto cached a profile by the model's name, so a random model reshaped
     under the same name (model.random.intermediate_size=...) was refused with advice to measure a
     profile, which is what auto does. The cache is keyed by the shape too."""
+    from selfspec.evaluation import profiling
     from selfspec.store.assets import cache_dir
 
     cache = tmp_path / "cache"  # the assets, with a profile cache of its own
@@ -936,6 +937,9 @@ def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkey
             (cache / entry.name).symlink_to(entry)
     monkeypatch.setenv("SELFSPEC_CACHE", str(cache))
     monkeypatch.setattr("selfspec.measure.costs.OthersBusy.share", lambda self: 0.0)  # kept whatever else runs
+    small = profiling.measure_profile  # a thin plan: what is kept where is under test, not the figures
+    monkeypatch.setattr(profiling, "measure_profile", lambda model, **kw: small(
+        model, rows=(1, 2), prefill_rows=(8,), contexts=(0, 16), repeats=1, **kw))
     common = ["model=tiny-random", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
               "method=vanilla", "logger=none"]
     a = evaluate(compose(common), tmp_path / "a")

@@ -6,7 +6,7 @@ as far as it can be (the make target exists, the flags parse, the Hydra override
 
 Substitutions, and nothing else: ``MODEL=``/``model=`` become tiny-random, ``N=`` 1; Hydra commands
 get small budgets (the demo's ``--small`` ones for training jobs, :data:`SMALL_EVAL` for
-evaluations), replacing a budget the README sets (``n_examples=50``). A command that names a GGUF
+evaluations, :data:`SMALL_BENCH` and :data:`SMALL_PROFILE` for ``make bench`` and ``make profile``), replacing a budget the README sets (``n_examples=50``). A command that names a GGUF
 file of your own (``model.gguf_path=/path/to/file.gguf``) keeps its model, and the placeholder
 becomes the SmolLM2 asset's GGUF file (:func:`gguf_file`).
 
@@ -38,6 +38,7 @@ LAYOUT = ("Makefile", "pyproject.toml", "README.md", "conf", "scripts", "src")
 MODEL = "tiny-random"
 SMALL_EVAL = ["n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false"]
 SMALL_BENCH = ["--max-new-tokens", "4", "--warmup", "0"]
+SMALL_PROFILE = ["--repeats", "3"]  # `make profile`: medians of 3 timings, not the profile's default
 #: the demo's --small budget per training job (scripts/demo.py)
 JOB_BUDGET = runpy.run_path(str(ROOT / "scripts" / "demo.py"))["BUDGETS"]["small"]
 #: make targets that train, and their job
@@ -169,6 +170,7 @@ def _make(words: list[str]) -> list[str]:
         var["MODEL"] = MODEL
     elif target == "profile":
         var["MODEL"] = MODEL
+        args = args + SMALL_PROFILE
     elif target in ("evaluate", "bench"):
         var["MODEL"] = MODEL
         args = args + SMALL_BENCH if target == "bench" else _merge(args, SMALL_EVAL)
