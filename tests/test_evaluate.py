@@ -250,9 +250,12 @@ def test_wandb_logger_offline_through_runner(tiny, tmp_path, monkeypatch):
 
 
 def _run(args, cwd, ok: bool = True):
+    """``python -m selfspec.evaluate <args>`` on one thread, with ``profile=null``: neither test that runs
+    it prices anything, and ``profile=auto`` measured a one-thread profile of tiny-random for them
+    (12-16 s of the suite on a Zen 3)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run([sys.executable, "-m", "selfspec.evaluate", *args], cwd=cwd, env=env,
+    out = subprocess.run([sys.executable, "-m", "selfspec.evaluate", *args, "profile=null"], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=300)
     assert (out.returncode == 0) == ok, out.stderr[-3000:]
     return out

@@ -95,7 +95,7 @@ def job_profile(job_cache, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("profile") / "tiny-random-1t.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), SELFSPEC_CACHE=str(job_cache))
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_runtime.py"), "--model", "tiny-random",
-                           "--profile-only", "--threads", "1", "--profile-out", str(out), "--",
+                           "--profile-only", "--threads", "1", "--repeats", "1", "--profile-out", str(out), "--",
                            "model.linear_kernel=torch"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and out.is_file(), (done.stdout + done.stderr)[-3000:]
