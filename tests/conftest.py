@@ -57,6 +57,18 @@ def cpu_like_profile(model, quantised: bool = False):
     })
 
 
+#: a thin measuring plan (:func:`thin_profile`): the profiler runs every stage, on few points, once each
+THIN_PLAN = {"rows": (1, 2), "prefill_rows": (8,), "contexts": (0, 16), "repeats": 1}
+
+
+def thin_profile(model, **kw):
+    """This machine's profile of ``model`` measured on :data:`THIN_PLAN` (seconds, not profile=auto's
+    minute): for tests where what is priced or kept matters, not the figures."""
+    from selfspec.evaluation.profiling import measure_profile
+
+    return measure_profile(model, **THIN_PLAN, **kw)
+
+
 @pytest.fixture(scope="session")
 def tiny_profile(tiny):
     """:func:`cpu_like_profile` of the tiny model."""

@@ -13,7 +13,7 @@ import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from conftest import cpu_like_profile, method_config, methods_with_artefacts, train_every_job
+from conftest import cpu_like_profile, method_config, methods_with_artefacts, thin_profile, train_every_job
 from selfspec.decoding import build_decoder
 from selfspec.decoding.vanilla import Vanilla
 from selfspec.models import families, kernels
@@ -238,15 +238,12 @@ def test_every_training_job_runs_on_another_family(model, tmp_path, monkeypatch)
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
 
-    from selfspec.evaluation.profiling import measure_profile
-
     monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path))
     loaded = load_model(model_config(model))
     assert type(loaded.model.family).__name__.lower() == model.removeprefix("tiny-")
     # the jobs price with a profile of this family measured on a thin plan: profile=auto's full one
     # took 11 of each family's 19 s (Zen 3), and measures nothing a thin one does not run
-    profile = measure_profile(loaded.model, rows=(1, 2), prefill_rows=(8,), contexts=(0, 16), repeats=1)
-    profile.save(tmp_path / "profile.json")
+    thin_profile(loaded.model).save(tmp_path / "profile.json")
     train_every_job(model, tmp_path, profile=tmp_path / "profile.json")
     ids = loaded.tokenizer("Question: 2 + 2? Answer: 4. Question: 3 + 3? Answer:")["input_ids"]
     ref = Vanilla(loaded.model).generate(ids, 12).tokens

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from conftest import THIN_PLAN
 from test_trace import _decoder
 
 from selfspec.config import compose
@@ -938,8 +939,7 @@ def test_profile_auto_keeps_a_profile_per_shape_of_a_model_name(tmp_path, monkey
     monkeypatch.setenv("SELFSPEC_CACHE", str(cache))
     monkeypatch.setattr("selfspec.measure.costs.OthersBusy.share", lambda self: 0.0)  # kept whatever else runs
     small = profiling.measure_profile  # a thin plan: what is kept where is under test, not the figures
-    monkeypatch.setattr(profiling, "measure_profile", lambda model, **kw: small(
-        model, rows=(1, 2), prefill_rows=(8,), contexts=(0, 16), repeats=1, **kw))
+    monkeypatch.setattr(profiling, "measure_profile", lambda model, **kw: small(model, **THIN_PLAN, **kw))
     common = ["model=tiny-random", "n_examples=1", "max_new_tokens=4", "warmup=0", "progress=false",
               "method=vanilla", "logger=none"]
     a = evaluate(compose(common), tmp_path / "a")

@@ -334,8 +334,7 @@ def test_drafts_accepted_past_a_stop_string_count_as_accepted(tiny):
     for i in range(1, free.steps - 1):  # a stop string whose first occurrence ends on step i's first token
         p = starts[i]
         stop = decode(tokens[: p + 1])  # the output repeats with period 3: a shorter string occurs earlier
-        if free.drafted_per_step[i] and free.accepted_per_step[i] >= 3 and stop.strip() \
-                and stop not in decode(tokens[:p]) and stop in decode(tokens[: p + 1]):
+        if free.drafted_per_step[i] and free.accepted_per_step[i] >= 3 and stop not in decode(tokens[:p]):
             break
     else:
         pytest.fail(f"no step of {free.accepted_per_step} can be cut by a stop string")

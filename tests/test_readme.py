@@ -6,7 +6,8 @@ as far as it can be (the make target exists, the flags parse, the Hydra override
 
 Substitutions, and nothing else: ``MODEL=``/``model=`` become tiny-random, ``N=`` 1; Hydra commands
 get small budgets (the demo's ``--small`` ones for training jobs, :data:`SMALL_EVAL` for
-evaluations, :data:`SMALL_BENCH` and :data:`SMALL_PROFILE` for ``make bench`` and ``make profile``), replacing a budget the README sets (``n_examples=50``). A command that names a GGUF
+evaluations, :data:`SMALL_BENCH` and :data:`SMALL_PROFILE` for ``make bench`` and ``make profile``),
+replacing a budget the README sets (``n_examples=50``). A command that names a GGUF
 file of your own (``model.gguf_path=/path/to/file.gguf``) keeps its model, and the placeholder
 becomes the SmolLM2 asset's GGUF file (:func:`gguf_file`).
 
