@@ -15,7 +15,7 @@ N ?= 5
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: FORCE help install llamacpp assets assets-all assets-qwen browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
+.PHONY: FORCE help install kernels llamacpp assets assets-all assets-qwen browser slurm test test-fast demo bench bench-runtime profile project gpu-check train-heads train-prompts search-skips build-tree draft-vocab evaluate sweep tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -34,6 +34,11 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install selfspec with its dev extras
+
+# the CPU kernels (src/selfspec/models/csrc) compiled for this machine and environment into the asset
+# cache: a set-up step, so that neither the tests' time nor a demo's first step includes the build
+kernels: install ## build selfspec's CPU kernels for this machine into the asset cache (once, ~40 s on 2 cores)
+	$(PY) -m selfspec.models.kernels
 
 # The optional llama.cpp peer of bench-runtime: llama-cpp-python (pinned by the [llamacpp] extra)
 # compiled from source for this CPU (-march=native, OpenMP; no multimodal library); no wheel cache,
@@ -81,13 +86,13 @@ slurm: ## install slurm-wlm, munge, slurmdbd, mariadb-server (apt-get, when miss
 			"install them with: sudo apt-get install slurm-wlm munge slurmdbd mariadb-server" >&2; \
 	fi
 
-test: browser slurm assets-all ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2, Gemma 3 270M and Slurm)
+test: browser slurm assets-all kernels ## run all tests (fast tiny-random ones and the marked end-to-end ones on SmolLM2, Gemma 3 270M and Slurm)
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: browser assets ## run the fast tests only (no end-to-end tests on SmolLM2)
+test-fast: browser assets kernels ## run the fast tests only (no end-to-end tests on SmolLM2)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
-demo: assets ## the main job on the embedded default: train, search, evaluate, report (prints per-step times)
+demo: assets kernels ## the main job on the embedded default: train, search, evaluate, report (prints per-step times)
 	$(PY) scripts/demo.py $(ARGS)
 
 bench: assets ## vanilla vs transformers generate (and METHODS=...) tokens/s side by side
