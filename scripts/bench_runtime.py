@@ -19,7 +19,6 @@ measures the profile alone.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -60,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from selfspec.config import compose
     from selfspec.evaluation.runtime import format_report, runtime_report
+    from selfspec.store.files import write_json
     from selfspec.models.loading import load_model
 
     if args.threads:
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         report = runtime_report(loaded, ks, contexts, args.new_tokens, args.repeats or REPEATS, llama_cpp=not args.no_llama_cpp)
         print(format_report(report))
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=1, default=str))
+            write_json(args.out, report)  # atomic; made as its parents are
             print(f"figures: {args.out}")
     if not args.no_profile:
         write_profile(loaded.model, args.profile_out, args.repeats, args.budget)

@@ -225,9 +225,8 @@ class Demo:
 
     def runtime(self) -> Path:
         """The runtime benchmark (``make bench-runtime``); its ``runtime.json`` joins the report's inputs."""
-        import json
-
         from selfspec.evaluation.runtime import format_report, runtime_report
+        from selfspec.store.files import write_json
 
         small = self.args.small
         cmd = f"python scripts/bench_runtime.py --model {self.args.model}" + (
@@ -239,8 +238,7 @@ class Demo:
                                     8 if small else 32, 1 if small else 5)
             print(format_report(report))
             out = self.run_dir / "runtime" / "runtime.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=1, default=str))
+            write_json(out, report)  # atomic, every figure finite or null, as the report reads it
         return out.parent
 
     def train_all(self) -> None:

@@ -398,6 +398,22 @@ def test_cost_curve_interpolates_and_reports_ratios():
     assert json.loads(json.dumps(curve.to_dict()))["seconds"]["512"]["8"] == 0.02
 
 
+def test_a_head_timed_above_a_whole_step_leaves_the_runtime_report_readable(tmp_path):
+    """A tiny model's head timed alone can take longer than its whole step on a noisy machine (a clean
+    clone's demo, 2026-12-07: head 3.66 ms, step 2.05): the layer's cost is then not resolved. It was
+    infinity, written as ``Infinity`` into runtime.json, which the report refused to read, and the
+    report's runtime section went missing."""
+    from selfspec.reporting.build import runtime_reports
+    from selfspec.store.files import write_json
+
+    curve = CostCurve("m", "cpu", "float32", "torch", {64: {1: 0.002, 2: 0.002}}, layer=0.0, head=0.0037)
+    assert curve.head_in_layers is None
+    write_json(tmp_path / "runtime" / "runtime.json", {"curve": curve.to_dict(), "head_in_layers": curve.head_in_layers,
+                                                       "share": float("inf")})
+    (found,) = runtime_reports([tmp_path / "runtime"])
+    assert found["head_in_layers"] is None and found["share"] is None
+
+
 def test_time_forward_leaves_the_cache_as_it_was(tiny):
     model = tiny.model
     cache = context_cache(model, 16, 8)

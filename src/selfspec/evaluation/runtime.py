@@ -215,7 +215,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"decode at context {r['context']} (prefill excluded): vanilla {r['vanilla_tokens_per_s']:.2f} tok/s, transformers generate "
         f"{r['generate_tokens_per_s']:.2f} tok/s, ratio {r['vanilla_over_generate']:.3f}"
         f"{'' if r['same_tokens_as_generate'] else '  (TOKENS DIFFER)'}",
-        f"LM head: {100 * r['head_share_of_step']:.1f}% of a step ({r['head_in_layers']:.1f} layers)",
+        f"LM head: {100 * r['head_share_of_step']:.1f}% of a step ("
+        + (f"{r['head_in_layers']:.1f} layers)" if r.get("head_in_layers") is not None else
+           "a layer's cost not resolved: the head alone took a whole step)"),
         f"bandwidth: {r['achieved_bytes_per_s'] / 1e9:.2f} GB/s achieved ({(r['weight_bytes'] + r['kv_bytes']) / 1e6:.0f} MB "
         f"per token) of {r['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s reading a buffer of that size here: "
         f"{100 * r['bandwidth_fraction']:.1f}%",

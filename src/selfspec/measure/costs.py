@@ -256,9 +256,11 @@ class CostCurve:
         return row[a] + (row[b] - row[a]) * (k - a) / (b - a)
 
     @property
-    def head_in_layers(self) -> float:
-        """The LM head's cost in decoder layers (DEL's TPL unit)."""
-        return self.head / self.layer if self.layer > 0 else float("inf")
+    def head_in_layers(self) -> float | None:
+        """The LM head's cost in decoder layers (DEL's TPL unit); None where a layer's cost is not
+        resolved (the head timed alone took at least a whole step: a small model's head on a noisy
+        machine), not infinity, which JSON cannot hold."""
+        return self.head / self.layer if self.layer > 0 else None
 
     def to_dict(self) -> dict:
         d = asdict(self)
