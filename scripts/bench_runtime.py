@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from selfspec.config import compose
     from selfspec.evaluation.runtime import format_report, runtime_report
-    from selfspec.store.files import write_json
     from selfspec.models.loading import load_model
+    from selfspec.store.files import write_json
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         report = runtime_report(loaded, ks, contexts, args.new_tokens, args.repeats or REPEATS, llama_cpp=not args.no_llama_cpp)
         print(format_report(report))
         if args.out:
-            write_json(args.out, report)  # atomic; made as its parents are
+            write_json(args.out, report)  # atomic, every figure finite or null, as the report reads it
             print(f"figures: {args.out}")
     if not args.no_profile:
         write_profile(loaded.model, args.profile_out, args.repeats, args.budget)

@@ -204,8 +204,8 @@ def test_ppd_tree_job_writes_trees_the_decoder_uses(tiny, prompt_ids, tmp_path):
 
     save_prompts(tmp_path / "p", PromptTokens.init_from_tokens(tiny.model, 2, 1), tiny)
     # priced with a fixed profile: this machine's measured one may price a 3-row pass of the tiny model
-    # below a 1-row pass (its passes are a few hundred microseconds, and CI's VM is noisy: a clean clone's
-    # run on a Zen 3 failed so); test_draft_vocab checks that profile=auto is this machine's
+    # below a 1-row pass (its passes take 1-3 ms and CI's VM is noisy: a clean clone's run on a Zen 3
+    # failed so); test_draft_vocab checks that profile=auto is this machine's
     from conftest import cpu_like_profile
 
     profile = cpu_like_profile(tiny.model)
