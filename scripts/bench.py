@@ -117,8 +117,6 @@ def check_memory(cfg, plan) -> None:
 
 def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path) -> int:
     """One run per batch size (module docstring), the model loaded once; the table, JSON and figure."""
-    import json
-
     from selfspec.config import compose
     from selfspec.evaluation import evaluate
     from selfspec.evaluation.runner import prepare
@@ -126,6 +124,7 @@ def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path)
     from selfspec.models.loading import load_model
     from selfspec.project import project_run
     from selfspec.reporting.plots import batch_plot
+    from selfspec.store.files import write_json
 
     cfgs = {b: compose([*overrides, f"batch_size={b}"]) for b in sizes}
     cfg = cfgs[sizes[0]]
@@ -158,7 +157,7 @@ def by_batch_size(overrides: list[str], label: str, sizes: list[int], out: Path)
             print(f"batch size {b}: vanilla at {contention['ratio']:.2f}x its predicted time"
                   + (" -- FLAGGED: measured under load" if contention.get("flagged") else ""), flush=True)
     print(batch_table(table, sizes))
-    (out / "batches.json").write_text(json.dumps(table, indent=1))
+    write_json(out / "batches.json", table)
     measured = {m: {b: r["speedup"] for b, r in rows.items() if r["speedup"]} for m, rows in table.items()
                 if m != "vanilla"}
     projected: dict = {}

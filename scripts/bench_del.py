@@ -13,8 +13,6 @@ baselines). Prints a Markdown table and writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -23,6 +21,7 @@ from selfspec.config import method_config, model_config
 from selfspec.decoding import build_decoder
 from selfspec.measure.speedup import per_token, speedup
 from selfspec.models.loading import load_model
+from selfspec.store.files import write_json
 from selfspec.tasks import build_task
 
 
@@ -102,8 +101,7 @@ def main() -> None:
                   f"{a['exit']:.1f} | {a['gamma']:.1f} | {a['parity']} |")
         if best:
             print(f"DEL vs best fixed {best}: {agg['del']['speedup'] / agg[best]['speedup']:.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    write_json(args.out, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"task": task, "mode": mode, **row}
                 table.append(row)
                 print(json.dumps(row), flush=True)
-    (args.out / "table.json").write_text(json.dumps(table, indent=1))
+    from selfspec.store.files import write_json
+
+    write_json(args.out / "table.json", table)
     return 0
 
 

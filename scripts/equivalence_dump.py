@@ -204,7 +204,9 @@ def main(argv=None) -> int:
         ap.error("give --out FILE or --compare BEFORE AFTER")
     t0 = time.perf_counter()
     d = dump()
-    args.out.write_text(json.dumps(d))
+    from selfspec.store.files import write_json
+
+    write_json(args.out, d)
     print(f"{generations(d)} generations in {time.perf_counter() - t0:.0f} s -> {args.out}")
     return 0
 

@@ -94,6 +94,7 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
     """Writes ``out`` (emptied first): ``call1/`` (part 1 of the GGUF) and ``call2/`` (wheels, assets,
     part 2); returns the manifest it also writes as ``call2/manifest.json``."""
     from selfspec.store.assets import asset_path
+    from selfspec.store.files import write_json
 
     if out.exists():
         if out.is_dir() and any(out.iterdir()) and not (out / "call2" / "manifest.json").exists():
@@ -129,7 +130,7 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
             raise SystemExit(f"gpu_bundle: {name} ({size / 2**20:.1f} MiB) and the checkout ({checkout / 2**20:.1f} MiB) "
                              f"exceed a call's {LIMIT_BYTES >> 20} MiB")
     manifest["mib"] = {name: round(size / 2**20, 1) for name, size in sizes.items()} | {"checkout": round(checkout / 2**20, 1)}
-    (call2 / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_json(call2 / "manifest.json", manifest)  # last and atomic: it marks the bundle whole
     return manifest
 
 

@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import sys
@@ -671,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from selfspec.models.kernels import paths
+    from selfspec.store.files import write_json
     from selfspec.store.runinfo import run_info
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -689,9 +689,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:  # what is done so far survives a failure or a machine taken back
         report["seconds"] = time.perf_counter() - t0
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(report, indent=1, default=str))
-        tmp.replace(out)
+        write_json(out, report)  # atomic; a non-finite figure is null, an object its str()
 
     isolated = Isolated(save)
     entries: list[dict] = []

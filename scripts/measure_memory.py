@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print("FIT =", json.dumps(result["fit"]), f"ERROR = {result['error']:.3f}")
         print(markdown(result))
         return 0
+    from selfspec.store import files
+
     done = json.loads(args.out.read_text())["points"] if args.out.exists() else []
     key = lambda shape, job, extra: (shape, job, tuple(extra))  # noqa: E731
     measured = {key(d["shape"], d["job"], d["settings"]) for d in done}
@@ -231,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape:20s} {job:12s} {' '.join(extra):60s} job peak {point['job_peak'] / 2**20:8.1f} MB "
                   f"load peak {point['load_peak'] / 2**20:8.1f} MB  {point['seconds']:.0f} s "
                   f"load {point['load_average'][0]:.2f}", flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"points": done}, indent=1))
+            files.write_json(args.out, {"points": done})
     return 0
 
 

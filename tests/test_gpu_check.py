@@ -203,8 +203,10 @@ def test_a_failing_method_or_section_is_recorded_and_the_check_goes_on(tmp_path,
     monkeypatch.setattr(gpu_check, "capture_decoders", broken)
     monkeypatch.setattr(gpu_check, "runtime_section", runtime_fails)
     out = tmp_path / "check.json"
-    real_replace = Path.replace
-    monkeypatch.setattr(Path, "replace", lambda self, target: saved.append(1) or real_replace(self, target))
+    from selfspec.store import files
+
+    real_write = files.write_json  # the check saves its JSON through it (atomic, figures finite)
+    monkeypatch.setattr(files, "write_json", lambda path, obj: saved.append(1) or real_write(path, obj))
     assert gpu_check.main(["--dry-run", "--sections", "profile,ledger,runtime", "--out", str(out)]) == 0
     tiny = json.loads(out.read_text())["models"]["tiny-random"]
     failed = tiny["ledger"]["methods"]["early_exit"]

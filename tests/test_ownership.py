@@ -589,3 +589,52 @@ def test_a_read_only_warm_kernel_cache_is_used_without_its_build_lock(built):
             if d.exists():
                 d.chmod(0o755)
         shutil.rmtree(base)
+
+
+#: the only places that write a file in place, and why a torn write there cannot be read as whole
+IN_PLACE = {
+    ("src/selfspec/metrics/sandbox.py", "Path(workdir, 'program.py')"): "the sandbox's own fresh folder, removed after the run",
+    ("src/selfspec/models/kernels.py", "copy"): "the kernels' staged sources, under the build lock, rewritten when their bytes differ",
+    ("src/selfspec/store/assets.py", "staged / MARKER"): "a staging folder renamed into place whole",
+    ("src/selfspec/store/artefacts.py", "tmp / META"): "a staging folder renamed into place whole",
+    ("src/selfspec/measure/peak.py", "Path('/proc/self/clear_refs')"): "not a file: the kernel's switch",
+    ("scripts/gpu_bundle.py", "call2 / 'sharegpt.json'"): "the bundle's fresh folder; its manifest, written last, marks it whole",
+    ("scripts/gpu_bundle.py", "out / 'call1' / f'{path.name}.part1'"): "the bundle's fresh folder (as above)",
+    ("scripts/gpu_bundle.py", "call2 / f'{path.name}.part2'"): "the bundle's fresh folder (as above)",
+}
+
+
+def test_every_file_is_written_atomically_or_named_with_its_reason():
+    """Finding: five scripts wrote their JSON with a bare ``write_text(json.dumps(...))`` (a non-finite
+    figure became ``Infinity``, which the readers refuse, and an interrupted write left half a file), and
+    the report's pages, the HumanEval samples and the heads' sequence cache were written in place too.
+    Every write of src/ and scripts/ now goes through :mod:`selfspec.store.files` (``write_text``,
+    ``write_json``: a temporary file of its own, renamed; non-finite figures null) but those of
+    :data:`IN_PLACE`, each with the reason a torn write cannot be read as whole."""
+    import ast
+
+    found, seen = [], set()
+    for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "src/selfspec/store/files.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            f = node.func
+            if f.attr in ("write_text", "write_bytes") or (f.attr == "dump" and ast.unparse(f.value) == "json"):
+                key = (rel, ast.unparse(f.value))
+                if key in IN_PLACE:
+                    seen.add(key)
+                else:
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert not found, "written in place (use selfspec.store.files.write_text/write_json):\n" + "\n".join(found)
+    assert seen == set(IN_PLACE), f"IN_PLACE names writes that are gone: {set(IN_PLACE) - seen}"
+
+
+def test_a_json_figure_that_is_not_finite_is_written_as_null(tmp_path):
+    from selfspec.store.files import write_json
+
+    path = write_json(tmp_path / "figures.json", {"ratio": float("inf"), "nan": float("nan"), "ok": [1.5, -float("inf")]})
+    assert json.loads(path.read_text()) == {"ratio": None, "nan": None, "ok": [1.5, None]}
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]  # no temporary file left

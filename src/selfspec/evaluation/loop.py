@@ -30,6 +30,7 @@ from selfspec.evaluation.batches import WAVE, batch_summary, decode_waves, open_
 from selfspec.evaluation.plan import Built, MethodRun, RunPlan, sample_sampling
 from selfspec.measure.profile import machine, model_shape
 from selfspec.models.capture import BUCKETS, MAX_GRAPHS
+from selfspec.store.files import write_text
 from selfspec.tracking import ResultsFile, Tracker
 
 log = logging.getLogger(__name__)
@@ -308,8 +309,7 @@ def _write_samples(out_dir: Path, task, rows: dict[str, list[dict[str, Any]]]) -
         lines = [task.sample_record(str(r["id"]), r["prediction"]) for r in rs]
         if not lines or any(line is None for line in lines):
             continue
-        path = out_dir / f"samples-{name}.jsonl"
-        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        path = write_text(out_dir / f"samples-{name}.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
         written[name] = path.name
     return written
 

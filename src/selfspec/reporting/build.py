@@ -37,7 +37,7 @@ from selfspec.reporting.records import LeftOut, Record, collect_runs, find_runs,
 from selfspec.reporting.tables import (Table, build_table, loaded_warnings, method_rank, method_title,
                                        method_variant_title, to_latex, to_markdown)
 from selfspec.store.figure import Plot
-from selfspec.store.files import read_json
+from selfspec.store.files import read_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,7 @@ def build_report(
     rendered, all_md = _write_tables(result, by_table, formats, paper)
     result.answers = answers(r for recs in by_table.values() for r in recs)
     if all_md:
-        (out_dir / "report.md").write_text("\n".join([to_answer_markdown(result.answers), *all_md]),
-                                           encoding="utf-8")
+        write_text(out_dir / "report.md", "\n".join([to_answer_markdown(result.answers), *all_md]))
         result.files.append(out_dir / "report.md")
 
     result.sections = task_sections(by_table, out_dir / "plots" if make_plots else None)
@@ -187,7 +186,7 @@ def _write_tables(result: ReportResult, by_table: dict[str, list[Record]], forma
         writers = {"md": lambda: md, "tex": lambda: to_latex(table)}
         for fmt in formats:
             path = out_dir / "tables" / f"{table_id}.{fmt}"
-            path.write_text(writers[fmt](), encoding="utf-8")
+            write_text(path, writers[fmt]())
             result.files.append(path)
             files[fmt] = path.relative_to(out_dir).as_posix()
         rendered.append((table, files))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from selfspec.config import group_options
+from selfspec.store.files import write_text
 
 #: methods whose figures the panels show: every config label of conf/method/ (selfspec's
 #: methods, their variants and the transformers peers), as results and summaries key them
@@ -85,10 +86,7 @@ def to_markdown(sections: tuple[Section, ...] = SECTIONS) -> str:
 
 
 def write_markdown(path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_markdown(), encoding="utf-8")
-    return path
+    return write_text(path, to_markdown())
 
 
 def build_workspace(entity: str, project: str, name: str = "selfspec: methods at a glance"):

@@ -20,6 +20,7 @@ from typing import Any
 from selfspec.reporting import answer as ans
 from selfspec.reporting.tables import MISSING, PROJECTIONS_TITLE, TASK_TITLE, Table, source_line
 from selfspec.store.figure import Plot
+from selfspec.store.files import write_text
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -245,6 +246,4 @@ def write_index(out_dir: Path, tables: list[tuple[Table, dict[str, str]]], plots
                  "consistency = share of examples whose greedy tokens equal vanilla's; a sampling row of a "
                  "lossless method is labelled lossless (distribution): speculative sampling keeps vanilla's "
                  "output distribution, not its tokens, so its consistency is n/a.</p></body></html>")
-    path = out_dir / "index.html"
-    path.write_text("\n".join(parts), encoding="utf-8")
-    return path
+    return write_text(out_dir / "index.html", "\n".join(parts))

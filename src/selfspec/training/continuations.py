@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from selfspec.config import checks
+from selfspec.store.files import write_text
 from selfspec.training.bars import bar
 from selfspec.training.driver import task_names
 
@@ -161,10 +162,7 @@ def build_data(opts: dict, loaded, progress: bool = False) -> tuple[list[Sequenc
         prompts_bar.close()
         raw = {"train": [vars(s) for s in train_seqs], "heldout": [vars(s) for s in held_seqs],
                "seconds": time.perf_counter() - t0}
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(raw))
-        tmp.replace(file)
+        write_text(file, json.dumps(raw))  # atomic, a temporary file of its own: two jobs may write it at once
         log.info("heads data: %d + %d sequences generated in %.1fs -> %s", len(train_seqs), len(held_seqs), raw["seconds"],
                  file)
     info["generation_seconds"] = raw.get("seconds")
