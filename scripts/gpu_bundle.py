@@ -38,6 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: what the bundle is written into, emptied first: ignored (.gitignore), read there by scripts/gpu_device.sh
 OUT = ROOT / ".gpu"
+#: written into the bundle's folder before anything else: a folder with it (or a manifest) is a bundle, whole or
+#: interrupted, and the next run empties it; any other folder is left as it is
+STARTED = ".gpu_bundle"
 
 #: what the lent machine lacks for scripts/gpu_check.py (found as the module docstring says), and
 #: transformers at the tested version
@@ -97,9 +100,12 @@ def bundle(out: Path, gguf: bool, python: str) -> dict:
     from selfspec.store.files import write_json
 
     if out.exists():
-        if out.is_dir() and any(out.iterdir()) and not (out / "call2" / "manifest.json").exists():
+        ours = (out / STARTED).exists() or (out / "call2" / "manifest.json").exists()
+        if out.is_dir() and any(out.iterdir()) and not ours:
             raise SystemExit(f"gpu_bundle: {out} holds something else than an earlier bundle; not emptied")
         shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / STARTED).write_text("a bundle of scripts/gpu_bundle.py: whole when call2/manifest.json is here\n")
     call2 = out / "call2"
     manifest: dict = {"python": python, "wheels": [w.name for w in wheels(call2 / "wheels", python)], "assets": {}}
     for name in ASSETS:

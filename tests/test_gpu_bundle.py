@@ -120,6 +120,29 @@ def test_the_bundle_empties_only_an_earlier_bundle_and_the_device_script_checks_
     assert "got '--dry-run'" in bad.stderr
 
 
+def test_an_interrupted_bundle_is_emptied_by_the_next_run(bundle_module, tmp_path, monkeypatch):
+    """Finding: a bundle stopped before its manifest (the last file) left a folder the next run refused as
+    "something else than an earlier bundle", to be emptied by hand. The bundle marks its folder first now;
+    a folder with that mark is emptied, one without it and without a manifest is still refused."""
+    out = tmp_path / "bundle"
+
+    class Stop(Exception):
+        pass
+
+    def stop(dest, python):
+        raise Stop
+
+    monkeypatch.setattr(bundle_module, "wheels", stop)
+    with pytest.raises(Stop):  # the first run, stopped at its wheels (an interrupt, a full disk)
+        bundle_module.bundle(out, False, "3.12")
+    (out / "call2" / "cache").mkdir(parents=True)
+    (out / "call2" / "cache" / "half-copied").write_text("x")
+    assert not (out / "call2" / "manifest.json").exists()
+    with pytest.raises(Stop):
+        bundle_module.bundle(out, False, "3.12")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [bundle_module.STARTED]
+
+
 def _device(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """scripts/gpu_device.sh run in ``tmp_path``, a checkout with no bundle carried into it."""
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_device.sh"), *args], capture_output=True, text=True,

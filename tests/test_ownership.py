@@ -598,6 +598,7 @@ IN_PLACE = {
     ("src/selfspec/store/assets.py", "staged / MARKER"): "a staging folder renamed into place whole",
     ("src/selfspec/store/artefacts.py", "tmp / META"): "a staging folder renamed into place whole",
     ("src/selfspec/measure/peak.py", "Path('/proc/self/clear_refs')"): "not a file: the kernel's switch",
+    ("scripts/gpu_bundle.py", "out / STARTED"): "the bundle's fresh folder, the first file in it",
     ("scripts/gpu_bundle.py", "call2 / 'sharegpt.json'"): "the bundle's fresh folder; its manifest, written last, marks it whole",
     ("scripts/gpu_bundle.py", "out / 'call1' / f'{path.name}.part1'"): "the bundle's fresh folder (as above)",
     ("scripts/gpu_bundle.py", "call2 / f'{path.name}.part2'"): "the bundle's fresh folder (as above)",
