@@ -639,3 +639,32 @@ def test_a_json_figure_that_is_not_finite_is_written_as_null(tmp_path):
     path = write_json(tmp_path / "figures.json", {"ratio": float("inf"), "nan": float("nan"), "ok": [1.5, -float("inf")]})
     assert json.loads(path.read_text()) == {"ratio": None, "nan": None, "ok": [1.5, None]}
     assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_what_is_written_atomically_has_a_plain_writes_permissions(tiny, tmp_path, umask):
+    """Finding: ``write_text`` took its temporary file from ``tempfile.mkstemp`` (0o600) and an artefact its
+    folder from ``mkdtemp`` (0o700), so every summary, report page, artefact and checkpoint was unreadable
+    to the rest of a team sharing ``outputs/`` whatever their umask said. Now each has the permissions a
+    plain write or ``mkdir`` would give under the umask."""
+    from selfspec.store.artefacts import save_artefact
+    import torch
+
+    from selfspec.store.files import write_json
+    from selfspec.training.loop import _save_checkpoint
+
+    old = os.umask(umask)
+    try:
+        page = write_json(tmp_path / "summary.json", {"a": 1})
+        art = save_artefact(tmp_path / "heads", "heads", {"w": torch.zeros(2)}, tiny, kernel_paths={})
+        _save_checkpoint(tmp_path / "ckpt", {"step": 1})
+        plain_file, plain_dir = tmp_path / "plain.txt", tmp_path / "plain"
+        plain_file.write_text("x")
+        plain_dir.mkdir()
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(plain_file) == 0o666 & ~umask and mode(plain_dir) == 0o777 & ~umask
+    assert {mode(p) for p in (page, art / "meta.json", art / "tensors.safetensors", tmp_path / "ckpt" / "checkpoint.pt")
+            } == {mode(plain_file)}
+    assert mode(art) == mode(plain_dir)

@@ -50,7 +50,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -62,7 +61,7 @@ from selfspec.models import gguf_file
 from selfspec.models.families import SUPPORTED_MODEL_TYPES, ModelLoadError, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 from selfspec.store import assets
-from selfspec.store.files import not_plain
+from selfspec.store.files import new_temporary, not_plain, plain_permissions
 
 log = logging.getLogger(__name__)
 
@@ -495,10 +494,13 @@ def _converted(source: Source, name: str) -> Path:
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     converted.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".tmp-"))
+    _, tmp = new_temporary(converted.parent, converted.name, directory=True)
     try:
         hf.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        for f in tmp.rglob("*"):  # safetensors makes its files 0o600
+            if f.is_file():
+                plain_permissions(f)
         os.replace(tmp, converted)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.store.files import disk_space, read_json, to_jsonable
+from selfspec.store.files import disk_space, new_temporary, plain_permissions, read_json, to_jsonable
 
 META = "meta.json"
 TENSORS = "tensors.safetensors"
@@ -101,10 +100,11 @@ def save_artefact(
     }
     meta.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    _, tmp = new_temporary(path.parent, path.name, directory=True)
     try:
         with disk_space(path):  # a full disk names the artefact; the one already there stays
             save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+            plain_permissions(tmp / TENSORS)  # safetensors makes it 0o600
             # strict JSON for every reader: NaN and infinities become null
             (tmp / META).write_text(json.dumps(to_jsonable(meta), indent=2, allow_nan=False))
         if path.exists():

@@ -243,12 +243,41 @@ def disk_space(path: str | Path) -> Iterator[None]:
                                  "again (a run resumes where it stopped)", str(path)) from None
 
 
+def new_temporary(folder: str | Path, name: str, directory: bool = False) -> tuple[int | None, Path]:
+    """A new file (opened for writing: its descriptor) or folder (``directory``: no descriptor) named
+    ``.<name>.<random>.tmp`` in ``folder``, to be renamed into place, with the permissions a plain write or
+    ``mkdir`` gives: 0o666 or 0o777 less the umask. ``tempfile``'s are 0o600 and 0o700, which left every
+    summary, artefact and checkpoint unreadable to the rest of a team sharing ``outputs/``."""
+    for _ in range(100):
+        tmp = Path(folder) / f".{name}.{os.urandom(6).hex()}.tmp"
+        try:
+            if directory:
+                os.mkdir(tmp, 0o777)
+                return None, tmp
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name for {name} in {folder}")
+
+
+def plain_permissions(path: str | Path) -> None:
+    """Give ``path``, a file a library made 0o600 (safetensors' ``save_file`` does), the permissions a plain
+    write gives: 0o666 less the umask (read from ``/proc/self/status``, else set and put back)."""
+    try:
+        mask = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` atomically (temporary file in the same directory + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with disk_space(path):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = new_temporary(path.parent, path.name)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from selfspec.config import checks
+from selfspec.store.files import new_temporary
 from selfspec.training.bars import bar
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def _accelerator(cfg: TrainConfig):
 
 def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path, prefix=".ckpt-")
+    fd, tmp = new_temporary(path, CHECKPOINT)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
