@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print("FIT =", json.dumps(result["fit"]), f"ERROR = {result['error']:.3f}")
         print(markdown(result))
         return 0
-    from selfspec.store import files
+    from selfspec.store.files import write_json
 
     done = json.loads(args.out.read_text())["points"] if args.out.exists() else []
     key = lambda shape, job, extra: (shape, job, tuple(extra))  # noqa: E731
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape:20s} {job:12s} {' '.join(extra):60s} job peak {point['job_peak'] / 2**20:8.1f} MB "
                   f"load peak {point['load_peak'] / 2**20:8.1f} MB  {point['seconds']:.0f} s "
                   f"load {point['load_average'][0]:.2f}", flush=True)
-            files.write_json(args.out, {"points": done})
+            write_json(args.out, {"points": done})
     return 0
 
 

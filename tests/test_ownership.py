@@ -647,9 +647,9 @@ def test_what_is_written_atomically_has_a_plain_writes_permissions(tiny, tmp_pat
     folder from ``mkdtemp`` (0o700), so every summary, report page, artefact and checkpoint was unreadable
     to the rest of a team sharing ``outputs/`` whatever their umask said. Now each has the permissions a
     plain write or ``mkdir`` would give under the umask."""
-    from selfspec.store.artefacts import save_artefact
     import torch
 
+    from selfspec.store.artefacts import save_artefact
     from selfspec.store.files import write_json
     from selfspec.training.loop import _save_checkpoint
 

@@ -61,7 +61,7 @@ from selfspec.models import gguf_file
 from selfspec.models.families import SUPPORTED_MODEL_TYPES, ModelLoadError, UnsupportedModelError, check_model_type
 from selfspec.models.layered import LayeredModel
 from selfspec.store import assets
-from selfspec.store.files import new_temporary, not_plain, plain_permissions
+from selfspec.store.files import new_temporary_folder, not_plain, plain_permissions
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +494,7 @@ def _converted(source: Source, name: str) -> Path:
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     converted.parent.mkdir(parents=True, exist_ok=True)
-    _, tmp = new_temporary(converted.parent, converted.name, directory=True)
+    tmp = new_temporary_folder(converted.parent, converted.name)
     try:
         hf.save_pretrained(tmp)
         tok.save_pretrained(tmp)

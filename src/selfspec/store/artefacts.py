@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from selfspec.store.files import disk_space, new_temporary, plain_permissions, read_json, to_jsonable
+from selfspec.store.files import disk_space, new_temporary_folder, plain_permissions, read_json, to_jsonable
 
 META = "meta.json"
 TENSORS = "tensors.safetensors"
@@ -100,7 +100,7 @@ def save_artefact(
     }
     meta.update(extra or {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    _, tmp = new_temporary(path.parent, path.name, directory=True)
+    tmp = new_temporary_folder(path.parent, path.name)
     try:
         with disk_space(path):  # a full disk names the artefact; the one already there stays
             save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))

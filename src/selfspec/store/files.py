@@ -243,21 +243,28 @@ def disk_space(path: str | Path) -> Iterator[None]:
                                  "again (a run resumes where it stopped)", str(path)) from None
 
 
-def new_temporary(folder: str | Path, name: str, directory: bool = False) -> tuple[int | None, Path]:
-    """A new file (opened for writing: its descriptor) or folder (``directory``: no descriptor) named
-    ``.<name>.<random>.tmp`` in ``folder``, to be renamed into place, with the permissions a plain write or
-    ``mkdir`` gives: 0o666 or 0o777 less the umask. ``tempfile``'s are 0o600 and 0o700, which left every
-    summary, artefact and checkpoint unreadable to the rest of a team sharing ``outputs/``."""
+def _new(folder: str | Path, name: str, create: Callable[[Path], Any]) -> tuple[Any, Path]:
+    """``create(path)`` at the first free ``folder/.<name>.<random>.tmp``: what it returns, and the path."""
     for _ in range(100):
         tmp = Path(folder) / f".{name}.{os.urandom(6).hex()}.tmp"
         try:
-            if directory:
-                os.mkdir(tmp, 0o777)
-                return None, tmp
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+            return create(tmp), tmp
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, f"no free temporary name for {name} in {folder}")
+
+
+def new_temporary(folder: str | Path, name: str) -> tuple[int, Path]:
+    """A new file ``.<name>.<random>.tmp`` in ``folder``, to be renamed into place: its descriptor (open
+    for writing) and path. Its permissions are a plain write's, 0o666 less the umask: ``tempfile``'s
+    0o600 left every summary and checkpoint unreadable to the rest of a team sharing ``outputs/``."""
+    return _new(folder, name, lambda tmp: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+
+def new_temporary_folder(folder: str | Path, name: str) -> Path:
+    """A new folder ``.<name>.<random>.tmp`` in ``folder``, to be renamed into place, with ``mkdir``'s
+    permissions (0o777 less the umask, where ``tempfile.mkdtemp``'s are 0o700)."""
+    return _new(folder, name, lambda tmp: os.mkdir(tmp, 0o777))[1]
 
 
 def plain_permissions(path: str | Path) -> None:
