@@ -17,7 +17,7 @@ from selfspec.decoding.sampling import warp
 from selfspec.models.heads import DraftVocab, IntermediateHeads, load_draft_vocab, save_draft_vocab
 from selfspec.store.artefacts import ArtefactError
 from selfspec.training.continuations import Sequence
-from selfspec.training.draft_vocab import choose_size, count_tokens, coverage, generated, rank
+from selfspec.training.draft_vocab import choose_size, context_coverage, count_tokens, coverage, generated, rank
 from test_draft_verify import first_step, first_token_counts
 from test_early_exit import agreeing_model, vanilla
 
@@ -36,6 +36,11 @@ def test_counting_ranking_and_coverage_by_hand():
     assert coverage(ranked[:2].tolist(), held) == pytest.approx(3 / 6)
     assert coverage(ranked[:3].tolist(), held) == pytest.approx(4 / 6)
     assert coverage([1], []) is None
+    # with each sequence's context: [5,5,5,2] after [9,9]: 5 kept, the next two 5s seen, 2 new; [5,2,3] after [7]
+    seqs = [Sequence([9, 9, 5, 5, 5, 2], 1), Sequence([7, 5, 2, 3], 0)]
+    assert context_coverage([], seqs) == pytest.approx(2 / 7)  # the second and third 5 of the first sequence
+    assert context_coverage([2], seqs) == pytest.approx(4 / 7)
+    assert context_coverage([9], [Sequence([9, 9, 9], 1)]) == 1.0 and context_coverage([1], []) is None
 
 
 def test_size_choice_follows_the_stated_objective():
@@ -43,12 +48,17 @@ def test_size_choice_follows_the_stated_objective():
     0.97 / (8 + 1.2) = 0.1054, the full head 1.0 / (8 + 8) = 0.0625 and 0.60 / 8.1 = 0.074."""
     curve = [{"size": 512, "coverage": 0.60, "head_layers": 0.1}, {"size": 4096, "coverage": 0.90, "head_layers": 0.5},
              {"size": 16384, "coverage": 0.97, "head_layers": 1.2}, {"size": 49152, "coverage": 1.0, "head_layers": 8.0}]
-    assert choose_size([dict(c) for c in curve], 8)["size"] == 4096
+    assert choose_size([dict(c) for c in curve], 8, "coverage")["size"] == 4096
+    # by default, the coverage with each generation's context: 0.95 / 8.1 = 0.117 beats 0.98 / 8.5 = 0.115
+    ctx = [dict(c, context_coverage=v) for c, v in zip(curve, (0.95, 0.98, 0.99, 1.0))]
+    assert choose_size(ctx, 8)["size"] == 512
+    curve = [dict(c, context_coverage=c["coverage"]) for c in curve]
     # a cheap full head (a large model, where the head is a fraction of a layer): the full vocabulary wins
     cheap = [dict(c, head_layers=c["head_layers"] / 100) for c in curve]
     assert choose_size(cheap, 8)["size"] == 49152
     # equal objectives: the smaller size
-    tie = [{"size": 10, "coverage": 0.5, "head_layers": 0.0}, {"size": 20, "coverage": 0.5, "head_layers": 0.0}]
+    tie = [{"size": 10, "context_coverage": 0.5, "head_layers": 0.0},
+           {"size": 20, "context_coverage": 0.5, "head_layers": 0.0}]
     assert choose_size(tie, 1)["size"] == 10
 
 
@@ -86,6 +96,9 @@ def test_job_writes_artefact_with_meta(job_artefact, tiny):
     ids = load_file(str(path / "tensors.safetensors"))["ids"]
     assert ids.tolist() == rank(count_tokens(train, tiny.model.vocab_size))[:12].tolist()
     assert meta["coverage"] == pytest.approx(coverage(ids.tolist(), held))
+    held_seqs = [Sequence(**s) for s in raw["heldout"]]
+    assert meta["context_coverage"] == pytest.approx(context_coverage(ids.tolist(), held_seqs))
+    assert meta["context_coverage"] >= meta["coverage"]
     sizes = [c["size"] for c in meta["selection"]["candidates"]]
     assert sizes == [12, tiny.model.vocab_size]  # the given size, and the full head for reference
     assert all(c["head_seconds"] > 0 for c in meta["selection"]["candidates"])
@@ -132,6 +145,41 @@ def test_truncated_logits_are_the_kept_rows_and_minus_inf_elsewhere(tiny):
     torch.testing.assert_close(q[..., ids].sum(-1), torch.ones(2, 5))
     with pytest.raises(ValueError, match="distinct token ids"):
         DraftVocab(m, [1, 1])
+
+
+class _Tokens:
+    """A generation's state as a :class:`ContextVocab` reads it: its tokens."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_a_generations_own_tokens_join_its_draft_vocabulary(tiny, weights):
+    """With ``draft_vocab_context`` the prompt's and then each committed token's rows are scored too (of the
+    draft's own head: the int8 copy's where it drafts over it), and nothing else; a vocabulary without it
+    scores the kept rows alone."""
+    m = tiny.model
+    kept = [3, 17, 200, 4000]
+    head = None if weights is None else m.weight_set(weights).head
+    full_head = m.head if head is None else (lambda x, *a: m.head(x, head))
+    h = torch.randn(3, m.hidden_size)
+    full = full_head(m.final_norm(h)).float()
+    plain = DraftVocab(m, kept)
+    assert plain.for_example(_Tokens([5])) is plain
+    state = _Tokens([9, 17, 5, 9])
+    vocab = DraftVocab(m, kept, context=True).for_example(state)
+
+    def scored(ids):
+        out = vocab.model_logits(h, weight=head)
+        assert torch.isfinite(out[:, ids]).all() and torch.isneginf(out).sum() == 3 * (m.vocab_size - len(ids))
+        torch.testing.assert_close(out[:, ids], full[:, ids], atol=1e-5, rtol=1e-5)
+
+    scored(kept + [5, 9])
+    assert vocab.size == 6 and vocab.stats()["draft_vocab_context_rows"] == 2
+    state.tokens += [4000, 31, 5, 77]  # committed: 31 and 77 join, 4000 and 5 were held
+    scored(kept + [5, 9, 31, 77])
+    assert vocab.ids.tolist() == [5, 9, 31, 77] and vocab.size == 8
 
 
 # --- config and model checks ---------------------------------------------------------------------------
@@ -197,15 +245,45 @@ def prompt_ids_module(tiny):
     method_config("early_exit", **{"exit_layer": 0, "max_draft": 6, "draft_stop": {"rule": "static", "threshold": 0.01}}),
     method_config("del", **{"max_draft": 6}),
     method_config("adadecode", **{"head_kind": "lm_head", "layers": [1, 3], "threshold": 0.0}),
+    method_config("quant_draft", **{"max_draft": 4, "never_slower": False}),
 ])
 def test_greedy_with_truncated_head_equals_vanilla(agree, agree_vocab, prompt_ids_module, method):
+    """Lossless with the kept set and its generation's context (the default) and with the kept set alone; the
+    context's rows let more drafts be accepted (the vocabulary keeps half of what vanilla generates)."""
     ref = vanilla(agree, prompt_ids_module, 40)
-    dec = build_decoder(OmegaConf.create({**method, "draft_vocab": agree_vocab}), agree.model,
-                        profile=cpu_like_profile(agree.model))  # DEL's TPL prices the truncated head with it
-    assert dec.draft_vocab is not None and dec.draft_vocab.size < agree.model.vocab_size
-    g = dec.generate(prompt_ids_module, 40)
-    assert g.tokens == ref, method
-    assert sum(g.drafted_per_step) > 0 and g.stats["draft_vocab_size"] == dec.draft_vocab.size
+    accepted = {}
+    for context in (True, False):
+        dec = build_decoder(OmegaConf.create({**method, "draft_vocab": agree_vocab, "draft_vocab_context": context}),
+                            agree.model, profile=cpu_like_profile(agree.model))  # DEL's TPL prices the truncated head
+        assert dec.draft_vocab is not None and dec.draft_vocab.size < agree.model.vocab_size
+        g = dec.generate(prompt_ids_module, 40)
+        assert g.tokens == ref, method
+        assert sum(g.drafted_per_step) > 0 and g.stats["draft_vocab_size"] == dec.draft_vocab.size
+        assert (g.stats.get("draft_vocab_context_rows", 0) > 0) == context
+        accepted[context] = sum(g.accepted_per_step)
+    assert accepted[True] >= accepted[False], accepted
+
+
+def test_a_sequence_drafts_with_its_own_context_in_a_batch_as_alone(monkeypatch):
+    """Each sequence's vocabulary grows by its own tokens only: in a batch its drafts, tokens and steps are
+    its run's alone (greedy and sampled), and each scored rows of its own context."""
+    from selfspec.decoding import quant_draft
+    from test_batch import alone_and_batched, prompts
+    from test_families import tiny_family
+
+    model = tiny_family("llama")
+    vocab = DraftVocab(model, torch.arange(0, model.vocab_size, 3)[:40], context=True)
+    monkeypatch.setattr(quant_draft, "build_draft_vocab", lambda model, options: vocab)
+    method = {"name": "quant_draft", "max_draft": 4, "never_slower": False}
+    ps = prompts(4)
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=3)):
+        alone, batched, batch = alone_and_batched(model, method, ps, len(ps), sampling)
+        for a, b in zip(alone, batched):
+            assert b.tokens == a.tokens and b.drafted_per_step == a.drafted_per_step
+            assert b.accepted_per_step == a.accepted_per_step
+            assert b.stats["draft_vocab_context_rows"] == a.stats["draft_vocab_context_rows"] > 0
+        assert max(batch.passes) > 1
+        assert len({g.stats["draft_vocab_context_rows"] for g in batched}) > 1  # each its own context
 
 
 def test_speculative_sampling_with_truncated_draft_matches_target():
@@ -222,11 +300,14 @@ def test_speculative_sampling_with_truncated_draft_matches_target():
         dropped = sorted(support, key=lambda t: -float(p[t]))[1:3]  # two of p's tokens, not its top one
         kept = [t for t in range(512) if t not in dropped and (t == int(q_full.argmax()) or t % 3 == 0 or t in support)]
         vocab = DraftVocab(model, kept)
-        dec.draft_vocab = vocab
+        dec.draft_vocab = state.vocab = vocab
         q = warp(vocab.model_logits(hq)[0], s)
         assert float(q[dropped].sum()) == 0.0 and float(p[dropped].sum()) > 0.05
         n = 1600
+        scored = []
+        vocab.logits = lambda *a, f=vocab.logits: scored.append(1) or f(*a)  # every draft is this vocabulary's
         counts = first_token_counts(dec, state, n)
+    assert len(scored) == n
     tv_pq = 0.5 * (p - q).abs().sum()
     tv = 0.5 * (counts / n - p).abs().sum()
     assert tv_pq > 0.15, f"draft too close to target for a meaningful test (TV {tv_pq:.3f})"

@@ -189,6 +189,10 @@ class DecodeState:
     context: Any = None
     #: per-example state of the lookup drafting for the method's own drafter (``Drafter.lookup``; None without one)
     lookup: Any = None
+    #: the draft vocabulary this generation drafts with (``Decoder.draft_vocab``'s, grown by the generation's
+    #: own tokens with ``draft_vocab_context``: :meth:`selfspec.models.heads.DraftVocab.for_example`); None: the
+    #: full head
+    vocab: Any = None
     #: draft tokens proposed in the current step (a method sets it; the loop records it)
     drafted: int = 0
     #: the current step's trace (the method fills it in) and the finished steps' traces
@@ -562,6 +566,8 @@ class Decoder(Carries):
             generator.manual_seed(sampling.seed)
         cache = self.model.new_cache(self.cache_length(n_prompt, max_new_tokens), reuse=True)
         state = DecodeState(prompt[0].tolist(), n_prompt, cache, sampling, generator, joins=joins)
+        if self.draft_vocab is not None:
+            state.vocab = self.draft_vocab.for_example(state)
         sync = synchronizer(self.model.device)
         ledger = state.ledger = Ledger(self.model.device)  # passed to the passes that record into it
         threads = self.threads
@@ -594,8 +600,8 @@ class Decoder(Carries):
             if threads is not None:
                 threads.full()
         self.finish(state)
-        if self.draft_vocab is not None:
-            state.stats.update(self.draft_vocab.stats())
+        if state.vocab is not None:
+            state.stats.update(state.vocab.stats())
         return Generation(
             tokens=state.tokens[n_prompt:],
             prompt_len=n_prompt,

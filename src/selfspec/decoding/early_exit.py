@@ -367,10 +367,10 @@ class ExitDrafter(Drafter):
         ``prefill: draft``'s first round)."""
         return state.example.opening or [state.pending]
 
-    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None, joins=None) -> torch.Tensor:
-        """The exit head's logits for the layer-``ℓ`` state ``h`` (recorded in ``ledger`` when given;
-        ``joins``: the generation's batch, whose other sequences the head product may yield to)."""
-        return self.heads.logits(layer, h, ledger, joins, self.weights)
+    def draft_logits(self, layer: int, h: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """The exit head's logits for the layer-``ℓ`` state ``h``, over the generation's draft vocabulary
+        (``state.vocab``); recorded in its ledger; the head product may yield to its batch's other sequences."""
+        return self.heads.logits(layer, h, state.ledger, state.joins, self.weights, state.vocab)
 
     def propose(self, state: DecodeState, plan: RoundPlan, k_max: int) -> Draft:
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
@@ -378,7 +378,7 @@ class ExitDrafter(Drafter):
         tokens = self._x0(state)
         for i in range(k_max):
             h = self._lower(state, tokens, i, plan.exit_layer)
-            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state.ledger, state.joins), state,
+            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state), state,
                              plan.threshold, self.eos):
                 break
             tokens = draft.tokens[-1:]
@@ -658,9 +658,9 @@ class DELDrafter(ExitDrafter):
         """Shadow tokens of ``hs [C, n, d]`` vs ``committed [n]``; update the statistics."""
         w = self.weights  # the drafts' own head scores the shadow tokens
         if self.heads.kind == "lm_head":  # one batched head for all layers
-            logits = self.heads.logits(self.candidates[0], hs, state.ledger, state.joins, w)
+            logits = self.heads.logits(self.candidates[0], hs, state.ledger, state.joins, w, state.vocab)
         else:
-            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger, state.joins, w)
+            logits = torch.stack([self.heads.logits(layer, hs[j], state.ledger, state.joins, w, state.vocab)
                                   for j, layer in enumerate(self.candidates)])
         conf, tok = logits.softmax(-1).max(-1)
         state.example.shadow.update(tok == committed.view(1, -1), conf)

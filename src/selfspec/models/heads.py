@@ -112,19 +112,20 @@ class IntermediateHeads(torch.nn.Module):
         return layer in self.heads or (self.kind == "lm_head" and layer in self.layers)
 
     def logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None = None, joins: Joins | None = None,
-               weights: str | None = None) -> torch.Tensor:
+               weights: str | None = None, vocab: "DraftVocab | ContextVocab | None" = None) -> torch.Tensor:
         """Float32 logits ``[..., V]`` of the head at ``layer`` for hidden states ``h [..., d]``; with a
         draft vocabulary (:attr:`vocab`) only its rows are computed and the others are ``-inf``.
         ``ledger``: the generation's cost ledger, charged with the head under ``heads``; ``joins``: the
         batch the LM head's product joins (:data:`~selfspec.models.layered.Joins`: the call may yield);
         ``weights``: the LM head product reads that quantised copy's head (an exit over a copy; a
-        ``full`` head is a weight of its own and is read as trained)."""
+        ``full`` head is a weight of its own and is read as trained); ``vocab``: a generation's own draft
+        vocabulary (:attr:`vocab` grown by its context, :meth:`DraftVocab.for_example`), None :attr:`vocab`."""
         with phase(ledger, "heads"):
-            return self._logits(layer, h, ledger, joins, weights)
+            return self._logits(layer, h, ledger, joins, weights, self.vocab if vocab is None else vocab)
 
     def _logits(self, layer: int, h: torch.Tensor, ledger: Ledger | None, joins: Joins | None,
-                weights: str | None = None) -> torch.Tensor:
-        m, vocab = self.model, self.vocab
+                weights: str | None, vocab) -> torch.Tensor:
+        m = self.model
         x = m.final_norm(h)
         head = None if weights is None else m.weight_set(weights).head
         if self.kind == "lm_head":
@@ -259,7 +260,7 @@ class DraftVocab:
     (:meth:`~selfspec.models.layered.LayeredModel.head`), like the LM head itself.
     """
 
-    def __init__(self, model, ids, path=None, meta: dict | None = None) -> None:
+    def __init__(self, model, ids, path=None, meta: dict | None = None, context: bool = False) -> None:
         ids = torch.as_tensor(ids, dtype=torch.long).flatten()
         v = int(model.vocab_size)
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= v or ids.unique().numel() != ids.numel():
@@ -271,8 +272,20 @@ class DraftVocab:
         self.vocab_size = v
         self.path = Path(path) if path is not None else None
         self.meta = meta or {}
+        #: each generation's context joins the kept set (``method.draft_vocab_context``, :class:`ContextVocab`)
+        self.context = bool(context)
         self.weight = self._rows(model.lm_head_weight)
         self._other: dict[int, torch.Tensor] = {}
+
+    def for_example(self, state) -> "DraftVocab | ContextVocab":
+        """The vocabulary one generation drafts with (``state``: its
+        :class:`~selfspec.decoding.base.DecodeState`): this one, or with :attr:`context` a
+        :class:`ContextVocab` that grows by the generation's own tokens."""
+        return ContextVocab(self, state) if self.context else self
+
+    def head_weight(self, weight: torch.Tensor | None) -> torch.Tensor:
+        """The ``|V|×d`` head ``weight`` stands for (None: the model's LM head)."""
+        return self.model.lm_head_weight if weight is None else weight
 
     def _rows(self, weight: torch.Tensor) -> torch.Tensor:
         """The kept rows of a ``|V|×d`` head, contiguous (the skinny kernel reads them in order)."""
@@ -289,9 +302,15 @@ class DraftVocab:
             rows = self._other.get(id(weight))
             if rows is None:
                 rows = self._other[id(weight)] = self._rows(weight)
-        sub = self.model.head(x if weights_format(rows) else x.to(rows.dtype), rows, ledger, joins).float()
+        sub = self.score(x, rows, ledger, joins)
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.ids, sub)
+
+    def score(self, x: torch.Tensor, rows: torch.Tensor, ledger: Ledger | None = None,
+              joins: Joins | None = None) -> torch.Tensor:
+        """Float32 scores ``[..., |rows|]`` of ``x`` against some rows of a head (a quantised copy's take
+        ``x`` as it is), through the model's head product (recorded in ``ledger``; ``joins``: as :meth:`logits`)."""
+        return self.model.head(x if weights_format(rows) else x.to(rows.dtype), rows, ledger, joins).float()
 
     def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None, weight: torch.Tensor | None = None,
                      joins: Joins | None = None) -> torch.Tensor:
@@ -303,6 +322,80 @@ class DraftVocab:
     def stats(self) -> dict:
         """What a run records per generation: the size and the artefact's held-out coverage."""
         return {"draft_vocab_size": self.size, "draft_vocab_coverage": self.meta.get("coverage")}
+
+
+class ContextVocab:
+    """One generation's draft vocabulary: a :class:`DraftVocab`'s kept tokens and every token of the
+    generation's context (its prompt and the tokens committed since), added as they appear.
+
+    A truncated head always rejects a draft token it does not hold, and what a generation writes next is
+    often in what it has read or written already (a summary's names, a program's identifiers): the
+    context's tokens are the rows a frequency-ranked set (FR-Spec, arXiv 2502.14856 §3) misses most.
+    Their rows are a second, small weight of this generation's own, grown by appending (so the kept rows'
+    product still joins a batch's); :meth:`logits` is the kept rows' and these rows' scores, ``-inf``
+    elsewhere, so a sampled draft's ``q`` is still a distribution over ``V`` and verification, over the
+    full head, keeps the output lossless. The rows added depend only on the generation's own tokens:
+    a draft is the same in a batch or alone.
+    """
+
+    def __init__(self, vocab: DraftVocab, state) -> None:
+        self.vocab = vocab
+        self.state = state
+        self.path, self.meta = vocab.path, vocab.meta
+        self.vocab_size = vocab.vocab_size
+        self.held = torch.zeros(vocab.vocab_size, dtype=torch.bool)
+        self.held[vocab.ids.cpu()] = True
+        #: the context's tokens outside the kept set, in the order they joined
+        self.ids = torch.empty(0, dtype=torch.long, device=vocab.ids.device)
+        self.seen = 0  # the context's tokens looked at so far
+        self._rows: dict[int, torch.Tensor] = {}  # id(head weight) -> its rows of :attr:`ids` (a prefix until grown)
+
+    @property
+    def size(self) -> int:
+        """Rows a draft head scores now: the kept set's and the context's."""
+        return self.vocab.size + int(self.ids.numel())
+
+    def grow(self) -> None:
+        """Add the context's tokens not held yet (those committed since the last call)."""
+        tokens = self.state.tokens
+        if len(tokens) <= self.seen:
+            return
+        new = torch.tensor(tokens[self.seen:], dtype=torch.long).unique()  # sorted: the same rows every run
+        self.seen = len(tokens)
+        new = new[~self.held[new]]
+        if new.numel():
+            self.held[new] = True
+            self.ids = torch.cat([self.ids, new.to(self.ids.device)])
+
+    def rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of :attr:`ids` of the ``|V|×d`` head ``weight``, appended to as the context grows."""
+        have = self._rows.get(id(weight))
+        n = 0 if have is None else int(have.shape[0])
+        if n < self.ids.numel():
+            more = weight.detach()[self.ids[n:].to(weight.device)]
+            have = more.contiguous() if have is None else torch.cat([have, more])
+            self._rows[id(weight)] = have
+        return have
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor | None = None, ledger: Ledger | None = None,
+               joins: Joins | None = None) -> torch.Tensor:
+        """As :meth:`DraftVocab.logits`, the context's rows scored too (a second head product, recorded
+        in ``ledger`` as its own)."""
+        self.grow()
+        out = self.vocab.logits(x, weight, ledger, joins)
+        if self.ids.numel():
+            out.index_copy_(-1, self.ids, self.vocab.score(x, self.rows(self.vocab.head_weight(weight)), ledger, joins))
+        return out
+
+    def model_logits(self, h: torch.Tensor, ledger: Ledger | None = None, weight: torch.Tensor | None = None,
+                     joins: Joins | None = None) -> torch.Tensor:
+        """As :meth:`DraftVocab.model_logits`."""
+        return self.logits(self.vocab.model.final_norm(h), weight, ledger, joins)
+
+    def stats(self) -> dict:
+        """The kept set's figures and the context's rows at the end of the generation."""
+        return {**self.vocab.stats(), "draft_vocab_context_rows": int(self.ids.numel()),
+                "draft_vocab_context_coverage": self.meta.get("context_coverage")}
 
 
 def draft_logits(model, h: torch.Tensor, vocab: DraftVocab | None = None, ledger: Ledger | None = None,
@@ -332,9 +425,10 @@ def save_draft_vocab(path, ids: torch.Tensor, counts: torch.Tensor, loaded_model
                          train_config=train_config, metrics=metrics, extra=meta, kernel_paths=kernels.paths())
 
 
-def load_draft_vocab(path, model, key: str = "method.draft_vocab") -> DraftVocab:
+def load_draft_vocab(path, model, key: str = "method.draft_vocab", context: bool = False) -> DraftVocab:
     """Load a draft vocabulary, checked against ``model`` (LoadedModel or LayeredModel) before its
-    tensors are read; a mismatch names the config ``key`` that chose the artefact."""
+    tensors are read; a mismatch names the config ``key`` that chose the artefact. ``context``: each
+    generation's context joins it (:class:`ContextVocab`)."""
     from selfspec.store.artefacts import ArtefactError
 
     layered = getattr(model, "model", model)
@@ -347,7 +441,7 @@ def load_draft_vocab(path, model, key: str = "method.draft_vocab") -> DraftVocab
                             f"vocabulary but {layered.name} has {layered.vocab_size}; rebuild it for this model")
     if "ids" not in art.tensors:
         raise ArtefactError(f"{key}={path}: draft_vocab artefact lacks tensor 'ids'; rebuild it")
-    return DraftVocab(layered, art.tensors["ids"], art.path, art.meta)
+    return DraftVocab(layered, art.tensors["ids"], art.path, art.meta, context)
 
 
 def find_draft_vocab(model_name: str, data: str | None = None) -> Path:
@@ -375,12 +469,14 @@ def draft_vocab_option(name: str, value: Any) -> str | Path | None:
 
 @dataclasses.dataclass(frozen=True)
 class DraftVocabOptions(Options):
-    """The keys every self-drafting method shares: ``draft_vocab`` (:func:`draft_vocab_option`)
-    and ``draft_vocab_task``."""
+    """The keys every self-drafting method shares: ``draft_vocab`` (:func:`draft_vocab_option`),
+    ``draft_vocab_task`` and ``draft_vocab_context``."""
 
     draft_vocab: str | Path | None = key(draft_vocab_option)
     draft_vocab_task: str | None = key(nullable(checks.text),
                                        why="the data `draft_vocab: auto` looks for: a task name or mixed")
+    draft_vocab_context: bool = key(checks.flag, why="true: each generation's own tokens join the kept set "
+                                    "(its prompt and what it commits; no effect with draft_vocab: null)")
 
 
 def build_draft_vocab(model, options: DraftVocabOptions, prefix: str = "method") -> DraftVocab | None:
@@ -390,4 +486,4 @@ def build_draft_vocab(model, options: DraftVocabOptions, prefix: str = "method")
         return None
     layered = getattr(model, "model", model)
     path = find_draft_vocab(layered.name, options.draft_vocab_task) if value == "auto" else value
-    return load_draft_vocab(path, model, f"{prefix}.draft_vocab")
+    return load_draft_vocab(path, model, f"{prefix}.draft_vocab", options.draft_vocab_context)

@@ -12,11 +12,12 @@ small part of its vocabulary. The job
 * prices the **head cost** at each candidate size with the run's cost profile (its head table by
   vocabulary rows, in units of one decoder layer at the context the draft pass sees,
   :data:`CONTEXT`) and measures the held-out **coverage** (share of the held-out continuations'
-  tokens inside the kept set);
+  tokens inside the kept set) and the **context coverage** (inside the kept set or earlier in their own
+  sequence: what a method drafts from with ``draft_vocab_context``, its default);
 * keeps ``job.size`` tokens when given (exactly), else the candidate maximising
-  ``coverage(s) / (draft_layers + head_layers(s))``: a draft token outside the kept set is always
-  rejected, so coverage bounds the acceptance a draft can keep, and one draft pass costs its layers
-  plus the head.
+  ``context_coverage(s) / (draft_layers + head_layers(s))``: a draft token outside the draft head's
+  rows is always rejected, so coverage bounds the acceptance a draft can keep, and one draft pass costs
+  its layers plus the head.
 
 Output: a ``draft_vocab`` artefact (``ids`` in rank order and their ``counts``) whose ``meta.json``
 records the size and how it was chosen (every candidate's coverage and cost), the data it was
@@ -40,7 +41,7 @@ from selfspec.training.driver import TIMED_BY_PROFILE, Job, Result, job_keys
 
 log = logging.getLogger(__name__)
 
-OBJECTIVE = "coverage / (draft_layers + head_layers)"
+OBJECTIVE = "context_coverage / (draft_layers + head_layers)"
 #: cached tokens at which a decoder layer is priced (the unit of the head's cost; DEL prices its
 #: exit heads at the same context)
 CONTEXT = 512
@@ -71,11 +72,28 @@ def coverage(kept, token_lists) -> float | None:
     return sum(t in keep for t in flat) / len(flat) if flat else None
 
 
-def choose_size(candidates: list[dict], draft_layers: float) -> dict:
-    """The candidate (``{"size", "coverage", "head_layers"}``) maximising :data:`OBJECTIVE`; equal
-    objectives: the smaller size. Each candidate gets its ``objective``."""
+def context_coverage(kept, seqs) -> float | None:
+    """Share of the generated tokens of ``seqs`` (:class:`~selfspec.training.continuations.Sequence`) that lie
+    in ``kept`` or earlier in their own sequence (its prompt, or generated before them): what a draft head
+    holds whose generation's context joins its kept set (``method.draft_vocab_context``); None when there are
+    none."""
+    keep = set(int(t) for t in kept)
+    hit = n = 0
+    for s in seqs:
+        seen = set(s.ids[: s.start + 1])
+        for t in s.ids[s.start + 1 :]:
+            hit += t in keep or t in seen
+            n += 1
+            seen.add(t)
+    return hit / n if n else None
+
+
+def choose_size(candidates: list[dict], draft_layers: float, measure: str = "context_coverage") -> dict:
+    """The candidate (``{"size", measure, "head_layers"}``) maximising :data:`OBJECTIVE` with ``measure`` as
+    its coverage (default the coverage with each generation's context, as the methods draft by default);
+    equal objectives: the smaller size. Each candidate gets its ``objective``."""
     for c in candidates:
-        c["objective"] = (c["coverage"] or 0.0) / (draft_layers + c["head_layers"])
+        c["objective"] = (c[measure] or 0.0) / (draft_layers + c["head_layers"])
     return max(candidates, key=lambda c: (c["objective"], -c["size"]))
 
 
@@ -100,11 +118,13 @@ def prepare(cfg) -> dict:
     return opts
 
 
-def measure_candidates(profile, model, ranked: torch.Tensor, sizes: list[int], held: list[list[int]]) -> tuple:
-    """Held-out coverage and priced head cost (seconds, decoder layers) of each size, the full
-    vocabulary included, from the run's cost profile; returns ``(candidates, layer_seconds,
-    full_head_seconds)``."""
-    out = [{"size": s, "coverage": coverage(ranked[:s].tolist(), held), "head_seconds": profile.head(1, s),
+def measure_candidates(profile, model, ranked: torch.Tensor, sizes: list[int], held_seqs) -> tuple:
+    """Held-out coverage (of the kept set alone, and with each generation's context) and priced head cost
+    (seconds, decoder layers) of each size, the full vocabulary included, from the run's cost profile;
+    returns ``(candidates, layer_seconds, full_head_seconds)``."""
+    held = generated(held_seqs)
+    out = [{"size": s, "coverage": coverage(ranked[:s].tolist(), held),
+            "context_coverage": context_coverage(ranked[:s].tolist(), held_seqs), "head_seconds": profile.head(1, s),
             "head_layers": profile.head_layers(s, CONTEXT)} for s in sorted(set(sizes))]
     return out, profile.layer_cost(1, CONTEXT), profile.head(1, model.vocab_size)
 
@@ -143,7 +163,7 @@ def objective(ctx) -> Result:
     ranked = rank(counts)
     draft_layers = opts["draft_layers"] or max(1.0, model.num_layers / 4)
     sizes, choice = candidate_sizes(opts, v)
-    candidates, layer_s, full_s = measure_candidates(ctx.profile, model, ranked, sizes, held_tokens)
+    candidates, layer_s, full_s = measure_candidates(ctx.profile, model, ranked, sizes, held_seqs)
     best = choose_size(candidates, draft_layers)
     chosen = next(c for c in candidates if c["size"] == opts["size"]) if choice == "given" else best
     size = chosen["size"]
@@ -157,6 +177,7 @@ def objective(ctx) -> Result:
     figures = {
         "size": size,
         "coverage": chosen["coverage"],
+        "context_coverage": chosen["context_coverage"],
         "train_coverage": coverage(kept.tolist(), train_tokens),
         "tokens_counted": int(counts.sum()),
         "heldout_tokens": sum(len(t) for t in held_tokens),
