@@ -6,6 +6,8 @@ side in one process.
     python scripts/bench_quant_drafts.py --model gemma3-270m --tokens 64
     python scripts/bench_quant_drafts.py -- model.dtype=bfloat16         # a bf16 target (extra model overrides)
     python scripts/bench_quant_drafts.py --paths --no-float-x           # each copy's pass on each kernel path too
+    python scripts/bench_quant_drafts.py --model gemma3-270m --draft-vocab outputs/artefacts/draft_vocab/gemma3-270m-mixed \
+        --vocab-sizes 4096,16384 --no-float-x                            # agreement over a draft vocabulary too
 
 Agreement: the target's greedy continuation of each prompt (``--tokens`` new tokens), then one pass over the
 prompt and that continuation through the copy; the share of positions where the copy's argmax is the target's
@@ -37,6 +39,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="leave out the agreement with float activations (it loads a second copy of the model)")
     p.add_argument("--paths", action="store_true",
                    help="time each copy's pass on every path of the quantised kernel this CPU has (avx2, avx512_vnni)")
+    p.add_argument("--draft-vocab", default=None,
+                   help="a draft vocabulary artefact (job=draft_vocab): each copy's agreement over its kept tokens alone "
+                   "and with each prompt's and earlier tokens (draft_vocab_context), at every --vocab-sizes prefix")
+    p.add_argument("--vocab-sizes", default=None,
+                   help="comma-separated sizes of the artefact's ranked tokens to keep (default: all it kept)")
     p.add_argument("overrides", nargs="*", help="model config overrides (model.dtype=bfloat16)")
     args = p.parse_args(argv)
     for name in ("tokens", "context", "rounds"):
@@ -56,8 +63,11 @@ def prompts(loaded) -> list[list[int]]:
     return out
 
 
-def agreement(model, ids: list[int], n: int, weights: str) -> tuple[int, int]:
-    """(positions where the copy's argmax is the target's greedy next token, positions) over ``n`` tokens."""
+def agreement(model, ids: list[int], n: int, weights: str, kept: list[torch.Tensor] = ()) -> tuple[list[int], int]:
+    """([positions where the copy's argmax is the target's greedy next token, ...], positions) over ``n``
+    tokens: over the whole vocabulary, then for each kept set (a ``[V]`` mask) the argmax over it alone and
+    over it with the prompt's and the earlier tokens' (a draft vocabulary without and with
+    ``draft_vocab_context``)."""
     from selfspec.decoding.vanilla import Vanilla
     from selfspec.models.passes import Pass
 
@@ -65,9 +75,18 @@ def agreement(model, ids: list[int], n: int, weights: str) -> tuple[int, int]:
     seq = torch.tensor([ids + target[:-1]])
     with torch.inference_mode():
         h = model.forward(seq, model.new_cache(seq.shape[1] + 1), Pass(weights=weights))
-        logits = model.head(model.final_norm(h[:, len(ids) - 1:]), model.weight_set(weights).head)
-    guess = logits[0].argmax(-1).tolist()
-    return sum(a == b for a, b in zip(guess, target)), len(target)
+        logits = model.head(model.final_norm(h[:, len(ids) - 1:]), model.weight_set(weights).head)[0].float()
+    hits = [sum(a == b for a, b in zip(logits.argmax(-1).tolist(), target))]
+    for mask in kept:
+        held = mask.clone()
+        held[torch.tensor(ids)] = True
+        alone = context = 0
+        for t, want in enumerate(target):
+            alone += int(logits[t].masked_fill(~mask, float("-inf")).argmax()) == want
+            context += int(logits[t].masked_fill(~held, float("-inf")).argmax()) == want
+            held[want] = True
+        hits += [alone, context]
+    return hits, len(target)
 
 
 def rounded_twin(cfg, fmt: str):
@@ -162,10 +181,13 @@ def main(argv=None) -> int:
         model.weight_set(fmt)
         print(f"{fmt} copy made in {time.perf_counter() - t0:.2f} s", flush=True)
     ps = prompts(loaded)
-    agree, weights_only = {}, {}
+    sizes, kept = vocab_masks(args, loaded)
+    agree, weights_only, in_vocab = {}, {}, {}
     for fmt in FORMATS:
-        hits = [agreement(model, p, args.tokens, fmt) for p in ps]
-        agree[fmt] = sum(h for h, _ in hits) / sum(n for _, n in hits)
+        hits = [agreement(model, p, args.tokens, fmt, kept) for p in ps]
+        total = sum(n for _, n in hits)
+        shares = [sum(h[i] for h, _ in hits) / total for i in range(1 + 2 * len(kept))]
+        agree[fmt], in_vocab[fmt] = shares[0], shares[1:]
         if args.no_float_x:
             weights_only[fmt] = float("nan")
             continue
@@ -190,7 +212,35 @@ def main(argv=None) -> int:
         if len(paths) > 1:
             same = all(torch.equal(logits[f"{fmt}@{paths[0]}"], logits[f"{fmt}@{path}"]) for path in paths[1:])
             print(f"  {fmt}: the paths' logits {'are the same bits' if same else 'DIFFER'}")
+    if sizes:
+        print(f"\nagreement over the draft vocabulary {args.draft_vocab} (kept tokens alone / with each generation's "
+              "context):")
+        print(f"{'weights':<10}" + "".join(f"{s:>18,}" for s in sizes) + f"{'full':>9}")
+        for fmt in FORMATS:
+            cells = "".join(f"{in_vocab[fmt][2 * i]:>11.3f} / {in_vocab[fmt][2 * i + 1]:.3f}" for i in range(len(sizes)))
+            print(f"{fmt:<10}{cells}{agree[fmt]:>9.3f}")
     return 0
+
+
+def vocab_masks(args, loaded) -> tuple[list[int], list[torch.Tensor]]:
+    """``--draft-vocab``'s kept sets: the sizes and a ``[V]`` mask of the artefact's first ``size`` ranked
+    tokens for each (none without the option)."""
+    if args.draft_vocab is None:
+        return [], []
+    from selfspec.models.heads import load_draft_vocab
+    from selfspec.store.artefacts import load_artefact
+
+    load_draft_vocab(args.draft_vocab, loaded, "--draft-vocab")  # checked against the model
+    ranked = load_artefact(args.draft_vocab, "draft_vocab", loaded, device="cpu").tensors["ids"]
+    sizes = [int(s) for s in args.vocab_sizes.split(",")] if args.vocab_sizes else [int(ranked.numel())]
+    if any(not 1 <= s <= ranked.numel() for s in sizes):
+        raise SystemExit(f"--vocab-sizes {args.vocab_sizes}: each must be in [1, {ranked.numel()}] (the artefact's size)")
+    masks = []
+    for size in sizes:
+        mask = torch.zeros(loaded.model.vocab_size, dtype=torch.bool)
+        mask[ranked[:size]] = True
+        masks.append(mask)
+    return sizes, masks
 
 
 if __name__ == "__main__":

@@ -183,6 +183,28 @@ def test_a_generations_own_tokens_join_its_draft_vocabulary(tiny, weights):
 
 
 # --- config and model checks ---------------------------------------------------------------------------
+def test_the_draft_benchmark_measures_agreement_over_a_draft_vocabulary(job_artefact):
+    """``scripts/bench_quant_drafts.py --draft-vocab``: each copy's agreement over the kept tokens alone and with
+    each generation's context, at each size asked for; a size past the artefact's is refused."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant_drafts.py"
+    base = [sys.executable, str(script), "--model", "tiny-random", "--tokens", "6", "--rounds", "1", "--context", "16",
+            "--no-float-x", "--draft-vocab", job_artefact[1]["artefact"]]
+    proc = subprocess.run(base + ["--vocab-sizes", "4,12"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("agreement over the draft vocabulary"))
+    assert lines[at + 1].split() == ["weights", "4", "12", "full"], proc.stdout
+    for line, fmt in zip(lines[at + 2: at + 4], ("int8", "int4")):
+        cells = line.split()
+        assert cells[0] == fmt and cells[2] == cells[5] == "/", line
+        assert all(0.0 <= float(cells[i]) <= 1.0 for i in (1, 3, 4, 6, 7)), line
+    bad = subprocess.run(base + ["--vocab-sizes", "13"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--vocab-sizes 13: each must be in [1, 12]" in bad.stderr, bad.stderr[-500:]
+
+
 def test_bad_and_mismatched_artefacts_are_refused(job_artefact, tmp_path):
     out, summary = job_artefact
     path = summary["artefact"]
