@@ -110,6 +110,11 @@ def test_synthetic_trace_gives_the_exact_prediction():
     assert sum(sampled.values()) == pytest.approx(sum(got.values()) + (1 + 0.25 + 5 / 3 + 0.1) * ms, rel=1e-12)
     with pytest.raises(ValueError, match="no warp op"):
         p.predict(trace, sampled=True)
+    # a head of fewer rows than the smallest measured (a draft vocabulary's context rows) in proportion to
+    # them: 50 of 250 rows, a fifth of 1 ms; 2 states, a fifth of the 250-row head's 1.5 ms between 1 and 4 states
+    assert p.op(["heads", "H", 1, 50]) == pytest.approx(0.2 * ms, rel=1e-12)
+    assert p.op(["heads", "H", 2, 50]) == pytest.approx(0.2 * 1.5 * ms, rel=1e-12)
+    assert p.op(["heads", "H", 1, 0]) == 0.0
 
 
 def test_every_shipped_profile_is_of_this_format_and_prices_every_op():

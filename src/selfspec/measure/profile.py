@@ -198,22 +198,24 @@ def amd_generation(family: int, avx512: bool | None) -> str:
 
 
 class Curve:
-    """Measured costs by one variable, sorted once: linear between measured points, the first
-    before them, and past the last along the last segment's slope, never below the last point
-    (``past="slope"``, the default: by rows, module docstring; attention by context) or in
-    proportion to ``x`` (``past="proportional"``)."""
+    """Measured costs by one variable, sorted once: linear between measured points; before them the
+    first (``before="first"``, the default) or in proportion to ``x`` (``before="proportional"``: a
+    head product by its vocabulary rows); past the last along the last segment's slope, never below
+    the last point (``past="slope"``, the default: by rows, module docstring; attention by context) or
+    in proportion to ``x`` (``past="proportional"``)."""
 
-    __slots__ = ("xs", "ys", "past")
+    __slots__ = ("xs", "ys", "past", "before")
 
-    def __init__(self, points: dict[int, float], past: str = "slope") -> None:
+    def __init__(self, points: dict[int, float], past: str = "slope", before: str = "first") -> None:
         self.xs = sorted(points)
         self.ys = [points[x] for x in self.xs]
         self.past = past
+        self.before = before
 
     def __call__(self, x: float) -> float:
         xs, ys = self.xs, self.ys
         if x <= xs[0]:
-            return ys[0]
+            return ys[0] * max(x, 0) / xs[0] if self.before == "proportional" and xs[0] > 0 else ys[0]
         if x >= xs[-1]:
             if self.past == "slope":
                 if len(xs) < 2:
@@ -502,9 +504,11 @@ class Profile:
 
     def head(self, rows: int, vocab: int, weights: str = "") -> float:
         """Seconds of a head product of ``rows`` states against ``vocab`` rows (``weights``: of that
-        quantised copy's head)."""
+        quantised copy's head): fewer rows than the smallest measured (a sixteenth of the vocabulary) in
+        proportion to them, as a product that reads its rows costs (a draft vocabulary's context rows: a
+        few hundred; priced as the smallest measured before 2026-12-07, 16,384 rows on Gemma 3)."""
         heads = self._tables(weights)[2] if weights else self._head
-        return Curve({v: cost(rows) for v, cost in heads.items()})(vocab)
+        return Curve({v: cost(rows) for v, cost in heads.items()}, before="proportional")(vocab)
 
     def head_layers(self, vocab: int, context: int = 512) -> float:
         """A head of ``vocab`` rows on one state, in units of one decoder layer on one token at
