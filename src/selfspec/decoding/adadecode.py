@@ -275,16 +275,16 @@ class AdaDecode(Decoder):
             j = stop + 1
         return m.logits(h[0], state.ledger, state.joins)
 
-    def draft_logits(self, layer: int, h: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None, joins=None, vocab=None) -> torch.Tensor:
         """The head's logits at ``layer`` for the last position's state ``h``, over the generation's draft
-        vocabulary (``state.vocab``); recorded in its ledger; the head product may yield to its batch's other
-        sequences."""
-        return self.heads.logits(layer, h, state.ledger, state.joins, vocab=state.vocab)[0]
+        vocabulary ``vocab`` (``DecodeState.vocab``; None: the heads' own); recorded in ``ledger`` when given;
+        ``joins``: the generation's batch, whose other sequences the head product may yield to."""
+        return self.heads.logits(layer, h, ledger, joins, vocab=vocab)[0]
 
     def _early(self, state: DecodeState, ss: _StepState, layer: int, h_last: torch.Tensor) -> bool:
         """§3.2: predict early (append to ``ss.draft``) if the head's top probability exceeds the
         threshold and, unless ``early_eos``, the token is not EOS."""
-        token, conf, q = pick(self.draft_logits(layer, h_last, state), state)
+        token, conf, q = pick(self.draft_logits(layer, h_last, state.ledger, state.joins, state.vocab), state)
         if conf <= self.threshold or (not self.early_eos and token in self.eos_token_ids):
             return False
         ss.draft.append(token, conf, q)

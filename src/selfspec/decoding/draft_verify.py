@@ -215,12 +215,13 @@ class SkipSetDrafter(Drafter):
         room = super().draft_room(limit, budget)
         return max(room, 1) if self.decoding.last_token == "draft" else room
 
-    def draft_logits(self, h: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def draft_logits(self, h: torch.Tensor, ledger=None, joins=None, vocab=None) -> torch.Tensor:
         """The draft distribution's logits ``[rows, V]``: the model's own head (of the draft's weights) on
         every row of the skip-set pass's states ``h`` ``[1, rows, d]``, truncated to the generation's draft
-        vocabulary (``state.vocab``) when ``draft_vocab`` is set (:func:`selfspec.models.heads.draft_logits`);
-        recorded in the generation's ledger; the head product may yield to its batch's other sequences."""
-        return draft_logits(self.model, h[0], state.vocab, state.ledger, self.decoding.draft_weights, state.joins)
+        vocabulary ``vocab`` (``DecodeState.vocab``; None: the full head) when ``draft_vocab`` is set
+        (:func:`selfspec.models.heads.draft_logits`); recorded in ``ledger`` when given; ``joins``: the
+        generation's batch (the head product may yield to its other sequences)."""
+        return draft_logits(self.model, h[0], vocab, ledger, self.decoding.draft_weights, joins)
 
     def skips(self, state: DecodeState) -> SkipSet:
         """The skip set the step drafts with: the searched one, fixed (KnapSpec and CLaSp choose
@@ -244,7 +245,7 @@ class SkipSetDrafter(Drafter):
             guesses = self.guesses(state, draft, k_max - j - 1, skip)
             rows = ids.fill_(token) if not guesses else torch.tensor([[token, *guesses]], device=model.device)
             h = model.forward(rows, state.cache, p, start=state.n_cached + j, ledger=state.ledger, joins=state.joins)
-            logits = self.draft_logits(h, state)
+            logits = self.draft_logits(h, state.ledger, state.joins, state.vocab)
             if guesses:
                 kept, more = draft.extend(guesses, logits, state, self.threshold, eos)
                 self.lookup.learn(state, state.lookup, len(guesses), kept)

@@ -367,10 +367,11 @@ class ExitDrafter(Drafter):
         ``prefill: draft``'s first round)."""
         return state.example.opening or [state.pending]
 
-    def draft_logits(self, layer: int, h: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def draft_logits(self, layer: int, h: torch.Tensor, ledger=None, joins=None, vocab=None) -> torch.Tensor:
         """The exit head's logits for the layer-``ℓ`` state ``h``, over the generation's draft vocabulary
-        (``state.vocab``); recorded in its ledger; the head product may yield to its batch's other sequences."""
-        return self.heads.logits(layer, h, state.ledger, state.joins, self.weights, state.vocab)
+        ``vocab`` (``DecodeState.vocab``; None: the heads' own); recorded in ``ledger`` when given; ``joins``:
+        the generation's batch, whose other sequences the head product may yield to."""
+        return self.heads.logits(layer, h, ledger, joins, self.weights, vocab)
 
     def propose(self, state: DecodeState, plan: RoundPlan, k_max: int) -> Draft:
         """Step 1: draft from the exit head until ``k_max``, the draft-stop threshold or EOS."""
@@ -378,8 +379,8 @@ class ExitDrafter(Drafter):
         tokens = self._x0(state)
         for i in range(k_max):
             h = self._lower(state, tokens, i, plan.exit_layer)
-            if not draft.add(self.draft_logits(plan.exit_layer, h[0, -1], state), state,
-                             plan.threshold, self.eos):
+            logits = self.draft_logits(plan.exit_layer, h[0, -1], state.ledger, state.joins, state.vocab)
+            if not draft.add(logits, state, plan.threshold, self.eos):
                 break
             tokens = draft.tokens[-1:]
         return draft
