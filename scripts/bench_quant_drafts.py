@@ -76,17 +76,23 @@ def agreement(model, ids: list[int], n: int, weights: str, kept: list[torch.Tens
     with torch.inference_mode():
         h = model.forward(seq, model.new_cache(seq.shape[1] + 1), Pass(weights=weights))
         logits = model.head(model.final_norm(h[:, len(ids) - 1:]), model.weight_set(weights).head)[0].float()
-    hits = [sum(a == b for a, b in zip(logits.argmax(-1).tolist(), target))]
+    want = torch.tensor(target)
+    hits = [int((logits.argmax(-1) == want).sum())]
     for mask in kept:
-        held = mask.clone()
-        held[torch.tensor(ids)] = True
-        alone = context = 0
-        for t, want in enumerate(target):
-            alone += int(logits[t].masked_fill(~mask, float("-inf")).argmax()) == want
-            context += int(logits[t].masked_fill(~held, float("-inf")).argmax()) == want
-            held[want] = True
-        hits += [alone, context]
+        held = mask | context_mask(mask.numel(), ids, target)  # [n, V]: kept ∪ the context so far
+        hits += [int((logits.masked_fill(~mask, float("-inf")).argmax(-1) == want).sum()),
+                 int((logits.masked_fill(~held, float("-inf")).argmax(-1) == want).sum())]
     return hits, len(target)
+
+
+def context_mask(v: int, ids: list[int], target: list[int]) -> torch.Tensor:
+    """``[n, v]``: row ``t`` holds the prompt's tokens and the target's before position ``t``."""
+    n = len(target)
+    held = torch.zeros(n, v, dtype=torch.bool)
+    held[:, torch.tensor(ids)] = True
+    rows, earlier = torch.ones(n, n, dtype=torch.bool).tril(-1).nonzero(as_tuple=True)
+    held[rows, torch.tensor(target)[earlier]] = True
+    return held
 
 
 def rounded_twin(cfg, fmt: str):
