@@ -76,6 +76,40 @@ def test_skinny_avx512_path_is_bit_identical_to_avx2(dtype):
         torch.ops.selfspec.skinny_bf16("auto")
 
 
+@needs_kernel
+def test_the_avx512_crossover_is_this_cpus_and_recorded():
+    """``auto`` takes the float32 kernel's AVX-512 path on an AMD family 25 (a Zen 4: its AVX2 path's 5- and
+    6-row blocks run at their arithmetic's speed, and its tiles reread long x rows) from 5 rows and over
+    weights of 1,024 columns or more, elsewhere from 7 rows, read against /proc/cpuinfo; the crossover is
+    part of the kernels' paths (a profile's machine), can be moved and restored, refuses nonsense, and
+    leaves every row's bits as one-row calls give them on either side of it."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    first = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.split("\n\n")[0].splitlines()))
+    if "vendor_id" not in first:
+        pytest.skip("no /proc/cpuinfo to read the CPU's vendor and family from")
+    kernels.load()
+    crossover = torch.ops.selfspec.skinny_crossover
+    zen4 = first["vendor_id"] == "AuthenticAMD" and int(first["cpu family"]) == 25
+    expected = [5, 1024] if zen4 else [7, 0]
+    assert crossover(0, 0) == expected
+    assert kernels.paths()["float32_avx512_from"] == {"rows": expected[0], "columns": expected[1] or None}
+    g = torch.Generator().manual_seed(5)
+    try:
+        assert crossover(2, -2) == [2, 0] and kernels.paths()["float32_avx512_from"] == {"rows": 2, "columns": None}
+        assert crossover(0, 600) == [2, 600]
+        for columns in (584, 1032):  # below and above the column rule
+            w, x = torch.randn(301, columns, generator=g), torch.randn(9, columns, generator=g)
+            singles = torch.cat([kernels.skinny_linear(x[i:i + 1], w) for i in range(9)])
+            for k in range(2, 10):
+                assert torch.equal(kernels.skinny_linear(x[:k], w), singles[:k]), (columns, k)
+        with pytest.raises(RuntimeError, match="skinny_crossover: rows >= 1"):
+            crossover(-2, 0)
+        with pytest.raises(RuntimeError, match="skinny_crossover: k >= 1"):
+            crossover(0, -3)
+    finally:
+        assert crossover(-1, -1) == expected
+
+
 #: the paths of a bfloat16 linear (csrc/bf16_dot.h): widening to float32, VDPBF16PS, AMX tiles, and
 #: the AMX path's code with its tile instructions done in software (any CPU with AVX-512-BF16)
 BF16_PATHS = ("widen", "avx512_bf16", "amx", "amx_emulated")

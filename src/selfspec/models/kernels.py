@@ -13,9 +13,11 @@ verification pass expensive (the break-even τ of a speculative method rises wit
 rows is read once for all rows of the input, and each output element is computed by the same
 instruction sequence whatever the number of rows, so a k-token verification pass produces
 bit-identical linear outputs to k one-token steps. On a CPU with AVX-512 an AVX-512 path of the
-kernel runs passes of more than 6 rows, chosen at runtime (the build flags stay AVX2):
-bit-identical to the AVX2 path, 1.07-1.31x faster from 7 to 32 rows on SmolLM2 and slower below
-(``scripts/bench_kernel_paths.py``; ``torch.ops.selfspec.skinny_isa`` forces either path, for tests).
+kernel runs passes of more than 6 rows, chosen at runtime (the build flags stay AVX2): bit-identical to the
+AVX2 path, 1.07-1.31x faster from 7 to 32 rows on SmolLM2 on a Xeon and slower below. On a Zen 4 it runs passes
+of 5 rows or more, and every pass over weights of 1,024 columns or more, where it is faster there
+(``csrc/skinny_linear.cpp``; ``scripts/bench_kernel_paths.py``; ``torch.ops.selfspec.skinny_isa`` forces either
+path, for tests, and ``torch.ops.selfspec.skinny_crossover`` moves the crossover).
 
 bfloat16 weights and activations take the kernel for every row count, prefill included (torch's
 bfloat16 GEMM on an AVX2 CPU is 4x slower), accumulated in float32 and rounded to bfloat16 once, by
@@ -217,7 +219,9 @@ def _load_read_only(folder: Path, err: OSError) -> None:
 
 def paths() -> dict[str, str] | None:
     """The paths this process's CPU kernels take: ``float32`` (``avx2`` or ``avx512``, the path of a
-    many-row pass; the two give the same bits), ``bfloat16`` (``widen``, ``avx512_bf16`` or
+    many-row pass; the two give the same bits) and ``float32_avx512_from`` (where ``float32`` is ``avx512``:
+    ``{"rows": r, "columns": c}``, a pass of r rows or more, or over weights of c columns or more (None:
+    no such rule), takes it; a cost, not bits), ``bfloat16`` (``widen``, ``avx512_bf16`` or
     ``amx``: each its own bits and costs) and ``float32_wide`` (:func:`wide_path`), or None where the kernels cannot run here. Part of what
     a machine is to a cost profile (:func:`selfspec.measure.profile.machine`) and to a run's record. The quantised
     drafts' kernel (``torch.ops.selfspec.quant_path()``) takes its AVX-512-VNNI path exactly where ``float32`` is
@@ -227,8 +231,9 @@ def paths() -> dict[str, str] | None:
         load()
     except KernelUnavailable:
         return None
-    return {"float32": torch.ops.selfspec.skinny_isa(""), "bfloat16": torch.ops.selfspec.skinny_bf16(""),
-            "float32_wide": wide_path()}
+    rows, columns = torch.ops.selfspec.skinny_crossover(0, 0)
+    return {"float32": torch.ops.selfspec.skinny_isa(""), "float32_avx512_from": {"rows": rows, "columns": columns or None},
+            "bfloat16": torch.ops.selfspec.skinny_bf16(""), "float32_wide": wide_path()}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 // y = x @ W^T for a few rows of x (the k new tokens of a decoding or verification step), AVX2:
 // fp32 weights, or bfloat16 weights and activations with fp32 accumulation (rounded to bfloat16 once).
-// On a CPU with AVX-512F an AVX-512 path runs passes of more than 6 rows, chosen at runtime (the
-// library is still compiled with -mavx2 -mfma and runs on AVX2-only CPUs). Its outputs are
+// On a CPU with AVX-512F an AVX-512 path runs passes of more than 6 rows (on a Zen 4 from 5 rows,
+// and over weights of 1,024 columns or more at every row count), chosen at runtime (the library is
+// still compiled with -mavx2 -mfma and runs on AVX2-only CPUs). Its outputs are
 // bit-identical to the AVX2 path's (how: the comment opening the AVX-512 part below), so results do
 // not depend on which path ran; torch.ops.selfspec.skinny_isa forces one path (tests).
 //
@@ -21,6 +22,9 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
+#include <cpuid.h>
+#include <limits>
+#include <vector>
 #include <string>
 
 #include "avx2.h"
@@ -245,28 +249,78 @@ void run_avx512(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, i
 }
 
 // Which path runs: chosen per call from the CPU's features (read once) and what skinny_isa last
-// set ("auto": AVX-512 where the CPU has AVX-512F; "avx2"/"avx512": that path, for tests).
+// set ("auto": AVX-512 where the CPU has AVX-512F, for passes of avx512_rows rows or more or over
+// avx512_k columns or more; "avx2"/"avx512": that path, for tests).
 using selfspec_isa::cpu_has_avx512;
 using selfspec_isa::kAuto;
 using selfspec_isa::kAvx2;
 using selfspec_isa::kAvx512;
 std::atomic<int> isa_setting{kAuto};
 
-// "auto" takes the AVX-512 path for more than MB rows only. Up to one block of x rows a pass is bound
-// by the weights' stream, and there the AVX2 path was faster (SmolLM2 at 512 context, 2 Sapphire
-// Rapids cores, the paths alternating in one process, medians: 1 row 28.2 against 31.7 ms, 6 rows
-// 35.9 against 38.3); from two blocks on the arithmetic counts and AVX-512 halves it (7 rows 38.5
-// against 36.1 ms, 16 rows 60.2 against 50.1, 32 rows 102.6 against 78.5;
-// scripts/bench_kernel_paths.py).
-bool use_avx512(int64_t rows) {
+// "auto" takes the AVX-512 path for passes of avx512_rows rows or more, and for every pass over
+// weights of avx512_k columns or more (where avx512_k is not 0). Up to one block of x rows a pass is
+// bound by the weights' stream, and there the AVX2 path was faster on a Xeon (SmolLM2 at 512
+// context, 2 Sapphire Rapids cores, the paths alternating in one process, medians: 1 row 28.2
+// against 31.7 ms, 6 rows 35.9 against 38.3); from two blocks on the arithmetic counts and AVX-512
+// halves it (7 rows 38.5 against 36.1 ms, 16 rows 60.2 against 50.1, 32 rows 102.6 against 78.5;
+// scripts/bench_kernel_paths.py): from 7 rows, no column rule. A Zen 4 (AMD family 0x19 with
+// AVX-512; 2 cores, 2026-12-07) differs twice. Its AVX2 path's blocks of 5 and 6 rows run at their
+// arithmetic's speed already (SmolLM2: 5 rows 23.6 against 22.3 ms, 6 rows 26.3 against 22.5, 4 a
+// tie); and over weights of 1,024 columns or more the AVX-512 path is faster at every row count
+// (each of its tiles reads the x rows, 4 KB each and more, for twice the weight rows): weights
+// streamed from memory, 1 / 4 rows, 1536 x 1536 0.357 / 0.464 against 0.312 / 0.336 ms, 8960 x 1536
+// 1.77 / 2.65 against 1.67 / 1.78, while 1536 x 576 stays the AVX2 path's at 1-4 rows (0.119 /
+// 0.116 against 0.132 / 0.124). Qwen2.5-Coder-1.5B's step (1,536 and 8,960 columns) took 190 ms on
+// the AVX2 path and 173 on the AVX-512 path, 4 rows 1.64 and 1.00 of that. So there: from 5 rows,
+// and from 1,024 columns at any rows. skinny_crossover sets others (benchmarks, tests).
+constexpr int64_t kXeonRows = MB + 1;
+bool zen4() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx))
+    return false;
+  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+    return false;
+  const unsigned base = (eax >> 8) & 0xf;
+  const unsigned family = base + (base == 0xf ? (eax >> 20) & 0xff : 0);
+  return family == 0x19;  // a Zen 3 too, which has no AVX-512 path to take
+}
+int64_t default_avx512_rows() { return zen4() ? 5 : kXeonRows; }
+int64_t default_avx512_k() { return zen4() ? 1024 : 0; }
+std::atomic<int64_t> avx512_rows{default_avx512_rows()};
+std::atomic<int64_t> avx512_k{default_avx512_k()};
+
+bool use_avx512(int64_t rows, int64_t k) {
   const int setting = isa_setting.load(std::memory_order_relaxed);
-  return setting == kAvx512 || (setting == kAuto && rows > MB && cpu_has_avx512());
+  if (setting != kAuto)
+    return setting == kAvx512;
+  const int64_t from_k = avx512_k.load(std::memory_order_relaxed);
+  return (rows >= avx512_rows.load(std::memory_order_relaxed) || (from_k > 0 && k >= from_k)) && cpu_has_avx512();
+}
+
+// skinny_crossover(rows, k): where "auto" takes the AVX-512 path: from `rows` rows, and over weights
+// of `k` columns or more at any rows (k = -2: no column rule). 0 leaves a value as it is, -1 restores
+// this CPU's default; returns both as they are now, [rows, k] (k 0: no column rule).
+std::vector<int64_t> skinny_crossover(int64_t rows, int64_t k) {
+  TORCH_CHECK(rows >= -1, "skinny_crossover: rows >= 1, 0 (as it is) or -1 (this CPU's default), got ", rows);
+  TORCH_CHECK(k >= -2, "skinny_crossover: k >= 1, 0 (as it is), -1 (this CPU's default) or -2 (no column rule), got ", k);
+  if (rows == -1)
+    avx512_rows.store(default_avx512_rows());
+  else if (rows > 0)
+    avx512_rows.store(rows);
+  if (k == -1)
+    avx512_k.store(default_avx512_k());
+  else if (k == -2)
+    avx512_k.store(0);
+  else if (k > 0)
+    avx512_k.store(k);
+  return {avx512_rows.load(), avx512_k.load()};
 }
 
 // every caller of the kernel (skinny_linear, hence layer_walk through the dispatcher) comes here
 template <typename W>
 void run(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K) {
-  if (use_avx512(M))
+  if (use_avx512(M, K))
     run_avx512(xp, wp, yp, M, N, K);
   else
     run_avx2(xp, wp, yp, M, N, K);
@@ -285,7 +339,7 @@ std::string skinny_isa(c10::string_view mode) {
   } else
     TORCH_CHECK(mode.empty(), "skinny_isa: \"auto\", \"avx2\", \"avx512\" or \"\" (query), got \"",
                 std::string(mode), "\"");
-  return use_avx512(MB + 1) ? "avx512" : "avx2";
+  return use_avx512(std::numeric_limits<int64_t>::max(), 0) ? "avx512" : "avx2";
 }
 
 const char* bf16_name(selfspec_bf16::Path path) {
@@ -368,6 +422,7 @@ bool cpu_has_avx512() {
 TORCH_LIBRARY(selfspec, m) {
   m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("skinny_isa(str mode) -> str", &skinny_isa);
+  m.def("skinny_crossover(int rows, int k) -> int[]", &skinny_crossover);
   m.def("skinny_bf16(str mode) -> str", &skinny_bf16);
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
