@@ -5,6 +5,7 @@ bits a one-row step gives it.
     python scripts/bench_kernel_paths.py                                   # every path this CPU has
     python scripts/bench_kernel_paths.py --paths float32:avx2,float32:avx512
     python scripts/bench_kernel_paths.py --paths bfloat16:widen,bfloat16:avx512_bf16,bfloat16:torch --ks 1,8,32
+    python scripts/bench_kernel_paths.py --linears 1536x576,8960x1536 --paths float32:avx2,float32:avx512 --ks 1,2,4,6
 
 A path is ``dtype:kernel``; ``auto`` is what a run takes on this CPU. float32: ``avx2`` or ``avx512`` (the skinny kernel's two paths,
 bit-identical; ``torch.ops.selfspec.skinny_isa``), or ``torch`` (``F.linear``: MKL). bfloat16:
@@ -15,6 +16,11 @@ CPU lacks are named and left out.
 
 Prints one table: per path t(k) in milliseconds, v(k) = t(k) / t(1), t(1) against the first path's,
 and up to which k every row of a k-token pass gave the logits (bits) of k one-token steps.
+
+``--linears OUTxIN,...`` times single linears of those shapes instead of a model's passes (the skinny
+kernel's float32 paths only): each over enough copies of its weights (``--stream-mb``, past the last-level
+cache) that they stream from memory as a model's do, the paths in turns; one table of milliseconds per shape,
+path and row count. Where a crossover between the paths lies, per shape (``torch.ops.selfspec.skinny_crossover``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 FLOAT32 = ("auto", "avx2", "avx512", "torch")
 BFLOAT16 = ("auto", "widen", "avx512_bf16", "amx", "torch")
@@ -87,6 +94,56 @@ def rows_agree(model, context: int, k: int) -> bool:
     return torch.equal(whole, steps)
 
 
+def time_linears(args) -> int:
+    """``--linears``: single float32 linears, weights streamed from memory, the skinny kernel's paths in turns."""
+    import torch
+
+    from selfspec.models import kernels
+
+    kernels.load()
+    shapes = []
+    for spec in args.linears.split(","):
+        out, _, inp = spec.lower().partition("x")
+        if not (out.isdigit() and inp.isdigit() and int(out) > 0 and int(inp) > 0 and int(inp) % 8 == 0):
+            raise SystemExit(f"--linears: {spec!r} is not OUTxIN with IN a multiple of 8 (e.g. 1536x576)")
+        shapes.append((int(out), int(inp)))
+    paths = [path for path in parse_paths(args.paths) if path[0] == "float32" and path[1] != "torch"]
+    if not paths:
+        raise SystemExit("--linears times the skinny kernel's float32 paths: --paths float32:auto,float32:avx2,...")
+    paths = [path for path in paths if not available(*path)]
+    ks = [int(k) for k in args.ks.split(",")]
+    g = torch.Generator().manual_seed(0)
+    load = os.getloadavg()[0]
+    rows = {}
+    for out, inp in shapes:
+        copies = max(1, int(args.stream_mb * 1e6 / (out * inp * 4)))
+        weights = [torch.randn(out, inp, generator=g) for _ in range(copies)]
+        x = torch.randn(max(ks), inp, generator=g)
+        seconds = {(path, k): [] for path in paths for k in ks}
+        for r in range(args.rounds + 1):
+            for path in (paths if r % 2 else paths[::-1]):
+                select(*path)
+                for k in ks:
+                    runs = []
+                    for _ in range(args.repeats):
+                        start = time.perf_counter()
+                        for w in weights:
+                            torch.ops.selfspec.skinny_linear(x[:k], w)
+                        runs.append((time.perf_counter() - start) / copies)
+                    if r:  # the first turn warms up
+                        seconds[(path, k)].append(statistics.median(runs))
+        rows[(out, inp)] = {key: statistics.median(v) * 1e3 for key, v in seconds.items()}
+    select("float32", "auto")
+    print(f"single float32 linears, weights streamed ({args.stream_mb:.0f} MB of copies each), {torch.get_num_threads()} "
+          f"threads, {args.rounds} turns of {args.repeats} (load {load:.2f} -> {os.getloadavg()[0]:.2f}); medians, ms: "
+          + " / ".join(kernel for _, kernel in paths))
+    print(f"{'out x in':<14}" + "".join(f"{str(k) + ' rows':>24}" for k in ks))
+    for (out, inp), med in rows.items():
+        cells = [" / ".join(f"{med[(path, k)]:.3f}" for path in paths) for k in ks]
+        print(f"{f'{out}x{inp}':<14}" + "".join(f"{c:>24}" for c in cells))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -95,9 +152,14 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default=",".join([f"float32:{k}" for k in FLOAT32] + [f"bfloat16:{k}" for k in BFLOAT16]))
     p.add_argument("--rounds", type=int, default=9, help="turns (each times every k once per path)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per k and turn (their median is the turn's)")
+    p.add_argument("--linears", default=None, help="OUTxIN,...: time single float32 linears of these shapes instead")
+    p.add_argument("--stream-mb", type=float, default=256.0, help="--linears: MB of weight copies per shape")
     p.add_argument("overrides", nargs="*", help="model config overrides (after --)")
     args = p.parse_args(argv)
     import torch
+
+    if args.linears:
+        return time_linears(args)
 
     from selfspec.config import compose
     from selfspec.measure.costs import context_cache, time_forward

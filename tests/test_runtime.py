@@ -110,6 +110,31 @@ def test_the_avx512_crossover_is_this_cpus_and_recorded():
         assert crossover(-1, -1) == expected
 
 
+@needs_kernel
+def test_the_kernel_paths_benchmark_times_single_linears(capsys):
+    """``scripts/bench_kernel_paths.py --linears`` (where the crossover lies per shape) prints a cell per shape and
+    row count with each path's time, and refuses a shape the kernel cannot take and a path it does not time."""
+    spec = importlib.util.spec_from_file_location("bench_kernel_paths", ROOT / "scripts" / "bench_kernel_paths.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--linears", "24x64,8x32", "--paths", "float32:auto,float32:avx2", "--ks", "1,3", "--rounds", "1",
+            "--repeats", "1", "--stream-mb", "0.02"]
+    before = kernels.paths()
+    assert bench.main(args) == 0
+    assert kernels.paths() == before  # the paths set back as a run takes them
+    lines = capsys.readouterr().out.splitlines()
+    assert "medians, ms: auto / avx2" in lines[0]
+    assert lines[1].split() == ["out", "x", "in", "1", "rows", "3", "rows"]
+    for line, shape in zip(lines[2:], ("24x64", "8x32")):
+        cells = line.split()
+        times = [float(c) for c in cells[1:] if c != "/"]  # "a / b" per row count: one time per path
+        assert cells[0] == shape and len(cells) == 7 and len(times) == 4 and min(times) > 0
+    with pytest.raises(SystemExit, match="not OUTxIN"):
+        bench.main(["--linears", "24x60"])
+    with pytest.raises(SystemExit, match="skinny kernel's float32 paths"):
+        bench.main(["--linears", "24x64", "--paths", "float32:torch"])
+
+
 #: the paths of a bfloat16 linear (csrc/bf16_dot.h): widening to float32, VDPBF16PS, AMX tiles, and
 #: the AMX path's code with its tile instructions done in software (any CPU with AVX-512-BF16)
 BF16_PATHS = ("widen", "avx512_bf16", "amx", "amx_emulated")
