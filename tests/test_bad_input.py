@@ -352,6 +352,18 @@ def test_impossible_evaluate_config_is_refused_before_the_model_loads(tmp_path, 
         evaluate(compose(EVAL + overrides), tmp_path)
 
 
+def test_a_missing_draft_vocabulary_is_refused_before_the_model_loads(tmp_path, no_model_load, monkeypatch):
+    """``draft_vocab: auto`` with no artefact for the model and task (nor a mixed one) stops before the model loads,
+    saying what to build; in a compare method, naming its config file."""
+    monkeypatch.setenv("SELFSPEC_OUTPUTS", str(tmp_path / "outputs"))
+    message = r"method\.draft_vocab=auto: no draft vocabulary for model 'tiny-random'.*make draft-vocab MODEL=tiny-random TASK=gsm8k"
+    with pytest.raises(ConfigError, match=message):
+        evaluate(compose(EVAL + ["task=gsm8k", "method=quant_draft_vocab"]), tmp_path / "run")
+    with pytest.raises(ConfigError, match=message + r".*\(in conf/method/quant_draft_vocab\.yaml, run as baseline or compare\)"):
+        evaluate(compose(EVAL + ["task=gsm8k", "method=quant_draft", "compare=[quant_draft_vocab]"]), tmp_path / "run2")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
+
+
 @pytest.mark.parametrize("mode,how", [("auto", r"logger\.mode=auto with a W&B API key"),
                                       ("online", r"logger\.mode=online")])
 def test_an_unreachable_wandb_server_is_refused_before_the_model_loads(tmp_path, no_model_load, monkeypatch, mode, how):

@@ -310,14 +310,21 @@ def check_methods(method_cfgs: dict[str, DictConfig], under_test: str) -> dict[s
 def _check_for_model(cfg: DictConfig, method_cfgs: dict[str, DictConfig], options: dict[str, Options],
                      under_test: str, budget: int) -> None:
     """Each method's keys bounded by the model's layer count, read from its config without loading
-    it (:func:`~selfspec.measure.peak.shape_of`), and what the token budget leaves without effect
-    (:meth:`~selfspec.decoding.base.Decoder.check_run`)."""
+    it (:func:`~selfspec.measure.peak.shape_of`), what the token budget leaves without effect
+    (:meth:`~selfspec.decoding.base.Decoder.check_run`), and that the draft vocabulary ``draft_vocab: auto``
+    names exists for the model (:func:`~selfspec.models.heads.find_draft_vocab`: found by the model's name)."""
+    from selfspec.models.heads import DraftVocabOptions, find_draft_vocab
     from selfspec.models.loading import resolve_device
 
     layers = shape_of(cfg.model).layers
     for name, m in method_cfgs.items():
         with _in_method_config(name, under_test):
             decoder_class(str(m.name)).check_run(options[name], layers, budget)
+            if isinstance(options[name], DraftVocabOptions) and options[name].draft_vocab == "auto":
+                try:
+                    find_draft_vocab(str(cfg.model.name), options[name].draft_vocab_task)
+                except FileNotFoundError as err:
+                    raise checks.ConfigError(str(err)) from None
             weights = getattr(options[name], "draft_weights", None)
             if weights is not None and (str(cfg.model.linear_kernel) == "torch"
                                         or resolve_device(str(cfg.model.device)).type != "cpu"):
