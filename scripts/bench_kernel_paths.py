@@ -94,6 +94,32 @@ def rows_agree(model, context: int, k: int) -> bool:
     return torch.equal(whole, steps)
 
 
+def usable(paths: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The paths this CPU (and build) can run; each other one is named and left out."""
+    kept = []
+    for dtype, kernel in paths:
+        why = available(dtype, kernel)
+        if why:
+            print(f"left out {dtype}:{kernel}: {why}")
+        else:
+            kept.append((dtype, kernel))
+    return kept
+
+
+def in_turns(paths: list[tuple[str, str]], ks: list[int], rounds: int, timed) -> dict[tuple, float]:
+    """Median seconds of ``timed(path, k)`` per ``(path, k)``: the paths take turns, their order reversed every
+    other turn, each timing every k once per turn; the first turn warms up and is not counted."""
+    seconds = {(path, k): [] for path in paths for k in ks}
+    for r in range(rounds + 1):
+        for path in (paths if r % 2 else paths[::-1]):
+            select(*path)
+            for k in ks:
+                t = timed(path, k)
+                if r:
+                    seconds[(path, k)].append(t)
+    return {key: statistics.median(v) for key, v in seconds.items()}
+
+
 def time_linears(args) -> int:
     """``--linears``: single float32 linears, weights streamed from memory, the skinny kernel's paths in turns."""
     import torch
@@ -110,7 +136,7 @@ def time_linears(args) -> int:
     paths = [path for path in parse_paths(args.paths) if path[0] == "float32" and path[1] != "torch"]
     if not paths:
         raise SystemExit("--linears times the skinny kernel's float32 paths: --paths float32:auto,float32:avx2,...")
-    paths = [path for path in paths if not available(*path)]
+    paths = usable(paths)
     ks = [int(k) for k in args.ks.split(",")]
     g = torch.Generator().manual_seed(0)
     load = os.getloadavg()[0]
@@ -119,20 +145,17 @@ def time_linears(args) -> int:
         copies = max(1, int(args.stream_mb * 1e6 / (out * inp * 4)))
         weights = [torch.randn(out, inp, generator=g) for _ in range(copies)]
         x = torch.randn(max(ks), inp, generator=g)
-        seconds = {(path, k): [] for path in paths for k in ks}
-        for r in range(args.rounds + 1):
-            for path in (paths if r % 2 else paths[::-1]):
-                select(*path)
-                for k in ks:
-                    runs = []
-                    for _ in range(args.repeats):
-                        start = time.perf_counter()
-                        for w in weights:
-                            torch.ops.selfspec.skinny_linear(x[:k], w)
-                        runs.append((time.perf_counter() - start) / copies)
-                    if r:  # the first turn warms up
-                        seconds[(path, k)].append(statistics.median(runs))
-        rows[(out, inp)] = {key: statistics.median(v) * 1e3 for key, v in seconds.items()}
+
+        def timed(path, k, weights=weights, x=x, copies=copies):
+            runs = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                for w in weights:
+                    torch.ops.selfspec.skinny_linear(x[:k], w)
+                runs.append((time.perf_counter() - start) / copies)
+            return statistics.median(runs)
+
+        rows[(out, inp)] = {key: t * 1e3 for key, t in in_turns(paths, ks, args.rounds, timed).items()}
     select("float32", "auto")
     print(f"single float32 linears, weights streamed ({args.stream_mb:.0f} MB of copies each), {torch.get_num_threads()} "
           f"threads, {args.rounds} turns of {args.repeats} (load {load:.2f} -> {os.getloadavg()[0]:.2f}); medians, ms: "
@@ -170,13 +193,7 @@ def main(argv=None) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     if 1 not in ks:
         raise SystemExit("--ks must include 1 (v(k) is against it)")
-    paths = []
-    for dtype, kernel in parse_paths(args.paths):
-        why = available(dtype, kernel)
-        if why:
-            print(f"left out {dtype}:{kernel}: {why}")
-        else:
-            paths.append((dtype, kernel))
+    paths = usable(parse_paths(args.paths))
     models = {}
     for dtype, kernel in paths:
         key = (dtype, "torch" if kernel == "torch" else "skinny")
@@ -186,15 +203,9 @@ def main(argv=None) -> int:
     model_of = {path: models[(path[0], "torch" if path[1] == "torch" else "skinny")] for path in paths}
     caches = {key: context_cache(m, args.context, max(ks)) for key, m in models.items()}
     cache_of = {path: caches[(path[0], "torch" if path[1] == "torch" else "skinny")] for path in paths}
-    seconds = {path: {k: [] for k in ks} for path in paths}
     load = os.getloadavg()[0]
-    for r in range(args.rounds + 1):
-        for path in (paths if r % 2 else paths[::-1]):
-            select(*path)
-            for k in ks:
-                t = time_forward(model_of[path], cache_of[path], args.context, k, repeats=args.repeats)
-                if r:  # the first turn warms up
-                    seconds[path][k].append(t)
+    seconds = in_turns(paths, ks, args.rounds,
+                       lambda path, k: time_forward(model_of[path], cache_of[path], args.context, k, repeats=args.repeats))
     agree = {}  # the largest k (of ks) up to which every pass's rows equalled one-row steps
     for path in paths:
         select(*path)
@@ -206,7 +217,7 @@ def main(argv=None) -> int:
     select("float32", "auto")
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {args.rounds} turns of "
           f"{args.repeats} passes (load {load:.2f} -> {os.getloadavg()[0]:.2f}); medians")
-    med = {path: {k: statistics.median(seconds[path][k]) * 1e3 for k in ks} for path in paths}
+    med = {path: {k: seconds[(path, k)] * 1e3 for k in ks} for path in paths}
     head = f"{'path':<22}{'t(1) ms':>9}{'vs first':>9}" + "".join(f"{'v(' + str(k) + ')':>8}" for k in ks if k > 1)
     print(head + "  rows equal to one-row steps")
     for path in paths:

@@ -45,7 +45,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -217,7 +217,7 @@ def _load_read_only(folder: Path, err: OSError) -> None:
     torch.ops.load_library(str(built))
 
 
-def paths() -> dict[str, str] | None:
+def paths() -> dict[str, Any] | None:
     """The paths this process's CPU kernels take: ``float32`` (``avx2`` or ``avx512``, the path of a
     many-row pass; the two give the same bits) and ``float32_avx512_from`` (where ``float32`` is ``avx512``:
     ``{"rows": r, "columns": c}``, a pass of r rows or more, or over weights of c columns or more (None:
