@@ -15,10 +15,20 @@ profile) or timed on the wall clock (a gate built without a profile):
   found no match) counts as plain;
 * each arm's cost per committed token is the ratio of two exponential moving averages over the
   steps it took, of a step's seconds and of its committed tokens (``smoothing``: weight of the
-  newest step): total time over total tokens. The mean of per-step ``seconds / tokens`` would be
+  newest step, below): total time over total tokens. The mean of per-step ``seconds / tokens`` would be
   biased against speculation: its steps commit 1 token or several for about the same cost, and
   the mean of the ratios over-weights the 1-token steps (steps of cost 1.3 committing 1, 1 and 3
-  tokens cost 0.78 per token, while their ratios average 1.01);
+  tokens cost 0.78 per token, while their ratios average 1.01). The two averages move at their own
+  rates: a step's seconds drift with the context and are priced without noise, so they weigh the
+  newest step at 0.3 (``smoothing``); its tokens are noisy (a chain of 8 drafts commits anything
+  from 1 token to 9, with a spread of about 3 around 7), so they weigh it at 0.1
+  (``units_smoothing``, about the last 20 steps). At 0.3 two short steps in a row (9, 3, 1 tokens
+  from a chain costing 5.4 plain steps) priced speculation above plain on a task where it paid.
+  Re-deciding always-speculating runs of the int8 and int4 self-drafts on SmolLM2 (12 task rows,
+  bfloat16 and float32, 10 examples each; :func:`replay`), 0.1 did better than 0.3 on 7 rows (XSum
+  in float32: 1.19 against 1.12 predicted), as well on 4 and 0.015 worse on one, and cost nothing
+  on the papers' loops that do not pay (docs/2026-12-07-zen4.md). An arm's first steps weigh
+  alike, as a mean, until 1/n falls to the weight;
 * the gate speculates while speculation's cost is below plain's by at least ``margin`` (1%), or
   while either has not been measured yet, else it takes plain steps. A speculative step carries
   bookkeeping its ops do not price (PPD's tree layout, a drafter's Python), so a tie goes to plain:
@@ -38,7 +48,13 @@ profile) or timed on the wall clock (a gate built without a profile):
   ``max_budget_interval`` steps. A cheap probe (a two-row verification of a context draft) keeps
   the doubling schedule; an expensive one (DEL drafting several tokens through exit heads, about
   2.4 plain steps beyond a plain step's cost on SmolLM2 here) is repeated every ~240 steps
-  instead of 128, which halves what a method that does not pay loses to its probes.
+  instead of 128, which halves what a method that does not pay loses to its probes. The budget
+  waits for evidence: it stretches the interval only once the probed arm has been measured over
+  ``budget_after`` (4) steps. A chain drafter's steps commit anything from 1 token to the whole
+  chain, so one or two of them say little, and a probe verdict from them must not keep the arm
+  away for hundreds of steps: in bfloat16 on XSum the int8 self-draft's first two steps accepted 3
+  of 16 drafts, the budget put the next probe past the task's end and the task decoded at 0.95 of
+  vanilla's speed, while always speculating the task ran at 1.10× (τ 7.1; docs/2026-12-07-zen4.md).
 
 **In a batch** (:mod:`selfspec.models.batch`), a sequence's step is priced at what it cost the batch:
 each pass it shared with other sequences' rows at its rows' share of that pass
@@ -76,16 +92,22 @@ class TwoArms(Carries):
     min_interval: int = 8
     max_interval: int = 128
     smoothing: float = 0.3
+    #: the weight of the newest step in the averages of units, where it differs (None: ``smoothing``)
+    units_smoothing: float | None = None
     probe_steps: int = 1
     #: the share of the time a confirming probe's extra cost may take (module docstring)
     probe_budget: float = 0.01
     max_budget_interval: int = 1024
+    #: steps measured on the probed arm before the budget may stretch the interval (module docstring)
+    budget_after: int = 4
     #: a probe's own steps replace the probed arm's averages (the thread policy: an arm's cost is
     #: the machine's load, which changes at once, so measurements from before the probe are stale)
     fresh_probes: bool = False
     #: moving averages per arm of a step's seconds and of its units (None = not measured yet)
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     units: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    #: steps measured per arm (the evidence :attr:`budget_after` waits for)
+    measured: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     interval: int = field(init=False)
     _since_probe: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -100,10 +122,14 @@ class TwoArms(Carries):
             raise ValueError(f"need 1 <= min_interval <= max_interval, got {self.min_interval}, {self.max_interval}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.units_smoothing is not None and not 0 < self.units_smoothing <= 1:
+            raise ValueError(f"units_smoothing must be in (0, 1], got {self.units_smoothing}")
         if self.probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {self.probe_steps}")
         if not 0 <= self.probe_budget < 1:
             raise ValueError(f"probe_budget must be in [0, 1), got {self.probe_budget}")
+        if self.budget_after < 0:
+            raise ValueError(f"budget_after must be >= 0, got {self.budget_after}")
         self.interval = self.min_interval
 
     @property
@@ -142,9 +168,13 @@ class TwoArms(Carries):
     def record(self, arm: bool, units: float, seconds: float) -> None:
         """One step's outcome on ``arm``: its units of work and its seconds."""
         if units > 0 and seconds > 0:
-            for average, value in ((self.seconds, float(seconds)), (self.units, float(units))):
+            self.measured[arm] += 1
+            for average, value, smoothing in ((self.seconds, float(seconds), self.smoothing),
+                                              (self.units, float(units), self.units_smoothing or self.smoothing)):
+                # the first steps weigh alike (the mean of n steps) until 1/n falls to the smoothing
+                weight = max(smoothing, 1 / self.measured[arm])
                 old = average[arm]
-                average[arm] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
+                average[arm] = value if old is None else (1 - weight) * old + weight * value
         if self._probe_left and arm == self._probe_arm:
             # only a step on the probed arm counts: a speculative step that found nothing to draft
             # (an n-gram lookup without a match) cost a plain step and says nothing of speculation
@@ -166,7 +196,7 @@ class TwoArms(Carries):
         ``probe_budget`` of the time until then (module docstring); 0 without a budget."""
         arm = self._before
         cost, step = self.cost[arm], self.seconds[arm]
-        if not self.probe_budget or cost is None or not step:
+        if not self.probe_budget or cost is None or not step or self.measured[self._probe_arm] < self.budget_after:
             return 0
         extra = self._probe_seconds - cost * self._probe_units
         return min(int(extra / (self.probe_budget * step)), self.max_budget_interval) if extra > 0 else 0
@@ -181,6 +211,9 @@ class SpeculationGate(TwoArms):
     #: a cost profile of this model (:class:`~selfspec.measure.profile.Profile`): steps are priced
     #: from their ledger ops with it instead of timed (module docstring)
     profile: Any = None
+    #: the weight of the newest step in each arm's average of committed tokens (module docstring:
+    #: a chain's steps commit 1 token or the whole chain)
+    units_smoothing: float | None = 0.1
 
     @property
     def deterministic(self) -> bool:
