@@ -133,8 +133,8 @@ def test_one_or_two_unlucky_probes_do_not_lock_speculation_out():
     """bfloat16 XSum's int8 self-draft (docs/2026-12-07-zen4.md): a step drafts 8 tokens and costs
     5.5 plain steps; it commits 8 on average, but the run's first two commit 4 and 1. Priced on
     those two, each probe cost 4-5 plain steps beyond its tokens, so the 1% budget alone would put
-    the next probe 400+ steps away; the budget waits for 4 measured steps, and the gate comes back
-    to speculation within the first hundred steps."""
+    the next probe 400+ steps away; the budget waits for 3 confirming probes in a row, and the gate
+    comes back to speculation within the first hundred steps."""
     def run(budget_after):
         gate = SpeculationGate(budget_after=budget_after)
         commits, spec_steps, tokens = iter([4, 1] + [9, 9, 6, 9] * 200), 0, 0
@@ -151,6 +151,42 @@ def test_one_or_two_unlucky_probes_do_not_lock_speculation_out():
     assert not locked.preferred and locked_steps <= 3, locked_steps
     with pytest.raises(ValueError, match="budget_after"):
         SpeculationGate(budget_after=-1)
+
+
+def test_short_chains_while_preferred_are_no_evidence_for_the_budget():
+    """Speculation's first steps commit 9, 3 and 1 tokens (a mean of 4.3 at 5.5 plain steps a step:
+    plain is preferred) and the first probe after the flip 2: four measured steps, but one
+    confirming probe. The budget waits for three in a row, so the probes keep doubling (8, 16, 32,
+    ...) and the chain's long steps bring the gate back to speculation; a budget from the first
+    confirming probe put the next one 350 steps away."""
+    def run(budget_after):
+        gate = SpeculationGate(budget_after=budget_after)
+        commits, spec_steps = iter([9, 3, 1, 2] + [9, 8, 9, 6] * 200), 0
+        for _ in range(400):
+            spec = gate.speculate()
+            n = next(commits) if spec else 1
+            spec_steps += spec
+            gate.record(spec, n, 5.5 if spec else 1.0)
+        return gate, spec_steps
+    gate, spec_steps = run(3)
+    assert gate.preferred and spec_steps >= 150, spec_steps
+    gate, spec_steps = run(0)
+    assert not gate.preferred and spec_steps <= 6, spec_steps
+
+
+@pytest.mark.parametrize("budget_after, intervals", [(3, [8, 16, 32, 300]), (2, [8, 16, 300]), (1, [8, 300])])
+def test_the_budget_stretches_the_interval_from_the_budget_after_th_confirming_probe(budget_after, intervals):
+    """A speculative step of 4 s for 1 token against plain steps of 1 s: after the flip to plain at
+    the second step each probe confirms it, its extra 3 s asking for 300 steps at the 1% budget. The
+    interval doubles from 8 until the ``budget_after``-th confirming probe, then jumps to 300."""
+    gate = SpeculationGate(budget_after=budget_after)
+    seen = []
+    for _ in range(700):
+        spec = gate.speculate()
+        gate.record(spec, 1, 4.0 if spec else 1.0)
+        if not seen or gate.interval != seen[-1]:
+            seen.append(gate.interval)
+    assert seen == intervals
 
 
 def test_a_chain_that_pays_on_average_is_not_switched_off_by_its_noise():
@@ -180,7 +216,7 @@ def test_a_chain_that_pays_on_average_is_not_switched_off_by_its_noise():
 
     always = statistics.mean(counts) / 5.5
     assert rate() >= 0.97 * always
-    assert rate(units_smoothing=None, budget_after=0) <= 0.93 * always  # the settings before
+    assert rate(units_smoothing=None, budget_after=0) <= 0.93 * always  # tokens at 0.3, no wait
     with pytest.raises(ValueError, match="units_smoothing"):
         SpeculationGate(units_smoothing=0)
 
@@ -233,6 +269,7 @@ def test_gated_decoders_give_vanilla_output_on_either_arm(tiny, prompt_ids, meth
     # the arm the gate prefers, set by hand: plain decoding "measured" far cheaper, or far dearer
     dec.gate.seconds = {True: 1.0, False: 1e-9} if prefer_plain else {True: 1e-9, False: 1.0}
     dec.gate.units = {True: 1.0, False: 1.0}
+    dec.gate.measured = {True: 100, False: 100}  # long measured: the next step moves them by the smoothing
     # ... and kept so: every step "measures" that arm's cost, so the machine's timing cannot flip it
     record, cheap = dec.gate.record, not prefer_plain
     dec.gate.record = lambda speculated, tokens, seconds: record(speculated, tokens,

@@ -23,7 +23,9 @@ profile) or timed on the wall clock (a gate built without a profile):
   newest step at 0.3 (``smoothing``); its tokens are noisy (a chain of 8 drafts commits anything
   from 1 token to 9, with a spread of about 3 around 7), so they weigh it at 0.1
   (``units_smoothing``, about the last 20 steps). At 0.3 two short steps in a row (9, 3, 1 tokens
-  from a chain costing 5.4 plain steps) priced speculation above plain on a task where it paid.
+  from a chain costing 5.4 plain steps, after a run of long ones) priced speculation above plain on
+  a task where it paid; at 0.1 they move its average by a fifth as much. (An arm's first ten steps
+  are a plain mean, below, so there the weight does not steady it: the probe budget's wait does.)
   Re-deciding always-speculating runs of the int8 and int4 self-drafts on SmolLM2 (12 task rows,
   bfloat16 and float32, 10 examples each; :func:`replay`), 0.1 did better than 0.3 on 7 rows (XSum
   in float32: 1.19 against 1.12 predicted), as well on 4 and 0.015 worse on one, and cost nothing
@@ -49,12 +51,15 @@ profile) or timed on the wall clock (a gate built without a profile):
   the doubling schedule; an expensive one (DEL drafting several tokens through exit heads, about
   2.4 plain steps beyond a plain step's cost on SmolLM2 here) is repeated every ~240 steps
   instead of 128, which halves what a method that does not pay loses to its probes. The budget
-  waits for evidence: it stretches the interval only once the probed arm has been measured over
-  ``budget_after`` (4) steps. A chain drafter's steps commit anything from 1 token to the whole
-  chain, so one or two of them say little, and a probe verdict from them must not keep the arm
-  away for hundreds of steps: in bfloat16 on XSum the int8 self-draft's first two steps accepted 3
-  of 16 drafts, the budget put the next probe past the task's end and the task decoded at 0.95 of
+  waits for evidence: it stretches the interval only from the ``budget_after``-th (3rd) probe in a
+  row that confirms the choice, so after a flip the interval doubles (8, 16, 32 steps) before the
+  budget may stretch it. A chain drafter's steps commit anything from 1 token to the whole chain,
+  so one or two of them say little, and a verdict from them must not keep the arm away for
+  hundreds of steps: in bfloat16 on XSum the int8 self-draft's first two steps accepted 3 of 16
+  drafts, the budget put the next probe past the task's end and the task decoded at 0.95 of
   vanilla's speed, while always speculating the task ran at 1.10× (τ 7.1; docs/2026-12-07-zen4.md).
+  The wait counts confirming probes, not an arm's steps: the steps a chain took while preferred
+  (9, 3, 1 tokens that flipped the choice) are no evidence that the probes after the flip confirm.
 
 **In a batch** (:mod:`selfspec.models.batch`), a sequence's step is priced at what it cost the batch:
 each pass it shared with other sequences' rows at its rows' share of that pass
@@ -98,16 +103,19 @@ class TwoArms(Carries):
     #: the share of the time a confirming probe's extra cost may take (module docstring)
     probe_budget: float = 0.01
     max_budget_interval: int = 1024
-    #: steps measured on the probed arm before the budget may stretch the interval (module docstring)
-    budget_after: int = 4
+    #: confirming probes in a row before the budget may stretch the interval (module docstring)
+    budget_after: int = 3
     #: a probe's own steps replace the probed arm's averages (the thread policy: an arm's cost is
     #: the machine's load, which changes at once, so measurements from before the probe are stale)
     fresh_probes: bool = False
     #: moving averages per arm of a step's seconds and of its units (None = not measured yet)
     seconds: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     units: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
-    #: steps measured per arm (the evidence :attr:`budget_after` waits for)
+    #: steps measured per arm (an arm's first steps weigh alike in its averages)
     measured: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    #: probes in a row that confirmed the choice since it last flipped (what :attr:`budget_after` counts)
+    confirmed: int = field(init=False, default=0)
+    _last_preferred: bool = field(init=False, default=True)
     interval: int = field(init=False)
     _since_probe: int = field(init=False, default=0)
     _probe_left: int = field(init=False, default=0)
@@ -156,6 +164,8 @@ class TwoArms(Carries):
             return self._probe_arm
         self._since_probe += 1
         preferred = self.preferred
+        if preferred != self._last_preferred:  # the choice flipped on its own arm's steps
+            self.confirmed, self._last_preferred = 0, preferred
         unmeasured = self.seconds[preferred] is not None and self.seconds[not preferred] is None
         if self._since_probe >= (1 if unmeasured else self.interval):
             self._since_probe = 0
@@ -187,8 +197,9 @@ class TwoArms(Carries):
                     self.seconds[arm] = self._probe_seconds / self.probe_steps
                     self.units[arm] = self._probe_units / self.probe_steps
                 if self.preferred != self._before:
-                    self.interval = self.min_interval
+                    self.interval, self.confirmed, self._last_preferred = self.min_interval, 0, self.preferred
                 else:
+                    self.confirmed += 1
                     self.interval = max(min(self.interval * 2, self.max_interval), self._budget_interval())
 
     def _budget_interval(self) -> int:
@@ -196,7 +207,7 @@ class TwoArms(Carries):
         ``probe_budget`` of the time until then (module docstring); 0 without a budget."""
         arm = self._before
         cost, step = self.cost[arm], self.seconds[arm]
-        if not self.probe_budget or cost is None or not step or self.measured[self._probe_arm] < self.budget_after:
+        if not self.probe_budget or cost is None or not step or self.confirmed < self.budget_after:
             return 0
         extra = self._probe_seconds - cost * self._probe_units
         return min(int(extra / (self.probe_budget * step)), self.max_budget_interval) if extra > 0 else 0
