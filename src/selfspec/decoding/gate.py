@@ -24,13 +24,13 @@ profile) or timed on the wall clock (a gate built without a profile):
   from 1 token to 9, with a spread of about 3 around 7), so they weigh it at 0.1
   (``units_smoothing``, about the last 20 steps). At 0.3 two short steps in a row (9, 3, 1 tokens
   from a chain costing 5.4 plain steps, after a run of long ones) priced speculation above plain on
-  a task where it paid; at 0.1 they move its average by a fifth as much. (An arm's first ten steps
-  are a plain mean, below, so there the weight does not steady it: the probe budget's wait does.)
+  a task where it paid; at 0.1 they move its average by a fifth as much.
   Re-deciding always-speculating runs of the int8 and int4 self-drafts on SmolLM2 (12 task rows,
   bfloat16 and float32, 10 examples each; :func:`replay`), 0.1 did better than 0.3 on 7 rows (XSum
   in float32: 1.19 against 1.12 predicted), as well on 4 and 0.015 worse on one, and cost nothing
   on the papers' loops that do not pay (docs/2026-12-07-zen4.md). An arm's first steps weigh
-  alike, as a mean, until 1/n falls to the weight;
+  alike, as a mean, until 1/n falls to the weight (its first ten tokens' counts, so there the
+  weight does not steady it: the probe budget's wait does);
 * the gate speculates while speculation's cost is below plain's by at least ``margin`` (1%), or
   while either has not been measured yet, else it takes plain steps. A speculative step carries
   bookkeeping its ops do not price (PPD's tree layout, a drafter's Python), so a tie goes to plain:
@@ -164,7 +164,7 @@ class TwoArms(Carries):
             return self._probe_arm
         self._since_probe += 1
         preferred = self.preferred
-        if preferred != self._last_preferred:  # the choice flipped on its own arm's steps
+        if preferred != self._last_preferred:  # the choice flipped (at a probe or on its arm's own steps)
             self.confirmed, self._last_preferred = 0, preferred
         unmeasured = self.seconds[preferred] is not None and self.seconds[not preferred] is None
         if self._since_probe >= (1 if unmeasured else self.interval):
@@ -196,8 +196,8 @@ class TwoArms(Carries):
                     arm = self._probe_arm
                     self.seconds[arm] = self._probe_seconds / self.probe_steps
                     self.units[arm] = self._probe_units / self.probe_steps
-                if self.preferred != self._before:
-                    self.interval, self.confirmed, self._last_preferred = self.min_interval, 0, self.preferred
+                if self.preferred != self._before:  # a flip: :meth:`choose` resets ``confirmed`` next
+                    self.interval = self.min_interval
                 else:
                     self.confirmed += 1
                     self.interval = max(min(self.interval * 2, self.max_interval), self._budget_interval())
