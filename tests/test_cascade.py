@@ -170,9 +170,12 @@ def test_sampling_with_the_cascade_keeps_the_target_distribution(peaked_llama, b
     ids, sampling = [5, 17, 99, 3, 42, 7, 5, 17], Sampling(temperature=1.0, top_k=3, seed=0)
     dec = build_decoder(method_config("quant_draft_cascade", never_slower=False, max_draft=4,
                                       draft_ngram=CONSTANT), peaked_llama)
-    kept = sum(dec.generate(ids, 48, Sampling(temperature=1.0, top_k=3, seed=s)).stats["draft_ngram_accepted"]
-               for s in range(4))
-    assert kept > 0  # guesses are kept under sampling too
+    # the lookup guesses under sampling too; whether a guess is kept is each draw's luck here (the random
+    # model's drafts take 1-2% of guesses: 16 of 1,637 guessing steps over 300 seeds, 29 of 1,625 with
+    # another draw of the same distributions), so the keeping is tested where its rate is known:
+    # test_a_checked_token_is_drawn_from_the_drafters_distribution_and_carries_it_as_q
+    for s in range(4):
+        assert dec.generate(ids, 48, Sampling(temperature=1.0, top_k=3, seed=s)).stats["draft_ngram_steps"] > 0
     assert first_two_tokens_tv(dec, ids, sampling, batch=batch) < 0.12
 
 

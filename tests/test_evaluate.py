@@ -80,6 +80,15 @@ def test_n_samples_under_sampling_rows_seeds_and_pass_at_k(tiny, tmp_path, monke
     with pytest.raises(ResumeMismatch, match="n_samples"):
         evaluate(compose(SMALL + ["task=humaneval", "compare=[hf_generate]", "n_samples=3",
                                   "sampling.temperature=0.7", "sampling.seed=5"]), tmp_path, loaded=tiny)
+    # a record of a sampled run drawn before the record named its draw (by torch.multinomial): its seeds gave
+    # other tokens, so it is not resumed
+    record = tmp_path / "run_config.json"
+    before = json.loads(record.read_text())
+    assert before["sampling"]["draw"] == s["sample_draw"] == "inverse-cdf-float64"
+    del before["sampling"]["draw"]
+    record.write_text(json.dumps(before))
+    with pytest.raises(ResumeMismatch, match="changed: sampling"):
+        evaluate(cfg, tmp_path, loaded=tiny)
 
 
 def test_each_example_is_settled_by_an_untimed_prompt_step_of_the_baseline(tiny, tmp_path, monkeypatch):

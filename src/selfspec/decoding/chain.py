@@ -59,7 +59,7 @@ import torch
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop
-from selfspec.decoding.sampling import greedy_verify, select, speculative_verify, verify_chain, warp
+from selfspec.decoding.sampling import draw, greedy_verify, select, speculative_verify, verify_chain, warp
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
 
@@ -168,7 +168,7 @@ def pick(logits: torch.Tensor, state: DecodeState, confidence: bool = True) -> t
         q = None
     else:
         q = warp(logits, state.sampling, state.ledger)
-        tok = torch.multinomial(q, 1, generator=state.generator)[0]
+        tok = draw(q, state.generator)
         p_max = probs.max()
     conf, tok = torch.stack([p_max, tok.to(p_max.dtype)]).tolist()
     return int(tok), conf, q

@@ -57,7 +57,7 @@ from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import Gated, QuantisedDraft
-from selfspec.decoding.sampling import multi_candidate_verify, sample_from, warp
+from selfspec.decoding.sampling import draw_distinct, multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout, verify_tree
 from selfspec.models.heads import draft_logits
 from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
@@ -280,7 +280,7 @@ class LayerSetDrafter(Carries):
             else:  # as many as the warped distribution's support holds (top-k, top-p)
                 q = warp(logits, state.sampling, ledger)
                 n = min(width, int((q > 0).sum()))
-                top = torch.multinomial(q, n, replacement=False, generator=state.generator)
+                top = draw_distinct(q, n, state.generator)
                 top = torch.cat([top, top[-1:].expand(width - n)])  # padding no tree reads
                 qs.append(q)
             conf, token = torch.stack([logits.softmax(-1)[top[0]], top[0].to(logits.dtype)]).tolist()

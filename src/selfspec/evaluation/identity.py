@@ -44,12 +44,14 @@ class ResumeMismatch(ValueError):
 def run_identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
     """What a run directory's results depend on (``run_config.json``): a rerun into it must match
     (:func:`check_resume`); ``n_examples`` is left out, so a run may grow or shrink its selection.
+    A sampled run's ``sampling`` also names how tokens are drawn (:data:`~selfspec.decoding.sampling.DRAW`).
     ``inputs`` holds the content digests of the files read, by path: the model's
     (:func:`~selfspec.models.loading.source_digests`), the task's data
     (:meth:`~selfspec.tasks.Task.data_digests`) and, where a method reads another model (a separate draft
     model: :meth:`~selfspec.decoding.base.Decoder.models_read`), that model's, by config name."""
     from selfspec.config import model_config
     from selfspec.decoding import decoder_class
+    from selfspec.decoding.sampling import DRAW
     from selfspec.models.loading import source_digests
 
     inputs = {"model": source_digests(cfg.model), "data": plan.task.data_digests()}
@@ -57,8 +59,11 @@ def run_identity(cfg: DictConfig, plan: RunPlan) -> dict[str, Any]:
                      for name in decoder_class(str(plan.method_cfgs[label].name)).models_read(options)})
     if others:
         inputs["models"] = {name: source_digests(model_config(name)) for name in others}
+    # a sampled run's tokens depend on how a seed becomes tokens too (a run drawn by torch.multinomial,
+    # before this record held the draw, is not resumed by one drawn otherwise)
+    sampling = OmegaConf.to_container(cfg.sampling, resolve=True) | ({} if plan.sampling.greedy else {"draw": DRAW})
     return to_jsonable({"model": cfg.model, "task": OmegaConf.to_container(cfg.task, resolve=True)
-                        | {"n_examples": None}, "sampling": cfg.sampling, "max_new_tokens": plan.budget,
+                        | {"n_examples": None}, "sampling": sampling, "max_new_tokens": plan.budget,
                         "baseline": next(iter(plan.method_cfgs)), "methods": plan.method_cfgs,
                         "n_samples": plan.n_samples, "batch_size": plan.batch_size, "inputs": inputs})
 

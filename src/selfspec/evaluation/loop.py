@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from selfspec.decoding import Sampling
+from selfspec.decoding.sampling import DRAW
 from selfspec.evaluation.aggregate import batch_contention, common_rows, contention, spoiled_generations, summarize
 from selfspec.evaluation.batches import WAVE, batch_summary, decode_waves, open_batches
 from selfspec.evaluation.plan import Built, MethodRun, RunPlan, sample_sampling
@@ -253,6 +254,7 @@ def run_summary(cfg: DictConfig, plan: RunPlan, built: Built, out_dir: Path, row
         "greedy": sampling.greedy,
         "n_samples": plan.n_samples,
         "sample_seeds": None if sampling.greedy else [sample_sampling(sampling, i).seed for i in range(plan.n_samples)],
+        "sample_draw": None if sampling.greedy else DRAW,
         "samples_files": samples_files,
         "max_new_tokens": budget,
         "n_examples": len(examples),
