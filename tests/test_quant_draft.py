@@ -76,8 +76,11 @@ def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k,
         assert torch.equal(torch.ops.selfspec.quant_linear(x, packed), y)
     finally:
         torch.set_num_threads(threads)
-    half = torch.ops.selfspec.quant_linear(x.bfloat16(), packed)  # a bfloat16 target's draft: bf16 in and out
+    # a bfloat16 target's draft: bf16 in and out, read and written by the kernel itself, the bits of the float32
+    # call on the same values rounded to bfloat16 (round to nearest even, as torch converts)
+    half = torch.ops.selfspec.quant_linear(x.bfloat16(), packed)
     assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), y, rtol=0.05, atol=0.05 * y.abs().max().item())
+    assert torch.equal(half, torch.ops.selfspec.quant_linear(x.bfloat16().float(), packed).bfloat16())
     with pytest.raises(RuntimeError, match="does not hold"):
         torch.ops.selfspec.quant_linear(x[:, :32], packed)
 

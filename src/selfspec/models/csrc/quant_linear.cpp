@@ -12,9 +12,11 @@
 // Integer dot products, as llama.cpp's quantised kernels do: each row of x is rounded per block of 32 to
 // int8 with its own scale (s_x = amax/127, round half to even), each block's 32 products summed in int32
 // lanes (exact), and the block's sum times s_w * s_x accumulated in float32 lanes by FMA over the blocks
-// in order, then reduced by a fixed horizontal sum. int8 weights go through the sign trick (|w| times x
-// carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127); int4 weights are the unsigned
-// nibbles q + 8, and 8 times x's sums per lane are taken off (exact).
+// in order, then reduced by a fixed horizontal sum. On the AVX2 path int8 weights go through the sign trick
+// (|w| times x carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127); on the VNNI path
+// their bytes with the top bit flipped are the unsigned q + 128, and 128 times x's sums per lane are taken
+// off (vpdpbusd cannot saturate); int4 weights are the unsigned nibbles q + 8, and 8 times x's sums per lane
+// are taken off (exact). x may be float32 or bfloat16: y comes back in x's dtype, written by the kernel.
 //
 // Every output element's arithmetic is fixed by the weight's shape: a row's result does not depend on the
 // other rows of the call or on the thread count, and the two paths (AVX2; AVX-512-VNNI where the CPU has
@@ -51,27 +53,29 @@ constexpr int64_t NB = QNB;  // weight rows per parallel task
 #define QPF_HINT _MM_HINT_T0
 #endif
 
-// x rounded per block: q (int8, M x K), s (float, M x K/32) and, for the int4 format's offset only, 8 times
-// each block's 8 lane sums of 4 consecutive values (int32, M x K/4)
+// x rounded per block: q (int8, M x K), s (float, M x K/32) and, where an offset is to be taken off the
+// integer sums, that factor times each block's 8 lane sums of 4 consecutive values (int32, M x K/4): 8 for the
+// int4 format's nibbles q + 8, -128 for int8 values read as q + 128 (the VNNI path)
 struct Rounded {
   std::vector<int8_t> q;
   std::vector<float> s;
-  std::vector<int32_t> sum4x8;
+  std::vector<int32_t> lane_sums;
 };
 
 // s = amax/127 and q = v / s rounded half to even (vdivps and vcvtps2dq, exact-rounded: the scalar
-// nearbyint(v / s) to the bit)
-Rounded round_rows(const float* x, int64_t M, int64_t K, bool sums) {
+// nearbyint(v / s) to the bit); x float32 or bfloat16 (widened exactly as it is read)
+template <typename T>
+Rounded round_rows(const T* x, int64_t M, int64_t K, int sum_factor) {
   Rounded r;
   const int64_t blocks = M * K / QB;
   r.q.resize(M * K);
   r.s.resize(blocks);
-  if (sums) r.sum4x8.resize(M * K / 4);
+  if (sum_factor) r.lane_sums.resize(M * K / 4);
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < blocks; ++i) {
-    const float* v = x + i * QB;
+    const T* v = x + i * QB;
     __m256 a[4];
-    for (int c = 0; c < 4; ++c) a[c] = _mm256_loadu_ps(v + 8 * c);
+    for (int c = 0; c < 4; ++c) a[c] = selfspec_avx2::load8(v + 8 * c);
     const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
                                     _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -91,11 +95,12 @@ Rounded round_rows(const float* x, int64_t M, int64_t K, bool sums) {
     } else {
       std::memset(q, 0, QB);
     }
-    if (!sums) continue;
+    if (!sum_factor) continue;
     const __m256i lane_sums = _mm256_madd_epi16(
         _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
         _mm256_set1_epi16(1));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.sum4x8[i * 8]), _mm256_slli_epi32(lane_sums, 3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.lane_sums[i * 8]),
+                        _mm256_mullo_epi32(lane_sums, _mm256_set1_epi32(sum_factor)));
   }
   return r;
 }
@@ -126,16 +131,22 @@ struct Layout {
 // The tile loop on each instruction set: AVX2's dot is vpmaddubsw then vpmaddwd; AVX-512-VNNI's (on its 256-bit
 // form) is vpdpbusd, one instruction, the same exact int32 sums (neither saturates at |values| <= 127).
 namespace avx2_path {
+// vpmaddubsw's pair sums of (q + 128) x would saturate: int8 takes the sign trick here
+constexpr bool kUnsignedInt8 = false;
 inline __m256i dot(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
+inline __m256i dot_from(__m256i c, __m256i u, __m256i s) { return _mm256_add_epi32(c, dot(u, s)); }
 #include "quant_tiles.h"
 }  // namespace avx2_path
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl,avx512vnni")
 namespace vnni_path {
+constexpr bool kUnsignedInt8 = true;
 inline __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+// c plus the sums (vpdpbusd accumulates into its source)
+inline __m256i dot_from(__m256i c, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(c, u, s); }
 #include "quant_tiles.h"
 }  // namespace vnni_path
 #pragma GCC pop_options
@@ -150,12 +161,24 @@ bool use_vnni() {
   return has && selfspec_isa::avx512();
 }
 
-template <bool Q4>
-void run(const float* xp, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <bool Q4, typename T>
+void run(const T* xp, const uint8_t* w, T* y, int64_t M, int64_t N, int64_t K) {
   if (use_vnni())
     vnni_path::run_tiles<Q4>(xp, w, y, M, N, K);
   else
     avx2_path::run_tiles<Q4>(xp, w, y, M, N, K);
+}
+
+template <typename T>
+at::Tensor run_as(const at::Tensor& x, const at::Tensor& packed, bool q4, int64_t N, int64_t K) {
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  if (q4)
+    run<true>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K);
+  else
+    run<false>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K);
+  return y;
 }
 
 // quant_path(): the path quant_linear takes now, "avx512_vnni" or "avx2"
@@ -174,15 +197,12 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed) {
               " bytes does not hold ", K, " values in the ", q4 ? "int4" : "int8", " format");
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = N;
-  const at::Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  if (q4)
-    run<true>(x.data_ptr<float>(), w, y.data_ptr<float>(), M, N, K);
-  else
-    run<false>(x.data_ptr<float>(), w, y.data_ptr<float>(), M, N, K);
-  return y.to(x_in.scalar_type()).view(out_shape);
+  // bfloat16 x is read and y written in bfloat16 by the kernel itself: the same bits as converting x to
+  // float32 and the float32 result back (round to nearest even), without two tensors' copies a call
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const at::Tensor y = x.scalar_type() == at::kBFloat16 ? run_as<at::BFloat16>(x, packed, q4, N, K)
+                                                        : run_as<float>(x, packed, q4, N, K);
+  return y.view(out_shape);
 }
 
 }  // namespace

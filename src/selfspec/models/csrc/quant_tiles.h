@@ -3,9 +3,13 @@
 // Both sets' dot give the same integers, and everything after it is the same arithmetic, so the paths
 // give the same bits. No include guard: it is meant to be included more than once.
 
-// MBR rows of x times NR rows of W: MBR*NR float accumulators of 8 lanes
-template <int MBR, int NR, bool Q4>
-inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, float* y, int64_t ldy,
+// MBR rows of x times NR rows of W: MBR*NR float accumulators of 8 lanes. The blocks go in groups of 8: each
+// row's 8 weight scales times each x row's 8 (one vector multiply, the same products as one at a time), each
+// block's taken from its lane by a permute. An int8 block's integer sums: on the VNNI path its values with the
+// top bit flipped (q + 128, unsigned) times x, started from -128 times x's lane sums, so no sign trick per x row;
+// on the AVX2 path |q| times x carrying q's sign. The same integers either way.
+template <int MBR, int NR, bool Q4, typename T>
+inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, T* y, int64_t ldy,
                  bool pf) {
   __m256 acc[MBR][NR];
 #pragma GCC unroll 8
@@ -17,36 +21,61 @@ inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4
   selfspec_prefetch::Spread<QPF_HINT> prefetch(reinterpret_cast<const char*>(w + QPD * NR * L.stride),
                                                pf ? (NR * L.stride + selfspec_prefetch::kLine - 1) / selfspec_prefetch::kLine : 0,
                                                blocks);
-  for (int64_t b = 0; b < blocks; ++b) {
-    prefetch.step();
-    __m256i xq[MBR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MBR; ++m) xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.q[(m0 + m) * K + b * QB]));
+  const float* xs = x.s.data();
+  const int8_t* xq_all = x.q.data();
+  const int32_t* lane_sums = x.lane_sums.data();  // int4: 8 times x's lane sums; int8: -128 times them
+  for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+    const int nb = static_cast<int>(std::min<int64_t>(8, blocks - b0));
+    const __m256i in_group = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 scales[MBR][NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      __m256i sign;
-      const uint8_t* row = w + r * L.stride;
-      const __m256i u = L.unsigned_block(row, b, sign);
-      const float sw = L.scale(row, b);
+      const __m256 sw = _mm256_maskload_ps(reinterpret_cast<const float*>(w + r * L.stride + L.scales) + b0, in_group);
 #pragma GCC unroll 8
-      for (int m = 0; m < MBR; ++m) {
-        const __m256i s = Q4 ? xq[m] : _mm256_sign_epi8(xq[m], sign);
-        __m256i d = dot(u, s);
-        if constexpr (Q4)  // the nibbles are q + 8: take 8 x's lane sums off
-          d = _mm256_sub_epi32(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.sum4x8[((m0 + m) * blocks + b) * 8])));
-        const __m256 scale = _mm256_set1_ps(sw * x.s[(m0 + m) * blocks + b]);
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[m][r]);
+      for (int m = 0; m < MBR; ++m)
+        scales[m][r] = _mm256_mul_ps(sw, _mm256_maskload_ps(xs + (m0 + m) * blocks + b0, in_group));
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      if (j >= nb) break;
+      const int64_t b = b0 + j;
+      prefetch.step();
+      const __m256i lane = _mm256_set1_epi32(j);
+      __m256i xq[MBR];
+#pragma GCC unroll 8
+      for (int m = 0; m < MBR; ++m)
+        xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq_all + (m0 + m) * K + b * QB));
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* row = w + r * L.stride;
+        __m256i u, sign;
+        if constexpr (Q4 || !kUnsignedInt8)
+          u = L.unsigned_block(row, b, sign);
+        else
+          u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QB)),
+                               _mm256_set1_epi8(static_cast<char>(0x80)));
+#pragma GCC unroll 8
+        for (int m = 0; m < MBR; ++m) {
+          __m256i d;
+          if constexpr (Q4 || kUnsignedInt8) {
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_sums + ((m0 + m) * blocks + b) * 8));
+            d = Q4 ? _mm256_sub_epi32(dot(u, xq[m]), c) : dot_from(c, u, xq[m]);
+          } else {
+            d = dot(u, _mm256_sign_epi8(xq[m], sign));
+          }
+          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(scales[m][r], lane), acc[m][r]);
+        }
       }
     }
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MBR; ++m)
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) y[m * ldy + r] = hsum(acc[m][r]);
+    for (int r = 0; r < NR; ++r) y[m * ldy + r] = static_cast<T>(hsum(acc[m][r]));
 }
 
-template <int NR, bool Q4>
-inline void tile_rows(int mb, const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, float* y,
+template <int NR, bool Q4, typename T>
+inline void tile_rows(int mb, const Rounded& x, int64_t m0, const uint8_t* w, const Layout<Q4>& L, T* y,
                       int64_t ldy, bool pf) {
   switch (mb) {
     case 4: tile<4, NR, Q4>(x, m0, w, L, y, ldy, pf); break;
@@ -62,8 +91,8 @@ inline void tile_rows(int mb, const Rounded& x, int64_t m0, const uint8_t* w, co
 // (one thread 7.5-9.0 against 12.7-14.2), int4 3.8-4.7 against 4.1-5.1 (docs/2026-12-06-zen4.md).
 constexpr int NR = 2;
 
-template <bool Q4>
-void task(const Rounded& x, const uint8_t* w, float* y, int64_t M, int64_t N, const Layout<Q4>& L, int64_t n,
+template <bool Q4, typename T>
+void task(const Rounded& x, const uint8_t* w, T* y, int64_t M, int64_t N, const Layout<Q4>& L, int64_t n,
           int64_t n_end) {
   for (; n + NR <= n_end; n += NR)
     for (int64_t m0 = 0; m0 < M; m0 += MB)  // the tile QPD tiles ahead prefetched during the first block of x
@@ -75,10 +104,10 @@ void task(const Rounded& x, const uint8_t* w, float* y, int64_t M, int64_t N, co
                        y + m0 * N + n, N, false);
 }
 
-template <bool Q4>
-void run_tiles(const float* xp, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <bool Q4, typename T>
+void run_tiles(const T* xp, const uint8_t* w, T* y, int64_t M, int64_t N, int64_t K) {
   const Layout<Q4> L(K);
-  const Rounded x = round_rows(xp, M, K, Q4);
+  const Rounded x = round_rows(xp, M, K, Q4 ? 8 : kUnsignedInt8 ? -128 : 0);
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n = b0 * NB, n_end = std::min(N, b1 * NB);
     task<Q4>(x, w, y, M, N, L, n, n_end);
