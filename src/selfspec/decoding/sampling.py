@@ -140,7 +140,7 @@ def draw_distinct(probs: torch.Tensor, n: int, generator: torch.Generator | None
     """``n`` distinct tokens from ``[V]`` probabilities with at least ``n`` non-zero, drawn one after
     another (:func:`draw`), each from the distribution without the tokens before it, renormalised:
     sampling without replacement, the order :func:`multi_candidate_verify` reads them in."""
-    left = probs.double().clone()
+    left = probs.to(torch.float64, copy=True)  # one copy, which each draw's zeroing writes into
     tokens = []
     for _ in range(n):
         token = draw(left, generator)
