@@ -5,7 +5,7 @@ import torch
 
 from conftest import hf_greedy, method_config
 from selfspec.decoding import Sampling, build_decoder
-from selfspec.decoding.sampling import draw, draw_distinct, speculative_verify, warp
+from selfspec.decoding.sampling import argmax, draw, draw_distinct, speculative_verify, warp
 
 
 def vanilla(loaded, **kw):
@@ -37,6 +37,24 @@ def test_sampling_is_seeded(tiny, prompt_ids):
     b = vanilla(tiny).generate(prompt_ids, 12, s).tokens
     c = vanilla(tiny).generate(prompt_ids, 12, Sampling(temperature=1.0, top_p=0.9, seed=4)).tokens
     assert a == b and a != c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_is_torch_argmax_on_ties_and_nans(dtype):
+    """The greedy token (``argmax``, taken as torch.max's indices for speed) is torch.argmax's: the first
+    of tied maxima (rounded logits tie often, bfloat16's most), the first NaN where a row has one, rows
+    of a few vocabularies, one row and eight."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 8):
+        for vocab in (7, 49_152, 100_003):
+            x = (torch.randn(rows, vocab, generator=gen) * 3).round().clamp(max=2).to(dtype)  # few values: ties
+            x[:, vocab - 2] = x[:, 1] = 2.0  # every row's maximum at least twice
+            x[0, vocab // 2] = float("nan")
+            x[0, vocab // 3] = float("nan")
+            x[-1, :] = 1.0
+            for t in (x, x[0]):
+                assert torch.equal(argmax(t), t.argmax(-1))
+    assert int(argmax(torch.tensor([0.0, float("nan"), 5.0, float("nan")]))) == 1
 
 
 def test_draw_follows_the_distribution_and_never_draws_a_token_of_probability_zero():

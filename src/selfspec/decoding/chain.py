@@ -59,7 +59,7 @@ import torch
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop
-from selfspec.decoding.sampling import draw, greedy_verify, select, speculative_verify, verify_chain, warp
+from selfspec.decoding.sampling import argmax, draw, greedy_verify, select, speculative_verify, verify_chain, warp
 from selfspec.models.layered import LayeredModel
 from selfspec.models.ledger import phase
 
@@ -161,7 +161,7 @@ def pick(logits: torch.Tensor, state: DecodeState, confidence: bool = True) -> t
     the argmax alone, without a softmax of the vocabulary (Gemma 3's 262,144 entries took ~0.3 ms a
     draft)."""
     if state.sampling.greedy and not confidence:
-        return int(logits.argmax(-1)), None, None
+        return int(argmax(logits)), None, None
     probs = logits.float().softmax(-1)
     if state.sampling.greedy:
         p_max, tok = probs.max(-1)

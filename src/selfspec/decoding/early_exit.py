@@ -81,7 +81,7 @@ from selfspec.decoding.base import DecodeState
 from selfspec.decoding.chain import ChainDecoder, Draft, Drafter, Plan
 from selfspec.decoding.draft_exit import DraftStop, DynamicThreshold, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import ContextFirst, Gated, QuantisedDraft
-from selfspec.decoding.sampling import select
+from selfspec.decoding.sampling import argmax, select
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, Pass
 from selfspec.models.ledger import HeadOp, LinearOp, phase
@@ -652,7 +652,7 @@ class DELDrafter(ExitDrafter):
             kept, final = ex.seed
             ex.seed = None
             with phase(state.ledger, "heads"):
-                self._shadow(state, kept, self.model.logits(final, state.ledger, state.joins).argmax(-1))
+                self._shadow(state, kept, argmax(self.model.logits(final, state.ledger, state.joins)))
         return ex.shadow
 
     def _shadow(self, state: DecodeState, hs: torch.Tensor, committed: torch.Tensor) -> None:

@@ -65,6 +65,7 @@ from selfspec.decoding.branches import branch_pass, sublayer_states
 from selfspec.decoding.chain import Draft
 from selfspec.decoding.draft_verify import DecodingOptions, DraftVerify, SkipSetDrafter
 from selfspec.decoding.part_options import Gated
+from selfspec.decoding.sampling import argmax
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, SkipSet
 from selfspec.models.ledger import phase
@@ -167,8 +168,8 @@ def knapspec_search(model: LayeredModel, xs: list[torch.Tensor], cache, context:
     if not ends:
         return Chosen(SkipSet(), t, 0, None, weights)
     final = torch.stack(list(ends.values()))
-    top = model.head(model.final_norm(final), ledger=ledger, joins=joins).argmax(-1)
-    teacher = model.head(model.final_norm(xs[-1]), ledger=ledger, joins=joins).argmax(-1)
+    top = argmax(model.head(model.final_norm(final), ledger=ledger, joins=joins))
+    teacher = argmax(model.head(model.final_norm(xs[-1]), ledger=ledger, joins=joins))
     alphas = ((top == teacher).sum(-1).float() / t).tolist()
     skips = [_backtrack(parent, j) for j in ends]
     pick = _most_tokens_per_time(skips, alphas, costs, model.num_layers)

@@ -54,7 +54,7 @@ from selfspec.config.options import key, nullable
 from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.ngram import NgramIndex
 from selfspec.decoding.part_options import Gated, LookupOptions, context_drafts
-from selfspec.decoding.sampling import select, warp
+from selfspec.decoding.sampling import argmax, select, warp
 from selfspec.decoding.tree import (SparseTree, TreeLayout, accepted_node, candidate_tokens, check_trees, layout,
                                     paper_states, verify_tree)
 from selfspec.models.ledger import phase
@@ -296,7 +296,7 @@ class PPD(Decoder):
         cand = tokens[1:]
         parents = lay.parent[1:]
         if s.greedy:
-            target = logits.argmax(-1)
+            target = argmax(logits)
             ok = target[parents] == cand
         else:
             # only the parents' rows are read: the leaves' are never warped (each row warps alone,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from selfspec.config import checks
+from selfspec.models.kernels import argmax
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def warp(logits: torch.Tensor, s: Sampling, ledger=None) -> torch.Tensor:
     """
     logits = logits.float()
     if s.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     if ledger is not None:
         vocab = logits.shape[-1]
         ledger.warp(logits.numel() // max(vocab, 1), vocab, s.top_p < 1.0)
@@ -153,7 +154,7 @@ def select(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None,
     """Next token(s) for ``[..., V]`` logits: argmax when greedy, else a :func:`draw` from
     :func:`warp` (charged to ``ledger``)."""
     if s.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     return draw(warp(logits, s, ledger), generator)
 
 
@@ -165,7 +166,7 @@ def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     ``(n_accepted, next_token)``: the longest matching prefix and the target's own next token
     (the bonus token) after it. One host sync.
     """
-    target = target_logits.argmax(-1)
+    target = argmax(target_logits)
     k = int(draft.shape[0])
     if k == 0:
         return 0, int(target[0])

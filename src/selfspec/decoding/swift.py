@@ -57,7 +57,7 @@ from selfspec.decoding.base import DecodeState, Decoder
 from selfspec.decoding.carried import Carries
 from selfspec.decoding.draft_exit import DraftStop, StopOptions, draft_stop_option, new_rule
 from selfspec.decoding.part_options import Gated, QuantisedDraft
-from selfspec.decoding.sampling import draw_distinct, multi_candidate_verify, sample_from, warp
+from selfspec.decoding.sampling import argmax, draw_distinct, multi_candidate_verify, sample_from, warp
 from selfspec.decoding.tree import TreeLayout, accepted_node, candidate_tokens, chain_tree, layout, verify_tree
 from selfspec.models.heads import draft_logits
 from selfspec.models.layered import LayeredModel, Pass, Rows, SkipSet
@@ -232,7 +232,7 @@ class LayerSetDrafter(Carries):
         weights = self.options.draft_weights
         out = model.forward(model.embed(ids), state.cache, Pass(skip=skip, rows=causal, weights=weights),
                             ledger=state.ledger, joins=state.joins)
-        predicted = draft_logits(model, out, ledger=state.ledger, weights=weights, joins=state.joins)[0].argmax(-1)
+        predicted = argmax(draft_logits(model, out, ledger=state.ledger, weights=weights, joins=state.joins)[0])
         return (predicted[:-1] == ids[0, 1:]).sum().item() / (n - 1)
 
     def optimization_step(self, state: DecodeState, generated: list[int]) -> None:
@@ -394,7 +394,7 @@ class Swift(Decoder):
         sampling, recursive rejection sampling of each depth's siblings (module docstring)."""
         s = state.sampling
         if s.greedy:
-            target = logits.argmax(-1)
+            target = argmax(logits)
             best = accepted_node(lay, target[lay.parent[1:]] == tokens[1:])
             best, bonus = torch.stack([best, target[best]]).tolist()
             return best, bonus

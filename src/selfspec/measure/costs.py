@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from selfspec.models.kernels import argmax
 from selfspec.models.layered import LayeredModel, Pass
 from selfspec.models.passes import PASS
 
@@ -115,7 +116,7 @@ def time_forward(model: LayeredModel, cache, context: int, n: int | None = None,
             t0 = time.perf_counter()
             out = model.forward(ids if h is None else h, cache, p, start=context)
             if rows:
-                (head or model.logits)(out[:, :rows]).argmax(-1).tolist()
+                argmax((head or model.logits)(out[:, :rows])).tolist()
             else:
                 out.sum().item()
             sync()
