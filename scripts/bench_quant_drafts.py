@@ -1,4 +1,4 @@
-"""Quantised self-drafts (issue 69): per format, the copy's bytes against float32's, its teacher-forced greedy
+"""Quantised self-drafts (issue 69): per format, the copy's bytes against the target's, its teacher-forced greedy
 agreement with the target, and what a one-row draft pass over it costs against the target's step, side by
 side in one process.
 
@@ -99,16 +99,21 @@ def rounded_twin(cfg, fmt: str):
     """A second model of ``cfg`` whose decoder linears and LM head hold the ``fmt`` copy's values as float
     weights (dequantised): the copy's rounding without the activations'."""
     from selfspec.models.loading import load_model
-    from selfspec.models.quantised import dequantise, quantise
+    from selfspec.models.quantised import HEAD_FORMAT, dequantise, quantise
 
     twin = load_model(cfg).model
-    fam = twin.family
+    weights = copied(twin)
     with torch.no_grad():
-        for w in ([w for w, _, _ in twin._qkv + twin._gate_up] + [fam.lm_head.weight]
-                  + [fam.out_proj(i).weight for i in range(twin.num_layers)]
-                  + [fam.down_proj(i).weight for i in range(twin.num_layers)]):
-            w.copy_(dequantise(quantise(w, fmt), w.shape[1]).to(w.dtype))
+        for w, f in [(w, fmt) for w in weights[:-1]] + [(weights[-1], HEAD_FORMAT.get(fmt, fmt))]:
+            w.copy_(dequantise(quantise(w, f), w.shape[1]).to(w.dtype))
     return twin
+
+
+def copied(model) -> list[torch.Tensor]:
+    """The target's weights a quantised copy holds: every decoder linear, then the LM head."""
+    fam = model.family
+    return ([w for w, _, _ in model._qkv + model._gate_up] + [fam.out_proj(i).weight for i in range(model.num_layers)]
+            + [fam.down_proj(i).weight for i in range(model.num_layers)] + [fam.lm_head.weight])
 
 
 def float_agreement(model, twin, ids: list[int], n: int) -> tuple[int, int]:
@@ -176,7 +181,7 @@ def main(argv=None) -> int:
 
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
-    from selfspec.models.quantised import FORMATS, packed_bytes
+    from selfspec.models.quantised import FORMATS
 
     cfg = OmegaConf.merge(model_config(args.model), OmegaConf.from_dotlist([o.removeprefix("model.")
                                                                            for o in args.overrides]))
@@ -205,13 +210,13 @@ def main(argv=None) -> int:
     if args.paths and len(paths) < 2:
         print("this CPU's quantised kernel has one path (avx2: no AVX-512-VNNI)")
     cost, logits = timings(model, args.context, args.rounds, paths)
-    elem = model.lm_head_weight.element_size()
+    target_bytes = sum(w.numel() * w.element_size() for w in copied(model))
     print(f"\n{args.model} ({str(model.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads), "
           f"{len(ps)} prompts x {args.tokens} tokens, passes after {args.context} positions:")
     print(f"{'weights':<18}{'bytes vs target':>17}{'agreement':>11}{'float x':>9}{'pass ms':>9}{'steps':>7}")
     print(f"{'target':<18}{1.0:>17.3f}{1.0:>11.3f}{1.0:>9.3f}{cost['target'] * 1e3:>9.2f}{1.0:>7.2f}")
     for fmt in FORMATS:
-        ratio = packed_bytes(fmt, 1, 1024) / (1024 * elem)
+        ratio = model.weight_set(fmt).nbytes / target_bytes
         for key in [f"{fmt}@{path}" for path in paths] if len(paths) > 1 else [fmt]:
             print(f"{key:<18}{ratio:>17.3f}{agree[fmt]:>11.3f}{weights_only[fmt]:>9.3f}{cost[key] * 1e3:>9.2f}"
                   f"{cost[key] / cost['target']:>7.2f}")

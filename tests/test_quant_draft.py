@@ -17,24 +17,50 @@ from selfspec.decoding.vanilla import Vanilla
 from selfspec.models import quantised
 from selfspec.models.passes import Pass, SkipSet
 
-LEVELS = {"int8": 127, "int4": 7}
+#: a block's scale over its largest magnitude (int8, int4) or over its range (q4_1)
+LEVELS = {"int8": 127, "int4": 7, "q4_1": 15}
+
+
+def _rounded_x(x: torch.Tensor, two_terms: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` rounded per block of 32 as the kernel rounds it: ``(integers [M, K/32, 32], scale [M, K/32])``,
+    x as rounded being their product. One term: s = amax/127, q = v / s half to even. Two terms: also the
+    remainder v - s q (one rounding, as an FMA) in steps of s/128, the integers 128 q + q2 and the scale s/128."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    s = xb.abs().amax(-1, keepdim=True) / 127
+    nonzero = s > 0
+    q = torch.where(nonzero, torch.round(xb / torch.where(nonzero, s, 1)), 0)
+    if not two_terms:
+        return q.double(), s.squeeze(-1)
+    rest = (xb.double() - s.double() * q.double()).float()  # exact in float64, then one rounding
+    s2 = s / 128
+    q2 = torch.where(nonzero, torch.round(rest / torch.where(nonzero, s2, 1)), 0)
+    return 128 * q.double() + q2.double(), s2.squeeze(-1)
 
 
 def _reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, written independently: each row of ``x`` rounded per block of 32 to int8
-    (scale amax/127, half to even), each block's integer dot product with the weight's stored integers
-    exact, times both scales, summed over the blocks in float64."""
+    """What the kernel computes, written independently from the packed bytes: each row of ``x`` rounded per
+    block of 32 (in two terms for int8 and q4_1, :func:`_rounded_x`), each block's integer dot product with the
+    weight's stored integers exact, times the product of both scales (float32), plus, for q4_1, the block's
+    minimum times x's block sum as rounded (float32: its scale times the exact integer sum), summed over the
+    blocks in float64."""
     k = x.shape[-1]
-    w = quantised.dequantise(packed, k).double().reshape(packed.shape[0], k // 32, 32)
-    raw = packed.view(torch.uint8)
-    values = k // 2 if packed.dtype == torch.uint8 else k
-    sw = raw[:, values:].contiguous().view(torch.float32).double().reshape(-1, k // 32, 1)
-    qw = torch.round(w / torch.where(sw > 0, sw, torch.ones_like(sw)))  # the stored integers
-    xb = x.double().reshape(x.shape[0], k // 32, 32)
-    sx = xb.abs().amax(-1, keepdim=True).float().double() / 127
-    qx = torch.where(sx > 0, torch.round((xb.float() / sx.float()).double()), torch.zeros_like(xb))
+    n, blocks = packed.shape[0], k // 32
+    raw = packed.view(torch.uint8).reshape(n, -1)
+    fmt = {torch.int8: "int8", torch.uint8: "int4", torch.int16: "q4_1"}[packed.dtype]
+    values = k if fmt == "int8" else k // 2
+    floats = raw[:, values:].contiguous().view(torch.float32).reshape(n, -1, blocks)  # scales, then minimums
+    if fmt == "int8":
+        qw = raw[:, :k].view(torch.int8).double().reshape(n, blocks, 32)
+    else:
+        nib = raw[:, :values].reshape(n, blocks, 16).long()
+        qw = torch.cat([nib & 15, nib >> 4], -1).double() - (8 if fmt == "int4" else 0)
+    qx, sx = _rounded_x(x, two_terms=fmt != "int4")
     dots = torch.einsum("mbk,nbk->mnb", qx, qw)
-    return (dots * (sw.squeeze(-1).float().unsqueeze(0) * sx.squeeze(-1).float().unsqueeze(1)).double()).sum(-1)
+    y = (dots * (floats[:, 0].unsqueeze(0) * sx.unsqueeze(1)).double()).sum(-1)
+    if fmt == "q4_1":
+        block_sums = (sx * qx.sum(-1).float()).double()  # [M, blocks]: float32 products of exact integers
+        y = y + block_sums @ floats[:, 1].double().T
+    return y
 
 
 @pytest.mark.parametrize("fmt", quantised.FORMATS)
@@ -43,10 +69,12 @@ def test_a_copy_rounds_each_block_of_32_to_its_own_scale(fmt):
     w = torch.randn(48, 96, generator=g)
     w[3, :32] = 0  # a block of zeros keeps a zero scale
     packed = quantised.quantise(w, fmt)
-    assert packed.dtype == (torch.uint8 if fmt == "int4" else torch.int8)
-    assert packed.numel() == quantised.packed_bytes(fmt, 48, 96)
+    assert packed.dtype == {"int8": torch.int8, "int4": torch.uint8, "q4_1": torch.int16}[fmt]
+    assert packed.numel() * packed.element_size() == quantised.packed_bytes(fmt, 48, 96)
     back = quantised.dequantise(packed, 96)
-    scale = w.reshape(48, 3, 32).abs().amax(-1, keepdim=True) / LEVELS[fmt]
+    blocks = w.reshape(48, 3, 32)
+    spread = blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True) if fmt == "q4_1" else blocks.abs().amax(-1, keepdim=True)
+    scale = spread / LEVELS[fmt]
     err = (back - w).reshape(48, 3, 32).abs()
     assert torch.all(err <= scale / 2 + 1e-6) and torch.all(back[3, :32] == 0)
     assert quantised.weights_format(packed) == fmt and quantised.weights_format(w) is None
@@ -54,11 +82,28 @@ def test_a_copy_rounds_each_block_of_32_to_its_own_scale(fmt):
         quantised.quantise(torch.randn(4, 40), fmt)
 
 
+def test_a_q4_1_copy_holds_blocks_on_sixteen_even_levels_exactly():
+    """The blocks a Q4_1 file holds (a float16 scale and minimum, 16 levels from the minimum to the maximum,
+    dequantised as scale times level plus minimum in float32) are the copy's own, bit for bit: a draft over
+    the copy of such a target reads its very weights."""
+    g = torch.Generator().manual_seed(3)
+    levels = torch.randint(0, 16, (40, 6, 32), generator=g)
+    levels[..., 0], levels[..., 1] = 0, 15  # the file's rounding puts a block's minimum at 0 and maximum at 15
+    scale = (torch.rand(40, 6, 1, generator=g) * 0.01 + 1e-4).half().float()
+    low = (-torch.rand(40, 6, 1, generator=g) * 0.1).half().float()
+    w = (scale * levels.float() + low).reshape(40, 192)
+    assert torch.equal(quantised.dequantise(quantised.quantise(w, "q4_1"), 192), w)
+    off_grid = w.clone()
+    off_grid[0, 5] += 1e-3 * scale[0, 0, 0]  # one value between two levels: no longer held exactly
+    assert not torch.equal(quantised.dequantise(quantised.quantise(off_grid, "q4_1"), 192), off_grid)
+
+
 @pytest.mark.parametrize("fmt", quantised.FORMATS)
 @pytest.mark.parametrize("k,n", [(64, 48), (576, 97), (1536, 64)])
 def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k, n):
     """Against the reference, and every row as its own one-row call computes it, bit for bit, on one
-    thread or two and call after call: a draft is deterministic, and a batch's rows are their own."""
+    thread or two and call after call: a draft is deterministic, and a batch's rows are their own. The
+    reference's one-term rounding of x is far from the kernel's two for int8 and q4_1 (so the test tells them apart)."""
     from selfspec.models import kernels
 
     kernels.load()
@@ -69,6 +114,10 @@ def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k,
     y = torch.ops.selfspec.quant_linear(x, packed)
     ref = _reference(x, packed)
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if fmt != "int4":  # x in two terms: the reference with one would be off by far more than the tolerance
+        one_term = quantised.dequantise(packed, k).double() @ (lambda q, s: (q * s.unsqueeze(-1).double()).reshape(9, k))(
+            *_rounded_x(x, two_terms=False)).T
+        assert not torch.allclose(y.double(), one_term.T, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert torch.equal(torch.cat([torch.ops.selfspec.quant_linear(x[i:i + 1], packed) for i in range(9)]), y)
     threads = torch.get_num_threads()
     try:
@@ -126,10 +175,10 @@ def test_the_draft_benchmark_times_and_compares_the_kernels_paths():
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("weights")) + 1:]
     rows = [line.split()[0] for line in table if line.strip() and not line.startswith(" ")]
     if torch.ops.selfspec.quant_path() == "avx512_vnni":
-        assert rows == ["target", "int8@avx2", "int8@avx512_vnni", "int4@avx2", "int4@avx512_vnni"], proc.stdout
-        assert proc.stdout.count("the paths' logits are the same bits") == 2, proc.stdout
+        assert rows == ["target"] + [f"{f}@{p}" for f in quantised.FORMATS for p in ("avx2", "avx512_vnni")], proc.stdout
+        assert proc.stdout.count("the paths' logits are the same bits") == len(quantised.FORMATS), proc.stdout
     else:
-        assert rows == ["target", "int8", "int4"] and "has one path" in proc.stdout, proc.stdout
+        assert rows == ["target", *quantised.FORMATS] and "has one path" in proc.stdout, proc.stdout
 
 
 def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, monkeypatch):
@@ -155,7 +204,7 @@ def test_a_pass_over_the_copy_is_a_value_and_leaves_the_target_as_it_was(tiny, m
         Pass(weights="int3")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", quantised.FORMATS)
 def test_the_copy_is_laid_out_as_the_targets_weights_are(tiny, fmt):
     """Where the target's weights sit in one huge-page block (:mod:`selfspec.models.arena`), so does the copy:
     one block, in the order a pass reads it (per layer q|k|v, output, gate|up, down; then the head), each
@@ -172,7 +221,7 @@ def test_the_copy_is_laid_out_as_the_targets_weights_are(tiny, fmt):
     assert starts == sorted(starts) and starts[-1] - starts[0] < ws.nbytes + 4096 * len(order)
     assert all(t.is_contiguous() for t in order)
     assert torch.equal(ws.gate_up[1][0], quantise(m._gate_up[1][0], fmt))
-    assert torch.equal(ws.head, quantise(m.family.lm_head.weight, fmt))
+    assert torch.equal(ws.head, quantise(m.family.lm_head.weight, quantised.HEAD_FORMAT.get(fmt, fmt)))
 
 
 #: methods drafting over a quantised copy: on its own, and as the weights of every skip-set draft
@@ -180,6 +229,8 @@ QUANTISED = [
     {"name": "quant_draft"},
     {"name": "quant_draft", "draft_weights": "int4", "max_draft": 3},
     {"name": "quant_draft_int4"},  # with Draft & Verify's adaptive draft exit
+    {"name": "quant_draft_q4_1"},
+    {"name": "clasp", "interval": 4, "draft_weights": "q4_1"},
     {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "draft_weights": "int8"},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8"},
     {"name": "clasp", "interval": 4, "draft_weights": "int4"},
@@ -213,9 +264,10 @@ def test_quantised_drafts_decode_vanillas_tokens(tiny, measured, method):
     want = Vanilla(m).generate(ids, 24).tokens
     got = dec.generate(ids, 24)
     assert got.tokens == want
-    fmt = method.get("draft_weights", "int4" if method["name"].endswith("int4") else "int8")
+    fmt = method.get("draft_weights", next((f for f in ("int4", "q4_1") if method["name"].endswith(f)), "int8"))
     drafts = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "draft" and op[1][0] in "LH"]
-    assert drafts and all(op[1].endswith(":" + fmt) for op in drafts)  # every draft op read the copy
+    head = quantised.HEAD_FORMAT.get(fmt, fmt)  # the copy's head: its own format where it is another (q4_1's int8)
+    assert drafts and all(op[1].endswith(":" + (head if op[1][0] == "H" else fmt)) for op in drafts)  # the copy
     verifies = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "verify"]
     assert verifies and all(":" not in op[1] for op in verifies)  # the verification the target's weights
 
@@ -293,7 +345,7 @@ def test_an_evaluation_refuses_a_quantised_draft_its_profile_cannot_price(tiny, 
     with pytest.raises(ConfigError, match=r"method\.draft_weights=int8 is not allowed: null with model\.linear_kernel"):
         evaluate(compose(["model=tiny-random", "method=quant_draft", "model.linear_kernel=torch", "n_examples=1"]),
                  tmp_path / "run2")
-    with pytest.raises(ConfigError, match=r"method\.draft_weights=null is not allowed: int8 or int4"):
+    with pytest.raises(ConfigError, match=r"method\.draft_weights=null is not allowed: int8, int4 or q4_1"):
         evaluate(compose(["model=tiny-random", "method=quant_draft", "method.draft_weights=null", "n_examples=1"]),
                  tmp_path / "run3")
 
@@ -325,10 +377,26 @@ def test_smollm2s_quantised_drafts_decode_vanillas_tokens_and_agree_with_it(smol
     task = build_task({"name": "humaneval", "n_examples": 1}, model_chat=smol.chat)
     ids = task.encode(task.examples()[0], smol.tokenizer)
     want = Vanilla(smol.model, eos_token_ids=smol.eos_token_ids).generate(ids, 48).tokens
-    for name, floor in (("quant_draft", 0.9), ("quant_draft_int4", 0.5)):
+    for name, floor in (("quant_draft", 0.9), ("quant_draft_int4", 0.5), ("quant_draft_q4_1", 0.97)):
         dec = build_decoder(method_config(name, never_slower=False), smol.model, eos_token_ids=smol.eos_token_ids)
         got = dec.generate(ids, 48)
         assert got.tokens == want and got.acceptance_rate > floor, (name, got.acceptance_rate)
+
+
+@pytest.mark.slow
+def test_smollm2s_q4_1_copy_holds_the_files_own_weights(smol):
+    """The embedded SmolLM2 is a Q4_1 GGUF file: its q4_1 copy holds every decoder linear exactly (the
+    target's float32 weights, bit for bit) and its head (the file's Q8_0 token embedding) in int8, also exactly."""
+    m = smol.model
+    ws = m.weight_set("q4_1")
+    fam = m.family
+    pairs = ([(p, w) for (p, _, _), (w, _, _) in zip(ws.qkv + ws.gate_up, m._qkv + m._gate_up)]
+             + [(ws.out[i][0], fam.out_proj(i).weight) for i in range(m.num_layers)]
+             + [(ws.down[i][0], fam.down_proj(i).weight) for i in range(m.num_layers)]
+             + [(ws.head, fam.lm_head.weight)])
+    assert ws.head.dtype == torch.int8
+    for packed, w in pairs:
+        assert torch.equal(quantised.dequantise(packed, w.shape[1]), w.float())
 
 
 @pytest.mark.parametrize("kind", ["lm_head", "linear"])

@@ -91,7 +91,7 @@ PARTS = (Gated, ContextFirst)
 @dataclasses.dataclass(frozen=True)
 class QuantisedDraft(Options):
     """``draft_weights``: the weights the drafts read: null, the target's own, or a quantised copy of
-    them (``int8``, ``int4``: :mod:`selfspec.models.quantised`; the verification reads the target's)."""
+    them (``int8``, ``int4``, ``q4_1``: :mod:`selfspec.models.quantised`; the verification reads the target's)."""
 
     draft_weights: str | None = key(nullable(checks.choice), FORMATS,
                                     why="the weights the drafts read: null = the target's, or a quantised copy")

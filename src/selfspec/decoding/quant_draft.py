@@ -52,7 +52,7 @@ class QuantDraft(DraftVerify):
         """``draft_weights`` must name a format: with the target's own weights the draft would be the
         target itself (every draft accepted, each costing a full step)."""
         if options.draft_weights is None:
-            raise checks.refuse("method.draft_weights", None, "int8 or int4",
+            raise checks.refuse("method.draft_weights", None, "int8, int4 or q4_1",
                                 "the quantised copy the drafts read; null would draft with the target itself")
 
     @classmethod

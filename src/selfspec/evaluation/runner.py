@@ -69,11 +69,13 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
 
 def draft_copy_bytes(s: Shape, fmt: str) -> int:
     """Bytes of a quantised copy (:mod:`selfspec.models.quantised`) of a model of shape ``s``: every
-    decoder layer's linears and the LM head (the embedding and the norms stay the target's)."""
-    from selfspec.models.quantised import packed_bytes
+    decoder layer's linears and the LM head (the embedding and the norms stay the target's; the head in its own
+    format where the copy's is another, :data:`~selfspec.models.quantised.HEAD_FORMAT`)."""
+    from selfspec.models.quantised import HEAD_FORMAT, packed_bytes
 
     layer_weights = s.params - s.vocab * s.hidden * (1 if s.tied else 2) - s.hidden
-    return packed_bytes(fmt, 1, s.hidden) * (layer_weights // s.hidden + s.vocab)
+    return (packed_bytes(fmt, 1, s.hidden) * (layer_weights // s.hidden)
+            + packed_bytes(HEAD_FORMAT.get(fmt, fmt), 1, s.hidden) * s.vocab)
 
 
 def llama_cpp_bytes(s: Shape, weights: str, cfg, context: int) -> int:

@@ -266,9 +266,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     than :data:`MAX_ROWS` rows runs in blocks of at most that many through the skinny kernel, so that
     each row's arithmetic is its own pass's (a batch of several sequences' few-row passes,
     :meth:`selfspec.models.layered.LayeredModel.run_batched`), where ``F.linear`` would block the rows
-    together. A quantised ``weight`` (packed int8 or uint8 rows, :mod:`selfspec.models.quantised`: a
+    together. A quantised ``weight`` (packed int8, uint8 or int16 rows, :mod:`selfspec.models.quantised`: a
     draft's) runs through its own kernel (``csrc/quant_linear.cpp``), whose rows never depend on the call's."""
-    if weight.dtype in (torch.int8, torch.uint8):
+    if weight.dtype in (torch.int8, torch.uint8, torch.int16):
         if not skinny:
             raise KernelUnavailable("a quantised weight runs on the CPU kernels (model.linear_kernel=skinny or auto "
                                     "on a CPU with AVX2); this model's linears are torch's")

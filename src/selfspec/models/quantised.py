@@ -2,7 +2,7 @@
 the target's weights cast to 4 bits draft for it; QuantSpec, arXiv 2502.10424).
 
 On a memory-bound CPU a pass costs about what it reads. A draft over a copy of every linear and the LM
-head rounded per block of 32 values reads about 0.28 (``int8``) or 0.16 (``int4``) of float32's bytes, and
+head rounded per block of 32 values reads about 0.28 (``int8``), 0.16 (``int4``) or 0.19 (``q4_1``) of float32's bytes, and
 agrees with the target on most greedy tokens, so it is a draft that costs a fraction of a step. Its
 tokens are only proposals: verification runs the target's own weights, so the output is the target's.
 
@@ -13,6 +13,16 @@ Formats (one packed row per weight row, ``csrc/quant_linear.cpp`` reads them):
 ``int4``  one scale per 32 values, symmetric, ``s = amax / 7``, ``q = round(w / s)`` in [-7, 7], stored as
           ``q + 8``; a ``torch.uint8`` tensor ``[N, K/2 + K/8]``: per block 16 bytes, byte j holding value
           j (low nibble) and value j + 16 (high nibble), then the scales.
+``q4_1``  llama.cpp's Q4_1 scheme with float32 scale and minimum: per block of 32, ``m = min(w)``,
+          ``s = (max(w) - m) / 15``, ``q = round((w - m) / s)`` in [0, 15], ``w = s q + m``; a ``torch.int16``
+          tensor ``[N, 3K/8]`` (the dtype marks the format; its bytes are what count): per block 16 bytes of
+          nibbles as ``int4``'s (``q`` itself, no offset), then K/32 float32 scales, then K/32 float32 minimums.
+          A block whose values lie on a grid of 16 evenly spaced levels from its minimum to its maximum is held
+          exactly (up to float32's rounding of ``s q + m``): so the blocks of a GGUF file's Q4_1 tensors, the
+          file's own weights. SmolLM2's embedded file is Q4_1, and its q4_1 copy holds every one of its
+          3,317,760 linear blocks exactly: the draft reads the target's own weights at 0.19 of float32's
+          bytes, and differs from it only where the kernel rounds the activations. Other files' 4-bit
+          blocks (Gemma 3's and Qwen's Q4_K, with 6-bit sub-block scales) are re-quantised.
 
 The copy is made from the loaded target (float32 or bfloat16, read as float32) at the first draft that
 asks for it, held once per model (:meth:`selfspec.models.layered.LayeredModel.weight_set`), and never
@@ -25,48 +35,54 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "WeightSet", "dequantise", "packed_bytes", "problem", "quantise", "weights_format"]
+__all__ = ["BLOCK", "FORMATS", "HEAD_FORMAT", "WeightSet", "dequantise", "packed_bytes", "problem", "quantise", "weights_format"]
 
 #: the quantised formats a pass may read (``Pass.weights``), besides the target's own (None)
-FORMATS = ("int8", "int4")
+FORMATS = ("int8", "int4", "q4_1")
 #: values per block (one scale each)
 BLOCK = 32
 #: the largest magnitude of a stored value, per format
 _LEVELS = {"int8": 127, "int4": 7}
+#: the packed dtype of each format (the dtype tells a packed weight's format: :func:`weights_format`)
+_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "q4_1": torch.int16}
+#: the format of a copy's LM head where it is not the copy's own: q4_1's head is int8, as a Q4_1 GGUF file keeps its
+#: token embedding (the tied head) in Q8_0, which the int8 format holds exactly
+HEAD_FORMAT = {"q4_1": "int8"}
 
 
 def weights_format(weight: torch.Tensor) -> str | None:
     """The format of a weight the runtime multiplies by: None for the target's own (a float tensor),
-    ``int8`` or ``int4`` for a quantised copy's packed rows."""
-    if weight.dtype == torch.int8:
-        return "int8"
-    return "int4" if weight.dtype == torch.uint8 else None
+    ``int8``, ``int4`` or ``q4_1`` for a quantised copy's packed rows."""
+    return next((fmt for fmt, dtype in _DTYPES.items() if weight.dtype == dtype), None)
 
 
 def packed_bytes(fmt: str, n: int, k: int) -> int:
     """Bytes of an ``n × k`` weight in format ``fmt``."""
-    return n * (k // 2 + k // 8 if fmt == "int4" else k + k // 8)
+    return n * {"int8": k + k // 8, "int4": k // 2 + k // 8, "q4_1": k // 2 + k // 4}[fmt]
 
 
 def packed_dtype(fmt: str) -> torch.dtype:
     """The dtype a packed weight of format ``fmt`` is held in."""
-    return torch.uint8 if fmt == "int4" else torch.int8
+    return _DTYPES[fmt]
 
 
 def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096, out: torch.Tensor | None = None) -> torch.Tensor:
     """``weight`` (``[N, K]``, K a multiple of 32) in format ``fmt`` (module docstring), ``rows`` rows at a
     time (the float32 copy of a 151,936-row head would otherwise double the memory it takes); written into
-    ``out`` (``[N, packed_bytes(fmt, 1, K)]`` of :func:`packed_dtype`) where given, else a new tensor."""
+    ``out`` (``[N, packed_bytes(fmt, 1, K)]`` bytes as :func:`packed_dtype`) where given, else a new tensor."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}: one of {', '.join(FORMATS)}")
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"a weight of {k} input features cannot be quantised in blocks of {BLOCK}")
     if out is None:
-        out = torch.empty(n, packed_bytes(fmt, 1, k), dtype=packed_dtype(fmt))
-    level = _LEVELS[fmt]
+        out = torch.empty(n, packed_bytes(fmt, 1, k) // packed_dtype(fmt).itemsize, dtype=packed_dtype(fmt))
     for a in range(0, n, rows):
         w = weight[a:a + rows].detach().to(device="cpu", dtype=torch.float32).reshape(-1, k // BLOCK, BLOCK)
+        if fmt == "q4_1":
+            out[a:a + rows] = _q4_1(w).view(packed_dtype(fmt))
+            continue
+        level = _LEVELS[fmt]
         scale = w.abs().amax(-1) / level
         q = torch.where(scale.unsqueeze(-1) > 0, w / scale.unsqueeze(-1), torch.zeros_like(w))
         q = q.round().clamp_(-level, level).to(torch.int8)
@@ -80,19 +96,33 @@ def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096, out: torch.Tensor
     return out
 
 
+def _q4_1(w: torch.Tensor) -> torch.Tensor:
+    """Blocks ``w`` (``[n, K/32, 32]`` float32) in the ``q4_1`` format, as ``[n, 3K/4]`` bytes."""
+    n, blocks = w.shape[0], w.shape[1]
+    low = w.amin(-1, keepdim=True)
+    scale = (w.amax(-1, keepdim=True) - low) / 15
+    q = torch.where(scale > 0, (w - low) / scale, torch.zeros_like(w)).round_().clamp_(0, 15).to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # value j low, value j + 16 high
+    as_bytes = [t.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1) for t in (scale, low)]
+    return torch.cat([nibbles.reshape(n, blocks * 16), *as_bytes], 1)
+
+
 def dequantise(packed: torch.Tensor, k: int) -> torch.Tensor:
     """The float32 weight ``[N, k]`` a packed one stands for (tests, agreement studies)."""
     fmt = weights_format(packed)
     raw = packed.view(torch.uint8)
     n, blocks = packed.shape[0], k // BLOCK
-    values = k // 2 if fmt == "int4" else k
-    scales = raw[:, values:].contiguous().view(torch.float32).reshape(n, blocks, 1)
+    values = k if fmt == "int8" else k // 2
+    scales = raw[:, values:values + 4 * blocks].contiguous().view(torch.float32).reshape(n, blocks, 1)
     if fmt == "int8":
         q = raw[:, :values].view(torch.int8).to(torch.float32).reshape(n, blocks, BLOCK)
-    else:
-        nib = raw[:, :values].reshape(n, blocks, 16)
-        q = torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.float32) - 8
-    return (q * scales).reshape(n, k)
+        return (q * scales).reshape(n, k)
+    nib = raw[:, :values].reshape(n, blocks, 16)
+    q = torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.float32)
+    if fmt == "int4":
+        return ((q - 8) * scales).reshape(n, k)
+    low = raw[:, values + 4 * blocks:].contiguous().view(torch.float32).reshape(n, blocks, 1)
+    return (q * scales + low).reshape(n, k)
 
 
 def problem(model) -> str | None:
@@ -143,12 +173,13 @@ def weight_set(model, fmt: str) -> WeightSet:
     order = [w for i in range(n) for w in (model._qkv[i][0], fam.out_proj(i).weight, model._gate_up[i][0],
                                            fam.down_proj(i).weight)] + [fam.lm_head.weight]
     places = [None] * len(order)
+    fmts = [fmt] * (len(order) - 1) + [HEAD_FORMAT.get(fmt, fmt)]
     if model.weights_placed:
         from selfspec.models import arena
 
-        shapes = [(int(w.shape[0]), packed_bytes(fmt, 1, int(w.shape[1]))) for w in order]
-        places = [v.view(packed_dtype(fmt)) for v in arena.place(shapes, torch.uint8)]
-    packed = [quantise(w, fmt, out=place) for w, place in zip(order, places)]
+        shapes = [(int(w.shape[0]), packed_bytes(f, 1, int(w.shape[1]))) for w, f in zip(order, fmts)]
+        places = [v.view(packed_dtype(f)) for v, f in zip(arena.place(shapes, torch.uint8), fmts)]
+    packed = [quantise(w, f, out=place) for w, f, place in zip(order, fmts, places)]
     qkv = [(packed[4 * i], b, sizes) for i, (_, b, sizes) in enumerate(model._qkv)]
     out = [(packed[4 * i + 1], fam.out_proj(i).bias) for i in range(n)]
     gate_up = [(packed[4 * i + 2], b, sizes) for i, (_, b, sizes) in enumerate(model._gate_up)]

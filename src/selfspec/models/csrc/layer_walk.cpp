@@ -70,11 +70,12 @@ at::Tensor layer_walk(const at::Tensor& h_in, at::IntArrayRef bounds, at::IntArr
   TORCH_CHECK(block >= 1, "layer_walk: blocks of at least one row");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == L,
               "layer_walk: a q/k/v bias for every layer, or none");
-  // x @ W^T over every row, in blocks of at most `block` rows; a quantised copy of W (int8 or uint8 packed
+  // x @ W^T over every row, in blocks of at most `block` rows; a quantised copy of W (int8, uint8 or int16 packed
   // rows, selfspec.models.quantised: a draft's weights) through its own kernel, whose rows never depend on
   // the call's
   const auto linear = [&](const at::Tensor& x, const at::Tensor& w) {
-    if (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte) return quant_op.call(x, w);
+    if (w.scalar_type() == at::kChar || w.scalar_type() == at::kByte || w.scalar_type() == at::kShort)
+      return quant_op.call(x, w);
     if (x.size(1) <= block) return linear_op.call(x, w);
     std::vector<at::Tensor> parts;
     for (const at::Tensor& rows : x.split(block, 1)) parts.push_back(linear_op.call(rows.contiguous(), w));

@@ -8,11 +8,18 @@
 //   int4 (torch.uint8, [N, K/2 + K/8] bytes): per block 16 bytes, byte j holding the block's value j in
 //        its low nibble and value j + 16 in its high nibble, each stored as q + 8 (q in [-7, 7]); then the
 //        K/32 float32 scales (symmetric: s = amax/7).
+//   q4_1 (torch.int16 holding [N, K/2 + K/4] bytes): the nibbles as int4's, each q itself (q in [0, 15]); then
+//        the K/32 float32 scales s_b, then the K/32 float32 minimums m_b; w[k] = s_b * q[k] + m_b (llama.cpp's
+//        Q4_1 scheme, with float32 scale and minimum).
 //
 // Integer dot products, as llama.cpp's quantised kernels do: each row of x is rounded per block of 32 to
 // int8 with its own scale (s_x = amax/127, round half to even), each block's 32 products summed in int32
 // lanes (exact), and the block's sum times s_w * s_x accumulated in float32 lanes by FMA over the blocks
-// in order, then reduced by a fixed horizontal sum. On the AVX2 path int8 weights go through the sign trick
+// in order, then reduced by a fixed horizontal sum. For q4_1 (whose weights may be the target's own, exactly)
+// each block of x is rounded in two int8 terms, s_x (128 q + q2) (about 15 bits of its largest value, where one
+// term keeps 8: on SmolLM2 one term agreed with the target on 0.977 of greedy tokens), the block's integer sum
+// 128 dot(q_w, q) + dot(q_w, q2), and m_b times the block's sum of x as rounded is added, one FMA lane per block,
+// into the same accumulators. On the AVX2 path int8 weights go through the sign trick
 // (|w| times x carrying w's sign: vpmaddubsw, which cannot saturate at |values| <= 127); on the VNNI path
 // their bytes with the top bit flipped are the unsigned q + 128, and 128 times x's sums per lane are taken
 // off (vpdpbusd cannot saturate); int4 weights are the unsigned nibbles q + 8, and 8 times x's sums per lane
@@ -55,22 +62,57 @@ constexpr int64_t NB = QNB;  // weight rows per parallel task
 
 // x rounded per block: q (int8, M x K), s (float, M x K/32) and, where an offset is to be taken off the
 // integer sums, that factor times each block's 8 lane sums of 4 consecutive values (int32, M x K/4): 8 for the
-// int4 format's nibbles q + 8, -128 for int8 values read as q + 128 (the VNNI path)
+// int4 format's nibbles q + 8, -128 for int8 values read as q + 128 (the VNNI path). In two terms (the q4_1
+// format's x): each block also rounded a second time, its remainder v - s q in steps of s/128 (q2, int8, M x K:
+// |q2| <= 64), s then s/128 (so that x as rounded is s (128 q + q2)), and each block's sum of x as rounded
+// for the minimums, s times 128 times the sum of q plus the sum of q2 (float, M x K/32; the integers exact).
 struct Rounded {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, q2;
   std::vector<float> s;
-  std::vector<int32_t> lane_sums;
+  std::vector<int32_t> lane_sums, lane_sums2;  // lane_sums2: the second term's, times the same factor
+  std::vector<float> block_sums;
 };
 
+constexpr int TWO_TERMS_SHIFT = 7;  // the second term's step: s / 2^7
+
+// the 8 int32 lane sums of a block's 32 int8 values (4 consecutive values a lane)
+inline __m256i lane_sums_of(const int8_t* q) {
+  return _mm256_madd_epi16(
+      _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+      _mm256_set1_epi16(1));
+}
+
+inline int32_t total_of(__m256i lanes) {
+  alignas(32) int32_t v[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v), lanes);
+  int32_t total = 0;
+  for (int32_t x : v) total += x;
+  return total;
+}
+
+// 32 int32 values (4 vectors of 8) as int8 in order, saturated
+inline void store_packed(const __m256i* n, int8_t* q) {
+  // the packs work per 128-bit half: groups of 4 values come out as 0 2 4 6 | 1 3 5 7
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
+}
+
 // s = amax/127 and q = v / s rounded half to even (vdivps and vcvtps2dq, exact-rounded: the scalar
-// nearbyint(v / s) to the bit); x float32 or bfloat16 (widened exactly as it is read)
+// nearbyint(v / s) to the bit); in two terms, q2 = (v - s q) / (s/128) rounded the same way, v - s q by one
+// FMA; x float32 or bfloat16 (widened exactly as it is read)
 template <typename T>
-Rounded round_rows(const T* x, int64_t M, int64_t K, int sum_factor) {
+Rounded round_rows(const T* x, int64_t M, int64_t K, int sum_factor, bool two_terms) {
   Rounded r;
   const int64_t blocks = M * K / QB;
   r.q.resize(M * K);
   r.s.resize(blocks);
   if (sum_factor) r.lane_sums.resize(M * K / 4);
+  if (two_terms) {
+    r.q2.resize(M * K);
+    r.block_sums.resize(blocks);
+    if (sum_factor) r.lane_sums2.resize(M * K / 4);
+  }
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < blocks; ++i) {
     const T* v = x + i * QB;
@@ -82,39 +124,57 @@ Rounded round_rows(const T* x, int64_t M, int64_t K, int sum_factor) {
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float s = _mm_cvtss_f32(m4) / 127.f;
-    r.s[i] = s;
+    const float s2 = s / static_cast<float>(1 << TWO_TERMS_SHIFT);  // exact: a power of two
+    r.s[i] = two_terms ? s2 : s;
     int8_t* q = &r.q[i * QB];
+    int8_t* q2 = two_terms ? &r.q2[i * QB] : nullptr;
     if (s > 0.f) {
       const __m256 sv = _mm256_set1_ps(s);
       __m256i n[4];
       for (int c = 0; c < 4; ++c) n[c] = _mm256_cvtps_epi32(_mm256_div_ps(a[c], sv));
-      // the packs work per 128-bit half: groups of 4 values come out as 0 2 4 6 | 1 3 5 7
-      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
+      store_packed(n, q);
+      if (two_terms) {
+        const __m256 s2v = _mm256_set1_ps(s2);
+        __m256i n2[4];
+        for (int c = 0; c < 4; ++c)
+          n2[c] = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_fnmadd_ps(sv, _mm256_cvtepi32_ps(n[c]), a[c]), s2v));
+        store_packed(n2, q2);
+      }
     } else {
       std::memset(q, 0, QB);
+      if (two_terms) std::memset(q2, 0, QB);
     }
-    if (!sum_factor) continue;
-    const __m256i lane_sums = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
-        _mm256_set1_epi16(1));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.lane_sums[i * 8]),
-                        _mm256_mullo_epi32(lane_sums, _mm256_set1_epi32(sum_factor)));
+    if (!sum_factor && !two_terms) continue;
+    const __m256i lane_sums = lane_sums_of(q);
+    if (sum_factor)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.lane_sums[i * 8]),
+                          _mm256_mullo_epi32(lane_sums, _mm256_set1_epi32(sum_factor)));
+    if (!two_terms) continue;
+    const __m256i lane_sums2 = lane_sums_of(q2);
+    if (sum_factor)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&r.lane_sums2[i * 8]),
+                          _mm256_mullo_epi32(lane_sums2, _mm256_set1_epi32(sum_factor)));
+    // the integers exact, then one product
+    r.block_sums[i] = s2 * static_cast<float>(total_of(lane_sums) * (1 << TWO_TERMS_SHIFT) + total_of(lane_sums2));
   }
   return r;
 }
 
-template <bool Q4>
+// the packed formats (module comment)
+enum Fmt : int { kInt8 = 0, kInt4 = 1, kQ41 = 2 };
+// whether a format's x is rounded in two terms: int8's and q4_1's, whose weights are close to the target's (or are
+// them), so that one term's rounding would be most of what the draft gets wrong; int4's own rounding is far coarser
+template <int F>
+constexpr bool kTwoTerms = F != kInt4;
+
+template <int F>
 struct Layout {
-  int64_t K, stride, scales;  // values per row, bytes per row, offset of the scales
-  explicit Layout(int64_t k) : K(k), stride(Q4 ? k / 2 + k / 8 : k + k / 8), scales(Q4 ? k / 2 : k) {}
-  float scale(const uint8_t* row, int64_t b) const {
-    float s;
-    std::memcpy(&s, row + scales + 4 * b, 4);
-    return s;
-  }
-  // block b of a row as the unsigned operand: int8's |q| (its signs in `sign`), int4's nibbles q + 8
+  static constexpr bool Q4 = F != kInt8;  // nibbles
+  int64_t K, stride, scales, mins;  // values per row, bytes per row, offsets of the scales and (q4_1) minimums
+  explicit Layout(int64_t k)
+      : K(k), stride(F == kInt8 ? k + k / 8 : (F == kInt4 ? k / 2 + k / 8 : k / 2 + k / 4)),
+        scales(Q4 ? k / 2 : k), mins(k / 2 + k / 8) {}
+  // block b of a row as the unsigned operand: int8's |q| (its signs in `sign`), int4's nibbles q + 8, q4_1's q
   __m256i unsigned_block(const uint8_t* row, int64_t b, __m256i& sign) const {
     if constexpr (Q4) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
@@ -161,23 +221,24 @@ bool use_vnni() {
   return has && selfspec_isa::avx512();
 }
 
-template <bool Q4, typename T>
+template <int F, typename T>
 void run(const T* xp, const uint8_t* w, T* y, int64_t M, int64_t N, int64_t K) {
   if (use_vnni())
-    vnni_path::run_tiles<Q4>(xp, w, y, M, N, K);
+    vnni_path::run_tiles<F>(xp, w, y, M, N, K);
   else
-    avx2_path::run_tiles<Q4>(xp, w, y, M, N, K);
+    avx2_path::run_tiles<F>(xp, w, y, M, N, K);
 }
 
 template <typename T>
-at::Tensor run_as(const at::Tensor& x, const at::Tensor& packed, bool q4, int64_t N, int64_t K) {
+at::Tensor run_as(const at::Tensor& x, const at::Tensor& packed, Fmt fmt, int64_t N, int64_t K) {
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  if (q4)
-    run<true>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K);
-  else
-    run<false>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K);
+  switch (fmt) {
+    case kInt8: run<kInt8>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K); break;
+    case kInt4: run<kInt4>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K); break;
+    case kQ41: run<kQ41>(x.data_ptr<T>(), w, y.data_ptr<T>(), M, N, K); break;
+  }
   return y;
 }
 
@@ -185,23 +246,27 @@ at::Tensor run_as(const at::Tensor& x, const at::Tensor& packed, bool q4, int64_
 std::string quant_path() { return use_vnni() ? "avx512_vnni" : "avx2"; }
 
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed) {
-  const bool q4 = packed.scalar_type() == at::kByte;
-  TORCH_CHECK(q4 || packed.scalar_type() == at::kChar, "quant_linear: an int8 (int8 format) or uint8 (int4 format) "
-              "packed weight");
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(dtype == at::kChar || dtype == at::kByte || dtype == at::kShort, "quant_linear: an int8 (int8 format), "
+              "uint8 (int4 format) or int16 (q4_1 format) packed weight");
+  const Fmt fmt = dtype == at::kChar ? kInt8 : (dtype == at::kByte ? kInt4 : kQ41);
   TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous(), "quant_linear: a contiguous 2-D packed weight");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "quant_linear: float32 or bfloat16 x");
   const int64_t K = x_in.size(-1), N = packed.size(0);
   TORCH_CHECK(K % QB == 0, "quant_linear: in_features must be a multiple of 32, got ", K);
-  TORCH_CHECK(packed.size(1) == (q4 ? K / 2 + K / 8 : K + K / 8), "quant_linear: a packed row of ", packed.size(1),
-              " bytes does not hold ", K, " values in the ", q4 ? "int4" : "int8", " format");
+  const int64_t row_bytes = packed.size(1) * packed.element_size();
+  const int64_t want = fmt == kInt8 ? K + K / 8 : (fmt == kInt4 ? K / 2 + K / 8 : K / 2 + K / 4);
+  const char* name = fmt == kInt8 ? "int8" : (fmt == kInt4 ? "int4" : "q4_1");
+  TORCH_CHECK(row_bytes == want, "quant_linear: a packed row of ", row_bytes, " bytes does not hold ", K,
+              " values in the ", name, " format");
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = N;
   // bfloat16 x is read and y written in bfloat16 by the kernel itself: the same bits as converting x to
   // float32 and the float32 result back (round to nearest even), without two tensors' copies a call
   const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const at::Tensor y = x.scalar_type() == at::kBFloat16 ? run_as<at::BFloat16>(x, packed, q4, N, K)
-                                                        : run_as<float>(x, packed, q4, N, K);
+  const at::Tensor y = x.scalar_type() == at::kBFloat16 ? run_as<at::BFloat16>(x, packed, fmt, N, K)
+                                                        : run_as<float>(x, packed, fmt, N, K);
   return y.view(out_shape);
 }
 
