@@ -434,6 +434,9 @@ def test_an_exit_over_a_copy_is_priced_at_the_copys_rate(tiny, measured):
     assert copy_rates(m, heads, "int4") == (pytest.approx(bytes_share(m, "int4")),
                                              pytest.approx(head_cost_in_layers(m, heads) * bytes_share(m, "int4")))
     assert bytes_share(m, "int8") == pytest.approx(36 / 128)  # 32 bytes and a 4-byte scale per 32 float32 values
+    # q4_1's layers read its own 24 bytes per 32 values, its head (int8) int8's 36
+    assert copy_rates(m, heads, "q4_1") == (pytest.approx(24 / 128),
+                                             pytest.approx(head_cost_in_layers(m, heads) * 36 / 128))
 
 
 def test_an_exit_at_the_last_layer_of_a_copy_drafts_what_the_quantised_self_draft_drafts(tiny, measured):
