@@ -99,21 +99,14 @@ def rounded_twin(cfg, fmt: str):
     """A second model of ``cfg`` whose decoder linears and LM head hold the ``fmt`` copy's values as float
     weights (dequantised): the copy's rounding without the activations'."""
     from selfspec.models.loading import load_model
-    from selfspec.models.quantised import HEAD_FORMAT, dequantise, quantise
+    from selfspec.models.quantised import copied_weights, dequantise, head_format, quantise
 
     twin = load_model(cfg).model
-    weights = copied(twin)
+    weights = copied_weights(twin)
     with torch.no_grad():
-        for w, f in [(w, fmt) for w in weights[:-1]] + [(weights[-1], HEAD_FORMAT.get(fmt, fmt))]:
+        for w, f in [(w, fmt) for w in weights[:-1]] + [(weights[-1], head_format(fmt))]:
             w.copy_(dequantise(quantise(w, f), w.shape[1]).to(w.dtype))
     return twin
-
-
-def copied(model) -> list[torch.Tensor]:
-    """The target's weights a quantised copy holds: every decoder linear, then the LM head."""
-    fam = model.family
-    return ([w for w, _, _ in model._qkv + model._gate_up] + [fam.out_proj(i).weight for i in range(model.num_layers)]
-            + [fam.down_proj(i).weight for i in range(model.num_layers)] + [fam.lm_head.weight])
 
 
 def float_agreement(model, twin, ids: list[int], n: int) -> tuple[int, int]:
@@ -140,7 +133,7 @@ def timings(model, context: int, rounds: int, paths: list[str]) -> tuple[dict[st
     than one of ``paths``, each copy's pass on each: ``fmt@path``), and each one's last logits (the paths' bits
     compared)."""
     from selfspec.models.passes import Pass
-    from selfspec.models.quantised import FORMATS
+    from selfspec.models.quantised import FORMATS, copied_weights
 
     with torch.inference_mode():
         cache = model.new_cache(context + 2)
@@ -181,7 +174,7 @@ def main(argv=None) -> int:
 
     from selfspec.config import model_config
     from selfspec.models.loading import load_model
-    from selfspec.models.quantised import FORMATS
+    from selfspec.models.quantised import FORMATS, copied_weights
 
     cfg = OmegaConf.merge(model_config(args.model), OmegaConf.from_dotlist([o.removeprefix("model.")
                                                                            for o in args.overrides]))
@@ -210,7 +203,7 @@ def main(argv=None) -> int:
     if args.paths and len(paths) < 2:
         print("this CPU's quantised kernel has one path (avx2: no AVX-512-VNNI)")
     cost, logits = timings(model, args.context, args.rounds, paths)
-    target_bytes = sum(w.numel() * w.element_size() for w in copied(model))
+    target_bytes = sum(w.numel() * w.element_size() for w in copied_weights(model))
     print(f"\n{args.model} ({str(model.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads), "
           f"{len(ps)} prompts x {args.tokens} tokens, passes after {args.context} positions:")
     print(f"{'weights':<18}{'bytes vs target':>17}{'agreement':>11}{'float x':>9}{'pass ms':>9}{'steps':>7}")

@@ -221,7 +221,7 @@ def test_the_copy_is_laid_out_as_the_targets_weights_are(tiny, fmt):
     assert starts == sorted(starts) and starts[-1] - starts[0] < ws.nbytes + 4096 * len(order)
     assert all(t.is_contiguous() for t in order)
     assert torch.equal(ws.gate_up[1][0], quantise(m._gate_up[1][0], fmt))
-    assert torch.equal(ws.head, quantise(m.family.lm_head.weight, quantised.HEAD_FORMAT.get(fmt, fmt)))
+    assert torch.equal(ws.head, quantise(m.family.lm_head.weight, quantised.head_format(fmt)))
 
 
 #: methods drafting over a quantised copy: on its own, and as the weights of every skip-set draft
@@ -266,7 +266,7 @@ def test_quantised_drafts_decode_vanillas_tokens(tiny, measured, method):
     assert got.tokens == want
     fmt = method.get("draft_weights", next((f for f in ("int4", "q4_1") if method["name"].endswith(f)), "int8"))
     drafts = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "draft" and op[1][0] in "LH"]
-    head = quantised.HEAD_FORMAT.get(fmt, fmt)  # the copy's head: its own format where it is another (q4_1's int8)
+    head = quantised.head_format(fmt)  # the copy's head: its own format where it is another (q4_1's int8)
     assert drafts and all(op[1].endswith(":" + (head if op[1][0] == "H" else fmt)) for op in drafts)  # the copy
     verifies = [op for t in got.trace for op in t.row().get("ops", []) if op[0] == "verify"]
     assert verifies and all(":" not in op[1] for op in verifies)  # the verification the target's weights

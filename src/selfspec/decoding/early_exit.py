@@ -85,7 +85,7 @@ from selfspec.decoding.sampling import argmax, select
 from selfspec.models.heads import DraftVocabOptions, build_draft_vocab
 from selfspec.models.layered import LayeredModel, Pass
 from selfspec.models.ledger import HeadOp, LinearOp, phase
-from selfspec.models.quantised import HEAD_FORMAT
+from selfspec.models.quantised import head_format
 from selfspec.store.artefacts import artefact_option
 
 EXIT_HEADS = ("lm_head", "heads")
@@ -238,7 +238,7 @@ def head_cost_in_layers(model: LayeredModel, heads, profile=None, context: int =
     layer = model.layer_numel()
     cost = (rows * model.hidden_size if vocab is not None else model.lm_head_weight.numel()) / layer
     if weights is not None and not own:
-        cost *= bytes_share(model, HEAD_FORMAT.get(weights, weights))  # the copy's head, in its own format
+        cost *= bytes_share(model, head_format(weights))  # the copy's head, in its own format
     if heads.kind == "linear":
         cost += model.hidden_size**2 / layer
     return cost

@@ -70,12 +70,12 @@ def memory_terms(s: Shape, cfg, b: int, context: int, prompt: int | None) -> lis
 def draft_copy_bytes(s: Shape, fmt: str) -> int:
     """Bytes of a quantised copy (:mod:`selfspec.models.quantised`) of a model of shape ``s``: every
     decoder layer's linears and the LM head (the embedding and the norms stay the target's; the head in its own
-    format where the copy's is another, :data:`~selfspec.models.quantised.HEAD_FORMAT`)."""
-    from selfspec.models.quantised import HEAD_FORMAT, packed_bytes
+    format where the copy's is another, :func:`~selfspec.models.quantised.head_format`)."""
+    from selfspec.models.quantised import head_format, packed_bytes
 
     layer_weights = s.params - s.vocab * s.hidden * (1 if s.tied else 2) - s.hidden
     return (packed_bytes(fmt, 1, s.hidden) * (layer_weights // s.hidden)
-            + packed_bytes(HEAD_FORMAT.get(fmt, fmt), 1, s.hidden) * s.vocab)
+            + packed_bytes(head_format(fmt), 1, s.hidden) * s.vocab)
 
 
 def llama_cpp_bytes(s: Shape, weights: str, cfg, context: int) -> int:

@@ -24,7 +24,7 @@ Formats (one packed row per weight row, ``csrc/quant_linear.cpp`` reads them):
           bytes, and differs from it only where the kernel rounds the activations (in two int8 terms, about
           15 bits: its greedy drafts agreed with the target on 576 of 576 tokens). Other files' 4-bit
           blocks (Gemma 3's and Qwen's Q4_K, with 6-bit sub-block scales) are re-quantised. Its LM head is
-          ``int8`` (:data:`HEAD_FORMAT`), which holds a Q4_1 file's Q8_0 token embedding exactly.
+          ``int8`` (:func:`head_format`), which holds a Q4_1 file's Q8_0 token embedding exactly.
 
 The copy is made from the loaded target (float32 or bfloat16, read as float32) at the first draft that
 asks for it, held once per model (:meth:`selfspec.models.layered.LayeredModel.weight_set`), and never
@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "HEAD_FORMAT", "WeightSet", "dequantise", "packed_bytes", "problem", "quantise", "weights_format"]
+__all__ = ["BLOCK", "FORMATS", "WeightSet", "copied_weights", "dequantise", "head_format", "packed_bytes", "problem",
+           "quantise", "weights_format"]
 
 #: the quantised formats a pass may read (``Pass.weights``), besides the target's own (None)
 FORMATS = ("int8", "int4", "q4_1")
@@ -47,9 +48,22 @@ BLOCK = 32
 _LEVELS = {"int8": 127, "int4": 7}
 #: the packed dtype of each format (the dtype tells a packed weight's format: :func:`weights_format`)
 _DTYPES = {"int8": torch.int8, "int4": torch.uint8, "q4_1": torch.int16}
-#: the format of a copy's LM head where it is not the copy's own: q4_1's head is int8, as a Q4_1 GGUF file keeps its
-#: token embedding (the tied head) in Q8_0, which the int8 format holds exactly
-HEAD_FORMAT = {"q4_1": "int8"}
+#: the format of a copy's LM head where it is not the copy's own (:func:`head_format`)
+_HEAD_FORMATS = {"q4_1": "int8"}
+
+
+def head_format(fmt: str) -> str:
+    """The format of the LM head of a copy in format ``fmt``: its own, but q4_1's head is int8, as a Q4_1 GGUF
+    file keeps its token embedding (the tied head) in Q8_0, which the int8 format holds exactly."""
+    return _HEAD_FORMATS.get(fmt, fmt)
+
+
+def copied_weights(model) -> list[torch.Tensor]:
+    """The target's weights a copy holds (of ``model``, a :class:`~selfspec.models.layered.LayeredModel`), in
+    the order a pass reads them: per layer q|k|v, output, gate|up, down; then the LM head (last)."""
+    fam = model.family
+    return [w for i in range(model.num_layers) for w in (model._qkv[i][0], fam.out_proj(i).weight,
+                                                         model._gate_up[i][0], fam.down_proj(i).weight)] + [fam.lm_head.weight]
 
 
 def weights_format(weight: torch.Tensor) -> str | None:
@@ -171,11 +185,9 @@ def weight_set(model, fmt: str) -> WeightSet:
     order a pass reads it (per layer q|k|v, output, gate|up, down; then the head), as the target's are: in
     4 KiB pages a streaming read stops its prefetch at every page and misses the TLB on each."""
     fam, n = model.family, model.num_layers
-    # per layer q|k|v, output, gate|up, down (packed[4i + 0..3]); then the head (packed[-1])
-    order = [w for i in range(n) for w in (model._qkv[i][0], fam.out_proj(i).weight, model._gate_up[i][0],
-                                           fam.down_proj(i).weight)] + [fam.lm_head.weight]
+    order = copied_weights(model)  # per layer q|k|v, output, gate|up, down (packed[4i + 0..3]); the head packed[-1]
     places = [None] * len(order)
-    fmts = [fmt] * (len(order) - 1) + [HEAD_FORMAT.get(fmt, fmt)]
+    fmts = [fmt] * (len(order) - 1) + [head_format(fmt)]
     if model.weights_placed:
         from selfspec.models import arena
 
