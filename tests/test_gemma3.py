@@ -67,3 +67,20 @@ def test_every_job_and_method_on_gemma3(gemma, tmp_path, monkeypatch):
         for method in methods:
             assert build_decoder(method, m, profile=cpu_like_profile(m)).generate(ids, N_NEW).tokens == ref, \
                 (method.name, text)
+
+
+def test_the_q4_1_copy_holds_the_files_q4_k_tensors_exactly(gemma):
+    """Gemma 3's file is Q4_K_M: its Q4_K tensors' blocks (scale ``d sc``, minimum ``dmin m`` per 32 values) are
+    held exactly by the q4_1 copy, and only they (its Q5_0, Q6_K and Q8_0 tensors hold more than 16 levels a
+    block); the file's tensor types, read by gguf-py, are the reference."""
+    import torch
+    from gguf import GGUFReader
+
+    from selfspec.store import assets
+    from selfspec.models.quantised import copied_weights, dequantise, quantise
+
+    path = assets.asset_path("gemma3-270m-gguf")  # the GGUF file itself
+    q4_k = sorted(int(t.n_elements) for t in GGUFReader(path).tensors if t.tensor_type.name == "Q4_K")
+    linears = copied_weights(gemma.model)[:-1]  # the head is int8, the file's token embedding Q8_0
+    held = sorted(w.numel() for w in linears if torch.equal(dequantise(quantise(w, "q4_1"), w.shape[1]), w.float()))
+    assert len(q4_k) == 27 and held == q4_k

@@ -98,6 +98,36 @@ def test_a_q4_1_copy_holds_blocks_on_sixteen_even_levels_exactly():
     assert not torch.equal(quantised.dequantise(quantised.quantise(off_grid, "q4_1"), 192), off_grid)
 
 
+def test_a_q4_1_copy_holds_q4_k_blocks_whose_levels_span_fewer_steps():
+    """llama.cpp's Q4_K stores a block as ``d sc q - dmin m`` (float16 ``d``, ``dmin``, 6-bit ``sc``, ``m``, as
+    gguf-py dequantises it in float32), its levels ``q`` seldom reaching both 0 and 15: the copy finds the grid
+    such a block lies on and holds it exactly, where the min/max fit (15 steps from minimum to maximum) would
+    round it again. Blocks on no grid of at most 15 steps keep the min/max fit."""
+    g = torch.Generator().manual_seed(5)
+    n, blocks = 64, 8
+    top = torch.randint(1, 15, (n, blocks, 1), generator=g)  # the largest level: 1 to 14 steps above the lowest
+    bottom = torch.randint(0, 2, (n, blocks, 1), generator=g)
+    levels = bottom + (torch.rand(n, blocks, 32, generator=g) * (top + 1)).floor().clamp(max=top)
+    levels[..., 0], levels[..., 1] = bottom[..., 0], (bottom + top)[..., 0]
+    d = (torch.rand(n, blocks, 1, generator=g) * 1e-3 + 1e-5).half().float()
+    dmin = (torch.rand(n, blocks, 1, generator=g) * 1e-3).half().float()
+    sc, m = (torch.randint(1, 64, (n, blocks, 1), generator=g).float() for _ in range(2))
+    w = ((d * sc) * levels.float() - dmin * m).reshape(n, blocks * 32)
+    held = quantised.dequantise(quantised.quantise(w, "q4_1"), blocks * 32)
+    assert torch.equal(held, w)
+    # the min/max fit alone (scale = range / 15) holds few of these blocks: the grid search is what holds them
+    wb = w.reshape(n, blocks, 32)
+    low, span = wb.amin(-1, keepdim=True), wb.amax(-1, keepdim=True) - wb.amin(-1, keepdim=True)
+    minmax = ((wb - low) / (span / 15)).round() * (span / 15) + low
+    assert (minmax == wb).all(-1).float().mean() < 0.5
+    # random blocks lie on no such grid: their fit is the min/max one, as before
+    r = torch.randn(16, 96, generator=g)
+    rb = r.reshape(16, 3, 32)
+    low, span = rb.amin(-1, keepdim=True), rb.amax(-1, keepdim=True) - rb.amin(-1, keepdim=True)
+    expect = (((rb - low) / (span / 15)).round().clamp(0, 15) * (span / 15) + low).reshape(16, 96)
+    assert torch.equal(quantised.dequantise(quantised.quantise(r, "q4_1"), 96), expect)
+
+
 @pytest.mark.parametrize("fmt", quantised.FORMATS)
 @pytest.mark.parametrize("k,n", [(64, 48), (576, 97), (1536, 64)])
 def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k, n):

@@ -17,14 +17,16 @@ Formats (one packed row per weight row, ``csrc/quant_linear.cpp`` reads them):
           ``s = (max(w) - m) / 15``, ``q = round((w - m) / s)`` in [0, 15], ``w = s q + m``; a ``torch.int16``
           tensor ``[N, 3K/8]`` (the dtype marks the format; its bytes are what count): per block 16 bytes of
           nibbles as ``int4``'s (``q`` itself, no offset), then K/32 float32 scales, then K/32 float32 minimums.
-          A block whose values lie on a grid of 16 evenly spaced levels from its minimum to its maximum is held
-          exactly (up to float32's rounding of ``s q + m``): so the blocks of a GGUF file's Q4_1 tensors, the
-          file's own weights. SmolLM2's embedded file is Q4_1, and its q4_1 copy holds every one of its
-          3,317,760 linear blocks exactly: the draft reads the target's own weights at 0.19 of float32's
-          bytes, and differs from it only where the kernel rounds the activations (in two int8 terms, about
-          15 bits: its greedy drafts agreed with the target on 576 of 576 tokens). Other files' 4-bit
-          blocks (Gemma 3's and Qwen's Q4_K, with 6-bit sub-block scales) are re-quantised. Its LM head is
-          ``int8`` (:func:`head_format`), which holds a Q4_1 file's Q8_0 token embedding exactly.
+          A block whose values lie on an evenly spaced grid of at most 16 levels from its minimum is held
+          on that grid (``s`` its step), exactly: so the blocks of a GGUF file's Q4_1 tensors and of its
+          Q4_K ones (scale ``d sc``, minimum ``dmin m``), the file's own weights. SmolLM2's embedded file is
+          Q4_1, and its q4_1 copy holds every one of its 3,317,760 linear blocks exactly: the draft reads the
+          target's own weights at 0.19 of float32's bytes, and differs from it only where the kernel rounds
+          the activations (in two int8 terms, about 15 bits: its greedy drafts agreed with the target on 576
+          of 576 tokens). Gemma 3's and Qwen's files are Q4_K_M: their Q4_K tensors are held exactly (a
+          quarter of Gemma's linear weights, 85% of Qwen's); their Q5_0, Q6_K and Q8_0 tensors, with more
+          levels a block, are rounded again. Its LM head is ``int8`` (:func:`head_format`), which holds a
+          Q4_1 file's Q8_0 token embedding exactly.
 
 The copy is made from the loaded target (float32 or bfloat16, read as float32) at the first draft that
 asks for it, held once per model (:meth:`selfspec.models.layered.LayeredModel.weight_set`), and never
@@ -116,11 +118,60 @@ def _q4_1(w: torch.Tensor) -> torch.Tensor:
     """Blocks ``w`` (``[n, K/32, 32]`` float32) in the ``q4_1`` format, as ``[n, 3K/4]`` bytes."""
     n, blocks = w.shape[0], w.shape[1]
     low = w.amin(-1, keepdim=True)
-    scale = (w.amax(-1, keepdim=True) - low) / 15
-    q = torch.where(scale > 0, (w - low) / scale, torch.zeros_like(w)).round_().clamp_(0, 15).to(torch.uint8)
+    span = w.amax(-1, keepdim=True) - low
+    scale = span / 15
+    q = _levels(w, low, scale)
+    # a block the min/max fit does not hold exactly may lie on a coarser grid (a Q4_K block): find it. Searched
+    # where the rows' first has a block of at most 16 distinct values: a file's tensor is all in one format, and
+    # the search (a sort of every block) would only slow down a copy of a float or 5- to 8-bit tensor.
+    redo = ((q * scale + low) != w).any(-1)
+    if redo.any() and _distinct(w[0]).le(16).any():
+        scale[redo] = span[redo] / _steps(w[redo], low[redo], span[redo])
+        q[redo] = _levels(w[redo], low[redo], scale[redo])
+    q = q.to(torch.uint8)
     nibbles = q[..., :16] | (q[..., 16:] << 4)  # value j low, value j + 16 high
     as_bytes = [t.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1) for t in (scale, low)]
     return torch.cat([nibbles.reshape(n, blocks * 16), *as_bytes], 1)
+
+
+def _levels(w: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The level (0 to 15, float32) nearest each value of ``w`` on its block's grid from ``low`` in ``step``s."""
+    return torch.where(step > 0, (w - low) / step, torch.zeros_like(w)).round_().clamp_(0, 15)
+
+
+def _distinct(w: torch.Tensor) -> torch.Tensor:
+    """The number of distinct values in each block (last dimension) of ``w``."""
+    return 1 + (w.sort(-1).values.diff(dim=-1) > 0).sum(-1)
+
+
+def _steps(w: torch.Tensor, low: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Per block of ``w`` (``[m, 32]``), the number of steps ``k`` (1 to 15) of the evenly spaced grid from its
+    minimum ``low`` to ``low + span`` (``[m, 1]``) that its values lie on, as ``[m, 1]`` float32, the coarsest
+    such grid (its step is the one the values were stored with: a finer grid's ``span / k`` can round to a step
+    an ulp off); 15, the min/max fit, for a block on no such grid. So a block a file stored in 4 bits with a
+    step and minimum of its own (llama.cpp's Q4_K: scale ``d sc``, minimum ``dmin m``, its levels seldom
+    reaching both 0 and 15) is held exactly, not rounded again. A block with more than 16 distinct values lies
+    on no such grid; one within a 256th of a step of every grid point is taken to lie on it (float32's rounding
+    of the file's ``d sc q - dmin m``). The grid is first guessed from the block's smallest gap between two
+    values (one step, unless no two of its levels are adjacent), then searched from the coarsest."""
+    steps = torch.full_like(span, 15.0)
+
+    def on_grid(x, lo, sp, k):  # does every value of a block lie on the grid of k steps
+        step = sp / k
+        return ((_levels(x, lo, step) * step + lo - x).abs().amax(-1, keepdim=True) <= step / 256).squeeze(-1)
+
+    gaps = w.sort(-1).values.diff(dim=-1)
+    todo = (gaps > 0).sum(-1) < 16  # at most 16 distinct values
+    smallest = torch.where(gaps > 0, gaps, torch.inf).amin(-1, keepdim=True)
+    guess = (span / smallest).round_().clamp_(1, 15)
+    for k in [None, *range(1, 15)]:  # the guess, then every grid from the coarsest
+        if not todo.any():
+            break
+        fits = on_grid(w[todo], low[todo], span[todo], guess[todo] if k is None else k)
+        hit = todo.nonzero().squeeze(-1)[fits]
+        steps[hit] = guess[hit] if k is None else float(k)
+        todo[hit] = False
+    return steps
 
 
 def dequantise(packed: torch.Tensor, k: int) -> torch.Tensor:
