@@ -260,6 +260,8 @@ QUANTISED = [
     {"name": "quant_draft", "draft_weights": "int4", "max_draft": 3},
     {"name": "quant_draft_int4"},  # with Draft & Verify's adaptive draft exit
     {"name": "quant_draft_q4_1"},
+    {"name": "quant_draft_ngram_int4"},  # the n-gram lookup first, the copy's drafts elsewhere
+    {"name": "quant_draft_ngram_q4_1"},
     {"name": "clasp", "interval": 4, "draft_weights": "q4_1"},
     {"name": "draft_verify", "skip_attn": [1], "skip_mlp": [2], "draft_weights": "int8"},
     {"name": "knapspec", "interval": 4, "search_at": 2, "window": 2, "draft_weights": "int8"},
