@@ -117,15 +117,18 @@ def test_a_q4_1_copy_holds_q4_k_blocks_whose_levels_span_fewer_steps():
     assert torch.equal(held, w)
     # the min/max fit alone (scale = range / 15) holds few of these blocks: the grid search is what holds them
     wb = w.reshape(n, blocks, 32)
-    low, span = wb.amin(-1, keepdim=True), wb.amax(-1, keepdim=True) - wb.amin(-1, keepdim=True)
-    minmax = ((wb - low) / (span / 15)).round() * (span / 15) + low
-    assert (minmax == wb).all(-1).float().mean() < 0.5
+    assert (_min_max_fit(wb) == wb).all(-1).float().mean() < 0.5
     # random blocks lie on no such grid: their fit is the min/max one, as before
     r = torch.randn(16, 96, generator=g)
-    rb = r.reshape(16, 3, 32)
-    low, span = rb.amin(-1, keepdim=True), rb.amax(-1, keepdim=True) - rb.amin(-1, keepdim=True)
-    expect = (((rb - low) / (span / 15)).round().clamp(0, 15) * (span / 15) + low).reshape(16, 96)
+    expect = _min_max_fit(r.reshape(16, 3, 32)).reshape(16, 96)
     assert torch.equal(quantised.dequantise(quantised.quantise(r, "q4_1"), 96), expect)
+
+
+def _min_max_fit(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks ``[..., 32]`` on 15 even steps from each one's minimum to its maximum (the min/max fit)."""
+    low = blocks.amin(-1, keepdim=True)
+    step = (blocks.amax(-1, keepdim=True) - low) / 15
+    return ((blocks - low) / step).round().clamp(0, 15) * step + low
 
 
 @pytest.mark.parametrize("fmt", quantised.FORMATS)

@@ -125,7 +125,7 @@ def _q4_1(w: torch.Tensor) -> torch.Tensor:
     # where the rows' first has a block of at most 16 distinct values: a file's tensor is all in one format, and
     # the search (a sort of every block) would only slow down a copy of a float or 5- to 8-bit tensor.
     redo = ((q * scale + low) != w).any(-1)
-    if redo.any() and _distinct(w[0]).le(16).any():
+    if redo.any() and _few_values(_gaps(w[0])).any():
         scale[redo] = span[redo] / _steps(w[redo], low[redo], span[redo])
         q[redo] = _levels(w[redo], low[redo], scale[redo])
     q = q.to(torch.uint8)
@@ -139,9 +139,14 @@ def _levels(w: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> torch.Ten
     return torch.where(step > 0, (w - low) / step, torch.zeros_like(w)).round_().clamp_(0, 15)
 
 
-def _distinct(w: torch.Tensor) -> torch.Tensor:
-    """The number of distinct values in each block (last dimension) of ``w``."""
-    return 1 + (w.sort(-1).values.diff(dim=-1) > 0).sum(-1)
+def _gaps(w: torch.Tensor) -> torch.Tensor:
+    """The gaps between each block's (last dimension's) values in ascending order."""
+    return w.sort(-1).values.diff(dim=-1)
+
+
+def _few_values(gaps: torch.Tensor) -> torch.Tensor:
+    """Whether each block of :func:`_gaps` holds at most 16 distinct values (as a grid of 15 steps can)."""
+    return (gaps > 0).sum(-1) < 16
 
 
 def _steps(w: torch.Tensor, low: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
@@ -160,8 +165,8 @@ def _steps(w: torch.Tensor, low: torch.Tensor, span: torch.Tensor) -> torch.Tens
         step = sp / k
         return ((_levels(x, lo, step) * step + lo - x).abs().amax(-1, keepdim=True) <= step / 256).squeeze(-1)
 
-    gaps = w.sort(-1).values.diff(dim=-1)
-    todo = (gaps > 0).sum(-1) < 16  # at most 16 distinct values
+    gaps = _gaps(w)
+    todo = _few_values(gaps)
     smallest = torch.where(gaps > 0, gaps, torch.inf).amin(-1, keepdim=True)
     guess = (span / smallest).round_().clamp_(1, 15)
     for k in [None, *range(1, 15)]:  # the guess, then every grid from the coarsest
