@@ -52,8 +52,16 @@ def _reference(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     if fmt == "int8":
         qw = raw[:, :k].view(torch.int8).double().reshape(n, blocks, 32)
     else:
-        nib = raw[:, :values].reshape(n, blocks, 16).long()
-        qw = torch.cat([nib & 15, nib >> 4], -1).double() - (8 if fmt == "int4" else 0)
+        # blocks in pairs, 32 bytes each (the first block's values low, the second's high); an odd last block in
+        # 16 bytes (its values 0-15 low, 16-31 high)
+        nib = raw[:, :values].long()
+        paired = blocks - blocks % 2
+        pairs = nib[:, :16 * paired].reshape(n, paired // 2, 32)
+        qw = torch.stack([pairs & 15, pairs >> 4], 2).reshape(n, paired, 32)
+        if blocks % 2:
+            tail = nib[:, 16 * paired:]
+            qw = torch.cat([qw, torch.cat([tail & 15, tail >> 4], -1).unsqueeze(1)], 1)
+        qw = qw.double() - (8 if fmt == "int4" else 0)
     qx, sx = _rounded_x(x, two_terms=fmt != "int4")
     dots = torch.einsum("mbk,nbk->mnb", qx, qw)
     y = (dots * (floats[:, 0].unsqueeze(0) * sx.unsqueeze(1)).double()).sum(-1)
@@ -132,7 +140,7 @@ def _min_max_fit(blocks: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", quantised.FORMATS)
-@pytest.mark.parametrize("k,n", [(64, 48), (576, 97), (1536, 64)])
+@pytest.mark.parametrize("k,n", [(64, 48), (96, 33), (576, 97), (1536, 64)])
 def test_the_kernel_is_the_integer_dot_product_of_rows_rounded_per_block(fmt, k, n):
     """Against the reference, and every row as its own one-row call computes it, bit for bit, on one
     thread or two and call after call: a draft is deterministic, and a batch's rows are their own. The

@@ -11,12 +11,13 @@ Formats (one packed row per weight row, ``csrc/quant_linear.cpp`` reads them):
 ``int8``  one scale per 32 values, ``s = amax / 127``, ``q = round(w / s)`` (llama.cpp's Q8_0 rounding);
           a ``torch.int8`` tensor ``[N, K + K/8]``: the K values, then K/32 float32 scales as bytes.
 ``int4``  one scale per 32 values, symmetric, ``s = amax / 7``, ``q = round(w / s)`` in [-7, 7], stored as
-          ``q + 8``; a ``torch.uint8`` tensor ``[N, K/2 + K/8]``: per block 16 bytes, byte j holding value
-          j (low nibble) and value j + 16 (high nibble), then the scales.
+          ``q + 8``; a ``torch.uint8`` tensor ``[N, K/2 + K/8]``: per pair of blocks 32 bytes, byte j holding
+          the first block's value j (low nibble) and the second's (high nibble), then the scales (a row's last
+          block without a pair: 16 bytes, value j low and value j + 16 high).
 ``q4_1``  llama.cpp's Q4_1 scheme with float32 scale and minimum: per block of 32, ``m = min(w)``,
           ``s = (max(w) - m) / 15``, ``q = round((w - m) / s)`` in [0, 15], ``w = s q + m``; a ``torch.int16``
-          tensor ``[N, 3K/8]`` (the dtype marks the format; its bytes are what count): per block 16 bytes of
-          nibbles as ``int4``'s (``q`` itself, no offset), then K/32 float32 scales, then K/32 float32 minimums.
+          tensor ``[N, 3K/8]`` (the dtype marks the format; its bytes are what count): the nibbles as
+          ``int4``'s, blocks in pairs (``q`` itself, no offset), then K/32 float32 scales, then K/32 float32 minimums.
           A block whose values lie on an evenly spaced grid of at most 16 levels from its minimum is held
           on that grid (``s`` its step), exactly: so the blocks of a GGUF file's Q4_1 tensors and of its
           Q4_K ones (scale ``d sc``, minimum ``dmin m``), the file's own weights. SmolLM2's embedded file is
@@ -108,9 +109,7 @@ def quantise(weight: torch.Tensor, fmt: str, rows: int = 4096, out: torch.Tensor
         if fmt == "int8":
             out[a:a + rows] = torch.cat([q.reshape(len(w), k).view(torch.uint8), scales], 1).view(torch.int8)
         else:
-            stored = (q + 8).to(torch.uint8)
-            nibbles = stored[..., :16] | (stored[..., 16:] << 4)  # value j low, value j + 16 high
-            out[a:a + rows] = torch.cat([nibbles.reshape(len(w), k // 2), scales], 1)
+            out[a:a + rows] = torch.cat([_nibbles((q + 8).to(torch.uint8)), scales], 1)
     return out
 
 
@@ -128,10 +127,32 @@ def _q4_1(w: torch.Tensor) -> torch.Tensor:
     if redo.any() and _few_values(_gaps(w[0])).any():
         scale[redo] = span[redo] / _steps(w[redo], low[redo], span[redo])
         q[redo] = _levels(w[redo], low[redo], scale[redo])
-    q = q.to(torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # value j low, value j + 16 high
     as_bytes = [t.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1) for t in (scale, low)]
-    return torch.cat([nibbles.reshape(n, blocks * 16), *as_bytes], 1)
+    return torch.cat([_nibbles(q.to(torch.uint8)), *as_bytes], 1)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Levels ``q`` (``[n, K/32, 32]`` uint8, each below 16) as the nibble formats' ``[n, K/2]`` bytes: each pair of
+    blocks (0 and 1, 2 and 3, ...) in 32 bytes, byte j holding the even block's value j in its low nibble and the
+    odd block's in its high one (the kernel unpacks two blocks from one load); a row's last block without a pair
+    in 16 bytes, byte j holding its value j low and value j + 16 high."""
+    n, blocks = q.shape[0], q.shape[1]
+    paired = blocks - blocks % 2
+    parts = [(q[:, 0:paired:2] | (q[:, 1:paired:2] << 4)).reshape(n, paired * 16)]
+    if blocks % 2:
+        parts.append(q[:, -1, :16] | (q[:, -1, 16:] << 4))
+    return torch.cat(parts, 1)
+
+
+def _levels_of(nibbles: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The levels ``[n, blocks, 32]`` (uint8) that :func:`_nibbles` packed into ``nibbles`` (``[n, blocks * 16]``)."""
+    n, paired = nibbles.shape[0], blocks - blocks % 2
+    pairs = nibbles[:, :paired * 16].reshape(n, paired // 2, 1, 32)
+    q = torch.cat([pairs & 0x0F, pairs >> 4], 2).reshape(n, paired, 32)
+    if blocks % 2:
+        tail = nibbles[:, paired * 16:]
+        q = torch.cat([q, torch.cat([tail & 0x0F, tail >> 4], 1).unsqueeze(1)], 1)
+    return q
 
 
 def _levels(w: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -189,8 +210,7 @@ def dequantise(packed: torch.Tensor, k: int) -> torch.Tensor:
     if fmt == "int8":
         q = raw[:, :values].view(torch.int8).to(torch.float32).reshape(n, blocks, BLOCK)
         return (q * scales).reshape(n, k)
-    nib = raw[:, :values].reshape(n, blocks, 16)
-    q = torch.cat([nib & 0x0F, nib >> 4], -1).to(torch.float32)
+    q = _levels_of(raw[:, :values], blocks).to(torch.float32)
     if fmt == "int4":
         return ((q - 8) * scales).reshape(n, k)
     low = raw[:, values + 4 * blocks:].contiguous().view(torch.float32).reshape(n, blocks, 1)

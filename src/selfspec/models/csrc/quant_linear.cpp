@@ -5,10 +5,12 @@
 // Formats, one row of W per row of the packed tensor, in blocks of 32 values along K:
 //   int8 (torch.int8, [N, K + K/8] bytes): the K values q (int8), then K/32 float32 scales s_b;
 //        w[k] = s_b * q[k] for k in block b (Q8_0's rounding: s = amax/127).
-//   int4 (torch.uint8, [N, K/2 + K/8] bytes): per block 16 bytes, byte j holding the block's value j in
-//        its low nibble and value j + 16 in its high nibble, each stored as q + 8 (q in [-7, 7]); then the
-//        K/32 float32 scales (symmetric: s = amax/7).
-//   q4_1 (torch.int16 holding [N, K/2 + K/4] bytes): the nibbles as int4's, each q itself (q in [0, 15]); then
+//   int4 (torch.uint8, [N, K/2 + K/8] bytes): per pair of blocks (0 and 1, 2 and 3, ...) 32 bytes, byte j
+//        holding the first block's value j in its low nibble and the second's in its high nibble (one load, two
+//        masks: two blocks), each stored as q + 8 (q in [-7, 7]); a row's last block without a pair 16 bytes,
+//        value j low and value j + 16 high; then the K/32 float32 scales (symmetric: s = amax/7).
+//   q4_1 (torch.int16 holding [N, K/2 + K/4] bytes): the nibbles as int4's (in pairs of blocks), each q itself
+//        (q in [0, 15]); then
 //        the K/32 float32 scales s_b, then the K/32 float32 minimums m_b; w[k] = s_b * q[k] + m_b (llama.cpp's
 //        Q4_1 scheme, with float32 scale and minimum).
 //
@@ -61,11 +63,12 @@ constexpr int64_t NB = QNB;  // weight rows per parallel task
 #endif
 
 // x rounded per block: q (int8, M x K), s (float, M x K/32) and, where an offset is to be taken off the
-// integer sums, that factor times each block's 8 lane sums of 4 consecutive values (int32, M x K/4): 8 for the
-// int4 format's nibbles q + 8, -128 for int8 values read as q + 128 (the VNNI path). In two terms (the q4_1
-// format's x): each block also rounded a second time, its remainder v - s q in steps of s/128 (q2, int8, M x K:
-// |q2| <= 64), s then s/128 (so that x as rounded is s (128 q + q2)), and each block's sum of x as rounded
-// for the minimums, s times 128 times the sum of q plus the sum of q2 (float, M x K/32; the integers exact).
+// integer sums, that factor times each block's 8 lane sums of 4 consecutive values (int32, M x K/4), where the
+// sums start: -8 for the int4 format's nibbles q + 8, -128 for int8 values read as q + 128 (the VNNI path). In
+// two terms (the q4_1 format's x): each block also rounded a second time, its remainder v - s q in steps of
+// s/128 (q2, int8, M x K: |q2| <= 64), s then s/128 (so that x as rounded is s (128 q + q2)), and each block's
+// sum of x as rounded for the minimums, s times 128 times the sum of q plus the sum of q2 (float, M x K/32; the
+// integers exact).
 struct Rounded {
   std::vector<int8_t> q, q2;
   std::vector<float> s;
@@ -174,17 +177,23 @@ struct Layout {
   explicit Layout(int64_t k)
       : K(k), stride(F == kInt8 ? k + k / 8 : (F == kInt4 ? k / 2 + k / 8 : k / 2 + k / 4)),
         scales(Q4 ? k / 2 : k), mins(k / 2 + k / 8) {}
-  // block b of a row as the unsigned operand: int8's |q| (its signs in `sign`), int4's nibbles q + 8, q4_1's q
-  __m256i unsigned_block(const uint8_t* row, int64_t b, __m256i& sign) const {
-    if constexpr (Q4) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-      return _mm256_set_m128i(hi, lo);
-    } else {
-      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QB));
-      return _mm256_sign_epi8(sign, sign);  // |q|
+  // nibble formats: block b (even) of a row as the unsigned operand (int4's q + 8, q4_1's q), value j in byte j,
+  // and block b + 1 into `odd` from the same 32 bytes, its values in their high nibbles; a row's last block
+  // without a pair (an odd block count) from 16 bytes, value j low and value j + 16 high
+  __m256i pair(const uint8_t* row, int64_t b, __m256i& odd) const {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (b + 1 < K / QB) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16));
+      odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      return _mm256_and_si256(bytes, low4);
     }
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
+  }
+  // int8 block b of a row as |q|, its signs in `sign` (the AVX2 path's sign trick)
+  __m256i signed_block(const uint8_t* row, int64_t b, __m256i& sign) const {
+    sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QB));
+    return _mm256_sign_epi8(sign, sign);  // |q|
   }
 };
 

@@ -7,9 +7,14 @@
 // row's 8 weight scales times each x row's 8 (one vector multiply, the same products as one at a time), each
 // block's taken from its lane by a permute. An int8 block's integer sums: on the VNNI path its values with the
 // top bit flipped (q + 128, unsigned) times x, started from -128 times x's lane sums, so no sign trick per x row;
-// on the AVX2 path |q| times x carrying q's sign. The same integers either way. A q4_1 block's nibbles are q
-// itself (no offset), times x's two terms (128 dot(u, q) + dot(u, q2): exact, |sums| < 2^21), and each group of 8 blocks first adds its 8 minimums times x's 8 block sums (one FMA, lane j
-// the group's block j) to the accumulators.
+// on the AVX2 path |q| times x carrying q's sign. The same integers either way. A nibble format's blocks are
+// read in pairs, two blocks from one 32-byte load (Layout::pair): against a 16-byte load, two shifts and an
+// insert per block, SmolLM2's linears in pass order took 0.88 (int4) and 0.92 (q4_1) of the time, the same bits
+// (docs/2026-12-08-zen4.md). An int4 block's sums start from -8 times x's lane sums (its nibbles are q + 8).
+// A q4_1 block's nibbles are q itself (no offset), times x's two terms (128 dot(u, q) + dot(u, q2): exact,
+// |sums| < 2^21; the two products apart, as a chain through one accumulating product took 1.1 of the time),
+// and each group of 8 blocks first adds its 8 minimums times x's 8 block sums (one FMA, lane j the group's
+// block j) to the accumulators.
 template <int MBR, int NR, int F, typename T>
 inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<F>& L, T* y, int64_t ldy,
                  bool pf) {
@@ -28,11 +33,12 @@ inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<F>
   const int8_t* xq_all = x.q.data();
   const int8_t* xq2_all = x.q2.data();  // x's second term (int8, q4_1)
   const int32_t* lane_sums2 = x.lane_sums2.data();  // int8 on the VNNI path: -128 times the second term's lane sums
-  const int32_t* lane_sums = x.lane_sums.data();  // int4: 8 times x's lane sums; int8: -128 times them
+  const int32_t* lane_sums = x.lane_sums.data();  // int4: -8 times x's lane sums; int8: -128 times them
   for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
     const int nb = static_cast<int>(std::min<int64_t>(8, blocks - b0));
     const __m256i in_group = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     __m256 scales[MBR][NR];
+    __m256i odd_block[NR];  // nibble formats: block b + 1 of each row, unpacked from block b's pair (Layout::pair)
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const __m256 sw = _mm256_maskload_ps(reinterpret_cast<const float*>(w + r * L.stride + L.scales) + b0, in_group);
@@ -64,8 +70,10 @@ inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<F>
       for (int r = 0; r < NR; ++r) {
         const uint8_t* row = w + r * L.stride;
         __m256i u, sign;
-        if constexpr (Q4 || !kUnsignedInt8)
-          u = L.unsigned_block(row, b, sign);
+        if constexpr (Q4)
+          u = (j & 1) ? odd_block[r] : L.pair(row, b, odd_block[r]);  // b0 is a multiple of 8: b is even at even j
+        else if constexpr (!kUnsignedInt8)
+          u = L.signed_block(row, b, sign);
         else
           u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QB)),
                                _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -77,7 +85,7 @@ inline void tile(const Rounded& x, int64_t m0, const uint8_t* w, const Layout<F>
             d = _mm256_add_epi32(_mm256_slli_epi32(dot(u, xq[m]), TWO_TERMS_SHIFT), dot(u, xq2[m]));
           } else if constexpr (F == kInt4) {
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_sums + ((m0 + m) * blocks + b) * 8));
-            d = _mm256_sub_epi32(dot(u, xq[m]), c);
+            d = dot_from(c, u, xq[m]);
           } else if constexpr (kUnsignedInt8) {
             const int64_t at = ((m0 + m) * blocks + b) * 8;
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_sums + at));
@@ -131,7 +139,7 @@ void task(const Rounded& x, const uint8_t* w, T* y, int64_t M, int64_t N, const 
 template <int F, typename T>
 void run_tiles(const T* xp, const uint8_t* w, T* y, int64_t M, int64_t N, int64_t K) {
   const Layout<F> L(K);
-  const Rounded x = round_rows(xp, M, K, F == kInt4 ? 8 : (F == kInt8 && kUnsignedInt8 ? -128 : 0), kTwoTerms<F>);
+  const Rounded x = round_rows(xp, M, K, F == kInt4 ? -8 : (F == kInt8 && kUnsignedInt8 ? -128 : 0), kTwoTerms<F>);
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n = b0 * NB, n_end = std::min(N, b1 * NB);
     task<F>(x, w, y, M, N, L, n, n_end);
