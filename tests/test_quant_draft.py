@@ -296,31 +296,6 @@ def measured(tiny):
     return measure_profile(tiny.model, rows=(1, 2), prefill_rows=(), contexts=(0, 16), repeats=1)
 
 
-def test_a_profiles_quantised_tables_are_rescaled_to_the_float_tables_minutes(tiny, monkeypatch):
-    """A draft is priced as a share of a step, and a VM's speed moves between a profile's stages: each format's
-    tables are rescaled by a plain pass timed as the float tables ended (``base``) over the same pass timed
-    around that format's tables (their mean), and the factor is recorded; without a yardstick, as measured."""
-    from selfspec.evaluation import profiling
-
-    times = iter([2.0, 6.0] * len(quantised.FORMATS))  # each format's tables between passes of 2 and 6 s: mean 4
-    monkeypatch.setattr(profiling, "_plain_reference", lambda model, context, repeats: next(times))
-    monkeypatch.setattr(profiling, "_sublayers", lambda *a, **k: ({"0": {"1": 8.0}}, {"1": 4.0}))
-    monkeypatch.setattr(profiling, "_measure_heads", lambda *a, **k: {100: {1: 2.0}})
-    plan = profiling.ProfilePlan(rows=(1,), prefill_rows=(), contexts=(0,), repeats=1)
-    steps = profiling._Steps(None, None, 0.0)
-    out = profiling._measure_quantised(tiny.model, plan, 0.0, steps, base=1.0, context=0)
-    for fmt in quantised.FORMATS:
-        assert out[fmt] == {"attention": {"0": {"1": 2.0}}, "mlp": {"1": 1.0}, "head": {"100": {"1": 0.5}},
-                            "scale": 0.25}
-    out = profiling._measure_quantised(tiny.model, plan, 0.0, steps, base=None, context=0)
-    assert out["int8"] == {"attention": {"0": {"1": 8.0}}, "mlp": {"1": 4.0}, "head": {"100": {"1": 2.0}}, "scale": 1.0}
-
-
-def test_a_measured_profile_records_each_formats_scale(measured):
-    for fmt in quantised.FORMATS:
-        assert measured.data["quantised"][fmt]["scale"] > 0
-
-
 @pytest.mark.parametrize("method", QUANTISED, ids=_label)
 def test_quantised_drafts_decode_vanillas_tokens(tiny, measured, method):
     """Greedy: vanilla's tokens, every draft op over the copy and every verification over the target (KnapSpec

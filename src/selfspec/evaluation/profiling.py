@@ -260,13 +260,11 @@ def _measure_tables(model, plan: ProfilePlan, steps: _Steps) -> dict[str, Any]:
     walk = _measure_walk(model, pass_context, plan.repeats) if model.device.type == "cpu" else 0.0
     attention, mlp = _sublayers(model, plan.widths(), plan.repeats, steps.done, also=whole_pass, spans=spans,
                                 walk=walk, full_at=plan.full_at())
-    # a plain pass timed as the float tables end: the yardstick a later stage is rescaled to (_measure_quantised)
-    base = _plain_reference(model, pass_context, plan.repeats) if model.device.type == "cpu" else None
     steps.before("the eager tables")
     eager = _measure_eager(model, list(plan.rows), list(plan.contexts), plan.repeats, steps.done) \
         if model.capture == "graphs" else None
     steps.before("the quantised copies")
-    quantised = _measure_quantised(model, plan, walk, steps, base, pass_context)
+    quantised = _measure_quantised(model, plan, walk, steps)
     steps.before("the heads")
     head = _measure_heads(model, list(plan.rows) + list(plan.prefill_rows[:1]), plan.repeats)
     linear = _measure_linear(model, list(plan.rows), plan.repeats)
@@ -616,48 +614,24 @@ def _measure_heads(model, rows: list[int], repeats: int, weights: str | None = N
     return out
 
 
-def _measure_quantised(model, plan: ProfilePlan, walk: float, steps: _Steps, base: float | None = None,
-                       context: int = 512) -> dict[str, dict] | None:
+def _measure_quantised(model, plan: ProfilePlan, walk: float, steps: _Steps) -> dict[str, dict] | None:
     """The ``quantised`` tables: per format of :data:`~selfspec.models.quantised.FORMATS`, the attention
     and MLP sublayers and the head over that copy of the weights, at the plan's ``quant_rows``
     (:data:`QUANT_ROWS`) and contexts (None where the runtime cannot run a quantised copy: its
-    linears are not the CPU kernels).
-
-    ``base``: a plain one-row pass after ``context`` positions, timed as the float tables ended. Each
-    format's tables are then rescaled by its ``scale``, ``base`` over the same pass timed just before and
-    after them (their mean), so that they price a draft in the float tables' minutes: a draft costs a
-    share of a step, and a machine whose speed moves between the stages (a VM's neighbours: a third
-    between minutes on the 2-core VMs here, docs/2026-12-08-zen4.md) otherwise records that share off by
-    as much."""
+    linears are not the CPU kernels)."""
     from selfspec.models.quantised import FORMATS, problem
 
     if problem(model) is not None:
         return None
     out = {}
     for fmt in FORMATS:
-        before = _plain_reference(model, context, plan.repeats) if base else None
         attention, mlp = _sublayers(model, {c: list(plan.quant_rows) for c in plan.contexts}, plan.repeats, walk=walk,
                                     weights=fmt, also=lambda cache, c, n: steps.before(f"{fmt} passes at context {c}"))
         head = _measure_heads(model, list(plan.quant_rows), plan.repeats, fmt)
-        scale = 1.0
-        if base:
-            now = (before + _plain_reference(model, context, plan.repeats)) / 2
-            scale = base / now if now > 0 else 1.0
-        out[fmt] = {"attention": {c: {n: t * scale for n, t in row.items()} for c, row in attention.items()},
-                    "mlp": {n: t * scale for n, t in mlp.items()},
-                    "head": {str(v): {str(n): t * scale for n, t in row.items()} for v, row in head.items()},
-                    "scale": scale}
+        out[fmt] = {"attention": attention, "mlp": mlp,
+                    "head": {str(v): {str(n): t for n, t in row.items()} for v, row in head.items()}}
         steps.done(f"passes over the {fmt} copy of the weights")
     return out
-
-
-def _plain_reference(model, context: int, repeats: int) -> float:
-    """Seconds of a plain one-row pass (no head) after ``context`` cached positions, caches pushed out: the
-    yardstick that ties a profile's later stages to its float tables (:func:`_measure_quantised`)."""
-    from selfspec.measure.costs import context_cache, time_forward
-
-    cache = context_cache(model, context, 1)
-    return time_forward(model, cache, context, 1, repeats=repeats, logits_rows=0, cold=True)
 
 
 def _measure_warps(model, repeats: int) -> dict[int, dict[int, dict[int, float]]]:

@@ -46,9 +46,7 @@ other machine with a profile of the same model shape:
 * ``quantised`` (optional; a CPU profile whose runtime runs quantised copies of the weights):
   per format (``int8``, ``int4``: :mod:`selfspec.models.quantised`), ``attention``, ``mlp`` and ``head``
   tables as above, measured over that copy: what a quantised self-draft's walks and head products
-  cost (a walk or head op records its format, :class:`~selfspec.models.ledger.LayerOp`), each format's
-  rescaled by its ``scale`` (recorded beside them) to the minutes of the float tables: a plain pass timed
-  as those ended, over the same pass timed around that format's tables. A run whose
+  cost (a walk or head op records its format, :class:`~selfspec.models.ledger.LayerOp`). A run whose
   ops read a format the profile did not measure is refused before it decodes;
 * ``eager`` (optional): ``attention`` and ``mlp`` tables as above, measured with the static-pass
   runner off. A profile measured with CUDA graphs (``model.capture`` ``graphs``) prices its
